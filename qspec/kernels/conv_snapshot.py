@@ -1,0 +1,118 @@
+"""Convolution rollback snapshots (seed Algorithms 4 and 5).
+
+A causal conv step concatenates its state S (width s, one row per channel) with the step's new
+activations T (n columns) into X = S || T, and rollback needs the state as it stood after each
+row j: the window X[:, j+1 : j+1+s]. The ordinary path writes X, then each window by its own
+copy (1 + k dispatches, s + n + k*s source reads per row). The fused path loads each row once and
+writes X and every window from that load (1 dispatch, s + n reads per row).
+
+Eligibility follows Algorithm 4: f32 rows, 1 <= n <= 8, 1 <= s, s + n <= 16 (the 16-word row
+buffer; the seed also states s <= 8, which would exclude the PLE conv's s = 9 rows, so qspec keeps
+only the buffer bound, as the issue asks), at most 8 snapshot candidates scanned, at least 2
+accepted, destinations in bounds and disjoint from S, T, X and each other; the first unsupported
+candidate ends the scan. Otherwise the ordinary copies run, and the reason is counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_SNAPSHOTS = 8
+ROW_WORDS = 16
+
+
+@dataclass
+class SnapshotStats:
+    fused: int = 0  # dispatches taken by the fused path
+    ordinary: int = 0  # groups written by separate copies
+    dispatches: int = 0
+    source_reads: int = 0  # logical element reads (per the seed's accounting)
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"fused_groups": self.fused, "ordinary_groups": self.ordinary, "dispatches": self.dispatches,
+                "source_reads": self.source_reads, "fallbacks": dict(self.fallbacks)}
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [lo, hi) that a (possibly strided) view touches."""
+    if t.numel() == 0:
+        return (0, 0)
+    lo = t.data_ptr()
+    hi = lo + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    return lo, hi
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def plan_snapshots(S: torch.Tensor, T: torch.Tensor, X: torch.Tensor, planes: torch.Tensor, dest_planes: list[int],
+                   stats: SnapshotStats | None) -> list[int] | None:
+    """Algorithm 4: the accepted snapshot destinations, or None for the ordinary path."""
+    def no(reason: str) -> None:
+        if stats is not None:
+            stats.fallbacks[reason] += 1
+        return None
+
+    s, n = S.shape[-1], T.shape[0]
+    if S.dtype != torch.float32 or T.dtype != torch.float32 or planes.dtype != torch.float32:
+        return no("not f32")
+    if not (1 <= n <= 8 and s >= 1 and s + n <= ROW_WORDS):
+        return no(f"shape s={s} n={n}")
+    taken: list[tuple[int, int]] = [_span(S), _span(T), _span(X)]
+    accepted: list[int] = []
+    for j, p in enumerate(dest_planes[:MAX_SNAPSHOTS]):
+        if not 0 <= p < planes.shape[0] or j + 1 + s > s + n:
+            break
+        span = _span(planes[p])
+        if any(_overlaps(span, o) for o in taken):
+            break
+        taken.append(span)
+        accepted.append(p)
+    if len(accepted) < 2:
+        return no("fewer than 2 snapshots")
+    return accepted
+
+
+def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base: torch.Tensor, host_base: int,
+                    n_write: int, last_only: bool, fused: bool, stats: SnapshotStats | None) -> torch.Tensor:
+    """Return X = S || T^T ([C, s+n]) and store the rollback windows into `planes`.
+
+    S: [C, s] live state; T: [n, C] new activations. Windows for rows j < n_write go to plane
+    base + j; with `last_only`, just the final window goes to plane base."""
+    s, n = S.shape[-1], T.shape[0]
+    X = torch.cat([S, T.t().to(S.dtype)], dim=1)
+    if last_only:
+        planes.index_copy_(0, base.view(1), X[:, n:n + s].unsqueeze(0))
+        if stats is not None:
+            stats.ordinary += 1
+            stats.dispatches += 2
+            stats.source_reads += (s + n + s) * S.shape[0]
+        return X
+    accepted = plan_snapshots(S, T, X, planes, [host_base + j for j in range(n_write)], stats) if fused else None
+    if fused and accepted is not None:
+        k = len(accepted)
+        windows = X.unfold(1, s, 1)[:, 1:k + 1]  # [C, k, s]: every window from the one load of X
+        idx = base + torch.arange(k, device=planes.device)
+        planes.index_copy_(0, idx, windows.permute(1, 0, 2))
+        if stats is not None:
+            stats.fused += 1
+            stats.dispatches += 1
+            stats.source_reads += (s + n) * S.shape[0]
+        rest = range(k, n_write)
+    else:
+        rest = range(n_write)
+        if stats is not None:
+            stats.ordinary += 1
+            stats.dispatches += 1
+            stats.source_reads += (s + n) * S.shape[0]
+    for j in rest:
+        planes.index_copy_(0, (base + j).view(1), X[:, j + 1:j + 1 + s].unsqueeze(0))
+        if stats is not None:
+            stats.dispatches += 1
+            stats.source_reads += s * S.shape[0]
+    return X

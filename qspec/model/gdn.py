@@ -1,0 +1,63 @@
+"""Gated DeltaNet layer: conv + silu, L2-normed q/k, gated delta rule, sigmoid-gated RMSNorm.
+
+Value heads are in llama.cpp's tiled order: value head n reads key head n % k_heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qspec.config import ModelConfig
+from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
+from qspec.model.ops import l2_norm, linear, rms_norm
+from qspec.state.recurrent import GDNState, RecurrentCache
+
+
+class GatedDeltaNet(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], b: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = w[f"{b}.attn_qkv.weight"]
+        self.z = w[f"{b}.attn_gate.weight"]
+        self.conv_w = w[f"{b}.ssm_conv1d.weight"].float()  # [C, K]
+        self.dt_bias = w[f"{b}.ssm_dt.bias"].float()
+        self.a = w[f"{b}.ssm_a"].float()
+        self.beta = w[f"{b}.ssm_beta.weight"]
+        self.alpha = w[f"{b}.ssm_alpha.weight"]
+        self.norm = w[f"{b}.ssm_norm.weight"]
+        self.out = w[f"{b}.ssm_out.weight"]
+
+    def forward(self, h: torch.Tensor, st: GDNState, rc: RecurrentCache, fused_snapshots: bool,
+                stats: SnapshotStats | None) -> torch.Tensor:
+        c = self.cfg
+        T = h.shape[0]
+        Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
+        qkv = linear(h, self.qkv).float()  # [T, C]
+        z = linear(h, self.z).view(T, Hv, d)
+        beta = torch.sigmoid(linear(h, self.beta).float())
+        g = self.a * F.softplus(linear(h, self.alpha).float() + self.dt_bias)
+
+        # conv over [live window || new rows]; snapshots of the window after each row
+        S = st.conv.index_select(0, rc.live.view(1))[0]
+        last_only = T > rc.n_slots
+        X = write_snapshots(S, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats)
+        K = self.conv_w.shape[1]
+        conv = F.silu((X.unfold(1, K, 1)[:, :T] * self.conv_w[:, None, :]).sum(-1)).t()  # [T, C]
+
+        q, k, v = torch.split(conv, [c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
+        rep = Hv // Hk
+        q = l2_norm(q.reshape(T, Hk, d)).repeat(1, rep, 1) * d ** -0.5
+        k = l2_norm(k.reshape(T, Hk, d)).repeat(1, rep, 1)
+        v = v.reshape(T, Hv, d)
+        S0 = st.ssm.index_select(0, rc.live.view(1))[0]
+        if last_only:
+            o, Sf = gdn_chunked_torch(q, k, v, g, beta, S0)
+            st.ssm.index_copy_(0, rc.base.view(1), Sf.unsqueeze(0))
+        else:
+            o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
+            st.ssm.index_copy_(0, rc.base + torch.arange(T, device=h.device), states)
+
+        o = rms_norm(o, self.norm, c.rms_eps) * torch.sigmoid(z.float())
+        return linear(o.reshape(T, Hv * d).to(h.dtype), self.out)

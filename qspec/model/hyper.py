@@ -1,0 +1,35 @@
+"""Hyper-connections: 4 residual streams mixed into one block input, and the block output injected back."""
+
+from __future__ import annotations
+
+import torch
+
+from qspec.model.ops import linear, rms_norm
+
+
+class HyperMixer(torch.nn.Module):
+    """`hc_*` tensors: grouped norm, low-rank gate, stream mean, optional inject weights."""
+
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, hidden: int, count: int, eps: float,
+                 inject: bool = True) -> None:
+        super().__init__()
+        self.hidden, self.count, self.eps = hidden, count, eps
+        self.norm = w[f"{prefix}_norm.weight"]
+        self.down = w[f"{prefix}_down.weight"]
+        self.up = w[f"{prefix}_up.weight"]
+        self.inject = w[f"{prefix}_inject.weight"] if inject else None
+
+    def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""
+        Xn = rms_norm(X, self.norm, self.eps, group=self.hidden)
+        lo = torch.nn.functional.silu(linear(Xn, self.down) / self.count)
+        gate = torch.sigmoid(linear(lo, self.up))
+        h = (gate.unflatten(-1, (self.count, self.hidden)) * Xn.unflatten(-1, (self.count, self.hidden))).mean(-2)
+        if self.inject is None:
+            return h, None
+        return h, 2 * torch.sigmoid(linear(Xn, self.inject) / self.count)
+
+
+def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
+    """X_s += inj_s * y for every stream s; X [T, S*D], y [T, D], inj [T, S]."""
+    return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)

@@ -1,0 +1,140 @@
+"""The Qwen3.8-Flash-Next trunk: embedding, 4 hyper-connection streams, GDN / QSA layers with MoE, final mixer.
+
+`Model.forward` runs any number of rows against the caches in `ModelCache`; it is the one code
+path for prefill, plain decoding and speculative verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qspec.config import ModelConfig
+from qspec.kernels.conv_snapshot import SnapshotStats
+from qspec.model.gdn import GatedDeltaNet
+from qspec.model.hyper import HyperMixer, hc_combine
+from qspec.model.moe import MoE
+from qspec.model.mtp import MTPHead
+from qspec.model.ple import PLE, DeviceRowTable, RowTable
+from qspec.model.qsa import PooledUpdate, QSAAttention
+from qspec.model.ops import linear, rope_tables
+from qspec.state.cells import CellTable
+from qspec.state.indexer_cache import IndexerCache, PooledLayout
+from qspec.state.kv_cache import KVCache
+from qspec.state.recurrent import RecurrentCache
+
+
+@dataclass
+class CacheOptions:
+    capacity: int = 4096
+    n_slots: int = 1  # rollback slots: draft depth + 1
+    kv_type: str = "f32"  # f32 | f16 | bf16 | q8_0
+    preserve_pooled: bool = True  # seed Algorithm 1
+    pad_target: int | None = 8  # seed Algorithm 3 (None: off)
+    fused_snapshots: bool = True  # seed Algorithms 4-5
+
+
+@dataclass
+class ModelCache:
+    """Every piece of state of one sequence: KV, indexer raw/pooled keys, recurrent slots, cell table."""
+    opts: CacheOptions
+    kv: dict[int, KVCache]
+    idx: dict[int, IndexerCache]
+    rec: RecurrentCache
+    cells: CellTable
+    layouts: dict[int, PooledLayout]  # per pooling ratio
+    mtp_kv: KVCache | None
+    snap_stats: SnapshotStats = field(default_factory=SnapshotStats)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ple_table: RowTable | None = None,
+                 *, with_mtp: bool | None = None, hnorm_per_stream: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = w["token_embd.weight"]
+        self.lm_head = w["output.weight"]
+        self.mixer = HyperMixer(w, "output_hc", cfg.hidden, cfg.hc_count, cfg.rms_eps, inject=False)
+        self.mix_attn, self.mix_ffn, self.mixers = [], [], []
+        self.layers: list[torch.nn.Module] = []
+        self.moe: list[MoE] = []
+        for i in range(cfg.n_layers):
+            b = f"blk.{i}"
+            self.mix_attn.append(HyperMixer(w, f"{b}.hc_attn", cfg.hidden, cfg.hc_count, cfg.rms_eps))
+            self.mix_ffn.append(HyperMixer(w, f"{b}.hc_ffn", cfg.hidden, cfg.hc_count, cfg.rms_eps))
+            self.layers.append(GatedDeltaNet(cfg, w, b) if cfg.layer_recurrent[i] else
+                               QSAAttention(cfg, w, b, cfg.ratio(i) if cfg.indexer_heads else 0))
+            self.moe.append(MoE(w, b, cfg.n_experts_used))
+        self.ple: PLE | None = None
+        if cfg.has_ple:
+            table = ple_table if ple_table is not None else DeviceRowTable(w["per_layer_token_embd.weight"])
+            self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
+        with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
+        self.mtp = MTPHead(cfg, w, hnorm_per_stream) if with_mtp else None
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+
+    # ---- caches ----------------------------------------------------------------------------------
+    def new_cache(self, opts: CacheOptions) -> ModelCache:
+        c, dev = self.cfg, self.device
+        if opts.capacity % 4:
+            raise ValueError(f"cache capacity must be a multiple of 4, got {opts.capacity}")
+        kv = {i: KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
+                         device=dev) for i in c.qsa_layers()}
+        idx, layouts = {}, {}
+        for i in c.qsa_layers():
+            r = c.ratio(i)
+            if r and c.indexer_heads:
+                idx[i] = IndexerCache(opts.capacity, r, c.indexer_head_dim, dtype=self.dtype, device=dev)
+                if r not in layouts:
+                    layouts[r] = PooledLayout(r, opts.capacity // r, preserve=opts.preserve_pooled,
+                                              pad_target=opts.pad_target)
+        mtp_kv = KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
+                         device=dev) if self.mtp is not None else None
+        return ModelCache(opts, kv, idx, RecurrentCache(c, opts.n_slots, dev), CellTable(opts.capacity), layouts,
+                          mtp_kv)
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(pos, self.cfg.rope_dim, self.cfg.rope_theta, self.dtype)
+
+    def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
+                upd: dict[int, PooledUpdate] | None = None, logit_rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run rows `tokens` [T] at positions `pos` [T] (consecutive, after the cached ones).
+
+        The recurrent cache must have had `begin_step()`; the caller commits the row to keep.
+        Returns (logits [rows, V] of `logit_rows` (all rows by default), wide residual X [T, S*D])."""
+        c = self.cfg
+        T = tokens.shape[0]
+        cos, sin = self.rope(pos)
+        upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
+        X = self.embed[tokens].repeat(1, c.hc_count)
+        rc, stats, fused = cache.rec, cache.snap_stats, cache.opts.fused_snapshots
+        for i in range(c.n_layers):
+            if i == c.ple_layer and self.ple is not None:
+                X = self.ple(X, tokens, rc.ple, rc, fused, stats)
+            h, inj = self.mix_attn[i](X)
+            layer = self.layers[i]
+            if isinstance(layer, GatedDeltaNet):
+                y = layer(h, rc.gdn[i], rc, fused, stats)
+            else:
+                r = c.ratio(i)
+                y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
+                          upd_rope.get(r))
+            X = hc_combine(X, y, inj)
+            h, inj = self.mix_ffn[i](X)
+            X = hc_combine(X, self.moe[i](h), inj)
+        Xl = X if logit_rows is None else X[logit_rows]
+        out, _ = self.mixer(Xl)
+        return linear(out, self.lm_head), X
+
+    def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
+                    lm_head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X)."""
+        if self.mtp is None or cache.mtp_kv is None:
+            raise RuntimeError("this model has no MTP head loaded")
+        cos, sin = self.rope(pos)
+        out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv)
+        return linear(out, self.lm_head if lm_head is None else lm_head), X

@@ -1,0 +1,47 @@
+"""The MTP (nextn) draft head: one attention + MoE + hyper-connection block fed by [embedding ; target residual].
+
+e = rms(embed[x]) * enorm; Hn = rms(H) * hnorm (over the whole 4-stream bundle, as SGLang does, or
+per stream as llama.cpp does: `hnorm_per_stream`); X_s = eh_proj [e ; Hn_s]; then the block; the
+head's own mixer; the shared LM head. Its output residual X feeds the next chained draft step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qspec.config import ModelConfig
+from qspec.model.hyper import HyperMixer, hc_combine
+from qspec.model.moe import MoE
+from qspec.model.ops import linear, rms_norm
+from qspec.model.qsa import QSAAttention
+from qspec.state.kv_cache import KVCache
+
+
+class MTPHead(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], hnorm_per_stream: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        b = f"blk.{cfg.mtp_layer}"
+        self.hnorm_per_stream = hnorm_per_stream
+        self.eh = w[f"{b}.nextn.eh_proj.weight"]  # [D, 2D]: columns [embedding | hidden]
+        self.enorm, self.hnorm = w[f"{b}.nextn.enorm.weight"], w[f"{b}.nextn.hnorm.weight"]
+        self.mix_head = HyperMixer(w, f"{b}.nextn.hc_head", cfg.hidden, cfg.hc_count, cfg.rms_eps, inject=False)
+        self.mix_attn = HyperMixer(w, f"{b}.hc_attn", cfg.hidden, cfg.hc_count, cfg.rms_eps)
+        self.mix_ffn = HyperMixer(w, f"{b}.hc_ffn", cfg.hidden, cfg.hc_count, cfg.rms_eps)
+        self.attn = QSAAttention(cfg, w, b, ratio=0)  # llama.cpp's converter marks the MTP block dense
+        self.moe = MoE(w, b, cfg.n_experts_used)
+
+    def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D])."""
+        c = self.cfg
+        D, S = c.hidden, c.hc_count
+        e = rms_norm(emb, self.enorm, c.rms_eps)
+        Hn = rms_norm(H, self.hnorm, c.rms_eps, group=D if self.hnorm_per_stream else None).view(-1, S, D)
+        X = linear(torch.cat([e.unsqueeze(1).expand(-1, S, -1), Hn], dim=-1), self.eh).flatten(-2)
+        h, inj = self.mix_attn(X)
+        X = hc_combine(X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1), inj)
+        h, inj = self.mix_ffn(X)
+        X = hc_combine(X, self.moe(h), inj)
+        out, _ = self.mix_head(X)
+        return out, X

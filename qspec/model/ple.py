@@ -1,0 +1,96 @@
+"""PLE: hashed n-gram per-layer embedding, gated per hyper-connection stream, plus a dilated causal conv.
+
+The n-gram rows are hashed on the device from the token and its (EOS-cut) predecessors; only the
+gathered rows of the table move to the compute device (the real table is ~100 GB and stays on
+the host, memory-mapped, unless it fits on the device).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from qspec.config import ModelConfig
+from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.model.ops import linear, rms_norm
+from qspec.state.recurrent import PLEState, RecurrentCache
+
+
+class RowTable(Protocol):
+    def gather(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class DeviceRowTable:
+    """An n-gram table held as one tensor (on the compute device when it fits)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.shape = tuple(table.shape)
+
+    def gather(self, rows: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.table[rows.to(self.table.device)].to(device=device, dtype=dtype)
+
+
+def ngram_contexts(tokens: torch.Tensor, hist: torch.Tensor, eos: int) -> torch.Tensor:
+    """[T, 3] (token, previous, one before) with the EOS cut: a missing or EOS predecessor ends the context."""
+    full = torch.cat([hist, tokens])
+    T = tokens.shape[0]
+    c0 = full[2:2 + T]
+    c1 = full[1:1 + T]
+    c2 = torch.where(c1 == eos, torch.full_like(c1, eos), full[0:T])
+    return torch.stack([c0, c1, c2], dim=-1)
+
+
+def ngram_rows(ctx: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[T, heads] table rows: for n = 2..ngram, XOR of token*multiplier, mod each head's prime, + offset."""
+    mult = torch.tensor(cfg.ple_multipliers, dtype=torch.long, device=ctx.device)
+    vocab = torch.tensor(cfg.ple_head_vocab[:cfg.ple_heads], dtype=torch.long, device=ctx.device)
+    off = torch.tensor(cfg.ple_head_offsets[:cfg.ple_heads], dtype=torch.long, device=ctx.device)
+    mixed = ctx[:, 0] * mult[0]
+    blocks = []
+    hpn = cfg.heads_per_ngram
+    for n in range(2, cfg.ngram_size + 1):
+        mixed = torch.bitwise_xor(mixed, ctx[:, n - 1] * mult[n - 1])
+        sl = slice((n - 2) * hpn, (n - 1) * hpn)
+        blocks.append(torch.remainder(mixed[:, None], vocab[None, sl]) + off[None, sl])
+    return torch.cat(blocks, dim=-1)
+
+
+class PLE(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], b: str, table: RowTable) -> None:
+        super().__init__()
+        self.cfg, self.table = cfg, table
+        self.key, self.value = w[f"{b}.ple_key.weight"], w[f"{b}.ple_value.weight"]
+        self.norm_key, self.norm_query = w[f"{b}.ple_norm_key.weight"], w[f"{b}.ple_norm_query.weight"]
+        self.norm_conv = w[f"{b}.ple_norm_conv.weight"]
+        self.conv_w = w[f"{b}.ple_conv1d.weight"].float()  # [hc_dim, K]
+
+    def forward(self, X: torch.Tensor, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache,
+                fused_snapshots: bool, stats: SnapshotStats | None) -> torch.Tensor:
+        """X [T, S*D] wide residual -> X + PLE(X)."""
+        c = self.cfg
+        T, D, S = tokens.shape[0], c.hidden, c.hc_count
+        hist = st.hist.index_select(0, rc.live.view(1))[0]
+        ctx = ngram_contexts(tokens, hist, c.eos_token_id)
+        if T > rc.n_slots:
+            st.hist.index_copy_(0, rc.base.view(1), ctx[-1:, :2].flip(-1))
+        else:
+            st.hist.index_copy_(0, rc.base + torch.arange(T, device=X.device), ctx[:, :2].flip(-1))
+        E = self.table.gather(ngram_rows(ctx, c), X.device, X.dtype).reshape(T, -1)
+        key = rms_norm(linear(E, self.key), self.norm_key, c.rms_eps, group=D).view(T, S, D)
+        value = linear(E, self.value)
+        query = rms_norm(X, self.norm_query, c.rms_eps, group=D).view(T, S, D)
+        gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        G = (torch.sigmoid(gate) * value.unsqueeze(1)).flatten(-2)  # [T, S*D]
+        N = rms_norm(G, self.norm_conv, c.rms_eps, group=D)
+
+        # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
+        Sst = st.conv.index_select(0, rc.live.view(1))[0]
+        Xc = write_snapshots(Sst, N.float(), st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats)
+        K, dil = c.ple_conv_kernel, c.ngram_size
+        taps = torch.stack([Xc[:, kk * dil: kk * dil + T] for kk in range(K)], dim=-1)  # [C, T, K]
+        conv = F.silu((taps * self.conv_w[:, None, :]).sum(-1)).t()
+        return X + G + conv.to(X.dtype)

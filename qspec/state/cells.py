@@ -1,0 +1,42 @@
+"""Cell metadata shared by the attention KV cache and the indexer caches (host side, like llama.cpp).
+
+qspec runs one sequence per cache and places position p in cell p, but it still records, per
+cell, the logical position and the owning sequences: the pooled-key retention (seed Algorithm 1)
+validates blocks against this table rather than trusting positions alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class CellTable:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.pos = np.full(capacity, -1, dtype=np.int64)  # -1: free
+        self.seq = np.zeros(capacity, dtype=np.uint64)  # bitmask of owning sequences
+        self.pos4 = np.full((capacity, 4), -1, dtype=np.int64)  # M-RoPE components (text: all = pos)
+
+    def write(self, start: int, n: int, seq: int = 0) -> None:
+        if start < 0 or start + n > self.capacity:
+            raise ValueError(f"cells [{start}, {start + n}) exceed the cache capacity {self.capacity}")
+        self.pos[start:start + n] = np.arange(start, start + n)
+        self.pos4[start:start + n] = np.arange(start, start + n)[:, None]
+        self.seq[start:start + n] = np.uint64(1 << seq)
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        """Remove positions [p0, p1) (p1 < 0: to the end) of `seq`."""
+        hi = np.iinfo(np.int64).max if p1 < 0 else p1
+        sel = (self.pos >= max(p0, 0)) & (self.pos < hi) & ((self.seq & np.uint64(1 << seq)) != 0)
+        self.seq[sel] &= ~np.uint64(1 << seq)
+        free = sel & (self.seq == 0)
+        self.pos[free] = -1
+        self.pos4[free] = -1
+
+    def clear(self) -> None:
+        self.pos[:] = -1
+        self.pos4[:] = -1
+        self.seq[:] = 0
+
+    def n_live(self) -> int:
+        return int((self.pos >= 0).sum())

@@ -1,0 +1,75 @@
+"""Attention KV cache: static [capacity, kv_heads, head_dim] buffers, addressed by position.
+
+One sequence; cell = position. Rollback (`seq_rm`) moves nothing: a query at position p only
+reads cells <= p, and every cell in (accepted length, p] is rewritten by the step that computes
+p before p reads it. Invariant: cells below the committed length hold the keys/values of the
+committed tokens.
+
+Types: float (bf16/f16/f32) or q8_0 (int8 in blocks of 32 along head_dim, one f16 scale each, as
+llama.cpp's Q8_0), dequantized on read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q8_BLOCK = 32
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] (d % 32 == 0) -> int8 values and f16 scales [..., d/32] (round-to-nearest like ggml)."""
+    xb = x.float().unflatten(-1, (-1, Q8_BLOCK))
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv).clamp(-127, 127).to(torch.int8)
+    return q.flatten(-2), d.squeeze(-1).to(torch.float16)
+
+
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.unflatten(-1, (-1, Q8_BLOCK)).float() * d.float().unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+class KVCache:
+    def __init__(self, capacity: int, kv_heads: int, head_dim: int, *, cache_type: str, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.capacity, self.cache_type, self.dtype = capacity, cache_type, dtype
+        shape = (capacity, kv_heads, head_dim)
+        if cache_type == "q8_0":
+            if head_dim % Q8_BLOCK:
+                raise ValueError(f"cache type q8_0 needs head_dim % {Q8_BLOCK} == 0, got {head_dim}")
+            self.k = torch.zeros(shape, dtype=torch.int8, device=device)
+            self.v = torch.zeros(shape, dtype=torch.int8, device=device)
+            sshape = (capacity, kv_heads, head_dim // Q8_BLOCK)
+            self.k_scale = torch.zeros(sshape, dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(sshape, dtype=torch.float16, device=device)
+        else:
+            store = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}.get(cache_type)
+            if store is None:
+                raise ValueError(f"unknown KV cache type {cache_type!r} (f32, f16, bf16, q8_0)")
+            self.k = torch.zeros(shape, dtype=store, device=device)
+            self.v = torch.zeros(shape, dtype=store, device=device)
+
+    def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.cache_type == "q8_0":
+            kq, ks = quantize_q8_0(k)
+            vq, vs = quantize_q8_0(v)
+            self.k.index_copy_(0, pos, kq)
+            self.v.index_copy_(0, pos, vq)
+            self.k_scale.index_copy_(0, pos, ks)
+            self.v_scale.index_copy_(0, pos, vs)
+        else:
+            self.k.index_copy_(0, pos, k.to(self.k.dtype))
+            self.v.index_copy_(0, pos, v.to(self.v.dtype))
+
+    def read(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of cells [0, n) (all cells by default) in the compute dtype."""
+        n = self.capacity if n is None else n
+        if self.cache_type == "q8_0":
+            return (dequantize_q8_0(self.k[:n], self.k_scale[:n], self.dtype),
+                    dequantize_q8_0(self.v[:n], self.v_scale[:n], self.dtype))
+        return self.k[:n].to(self.dtype), self.v[:n].to(self.dtype)
+
+    def nbytes(self) -> int:
+        t = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.cache_type == "q8_0" else [])
+        return sum(x.numel() * x.element_size() for x in t)

@@ -1,0 +1,501 @@
+"""Read and write llama.cpp `qwen4exp` GGUF files as the canonical weight dict (see `names.py`).
+
+Reading goes through `gguf.GGUFReader`, which memory-maps the file: tensors are copied out one at a time,
+and the per-layer n-gram table (`per_layer_token_embd.weight`, ~100 GB in the real model) is never copied at
+all: it is returned as a `HostRowTable` over the mmap, from which the model gathers the rows it needs.
+Everything is validated (names, shapes, quant types, file size) before the first tensor is materialised.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import quants as gguf_quants
+
+from qspec.config import ARCH, ConfigError, ModelConfig, from_gguf_metadata, ple_head_tables, ple_multipliers, \
+    to_gguf_metadata
+from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes, quantize_q4_0, \
+    quantize_q8_0
+from qspec.weights.names import mtp_shapes, tensor_shapes
+
+PLE_TABLE = "per_layer_token_embd.weight"
+GGUF_MAGIC = b"GGUF"
+# The converter writes these three as uint64 arrays (multipliers exceed int32; llama.cpp narrows the others).
+UINT64_ARRAY_KEYS = frozenset(f"{ARCH}.ple.{k}" for k in ("layer_multipliers", "head_offsets", "head_vocab_sizes"))
+# Types `write_gguf` can produce (K-quants have no quantizer in gguf-py).
+WRITABLE_QTYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+                             GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                             GGMLQuantizationType.Q5_0})
+_TORCH_QTYPE = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
+                torch.bfloat16: GGMLQuantizationType.BF16}
+_CHUNK_ELEMS = 1 << 26  # elements encoded per write step (256 MiB of float32)
+
+
+# ---- the host-resident PLE table ---------------------------------------------------------------------------------
+class HostRowTable:
+    """A [rows, cols] embedding table left in host memory, usually a read-only mmap of the model file.
+
+    The table is stored as raw GGML rows (F32/F16/BF16 or whole quant blocks per row) in one or more
+    segments stacked along the rows (HF checkpoints shard it). `gather` copies only the requested rows,
+    expands them and moves them to the device, so the table itself never lands in RAM or on the GPU."""
+
+    def __init__(self, segments: Sequence[np.ndarray], qtype: GGMLQuantizationType, cols: int,
+                 owner: object = None) -> None:
+        self.qtype = GGMLQuantizationType(qtype)
+        if self.qtype not in SUPPORTED_QTYPES:
+            raise WeightsError(f"{PLE_TABLE}: unsupported quant type {self.qtype.name}")
+        self.cols = int(cols)
+        self.row_bytes = qtype_nbytes(self.qtype, (self.cols,))
+        self.segments = [s.reshape(s.shape[0], -1) for s in segments]
+        for s in self.segments:
+            if s.dtype != np.uint8 or s.shape[1] != self.row_bytes:
+                raise WeightsError(f"{PLE_TABLE}: segment of {s.shape} {s.dtype} is not [rows, {self.row_bytes}] bytes")
+        self._starts = np.cumsum([0] + [s.shape[0] for s in self.segments])
+        self.shape = (int(self._starts[-1]), self.cols)
+        self._owner = owner  # keeps a tensor alive when the segments are views of it
+
+    @classmethod
+    def from_tensor(cls, table: torch.Tensor) -> HostRowTable:
+        """Wrap an in-memory CPU table (F32/F16/BF16) without copying it."""
+        if table.dim() != 2 or table.dtype not in _TORCH_QTYPE:
+            raise WeightsError(f"{PLE_TABLE}: expected a 2-D float32/float16/bfloat16 tensor, got "
+                               f"{tuple(table.shape)} {table.dtype}")
+        t = table.detach().cpu().contiguous()
+        raw = t.view(torch.uint8) if t.dtype != torch.bfloat16 else t.view(torch.int16).view(torch.uint8)
+        return cls([raw.numpy()], _TORCH_QTYPE[t.dtype], t.shape[1], owner=t)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.row_bytes
+
+    def _raw_rows(self, idx: np.ndarray) -> np.ndarray:
+        if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
+            raise IndexError(f"{PLE_TABLE}: row index out of range [0, {self.shape[0]})")
+        if len(self.segments) == 1:
+            return self.segments[0][idx]  # fancy indexing copies just these rows out of the mmap
+        out = np.empty((idx.size, self.row_bytes), dtype=np.uint8)
+        seg = np.searchsorted(self._starts, idx, side="right") - 1
+        for s in np.unique(seg):
+            m = seg == s
+            out[m] = self.segments[s][idx[m] - self._starts[s]]
+        return out
+
+    def gather(self, rows: torch.Tensor, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `rows` (any shape of ints) as a `rows.shape + (cols,)` tensor on `device`."""
+        idx = rows.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+        raw = torch.from_numpy(self._raw_rows(idx)).to(device)
+        return dequantize(raw, self.qtype, (idx.size, self.cols), dtype).reshape(*rows.shape, self.cols)
+
+    def rows(self, start: int, stop: int, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous block of rows (used to stream the table into another file)."""
+        return self.gather(torch.arange(start, min(stop, self.shape[0])), device, dtype)
+
+    def materialize(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole table as one tensor: for tests and small models only."""
+        return self.rows(0, self.shape[0], device, dtype)
+
+    def __repr__(self) -> str:
+        return f"HostRowTable(shape={self.shape}, qtype={self.qtype.name}, segments={len(self.segments)})"
+
+
+Weights = dict[str, Union[torch.Tensor, HostRowTable]]
+
+
+# ---- opening and metadata ----------------------------------------------------------------------------------------
+class _CheckedReader(GGUFReader):
+    """GGUFReader that refuses a truncated file (with the first tensor that does not fit) before mapping tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        super().__init__(path, "r")
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for f in fields:
+            _, name_data, _, dims, raw_dtype, offset = f.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise WeightsError(f"{self._path}: tensor {name!r} has unknown ggml type id {int(raw_dtype[0])}") \
+                    from None
+            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
+            if end > size:
+                raise WeightsError(f"{self._path}: truncated file: tensor {name!r} needs bytes up to {end}, "
+                                   f"the file has {size}")
+        super()._build_tensors(start_offs, fields)
+
+
+def _open(path: str | os.PathLike[str]) -> _CheckedReader:
+    p = Path(path)
+    if not p.exists():
+        raise WeightsError(f"{p}: file not found")
+    if not p.is_file():
+        raise WeightsError(f"{p}: not a file")
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise WeightsError(f"{p}: not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = _CheckedReader(p)
+    except WeightsError:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        raise WeightsError(f"{p}: corrupt or truncated GGUF header: {e}") from e
+    split = reader.fields.get("split.count")
+    if split is not None and int(split.contents()) > 1:
+        raise WeightsError(f"{p}: split GGUF ({int(split.contents())} files) is not supported; merge it with "
+                           "llama-gguf-split --merge")
+    return reader
+
+
+def _f32(v: float) -> float:
+    """The shortest decimal that round-trips in float32, so a stored 1e-6 reads back as 1e-6."""
+    return float(str(np.float32(v)))
+
+
+def _field_value(field: Any) -> Any:
+    types = field.types
+    if types and types[0] == GGUFValueType.FLOAT32:
+        return _f32(field.contents())
+    value = field.contents()
+    if types and types[0] == GGUFValueType.ARRAY and types[-1] == GGUFValueType.FLOAT32 and len(value) <= 4096:
+        value = [_f32(v) for v in value]
+    return value
+
+
+def _metadata(reader: GGUFReader, keys: Sequence[str] | None = None, prefixes: Sequence[str] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        if keys is None or k in keys or k.startswith(tuple(prefixes)):
+            out[k] = _field_value(f)
+    return out
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every key/value of a GGUF file as Python values (strings decoded, arrays as lists)."""
+    return _metadata(_open(path))
+
+
+def _ne_rows(reader: GGUFReader, name: str) -> int:
+    for t in reader.tensors:
+        if t.name == name:
+            return int(t.shape[-1]) if len(t.shape) > 1 else 0
+    return 0
+
+
+def _hf_extras(cfg: ModelConfig) -> ModelConfig:
+    """Recover the config.json knobs (n-gram vocab base, hash seed) that GGUF stores only as derived tables.
+
+    Any base in (previous prime, first head size] yields the same tables, so the first head size is used."""
+    if not cfg.has_ple or not cfg.ple_head_vocab:
+        return cfg
+    extra = dict(cfg.extra)
+    base = cfg.ple_head_vocab[0]
+    if ple_head_tables(cfg.ple_heads, base) == (cfg.ple_head_offsets[:cfg.ple_heads], cfg.ple_head_vocab[:cfg.ple_heads]):
+        extra["ngram_vocab_size_base"] = base
+    if ple_multipliers(cfg.vocab_size, cfg.ngram_size, 0, 1234) == cfg.ple_multipliers[:cfg.ngram_size]:
+        extra["seed"] = 1234
+    return cfg.with_(extra=extra)
+
+
+def _config(reader: _CheckedReader, vocab: int, ple_rows: int) -> ModelConfig:
+    kv = _metadata(reader, keys=("tokenizer.ggml.eos_token_id",), prefixes=("general.", f"{ARCH}."))
+    kv["_vocab_size"] = vocab
+    kv["_ple_rows"] = ple_rows
+    return from_gguf_metadata(kv)
+
+
+# ---- load planning -----------------------------------------------------------------------------------------------
+def _torch_shape(t: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def _check(path: Path, t: Any, expect: tuple[int, ...], name: str | None = None) -> None:
+    name = name or t.name
+    if t.tensor_type not in SUPPORTED_QTYPES:
+        raise WeightsError(f"{path}: tensor {name!r} has unsupported quant type {t.tensor_type.name}")
+    got = _torch_shape(t)
+    # A 1-D gamma may be stored as [S, D] (same bytes, stream-major), as llama.cpp's reshape-on-load allows.
+    if got != expect and not (len(expect) == 1 and math.prod(got) == expect[0]):
+        raise WeightsError(f"{path}: tensor {name!r} has wrong shape: expected {expect}, got {got}")
+
+
+def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(-1).view(np.uint8)))  # the one host copy
+    return dequantize(raw.to(device), t.tensor_type, shape, dtype)
+
+
+def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[int, ...]],
+                   device: torch.device | str, dtype: torch.dtype, ignore_prefix: str | None) -> Weights:
+    """Resolve every expected name to file tensors, check all of them, then load them in order."""
+    have = {t.name: t for t in reader.tensors}
+    jobs: dict[str, Any] = {}
+    missing: list[str] = []
+    for name, shape in shapes.items():
+        if name in jobs:
+            continue
+        if name in have:
+            _check(path, have[name], shape)
+            jobs[name] = ("plain", have[name], shape)
+        elif name == "output.weight" and "token_embd.weight" in have:
+            jobs[name] = ("alias", "token_embd.weight")  # llama.cpp's TENSOR_DUPLICATED fallback
+        elif name.endswith((".ffn_gate_exps.weight", ".ffn_up_exps.weight")):
+            blk = name.rsplit(".", 2)[0]
+            fused = f"{blk}.ffn_gate_up_exps.weight"
+            if fused not in have:
+                missing.append(name)
+                continue
+            e, f, d = shape
+            _check(path, have[fused], (e, 2 * f, d))
+            jobs[f"{blk}.ffn_gate_exps.weight"] = ("gate", have[fused], (e, 2 * f, d))
+            jobs[f"{blk}.ffn_up_exps.weight"] = ("up", have[fused], (e, 2 * f, d))
+        else:
+            missing.append(name)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightsError(f"{path}: missing tensor {missing[0]!r}: {', '.join(missing[:5])}{more}")
+    used = {j[1].name for j in jobs.values() if j[0] != "alias"}
+    unknown = [n for n in have if n not in used and not (ignore_prefix and n.startswith(ignore_prefix))]
+    if unknown:
+        warnings.warn(f"{path}: ignoring {len(unknown)} unexpected tensors: {', '.join(unknown[:5])}", stacklevel=3)
+
+    out: Weights = {}
+    fused_cache: dict[str, torch.Tensor] = {}
+    for name in shapes:
+        job = jobs[name]
+        kind = job[0]
+        if kind == "alias":
+            out[name] = out[job[1]]
+        elif kind == "plain" and name == PLE_TABLE:
+            t = job[1]
+            rows, cols = job[2]
+            seg = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(rows, -1)
+            out[name] = HostRowTable([seg], t.tensor_type, cols)
+        elif kind == "plain":
+            out[name] = _materialize(job[1], job[2], device, dtype)
+        else:  # halves of a fused gate_up tensor: [E, 2F, D] with gate rows first
+            t = job[1]
+            full = fused_cache.pop(t.name, None)
+            if full is None:
+                full = fused_cache[t.name] = _materialize(t, job[2], device, dtype)
+            f = job[2][1] // 2
+            out[name] = (full[:, :f] if kind == "gate" else full[:, f:]).contiguous()
+    return out
+
+
+# ---- public readers ----------------------------------------------------------------------------------------------
+def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              with_mtp: bool | None = None) -> tuple[ModelConfig, Weights]:
+    """(config, canonical weights) from a `qwen4exp` GGUF file.
+
+    `with_mtp=None` loads the MTP block when the file has one. The config always describes the file
+    (n_mtp_layers included), even when the MTP tensors are skipped."""
+    p = Path(path)
+    reader = _open(p)
+    have = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in have and any(".nextn." in n for n in have):
+        raise WeightsError(f"{p}: draft-only GGUF (MTP block only, no token_embd.weight); load it with "
+                           "read_draft_gguf(path, target_cfg)")
+    cfg = _config(reader, _ne_rows(reader, "token_embd.weight"), _ne_rows(reader, PLE_TABLE))
+    if "token_embd.weight" not in have:
+        raise WeightsError(f"{p}: missing tensor 'token_embd.weight'")
+    cfg = _hf_extras(cfg).validate()
+    if with_mtp and not cfg.has_mtp:
+        raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
+    with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    skip = None if with_mtp or not cfg.has_mtp else f"blk.{cfg.mtp_layer}."
+    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip)
+
+
+# Hyperparameters a draft block must share with the target it is attached to.
+_DRAFT_MUST_MATCH = ("hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "rope_dim", "n_experts",
+                     "n_experts_used", "expert_ff", "shared_ff", "hc_count", "hc_rank", "indexer_heads",
+                     "indexer_head_dim")
+
+
+def read_draft_gguf(path: str | os.PathLike[str], target_cfg: ModelConfig, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Weights:
+    """The MTP tensors of a draft-only GGUF (llama.cpp `-md` layout: only `blk.{n_layers}.*`; it borrows
+    `token_embd`/`output` from the target), checked against the target's config."""
+    p = Path(path)
+    reader = _open(p)
+    draft = _config(reader, target_cfg.vocab_size, target_cfg.ple_rows)
+    if not draft.has_mtp:
+        raise WeightsError(f"{p}: not a draft GGUF: {ARCH}.nextn_predict_layers is 0")
+    for field in _DRAFT_MUST_MATCH:
+        if getattr(draft, field) != getattr(target_cfg, field):
+            raise WeightsError(f"{p}: draft {field}={getattr(draft, field)} does not match the target's "
+                               f"{getattr(target_cfg, field)}")
+    shapes = mtp_shapes(target_cfg.with_(n_mtp_layers=max(1, target_cfg.n_mtp_layers)))
+    return _plan_and_load(p, reader, shapes, device, dtype, None)
+
+
+# ---- writer ------------------------------------------------------------------------------------------------------
+def _int_type(values: Sequence[int]) -> GGUFValueType:
+    lo, hi = min(values), max(values)
+    if lo >= 0:
+        return GGUFValueType.UINT32 if hi < 1 << 32 else GGUFValueType.UINT64
+    return GGUFValueType.INT32 if lo >= -(1 << 31) and hi < 1 << 31 else GGUFValueType.INT64
+
+
+def _add_kv(w: GGUFWriter, key: str, value: Any) -> None:
+    """Write one key with the GGUF type llama.cpp expects: ints uint32 (arrays int32), floats float32.
+
+    A `(value, GGUFValueType)` pair forces the (element) type."""
+    forced: GGUFValueType | None = None
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], GGUFValueType):
+        value, forced = value
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return  # GGUF cannot hold an empty array; readers fall back to their default
+        if forced is None:
+            if key in UINT64_ARRAY_KEYS:
+                forced = GGUFValueType.UINT64
+            elif all(isinstance(v, str) for v in value):
+                forced = GGUFValueType.STRING
+            elif all(isinstance(v, bool) for v in value):
+                forced = GGUFValueType.BOOL
+            elif all(isinstance(v, int) for v in value):
+                t = _int_type(value)
+                forced = GGUFValueType.INT32 if t == GGUFValueType.UINT32 and max(value) < 1 << 31 else t
+            else:
+                forced = GGUFValueType.FLOAT32
+        w.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=forced)
+        return
+    if forced is None:
+        if isinstance(value, str):
+            forced = GGUFValueType.STRING
+        elif isinstance(value, bool):
+            forced = GGUFValueType.BOOL
+        elif isinstance(value, int):
+            forced = _int_type([value])
+        elif isinstance(value, float):
+            forced = GGUFValueType.FLOAT32
+        else:
+            raise WeightsError(f"GGUF metadata {key!r}: cannot store a {type(value).__name__}")
+    w.add_key_value(key, value, forced)
+
+
+def _choose_qtype(name: str, shape: tuple[int, ...],
+                  qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType]) -> GGMLQuantizationType:
+    if len(shape) == 1:
+        return GGMLQuantizationType.F32  # norms, biases, ssm_a: always exact
+    q = qtypes.get(name, GGMLQuantizationType.F32) if isinstance(qtypes, Mapping) else qtypes
+    q = GGMLQuantizationType(q)
+    if q not in WRITABLE_QTYPES:
+        raise WeightsError(f"{name}: cannot write quant type {q.name} (writable: "
+                           f"{', '.join(sorted(t.name for t in WRITABLE_QTYPES))})")
+    if shape[-1] % GGML_QUANT_SIZES[q][0]:
+        return GGMLQuantizationType.F32  # rows too short for whole blocks (e.g. conv kernels): keep exact
+    return q
+
+
+def _encode(x: torch.Tensor, q: GGMLQuantizationType) -> np.ndarray:
+    if q == GGMLQuantizationType.F32:
+        return x.float().contiguous().numpy().view(np.uint8)
+    if q == GGMLQuantizationType.F16:
+        return x.half().contiguous().numpy().view(np.uint8)
+    if q == GGMLQuantizationType.BF16:
+        return x.bfloat16().contiguous().view(torch.int16).numpy().view(np.uint8)
+    if q == GGMLQuantizationType.Q8_0:
+        return quantize_q8_0(x).numpy()
+    if q == GGMLQuantizationType.Q4_0:
+        return quantize_q4_0(x).numpy()
+    return np.asarray(gguf_quants.quantize(x.float().numpy(), q)).view(np.uint8)
+
+
+def _chunks(name: str, value: torch.Tensor | HostRowTable, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """The tensor as row blocks of its flattened [-1, last] view, so huge tensors encode in bounded memory."""
+    got = tuple(value.shape)
+    if got != shape:
+        raise WeightsError(f"{name}: wrong shape: expected {shape}, got {got}")
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    step = max(1, _CHUNK_ELEMS // max(shape[-1], 1))
+    if isinstance(value, HostRowTable):
+        for i in range(0, rows, step):
+            yield value.rows(i, i + step)
+        return
+    flat = value.detach().cpu().reshape(rows, -1)
+    for i in range(0, rows, step):
+        yield flat[i:i + step]
+
+
+def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, torch.Tensor | HostRowTable],
+               *, qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType] = GGMLQuantizationType.F32,
+               extra_kv: Mapping[str, Any] | None = None, draft_only: bool = False) -> None:
+    """Write canonical weights as a `qwen4exp` GGUF, one tensor at a time.
+
+    `tensors` may be a lazy Mapping: each value is requested once, in file order, and dropped after writing.
+    `qtypes` is one type for every matrix or a per-name mapping (absent names: F32); 1-D tensors and rows
+    that are not whole blocks are written F32. The MTP block is written when all its tensors are present
+    (else the metadata says no MTP). `draft_only` writes just the MTP block (llama.cpp's `-md` layout).
+    `extra_kv` adds metadata (e.g. tokenizer.ggml.*); a `(value, GGUFValueType)` pair forces a type."""
+    extra_kv = dict(extra_kv or {})
+    if draft_only:
+        if not cfg.has_mtp:
+            raise WeightsError("draft_only: the config has no MTP block (n_mtp_layers is 0)")
+        shapes = mtp_shapes(cfg)
+    else:
+        with_mtp = cfg.has_mtp and all(n in tensors for n in mtp_shapes(cfg))
+        if cfg.has_mtp and not with_mtp:
+            cfg = cfg.with_(n_mtp_layers=0)
+        shapes = tensor_shapes(cfg, with_mtp)
+    missing = [n for n in shapes if n not in tensors]
+    if missing:
+        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+    unknown = [n for n in tensors if n not in shapes and not (draft_only or n.startswith(f"blk.{cfg.mtp_layer}."))]
+    if unknown:
+        raise WeightsError(f"unknown tensor {unknown[0]!r} is not part of this config's weight set")
+    plan = {n: _choose_qtype(n, s, qtypes) for n, s in shapes.items()}
+
+    w = GGUFWriter(os.fspath(path), ARCH)  # writes general.architecture itself
+    try:
+        for key, value in to_gguf_metadata(cfg).items():
+            if key != "general.architecture":
+                _add_kv(w, key, value)
+        if "tokenizer.ggml.eos_token_id" not in extra_kv:
+            _add_kv(w, "tokenizer.ggml.eos_token_id", cfg.eos_token_id)
+        for key, value in extra_kv.items():
+            if key == "general.architecture":
+                if value != ARCH:
+                    raise ConfigError(f"general.architecture: {value!r} conflicts with {ARCH!r}")
+                continue
+            _add_kv(w, key, value)
+        for name, q in plan.items():
+            # A dummy non-uint8 dtype makes gguf take `shape` as element (not byte) shape.
+            w.add_tensor_info(name, shapes[name], np.dtype(np.float32), qtype_nbytes(q, shapes[name]), raw_dtype=q)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None
+        fout = w.fout[0]
+        for name, q in plan.items():
+            value = tensors[name]
+            w.write_padding(fout, fout.tell())  # tensor data starts aligned, matching the offsets in the header
+            written = 0
+            for chunk in _chunks(name, value, shapes[name]):
+                data = _encode(chunk, q)
+                data.tofile(fout)
+                written += data.nbytes
+            del value
+            if written != qtype_nbytes(q, shapes[name]):
+                raise WeightsError(f"{name}: wrote {written} bytes, expected {qtype_nbytes(q, shapes[name])}")
+        fout.flush()
+    finally:
+        w.close()
