@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
-from qspec.model.ops import l2_norm, linear, rms_norm
+from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus
 from qspec.state.recurrent import GDNState, RecurrentCache
 
 
@@ -36,15 +36,14 @@ class GatedDeltaNet(torch.nn.Module):
         Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
         qkv = linear(h, self.qkv).float()  # [T, C]
         z = linear(h, self.z).view(T, Hv, d)
-        beta = torch.sigmoid(linear(h, self.beta).float())
-        g = self.a * F.softplus(linear(h, self.alpha).float() + self.dt_bias)
+        beta = sigmoid(linear(h, self.beta).float())
+        g = self.a * softplus(linear(h, self.alpha).float() + self.dt_bias)
 
         # conv over [live window || new rows]; snapshots of the window after each row
         S = st.conv.index_select(0, rc.live.view(1))[0]
         last_only = T > rc.n_slots
         X = write_snapshots(S, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats)
-        K = self.conv_w.shape[1]
-        conv = F.silu((X.unfold(1, K, 1)[:, :T] * self.conv_w[:, None, :]).sum(-1)).t()  # [T, C]
+        conv = silu(causal_taps(X, self.conv_w, T)).t().contiguous()  # [T, C]
 
         q, k, v = torch.split(conv, [c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
         rep = Hv // Hk
@@ -59,5 +58,5 @@ class GatedDeltaNet(torch.nn.Module):
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.base + torch.arange(T, device=h.device), states)
 
-        o = rms_norm(o, self.norm, c.rms_eps) * torch.sigmoid(z.float())
+        o = rms_norm(o, self.norm, c.rms_eps) * sigmoid(z.float())
         return linear(o.reshape(T, Hv * d).to(h.dtype), self.out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qspec.model.ops import linear, rms_norm
+from qspec.model.ops import linear, rms_norm, sigmoid, silu
 
 
 class HyperMixer(torch.nn.Module):
@@ -22,12 +22,21 @@ class HyperMixer(torch.nn.Module):
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""
         Xn = rms_norm(X, self.norm, self.eps, group=self.hidden)
-        lo = torch.nn.functional.silu(linear(Xn, self.down) / self.count)
-        gate = torch.sigmoid(linear(lo, self.up))
-        h = (gate.unflatten(-1, (self.count, self.hidden)) * Xn.unflatten(-1, (self.count, self.hidden))).mean(-2)
+        lo = silu(linear(Xn, self.down) / self.count)
+        gate = sigmoid(linear(lo, self.up))
+        h = stream_mean(gate.unflatten(-1, (self.count, self.hidden)) * Xn.unflatten(-1, (self.count, self.hidden)))
         if self.inject is None:
             return h, None
-        return h, 2 * torch.sigmoid(linear(Xn, self.inject) / self.count)
+        return h, 2 * sigmoid(linear(Xn, self.inject) / self.count)
+
+
+def stream_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the stream axis [..., S, D] as explicit adds: a fixed order whatever the row count
+    (torch's reduction kernels may reorder a strided reduction depending on the shape)."""
+    acc = x[..., 0, :]
+    for s in range(1, x.shape[-2]):
+        acc = acc + x[..., s, :]
+    return acc / x.shape[-2]
 
 
 def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class CacheOptions:
     n_slots: int = 1  # rollback slots: draft depth + 1
     kv_type: str = "f32"  # f32 | f16 | bf16 | q8_0
     preserve_pooled: bool = True  # seed Algorithm 1
+    incremental_pooled: bool = True  # seed Algorithm 2 (off: recompute every complete block each step)
     pad_target: int | None = 8  # seed Algorithm 3 (None: off)
     fused_snapshots: bool = True  # seed Algorithms 4-5
 
@@ -56,7 +57,8 @@ class Model(torch.nn.Module):
         self.embed = w["token_embd.weight"]
         self.lm_head = w["output.weight"]
         self.mixer = HyperMixer(w, "output_hc", cfg.hidden, cfg.hc_count, cfg.rms_eps, inject=False)
-        self.mix_attn, self.mix_ffn, self.mixers = [], [], []
+        self.mix_attn: list[HyperMixer] = []
+        self.mix_ffn: list[HyperMixer] = []
         self.layers: list[torch.nn.Module] = []
         self.moe: list[MoE] = []
         for i in range(cfg.n_layers):
@@ -68,7 +70,8 @@ class Model(torch.nn.Module):
             self.moe.append(MoE(w, b, cfg.n_experts_used))
         self.ple: PLE | None = None
         if cfg.has_ple:
-            table = ple_table if ple_table is not None else DeviceRowTable(w["per_layer_token_embd.weight"])
+            t = ple_table if ple_table is not None else w["per_layer_token_embd.weight"]
+            table = t if hasattr(t, "gather") else DeviceRowTable(t)
             self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
         with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
         self.mtp = MTPHead(cfg, w, hnorm_per_stream) if with_mtp else None
@@ -89,7 +92,7 @@ class Model(torch.nn.Module):
                 idx[i] = IndexerCache(opts.capacity, r, c.indexer_head_dim, dtype=self.dtype, device=dev)
                 if r not in layouts:
                     layouts[r] = PooledLayout(r, opts.capacity // r, preserve=opts.preserve_pooled,
-                                              pad_target=opts.pad_target)
+                                              pad_target=opts.pad_target, incremental=opts.incremental_pooled)
         mtp_kv = KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
                          device=dev) if self.mtp is not None else None
         return ModelCache(opts, kv, idx, RecurrentCache(c, opts.n_slots, dev), CellTable(opts.capacity), layouts,

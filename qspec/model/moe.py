@@ -5,11 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qspec.model.ops import bmm_rows, linear
-
-# Up to this many tokens, the chosen experts are applied token by token (gathered weights, M=1
-# products): a verify step touches few tokens, and per-token products keep rows independent.
-FEW_TOKENS = 16
+from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu
 
 
 class MoE(torch.nn.Module):
@@ -35,23 +31,22 @@ class MoE(torch.nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T, D = h.shape
         top_w, top_i = self.route(h)
-        if T <= FEW_TOKENS:
-            routed = self._few_tokens(h, top_w, top_i)
+        if row_exact() and T <= EXACT_MAX_ROWS:
+            routed = self._per_token(h, top_w, top_i)
         else:
             routed = self._grouped(h, top_w, top_i)
-        sh = linear(F.silu(linear(h, self.sh_gate)) * linear(h, self.sh_up), self.sh_down)
-        sh_gate = torch.sigmoid(linear(h, self.sh_gate_inp[None, :]))
+        sh = linear(silu(linear(h, self.sh_gate)) * linear(h, self.sh_up), self.sh_down)
+        sh_gate = sigmoid(linear(h, self.sh_gate_inp[None, :]))
         return routed + sh * sh_gate
 
-    def _few_tokens(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        T, D = h.shape
-        k = self.n_used
-        idx = top_i.reshape(-1)
-        x = h.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
-        g = bmm_rows(x, self.gate[idx].transpose(1, 2))  # [T*k, 1, F]
-        u = bmm_rows(x, self.up[idx].transpose(1, 2))
-        y = bmm_rows(F.silu(g) * u, self.down[idx].transpose(1, 2)).reshape(T, k, D)
-        return (y * top_w.unsqueeze(-1)).sum(1)
+    def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
+        rows = []
+        for t, experts in enumerate(top_i.tolist()):
+            x = h[t:t + 1]
+            ys = [F.linear(F.silu(F.linear(x, self.gate[e])) * F.linear(x, self.up[e]), self.down[e]) for e in experts]
+            rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
+        return torch.cat(rows)
 
     def _grouped(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(h)
@@ -59,6 +54,6 @@ class MoE(torch.nn.Module):
             tok, slot = torch.where(top_i == e)
             x = h[tok]
             y = F.linear(F.silu(F.linear(x, self.gate[e])) * F.linear(x, self.up[e]), self.down[e])
-            out.index_add_(0, tok, y * top_w[tok, slot, None])
+            out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
         return out
 

@@ -37,30 +37,35 @@ def set_row_exact(on: bool) -> None:
     _ROW_EXACT = on
 
 
+# Row-exact products loop over rows only for step-sized inputs; a long prefill is the same for every
+# decoding mode, so it keeps the batched product.
+EXACT_MAX_ROWS = 64
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ w[out, in]^T."""
     if not _ROW_EXACT:
         return F.linear(x, w)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, 1, x.shape[-1])
-    out = torch.bmm(x2, w.t().unsqueeze(0).expand(x2.shape[0], -1, -1))
-    return out.reshape(*lead, w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= 1 or x2.shape[0] > EXACT_MAX_ROWS:
+        return F.linear(x, w)
+    return torch.cat([F.linear(x2[i:i + 1], w) for i in range(x2.shape[0])]).reshape(*lead, w.shape[0])
 
 
 def bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N]; in row-exact mode each of the M rows is its own product."""
-    if not _ROW_EXACT or a.shape[1] == 1:
+    M = a.shape[1]
+    if not _ROW_EXACT or M == 1 or M > EXACT_MAX_ROWS:
         return torch.bmm(a, b)
-    B, M, K = a.shape
-    out = torch.bmm(a.reshape(B * M, 1, K), b.unsqueeze(1).expand(B, M, K, b.shape[-1]).reshape(B * M, K, -1))
-    return out.reshape(B, M, -1)
+    return torch.cat([torch.bmm(a[:, i:i + 1], b) for i in range(M)], dim=1)
 
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor | None, eps: float, group: int | None = None) -> torch.Tensor:
     """RMSNorm in f32 over the last dim (or over groups of `group` features), times the stored gamma.
 
     Gammas are in llama.cpp's convention (already 1+w), so the multiply is direct."""
-    xf = x.float()
+    xf = x.float().contiguous()  # a reduction's order can depend on the layout; keep it fixed
     if group is not None:
         xf = xf.unflatten(-1, (-1, group))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -72,6 +77,7 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor | None, eps: float, group: int
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.contiguous()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -83,7 +89,7 @@ def rope_tables(pos: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dty
     inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=pos.device) / rope_dim))
     freqs = pos.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return _elementwise(torch.cos, emb).to(dtype), _elementwise(torch.sin, emb).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,9 +102,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([xr * c + rot * s, xp], dim=-1)
 
 
+# Vectorised transcendental math (exp, sigmoid, silu, cos, ...) on the CPU takes a scalar path for
+# the tail of a tensor, with slightly different rounding. In row-exact mode these functions run on
+# a copy padded to a whole number of vector blocks, so every element takes the vector path.
+_PAD = 256
+
+
+def _elementwise(fn, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    if not _ROW_EXACT:
+        return fn(x)
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, (-n) % _PAD + _PAD))
+    return fn(padded)[:n].view(x.shape)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
-    return F.silu(x)
+    return _elementwise(F.silu, x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(torch.sigmoid, x)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(F.softplus, x)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return _elementwise(torch.exp, x)
 
 
 def inv_sqrt(n: int) -> float:
     return 1.0 / math.sqrt(n)
+
+
+def causal_taps(X: torch.Tensor, w: torch.Tensor, n: int, dilation: int = 1) -> torch.Tensor:
+    """Depthwise causal conv outputs [C, n]: out[:, t] = sum_k w[:, k] * X[:, t + k*dilation], added tap by tap."""
+    acc = X[:, 0:n] * w[:, 0:1]
+    for k in range(1, w.shape[1]):
+        acc = acc + X[:, k * dilation:k * dilation + n] * w[:, k:k + 1]
+    return acc

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
-from qspec.model.ops import linear, rms_norm
+from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu
 from qspec.state.recurrent import PLEState, RecurrentCache
 
 
@@ -84,13 +84,11 @@ class PLE(torch.nn.Module):
         query = rms_norm(X, self.norm_query, c.rms_eps, group=D).view(T, S, D)
         gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        G = (torch.sigmoid(gate) * value.unsqueeze(1)).flatten(-2)  # [T, S*D]
+        G = (sigmoid(gate) * value.unsqueeze(1)).flatten(-2)  # [T, S*D]
         N = rms_norm(G, self.norm_conv, c.rms_eps, group=D)
 
         # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
         Sst = st.conv.index_select(0, rc.live.view(1))[0]
         Xc = write_snapshots(Sst, N.float(), st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats)
-        K, dil = c.ple_conv_kernel, c.ngram_size
-        taps = torch.stack([Xc[:, kk * dil: kk * dil + T] for kk in range(K)], dim=-1)  # [C, T, K]
-        conv = F.silu((taps * self.conv_w[:, None, :]).sum(-1)).t()
+        conv = silu(causal_taps(Xc, self.conv_w, T, dilation=c.ngram_size)).t()
         return X + G + conv.to(X.dtype)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
-from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm
+from qspec.model.hyper import stream_mean
+from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid
 from qspec.state.indexer_cache import IndexerCache
 from qspec.state.kv_cache import KVCache
 
@@ -74,7 +75,7 @@ class QSAAttention(torch.nn.Module):
         p = torch.softmax(scores, dim=-1).to(h.dtype)
         o = bmm_rows(p, V.permute(1, 0, 2))  # [Hkv, T*G, d]
         o = o.view(Hkv, T, G, d).permute(1, 0, 2, 3).reshape(T, H * d)
-        o = o * torch.sigmoid(gate.reshape(T, H * d))
+        o = o * sigmoid(gate.reshape(T, H * d))
         return linear(o, self.wo)
 
     def select(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: IndexerCache,
@@ -90,8 +91,8 @@ class QSAAttention(torch.nn.Module):
             materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
         nbmax = idx.n_blocks
         Kb = idx.pooled[:nbmax]
-        s = linear(qi.float().reshape(T * c.indexer_heads, di), Kb).view(T, c.indexer_heads, nbmax)
-        s = torch.relu(s).sum(1) / di ** 0.5  # [T, nbmax]
+        s = torch.relu(linear(qi.float().reshape(T * c.indexer_heads, di), Kb).view(T, c.indexer_heads, nbmax))
+        s = stream_mean(s) * (c.indexer_heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
         nb_vis = (pos + 1) // r  # complete blocks visible to each row
         blk = torch.arange(nbmax, device=h.device)
         vis = blk[None, :] < nb_vis[:, None]

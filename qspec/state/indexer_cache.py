@@ -97,11 +97,12 @@ class PooledLayout:
     """Host record of valid pooled keys for one pooling ratio, shared by all QSA layers of that ratio."""
 
     def __init__(self, ratio: int, n_blocks: int, *, preserve: bool, pad_target: int | None,
-                 n_streams: int = 1) -> None:
+                 incremental: bool = True, n_streams: int = 1) -> None:
         if pad_target not in (None, 8, 16):
             raise ValueError(f"pad target must be 8 or 16, got {pad_target}")
         self.r, self.n_blocks = ratio, n_blocks
         self.preserve, self.pad_target, self.n_streams = preserve, pad_target, n_streams
+        self.incremental = incremental  # off: every step recomputes all complete blocks
         self.retained = Descriptors.empty(ratio)
         self.pending: Descriptors | None = None
         self.stats = LayoutStats()
@@ -159,7 +160,7 @@ class PooledLayout:
         nb = min(n_tokens_after // r, self.n_blocks)
         cur = Descriptors.current(nb, r)
         old = self.retained
-        k = min(len(old), nb)
+        k = min(len(old), nb) if self.incremental else 0
         same = np.zeros(nb, dtype=bool)
         if k:
             same[:k] = ((old.cells[:k] == cur.cells[:k]).all(1) & (old.start[:k] == cur.start[:k])

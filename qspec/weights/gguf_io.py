@@ -13,17 +13,23 @@ import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 
-from qspec.config import ARCH, ConfigError, ModelConfig, from_gguf_metadata, ple_head_tables, ple_multipliers, \
-    to_gguf_metadata
-from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes, quantize_q4_0, \
-    quantize_q8_0
+from qspec.config import (
+    ARCH,
+    ConfigError,
+    ModelConfig,
+    from_gguf_metadata,
+    ple_head_tables,
+    ple_multipliers,
+    to_gguf_metadata,
+)
+from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes, quantize_q4_0, quantize_q8_0
 from qspec.weights.names import mtp_shapes, tensor_shapes
 
 PLE_TABLE = "per_layer_token_embd.weight"
@@ -108,7 +114,7 @@ class HostRowTable:
         return f"HostRowTable(shape={self.shape}, qtype={self.qtype.name}, segments={len(self.segments)})"
 
 
-Weights = dict[str, Union[torch.Tensor, HostRowTable]]
+Weights = dict[str, torch.Tensor | HostRowTable]
 
 
 # ---- opening and metadata ----------------------------------------------------------------------------------------
@@ -205,7 +211,8 @@ def _hf_extras(cfg: ModelConfig) -> ModelConfig:
         return cfg
     extra = dict(cfg.extra)
     base = cfg.ple_head_vocab[0]
-    if ple_head_tables(cfg.ple_heads, base) == (cfg.ple_head_offsets[:cfg.ple_heads], cfg.ple_head_vocab[:cfg.ple_heads]):
+    n = cfg.ple_heads
+    if ple_head_tables(n, base) == (cfg.ple_head_offsets[:n], cfg.ple_head_vocab[:n]):
         extra["ngram_vocab_size_base"] = base
     if ple_multipliers(cfg.vocab_size, cfg.ngram_size, 0, 1234) == cfg.ple_multipliers[:cfg.ngram_size]:
         extra["seed"] = 1234
@@ -283,7 +290,7 @@ def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[i
         elif kind == "plain" and name == PLE_TABLE:
             t = job[1]
             rows, cols = job[2]
-            seg = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(rows, -1)
+            seg = t.data.reshape(-1).view(np.uint8).reshape(rows, -1)  # stays an np.memmap: no copy
             out[name] = HostRowTable([seg], t.tensor_type, cols)
         elif kind == "plain":
             out[name] = _materialize(job[1], job[2], device, dtype)

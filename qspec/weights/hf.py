@@ -387,7 +387,7 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
     # Validate everything before loading anything.
     missing: list[str] = []
     for r in rules:
-        for k, shape in zip(r.hf, r.hf_shapes):
+        for k, shape in zip(r.hf, r.hf_shapes, strict=True):
             e = keys.get(k)
             if e is None:
                 missing.append(f"{k} (for {r.canon[0]})")
@@ -422,7 +422,7 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
 
         out: Weights = {}
         for r in rules:
-            for name, t in zip(r.canon, r.load([get(k) for k in r.hf])):
+            for name, t in zip(r.canon, r.load([get(k) for k in r.hf]), strict=True):
                 out[name] = t.to(dtype).contiguous()
     order = tensor_shapes(cfg, with_mtp)
     if table is not None:
@@ -486,7 +486,7 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
 
     for r in rules:
         size = sum(math.prod(s) for s in r.hf_shapes) * itemsize
-        groups.append((list(zip(r.hf, r.hf_shapes)), size,
+        groups.append((list(zip(r.hf, r.hf_shapes, strict=True)), size,
                        lambda r=r: r.save([check(n) for n in r.canon])))
     if cfg.has_ple:
         base = f"model.layers.{cfg.ple_layer}.ple.ple_embedding."
@@ -506,7 +506,7 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
                            rows * cfg.ple_head_dim * itemsize, lambda i=i: shard(i)))
         buffers = [torch.tensor(v, dtype=torch.int64) for v in
                    (cfg.ple_multipliers, cfg.ple_head_offsets, cfg.ple_head_vocab)]
-        groups.append(([(f"{base}{n}", tuple(b.shape)) for n, b in zip(_PLE_BUFFERS, buffers)],
+        groups.append(([(f"{base}{n}", tuple(b.shape)) for n, b in zip(_PLE_BUFFERS, buffers, strict=True)],
                        sum(b.numel() * 8 for b in buffers), lambda buffers=buffers: buffers))
 
     shards: list[list[int]] = [[]]
@@ -523,11 +523,11 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
     d.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
-    for fname, members in zip(names, shards):
+    for fname, members in zip(names, shards, strict=True):
         out: dict[str, Tensor] = {}
         for gi in members:
             keys, _, make = groups[gi]
-            for (k, shape), t in zip(keys, make()):
+            for (k, shape), t in zip(keys, make(), strict=True):
                 t = t if t.dtype == torch.int64 else t.to(dtype)
                 assert tuple(t.shape) == shape, (k, t.shape, shape)
                 out[k] = t.contiguous()

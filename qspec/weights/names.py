@@ -124,6 +124,5 @@ def tensor_shapes(c: ModelConfig, with_mtp: bool | None = None) -> dict[str, tup
 
 # Zero-centred gammas (HF stores w, llama.cpp stores 1 + w). `ssm_norm` is the one plain gamma.
 def is_centred_norm(name: str) -> bool:
-    if name.endswith("ssm_norm.weight"):
-        return False
-    return name.endswith("norm.weight") or "_norm." in name or name.endswith((".enorm.weight", ".hnorm.weight"))
+    last = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
+    return "norm" in last and last != "ssm_norm"

@@ -1,0 +1,206 @@
+"""The user's entry point: prefill, then plain decoding or MTP speculative rounds (draft, verify,
+accept, rollback), with streaming callbacks and counters.
+
+One speculative round, with committed tokens t_0..t_L (t_L not yet run by the target):
+  draft   d_1 = MTP(t_L, H_{L-1}) (computed at the end of the previous round), then
+          d_i = MTP(d_{i-1}, h'_{i-1}) chained on the head's own residual;
+  verify  target rows [t_L, d_1..d_N] at positions L..L+N, one forward;
+  accept  the longest prefix of drafts the target agrees with, plus the target's next token;
+  rollback  the recurrent state becomes the accepted row's slot; cells and pooled-key records past
+          the accepted length are removed (Algorithm 1 keeps the valid prefix);
+  extend  MTP rows (committed token_{L+1+j}, H_{L+j}) rewrite the head's cache with the target's
+          residuals and yield the next round's first draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from qspec.model import ops
+from qspec.model.model import CacheOptions, Model
+from qspec.runner import ContextError, Runner
+from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept
+from qspec.spec.stats import SpecStats
+
+
+@dataclass
+class EngineOptions:
+    draft: int = 0  # MTP draft depth N (0: plain decoding)
+    capacity: int = 4096
+    kv_type: str = "f32"
+    exact: bool = False  # row-exact products: decode and verify rows are bit-identical (CPU tests)
+    preserve_pooled: bool = True
+    incremental_pooled: bool = True
+    pad_target: int | None = 8
+    fused_snapshots: bool = True
+    prefill_chunk: int = 512
+    draft_lm_head: torch.Tensor | None = None  # e.g. a Q4 copy of the LM head for drafting only
+    accept_hook: AcceptHook | None = None
+    # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
+    draft_hook: Callable[[int, list[int]], list[int]] | None = None
+
+    def cache_options(self) -> CacheOptions:
+        return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
+                            preserve_pooled=self.preserve_pooled, pad_target=self.pad_target,
+                            incremental_pooled=self.incremental_pooled,
+                            fused_snapshots=self.fused_snapshots)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    spec: SpecStats
+    stop_reason: str
+    pooled: dict[str, object] = field(default_factory=dict)
+    snapshots: dict[str, object] = field(default_factory=dict)
+    rounds_log: list[dict[str, int]] = field(default_factory=list)
+
+    @property
+    def decode_tps(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, model: Model, opts: EngineOptions | None = None) -> None:
+        self.model = model
+        self.opts = opts or EngineOptions()
+        if not 0 <= self.opts.draft <= 8:
+            raise ValueError(f"draft depth must be in [0, 8], got {self.opts.draft}")
+        if self.opts.draft and model.mtp is None:
+            raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
+        self.runner = Runner(model, self.opts.cache_options())
+
+    def _sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
+                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        o = self.opts
+        need = len(prompt) + max_tokens + o.draft + 1
+        if need > o.capacity:
+            raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
+                               f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")
+        with ops.row_exact_mode(o.exact):
+            return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
+
+    def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
+                  on_token: Callable[[int], None] | None) -> Generation:
+        o, run, dev = self.opts, self.runner, self.model.device
+        run.reset()
+        stats = SpecStats()
+        out: list[int] = []
+        rounds_log: list[dict[str, int]] = []
+
+        def emit(tok: int) -> bool:
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            return tok in stop_ids or len(out) >= max_tokens
+
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt, dtype=torch.long)
+        P = len(prompt)
+        Hs: list[torch.Tensor] = []
+        logits = None
+        for s in range(0, P, o.prefill_chunk):
+            chunk = ids[s:s + o.prefill_chunk]
+            last = s + o.prefill_chunk >= P
+            logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
+                                 torch.zeros(0, dtype=torch.long, device=dev))
+            run.keep(len(chunk), rollback=False)
+            if o.draft:
+                # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j)
+                nxt = ids[s + 1:s + 1 + len(chunk)]
+                if len(nxt):
+                    run.mtp_step(nxt, X[:len(nxt)], s + 1)
+                Hs = [X[-1:]]
+        tok = int(sampler.sample(logits[-1]).item())
+        self._sync()
+        prefill_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        stop = emit(tok)
+        reason = "stop token" if tok in stop_ids else "max tokens"
+        if o.draft == 0:
+            while not stop:
+                logits, _ = run.step(torch.tensor([tok]))
+                run.keep(1, rollback=False)
+                tok = int(sampler.sample(logits[-1]).item())
+                stop = emit(tok)
+        else:
+            N = o.draft
+            d_logits, d_X = run.mtp_step(torch.tensor([tok]), Hs[0], P, o.draft_lm_head)
+            rnd = 0
+            while not stop:
+                L = run.n_tokens
+                drafts: list[int] = []
+                q_rows = []
+                for i in range(N):
+                    if i:
+                        d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
+                    if sampler.greedy:
+                        drafts.append(int(d_logits[-1].argmax().item()))
+                    else:
+                        q = sampler.probs(d_logits[-1])
+                        q_rows.append(q)
+                        drafts.append(int(sampler.sample_probs(q).item()))
+                if o.draft_hook is not None:
+                    drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
+                v_logits, vX = run.step(torch.tensor([tok] + drafts))
+                if sampler.greedy:
+                    target = v_logits.argmax(-1).tolist()
+                    k = greedy_accept(drafts, target)
+                    nxt = target[k]
+                else:
+                    k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
+                    target = []
+                if o.accept_hook is not None:
+                    k = max(0, min(N, int(o.accept_hook(rnd, N))))
+                    if sampler.greedy:
+                        nxt = target[k]
+                    else:
+                        nxt = int(sampler.sample_probs(sampler.probs(v_logits[k])).item())
+                committed = drafts[:k] + [nxt]
+                n_emit = 0
+                for t in committed:
+                    n_emit += 1
+                    stop = emit(t)
+                    if stop:
+                        break
+                # the caches keep row 0 (t_L) and the accepted drafts that were emitted
+                run.keep(min(k + 1, n_emit), rollback=True)
+                stats.record(N, k, len(committed))
+                rounds_log.append({"accepted": k, **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
+                                   **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
+                if stop:
+                    break
+                tok = nxt
+                # extend the draft head over the committed rows with the target's residuals
+                ext = torch.tensor(committed + [committed[-1]] * (N + 1 - len(committed)))
+                e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
+                d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
+                rnd += 1
+        if out and out[-1] in stop_ids:
+            reason = "stop token"
+        self._sync()
+        decode_s = time.perf_counter() - t1
+        cache = run.cache
+        pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
+        return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log)

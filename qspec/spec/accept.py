@@ -1,0 +1,68 @@
+"""Acceptance: greedy prefix match, speculative sampling (accept/reject + residual), and forced acceptance."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance.
+AcceptHook = Callable[[int, int], int]
+
+
+@dataclass
+class Sampler:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped distribution [..., V] (temperature, then top-p)."""
+        p = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sp, si = torch.sort(p, dim=-1, descending=True)
+            keep = sp.cumsum(-1) - sp < self.top_p
+            sp = sp * keep
+            p = torch.zeros_like(p).scatter_(-1, si, sp)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.greedy:
+            return logits.argmax(-1)
+        return self.sample_probs(self.probs(logits))
+
+    def sample_probs(self, p: torch.Tensor) -> torch.Tensor:
+        g = self.generator
+        return torch.multinomial(p.reshape(-1, p.shape[-1]).cpu(), 1, generator=g).reshape(p.shape[:-1]).to(p.device)
+
+
+def greedy_accept(drafts: list[int], target: list[int]) -> int:
+    """Length of the prefix of drafts equal to the target's predictions (target has len(drafts)+1 entries)."""
+    k = 0
+    while k < len(drafts) and drafts[k] == target[k]:
+        k += 1
+    return k
+
+
+def speculative_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
+    """Standard speculative sampling: accept draft i with prob min(1, p_i(d)/q_i(d)); on the first
+    rejection sample from normalise(max(0, p_i - q_i)), else the bonus from p_N.
+
+    q [N, V] draft distributions, p [N+1, V] target distributions. Returns (accepted, next token)."""
+    g = sampler.generator
+    for i, d in enumerate(drafts):
+        u = torch.rand((), generator=g).item()
+        if u * q[i, d].item() < p[i, d].item():
+            continue
+        resid = (p[i] - q[i]).clamp_min(0)
+        if resid.sum() <= 0:
+            resid = p[i]
+        return i, int(sampler.sample_probs(resid / resid.sum()).item())
+    n = len(drafts)
+    return n, int(sampler.sample_probs(p[n]).item())

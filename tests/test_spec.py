@@ -1,0 +1,122 @@
+"""MTP speculative decoding: greedy output equals plain decoding, rollback restores every state exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qspec.engine import Engine, EngineOptions
+from qspec.model import ops
+from qspec.model.model import Model
+from qspec.runner import ContextError, Runner
+
+from conftest import build_model, tiny_config
+
+CAP = 128
+
+
+def plain(model: Model, prompt: list[int], n: int, **kw: object) -> list[int]:
+    return Engine(model, EngineOptions(draft=0, capacity=CAP, exact=True, **kw)).generate(prompt, n).tokens
+
+
+def oracle_hook(reference: list[int], rng: random.Random, vocab: int):
+    """Drafts = the reference continuation, corrupted at a random position (or not at all), so every
+    acceptance length occurs even though a random MTP head never guesses right."""
+    def hook(n_out: int, drafts: list[int]) -> list[int]:
+        good = reference[n_out:n_out + len(drafts)]
+        good += [0] * (len(drafts) - len(good))
+        cut = rng.randint(0, len(drafts))
+        if cut < len(drafts):
+            good[cut] = (good[cut] + 1 + rng.randrange(vocab - 1)) % vocab
+        return good
+    return hook
+
+
+@pytest.mark.parametrize("n_draft", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_greedy_spec_equals_plain(tiny_model: Model, n_draft: int) -> None:
+    rng = random.Random(n_draft)
+    # prompts crossing QSA block boundaries and the start of sparse selection (budget 16 + r - 1 = 19)
+    for plen in (3, 17, 18 + n_draft):
+        prompt = [rng.randrange(511) for _ in range(plen)]
+        ref = plain(tiny_model, prompt, 40)
+        eng = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, exact=True,
+                                               draft_hook=oracle_hook(ref, rng, 512)))
+        g = eng.generate(prompt, 40)
+        assert g.tokens == ref
+        s = g.spec
+        assert s.accepted + s.rejected == s.drafted == n_draft * s.rounds
+        assert s.tokens == s.accepted + s.rounds
+        # acceptance was exercised at several depths, rejections too
+        assert 0 < s.accepted < s.drafted
+
+
+def test_natural_greedy_spec_without_hooks(tiny_model: Model) -> None:
+    prompt = list(range(5, 30))
+    ref = plain(tiny_model, prompt, 30)
+    for n in (1, 3):
+        assert Engine(tiny_model, EngineOptions(draft=n, capacity=CAP, exact=True)).generate(prompt, 30).tokens == ref
+
+
+def teacher_forced_state(model: Model, tokens: list[int], n_slots: int) -> dict[str, torch.Tensor]:
+    """Plain one-token decoding of `tokens` (after a prefill of the first one), in row-exact mode."""
+    run = Runner(model, EngineOptions(draft=n_slots - 1, capacity=CAP).cache_options())
+    with ops.row_exact_mode(True):
+        run.step(torch.tensor(tokens[:1]))
+        run.keep(1, rollback=False)
+        for t in tokens[1:]:
+            run.step(torch.tensor([t]))
+            run.keep(1, rollback=False)
+    return run.committed_state()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_state_after_forced_rounds_equals_plain_decoding(tiny_model: Model, seed: int) -> None:
+    rng = random.Random(seed)
+    N = 5
+    prompt = [rng.randrange(511)]
+    eng = Engine(tiny_model, EngineOptions(draft=N, capacity=CAP, exact=True,
+                                           accept_hook=lambda r, n: rng.randint(0, n)))
+    g = eng.generate(prompt, 45 + seed * 7)
+    hist = eng.runner.history
+    assert len(hist) == eng.runner.n_tokens and hist == (prompt + g.tokens)[:len(hist)]
+    got = eng.runner.committed_state()
+    want = teacher_forced_state(tiny_model, hist, N + 1)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_draft_needs_mtp_weights() -> None:
+    model = build_model(tiny_config(mtp=False))
+    with pytest.raises(ValueError, match="MTP"):
+        Engine(model, EngineOptions(draft=3))
+    Engine(model, EngineOptions(draft=0))
+
+
+def test_bad_depth_and_context(tiny_model: Model) -> None:
+    with pytest.raises(ValueError, match="draft depth"):
+        Engine(tiny_model, EngineOptions(draft=9))
+    eng = Engine(tiny_model, EngineOptions(draft=2, capacity=32))
+    with pytest.raises(ContextError, match="exceed the context capacity"):
+        eng.generate(list(range(30)), 8)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([], 8)
+
+
+def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
+    from qspec.spec.accept import Sampler
+
+    def run(n: int) -> list[int]:
+        s = Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(3))
+        return Engine(tiny_model, EngineOptions(draft=n, capacity=CAP)).generate(list(range(1, 9)), 12, sampler=s).tokens
+
+    a, b = run(3), run(3)
+    assert a == b and len(a) == 12
+    ref = plain(tiny_model, list(range(1, 9)), 40)
+    stop = ref[5]
+    g = Engine(tiny_model, EngineOptions(draft=4, capacity=CAP, exact=True,
+                                         draft_hook=oracle_hook(ref, random.Random(0), 512)))
+    out = g.generate(list(range(1, 9)), 40, stop_ids={stop})
+    assert out.tokens == ref[:ref.index(stop) + 1] and out.stop_reason == "stop token"
