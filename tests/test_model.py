@@ -1,0 +1,116 @@
+"""The trunk against transformers' Qwen4ExpForCausalLM, loaded from HF and GGUF files; prefill + decode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from qspec.config import ModelConfig, to_hf_config
+from qspec.model import ops
+from qspec.model.model import CacheOptions, Model
+from qspec.runner import Runner
+from qspec.weights import load_model_weights, write_gguf
+
+from conftest import build_model, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_reference(cfg: ModelConfig, seed: int) -> torch.nn.Module:
+    """A transformers model with every parameter randomised (its init leaves the norms at zero)."""
+    hcfg = {k: v for k, v in to_hf_config(cfg).items()
+            if k not in ("architectures", "model_type", "torch_dtype", "mtp_num_hidden_layers",
+                         "mtp_use_dedicated_embeddings")}
+    torch.manual_seed(seed)
+    m = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**hcfg)).eval()
+    g = torch.Generator().manual_seed(seed)
+    for name, p in m.named_parameters():
+        if name.endswith("A_log"):
+            continue
+        if "norm" in name and "linear_attn.norm" not in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+        elif "conv1d" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.5
+        elif p.dim() >= 2:
+            p.data = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+        else:
+            p.data = torch.randn(p.shape, generator=g) * 0.3
+    return m
+
+
+def our_logits(model: Model, ids: list[int], cap: int) -> torch.Tensor:
+    run = Runner(model, CacheOptions(capacity=cap, n_slots=1))
+    logits, _ = run.step(torch.tensor(ids))
+    return logits
+
+
+CASES = {
+    # name: (config overrides, sequence length)
+    "ple-sparse": ({}, 45),  # budget 16 tokens: sparse selection from 20 tokens on
+    "ple-dense": ({"indexer_budget": 256}, 45),
+    "no-ple": ({"ple_layer": -1, "ple_embed_dim": 0, "ple_multipliers": (), "ple_head_offsets": (),
+                "ple_head_vocab": (), "ple_rows": 0}, 37),
+    "heads-experts": ({"n_heads": 8, "n_kv_heads": 1, "n_experts": 16, "n_experts_used": 4,
+                       "gdn_k_heads": 1, "gdn_v_heads": 3}, 33),
+    "eight-layers": ({"n_layers": 8, "layer_recurrent": tuple((i + 1) % 4 != 0 for i in range(8)),
+                      "compress_ratios": tuple(0 if (i + 1) % 4 else 4 for i in range(8))}, 50),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case: str, tmp_path: Path) -> None:
+    overrides, T = CASES[case]
+    cfg = tiny_config(mtp=False).with_(**overrides).validate()
+    ref = hf_reference(cfg, seed=len(case))
+    ref.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(1))
+    ids[T // 2] = cfg.eos_token_id  # exercise the PLE EOS cut
+    with torch.no_grad():
+        want = ref(ids[None], use_cache=False).logits[0]
+    cfg_hf, w_hf = load_model_weights(tmp_path / "hf")
+    got_hf = our_logits(Model(cfg_hf, w_hf), ids.tolist(), 64)
+    assert (got_hf - want).abs().max().item() <= 1e-4
+    assert torch.equal(got_hf.argmax(-1), want.argmax(-1))
+    # the same weights through a GGUF file give identical logits
+    write_gguf(tmp_path / "m.gguf", cfg_hf, w_hf)
+    cfg_g, w_g = load_model_weights(tmp_path / "m.gguf")
+    assert cfg_g == cfg_hf
+    assert torch.equal(our_logits(Model(cfg_g, w_g), ids.tolist(), 64), got_hf)
+
+
+@pytest.mark.parametrize("splits", [(1,), (7, 8), (19, 20, 21), (24,)])
+def test_prefill_then_decode_equals_full_forward(splits: tuple[int, ...]) -> None:
+    model = build_model(tiny_config(mtp=False), seed=3)
+    T = 40
+    ids = torch.randint(0, 511, (T,), generator=torch.Generator().manual_seed(2))
+    full = our_logits(model, ids.tolist(), 64)
+    run = Runner(model, CacheOptions(capacity=64, n_slots=1))
+    rows = []
+    start = 0
+    for end in list(splits) + list(range(splits[-1] + 1, T + 1)):
+        logits, _ = run.step(ids[start:end])
+        run.keep(end - start, rollback=False)
+        rows.append(logits)
+        start = end
+    got = torch.cat(rows)
+    assert (got - full).abs().max().item() < 1e-4
+
+
+def test_q8_0_kv_cache_close_to_f32() -> None:
+    model = build_model(tiny_config(mtp=False), seed=4)
+    ids = list(range(3, 40))
+    a = Runner(model, CacheOptions(capacity=64, kv_type="f32")).step(torch.tensor(ids))[0]
+    b = Runner(model, CacheOptions(capacity=64, kv_type="q8_0")).step(torch.tensor(ids))[0]
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_row_exact_mode_matches_batched() -> None:
+    model = build_model(tiny_config(mtp=False), seed=5)
+    ids = torch.tensor(list(range(10, 16)))
+    fast = Runner(model, CacheOptions(capacity=32)).step(ids)[0]
+    with ops.row_exact_mode(True):
+        exact = Runner(model, CacheOptions(capacity=32)).step(ids)[0]
+    assert (fast - exact).abs().max().item() < 1e-4
