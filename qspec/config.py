@@ -168,7 +168,7 @@ class ModelConfig:
                  f"needs {self.ngram_size} entries")
             need(len(self.ple_head_offsets) >= self.ple_heads and len(self.ple_head_vocab) >= self.ple_heads,
                  "ple.head_offsets", f"needs {self.ple_heads} entries")
-            top = max(o + v for o, v in zip(self.ple_head_offsets, self.ple_head_vocab))
+            top = max(o + v for o, v in zip(self.ple_head_offsets, self.ple_head_vocab, strict=False))
             need(self.ple_rows >= top, "per_layer_token_embd", f"{self.ple_rows} rows < {top} needed by the hash")
         return self
 

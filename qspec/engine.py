@@ -42,6 +42,8 @@ class EngineOptions:
     accept_hook: AcceptHook | None = None
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
+    after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
+    record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
@@ -61,6 +63,7 @@ class Generation:
     pooled: dict[str, object] = field(default_factory=dict)
     snapshots: dict[str, object] = field(default_factory=dict)
     rounds_log: list[dict[str, int]] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def decode_tps(self) -> float:
@@ -107,6 +110,7 @@ class Engine:
         stats = SpecStats()
         out: list[int] = []
         rounds_log: list[dict[str, int]] = []
+        logits_log: list[torch.Tensor] = []
 
         def emit(tok: int) -> bool:
             out.append(tok)
@@ -142,6 +146,8 @@ class Engine:
             while not stop:
                 logits, _ = run.step(torch.tensor([tok]))
                 run.keep(1, rollback=False)
+                if o.record_logits:
+                    logits_log.append(logits.cpu())
                 tok = int(sampler.sample(logits[-1]).item())
                 stop = emit(tok)
         else:
@@ -164,6 +170,8 @@ class Engine:
                 if o.draft_hook is not None:
                     drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
                 v_logits, vX = run.step(torch.tensor([tok] + drafts))
+                if o.record_logits:
+                    logits_log.append(v_logits.cpu())
                 if sampler.greedy:
                     target = v_logits.argmax(-1).tolist()
                     k = greedy_accept(drafts, target)
@@ -186,6 +194,8 @@ class Engine:
                         break
                 # the caches keep row 0 (t_L) and the accepted drafts that were emitted
                 run.keep(min(k + 1, n_emit), rollback=True)
+                if o.after_round is not None:
+                    o.after_round(run, k)
                 stats.record(N, k, len(committed))
                 rounds_log.append({"accepted": k, **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
@@ -203,4 +213,5 @@ class Engine:
         decode_s = time.perf_counter() - t1
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
-        return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log)
+        return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log,
+                          logits_log)

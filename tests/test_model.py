@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_model, tiny_config
 
 from qspec.config import ModelConfig, to_hf_config
 from qspec.model import ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights import load_model_weights, write_gguf
-
-from conftest import build_model, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,13 +6,12 @@ import random
 
 import pytest
 import torch
+from conftest import build_model, tiny_config
 
 from qspec.engine import Engine, EngineOptions
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Runner
-
-from conftest import build_model, tiny_config
 
 CAP = 128
 
@@ -110,7 +109,8 @@ def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
 
     def run(n: int) -> list[int]:
         s = Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(3))
-        return Engine(tiny_model, EngineOptions(draft=n, capacity=CAP)).generate(list(range(1, 9)), 12, sampler=s).tokens
+        eng = Engine(tiny_model, EngineOptions(draft=n, capacity=CAP))
+        return eng.generate(list(range(1, 9)), 12, sampler=s).tokens
 
     a, b = run(3), run(3)
     assert a == b and len(a) == 12

@@ -42,7 +42,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     lo = t.data_ptr()
-    hi = lo + sum((sz - 1) * st for sz, st in zip(t.shape, t.stride())) * t.element_size() + t.element_size()
+    extent = sum((sz - 1) * st for sz, st in zip(t.shape, t.stride(), strict=True))
+    hi = lo + (extent + 1) * t.element_size()
     return lo, hi
 
 

@@ -6,7 +6,6 @@ Value heads are in llama.cpp's tiled order: value head n reads key head n % k_he
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots

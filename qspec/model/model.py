@@ -16,9 +16,9 @@ from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
 from qspec.model.mtp import MTPHead
+from qspec.model.ops import linear, rope_tables
 from qspec.model.ple import PLE, DeviceRowTable, RowTable
 from qspec.model.qsa import PooledUpdate, QSAAttention
-from qspec.model.ops import linear, rope_tables
 from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
@@ -110,7 +110,6 @@ class Model(torch.nn.Module):
         The recurrent cache must have had `begin_step()`; the caller commits the row to keep.
         Returns (logits [rows, V] of `logit_rows` (all rows by default), wide residual X [T, S*D])."""
         c = self.cfg
-        T = tokens.shape[0]
         cos, sin = self.rope(pos)
         upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
         X = self.embed[tokens].repeat(1, c.hc_count)

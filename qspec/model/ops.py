@@ -81,7 +81,8 @@ def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def rope_tables(pos: torch.Tensor, rope_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(pos: torch.Tensor, rope_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rope_dim] for NeoX-paired partial RoPE at text positions.
 
     Text tokens carry equal t/h/w M-RoPE components, so the interleaved sections collapse to

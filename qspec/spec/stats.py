@@ -39,7 +39,7 @@ class SpecStats:
         return self.tokens / self.rounds if self.rounds else 0.0
 
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
     def merge(self, o: SpecStats) -> None:
         self.rounds += o.rounds

@@ -1,0 +1,178 @@
+"""Acceptance replay: drive a random-weight model's speculative rounds with a recorded or modelled acceptance.
+
+A random model's drafts almost never match its target, so measured acceptance says nothing about a real
+deployment. A profile overrides the accepted count of every round through `EngineOptions.accept_hook`, so the
+engine does the full work of a round (draft N, verify N+1 rows, roll back the rejected suffix) with a realistic
+accepted count. Every result produced this way is labelled "replayed acceptance".
+
+Profiles (`AcceptProfile.parse`):
+  model | none       the model's own greedy acceptance (no hook)
+  p=0.85[,seed=S]    draft i accepted with probability p given draft i-1 accepted (a seeded geometric chain:
+                     position i is accepted in a fraction p^(i+1) of rounds)
+  fixed=K            K drafts accepted every round (clamped to the draft depth)
+  trace=FILE[,arm=A] accepted counts cycled from FILE: a JSON list of ints, {"accepted": [...]}, or a qspec
+                     bench result (the `rounds.accepted` of its runs, optionally only arm A's)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qspec.spec.accept import AcceptHook
+
+REPLAYED_LABEL = "replayed acceptance"
+MODEL_LABEL = "model acceptance"
+
+
+class _GeometricHook:
+    """Accepts draft i with probability p given i-1 accepted; restarts its RNG at round 0 of every generation,
+    so every run (and every arm) replays the same random stream."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        self.p, self.seed = p, seed
+        self.rng = random.Random(seed)
+
+    def __call__(self, rnd: int, n_draft: int) -> int:
+        if rnd == 0:
+            self.rng = random.Random(self.seed)
+        k = 0
+        while k < n_draft and self.rng.random() < self.p:
+            k += 1
+        return k
+
+
+class _TraceHook:
+    def __init__(self, trace: tuple[int, ...]) -> None:
+        self.trace = trace
+
+    def __call__(self, rnd: int, n_draft: int) -> int:
+        return min(n_draft, self.trace[rnd % len(self.trace)])
+
+
+class _FixedHook:
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __call__(self, rnd: int, n_draft: int) -> int:
+        return min(n_draft, self.k)
+
+
+def _parse_kv(spec: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, val = part.partition("=")
+        if not sep:
+            raise ValueError(f"accept profile {spec!r}: expected key=value, got {part!r}")
+        out[key.strip().lower()] = val.strip()
+    return out
+
+
+def load_trace(path: str | Path, arm: str | None = None) -> tuple[int, ...]:
+    """Accepted counts from a JSON list, {"accepted": [...]}, or a qspec bench result's runs."""
+    p = Path(path)
+    try:
+        data: Any = json.loads(p.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"accept trace {p}: file not found") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"accept trace {p}: not JSON ({e})") from e
+    if isinstance(data, dict) and "runs" in data:
+        seq: list[Any] = []
+        for run in data["runs"]:
+            if arm is None or run.get("arm") == arm:
+                seq.extend((run.get("rounds") or {}).get("accepted") or [])
+    elif isinstance(data, dict) and "accepted" in data:
+        seq = list(data["accepted"])
+    elif isinstance(data, list):
+        seq = data
+    else:
+        raise ValueError(f"accept trace {p}: expected a list of accepted counts, {{'accepted': [...]}} or a "
+                         "qspec bench result")
+    if not seq:
+        raise ValueError(f"accept trace {p}: no accepted counts" + (f" for arm {arm!r}" if arm else ""))
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seq):
+        raise ValueError(f"accept trace {p}: accepted counts must be non-negative integers")
+    return tuple(seq)
+
+
+@dataclass(frozen=True)
+class AcceptProfile:
+    kind: str = "model"  # model | p | fixed | trace
+    p: float = 0.0
+    k: int = 0
+    seed: int = 0
+    trace: tuple[int, ...] = field(default=(), repr=False)
+    spec: str = "model"  # the string it was parsed from
+
+    @classmethod
+    def parse(cls, spec: str | None) -> AcceptProfile:
+        s = (spec or "").strip()
+        if s.lower() in ("", "model", "none"):
+            return cls()
+        kv = _parse_kv(s)
+        kinds = [k for k in ("p", "fixed", "trace") if k in kv]
+        if len(kinds) != 1:
+            raise ValueError(f"accept profile {s!r}: give exactly one of p=, fixed=, trace= (or 'model')")
+        kind = kinds[0]
+        allowed = {"p": {"p", "seed"}, "fixed": {"fixed"}, "trace": {"trace", "arm"}}[kind]
+        extra = set(kv) - allowed
+        if extra:
+            raise ValueError(f"accept profile {s!r}: unknown key(s) {', '.join(sorted(extra))} for {kind}=")
+        try:
+            if kind == "p":
+                p = float(kv["p"])
+                if not 0.0 <= p <= 1.0:
+                    raise ValueError(f"p must be in [0, 1], got {p}")
+                return cls("p", p=p, seed=int(kv.get("seed", 0)), spec=s)
+            if kind == "fixed":
+                k = int(kv["fixed"])
+                if k < 0:
+                    raise ValueError(f"fixed must be >= 0, got {k}")
+                return cls("fixed", k=k, spec=s)
+        except ValueError as e:
+            raise ValueError(f"accept profile {s!r}: {e}") from e
+        return cls("trace", trace=load_trace(kv["trace"], kv.get("arm")), spec=s)
+
+    @property
+    def replayed(self) -> bool:
+        return self.kind != "model"
+
+    @property
+    def label(self) -> str:
+        return f"{REPLAYED_LABEL} ({self.spec})" if self.replayed else MODEL_LABEL
+
+    def hook(self) -> AcceptHook | None:
+        """A fresh accept_hook for EngineOptions (None: the model's own acceptance)."""
+        if self.kind == "p":
+            return _GeometricHook(self.p, self.seed)
+        if self.kind == "fixed":
+            return _FixedHook(self.k)
+        if self.kind == "trace":
+            return _TraceHook(self.trace)
+        return None
+
+    def expected_by_position(self, n_draft: int) -> list[float] | None:
+        """Expected acceptance rate of each draft position (None for the model's own, or a trace)."""
+        if self.kind == "p":
+            return [self.p ** (i + 1) for i in range(n_draft)]
+        if self.kind == "fixed":
+            return [1.0 if i < self.k else 0.0 for i in range(n_draft)]
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mode": "replayed" if self.replayed else "model", "label": self.label,
+                             "profile": self.spec, "kind": self.kind}
+        if self.kind == "p":
+            d |= {"p": self.p, "seed": self.seed}
+        elif self.kind == "fixed":
+            d["fixed"] = self.k
+        elif self.kind == "trace":
+            d |= {"trace_rounds": len(self.trace), "trace_mean": sum(self.trace) / len(self.trace)}
+        return d

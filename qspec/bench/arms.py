@@ -1,0 +1,160 @@
+"""Benchmark arms: an engine configuration with a name.
+
+Built-in arms (the seed's comparison):
+  nospec    plain decoding, the seed's optimizations off (upstream behaviour without drafting)
+  baseline  MTP3 with the seed's optimizations off and the full-precision draft head (the llama.cpp arm)
+  ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
+
+Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (0|none = off, else rows),
+fused, q4 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
+`ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
+`name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from qspec.engine import EngineOptions
+from qspec.spec.accept import AcceptHook
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    draft: int = 0
+    preserve: bool = False  # seed Algorithm 1: keep valid pooled keys across rollback
+    incremental: bool = False  # seed Algorithm 2: materialize only new or changed blocks
+    pad: int | None = None  # seed Algorithm 3: fixed update-row count (8 in the seed)
+    fused: bool = False  # seed Algorithms 4-5: one fused conv-snapshot pass
+    q4: bool = False  # Q4_0-rounded draft output head
+
+    def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
+                draft_head: torch.Tensor | None) -> EngineOptions:
+        if self.q4 and draft_head is None:
+            raise ValueError(f"arm {self.name}: q4=1 needs the Q4 draft head")
+        return EngineOptions(draft=self.draft, capacity=capacity, kv_type=kv_type, exact=False,
+                             preserve_pooled=self.preserve, incremental_pooled=self.incremental,
+                             pad_target=self.pad, fused_snapshots=self.fused,
+                             draft_lm_head=draft_head if self.q4 and self.draft else None,
+                             accept_hook=accept_hook if self.draft else None)
+
+    def describe(self) -> str:
+        if not self.draft:
+            head = "no drafting"
+        else:
+            head = f"MTP{self.draft}"
+        opts = [n for n, on in (("preserve", self.preserve), ("incremental", self.incremental),
+                                (f"pad{self.pad}", self.pad), ("fused", self.fused)) if on]
+        parts = [head, "+".join(opts) if opts else "seed optimizations off"]
+        if self.draft:
+            parts.append("Q4 draft head" if self.q4 else "full-precision draft head")
+        return ", ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"description": self.describe()}
+
+
+BUILTIN: dict[str, Arm] = {
+    "nospec": Arm("nospec"),
+    "baseline": Arm("baseline", draft=3),
+    "ours": Arm("ours", draft=5, preserve=True, incremental=True, pad=8, fused=True, q4=True),
+}
+DEFAULT_ARMS = "nospec,baseline,ours"
+
+
+def _bool(key: str, v: str, spec: str) -> bool:
+    s = v.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"arm {spec!r}: {key}={v!r} is not a boolean (1/0, true/false, on/off)")
+
+
+def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
+    """One arm: a built-in name, or `name:key=value,...` (see the module docstring)."""
+    known = BUILTIN if known is None else known
+    spec = spec.strip()
+    name, sep, body = spec.partition(":")
+    name = name.strip()
+    if not name or any(c in name for c in "=,; "):
+        raise ValueError(f"arm {spec!r}: expected NAME or NAME:key=value,...")
+    if not sep:
+        if name not in known:
+            raise ValueError(f"unknown arm {name!r} (built-in: {', '.join(BUILTIN)}; custom: NAME:draft=5,...)")
+        return known[name]
+    kv: dict[str, str] = {}
+    for item in body.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        k, eq, v = item.partition("=")
+        if not eq:
+            raise ValueError(f"arm {spec!r}: expected key=value, got {item!r}")
+        kv[k.strip().lower()] = v.strip()
+    base = Arm(name)
+    if "from" in kv:
+        src = kv.pop("from")
+        if src not in known:
+            raise ValueError(f"arm {spec!r}: from={src!r} is not a known arm")
+        base = replace(known[src], name=name)
+    fields: dict[str, Any] = {}
+    for k, v in kv.items():
+        if k == "draft":
+            try:
+                d = int(v)
+            except ValueError as e:
+                raise ValueError(f"arm {spec!r}: draft={v!r} is not an integer") from e
+            if not 0 <= d <= 8:
+                raise ValueError(f"arm {spec!r}: draft must be in [0, 8], got {d}")
+            fields["draft"] = d
+        elif k == "pad":
+            if v.lower() in ("0", "none", "off", "false"):
+                fields["pad"] = None
+            else:
+                try:
+                    fields["pad"] = int(v)
+                except ValueError as e:
+                    raise ValueError(f"arm {spec!r}: pad={v!r} is not a row count (8, 16) or 0/none") from e
+                if fields["pad"] < 1:
+                    raise ValueError(f"arm {spec!r}: pad must be >= 1 or 0/none, got {v}")
+        elif k in ("preserve", "incremental", "fused", "q4"):
+            fields[k] = _bool(k, v, spec)
+        else:
+            raise ValueError(f"arm {spec!r}: unknown key {k!r} (draft, preserve, incremental, pad, fused, q4, from)")
+    return replace(base, **fields)
+
+
+def parse_arms(spec: str | list[str] | tuple[str, ...]) -> list[Arm]:
+    """A list of arms from `nospec,baseline,ours,mtp5:draft=5,pad=8` (or a list of single-arm specs)."""
+    items: list[str] = []
+    raw = list(spec) if isinstance(spec, (list, tuple)) else [spec]
+    for chunk in raw:
+        for part in chunk.replace(";", ",").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" in part and ":" not in part:
+                if not items or ":" not in items[-1]:
+                    raise ValueError(f"arms {spec!r}: {part!r} does not follow a custom arm (NAME:key=value)")
+                items[-1] += "," + part
+            else:
+                items.append(part)
+    if not items:
+        raise ValueError("no arms given")
+    known = dict(BUILTIN)
+    arms: list[Arm] = []
+    for it in items:
+        arm = parse_arm(it, known)
+        if any(a.name == arm.name for a in arms):
+            raise ValueError(f"arm {arm.name!r} appears twice")
+        arms.append(arm)
+        known[arm.name] = arm
+    return arms

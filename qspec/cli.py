@@ -1,0 +1,360 @@
+"""The `qspec` command: `run` (generate, streaming), `make-model` (random-weight models), `logits` (one
+prefill forward, full-vocabulary logits), and `bench` when `qspec.bench.cli` provides it.
+
+Every user error (missing or bad model file, prompt too long, bad numbers) prints one line
+`qspec: error: ...` on stderr and returns 2; only bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.config import ConfigError, preset
+from qspec.engine import Engine, EngineOptions, Generation
+from qspec.loader import (
+    QWEN_VOCAB,
+    default_model_path,
+    load_model,
+    load_tokenizer,
+    q4_draft_head,
+    tokenizer_for_vocab,
+    write_model,
+)
+from qspec.model import ops
+from qspec.model.model import CacheOptions
+from qspec.runner import ContextError, Runner
+from qspec.spec.accept import Sampler
+from qspec.tokenizer import Tokenizer
+from qspec.weights import WeightsError
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+MAX_DRAFT = 8
+
+
+class UsageError(Exception):
+    """A bad command line; reported like every other user error (one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse would print the usage block and exit; raise instead so main() reports one line and returns 2.
+    def error(self, message: str) -> None:  # type: ignore[override]
+        where = self.prog.removeprefix("qspec").strip()
+        raise UsageError(f"{where}: {message}" if where else message)
+
+
+def _say(msg: str, file: TextIO | None = None) -> None:
+    print(msg, file=file or sys.stderr, flush=True)
+
+
+def _write_text(out: TextIO, text: str) -> None:
+    """Write streamed text even to a terminal whose encoding cannot hold it (random models emit any script)."""
+    try:
+        out.write(text)
+    except UnicodeEncodeError:
+        enc = getattr(out, "encoding", None) or "ascii"
+        out.write(text.encode(enc, "replace").decode(enc))
+    out.flush()
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def _model_path(arg: str | None) -> Path:
+    if arg is not None:
+        return Path(arg)
+    _say("qspec: using the embedded default model (random weights: the text is gibberish; "
+         "pass --model path.gguf for real weights)")
+    return default_model_path()
+
+
+# ---- qspec run -------------------------------------------------------------------------------------------------------
+def _check_run_args(a: argparse.Namespace) -> None:
+    if not 0 <= a.draft <= MAX_DRAFT:
+        raise UsageError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {a.draft}")
+    if a.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
+    if a.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.ctx < 4 or a.ctx % 4:
+        raise UsageError(f"--ctx must be a positive multiple of 4, got {a.ctx}")
+
+
+def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        raise UsageError("the prompt is empty")
+    bad = max(ids)
+    if bad >= vocab_size:
+        raise UsageError(f"the prompt has token id {bad}, outside the model's vocabulary of {vocab_size}: "
+                         "the tokenizer does not belong to this model")
+    return ids
+
+
+def _jsonable(x: Any) -> Any:
+    """Counter dicts may have tuple or int keys; JSON wants strings."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def generation_json(g: Generation, text: str, options: dict[str, Any]) -> dict[str, Any]:
+    return _jsonable({
+        "text": text, "tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "generated_tokens": len(g.tokens),
+        "stop_reason": g.stop_reason, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
+        "prefill_tps": g.prefill_tps, "decode_tps": g.decode_tps, "spec": g.spec.as_dict(), "pooled": g.pooled,
+        "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options,
+    })
+
+
+def _print_summary(g: Generation, draft: int) -> None:
+    _say(f"prompt: {g.prompt_tokens} tokens, prefill {g.prefill_s:.3f} s ({g.prefill_tps:.1f} tok/s)")
+    _say(f"generated: {len(g.tokens)} tokens, decode {g.decode_s:.3f} s ({g.decode_tps:.1f} tok/s), "
+         f"stop: {g.stop_reason}")
+    if draft:
+        s = g.spec
+        rate = s.accepted / s.drafted if s.drafted else 0.0
+        _say(f"speculative (draft {draft}): {s.rounds} rounds, {s.drafted} drafted, {s.accepted} accepted "
+             f"({rate:.1%}), mean accepted length {s.mean_accepted:.2f}, {s.tokens_per_round:.2f} tokens/round")
+        _say("acceptance by position: " + " ".join(f"{i + 1}:{p:.2f}" for i, p in
+                                                   enumerate(s.acceptance_by_position())))
+
+
+def _print_stats(g: Generation, draft: int) -> None:
+    for ratio, c in g.pooled.items():
+        _say(f"pooled keys {ratio}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+    _say("conv snapshots: " + ", ".join(f"{k}={v}" for k, v in g.snapshots.items()))
+    if draft:
+        hist = Counter(r["accepted"] for r in g.rounds_log)
+        _say("accepted per round: " + " ".join(f"{k}:{hist.get(k, 0)}" for k in range(draft + 1))
+             + f" (rounds with k of {draft} drafts accepted)")
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    _check_run_args(a)
+    dev = _device(a.device)
+    path = _model_path(a.model)
+    tok = load_tokenizer(path)
+    t0 = time.perf_counter()
+    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
+                       with_mtp=None if a.draft else False, hnorm_per_stream=a.hnorm_per_stream)
+    load_s = time.perf_counter() - t0
+    if a.draft and model.mtp is None:
+        raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
+                         "or a model with blk.N.nextn.* / mtp.* tensors)")
+    ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
+    opts = EngineOptions(
+        draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
+        incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
+        fused_snapshots=a.fused_snapshots,
+        draft_lm_head=q4_draft_head(model.lm_head) if a.draft and a.draft_head == "q4" else None)
+    engine = Engine(model, opts)
+    sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
+                      generator=torch.Generator().manual_seed(a.seed))
+    _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
+         f"{'MTP' if model.mtp is not None else 'no MTP'}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
+         f"loaded in {load_s:.1f} s")
+
+    out = sys.stdout
+    stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
+    g = engine.generate(ids, a.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids),
+                        on_token=lambda t: _write_text(out, stream.push(t)))
+    _write_text(out, stream.flush() + "\n")
+
+    _print_summary(g, a.draft)
+    if a.stats:
+        _print_stats(g, a.draft)
+    if a.json:
+        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path), "device": dev.type}
+        doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
+        Path(a.json).write_text(json.dumps(doc, indent=2, ensure_ascii=False), encoding="utf-8")
+    return 0
+
+
+# ---- qspec make-model ------------------------------------------------------------------------------------------------
+def _outputs(out: Path, fmt: str) -> list[tuple[str, Path]]:
+    if fmt != "both":
+        return [(fmt, out)]
+    stem = out.with_suffix("") if out.suffix == ".gguf" else out
+    return [("gguf", stem.with_name(stem.name + ".gguf")), ("hf", stem.with_name(stem.name + "-hf"))]
+
+
+def cmd_make_model(a: argparse.Namespace) -> int:
+    for flag in ("layers", "experts", "ngram_vocab_base", "vocab_size"):
+        v = getattr(a, flag)
+        if v is not None and v <= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
+    if a.qtype and a.format == "hf":
+        raise UsageError("--qtype applies to GGUF output only (--format gguf or both)")
+    cfg = preset(a.preset, layers=a.layers, experts=a.experts, ngram_vocab_base=a.ngram_vocab_base,
+                 vocab_size=a.vocab_size, mtp=not a.no_mtp)
+    tok, note = tokenizer_for_vocab(cfg.vocab_size)
+    _say(f"qspec: {'tokenizer' if tok is not None and cfg.vocab_size == QWEN_VOCAB else 'warning'}: {note}")
+    for fmt, path in _outputs(Path(a.out), a.format):
+        if fmt == "hf" and path.exists() and not path.is_dir():
+            raise UsageError(f"{path} exists and is not a directory")
+        t0 = time.perf_counter()
+        write_model(path, cfg, fmt=fmt, seed=a.seed, dtype=DTYPES[a.dtype],
+                    qtype=QTYPES[a.qtype] if a.qtype and fmt == "gguf" else None, tokenizer=tok)
+        _say(f"qspec: wrote {path} ({fmt}, {a.preset}, {cfg.n_layers} layers, {cfg.n_experts} experts, "
+             f"vocab {cfg.vocab_size}, {'MTP' if cfg.has_mtp else 'no MTP'}, seed {a.seed}) "
+             f"in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+# ---- qspec logits ----------------------------------------------------------------------------------------------------
+def _parse_ids(s: str) -> list[int]:
+    try:
+        ids = [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UsageError(f"--ids: expected comma-separated integers, got {s!r}") from None
+    if not ids:
+        raise UsageError("--ids: no token ids given")
+    return ids
+
+
+def cmd_logits(a: argparse.Namespace) -> int:
+    dev = _device(a.device)
+    path = Path(a.model)
+    if a.ids is not None:
+        ids = _parse_ids(a.ids)
+    else:
+        ids = load_tokenizer(path).encode(a.text, add_special=True)
+        if not ids:
+            raise UsageError("--text: the text encodes to no tokens")
+    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False)
+    V = model.cfg.vocab_size
+    if min(ids) < 0 or max(ids) >= V:
+        raise UsageError(f"token ids must be in [0, {V}), got {min(ids)}..{max(ids)}")
+    runner = Runner(model, CacheOptions(capacity=-(-len(ids) // 4) * 4))
+    with torch.inference_mode(), ops.row_exact_mode(a.exact):
+        logits, _ = runner.step(torch.tensor(ids, dtype=torch.long))  # logit_rows=None: every position
+    import numpy as np  # only this command writes numpy files
+
+    arr = logits.float().cpu().numpy().astype(np.float32, copy=False)
+    np.save(a.out, arr)
+    _say(f"qspec: wrote {a.out}: logits [{arr.shape[0]}, {arr.shape[1]}] float32")
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------------------------------
+def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None:
+    p.add_argument(flag, dest=dest, action="store_false", help=help)
+
+
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    parser = _Parser(prog="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next (qwen4exp).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
+    r.add_argument("prompt")
+    r.add_argument("--model", help="GGUF file or HF checkpoint dir (default: the embedded random-weight model)")
+    r.add_argument("--draft", type=int, default=0, metavar="N", help="MTP draft depth 0..8 (0: plain decoding)")
+    r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0, help="sampling seed")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
+    r.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (a multiple of 4)")
+    r.add_argument("--kv-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32")
+    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    r.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
+    r.add_argument("--exact", action="store_true",
+                   help="row-exact products: verify rows equal decode rows bit for bit (slow; for tests)")
+    r.add_argument("--draft-head", choices=("full", "q4"), default="full",
+                   help="LM head the drafts use (q4: Q4_0-rounded copy; the target always verifies with its own)")
+    _on_off(r, "--no-preserve-pooled", "preserve_pooled", "rebuild pooled indexer keys after every rollback")
+    _on_off(r, "--no-incremental", "incremental", "recompute every complete pooled block each step")
+    r.add_argument("--no-pad", action="store_true", help="do not pad pooled-key updates to a fixed row count")
+    r.add_argument("--pad-target", type=int, choices=(8, 16), default=8, help="rows pooled-key updates pad to")
+    _on_off(r, "--no-fused-snapshots", "fused_snapshots", "write conv snapshots with separate copies")
+    r.add_argument("--hnorm-per-stream", action="store_true",
+                   help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
+    r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
+    r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
+    r.set_defaults(func=cmd_run)
+
+    m = sub.add_parser("make-model", help="write a random-weight model (seed-deterministic)",
+                       description="--format both writes OUT.gguf and the HF dir OUT-hf/.")
+    m.add_argument("out", metavar="OUT")
+    m.add_argument("--preset", choices=("tiny", "flash-next"), default="tiny")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--experts", type=int)
+    m.add_argument("--ngram-vocab-base", type=int)
+    m.add_argument("--vocab-size", type=int, help="default 248320 (the Qwen vocabulary and tokenizer)")
+    m.add_argument("--no-mtp", action="store_true", help="leave out the MTP draft head")
+    m.add_argument("--format", choices=("gguf", "hf", "both"), default="gguf")
+    m.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
+    m.add_argument("--qtype", choices=tuple(QTYPES), help="quantize GGUF matrices")
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=cmd_make_model)
+
+    lg = sub.add_parser("logits", help="full-vocabulary logits of every position (one prefill forward) to .npy")
+    lg.add_argument("model", metavar="MODEL")
+    src = lg.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ids", help="comma-separated token ids")
+    src.add_argument("--text", help="text, tokenized with the model's tokenizer")
+    lg.add_argument("--out", required=True, metavar="FILE.npy")
+    lg.add_argument("--exact", action="store_true", help="row-exact products")
+    lg.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    lg.add_argument("--dtype", choices=tuple(DTYPES))
+    lg.set_defaults(func=cmd_logits)
+
+    # `qspec bench` belongs to qspec.bench.cli: add_parser(subparsers) registers it and sets `func`.
+    if with_bench and importlib.util.find_spec("qspec.bench.cli") is not None:
+        bench = importlib.import_module("qspec.bench.cli")
+        if hasattr(bench, "add_parser"):
+            bench.add_parser(sub)
+    return parser
+
+
+def _wants_bench(argv: list[str]) -> bool:
+    """Only `qspec bench ...` and top-level help import the bench module (it may pull in matplotlib)."""
+    first = next((x for x in argv if not x.startswith("-")), None)
+    return first == "bench" or first is None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        # Loader warnings (fallback tokenizer, ignored tensors) become one plain line each.
+        warnings.showwarning = lambda msg, *_a, **_k: _say(f"qspec: warning: {msg}")
+        try:
+            args = build_parser(with_bench=_wants_bench(argv)).parse_args(argv)
+            return int(args.func(args) or 0)
+        # WeightsError, ConfigError and ContextError are ValueErrors; listed for the reader.
+        except (UsageError, WeightsError, ConfigError, ContextError, ValueError, OSError) as e:
+            _say(f"qspec: error: {e}")
+        except SystemExit as e:  # --help
+            return e.code if isinstance(e.code, int) else 0
+        except KeyboardInterrupt:
+            _say("qspec: interrupted")
+            return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Routed experts for a few tokens (decode / verify, M <= 16), reading only the chosen experts' weights.
+
+`moe_few` is the routed half of `MoE.forward` (the shared expert stays there): Triton kernels
+(triton_moe.py) on CUDA, the per-(token, expert) loop `moe_few_torch` otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qspec.kernels.triton_common import use_triton
+
+MAX_ROWS = 16
+
+
+def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+           down: torch.Tensor) -> None:
+    M, D = h.shape
+    E, Fd, D2 = gate.shape
+    if D2 != D or up.shape != gate.shape or down.shape != (E, D, Fd):
+        raise ValueError(f"expert shapes: h {tuple(h.shape)} gate {tuple(gate.shape)} up {tuple(up.shape)} "
+                         f"down {tuple(down.shape)}")
+    if top_i.dim() != 2 or top_i.shape[0] != M or top_w.shape != top_i.shape or top_i.dtype != torch.int64:
+        raise ValueError(f"routing: top_i {tuple(top_i.shape)} {top_i.dtype}, top_w {tuple(top_w.shape)}")
+
+
+def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
+                  up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Reference: each (token, expert) pair as its own product, slot outputs weighted and summed (as MoE._per_token)."""
+    _check(h, top_i, top_w, gate, up, down)
+    rows = []
+    for t, experts in enumerate(top_i.tolist()):
+        x = h[t:t + 1]
+        ys = [F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e]) for e in experts]
+        rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
+    return torch.cat(rows)
+
+
+def moe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """sum_j top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m), e = top_i[m, j]: out [M, D] in h.dtype.
+
+    h [M, D]; top_i [M, k] int64; top_w [M, k] (h.dtype, as MoE.route returns it); gate/up [E, F, D],
+    down [E, D, F]. Two Triton launches on CUDA for M <= 16, no host sync; the reference otherwise."""
+    _check(h, top_i, top_w, gate, up, down)
+    if use_triton(h) and h.shape[0] <= MAX_ROWS:
+        from qspec.kernels.triton_moe import moe_few_triton
+
+        return moe_few_triton(h, top_i, top_w, gate, up, down)
+    return moe_few_torch(h, top_i, top_w, gate, up, down)

@@ -1,0 +1,81 @@
+"""The draft's Q4 LM head: ggml Q4_0 weights kept packed on the device, and a matvec that reads them as is.
+
+`Q4Weight` holds the two planes of a Q4_0 tensor (nibbles and f16 block scales, ggml's layout and
+rounding via `quantize_q4_0`); `q4_matvec` multiplies a few rows by it, with the Triton kernel
+(triton_q4.py) on CUDA and dequantize-then-matmul otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qspec.kernels.triton_common import use_triton
+from qspec.weights.dequant import quantize_q4_0
+
+QK = 32  # elements per Q4_0 block
+BLOCK_BYTES = 18  # f16 scale + 16 bytes of nibbles
+MAX_ROWS = 8
+
+
+@dataclass
+class Q4Weight:
+    packed: torch.Tensor  # [N, K/2] uint8: per block, byte i = element i (low nibble) | element i + 16 (high)
+    scales: torch.Tensor  # [N, K/32] f16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @classmethod
+    def from_ggml(cls, raw: torch.Tensor, shape: tuple[int, int]) -> Q4Weight:
+        """From a GGUF Q4_0 tensor's raw bytes ([N * K/32 * 18] uint8, row-major blocks), on raw's device."""
+        N, K = shape
+        if K % QK or raw.dtype != torch.uint8 or raw.numel() != N * (K // QK) * BLOCK_BYTES:
+            raise ValueError(f"not a Q4_0 tensor of shape {shape}: {raw.numel()} bytes of {raw.dtype}")
+        blocks = raw.reshape(N, K // QK, BLOCK_BYTES)
+        scales = blocks[..., :2].contiguous().view(torch.float16).reshape(N, K // QK)
+        packed = blocks[..., 2:].reshape(N, K // 2).contiguous()
+        return cls(packed, scales)
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor) -> Q4Weight:
+        """Quantize w [N, K] (K a multiple of 32) exactly as ggml's quantize_row_q4_0, on w's device."""
+        if w.dim() != 2:
+            raise ValueError(f"expected a matrix, got shape {tuple(w.shape)}")
+        return cls.from_ggml(quantize_q4_0(w).reshape(-1), (w.shape[0], w.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in `dtype`: d * (q - 8), computed in f32 (exact), as ggml's dequantize_row_q4_0."""
+        N, K = self.shape
+        qs = self.packed.view(N, K // QK, QK // 2)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8.0
+        return (self.scales.float()[..., None] * q).reshape(N, K).to(dtype)
+
+    def to(self, device: torch.device | str) -> Q4Weight:
+        return Q4Weight(self.packed.to(device), self.scales.to(device))
+
+
+def q4_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
+    """Reference: x [..., K] @ dequantize(W)^T in f32, returned in x.dtype."""
+    return (x.float() @ W.dequantize(torch.float32).t()).to(x.dtype)
+
+
+def q4_matvec(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W^T (f32 accumulation, output in x.dtype).
+
+    Triton on CUDA, reading the packed bytes directly (rows beyond 8 go in chunks of 8 rows, each
+    chunk re-reading W: fine for the draft's 1-row steps, wasteful for a prefill); dequantize then
+    matmul otherwise."""
+    if not use_triton(x):
+        return q4_matvec_torch(x, W)
+    from qspec.kernels.triton_q4 import q4_matvec_triton
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    ys = [q4_matvec_triton(x2[i:i + MAX_ROWS], W.packed, W.scales) for i in range(0, x2.shape[0], MAX_ROWS)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys)
+    return y.reshape(*lead, W.shape[0])

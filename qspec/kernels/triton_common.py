@@ -1,0 +1,57 @@
+"""What every Triton kernel module shares: whether Triton can be used, and small jit helpers.
+
+Triton is optional: without it (or on the CPU) every dispatch function runs its torch reference.
+`QSPEC_TRITON=0` forces the torch references on CUDA too (A/B runs). `TRITON_INTERPRET=1` runs the
+kernels on CPU tensors through Triton's interpreter, which is how the CPU tests exercise them.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs: every dispatch falls back to its torch reference
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_enabled() -> bool:
+    return HAS_TRITON and os.environ.get("QSPEC_TRITON", "1") != "0"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the dispatch should launch the Triton kernel for tensors on t's device."""
+    return triton_enabled() and (t.is_cuda or INTERPRET)
+
+
+def tl_dtype(dt: torch.dtype):  # type: ignore[no-untyped-def]
+    """The Triton dtype of a torch floating dtype (a constexpr kernel argument)."""
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dt]
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def round_to(x, DT: tl.constexpr):
+        """Round f32 `x` to dtype DT and back (torch's per-op rounding for a DT tensor).
+
+        bf16 uses integer round-to-nearest-even instead of a cast: identical to the GPU's cvt.rn for
+        finite values, and the interpreter's cast truncates, so this keeps the CPU tests exact too."""
+        if DT == tl.bfloat16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            y = b.to(tl.float32, bitcast=True)
+        elif DT == tl.float16:
+            y = x.to(tl.float16).to(tl.float32)
+        else:
+            y = x
+        return y

@@ -1,0 +1,117 @@
+"""Seed Algorithm 5 in Triton: X = S || T^T and every rollback window, from one load of each row.
+
+One program owns BLOCK_C = 128 channel rows (the seed's groups of 128 threads). Each row's s + n
+words are loaded once into a [BLOCK_C, W] register tile (W = 16, the seed's V[16]) and every output
+is a masked store of that same tile: X at column w, window j at column w - (j + 1) of plane
+dest_j. The tensors are passed as int32 views, so the kernel only ever moves 32-bit words and
+every f32 bit pattern (NaN payloads, denormals, -0) survives unchanged.
+
+The caller must have accepted the group with `plan_snapshots` (Algorithm 4): destinations in
+bounds, pairwise disjoint and disjoint from S, T and X. Under that contract no program reads a
+word that another program writes, so there is no ordering hazard between programs.
+"""
+
+import torch
+
+from qspec.kernels.conv_snapshot import ROW_WORDS
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
+
+BLOCK_C = 128
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _conv_snapshot_kernel(s_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
+                              s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
+                              SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
+                              DEST_IS_BASE: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        r64 = rows.to(tl.int64)[:, None]  # planes can exceed 2^31 words in total
+        rmask = (rows < C)[:, None]
+        c = tl.arange(0, W)[None, :]
+        in_s = c < SW
+        in_t = (c >= SW) & (c < SW + NT)
+        # column c < s comes from S[row, c], column s + i from T[i, row]; masked lanes never touch memory
+        sv = tl.load(s_ptr + r64 * s_row + c * s_col, mask=rmask & in_s, other=0)
+        tv = tl.load(t_ptr + (c - SW) * t_tok + r64 * t_ch, mask=rmask & in_t, other=0)
+        v = tl.where(in_s, sv, tv)  # V[0 : s + n], the row's only load
+        tl.store(x_ptr + r64 * (SW + NT) + c, v, mask=rmask & (c < SW + NT))
+        for j in range(k):
+            if DEST_IS_BASE:
+                p = tl.load(dest_ptr) + j
+            else:
+                p = tl.load(dest_ptr + j)
+            win = (c > j) & (c <= j + SW)  # window j = V[j + 1 : j + 1 + s]
+            tl.store(planes_ptr + p * p_plane + r64 * p_row + (c - (j + 1)) * p_col, v, mask=rmask & win)
+
+
+def _check(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor, k: int | None) -> int:
+    """Validate shapes and return the window count k."""
+    if S.dim() != 2 or T.dim() != 2 or planes.dim() != 3:
+        raise ValueError(f"expected S [C, s], T [n, C], planes [P, C, s]; got {tuple(S.shape)}, "
+                         f"{tuple(T.shape)}, {tuple(planes.shape)}")
+    C, s = S.shape
+    n = T.shape[0]
+    if T.shape[1] != C or tuple(planes.shape[1:]) != (C, s):
+        raise ValueError(f"shape mismatch: S {tuple(S.shape)}, T {tuple(T.shape)}, planes {tuple(planes.shape)}")
+    if dest.dtype != torch.int64 or dest.dim() > 1:
+        raise ValueError("dest must be an int64 scalar (base plane) or 1-D tensor of planes")
+    if dest.dim() == 1:
+        if k is not None and k != dest.numel():
+            raise ValueError(f"k={k} but dest holds {dest.numel()} planes")
+        k = dest.numel()
+    elif k is None:
+        raise ValueError("a scalar dest (base plane) needs k")
+    if not 0 <= k <= n:
+        raise ValueError(f"k={k} windows need 0 <= k <= n={n}")
+    return k
+
+
+def conv_snapshot_torch(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
+                        k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: exactly the fused branch of `write_snapshots` (cat, then one index_copy of all windows)."""
+    k = _check(S, T, planes, dest, k)
+    s = S.shape[1]
+    X = torch.cat([S, T.t().to(S.dtype)], dim=1, out=out) if out is not None else torch.cat([S, T.t().to(S.dtype)], 1)
+    if k:
+        idx = dest + torch.arange(k, device=dest.device) if dest.dim() == 0 else dest
+        planes.index_copy_(0, idx, X.unfold(1, s, 1)[:, 1:k + 1].permute(1, 0, 2))
+    return X
+
+
+def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
+                         k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel (Algorithm 5); same contract as `conv_snapshot`."""
+    k = _check(S, T, planes, dest, k)
+    C, s = S.shape
+    n = T.shape[0]
+    if S.dtype != torch.float32 or T.dtype != torch.float32 or planes.dtype != torch.float32:
+        raise ValueError("the fused snapshot kernel moves f32 words only")
+    if s + n > ROW_WORDS:
+        raise ValueError(f"s + n = {s + n} exceeds the {ROW_WORDS}-word row buffer")
+    X = out if out is not None else torch.empty(C, s + n, dtype=torch.float32, device=S.device)
+    if X.shape != (C, s + n) or X.dtype != torch.float32 or not X.is_contiguous():
+        raise ValueError("out must be a contiguous f32 [C, s + n] tensor")
+    Si, Ti, Xi, Pi = (t.view(torch.int32) for t in (S, T, X, planes))  # bit-preserving word copies
+    grid = (triton.cdiv(C, BLOCK_C),)
+    _conv_snapshot_kernel[grid](
+        Si, Ti, Xi, Pi, dest, C, k,
+        S.stride(0), S.stride(1), T.stride(0), T.stride(1), planes.stride(0), planes.stride(1), planes.stride(2),
+        SW=s, NT=n, W=max(next_pow2(s + n), 2), DEST_IS_BASE=dest.dim() == 0, BLOCK=BLOCK_C, num_warps=4)
+    return X
+
+
+def conv_snapshot(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
+                  k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """X = S || T^T ([C, s+n] f32) and planes[dest_j] = X[:, j+1 : j+1+s] for j < k; returns X.
+
+    S [C, s] f32 (any strides, e.g. a view of the live plane); T [n, C] f32 (token-major);
+    planes [P, C, s] f32; dest: either a 1-D int64 device tensor of the k destination planes, or an
+    int64 device scalar `base` with `k` given (planes base + j, no index tensor to build).
+    The caller guarantees Algorithm 4's conditions (see `plan_snapshots`). Triton on CUDA when
+    s + n <= 16 and everything is f32, the torch reference otherwise; both are bit-identical."""
+    if use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and S.shape[1] + T.shape[0] <= ROW_WORDS:
+        return conv_snapshot_triton(S, T, planes, dest, k, out)
+    return conv_snapshot_torch(S, T, planes, dest, k, out)

@@ -1,0 +1,125 @@
+"""The gated delta rule for decode / verify rows in Triton, writing the state after every row to its slot.
+
+Per value head h and token t (q, k L2-normalised, q already scaled):
+    S <- exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S <- S + k_t u^T;  o_t = S^T q_t;  ssm[base + t, h] = S
+
+One program owns head h and a block of BV value columns: its [dk, BV] slice of the state stays in
+registers across all T tokens. Columns of S never mix (every product above is per column), so
+programs are independent: each loads its own slice of plane `live` before it writes anything,
+and no other program touches that slice. The reads and writes may therefore share one buffer
+(the recurrent cache's ping-pong planes). The matrix-vector products are broadcast-multiply +
+reductions: with one token at a time there is no M >= 16 operand for tensor cores.
+"""
+
+import torch
+
+from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
+
+MAX_ROWS = 16
+DEFAULT_BV = 32
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
+                    q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        h = tl.program_id(1)
+        hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
+        ik = tl.arange(0, BK)
+        iv = tl.program_id(0) * BV + tl.arange(0, BV)
+        kmask = ik < DK
+        vmask = iv < DV
+        tmask = kmask[:, None] & vmask[None, :]
+        tile = ik.to(tl.int64)[:, None] * s_k + iv[None, :]
+        head = h.to(tl.int64) * s_h
+        live = tl.load(live_ptr)
+        base = tl.load(base_ptr)
+        S = tl.load(ssm_ptr + live * s_p + head + tile, mask=tmask, other=0.0)
+        for t in range(T):
+            qt = tl.load(q_ptr + t * q_t + hq * q_h + ik, mask=kmask, other=0.0).to(tl.float32)
+            kt = tl.load(k_ptr + t * k_t + hq * k_h + ik, mask=kmask, other=0.0).to(tl.float32)
+            vt = tl.load(v_ptr + t * v_t + h * v_h + iv, mask=vmask, other=0.0).to(tl.float32)
+            gt = tl.load(g_ptr + t * g_t + h * g_h).to(tl.float32)
+            bt = tl.load(b_ptr + t * b_t + h * b_h).to(tl.float32)
+            S = S * tl.exp(gt)
+            kv = tl.sum(S * kt[:, None], axis=0)  # [BV]: S^T k
+            u = (vt - kv) * bt
+            S = S + kt[:, None] * u[None, :]
+            ot = tl.sum(S * qt[:, None], axis=0)
+            tl.store(o_ptr + t * o_t + h * o_h + iv, ot, mask=vmask)
+            tl.store(ssm_ptr + (base + t) * s_p + head + tile, S, mask=tmask)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           ssm: torch.Tensor) -> None:
+    T, Hq, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                         f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    if Hv % Hq or ssm.dim() != 4 or tuple(ssm.shape[1:]) != (Hv, dk, dv):
+        raise ValueError(f"ssm {tuple(ssm.shape)} does not fit Hv={Hv} dk={dk} dv={dv} (q heads {Hq})")
+    if ssm.dtype != torch.float32:
+        raise ValueError("the state must be f32")
+    if not 1 <= T <= ssm.shape[0]:
+        raise ValueError(f"{T} rows do not fit {ssm.shape[0]} planes")
+
+
+def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
+                               base: torch.Tensor) -> torch.Tensor:
+    """Reference: what GatedDeltaNet.forward does today for a short step (gather, recurrence, scatter)."""
+    _check(q, k, v, g, beta, ssm)
+    T, Hq = q.shape[:2]
+    rep = v.shape[1] // Hq
+    if rep > 1:
+        q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
+    S0 = ssm.index_select(0, live.view(1))[0]
+    o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
+    ssm.index_copy_(0, base + torch.arange(T, device=ssm.device), states)
+    return o
+
+
+def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
+                                block_v: int = DEFAULT_BV, num_warps: int = 4,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel; same contract as `gdn_recurrent_planes`."""
+    _check(q, k, v, g, beta, ssm)
+    T, Hq, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    if T > MAX_ROWS:
+        raise ValueError(f"{T} rows: the per-row kernel is for at most {MAX_ROWS} (use the chunked form)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(2) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim")
+    if ssm.stride(3) != 1 or live.dtype != torch.int64 or base.dtype != torch.int64:
+        raise ValueError("ssm needs a contiguous last dim; live/base must be int64 device scalars")
+    o = out if out is not None else torch.empty(T, Hv, dv, dtype=torch.float32, device=q.device)
+    if o.shape != (T, Hv, dv) or o.dtype != torch.float32 or o.stride(2) != 1:
+        raise ValueError("out must be f32 [T, Hv, dv] with a contiguous last dim")
+    bv = min(block_v, next_pow2(dv))
+    grid = (triton.cdiv(dv, bv), Hv)
+    _gdn_kernel[grid](q, k, v, g, beta, ssm, live, base, o, T, Hq,
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+                      ssm.stride(0), ssm.stride(1), ssm.stride(2),
+                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, num_warps=num_warps)
+    return o
+
+
+def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Gated delta rule over T <= 16 rows, reading plane `live` and writing row t's state to plane base + t.
+
+    q, k [T, Hq, dk] f32 (L2-normed, q scaled; Hq = Hv when the caller expanded the key heads, or the
+    k-head count, value head h then reading key head h % Hq, llama.cpp's tiled order); v [T, Hv, dv];
+    g, beta [T, Hv] f32; ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
+    Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
+    if use_triton(q) and q.shape[0] <= MAX_ROWS:
+        return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base)
+    return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base)

@@ -1,0 +1,104 @@
+"""Routed MoE for a few tokens in Triton: each (token, slot) pair reads only its chosen expert's rows.
+
+Kernel 1, grid (F / BF, M * k): pair (m, j) with expert e = top_i[m, j] computes
+    act[m, j, f] = silu(gate_e[f] . h_m) * (up_e[f] . h_m)   for BF rows f
+Kernel 2, grid (D / BD, M): for each of token m's k slots, in slot order,
+    out[m, d] += top_w[m, j] * (down_e[d] . act[m, j])
+so the sum over slots is a fixed-order loop inside one program (deterministic, no atomics, no
+[M, k, D] buffer). Expert weights are addressed in place (e * stride); nothing is gathered or copied.
+
+Rounding follows the torch reference (`MoE._per_token`) op by op: every linear output, the silu,
+the product, each weighted slot output is rounded to the activation dtype, and the slot sum is
+accumulated in f32 and rounded once, so results differ only by f32 accumulation order.
+"""
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
+
+DEFAULT_CONFIG = (32, 128, 32, 128, 4)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import round_to
+
+    @triton.jit
+    def _moe_gate_up_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, D, F, KS,
+                            h_m, ti_m, g_e, g_f, u_e, u_f, a_m, a_k,
+                            DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
+        pair = tl.program_id(1)
+        m = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + m * ti_m + j).to(tl.int64)
+        f = tl.program_id(0) * BF + tl.arange(0, BF)
+        fmask = f < F
+        f64 = f.to(tl.int64)
+        grow = gate_ptr + e * g_e + f64[:, None] * g_f  # [BF, 1] row starts of the chosen expert
+        urow = up_ptr + e * u_e + f64[:, None] * u_f
+        accg = tl.zeros([BF, BD], dtype=tl.float32)
+        accu = tl.zeros([BF, BD], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            dmask = d < D
+            x = tl.load(h_ptr + m * h_m + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+            wm = fmask[:, None] & dmask[None, :]
+            accg += tl.load(grow + d[None, :], mask=wm, other=0.0).to(tl.float32) * x
+            accu += tl.load(urow + d[None, :], mask=wm, other=0.0).to(tl.float32) * x
+        g = round_to(tl.sum(accg, axis=1), DT)
+        u = round_to(tl.sum(accu, axis=1), DT)
+        a = round_to(g / (1.0 + tl.exp(-g)), DT)
+        act = round_to(a * u, DT)
+        tl.store(act_ptr + m * a_m + j * a_k + f, act.to(act_ptr.dtype.element_ty), mask=fmask)
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, out_ptr, D, F, KS,
+                         a_m, a_k, ti_m, tw_m, d_e, d_d, o_m,
+                         DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):
+        m = tl.program_id(1)
+        d = tl.program_id(0) * BD + tl.arange(0, BD)
+        dmask = d < D
+        d64 = d.to(tl.int64)
+        total = tl.zeros([BD], dtype=tl.float32)
+        for j in range(KS):
+            e = tl.load(ti_ptr + m * ti_m + j).to(tl.int64)
+            w = tl.load(tw_ptr + m * tw_m + j).to(tl.float32)
+            drow = down_ptr + e * d_e + d64[:, None] * d_d
+            acc = tl.zeros([BD, BF], dtype=tl.float32)
+            for f0 in range(0, F, BF):
+                f = f0 + tl.arange(0, BF)
+                fmask = f < F
+                a = tl.load(act_ptr + m * a_m + j * a_k + f, mask=fmask, other=0.0).to(tl.float32)
+                wd = tl.load(drow + f[None, :], mask=dmask[:, None] & fmask[None, :], other=0.0).to(tl.float32)
+                acc += wd * a[None, :]
+            y = round_to(tl.sum(acc, axis=1), DT)
+            total += round_to(y * w, DT)
+        total = round_to(total, DT)
+        tl.store(out_ptr + m * o_m + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
+                   up: torch.Tensor, down: torch.Tensor,
+                   config: tuple[int, int, int, int, int] = DEFAULT_CONFIG,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch both kernels; shapes as in `moe_few` (already checked)."""
+    M, D = h.shape
+    k = top_i.shape[1]
+    F = gate.shape[1]
+    for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    bf1, bd1, bd2, bf2, warps = config
+    dt = tl_dtype(h.dtype)
+    act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
+    out = out if out is not None else torch.empty(M, D, dtype=h.dtype, device=h.device)
+    if out.shape != (M, D) or out.dtype != h.dtype or out.stride(1) != 1:
+        raise ValueError("out must be [M, D] in h.dtype with a contiguous last dim")
+    _moe_gate_up_kernel[(triton.cdiv(F, bf1), M * k)](
+        h, top_i, gate, up, act, D, F, k, h.stride(0), top_i.stride(0), gate.stride(0), gate.stride(1),
+        up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, num_warps=warps)
+    _moe_down_kernel[(triton.cdiv(D, bd2), M)](
+        act, top_i, top_w, down, out, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
+        down.stride(0), down.stride(1), out.stride(0), DT=dt, BD=bd2, BF=bf2, num_warps=warps)
+    return out

