@@ -166,10 +166,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
                          "or a model with blk.N.nextn.* / mtp.* tensors)")
     ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
+    if len(ids) + a.max_tokens + a.draft + 1 > a.ctx:
+        raise UsageError(f"the prompt ({len(ids)} tokens) + --max-tokens {a.max_tokens} + {a.draft + 1} draft rows "
+                         f"need {len(ids) + a.max_tokens + a.draft + 1} cells, more than --ctx {a.ctx}")
     opts = EngineOptions(
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
-        fused_snapshots=a.fused_snapshots,
+        fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs,
         draft_lm_head=q4_draft_head(model.lm_head) if a.draft and a.draft_head == "q4" else None)
     engine = Engine(model, opts)
     sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
@@ -291,6 +294,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--no-pad", action="store_true", help="do not pad pooled-key updates to a fixed row count")
     r.add_argument("--pad-target", type=int, choices=(8, 16), default=8, help="rows pooled-key updates pad to")
     _on_off(r, "--no-fused-snapshots", "fused_snapshots", "write conv snapshots with separate copies")
+    _on_off(r, "--no-cuda-graphs", "cuda_graphs", "run the CUDA decode/verify/draft steps eagerly")
     r.add_argument("--hnorm-per-stream", action="store_true",
                    help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
@@ -345,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             args = build_parser(with_bench=_wants_bench(argv)).parse_args(argv)
             return int(args.func(args) or 0)
-        # WeightsError, ConfigError and ContextError are ValueErrors; listed for the reader.
-        except (UsageError, WeightsError, ConfigError, ContextError, ValueError, OSError) as e:
+        # Other exceptions (a ValueError from deep inside included) are bugs: the commands check their inputs
+        # first, so those keep their traceback.
+        except (UsageError, WeightsError, ConfigError, ContextError, OSError) as e:
             _say(f"qspec: error: {e}")
         except SystemExit as e:  # --help
             return e.code if isinstance(e.code, int) else 0

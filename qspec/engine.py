@@ -43,6 +43,7 @@ class EngineOptions:
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
+    cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
     record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
 
     def cache_options(self) -> CacheOptions:
@@ -64,6 +65,7 @@ class Generation:
     snapshots: dict[str, object] = field(default_factory=dict)
     rounds_log: list[dict[str, int]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    graphs: dict[str, object] = field(default_factory=dict)
 
     @property
     def decode_tps(self) -> float:
@@ -82,7 +84,7 @@ class Engine:
             raise ValueError(f"draft depth must be in [0, 8], got {self.opts.draft}")
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
-        self.runner = Runner(model, self.opts.cache_options())
+        self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=self.opts.cuda_graphs)
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
@@ -107,6 +109,7 @@ class Engine:
                   on_token: Callable[[int], None] | None) -> Generation:
         o, run, dev = self.opts, self.runner, self.model.device
         run.reset()
+        run.graph_stats = type(run.graph_stats)()
         stats = SpecStats()
         out: list[int] = []
         rounds_log: list[dict[str, int]] = []
@@ -214,4 +217,4 @@ class Engine:
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log,
-                          logits_log)
+                          logits_log, run.graph_stats.as_dict())

@@ -80,7 +80,10 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         raise WeightsError(f"{p}: file not found")
     if p.is_dir():
         if (p / "tokenizer.json").is_file():
-            return Tokenizer.from_dir(p)
+            try:
+                return Tokenizer.from_dir(p)
+            except ValueError as e:
+                raise WeightsError(f"{p}: unusable tokenizer.json: {e}") from e
         where = f"{p} has no tokenizer.json"
     else:
         if not _is_gguf(p):

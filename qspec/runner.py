@@ -7,32 +7,104 @@ attention/indexer cells, then the pooled-key descriptors (seed Algorithm 1).
 
 from __future__ import annotations
 
+import copy
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 
+from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.model.model import CacheOptions, Model, ModelCache
 from qspec.model.qsa import PooledUpdate
+
+# Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
+GRAPH_MAX_ROWS = 16
 
 
 class ContextError(ValueError):
     """The request does not fit the cache capacity."""
 
 
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: tuple[torch.Tensor, torch.Tensor]
+    snap: SnapshotStats  # what one replay adds to the snapshot counters (host logic runs only at capture)
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager: int = 0
+    eager_reasons: Counter = field(default_factory=Counter)
+    shapes: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager,
+                "eager_reasons": dict(self.eager_reasons), "graphs_by_shape": {str(k): v for k, v in self.shapes.items()}}
+
+
 class Runner:
-    def __init__(self, model: Model, opts: CacheOptions) -> None:
+    def __init__(self, model: Model, opts: CacheOptions, *, cuda_graphs: bool = False, max_graphs: int = 32) -> None:
         self.model, self.opts = model, opts
         self.cache: ModelCache = model.new_cache(opts)
         self.n_tokens = 0  # committed tokens in the target caches
         self.history: list[int] = []  # the committed tokens, by position
         self.last_plan_rows: dict[int, tuple[int, int]] = {}
+        self.use_graphs = cuda_graphs and model.device.type == "cuda" and model.graph_safe
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple, _Graph] = {}
+        self.graph_stats = GraphStats()
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
     @property
     def device(self) -> torch.device:
         return self.model.device
 
     def reset(self) -> None:
-        self.cache = self.model.new_cache(self.opts)
+        """Forget the sequence. Buffers are cleared in place, so captured graphs stay valid."""
+        self.cache.clear()
         self.n_tokens = 0
         self.history = []
+
+    def _run(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: list[torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fn(*inputs) eagerly, or through a CUDA graph captured for this shape (`key`)."""
+        if not self.use_graphs:
+            return fn(*inputs)
+        st = self.graph_stats
+        g = self.graphs.get(key)
+        if g is not None:
+            for buf, x in zip(g.inputs, inputs, strict=True):
+                buf.copy_(x, non_blocking=True)
+            g.graph.replay()
+            st.replays += 1
+            _add_snap(self.cache.snap_stats, g.snap)
+            return g.outputs
+        # First time for this shape: the eager run is the real step (and warms up kernels); then
+        # capture, which records without executing, so no state changes twice.
+        before = copy.deepcopy(self.cache.snap_stats)
+        out = fn(*inputs)
+        snap = _diff_snap(self.cache.snap_stats, before)
+        st.eager += 1
+        if len(self.graphs) >= self.max_graphs:
+            st.eager_reasons["graph limit reached"] += 1
+            return out
+        st.eager_reasons["first use of a shape"] += 1
+        bufs = [x.clone() for x in inputs]
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        saved = copy.deepcopy(self.cache.snap_stats)
+        with torch.cuda.graph(graph, pool=self._pool):
+            outs = fn(*bufs)
+        self.cache.snap_stats = saved
+        self.graphs[key] = _Graph(graph, bufs, outs, snap)
+        st.captures += 1
+        st.shapes[key] += 1
+        return out
 
     def step(self, tokens: torch.Tensor, logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run rows `tokens` after the committed ones. Call `keep` afterwards."""
@@ -50,7 +122,18 @@ class Runner:
             upd[r] = PooledUpdate(torch.from_numpy(plan.cells).to(dev), torch.from_numpy(plan.start).to(dev),
                                   torch.from_numpy(plan.dest).to(dev))
         pos = torch.arange(L, L + T, device=dev)
-        logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows)
+        if self.use_graphs and T <= GRAPH_MAX_ROWS and logit_rows is None:
+            rs = sorted(upd)
+            key = ("target", T, tuple((r, upd[r].dest.shape[0]) for r in rs))
+            flat = [tokens.to(dev), pos] + [t for r in rs for t in (upd[r].cells, upd[r].start, upd[r].dest)]
+
+            def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ups = {r: PooledUpdate(*u[3 * i:3 * i + 3]) for i, r in enumerate(rs)}
+                return self.model(tok, p, c, ups, None)
+
+            logits, X = self._run(key, fwd, flat)
+        else:
+            logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows)
         for lay in c.layouts.values():
             lay.commit()
         self._pending = (L, T)
@@ -87,6 +170,10 @@ class Runner:
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
         pos = torch.arange(start, start + T, device=self.device)
+        if self.use_graphs and T <= GRAPH_MAX_ROWS:
+            key = ("mtp", T, lm_head is not None)
+            return self._run(key, lambda tok, h, p: self.model.mtp_forward(tok, h, p, self.cache, lm_head),
+                             [tokens.to(self.device), H, pos])
         return self.model.mtp_forward(tokens.to(self.device), H, pos, self.cache, lm_head)
 
     def committed_state(self) -> dict[str, torch.Tensor]:
@@ -103,3 +190,16 @@ class Runner:
             out[f"idx{i}.raw"] = ix.raw[:n].clone()
             out[f"idx{i}.pooled"] = ix.pooled[:n // ix.ratio].clone()
         return out
+
+
+def _diff_snap(a: SnapshotStats, b: SnapshotStats) -> SnapshotStats:
+    return SnapshotStats(a.fused - b.fused, a.ordinary - b.ordinary, a.dispatches - b.dispatches,
+                         a.source_reads - b.source_reads, a.fallbacks - b.fallbacks)
+
+
+def _add_snap(a: SnapshotStats, d: SnapshotStats) -> None:
+    a.fused += d.fused
+    a.ordinary += d.ordinary
+    a.dispatches += d.dispatches
+    a.source_reads += d.source_reads
+    a.fallbacks.update(d.fallbacks)

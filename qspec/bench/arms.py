@@ -5,7 +5,7 @@ Built-in arms (the seed's comparison):
   baseline  MTP3 with the seed's optimizations off and the full-precision draft head (the llama.cpp arm)
   ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
 
-Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (0|none = off, else rows),
+Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
 fused, q4 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -119,12 +119,9 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
             if v.lower() in ("0", "none", "off", "false"):
                 fields["pad"] = None
             else:
-                try:
-                    fields["pad"] = int(v)
-                except ValueError as e:
-                    raise ValueError(f"arm {spec!r}: pad={v!r} is not a row count (8, 16) or 0/none") from e
-                if fields["pad"] < 1:
-                    raise ValueError(f"arm {spec!r}: pad must be >= 1 or 0/none, got {v}")
+                if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
+                    raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
+                fields["pad"] = int(v)
         elif k in ("preserve", "incremental", "fused", "q4"):
             fields[k] = _bool(k, v, spec)
         else:

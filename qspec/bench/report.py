@@ -80,7 +80,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{proto['gen_tokens']:,} generated tokens per run",
         f"- Protocol: greedy, one sequence, {proto['kv_type']} K/V cache, context capacity {proto['capacity']:,}, "
         f"{proto['warmup_tokens']}-token warmup per arm, no prompt caching, stop tokens ignored; "
-        f"{proto['reps']} runs per arm, arms alternated in one process; decode speed = generated tokens / "
+        f"runs per arm: {proto['reps']}, arms alternated in one process; decode speed = generated tokens / "
         "decode time (prefill excluded)",
     ]
     lines += [f"- Note: {n}" for n in sorted(notes)]

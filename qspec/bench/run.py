@@ -266,10 +266,11 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
     ref = "baseline" if any(a.name == "baseline" for a in proto.arms) else proto.arms[0].name
     n_warm = len(proto.arms) if proto.warmup > 0 else 0
     total = len(proto.prompt_tokens) * (n_warm + proto.reps * len(proto.arms))
+    if progress:
+        say(f"bench {proto.benchmark}: {len(proto.arms)} arms x {proto.reps} reps x prompts {proto.prompt_tokens}, "
+            f"{proto.gen_tokens} generated tokens, {proto.accept.label}")
     bar = _progress(total, f"bench {proto.benchmark}", progress)
     runs: list[dict[str, Any]] = []
-    say(f"bench {proto.benchmark}: {len(proto.arms)} arms x {proto.reps} reps x prompts {proto.prompt_tokens}, "
-        f"{proto.gen_tokens} generated tokens, {proto.accept.label}")
     try:
         for p in proto.prompt_tokens:
             ids = list(prompts[p])

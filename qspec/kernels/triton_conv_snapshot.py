@@ -22,11 +22,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _conv_snapshot_kernel(s_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
-                              s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
+    @triton.jit(do_not_specialize=["k"])  # one compiled kernel per (s, n), whatever k
+    def _conv_snapshot_kernel(s_ptr, live_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
+                              s_plane, s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
                               SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
-                              DEST_IS_BASE: tl.constexpr, BLOCK: tl.constexpr):
+                              DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, BLOCK: tl.constexpr):
+        if LIVE:  # S is plane `live` of a [P, C, s] tensor, chosen on the device (no gather launch)
+            s_ptr += tl.load(live_ptr) * s_plane
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         r64 = rows.to(tl.int64)[:, None]  # planes can exceed 2^31 words in total
         rmask = (rows < C)[:, None]
@@ -47,8 +49,17 @@ if HAS_TRITON:
             tl.store(planes_ptr + p * p_plane + r64 * p_row + (c - (j + 1)) * p_col, v, mask=rmask & win)
 
 
+def _state(S: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """The [C, s] state: S itself, or plane `live` of S [P, C, s] (gathered on the device)."""
+    if live is None:
+        return S
+    if S.dim() != 3 or live.dtype != torch.int64 or live.dim() != 0:
+        raise ValueError("with `live`, S must be [P, C, s] and live an int64 device scalar")
+    return S.index_select(0, live.view(1))[0]
+
+
 def _check(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor, k: int | None) -> int:
-    """Validate shapes and return the window count k."""
+    """Validate shapes (S as [C, s]) and return the window count k."""
     if S.dim() != 2 or T.dim() != 2 or planes.dim() != 3:
         raise ValueError(f"expected S [C, s], T [n, C], planes [P, C, s]; got {tuple(S.shape)}, "
                          f"{tuple(T.shape)}, {tuple(planes.shape)}")
@@ -70,8 +81,10 @@ def _check(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.T
 
 
 def conv_snapshot_torch(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
-                        k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                        k: int | None = None, out: torch.Tensor | None = None,
+                        live: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: exactly the fused branch of `write_snapshots` (cat, then one index_copy of all windows)."""
+    S = _state(S, live)
     k = _check(S, T, planes, dest, k)
     s = S.shape[1]
     X = torch.cat([S, T.t().to(S.dtype)], dim=1, out=out) if out is not None else torch.cat([S, T.t().to(S.dtype)], 1)
@@ -82,10 +95,18 @@ def conv_snapshot_torch(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, 
 
 
 def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
-                         k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                         k: int | None = None, out: torch.Tensor | None = None,
+                         live: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel (Algorithm 5); same contract as `conv_snapshot`."""
-    k = _check(S, T, planes, dest, k)
-    C, s = S.shape
+    if live is not None:
+        if S.dim() != 3 or live.dtype != torch.int64 or live.dim() != 0:
+            raise ValueError("with `live`, S must be [P, C, s] and live an int64 device scalar")
+        k = _check(S[0], T, planes, dest, k)
+        s_plane, S2 = S.stride(0), S[0]
+    else:
+        k = _check(S, T, planes, dest, k)
+        s_plane, S2 = 0, S
+    C, s = S2.shape
     n = T.shape[0]
     if S.dtype != torch.float32 or T.dtype != torch.float32 or planes.dtype != torch.float32:
         raise ValueError("the fused snapshot kernel moves f32 words only")
@@ -97,21 +118,27 @@ def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor,
     Si, Ti, Xi, Pi = (t.view(torch.int32) for t in (S, T, X, planes))  # bit-preserving word copies
     grid = (triton.cdiv(C, BLOCK_C),)
     _conv_snapshot_kernel[grid](
-        Si, Ti, Xi, Pi, dest, C, k,
-        S.stride(0), S.stride(1), T.stride(0), T.stride(1), planes.stride(0), planes.stride(1), planes.stride(2),
-        SW=s, NT=n, W=max(next_pow2(s + n), 2), DEST_IS_BASE=dest.dim() == 0, BLOCK=BLOCK_C, num_warps=4)
+        Si, live if live is not None else dest, Ti, Xi, Pi, dest, C, k,
+        s_plane, S2.stride(0), S2.stride(1), T.stride(0), T.stride(1),
+        planes.stride(0), planes.stride(1), planes.stride(2),
+        SW=s, NT=n, W=max(next_pow2(s + n), 2), DEST_IS_BASE=dest.dim() == 0, LIVE=live is not None,
+        BLOCK=BLOCK_C, num_warps=4)
     return X
 
 
 def conv_snapshot(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,
-                  k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  k: int | None = None, out: torch.Tensor | None = None,
+                  live: torch.Tensor | None = None) -> torch.Tensor:
     """X = S || T^T ([C, s+n] f32) and planes[dest_j] = X[:, j+1 : j+1+s] for j < k; returns X.
 
-    S [C, s] f32 (any strides, e.g. a view of the live plane); T [n, C] f32 (token-major);
-    planes [P, C, s] f32; dest: either a 1-D int64 device tensor of the k destination planes, or an
-    int64 device scalar `base` with `k` given (planes base + j, no index tensor to build).
-    The caller guarantees Algorithm 4's conditions (see `plan_snapshots`). Triton on CUDA when
-    s + n <= 16 and everything is f32, the torch reference otherwise; both are bit-identical."""
-    if use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and S.shape[1] + T.shape[0] <= ROW_WORDS:
-        return conv_snapshot_triton(S, T, planes, dest, k, out)
-    return conv_snapshot_torch(S, T, planes, dest, k, out)
+    S [C, s] f32 (any strides), or with `live` (an int64 device scalar) a [P, C, s] tensor whose plane
+    `live` is the state (e.g. S = planes, live = rc.live: no index_select launch); T [n, C] f32
+    (token-major); planes [P, C, s] f32; dest: either a 1-D int64 device tensor of the k destination
+    planes, or an int64 device scalar `base` with `k` given (planes base + j, no index tensor to build).
+    `out`: optional contiguous f32 [C, s+n] to receive X. The caller guarantees Algorithm 4's
+    conditions (see `plan_snapshots`; the state plane must not be a destination). Triton on CUDA
+    when s + n <= 16 and everything is f32, the torch reference otherwise; both are bit-identical."""
+    s, n = S.shape[-1], T.shape[0]
+    if use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and s + n <= ROW_WORDS:
+        return conv_snapshot_triton(S, T, planes, dest, k, out, live)
+    return conv_snapshot_torch(S, T, planes, dest, k, out, live)

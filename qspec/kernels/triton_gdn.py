@@ -23,7 +23,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every row count
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):

@@ -24,7 +24,7 @@ if HAS_TRITON:
 
     from qspec.kernels.triton_common import round_to
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["KS"])
     def _moe_gate_up_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, D, F, KS,
                             h_m, ti_m, g_e, g_f, u_e, u_f, a_m, a_k,
                             DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
@@ -52,7 +52,7 @@ if HAS_TRITON:
         act = round_to(a * u, DT)
         tl.store(act_ptr + m * a_m + j * a_k + f, act.to(act_ptr.dtype.element_ty), mask=fmask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["KS"])
     def _moe_down_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, out_ptr, D, F, KS,
                          a_m, a_k, ti_m, tw_m, d_e, d_d, o_m,
                          DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):

@@ -23,17 +23,18 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import round_to
 
     @triton.jit
-    def _q4_matvec_kernel(x_ptr, q_ptr, s_ptr, o_ptr, N, K, x_m, o_m,
+    def _q4_matvec_kernel(x_ptr, q_ptr, s_ptr, o_ptr, N, KB, row_bytes, x_m, o_m,
                           M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
                           OUT_DT: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         n64 = n.to(tl.int64)  # N * K / 2 bytes can pass 2^31 for large heads
-        KB = K // 32
         ib = tl.arange(0, NB)
         ii = tl.arange(0, 16)
         im = tl.arange(0, MP)
-        qrow = q_ptr + n64[:, None, None] * (K // 2)  # [BN, 1, 1]
+        # KB = K / 32 and row_bytes = K / 2 come as arguments so that Triton sees their divisibility
+        # by 16 and can use 16-byte loads
+        qrow = q_ptr + n64[:, None, None] * row_bytes  # [BN, 1, 1]
         srow = s_ptr + n64[:, None] * KB  # [BN, 1]
         acc = tl.zeros([MP, BN], dtype=tl.float32)
         for b0 in range(0, KB, NB):
@@ -69,7 +70,8 @@ def q4_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("out must be [M, N] in x.dtype with a contiguous last dim")
-    _q4_matvec_kernel[(triton.cdiv(N, bn),)](x, packed, scales, out, N, K, x.stride(0), out.stride(0),
+    _q4_matvec_kernel[(triton.cdiv(N, bn),)](x, packed, scales, out, N, K // 32, K // 2, x.stride(0),
+                                             out.stride(0),
                                              M=M, MP=max(next_pow2(M), 2), BN=bn, NB=nb, OUT_DT=tl_dtype(x.dtype),
                                              num_warps=warps)
     return out

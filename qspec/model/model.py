@@ -25,6 +25,15 @@ from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 
 
+# An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
+DEVICE_TABLE_MAX_BYTES = 8 << 30
+
+
+def _nbytes(t: object) -> int:
+    shape = getattr(t, "shape", (0, 0))
+    return int(shape[0]) * int(shape[1]) * 2
+
+
 @dataclass
 class CacheOptions:
     capacity: int = 4096
@@ -48,6 +57,17 @@ class ModelCache:
     mtp_kv: KVCache | None
     snap_stats: SnapshotStats = field(default_factory=SnapshotStats)
 
+    def clear(self) -> None:
+        """Forget the sequence in place (tensors keep their addresses, so CUDA graphs stay valid).
+
+        Attention and indexer entries need no zeroing: they are position-addressed and rewritten
+        before any query can read them."""
+        self.rec.reset()
+        self.cells.clear()
+        for lay in self.layouts.values():
+            lay.reset()
+        self.snap_stats = SnapshotStats()
+
 
 class Model(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ple_table: RowTable | None = None,
@@ -69,9 +89,14 @@ class Model(torch.nn.Module):
                                QSAAttention(cfg, w, b, cfg.ratio(i) if cfg.indexer_heads else 0))
             self.moe.append(MoE(w, b, cfg.n_experts_used))
         self.ple: PLE | None = None
+        self.graph_safe = True
         if cfg.has_ple:
             t = ple_table if ple_table is not None else w["per_layer_token_embd.weight"]
+            if hasattr(t, "materialize") and self.embed.is_cuda and _nbytes(t) <= DEVICE_TABLE_MAX_BYTES:
+                t = t.materialize(self.embed.device, self.embed.dtype)  # fits: gathers stay on the device
             table = t if hasattr(t, "gather") else DeviceRowTable(t)
+            # a host-resident table needs a host round trip per step, which CUDA graphs cannot capture
+            self.graph_safe = isinstance(table, DeviceRowTable) and table.table.device == self.embed.device
             self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
         with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
         self.mtp = MTPHead(cfg, w, hnorm_per_stream) if with_mtp else None

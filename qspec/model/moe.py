@@ -7,6 +7,30 @@ import torch.nn.functional as F
 
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu
 
+# Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
+FEW_TOKENS = 16
+
+
+def moe_few_tokens(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """The chosen experts of a few tokens, with no data-dependent host control flow.
+
+    Uses the Triton kernel when available (reads only the chosen experts' weights); the torch
+    fallback gathers the chosen experts' matrices, which costs extra copies."""
+    try:
+        from qspec.kernels.moe_few import moe_few as kernel
+    except ImportError:
+        kernel = None
+    if kernel is not None:
+        return kernel(h, top_i, top_w, gate, up, down)
+    T, k = top_i.shape
+    idx = top_i.reshape(-1)
+    x = h.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
+    a = torch.bmm(x, gate[idx].transpose(1, 2))
+    b = torch.bmm(x, up[idx].transpose(1, 2))
+    y = torch.bmm(F.silu(a) * b, down[idx].transpose(1, 2)).view(T, k, -1)
+    return (y * top_w.unsqueeze(-1)).sum(1)
+
 
 class MoE(torch.nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], b: str, n_used: int) -> None:
@@ -33,6 +57,8 @@ class MoE(torch.nn.Module):
         top_w, top_i = self.route(h)
         if row_exact() and T <= EXACT_MAX_ROWS:
             routed = self._per_token(h, top_w, top_i)
+        elif h.is_cuda and T <= FEW_TOKENS:
+            routed = moe_few_tokens(h, top_w, top_i, self.gate, self.up, self.down)
         else:
             routed = self._grouped(h, top_w, top_i)
         sh = linear(silu(linear(h, self.sh_gate)) * linear(h, self.sh_up), self.sh_down)

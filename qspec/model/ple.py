@@ -42,11 +42,9 @@ def ngram_contexts(tokens: torch.Tensor, hist: torch.Tensor, eos: int) -> torch.
     return torch.stack([c0, c1, c2], dim=-1)
 
 
-def ngram_rows(ctx: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def ngram_rows(ctx: torch.Tensor, cfg: ModelConfig, mult: torch.Tensor, vocab: torch.Tensor,
+               off: torch.Tensor) -> torch.Tensor:
     """[T, heads] table rows: for n = 2..ngram, XOR of token*multiplier, mod each head's prime, + offset."""
-    mult = torch.tensor(cfg.ple_multipliers, dtype=torch.long, device=ctx.device)
-    vocab = torch.tensor(cfg.ple_head_vocab[:cfg.ple_heads], dtype=torch.long, device=ctx.device)
-    off = torch.tensor(cfg.ple_head_offsets[:cfg.ple_heads], dtype=torch.long, device=ctx.device)
     mixed = ctx[:, 0] * mult[0]
     blocks = []
     hpn = cfg.heads_per_ngram
@@ -65,6 +63,10 @@ class PLE(torch.nn.Module):
         self.norm_key, self.norm_query = w[f"{b}.ple_norm_key.weight"], w[f"{b}.ple_norm_query.weight"]
         self.norm_conv = w[f"{b}.ple_norm_conv.weight"]
         self.conv_w = w[f"{b}.ple_conv1d.weight"].float()  # [hc_dim, K]
+        dev = self.conv_w.device
+        self.mult = torch.tensor(cfg.ple_multipliers, dtype=torch.long, device=dev)
+        self.vocab = torch.tensor(cfg.ple_head_vocab[:cfg.ple_heads], dtype=torch.long, device=dev)
+        self.off = torch.tensor(cfg.ple_head_offsets[:cfg.ple_heads], dtype=torch.long, device=dev)
 
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache,
                 fused_snapshots: bool, stats: SnapshotStats | None) -> torch.Tensor:
@@ -77,7 +79,7 @@ class PLE(torch.nn.Module):
             st.hist.index_copy_(0, rc.base.view(1), ctx[-1:, :2].flip(-1))
         else:
             st.hist.index_copy_(0, rc.base + torch.arange(T, device=X.device), ctx[:, :2].flip(-1))
-        E = self.table.gather(ngram_rows(ctx, c), X.device, X.dtype).reshape(T, -1)
+        E = self.table.gather(ngram_rows(ctx, c, self.mult, self.vocab, self.off), X.device, X.dtype).reshape(T, -1)
         key = rms_norm(linear(E, self.key), self.norm_key, c.rms_eps, group=D).view(T, S, D)
         value = linear(E, self.value)
         query = rms_norm(X, self.norm_query, c.rms_eps, group=D).view(T, S, D)

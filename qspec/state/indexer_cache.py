@@ -107,6 +107,11 @@ class PooledLayout:
         self.pending: Descriptors | None = None
         self.stats = LayoutStats()
 
+    def reset(self) -> None:
+        self.retained = Descriptors.empty(self.r)
+        self.pending = None
+        self.stats = LayoutStats()
+
     # -- Algorithm 1 -----------------------------------------------------------------------------
     def retain(self, cells: CellTable, seq: int, p0: int, p1: int = -1) -> None:
         """Called after recurrent rollback was accepted and the attention/indexer cells were removed."""

@@ -1,0 +1,432 @@
+"""Check every Triton kernel against its torch reference, and time both at the real geometry.
+
+    PYTHONPATH=. python scripts/gpu_kernels.py               # CUDA: checks, timings, block-size variants
+    PYTHONPATH=. python scripts/gpu_kernels.py --no-sweep    # CUDA: skip the variants
+    PYTHONPATH=. python scripts/gpu_kernels.py --interpret   # CPU: checks only, small shapes, Triton interpreter
+
+Every check draws fresh random inputs and fills the outputs with NaN first, so an element the kernel
+never writes shows up as a mismatch. Conv snapshots must be bit-identical to `write_snapshots`
+(inputs are random 32-bit patterns: NaN payloads, denormals, infinities); everything else is compared
+by relative error, max |got - ref| / max |ref|, against a tolerance for its dtype. Exits 1 on any
+mismatch. Times are medians of triton.testing.do_bench (L2 flushed between runs), in microseconds;
+GB/s counts the bytes the kernel must move, against the H200's ~4.2 TB/s achievable copy bandwidth.
+"""
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+if "--interpret" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton.jit decorates, so before qspec.kernels loads
+
+import torch
+import torch.nn.functional as F
+
+from qspec.kernels.conv_snapshot import write_snapshots
+from qspec.kernels.moe_few import moe_few_torch
+from qspec.kernels.pooled import materialize_pooled_torch
+from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
+from qspec.kernels.triton_common import HAS_TRITON, use_triton
+from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
+from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
+from qspec.kernels.triton_moe import DEFAULT_CONFIG as MOE_DEFAULT
+from qspec.kernels.triton_moe import moe_few_triton
+from qspec.kernels.triton_pooled import pooled_triton
+from qspec.kernels.triton_q4 import DEFAULT_CONFIG as Q4_DEFAULT
+from qspec.kernels.triton_q4 import q4_matvec_triton
+from qspec.model.ops import rope_tables
+
+PEAK_GBS = 4200.0
+# max |got - ref| / max |ref|. In f32 that is accumulation order; in bf16 / f16 both sides round every op to the
+# dtype, and an f32 difference of one ulp can flip a rounding: allow a few ulps (2^-8 is bf16's half-ulp) of the
+# largest element. A wrong kernel misses these by orders of magnitude; the share of differing elements is printed.
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@dataclass
+class Row:
+    name: str
+    ok: bool
+    detail: str
+    torch_us: float | None = None
+    triton_us: float | None = None
+    nbytes: int | None = None
+    info: bool = False  # reported, but a difference does not fail the run
+
+
+class Runner:
+    def __init__(self, device: str, timing: bool) -> None:
+        self.device, self.timing = device, timing
+        self.rows: list[Row] = []
+        self.variants: list[Row] = []
+
+    def bench(self, fn: Callable[[], object]) -> float | None:
+        if not self.timing:
+            return None
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")) * 1e3
+
+    def add(self, row: Row, variant: bool = False) -> None:
+        (self.variants if variant else self.rows).append(row)
+        flag = "ok  " if row.ok else ("info" if row.info else "FAIL")
+        print(f"[{flag}] {row.name}: {row.detail}", flush=True)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref| in f64; inf when got has a non-finite value where ref has none."""
+    g, r = got.double(), ref.double()
+    if (~torch.isfinite(g) & torch.isfinite(r)).any():
+        return float("inf")
+    scale = r.abs().max().item()
+    return (g - r).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def random_bits(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """f32 tensors of uniformly random 32-bit patterns (NaN payloads, denormals, +-inf, -0 included)."""
+    return torch.randint(-2 ** 31, 2 ** 31, shape, dtype=torch.int64, device=device).to(torch.int32).view(torch.float32)
+
+
+# ---- 1. conv snapshots (Algorithm 5) ---------------------------------------------------------------------------
+
+def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, timed: bool = False) -> None:
+    dev = R.device
+    S = random_bits((C, s + 3), dev)[:, 2:2 + s]  # a strided view, as a plane slice would be
+    T = random_bits((n, C), dev)
+    P = 2 * 8
+    planes = random_bits((P, C, s), dev)
+    if scalar_dest:
+        host_base = 8
+        dest = torch.tensor(host_base, device=dev)
+        targets = list(range(host_base, host_base + k))
+    else:
+        targets = torch.randperm(P)[:k].tolist()
+        dest = torch.tensor(targets, dtype=torch.int64, device=dev)
+    planes[targets] = float("nan")  # poison the destinations in both copies
+    p_ref, p_tri = planes.clone(), planes.clone()
+    if scalar_dest:
+        X_ref = write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None)
+    else:
+        X_ref = conv_snapshot_torch(S, T, p_ref, dest)
+    X_tri = torch.full((C, s + n), float("nan"), device=dev)
+    conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri)
+    ok = same_bits(X_ref, X_tri) and same_bits(p_ref, p_tri)
+    name = f"conv_snapshot C={C} s={s} n={n} k={k} {'base' if scalar_dest else 'list'}"
+    row = Row(name, ok, "bit-identical (X and all planes)" if ok else "BITS DIFFER")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None))
+        row.triton_us = R.bench(lambda: conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri))
+        row.nbytes = C * (s + n) * 4 * 2 + k * C * s * 4
+    R.add(row)
+
+
+# ---- 2. gated delta rule ---------------------------------------------------------------------------------------
+
+def gdn_inputs(T: int, Hq: int, Hv: int, dk: int, dv: int, P: int, dev: str) -> tuple[torch.Tensor, ...]:
+    q = F.normalize(torch.randn(T, Hq, dk, device=dev), dim=-1) * dk ** -0.5
+    k = F.normalize(torch.randn(T, Hq, dk, device=dev), dim=-1)
+    v = torch.randn(T, Hv, dv, device=dev)
+    g = -2.0 * torch.rand(T, Hv, device=dev)  # a * softplus(.) with a < 0
+    beta = torch.rand(T, Hv, device=dev)
+    ssm = 0.1 * torch.randn(P, Hv, dk, dv, device=dev)
+    return q, k, v, g, beta, ssm
+
+
+def check_gdn(R: Runner, T: int, Hq: int, Hv: int, dk: int, dv: int, n_slots: int, timed: bool = False,
+              block_v: int | None = None, warps: int = 4, alias: bool = False) -> None:
+    """alias: row 0's state overwrites the live plane itself (beyond the contract; each program's slice is
+    read before it is written, so this must hold too)."""
+    dev = R.device
+    P = 2 * n_slots
+    q, k, v, g, beta, ssm = gdn_inputs(T, Hq, Hv, dk, dv, P, dev)
+    live_i, base_i = n_slots - 1, n_slots  # live in one half, the rows' slots in the other (ping-pong)
+    if alias:
+        live_i = base_i
+    live, base = torch.tensor(live_i, device=dev), torch.tensor(base_i, device=dev)
+    ssm[base_i + int(alias):base_i + T] = float("nan")
+    s_ref, s_tri = ssm.clone(), ssm.clone()
+    o_ref = gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base)
+    o_tri = torch.full((T, Hv, dv), float("nan"), device=dev)
+    kw = {"num_warps": warps} | ({"block_v": block_v} if block_v else {})
+    gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, out=o_tri, **kw)
+    rows = slice(base_i, base_i + T)
+    eo, es = rel_err(o_tri, o_ref), rel_err(s_tri[rows], s_ref[rows])
+    rest = torch.ones(P, dtype=torch.bool)
+    rest[rows] = False
+    untouched = same_bits(s_tri[rest], ssm[rest])
+    ok = eo < 1e-5 and es < 1e-5 and untouched
+    name = (f"gdn T={T} Hq={Hq} Hv={Hv} dk={dk} dv={dv}" + (f" BV={block_v} w={warps}" if block_v else "")
+            + (" live=base" if alias else ""))
+    row = Row(name, ok, f"rel err o {eo:.2e} states {es:.2e}, other planes {'untouched' if untouched else 'CHANGED'}")
+    if timed and R.timing:
+        if block_v is None:
+            row.torch_us = R.bench(lambda: gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base))
+        row.triton_us = R.bench(lambda: gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, out=o_tri,
+                                                                    **kw))
+        row.nbytes = Hv * dk * dv * 4 * (1 + T) + T * (2 * Hq * dk + 2 * Hv * dv + 2 * Hv) * 4
+    R.add(row, variant=block_v is not None)
+
+
+# ---- 3. pooled indexer keys ------------------------------------------------------------------------------------
+
+def check_pooled(R: Runner, dt: torch.dtype, cap: int, d: int, r: int, C: int, rope: int, timed: bool = False) -> None:
+    dev = R.device
+    nb = cap // r
+    raw = torch.randn(cap, d, device=dev).to(dt)
+    blocks = torch.randperm(nb, device=dev)[:C]
+    cells = blocks[:, None] * r + torch.arange(r, device=dev)
+    dest = torch.randperm(nb + 1, device=dev)[:C]  # distinct, as Algorithm 3 guarantees
+    gamma = 1.0 + 0.1 * torch.randn(d, device=dev)
+    cos, sin = rope_tables(blocks * r, rope, 1e7, dt)
+    eps = 1e-6
+    p_ref = torch.full((nb + 1, d), float("nan"), device=dev)
+    p_tri = p_ref.clone()
+    materialize_pooled_torch(raw, cells, dest, gamma, eps, cos, sin, p_ref)
+    pooled_triton(raw, cells, dest, gamma, eps, cos, sin, p_tri)
+    hit = torch.zeros(nb + 1, dtype=torch.bool, device=dev)
+    hit[dest] = True
+    e = rel_err(p_tri[hit], p_ref[hit])
+    differ = (p_tri[hit] != p_ref[hit]).float().mean().item()
+    untouched = same_bits(p_tri[~hit], p_ref[~hit])
+    ok = e < TOL[dt] and untouched
+    name = f"pooled {str(dt).removeprefix('torch.')} C={C} r={r} d={d} cap={cap}"
+    row = Row(name, ok, f"rel err {e:.2e} ({differ:.1%} of elements differ), "
+                        f"other rows {'untouched' if untouched else 'CHANGED'}")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: materialize_pooled_torch(raw, cells, dest, gamma, eps, cos, sin, p_ref))
+        row.triton_us = R.bench(lambda: pooled_triton(raw, cells, dest, gamma, eps, cos, sin, p_tri))
+        row.nbytes = C * r * d * raw.element_size() + C * d * 4 + 2 * C * rope * cos.element_size()
+    R.add(row)
+
+
+# ---- 4. Q4 LM head ---------------------------------------------------------------------------------------------
+
+def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = False,
+             config: tuple[int, int, int] | None = None, W: Q4Weight | None = None) -> Q4Weight:
+    dev = R.device
+    if W is None:
+        W = Q4Weight.from_dense(0.02 * torch.randn(N, K, device=dev, dtype=torch.bfloat16))
+    x = torch.randn(M, K, device=dev).to(xdt)
+    ref = q4_matvec_torch(x, W)
+    out = torch.full((M, N), float("nan"), device=dev, dtype=xdt)
+    cfg = config or Q4_DEFAULT
+    q4_matvec_triton(x, W.packed, W.scales, config=cfg, out=out)
+    e = rel_err(out, ref)
+    ok = e < TOL[xdt]
+    name = f"q4_head N={N} K={K} M={M} x={str(xdt).removeprefix('torch.')}" + (f" cfg={config}" if config else "")
+    row = Row(name, ok, f"rel err {e:.2e} vs f32 dequantize-matmul")
+    if timed and R.timing:
+        if config is None:  # the head it replaces: the same matrix dense in bf16
+            dense = W.dequantize(torch.bfloat16)
+            xb = x.to(torch.bfloat16)
+            row.torch_us = R.bench(lambda: F.linear(xb, dense))
+            row.detail += " (torch column: dense bf16 F.linear)"
+            del dense
+        row.triton_us = R.bench(lambda: q4_matvec_triton(x, W.packed, W.scales, config=cfg, out=out))
+        row.nbytes = N * K // 2 + N * K // 32 * 2 + M * K * x.element_size() + M * N * x.element_size()
+    R.add(row, variant=config is not None)
+    return W
+
+
+# ---- 5. MoE for a few tokens -----------------------------------------------------------------------------------
+
+def moe_inputs(M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtype, dev: str) -> tuple[torch.Tensor, ...]:
+    h = torch.randn(M, D, device=dev).to(dt)
+    gate = (0.02 * torch.randn(E, Fd, D, device=dev)).to(dt)
+    up = (0.02 * torch.randn(E, Fd, D, device=dev)).to(dt)
+    down = (0.02 * torch.randn(E, D, Fd, device=dev)).to(dt)
+    top_i = torch.rand(M, E, device=dev).argsort(-1)[:, :k].contiguous()  # k distinct experts per token
+    top_w = torch.softmax(torch.randn(M, k, device=dev), -1).to(dt)
+    return h, top_i, top_w, gate, up, down
+
+
+def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtype, timed: bool = False,
+              config: tuple[int, int, int, int, int] | None = None,
+              inputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    dev = R.device
+    if inputs is None:
+        inputs = moe_inputs(M, D, Fd, E, k, dt, dev)
+    h, top_i, top_w, gate, up, down = inputs
+    ref = moe_few_torch(h, top_i, top_w, gate, up, down)
+    out = torch.full((M, D), float("nan"), device=dev, dtype=dt)
+    cfg = config or MOE_DEFAULT
+    moe_few_triton(h, top_i, top_w, gate, up, down, config=cfg, out=out)
+    e = rel_err(out, ref)
+    differ = (out != ref).float().mean().item()
+    ok = e < TOL[dt]
+    name = f"moe_few M={M} D={D} F={Fd} E={E} k={k} {str(dt).removeprefix('torch.')}" + (
+        f" cfg={config}" if config else "")
+    row = Row(name, ok, f"rel err {e:.2e} ({differ:.1%} of elements differ by rounding)")
+    if timed and R.timing:
+        if config is None:
+            row.torch_us = R.bench(lambda: moe_few_torch(h, top_i, top_w, gate, up, down))
+        row.triton_us = R.bench(lambda: moe_few_triton(h, top_i, top_w, gate, up, down, config=cfg, out=out))
+        row.nbytes = int(torch.unique(top_i).numel()) * 3 * Fd * D * gate.element_size()
+    R.add(row, variant=config is not None)
+    return inputs
+
+
+# ---- row independence ------------------------------------------------------------------------------------------
+
+def check_row_independence(R: Runner, small: bool) -> None:
+    """A row's result must not depend on how many rows share the launch (decode vs verify, row-exact mode):
+    GDN rows 0..2 of a 6-row step vs a 3-row step, MoE and Q4 rows computed alone vs together. Bitwise, and
+    informative only: the kernels' contracts do not promise it, but bit-exact decode-vs-verify tests on the GPU
+    need it."""
+    dev = R.device
+    Hv, dk = (4, 32) if small else (48, 128)
+    q, k, v, g, beta, ssm = gdn_inputs(6, Hv // 2, Hv, dk, dk, 12, dev)
+    live, base = torch.tensor(0, device=dev), torch.tensor(6, device=dev)
+    s6, s3 = ssm.clone(), ssm.clone()
+    o6 = gdn_recurrent_planes_triton(q, k, v, g, beta, s6, live, base)
+    o3 = gdn_recurrent_planes_triton(q[:3], k[:3], v[:3], g[:3], beta[:3], s3, live, base)
+    ok = same_bits(o6[:3], o3) and same_bits(s6[6:9], s3[6:9])
+    R.add(Row("rows: gdn 3 rows alone vs in a 6-row step", ok, "bit-identical" if ok else "BITS DIFFER", info=True))
+
+    D, Fd, E = (64, 48, 8) if small else (2560, 640, 64)
+    h, top_i, top_w, gate, up, down = moe_inputs(6, D, Fd, E, 3, torch.bfloat16, dev)
+    all6 = moe_few_triton(h, top_i, top_w, gate, up, down)
+    alone = torch.cat([moe_few_triton(h[i:i + 1], top_i[i:i + 1], top_w[i:i + 1], gate, up, down) for i in range(6)])
+    ok = same_bits(all6.float(), alone.float())
+    R.add(Row("rows: moe_few 1 row at a time vs 6 rows", ok, "bit-identical" if ok else "BITS DIFFER", info=True))
+
+    N, K = (100, 256) if small else (4096, 2560)
+    W = Q4Weight.from_dense(0.02 * torch.randn(N, K, device=dev))
+    x = torch.randn(5, K, device=dev)
+    all5 = q4_matvec_triton(x, W.packed, W.scales)
+    alone = torch.cat([q4_matvec_triton(x[i:i + 1], W.packed, W.scales) for i in range(5)])
+    ok = same_bits(all5, alone)
+    R.add(Row("rows: q4_head 1 row at a time vs 5 rows", ok, "bit-identical" if ok else "BITS DIFFER", info=True))
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+
+def run_checks(R: Runner, small: bool, sweep: bool) -> None:
+    # conv snapshots: the real GDN (s=3) and PLE (s=9) geometries, then edge shapes
+    for s, n, k in ((3, 6, 6), (9, 6, 6)):
+        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, timed=True)
+    for s, n, k in ((3, 1, 1), (3, 2, 2), (3, 5, 3), (9, 7, 7), (9, 1, 1), (1, 8, 8), (8, 8, 5), (15, 1, 1)):
+        check_conv(R, 257, s, n, k, scalar_dest=True)
+        check_conv(R, 130, s, n, k, scalar_dest=False)
+
+    # gated delta rule: real geometry (Hv=48, dk=dv=128, T=6), with and without pre-expanded key heads
+    if small:
+        check_gdn(R, 6, 2, 4, 128, 128, 6)
+        check_gdn(R, 3, 4, 4, 32, 64, 4)
+        check_gdn(R, 1, 1, 2, 48, 40, 1)
+        check_gdn(R, 3, 2, 4, 64, 64, 3, alias=True)
+    else:
+        check_gdn(R, 6, 48, 48, 128, 128, 6, timed=True)
+        check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True)
+        for T in (1, 2, 16):
+            check_gdn(R, T, 16, 48, 128, 128, max(T, 6))
+        check_gdn(R, 4, 3, 6, 96, 80, 4)  # non-power-of-2 head dims (masks)
+        check_gdn(R, 6, 16, 48, 128, 128, 6, alias=True)
+        if sweep:
+            for bv in (16, 32, 64):
+                for w in (2, 4, 8):
+                    check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True, block_v=bv, warps=w)
+
+    # pooled keys: real geometry (C=8, r=4, d=128, cap=8192, rope 64) in bf16, then the other cache types
+    check_pooled(R, torch.bfloat16, 512 if small else 8192, 128, 4, 8, 64, timed=True)
+    check_pooled(R, torch.float16, 512, 128, 4, 16, 64)
+    check_pooled(R, torch.float32, 512, 128, 4, 8, 64)
+    check_pooled(R, torch.bfloat16, 384, 96, 3, 5, 32)  # non-power-of-2 head, odd ratio
+
+    # Q4 head: real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes
+    if small:
+        check_q4(R, 200, 256, 1, torch.float32)
+        check_q4(R, 130, 96, 3, torch.bfloat16)
+        check_q4(R, 64, 64, 8, torch.float16)
+    else:
+        W = check_q4(R, 248320, 2560, 1, torch.bfloat16, timed=True)
+        check_q4(R, 248320, 2560, 1, torch.float32, W=W)
+        if sweep:
+            for cfg in ((64, 4, 4), (64, 8, 4), (128, 4, 4), (128, 4, 8), (32, 8, 4), (128, 8, 8), (256, 4, 8),
+                        (64, 2, 2), (32, 4, 2)):
+                check_q4(R, 248320, 2560, 1, torch.bfloat16, timed=True, config=cfg, W=W)
+        del W
+        for M in (2, 6, 8):
+            check_q4(R, 4099, 2560, M, torch.float32)
+        check_q4(R, 1000, 96, 3, torch.bfloat16)
+
+    # MoE: M=6, D=2560, F=640, k=10 (E=64 instead of 512 to save memory), then other row counts
+    if small:
+        check_moe(R, 3, 64, 48, 8, 3, torch.bfloat16)
+        check_moe(R, 2, 96, 40, 6, 2, torch.float32)
+    else:
+        inputs = check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+        if sweep:
+            for cfg in ((32, 128, 32, 128, 4), (16, 256, 16, 256, 4), (32, 256, 32, 128, 8), (16, 128, 16, 128, 4),
+                        (64, 64, 32, 64, 4), (8, 512, 16, 128, 4)):
+                check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
+        del inputs
+        check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+        check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
+        check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(title: str, rows: list[Row]) -> None:
+    if not rows:
+        return
+    print(f"\n{title}")
+    head = (f"{'kernel':<58} | {'check':<5} | {'torch us':>9} | {'triton us':>9} | {'speedup':>7} | {'GB/s':>7} | "
+            f"{'% 4.2TB/s':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        speed = r.torch_us / r.triton_us if r.torch_us and r.triton_us else None
+        gbs = r.nbytes / (r.triton_us * 1e3) if r.nbytes and r.triton_us else None
+        pct = 100 * gbs / PEAK_GBS if gbs else None
+        check = "ok" if r.ok else ("info" if r.info else "FAIL")
+        print(f"{r.name:<58} | {check:<5} | {fmt(r.torch_us):>9} | {fmt(r.triton_us):>9} | "
+              f"{fmt(speed, '.2f'):>7} | {fmt(gbs, '.0f'):>7} | {fmt(pct, '.1f'):>9}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, small shapes, no timing")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the block-size variants")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if not HAS_TRITON:
+        print("triton is not installed")
+        return 2
+    if not args.interpret and not torch.cuda.is_available():
+        print("no CUDA device: run with --interpret for the CPU interpreter checks")
+        return 2
+    torch.manual_seed(args.seed)
+    torch.set_grad_enabled(False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the f32 references must be real f32
+    torch.backends.cudnn.allow_tf32 = False
+    dev = "cpu" if args.interpret else "cuda"
+    R = Runner(dev, timing=not args.interpret)
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, device "
+          f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
+          f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
+    run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
+    check_row_independence(R, small=args.interpret)
+    print_table("kernels", R.rows)
+    print_table("variants (block sizes; torch column blank)", R.variants)
+    bad = [r.name for r in R.rows + R.variants if not r.ok and not r.info]
+    differ = [r.name for r in R.rows if not r.ok and r.info]
+    print(f"\n{len(R.rows) + len(R.variants) - len(bad) - len(differ)} checks passed, {len(bad)} failed"
+          + (": " + "; ".join(bad) if bad else "")
+          + (f"; row independence does not hold for: {'; '.join(differ)}" if differ else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The `qspec` command end to end: run (streaming, speculative == plain, counters, JSON), make-model (GGUF, HF,
+both: identical logits), logits, the embedded default model, and one clear line + exit 2 for every bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qspec.cli import main
+from qspec.loader import default_model_path, load_tokenizer
+from qspec.tokenizer import Tokenizer
+
+PROMPT = "fn main() {"
+# Small cache: attention cost follows the capacity, and these prompts are short.
+FAST = ["--ctx", "64", "--exact"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("models")
+    assert main(["make-model", str(d / "tiny"), "--vocab-size", "512", "--format", "both", "--seed", "3"]) == 0
+    assert main(["make-model", str(d / "nomtp.gguf"), "--vocab-size", "512", "--no-mtp"]) == 0
+    return {"gguf": d / "tiny.gguf", "hf": d / "tiny-hf", "nomtp": d / "nomtp.gguf", "dir": d}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def counters(err: str) -> dict[str, float]:
+    m = re.search(r"speculative \(draft (\d+)\): (\d+) rounds, (\d+) drafted, (\d+) accepted \(.*\), "
+                  r"mean accepted length ([\d.]+), ([\d.]+) tokens/round", err)
+    assert m, err
+    keys = ("draft", "rounds", "drafted", "accepted", "mean", "per_round")
+    return {k: float(v) for k, v in zip(keys, m.groups(), strict=True)}
+
+
+def test_run_streams_text_and_reports(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                      tmp_path: Path) -> None:
+    js = tmp_path / "gen.json"
+    rc, out, err = run(capsys, "run", PROMPT, "--model", str(models["gguf"]), "--draft", "3", "--max-tokens", "10",
+                       "--stats", "--json", str(js), *FAST)
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    tok = load_tokenizer(models["gguf"])
+    # stdout is exactly the streamed text of the generated tokens
+    assert out == tok.decode(doc["tokens"], skip_special=True) + "\n" == doc["text"] + "\n"
+    assert doc["prompt_tokens"] == len(tok.encode(PROMPT)) and doc["generated_tokens"] == len(doc["tokens"])
+    assert f"prompt: {doc['prompt_tokens']} tokens" in err and re.search(r"prefill .* tok/s", err)
+    assert f"generated: {len(doc['tokens'])} tokens" in err and re.search(r"decode .* tok/s", err)
+    c = counters(err)
+    spec = doc["spec"]
+    assert (c["rounds"], c["drafted"], c["accepted"]) == (spec["rounds"], spec["drafted"], spec["accepted"])
+    assert c["drafted"] == 3 * c["rounds"] > 0 and c["accepted"] <= c["drafted"]
+    # the first token comes from the prefill, every other one from a round
+    assert spec["tokens"] >= len(doc["tokens"]) - 1
+    assert re.search(r"acceptance by position: 1:[\d.]+ 2:[\d.]+ 3:[\d.]+", err)
+    # --stats: pooled-key, snapshot and per-round counters
+    assert "pooled keys r4: updates=" in err and "conv snapshots: fused_groups=" in err
+    hist = re.search(r"accepted per round: 0:(\d+) 1:(\d+) 2:(\d+) 3:(\d+)", err)
+    assert hist and sum(int(x) for x in hist.groups()) == c["rounds"] == len(doc["rounds_log"])
+    assert doc["pooled"]["r4"]["updates"] > 0 and doc["snapshots"]["dispatches"] > 0
+
+
+def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["run", PROMPT, "--max-tokens", "8", *FAST]
+    rc, plain, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "0")
+    assert rc == 0, err
+    assert "speculative" not in err and len(plain.strip()) > 0
+    rc, spec, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3")
+    assert rc == 0 and spec == plain
+    assert counters(err)["rounds"] > 0
+    # a Q4_0 draft head changes drafts only: the target verifies, so the text cannot change
+    rc, q4, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--draft-head", "q4",
+                      "--no-fused-snapshots", "--pad-target", "16")
+    assert rc == 0 and q4 == plain, err
+    # the HF copy of the same model generates the same text
+    rc, hf, err = run(capsys, *base, "--model", str(models["hf"]), "--draft", "1", "--no-preserve-pooled",
+                      "--no-incremental", "--no-pad")
+    assert rc == 0 and hf == plain, err
+
+
+def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "6", "--temperature", "0.9",
+            "--top-p", "0.95", "--draft", "2", *FAST]
+    outs = [run(capsys, *args, "--seed", s) for s in ("1", "1", "2")]
+    assert all(rc == 0 for rc, _, _ in outs)
+    assert outs[0][1] == outs[1][1]
+
+
+def test_chat_template_wraps_the_prompt(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                        tmp_path: Path) -> None:
+    js = tmp_path / "chat.json"
+    rc, _, err = run(capsys, "run", "hi", "--chat", "--model", str(models["gguf"]), "--max-tokens", "2",
+                     "--json", str(js), *FAST)
+    assert rc == 0, err
+    tok = load_tokenizer(models["gguf"])
+    want = tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert tok.im_start_id in want and json.loads(js.read_text())["prompt_tokens"] == len(want)
+
+
+def test_gguf_and_hf_copies_give_identical_logits(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                  tmp_path: Path) -> None:
+    got = {}
+    for name in ("gguf", "hf"):
+        out = tmp_path / f"{name}.npy"
+        rc, _, err = run(capsys, "logits", str(models[name]), "--ids", "1,2,3,300,7,509", "--out", str(out))
+        assert rc == 0, err
+        got[name] = np.load(out)
+    assert got["gguf"].shape == (6, 512) and got["gguf"].dtype == np.float32
+    assert np.isfinite(got["gguf"]).all() and got["gguf"].std() > 0
+    assert np.allclose(got["gguf"], got["hf"], atol=1e-5, rtol=0)
+    assert np.array_equal(got["gguf"], got["hf"])  # f32 files: the same numbers exactly
+
+    # --text tokenizes with the model's tokenizer; the greedy first token of `run` is the last row's argmax
+    out = tmp_path / "text.npy"
+    rc, _, err = run(capsys, "logits", str(models["gguf"]), "--text", PROMPT, "--out", str(out), "--exact")
+    assert rc == 0, err
+    by_text = np.load(out)
+    assert by_text.shape == (len(load_tokenizer(models["gguf"]).encode(PROMPT)), 512)
+    js = tmp_path / "g.json"
+    rc, _, err = run(capsys, "run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "1", "--json", str(js),
+                     *FAST)
+    assert rc == 0, err
+    assert json.loads(js.read_text())["tokens"][0] == int(by_text[-1].argmax())
+
+
+def test_make_model_is_seed_deterministic(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    for name, seed in (("a.gguf", "3"), ("b.gguf", "4")):
+        assert run(capsys, "make-model", str(tmp_path / name), "--vocab-size", "512", "--seed", seed)[0] == 0
+    same = (tmp_path / "a.gguf").read_bytes()
+    assert same == models["gguf"].read_bytes()  # the fixture's GGUF used seed 3 too
+    assert same != (tmp_path / "b.gguf").read_bytes()
+
+
+def test_make_model_quantized_and_tokenizerless(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    q = tmp_path / "q.gguf"
+    rc, _, err = run(capsys, "make-model", str(q), "--vocab-size", "512", "--qtype", "q8_0", "--no-mtp")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "logits", str(q), "--ids", "5,6", "--out", str(tmp_path / "q.npy"))
+    assert rc == 0 and np.isfinite(np.load(tmp_path / "q.npy")).all()
+    rc, _, err = run(capsys, "make-model", str(tmp_path / "v.gguf"), "--vocab-size", "256", "--no-mtp")
+    assert rc == 0 and "too small for a tokenizer" in err
+    rc, _, err = run(capsys, "logits", str(tmp_path / "v.gguf"), "--ids", "0,255", "--out", str(tmp_path / "v.npy"))
+    assert rc == 0 and np.load(tmp_path / "v.npy").shape == (2, 256)
+
+
+def test_flash_next_geometry_loads_back(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # Real widths (hidden 2560, 24 heads, 48 GDN value heads, hc 4x320, indexer 4x128) in the fewest layers
+    # that include a QSA layer; the full-vocabulary check is in the README's manual notes.
+    path = tmp_path / "fn.gguf"
+    rc, _, err = run(capsys, "make-model", str(path), "--preset", "flash-next", "--layers", "4", "--experts", "2",
+                     "--ngram-vocab-base", "1000", "--vocab-size", "4096", "--no-mtp", "--dtype", "bf16")
+    assert rc == 0, err
+    rc, _, err = run(capsys, "logits", str(path), "--ids", "1,2,3,4,5", "--out", str(tmp_path / "fn.npy"))
+    assert rc == 0, err
+    logits = np.load(tmp_path / "fn.npy")
+    assert logits.shape == (5, 4096) and np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_embedded_default_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                tmp_path: Path) -> None:
+    monkeypatch.setenv("QSPEC_CACHE_DIR", str(tmp_path))
+    js = tmp_path / "d.json"
+    rc, out, err = run(capsys, "run", PROMPT, "--draft", "3", "--max-tokens", "5", "--ctx", "64", "--json", str(js))
+    assert rc == 0, err
+    path = default_model_path()  # now cached: returns at once
+    assert path.parent == tmp_path / "default" and path.suffix == ".gguf"
+    assert "embedded default model" in err and "gibberish" in err
+    doc = json.loads(js.read_text())
+    # the embedded tokenizer is the real Qwen one
+    assert doc["prompt_tokens"] == len(Tokenizer.from_qwen_package().encode(PROMPT))
+    assert out == doc["text"] + "\n" and counters(err)["draft"] == 3 and len(doc["tokens"]) >= 1
+
+
+def _truncated(models: dict[str, Path]) -> Path:
+    p = models["dir"] / "truncated.gguf"
+    data = models["gguf"].read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    return p
+
+
+def _not_gguf(models: dict[str, Path]) -> Path:
+    p = models["dir"] / "junk.gguf"
+    p.write_bytes(b"this is not a model file")
+    return p
+
+
+@pytest.mark.parametrize(("case", "argv", "needle"), [
+    ("missing file", ["run", "x", "--model", "{dir}/nope.gguf"], "file not found"),
+    ("truncated GGUF", ["run", "x", "--model", "{truncated}"], "truncated"),
+    ("not a GGUF", ["run", "x", "--model", "{junk}"], "not a GGUF"),
+    ("draft too deep", ["run", "x", "--model", "{gguf}", "--draft", "9"], "--draft must be in 0..8"),
+    ("draft without MTP", ["run", "x", "--model", "{nomtp}", "--draft", "2"], "needs MTP weights"),
+    ("prompt over ctx", ["run", "word " * 40, "--model", "{gguf}", "--ctx", "16"], "more than --ctx 16"),
+    ("top-p zero", ["run", "x", "--model", "{gguf}", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    ("top-p above one", ["run", "x", "--model", "{gguf}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ("max-tokens zero", ["run", "x", "--model", "{gguf}", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    ("negative temperature", ["run", "x", "--model", "{gguf}", "--temperature", "-1"], "--temperature"),
+    ("ctx not a multiple of 4", ["run", "x", "--model", "{gguf}", "--ctx", "30"], "multiple of 4"),
+    ("not a number", ["run", "x", "--model", "{gguf}", "--draft", "three"], "invalid int value"),
+    ("bad kv type", ["run", "x", "--model", "{gguf}", "--kv-type", "q4"], "invalid choice"),
+    ("no command", [], "required"),
+    ("logits ids out of vocab", ["logits", "{gguf}", "--ids", "1,512", "--out", "{dir}/o.npy"], "[0, 512)"),
+    ("logits bad ids", ["logits", "{gguf}", "--ids", "1,a", "--out", "{dir}/o.npy"], "comma-separated"),
+    ("bad preset", ["make-model", "{dir}/p.gguf", "--preset", "huge"], "invalid choice"),
+    ("qtype for HF", ["make-model", "{dir}/p", "--format", "hf", "--qtype", "q8_0"], "GGUF output only"),
+])
+def test_bad_input_exits_2_with_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                         case: str, argv: list[str], needle: str) -> None:
+    paths = {k: str(v) for k, v in models.items()} | {"truncated": str(_truncated(models)),
+                                                      "junk": str(_not_gguf(models))}
+    rc, out, err = run(capsys, *[a.format(**paths) for a in argv])
+    assert rc == 2, (case, err)
+    lines = [ln for ln in err.splitlines() if ln.startswith("qspec: error:")]
+    assert len(lines) == 1 and needle in lines[0], (case, err)
+    assert "Traceback" not in err and out == ""
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "run", "--help")
+    assert rc == 0 and "--draft" in out and "--no-preserve-pooled" in out
