@@ -95,7 +95,9 @@ def random_bits(shape: tuple[int, ...], device: str) -> torch.Tensor:
 
 # ---- 1. conv snapshots (Algorithm 5) ---------------------------------------------------------------------------
 
-def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, timed: bool = False) -> None:
+def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, timed: bool = False,
+               from_live: bool = False) -> None:
+    """from_live: S is plane 3 of the planes tensor itself, selected on the device (`live`)."""
     dev = R.device
     S = random_bits((C, s + 3), dev)[:, 2:2 + s]  # a strided view, as a plane slice would be
     T = random_bits((n, C), dev)
@@ -110,18 +112,29 @@ def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, tim
         dest = torch.tensor(targets, dtype=torch.int64, device=dev)
     planes[targets] = float("nan")  # poison the destinations in both copies
     p_ref, p_tri = planes.clone(), planes.clone()
-    if scalar_dest:
+    live = torch.tensor(3, device=dev)
+    if from_live:
+        assert scalar_dest and 3 not in targets
+        X_ref = write_snapshots(p_ref[3], T, p_ref, dest, host_base, k, False, True, None)
+    elif scalar_dest:
         X_ref = write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None)
     else:
         X_ref = conv_snapshot_torch(S, T, p_ref, dest)
     X_tri = torch.full((C, s + n), float("nan"), device=dev)
-    conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri)
+    if from_live:
+        conv_snapshot_triton(p_tri, T, p_tri, dest, k, out=X_tri, live=live)
+    else:
+        conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri)
     ok = same_bits(X_ref, X_tri) and same_bits(p_ref, p_tri)
-    name = f"conv_snapshot C={C} s={s} n={n} k={k} {'base' if scalar_dest else 'list'}"
+    name = f"conv_snapshot C={C} s={s} n={n} k={k} {'base' if scalar_dest else 'list'}" + (
+        " S=planes[live]" if from_live else "")
     row = Row(name, ok, "bit-identical (X and all planes)" if ok else "BITS DIFFER")
     if timed and R.timing:
         row.torch_us = R.bench(lambda: write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None))
-        row.triton_us = R.bench(lambda: conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri))
+        if from_live:
+            row.triton_us = R.bench(lambda: conv_snapshot_triton(p_tri, T, p_tri, dest, k, out=X_tri, live=live))
+        else:
+            row.triton_us = R.bench(lambda: conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri))
         row.nbytes = C * (s + n) * 4 * 2 + k * C * s * 4
     R.add(row)
 
@@ -157,7 +170,7 @@ def check_gdn(R: Runner, T: int, Hq: int, Hv: int, dk: int, dv: int, n_slots: in
     gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, out=o_tri, **kw)
     rows = slice(base_i, base_i + T)
     eo, es = rel_err(o_tri, o_ref), rel_err(s_tri[rows], s_ref[rows])
-    rest = torch.ones(P, dtype=torch.bool)
+    rest = torch.ones(P, dtype=torch.bool, device=dev)
     rest[rows] = False
     untouched = same_bits(s_tri[rest], ssm[rest])
     ok = eo < 1e-5 and es < 1e-5 and untouched
@@ -311,6 +324,7 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     # conv snapshots: the real GDN (s=3) and PLE (s=9) geometries, then edge shapes
     for s, n, k in ((3, 6, 6), (9, 6, 6)):
         check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, timed=True)
+        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, timed=True, from_live=True)
     for s, n, k in ((3, 1, 1), (3, 2, 2), (3, 5, 3), (9, 7, 7), (9, 1, 1), (1, 8, 8), (8, 8, 5), (15, 1, 1)):
         check_conv(R, 257, s, n, k, scalar_dest=True)
         check_conv(R, 130, s, n, k, scalar_dest=False)

@@ -194,6 +194,20 @@ def test_bench_sweep_api(tmp_path: Path) -> None:
     ours = [s for s in res["summary"] if s["arm"] == "ours"]
     assert all(s["acceptance_by_position"] == [1.0, 1.0, 0.0, 0.0, 0.0] for s in ours)
     assert (tmp_path / "s.png").stat().st_size > 0
+    # a sweep split over two processes (one prompt length each) combines into the same summary
+    parts = []
+    for p in (64, 80):
+        part = json.loads(json.dumps(res))
+        part["runs"] = [r for r in part["runs"] if r["prompt_tokens"] == p]
+        part["prompts"] = {str(p): part["prompts"][str(p)]}
+        part["protocol"]["prompt_tokens"] = [p]
+        (tmp_path / f"{p}.json").write_text(json.dumps(part))
+        parts.append(str(tmp_path / f"{p}.json"))
+    assert main(["report", *parts, "--json", str(tmp_path / "all.json"), "--markdown", str(tmp_path / "all.md")]) == 0
+    combined = json.loads((tmp_path / "all.json").read_text())
+    assert combined["summary"] == json.loads(json.dumps(res["summary"]))
+    assert combined["protocol"]["prompt_tokens"] == [64, 80] and len(combined["combined_from"]) == 2
+    assert "| 80 |" in (tmp_path / "all.md").read_text()
 
 
 def test_context_too_long_fails_before_running(capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,6 +70,13 @@ def test_snapshot_fused_equals_ordinary(s: int, n: int, k: int) -> None:
         p2 = planes.clone()
         X2 = conv_snapshot(S, T, p2, dest, k)
         assert same_bits(X2, X0) and same_bits(p2, p0)
+    # the state read from a plane chosen on the device (S = planes[live], live in the other half)
+    p3 = planes.clone()
+    p3[1, :, :] = S
+    X3 = conv_snapshot(p3, T, p3, base, k, live=torch.tensor(1))
+    expect = p0.clone()
+    expect[1] = S
+    assert same_bits(X3, X0) and same_bits(p3, expect)
     # the windows themselves, against plain slicing of the concatenation
     X_ref = torch.cat([S, T.t()], dim=1)
     assert same_bits(X0, X_ref)

@@ -102,7 +102,7 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         cfg = m.cfg
         tok = tokenizer if tokenizer is not None else loader.load_tokenizer(path)
         info = {"name": path.name if model is not None else f"embedded default model ({path.name})",
-                "source": "path", "path": str(path), "weights": "file"}
+                "source": "path", "path": str(path), "weights": "weights from the file"}
     info |= {
         "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
         "layers": cfg.n_layers, "experts": cfg.n_experts, "experts_used": cfg.n_experts_used,
@@ -215,7 +215,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Each subcommand sets `func` (args -> exit status)."""
     p = subparsers.add_parser("bench", help="the seed's benchmarks (Rust merge task, context sweep)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="bench_command", metavar="{merge,sweep}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{merge,sweep,report}")
     sub.required = True
     m = sub.add_parser("merge", help="4,096-token prompt, 512 generated tokens, 3 runs per arm",
                        description="The seed's headline benchmark: decode tok/s per arm on the Rust merge task.")
@@ -232,6 +232,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--gen-tokens", type=int, default=SWEEP_GEN_TOKENS, help="default %(default)s")
     s.add_argument("--reps", type=int, default=SWEEP_REPS, help="runs per arm (default %(default)s)")
     s.set_defaults(func=_cmd_sweep)
+    rp = sub.add_parser("report", help="Markdown / plot / combined JSON from result files",
+                        description="Render result JSON files again, or combine several processes' results "
+                                    "(e.g. a sweep split by prompt length) into one.")
+    rp.add_argument("inputs", nargs="+", metavar="RESULT.json")
+    rp.add_argument("--json", metavar="OUT", help="write the (combined) result as JSON")
+    rp.add_argument("--markdown", metavar="OUT", help="write the Markdown table")
+    rp.add_argument("--plot", metavar="OUT.png", help="write the figure")
+    rp.set_defaults(func=_cmd_report)
     return p
 
 
@@ -265,6 +273,29 @@ def _cmd_merge(a: argparse.Namespace) -> int:
 
 def _cmd_sweep(a: argparse.Namespace) -> int:
     return _guard(lambda a: run_sweep(contexts=a.contexts, **_kwargs(a)), a)
+
+
+def report_files(inputs: Sequence[str | os.PathLike[str]], *, json_out: str | os.PathLike[str] | None = None,
+                 markdown_out: str | os.PathLike[str] | None = None,
+                 plot_out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Load result JSON files, combine them when there are several, and write the requested outputs."""
+    import json
+
+    from qspec.bench.report import combine
+
+    results = []
+    for path in inputs:
+        try:
+            results.append(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: file not found") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    return _finish(combine(results), json_out, markdown_out, plot_out)
+
+
+def _cmd_report(a: argparse.Namespace) -> int:
+    return _guard(lambda a: report_files(a.inputs, json_out=a.json, markdown_out=a.markdown, plot_out=a.plot), a)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

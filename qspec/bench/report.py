@@ -193,3 +193,64 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return p_out
+
+
+# ---- several result files as one ----------------------------------------------------------------------------------
+_MUST_MATCH = (("benchmark",), ("protocol", "gen_tokens"), ("protocol", "capacity"), ("protocol", "kv_type"),
+               ("protocol", "warmup_tokens"), ("acceptance", "profile"), ("model", "name"), ("model", "params"),
+               ("model", "dtype"), ("environment", "device_name"))
+
+
+def _get(d: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for k in path:
+        d = d.get(k) if isinstance(d, dict) else None  # type: ignore[assignment]
+    return d
+
+
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several processes of the same benchmark (e.g. a sweep split by prompt length to fit a
+    time limit): runs concatenated, prompt lengths and arms united, summary recomputed. Arms alternate within
+    each process only, which `protocol.order` then says. Raises ValueError when the files are not comparable."""
+    from qspec.bench.run import summarize
+
+    if not results:
+        raise ValueError("no results to combine")
+    if len(results) == 1:
+        return results[0]
+    first = results[0]
+    for r in results[1:]:
+        for path in _MUST_MATCH:
+            if _get(r, path) != _get(first, path):
+                raise ValueError(f"cannot combine: {'.'.join(path)} differs ({_get(first, path)!r} vs "
+                                 f"{_get(r, path)!r})")
+    out = {k: v for k, v in first.items() if k not in ("runs", "summary", "files")}
+    arms: list[dict[str, Any]] = []
+    prompts: dict[str, Any] = {}
+    runs: list[dict[str, Any]] = []
+    for r in results:
+        for a in r["arms"]:
+            known = next((b for b in arms if b["name"] == a["name"]), None)
+            if known is None:
+                arms.append(a)
+            elif known != a:
+                raise ValueError(f"cannot combine: arm {a['name']!r} has different settings in different files")
+        for k, meta in r["prompts"].items():
+            if k in prompts and prompts[k]["sha256"] != meta["sha256"]:
+                raise ValueError(f"cannot combine: the {k}-token prompts differ (sha256)")
+            prompts[k] = meta
+        runs.extend(r["runs"])
+    lengths = sorted({int(k) for k in prompts})
+    names = [a["name"] for a in arms]
+    ref = "baseline" if "baseline" in names else names[0]
+    out |= {
+        "arms": arms, "prompts": {str(p): prompts[str(p)] for p in lengths}, "runs": runs, "reference_arm": ref,
+        "protocol": first["protocol"] | {
+            "prompt_tokens": lengths, "reps": max(r["protocol"]["reps"] for r in results),
+            "order": f"combined from {len(results)} processes; arms alternate within each process"},
+        "combined_from": [{"started_at": r.get("started_at"), "git_commit": r["environment"].get("git_commit"),
+                           "prompt_tokens": r["protocol"]["prompt_tokens"], "arms": [a["name"] for a in r["arms"]]}
+                          for r in results],
+        "wall_s": sum(r.get("wall_s", 0.0) for r in results),
+    }
+    out["summary"] = summarize(runs, lengths, names, ref, first["acceptance"]["mode"] == "replayed")
+    return out

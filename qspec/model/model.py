@@ -94,7 +94,7 @@ class Model(torch.nn.Module):
             t = ple_table if ple_table is not None else w["per_layer_token_embd.weight"]
             if hasattr(t, "materialize") and self.embed.is_cuda and _nbytes(t) <= DEVICE_TABLE_MAX_BYTES:
                 t = t.materialize(self.embed.device, self.embed.dtype)  # fits: gathers stay on the device
-            table = t if hasattr(t, "gather") else DeviceRowTable(t)
+            table = DeviceRowTable(t) if isinstance(t, torch.Tensor) else t
             # a host-resident table needs a host round trip per step, which CUDA graphs cannot capture
             self.graph_safe = isinstance(table, DeviceRowTable) and table.table.device == self.embed.device
             self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
