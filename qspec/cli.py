@@ -16,7 +16,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 from gguf import GGMLQuantizationType
@@ -25,6 +25,7 @@ from qspec.config import ConfigError, preset
 from qspec.engine import Engine, EngineOptions, Generation
 from qspec.loader import (
     QWEN_VOCAB,
+    default_model_file,
     default_model_path,
     load_model,
     load_tokenizer,
@@ -50,7 +51,7 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     # argparse would print the usage block and exit; raise instead so main() reports one line and returns 2.
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         where = self.prog.removeprefix("qspec").strip()
         raise UsageError(f"{where}: {message}" if where else message)
 
@@ -80,8 +81,9 @@ def _device(name: str | None) -> torch.device:
 def _model_path(arg: str | None) -> Path:
     if arg is not None:
         return Path(arg)
-    _say("qspec: using the embedded default model (random weights: the text is gibberish; "
-         "pass --model path.gguf for real weights)")
+    first = "" if default_model_file().is_file() else ", generating it once (about 10 s)"
+    _say(f"qspec: using the embedded default model (random weights: the text is gibberish; "
+         f"pass --model path.gguf for real weights){first}")
     return default_model_path()
 
 
@@ -157,7 +159,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     _check_run_args(a)
     dev = _device(a.device)
     path = _model_path(a.model)
+    t0 = time.perf_counter()
     tok = load_tokenizer(path)
+    tok_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
                        with_mtp=None if a.draft else False, hnorm_per_stream=a.hnorm_per_stream)
@@ -179,7 +183,7 @@ def cmd_run(a: argparse.Namespace) -> int:
                       generator=torch.Generator().manual_seed(a.seed))
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
          f"{'MTP' if model.mtp is not None else 'no MTP'}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
-         f"loaded in {load_s:.1f} s")
+         f"loaded in {load_s:.1f} s (tokenizer {tok_s:.1f} s)")
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qspec.kernels.q4 import Q4Weight
 from qspec.model import ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import ContextError, Runner
@@ -38,7 +39,8 @@ class EngineOptions:
     pad_target: int | None = 8
     fused_snapshots: bool = True
     prefill_chunk: int = 512
-    draft_lm_head: torch.Tensor | None = None  # e.g. a Q4 copy of the LM head for drafting only
+    draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
+    draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
     accept_hook: AcceptHook | None = None
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
@@ -84,6 +86,12 @@ class Engine:
             raise ValueError(f"draft depth must be in [0, 8], got {self.opts.draft}")
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
+        if self.opts.draft_head not in ("full", "q4"):
+            raise ValueError(f"draft head must be 'full' or 'q4', got {self.opts.draft_head!r}")
+        if self.opts.draft_head == "q4" and self.opts.draft_lm_head is None and self.opts.draft:
+            # the draft's logits come from 4-bit weights; verification uses the full head, so the
+            # accepted output cannot change, only the acceptance rate
+            self.opts.draft_lm_head = Q4Weight.from_dense(model.lm_head)
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=self.opts.cuda_graphs)
 
     def _sync(self) -> None:

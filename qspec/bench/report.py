@@ -84,6 +84,9 @@ def markdown(result: dict[str, Any]) -> str:
         "decode time (prefill excluded)",
     ]
     lines += [f"- Note: {n}" for n in sorted(notes)]
+    if result.get("complete") is False:
+        planned = len(proto["prompt_tokens"]) * proto["reps"] * len(arms)
+        lines.append(f"- **Incomplete**: the process stopped after {len(result['runs'])} of {planned} runs")
     lines.append("")
     by = {(s["arm"], s["prompt_tokens"]): s for s in summary}
     names = [a["name"] for a in arms]
@@ -224,6 +227,7 @@ def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"cannot combine: {'.'.join(path)} differs ({_get(first, path)!r} vs "
                                  f"{_get(r, path)!r})")
     out = {k: v for k, v in first.items() if k not in ("runs", "summary", "files")}
+    out["complete"] = all(r.get("complete", True) for r in results)
     arms: list[dict[str, Any]] = []
     prompts: dict[str, Any] = {}
     runs: list[dict[str, Any]] = []

@@ -136,18 +136,20 @@ class _LineProgress:
 
     def __init__(self, total: int, desc: str) -> None:
         self.total, self.desc, self.n = total, desc, 0
+        self.end = "\x1b[K" if sys.stderr.isatty() else "\n"  # logs get one line per run, not \r soup
 
     def set_postfix_str(self, s: str) -> None:
         self.post = s
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total} {getattr(self, 'post', '')}\x1b[K")
+        sys.stderr.write(f"\r{self.desc}: {self.n}/{self.total} {getattr(self, 'post', '')}{self.end}")
         sys.stderr.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+        if self.end != "\n":
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 class _NoProgress:
@@ -240,11 +242,14 @@ def summarize(runs: list[dict[str, Any]], prompt_tokens: Sequence[int], arms: Se
 
 
 def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_info: dict[str, Any] | None = None,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 progress: bool = True, log: Callable[[str], None] | None = None,
+                 checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run every arm over every prompt length; returns the result dict (see `SCHEMA`).
 
-    tokenizer: for the prompt (None: Qwen ids modulo the model vocabulary). Raises ContextError before any run
-    when a request would not fit, ValueError for arms the model cannot run (drafting without MTP weights)."""
+    tokenizer: for the prompt (None: Qwen ids modulo the model vocabulary). checkpoint: called with the partial
+    result (`complete: False`) after every measured run, so a process killed by a time limit keeps what it
+    measured. Raises ContextError before any run when a request would not fit, ValueError for arms the model
+    cannot run (drafting without MTP weights)."""
     if proto.reps < 1:
         raise ValueError(f"reps must be >= 1, got {proto.reps}")
     if proto.gen_tokens < 1:
@@ -268,13 +273,35 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
         engines[arm.name] = Engine(model, opts)
 
     ref = "baseline" if any(a.name == "baseline" for a in proto.arms) else proto.arms[0].name
+    env = environment(dev)
+    names = [a.name for a in proto.arms]
+    runs: list[dict[str, Any]] = []
+
+    def result(complete: bool) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "benchmark": proto.benchmark,
+            "label": proto.accept.label,
+            "complete": complete,
+            "acceptance": proto.accept.as_dict(),
+            "protocol": proto.as_dict(),
+            "model": model_info or {},
+            "environment": env,
+            "prompts": {str(p): prompts[p].meta for p in proto.prompt_tokens},
+            "arms": [a.as_dict() for a in proto.arms],
+            "reference_arm": ref,
+            "runs": runs,
+            "summary": summarize(runs, proto.prompt_tokens, names, ref, proto.accept.replayed),
+            "started_at": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(timespec="seconds"),
+            "wall_s": time.time() - started,
+        }
+
     n_warm = len(proto.arms) if proto.warmup > 0 else 0
     total = len(proto.prompt_tokens) * (n_warm + proto.reps * len(proto.arms))
     if progress:
         say(f"bench {proto.benchmark}: {len(proto.arms)} arms x {proto.reps} reps x prompts {proto.prompt_tokens}, "
             f"{proto.gen_tokens} generated tokens, {proto.accept.label}")
     bar = _progress(total, f"bench {proto.benchmark}", progress)
-    runs: list[dict[str, Any]] = []
     try:
         for p in proto.prompt_tokens:
             ids = list(prompts[p])
@@ -297,37 +324,17 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
                     bar.update()
                     if rec["generated_tokens"] != proto.gen_tokens:
                         say(f"warning: {arm.name} generated {rec['generated_tokens']} of {proto.gen_tokens} tokens")
+                    if checkpoint is not None:
+                        checkpoint(result(complete=False))
     finally:
         bar.close()
-
-    return {
-        "schema": SCHEMA,
-        "benchmark": proto.benchmark,
-        "label": proto.accept.label,
-        "acceptance": proto.accept.as_dict(),
-        "protocol": proto.as_dict(),
-        "model": model_info or {},
-        "environment": environment(dev),
-        "prompts": {str(p): prompts[p].meta for p in proto.prompt_tokens},
-        "arms": [a.as_dict() for a in proto.arms],
-        "reference_arm": ref,
-        "runs": runs,
-        "summary": summarize(runs, proto.prompt_tokens, [a.name for a in proto.arms], ref, proto.accept.replayed),
-        "started_at": _dt.datetime.fromtimestamp(started, _dt.UTC).isoformat(timespec="seconds"),
-        "wall_s": time.time() - started,
-    }
+    return result(complete=True)
 
 
 def _q4_head(lm_head: torch.Tensor) -> torch.Tensor:
     from qspec.loader import q4_draft_head
 
     return q4_draft_head(lm_head)
-
-
-def median_table(result: dict[str, Any]) -> dict[tuple[str, int], tuple[float, float, float]]:
-    """(arm, prompt tokens) -> (median, min, max) decode tok/s, from a result's summary."""
-    return {(s["arm"], s["prompt_tokens"]): (s["decode_tps_median"], s["decode_tps_min"], s["decode_tps_max"])
-            for s in result["summary"]}
 
 
 def prompt_lengths(values: Sequence[int] | str) -> list[int]:

@@ -97,9 +97,14 @@ def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base
     accepted = plan_snapshots(S, T, X, planes, [host_base + j for j in range(n_write)], stats) if fused else None
     if fused and accepted is not None:
         k = len(accepted)
-        windows = X.unfold(1, s, 1)[:, 1:k + 1]  # [C, k, s]: every window from the one load of X
-        idx = base + torch.arange(k, device=planes.device)
-        planes.index_copy_(0, idx, windows.permute(1, 0, 2))
+        if S.is_cuda:
+            from qspec.kernels.triton_conv_snapshot import conv_snapshot
+
+            conv_snapshot(S, T.to(S.dtype), planes, base, k, out=X)  # Algorithm 5: one load per row
+        else:
+            windows = X.unfold(1, s, 1)[:, 1:k + 1]  # [C, k, s]: every window from the one load of X
+            idx = base + torch.arange(k, device=planes.device)
+            planes.index_copy_(0, idx, windows.permute(1, 0, 2))
         if stats is not None:
             stats.fused += 1
             stats.dispatches += 1

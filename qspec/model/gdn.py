@@ -10,8 +10,26 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
+from qspec.kernels.triton_gdn import gdn_recurrent_planes
 from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus
 from qspec.state.recurrent import GDNState, RecurrentCache
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                S0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked gated delta rule for prefill: fla's Triton kernel on CUDA when installed, torch otherwise."""
+    if q.is_cuda:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError:
+            chunk_gated_delta_rule = None
+        if chunk_gated_delta_rule is not None:
+            # q/k are already L2-normalised, q scaled, and expanded to one head per value head
+            o, Sf = chunk_gated_delta_rule(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(),
+                                           g[None].contiguous(), beta[None].contiguous(), scale=1.0,
+                                           initial_state=S0[None].contiguous(), output_final_state=True)
+            return o[0].float(), Sf[0].float()
+    return gdn_chunked_torch(q, k, v, g, beta, S0)
 
 
 class GatedDeltaNet(torch.nn.Module):
@@ -46,16 +64,25 @@ class GatedDeltaNet(torch.nn.Module):
 
         q, k, v = torch.split(conv, [c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
         rep = Hv // Hk
-        q = l2_norm(q.reshape(T, Hk, d)).repeat(1, rep, 1) * d ** -0.5
-        k = l2_norm(k.reshape(T, Hk, d)).repeat(1, rep, 1)
-        v = v.reshape(T, Hv, d)
+        q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
+        k = l2_norm(k.reshape(T, Hk, d))
+        v = v.reshape(T, Hv, d).contiguous()
+        if h.is_cuda and not last_only:
+            # Triton: state tile in registers across the rows, each row's state to its rollback plane
+            o = gdn_recurrent_planes(q, k, v, g, beta, st.ssm, rc.live, rc.base)
+            return self._finish(o, z, h.dtype)
+        q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # value head n reads key head n % Hk
         S0 = st.ssm.index_select(0, rc.live.view(1))[0]
         if last_only:
-            o, Sf = gdn_chunked_torch(q, k, v, g, beta, S0)
+            o, Sf = gdn_chunked(q, k, v, g, beta, S0)
             st.ssm.index_copy_(0, rc.base.view(1), Sf.unsqueeze(0))
         else:
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.base + torch.arange(T, device=h.device), states)
 
-        o = rms_norm(o, self.norm, c.rms_eps) * sigmoid(z.float())
-        return linear(o.reshape(T, Hv * d).to(h.dtype), self.out)
+        return self._finish(o, z, h.dtype)
+
+    def _finish(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Sigmoid-gated RMSNorm per head, then the output projection."""
+        o = rms_norm(o, self.norm, self.cfg.rms_eps) * sigmoid(z.float())
+        return linear(o.reshape(o.shape[0], -1).to(dtype), self.out)

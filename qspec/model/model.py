@@ -12,6 +12,7 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats
+from qspec.kernels.q4 import Q4Weight, q4_matvec
 from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
@@ -158,10 +159,12 @@ class Model(torch.nn.Module):
         return linear(out, self.lm_head), X
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                    lm_head: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X)."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
         cos, sin = self.rope(pos)
         out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv)
+        if isinstance(lm_head, Q4Weight):
+            return q4_matvec(out, lm_head), X  # reads a quarter of the bf16 head's bytes
         return linear(out, self.lm_head if lm_head is None else lm_head), X

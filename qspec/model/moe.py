@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels.moe_few import moe_few
+from qspec.kernels.triton_common import use_triton
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
@@ -17,12 +19,8 @@ def moe_few_tokens(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, ga
 
     Uses the Triton kernel when available (reads only the chosen experts' weights); the torch
     fallback gathers the chosen experts' matrices, which costs extra copies."""
-    try:
-        from qspec.kernels.moe_few import moe_few as kernel
-    except ImportError:
-        kernel = None
-    if kernel is not None:
-        return kernel(h, top_i, top_w, gate, up, down)
+    if use_triton(h):
+        return moe_few(h, top_i, top_w, gate, up, down)
     T, k = top_i.shape
     idx = top_i.reshape(-1)
     x = h.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]

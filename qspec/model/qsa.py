@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels.pooled import materialize_pooled_fast
 from qspec.model.hyper import stream_mean
 from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid
 from qspec.state.indexer_cache import IndexerCache
@@ -29,6 +30,9 @@ def materialize_pooled(idx: IndexerCache, upd: PooledUpdate, k_norm: torch.Tenso
     """Seed Algorithm 2's batched body: gather r raw keys per row, mean, type round trip, norm, RoPE, scatter.
 
     cos/sin are the tables at the rows' block-start positions."""
+    if idx.raw.is_cuda:
+        materialize_pooled_fast(idx.raw, upd.cells, upd.dest, k_norm, eps, cos, sin, idx.pooled)
+        return
     x = idx.raw[upd.cells].float().mean(1).to(idx.raw.dtype)
     z = rms_norm(x, k_norm, eps)
     z = apply_rope(z.unsqueeze(1), cos, sin).squeeze(1)

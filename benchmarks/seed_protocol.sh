@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The seed's benchmarks (Rust merge task, context sweep) as named steps, each one process that fits a
+# 10-minute device command. Usage: benchmarks/seed_protocol.sh STEP [OUTDIR]   (OUTDIR defaults to $OUT, then
+# benchmarks/results/local). Results: OUTDIR/STEP.json and .md (and .png where matplotlib is installed);
+# combine split sweeps afterwards with `python -m qspec.bench report A.json B.json --json ... --markdown ...
+# --plot ...`. Run from the repository root. Extra options for every step: BENCH_ARGS="--reps 1 --gen-tokens 64".
+# See benchmarks/README.md.
+set -euo pipefail
+
+step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
+h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b}"
+out="${2:-${OUT:-benchmarks/results/local}}"
+py="${PYTHON:-python}"
+read -r -a extra <<< "${BENCH_ARGS:-}"
+mkdir -p "$out"
+
+bench() {  # bench SUBCOMMAND ARGS... -> writes $out/$step.{json,md,png}
+    local sub="$1"
+    shift
+    "$py" -m qspec.bench "$sub" "$@" ${extra[@]+"${extra[@]}"} \
+        --json "$out/$step.json" --markdown "$out/$step.md" --plot "$out/$step.png"
+}
+
+fn8=(--preset flash-next --layers 8 --device cuda --dtype bfloat16 --accept-profile p=0.85)
+
+case "$step" in
+    # (a) the embedded default model (tiny geometry, Qwen vocabulary, random weights) on the CPU
+    cpu-embedded-merge) bench merge --device cpu ;;
+    cpu-embedded-sweep) bench sweep --device cpu ;;
+    cpu-embedded-merge-p85) bench merge --device cpu --accept-profile p=0.85 ;;
+    # (b) the embedded default model on the H200
+    h200-embedded-merge) bench merge --device cuda ;;
+    h200-embedded-sweep) bench sweep --device cuda ;;
+    # (c) flash-next geometry, 8 layers (~24.7 B parameters with the MTP block, ~49 GB bf16, built on the GPU),
+    #     replayed acceptance p=0.85; the sweep is split in two processes to fit the per-command time limit
+    h200-fn8-merge) bench merge "${fn8[@]}" ;;
+    h200-fn8-sweep-a) bench sweep "${fn8[@]}" --contexts 512,1024,2048 ;;
+    h200-fn8-sweep-b) bench sweep "${fn8[@]}" --contexts 4096,6144 ;;
+    *) echo "unknown step: $step" >&2; exit 2 ;;
+esac
