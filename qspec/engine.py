@@ -91,7 +91,9 @@ class Engine:
         if self.opts.draft_head == "q4" and self.opts.draft_lm_head is None and self.opts.draft:
             # the draft's logits come from 4-bit weights; verification uses the full head, so the
             # accepted output cannot change, only the acceptance rate
-            self.opts.draft_lm_head = Q4Weight.from_dense(model.lm_head)
+            q4 = Q4Weight.from_dense(model.lm_head)
+            # CUDA: the packed head and a 4-bit mat-vec kernel; CPU: the same values, unpacked once
+            self.opts.draft_lm_head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=self.opts.cuda_graphs)
 
     def _sync(self) -> None:

@@ -16,11 +16,15 @@ import torch
 
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
+from qspec.model import ops
 from qspec.model.model import CacheOptions, Model, ModelCache
 from qspec.model.qsa import PooledUpdate
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
 GRAPH_MAX_ROWS = 16
+# Attention and indexer scoring read the cells below a bucket of this many tokens above the last
+# position, so their cost follows the context, while shapes (and graphs) change only per bucket.
+KV_BUCKET = 512
 
 
 class ContextError(ValueError):
@@ -49,7 +53,7 @@ class GraphStats:
 
 
 class Runner:
-    def __init__(self, model: Model, opts: CacheOptions, *, cuda_graphs: bool = False, max_graphs: int = 32) -> None:
+    def __init__(self, model: Model, opts: CacheOptions, *, cuda_graphs: bool = False, max_graphs: int = 128) -> None:
         self.model, self.opts = model, opts
         self.cache: ModelCache = model.new_cache(opts)
         self.n_tokens = 0  # committed tokens in the target caches
@@ -123,18 +127,19 @@ class Runner:
             upd[r] = PooledUpdate(torch.from_numpy(plan.cells).to(dev), torch.from_numpy(plan.start).to(dev),
                                   torch.from_numpy(plan.dest).to(dev))
         pos = torch.arange(L, L + T, device=dev)
+        kv_len = self.kv_len(L + T)
         if self.use_graphs and T <= GRAPH_MAX_ROWS and logit_rows is None:
             rs = sorted(upd)
-            key = ("target", T, tuple((r, upd[r].dest.shape[0]) for r in rs))
+            key = ("target", T, kv_len, tuple((r, upd[r].dest.shape[0]) for r in rs))
             flat = [tokens.to(dev), pos] + [t for r in rs for t in (upd[r].cells, upd[r].start, upd[r].dest)]
 
             def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 ups = {r: PooledUpdate(*u[3 * i:3 * i + 3]) for i, r in enumerate(rs)}
-                return self.model(tok, p, c, ups, None)
+                return self.model(tok, p, c, ups, None, kv_len)
 
             logits, X = self._run(key, fwd, flat)
         else:
-            logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows)
+            logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows, kv_len)
         for lay in c.layouts.values():
             lay.commit()
         self._pending = (L, T)
@@ -171,11 +176,19 @@ class Runner:
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
         pos = torch.arange(start, start + T, device=self.device)
+        kv_len = self.kv_len(start + T)
         if self.use_graphs and T <= GRAPH_MAX_ROWS:
-            key = ("mtp", T, lm_head is not None)
-            return self._run(key, lambda tok, h, p: self.model.mtp_forward(tok, h, p, self.cache, lm_head),
+            key = ("mtp", T, kv_len, lm_head is not None)
+            return self._run(key, lambda tok, h, p: self.model.mtp_forward(tok, h, p, self.cache, lm_head, kv_len),
                              [tokens.to(self.device), H, pos])
-        return self.model.mtp_forward(tokens.to(self.device), H, pos, self.cache, lm_head)
+        return self.model.mtp_forward(tokens.to(self.device), H, pos, self.cache, lm_head, kv_len)
+
+    def kv_len(self, end: int) -> int:
+        """Cells a step ending at position `end` attends over: a KV_BUCKET multiple, or the whole cache
+        in row-exact mode (a row's result must not depend on the step it was computed in)."""
+        if ops.row_exact():
+            return self.opts.capacity
+        return min(self.opts.capacity, -(-end // KV_BUCKET) * KV_BUCKET)
 
     def committed_state(self) -> dict[str, torch.Tensor]:
         """Every cache entry that describes the committed tokens (for equality checks)."""

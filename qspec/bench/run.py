@@ -262,9 +262,7 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
     started = time.time()
 
     prompts = {p: build_prompt(tokenizer, p, vocab_size=model.cfg.vocab_size) for p in proto.prompt_tokens}
-    draft_head = None
-    if any(a.q4 and a.draft for a in proto.arms):
-        draft_head = _q4_head(model.lm_head)
+    draft_head = None  # q4 arms let the engine pack its own Q4_0 head (Q4Weight)
     engines: dict[str, Engine] = {}
     for arm in proto.arms:
         # a fresh hook per arm: each restarts its stream at round 0 of every generation
@@ -329,12 +327,6 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
     finally:
         bar.close()
     return result(complete=True)
-
-
-def _q4_head(lm_head: torch.Tensor) -> torch.Tensor:
-    from qspec.loader import q4_draft_head
-
-    return q4_draft_head(lm_head)
 
 
 def prompt_lengths(values: Sequence[int] | str) -> list[int]:

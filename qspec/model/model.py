@@ -129,8 +129,8 @@ class Model(torch.nn.Module):
         return rope_tables(pos, self.cfg.rope_dim, self.cfg.rope_theta, self.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                upd: dict[int, PooledUpdate] | None = None, logit_rows: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                upd: dict[int, PooledUpdate] | None = None, logit_rows: torch.Tensor | None = None,
+                kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run rows `tokens` [T] at positions `pos` [T] (consecutive, after the cached ones).
 
         The recurrent cache must have had `begin_step()`; the caller commits the row to keep.
@@ -150,7 +150,7 @@ class Model(torch.nn.Module):
             else:
                 r = c.ratio(i)
                 y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
-                          upd_rope.get(r))
+                          upd_rope.get(r), kv_len=kv_len)
             X = hc_combine(X, y, inj)
             h, inj = self.mix_ffn[i](X)
             X = hc_combine(X, self.moe[i](h), inj)
@@ -159,12 +159,13 @@ class Model(torch.nn.Module):
         return linear(out, self.lm_head), X
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                    lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    lm_head: torch.Tensor | Q4Weight | None = None, kv_len: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X)."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
         cos, sin = self.rope(pos)
-        out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv)
+        out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len)
         if isinstance(lm_head, Q4Weight):
             return q4_matvec(out, lm_head), X  # reads a quarter of the bf16 head's bytes
         return linear(out, self.lm_head if lm_head is None else lm_head), X

@@ -32,7 +32,7 @@ class MTPHead(torch.nn.Module):
         self.moe = MoE(w, b, cfg.n_experts_used)
 
     def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVCache, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D])."""
         c = self.cfg
         D, S = c.hidden, c.hc_count
@@ -40,7 +40,7 @@ class MTPHead(torch.nn.Module):
         Hn = rms_norm(H, self.hnorm, c.rms_eps, group=D if self.hnorm_per_stream else None).view(-1, S, D)
         X = linear(torch.cat([e.unsqueeze(1).expand(-1, S, -1), Hn], dim=-1), self.eh).flatten(-2)
         h, inj = self.mix_attn(X)
-        X = hc_combine(X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1), inj)
+        X = hc_combine(X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len), inj)
         h, inj = self.mix_ffn(X)
         X = hc_combine(X, self.moe(h), inj)
         out, _ = self.mix_head(X)

@@ -54,8 +54,10 @@ class QSAAttention(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
                 idx: IndexerCache | None, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None,
-                key_lo: int = 0) -> torch.Tensor:
-        """h [T, D] at positions pos [T]; key_lo: first position that holds a key (the MTP head has none at 0)."""
+                key_lo: int = 0, kv_len: int | None = None) -> torch.Tensor:
+        """h [T, D] at positions pos [T]; key_lo: first position that holds a key (the MTP head has none at 0).
+
+        kv_len: cells to attend over (a bucket above the last position; the whole cache by default)."""
         c = self.cfg
         T = h.shape[0]
         H, Hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
@@ -66,11 +68,12 @@ class QSAAttention(torch.nn.Module):
         v = linear(h, self.wv).view(T, Hkv, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(pos, k, v)
-        K, V = kv.read()
-        key_pos = torch.arange(kv.capacity, device=h.device)
+        n = kv.capacity if kv_len is None else kv_len
+        K, V = kv.read(n)
+        key_pos = torch.arange(n, device=h.device)
         mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= key_lo)
         if self.ratio and idx is not None:
-            mask &= self.select(h, pos, cos, sin, idx, upd, upd_rope)
+            mask &= self.select(h, pos, cos, sin, idx, upd, upd_rope, n)
         G = H // Hkv
         qh = q.view(T, Hkv, G, d).permute(1, 0, 2, 3).reshape(Hkv, T * G, d)
         scores = bmm_rows(qh, K.permute(1, 2, 0)) * d ** -0.5  # [Hkv, T*G, L]
@@ -83,8 +86,8 @@ class QSAAttention(torch.nn.Module):
         return linear(o, self.wo)
 
     def select(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: IndexerCache,
-               upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Boolean [T, capacity]: the keys each row may attend to (top blocks + incomplete tail)."""
+               upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int) -> torch.Tensor:
+        """Boolean [T, n]: which of the first n cells each row may attend to (top blocks + incomplete tail)."""
         c, r = self.cfg, self.ratio
         T = h.shape[0]
         di = c.indexer_head_dim
@@ -93,7 +96,7 @@ class QSAAttention(torch.nn.Module):
         idx.raw.index_copy_(0, pos, linear(h, self.ik).to(idx.raw.dtype))
         if upd is not None and upd_rope is not None:
             materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
-        nbmax = idx.n_blocks
+        nbmax = min(idx.n_blocks, n // r)
         Kb = idx.pooled[:nbmax]
         s = torch.relu(linear(qi.float().reshape(T * c.indexer_heads, di), Kb).view(T, c.indexer_heads, nbmax))
         s = stream_mean(s) * (c.indexer_heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
@@ -104,7 +107,7 @@ class QSAAttention(torch.nn.Module):
         n_top = min(c.indexer_budget // r, nbmax)
         top = torch.topk(s, n_top, dim=-1).indices
         chosen = torch.zeros(T, nbmax, dtype=torch.bool, device=h.device).scatter_(1, top, True) & vis
-        key_pos = torch.arange(idx.raw.shape[0], device=h.device)
+        key_pos = torch.arange(n, device=h.device)
         kblk = (key_pos // r).clamp(max=nbmax - 1)
         in_blocks = chosen.gather(1, kblk[None, :].expand(T, -1)) & (key_pos[None, :] < (nb_vis * r)[:, None])
         tail = (key_pos[None, :] >= (nb_vis * r)[:, None]) & (key_pos[None, :] <= pos[:, None])
