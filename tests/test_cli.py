@@ -93,7 +93,19 @@ def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixtu
             "--top-p", "0.95", "--draft", "2", *FAST]
     outs = [run(capsys, *args, "--seed", s) for s in ("1", "1", "2")]
     assert all(rc == 0 for rc, _, _ in outs)
-    assert outs[0][1] == outs[1][1]
+    assert outs[0][1] == outs[1][1] != outs[2][1]
+
+
+@pytest.mark.parametrize("extra", [["--kv-type", "q8_0"], ["--dtype", "bf16", "--kv-type", "bf16"],
+                                   ["--dtype", "f16", "--kv-type", "f16", "--hnorm-per-stream"]])
+def test_run_dtype_and_cache_options(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                     tmp_path: Path, extra: list[str]) -> None:
+    js = tmp_path / "o.json"
+    rc, out, err = run(capsys, "run", PROMPT, "--model", str(models["gguf"]), "--draft", "2", "--max-tokens", "5",
+                       "--ctx", "64", "--json", str(js), *extra)
+    assert rc == 0, err
+    doc = json.loads(js.read_text())
+    assert out == doc["text"] + "\n" and 1 <= len(doc["tokens"]) <= 5 and doc["spec"]["rounds"] >= 1
 
 
 def test_chat_template_wraps_the_prompt(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
