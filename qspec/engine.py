@@ -46,6 +46,7 @@ class EngineOptions:
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
     cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
+    time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
 
     def cache_options(self) -> CacheOptions:
@@ -68,6 +69,7 @@ class Generation:
     rounds_log: list[dict[str, int]] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
     graphs: dict[str, object] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (time_phases)
 
     @property
     def decode_tps(self) -> float:
@@ -124,6 +126,17 @@ class Engine:
         out: list[int] = []
         rounds_log: list[dict[str, int]] = []
         logits_log: list[torch.Tensor] = []
+        phases: dict[str, float] = {}
+        mark = [time.perf_counter()]
+
+        def phase(name: str) -> None:
+            """Charge the time since the last mark to `name` (only when timing phases)."""
+            if not o.time_phases:
+                return
+            self._sync()
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - mark[0]
+            mark[0] = now
 
         def emit(tok: int) -> bool:
             out.append(tok)
@@ -153,12 +166,14 @@ class Engine:
         prefill_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        mark[0] = t1
         stop = emit(tok)
         reason = "stop token" if tok in stop_ids else "max tokens"
         if o.draft == 0:
             while not stop:
                 logits, _ = run.step(torch.tensor([tok]))
                 run.keep(1, rollback=False)
+                phase("decode")
                 if o.record_logits:
                     logits_log.append(logits.cpu())
                 tok = int(sampler.sample(logits[-1]).item())
@@ -182,7 +197,9 @@ class Engine:
                         drafts.append(int(sampler.sample_probs(q).item()))
                 if o.draft_hook is not None:
                     drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
+                phase("draft")
                 v_logits, vX = run.step(torch.tensor([tok] + drafts))
+                phase("verify")
                 if o.record_logits:
                     logits_log.append(v_logits.cpu())
                 if sampler.greedy:
@@ -209,6 +226,7 @@ class Engine:
                 run.keep(min(k + 1, n_emit), rollback=True)
                 if o.after_round is not None:
                     o.after_round(run, k)
+                phase("accept+rollback")
                 stats.record(N, k, len(committed))
                 rounds_log.append({"accepted": k, **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
@@ -219,6 +237,7 @@ class Engine:
                 ext = torch.tensor(committed + [committed[-1]] * (N + 1 - len(committed)))
                 e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
                 d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
+                phase("draft extend")
                 rnd += 1
         if out and out[-1] in stop_ids:
             reason = "stop token"
@@ -227,4 +246,4 @@ class Engine:
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log,
-                          logits_log, run.graph_stats.as_dict())
+                          logits_log, run.graph_stats.as_dict(), phases)
