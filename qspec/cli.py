@@ -29,7 +29,6 @@ from qspec.loader import (
     default_model_path,
     load_model,
     load_tokenizer,
-    q4_draft_head,
     tokenizer_for_vocab,
     write_model,
 )
@@ -177,7 +176,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs,
-        draft_lm_head=q4_draft_head(model.lm_head) if a.draft and a.draft_head == "q4" else None)
+        draft_head=a.draft_head)  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
     engine = Engine(model, opts)
     sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
                       generator=torch.Generator().manual_seed(a.seed))

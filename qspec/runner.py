@@ -62,6 +62,7 @@ class Runner:
         self.use_graphs = cuda_graphs and model.device.type == "cuda" and model.graph_safe
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
+        self._seen: Counter = Counter()
         self.graph_stats = GraphStats()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -89,16 +90,21 @@ class Runner:
             st.replays += 1
             _add_snap(self.cache.snap_stats, g.snap)
             return g.outputs
-        # First time for this shape: the eager run is the real step (and warms up kernels); then
-        # capture, which records without executing, so no state changes twice.
+        # A shape runs eagerly until it recurs: capturing costs about two eager steps, so a shape
+        # seen once (the update list of a round without Pad8, say) is not worth a graph. On its
+        # second use the eager run is the real step, then the capture records without executing.
         before = copy.deepcopy(self.cache.snap_stats)
         out = fn(*inputs)
         snap = _diff_snap(self.cache.snap_stats, before)
         st.eager += 1
+        self._seen[key] += 1
+        if self._seen[key] < 2:
+            st.eager_reasons["first use of a shape"] += 1
+            return out
         if len(self.graphs) >= self.max_graphs:
             st.eager_reasons["graph limit reached"] += 1
             return out
-        st.eager_reasons["first use of a shape"] += 1
+        st.eager_reasons["second use: captured"] += 1
         bufs = [x.clone() for x in inputs]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from qspec.cli import main
-from qspec.loader import default_model_path, load_tokenizer
+from qspec.kernels.q4 import Q4Weight
+from qspec.loader import default_model_path, load_tokenizer, q4_draft_head
 from qspec.tokenizer import Tokenizer
 
 PROMPT = "fn main() {"
@@ -192,6 +194,18 @@ def test_embedded_default_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     # the embedded tokenizer is the real Qwen one
     assert doc["prompt_tokens"] == len(Tokenizer.from_qwen_package().encode(PROMPT))
     assert out == doc["text"] + "\n" and counters(err)["draft"] == 3 and len(doc["tokens"]) >= 1
+
+
+def test_q4_draft_head_is_the_engines_q4_rounding() -> None:
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    q = q4_draft_head(w)
+    assert q.shape == w.shape and q.dtype == w.dtype and not torch.equal(q, w)
+    # 4-bit rounding: within one step (max |w| of the 32-block / 8; a full step only where +8 clamps to +7)
+    step = w.view(96, 2, 32).abs().amax(-1, keepdim=True) / 8
+    assert ((q - w).view(96, 2, 32).abs() <= step * (1 + 1e-3)).all()
+    assert torch.equal(q, Q4Weight.from_dense(w).dequantize(w.dtype))  # what `--draft-head q4` uses on the CPU
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4_draft_head(torch.zeros(4, 40))
 
 
 def _truncated(models: dict[str, Path]) -> Path:
