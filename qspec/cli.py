@@ -163,7 +163,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     tok_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
-                       with_mtp=None if a.draft else False, hnorm_per_stream=a.hnorm_per_stream)
+                       with_mtp=None if a.draft else False, hnorm_per_stream=a.hnorm_per_stream,
+                       draft_path=a.draft_model if a.draft else None)
     load_s = time.perf_counter() - t0
     if a.draft and model.mtp is None:
         raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
@@ -298,6 +299,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--pad-target", type=int, choices=(8, 16), default=8, help="rows pooled-key updates pad to")
     _on_off(r, "--no-fused-snapshots", "fused_snapshots", "write conv snapshots with separate copies")
     _on_off(r, "--no-cuda-graphs", "cuda_graphs", "run the CUDA decode/verify/draft steps eagerly")
+    r.add_argument("--draft-model", metavar="GGUF",
+                   help="a draft-only GGUF holding the MTP block (llama.cpp's -md layout; it borrows the target's "
+                        "token_embd/output)")
     r.add_argument("--hnorm-per-stream", action="store_true",
                    help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")

@@ -30,7 +30,7 @@ from qspec.weights import (
     write_gguf,
     write_hf,
 )
-from qspec.weights.gguf_io import GGUF_MAGIC
+from qspec.weights.gguf_io import GGUF_MAGIC, read_draft_gguf
 from qspec.weights.random_model import RandomWeights
 
 QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k real ids)
@@ -52,13 +52,20 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 
 def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               with_mtp: bool | None = None, hnorm_per_stream: bool = False) -> Model:
+               with_mtp: bool | None = None, hnorm_per_stream: bool = False,
+               draft_path: str | os.PathLike[str] | None = None) -> Model:
     """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
 
-    Raises WeightsError / ConfigError naming the fault (missing file, bad GGUF, MTP requested but absent)."""
+    `draft_path`: a draft-only GGUF (llama.cpp's `-md` layout: just `blk.{n_layers}.*`, borrowing the target's
+    `token_embd`/`output`) supplying the MTP head. Raises WeightsError / ConfigError naming the fault."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
+    if draft_path is not None:
+        cfg, weights = load_model_weights(path, device=dev, dtype=dtype or default_dtype(dev), with_mtp=False)
+        cfg = cfg.with_(n_mtp_layers=max(1, cfg.n_mtp_layers))
+        weights |= read_draft_gguf(draft_path, cfg, device=dev, dtype=dtype or default_dtype(dev))
+        return Model(cfg, weights, with_mtp=True, hnorm_per_stream=hnorm_per_stream)
     cfg, weights = load_model_weights(path, device=dev, dtype=dtype or default_dtype(dev), with_mtp=with_mtp)
     # The config describes the file even when its MTP block was skipped, so pass the choice on explicitly.
     mtp = cfg.has_mtp if with_mtp is None else with_mtp

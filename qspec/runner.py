@@ -49,7 +49,8 @@ class GraphStats:
 
     def as_dict(self) -> dict[str, object]:
         return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager,
-                "eager_reasons": dict(self.eager_reasons), "graphs_by_shape": {str(k): v for k, v in self.shapes.items()}}
+                "eager_reasons": dict(self.eager_reasons),
+                "graphs_by_shape": {str(k): v for k, v in self.shapes.items()}}
 
 
 class Runner:

@@ -86,9 +86,10 @@ def main() -> int:
         rng = random.Random(5)
         g = Engine(gpu, EngineOptions(draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
                                       pad_target=8 if pad else None, fused_snapshots=fused,
-                                      accept_hook=lambda r, n: rng.randint(0, n))).generate(prompt, 40)
+                                      accept_hook=lambda r, n, rng=rng: rng.randint(0, n))).generate(prompt, 40)
         base = base or g.tokens
-        report(f"seed opts {combo} == baseline tokens (cuda f32)", g.tokens == base, str(g.graphs["graphs_by_shape"])[:90])
+        report(f"seed opts {combo} == baseline tokens (cuda f32)", g.tokens == base,
+               str(g.graphs["graphs_by_shape"])[:90])
     print("\nsummary:", sum(r[1] == "ok" for r in rows), "ok,", sum(r[1] != "ok" for r in rows), "failed")
     return 1 if failed else 0
 

@@ -112,8 +112,9 @@ def main() -> int:
               f"{r['fraction_of_limit']:6.3f}  {r['ms_per_round']}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__, "layers": a.layers,
-                       "prompt": a.prompt, "gen": a.gen, "acceptance": f"replayed p={a.p}", "arms": res}, f, indent=1)
+            dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+            json.dump({"device": dev, "torch": torch.__version__, "layers": a.layers, "prompt": a.prompt,
+                       "gen": a.gen, "acceptance": f"replayed p={a.p}", "arms": res}, f, indent=1)
     return 0
 
 

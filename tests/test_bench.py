@@ -122,7 +122,9 @@ def test_arm_specs() -> None:
     b = BUILTIN["baseline"]
     assert (b.draft, b.preserve, b.incremental, b.pad, b.fused, b.q4) == (3, False, False, None, False, False)
     o = BUILTIN["ours"].options(capacity=8192, kv_type="q8_0", accept_hook=None, draft_head=torch.zeros(1))
-    assert (o.draft, o.kv_type, o.pad_target, o.draft_lm_head is not None) == (5, "q8_0", 8, True)
+    assert (o.draft, o.kv_type, o.pad_target, o.draft_head) == (5, "q8_0", 8, "q4")
+    n = BUILTIN["nospec"].options(capacity=8192, kv_type="q8_0", accept_hook=None, draft_head=None)
+    assert (n.draft, n.pad_target, n.draft_head) == (0, 8, "full")
     for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3"):
         with pytest.raises(ValueError):
             parse_arms(bad)

@@ -255,3 +255,21 @@ def test_bad_input_exits_2_with_one_line(models: dict[str, Path], capsys: pytest
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "run", "--help")
     assert rc == 0 and "--draft" in out and "--no-preserve-pooled" in out
+
+
+def test_separate_draft_gguf(models: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """llama.cpp's -md layout: a draft-only GGUF with the MTP block, borrowing token_embd/output from the target."""
+    from qspec.weights import load_model_weights, write_gguf
+
+    cfg, w = load_model_weights(models["gguf"])
+    draft = tmp_path / "draft.gguf"
+    write_gguf(draft, cfg, {k: v for k, v in w.items() if k.startswith(f"blk.{cfg.n_layers}.")}, draft_only=True)
+    base = ["run", PROMPT, "--max-tokens", "8", *FAST]
+    rc, plain, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "0")
+    assert rc == 0, err
+    rc, with_draft, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3",
+                              "--draft-model", str(draft))
+    assert rc == 0 and with_draft == plain and counters(err)["rounds"] > 0, err
+    rc, out, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3", "--draft-model",
+                       str(models["nomtp"]))
+    assert rc == 2 and "not a draft GGUF" in err

@@ -25,7 +25,6 @@ from qspec.state.indexer_cache import IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 
-
 # An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
 DEVICE_TABLE_MAX_BYTES = 8 << 30
 
