@@ -61,7 +61,8 @@ class _FixedHook:
         return min(n_draft, self.k)
 
 
-def _parse_kv(spec: str) -> dict[str, str]:
+def parse_kv(spec: str, what: str | None = None) -> dict[str, str]:
+    """`a=1,b=2` -> {"a": "1", "b": "2"} (keys lower-cased); `what` names the spec in errors."""
     out: dict[str, str] = {}
     for part in spec.split(","):
         part = part.strip()
@@ -69,7 +70,7 @@ def _parse_kv(spec: str) -> dict[str, str]:
             continue
         key, sep, val = part.partition("=")
         if not sep:
-            raise ValueError(f"accept profile {spec!r}: expected key=value, got {part!r}")
+            raise ValueError(f"{what or f'accept profile {spec!r}'}: expected key=value, got {part!r}")
         out[key.strip().lower()] = val.strip()
     return out
 
@@ -116,7 +117,7 @@ class AcceptProfile:
         s = (spec or "").strip()
         if s.lower() in ("", "model", "none"):
             return cls()
-        kv = _parse_kv(s)
+        kv = parse_kv(s)
         kinds = [k for k in ("p", "fixed", "trace") if k in kv]
         if len(kinds) != 1:
             raise ValueError(f"accept profile {s!r}: give exactly one of p=, fixed=, trace= (or 'model')")

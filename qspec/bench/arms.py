@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from qspec.bench.accept import parse_kv
 from qspec.engine import EngineOptions
 from qspec.spec.accept import AcceptHook
 
@@ -89,15 +90,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         if name not in known:
             raise ValueError(f"unknown arm {name!r} (built-in: {', '.join(BUILTIN)}; custom: NAME:draft=5,...)")
         return known[name]
-    kv: dict[str, str] = {}
-    for item in body.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        k, eq, v = item.partition("=")
-        if not eq:
-            raise ValueError(f"arm {spec!r}: expected key=value, got {item!r}")
-        kv[k.strip().lower()] = v.strip()
+    kv = parse_kv(body, f"arm {spec!r}")
     base = Arm(name)
     if "from" in kv:
         src = kv.pop("from")

@@ -30,7 +30,7 @@ from qspec.config import (
     to_gguf_metadata,
 )
 from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes, quantize_q4_0, quantize_q8_0
-from qspec.weights.names import mtp_shapes, tensor_shapes
+from qspec.weights.names import mtp_shapes, tensor_shapes, writable_shapes
 
 PLE_TABLE = "per_layer_token_embd.weight"
 GGUF_MAGIC = b"GGUF"
@@ -468,14 +468,11 @@ def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[
         if not cfg.has_mtp:
             raise WeightsError("draft_only: the config has no MTP block (n_mtp_layers is 0)")
         shapes = mtp_shapes(cfg)
+        missing = [n for n in shapes if n not in tensors]
+        if missing:
+            raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
     else:
-        with_mtp = cfg.has_mtp and all(n in tensors for n in mtp_shapes(cfg))
-        if cfg.has_mtp and not with_mtp:
-            cfg = cfg.with_(n_mtp_layers=0)
-        shapes = tensor_shapes(cfg, with_mtp)
-    missing = [n for n in shapes if n not in tensors]
-    if missing:
-        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+        cfg, shapes = writable_shapes(cfg, tensors)
     unknown = [n for n in tensors if n not in shapes and not (draft_only or n.startswith(f"blk.{cfg.mtp_layer}."))]
     if unknown:
         raise WeightsError(f"unknown tensor {unknown[0]!r} is not part of this config's weight set")

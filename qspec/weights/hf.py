@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from qspec.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
 from qspec.weights.dequant import WeightsError
 from qspec.weights.gguf_io import PLE_TABLE, HostRowTable, Weights
-from qspec.weights.names import mtp_shapes, tensor_shapes
+from qspec.weights.names import tensor_shapes, writable_shapes
 
 Tensor = torch.Tensor
 _FLOAT_DTYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16, "BF16": GGMLQuantizationType.BF16}
@@ -455,13 +455,8 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
     plus an index when `max_shard_bytes` splits them. The n-gram table is written as `ngram_parts` shards
     (default 4 for small tables, 128 like the release) and config.json records `split_ngram_parts`."""
     d = Path(path)
-    with_mtp = cfg.has_mtp and all(n in tensors for n in mtp_shapes(cfg))
-    if cfg.has_mtp and not with_mtp:
-        cfg = cfg.with_(n_mtp_layers=0)
-    shapes = tensor_shapes(cfg, with_mtp)
-    missing = [n for n in shapes if n not in tensors]
-    if missing:
-        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+    cfg, shapes = writable_shapes(cfg, tensors)
+    with_mtp = cfg.has_mtp
     rules = _rules(cfg, "model.", "mtp.", with_mtp)
     itemsize = torch.empty((), dtype=dtype).element_size()
     parts = 0

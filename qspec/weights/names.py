@@ -122,6 +122,21 @@ def tensor_shapes(c: ModelConfig, with_mtp: bool | None = None) -> dict[str, tup
     return s
 
 
+def writable_shapes(c: ModelConfig, tensors: object) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """What a writer stores for `tensors`: the MTP block only when all of it is present (else the config
+    says there is none), and a named error for the first missing trunk tensor."""
+    from qspec.weights.dequant import WeightsError
+
+    with_mtp = c.has_mtp and all(n in tensors for n in mtp_shapes(c))  # type: ignore[operator]
+    if c.has_mtp and not with_mtp:
+        c = c.with_(n_mtp_layers=0)
+    shapes = tensor_shapes(c, with_mtp)
+    missing = [n for n in shapes if n not in tensors]  # type: ignore[operator]
+    if missing:
+        raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
+    return c, shapes
+
+
 # Zero-centred gammas (HF stores w, llama.cpp stores 1 + w). `ssm_norm` is the one plain gamma.
 def is_centred_norm(name: str) -> bool:
     last = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
