@@ -148,10 +148,33 @@ def _print_stats(g: Generation, draft: int) -> None:
     for ratio, c in g.pooled.items():
         _say(f"pooled keys {ratio}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
     _say("conv snapshots: " + ", ".join(f"{k}={v}" for k, v in g.snapshots.items()))
+    rounds = len(g.rounds_log)
+    if rounds:
+        for key in sorted(k for k in g.rounds_log[0] if k.startswith("pooled_") and k.endswith("_rows")):
+            ratio = key.removeprefix("pooled_").removesuffix("_rows")
+            rows = [r[key] for r in g.rounds_log]
+            real = [r[f"pooled_{ratio}_real"] for r in g.rounds_log]
+            _say(f"pooled keys {ratio} per round: {sum(rows) / rounds:.1f} rows materialized "
+                 f"({sum(real) / rounds:.2f} real, {(sum(rows) - sum(real)) / rounds:.2f} filler), "
+                 f"min {min(rows)} max {max(rows)}")
+        snap = g.snapshots
+        _say(f"conv snapshots per round: {snap.get('dispatches', 0) / rounds:.1f} dispatches, "
+             f"{snap.get('source_reads', 0) / rounds:.0f} source reads (prefill included)")
     if draft:
         hist = Counter(r["accepted"] for r in g.rounds_log)
         _say("accepted per round: " + " ".join(f"{k}:{hist.get(k, 0)}" for k in range(draft + 1))
              + f" (rounds with k of {draft} drafts accepted)")
+
+
+def _accept_hook(spec: str | None):  # noqa: ANN202
+    if not spec:
+        return None
+    from qspec.bench.accept import AcceptProfile
+
+    try:
+        return AcceptProfile.parse(spec).hook()
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--accept-profile: {e}") from None
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -177,7 +200,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs,
-        draft_head=a.draft_head)  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
+        draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
+        accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
     sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
                       generator=torch.Generator().manual_seed(a.seed))
@@ -304,6 +328,10 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                         "token_embd/output)")
     r.add_argument("--hnorm-per-stream", action="store_true",
                    help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
+    r.add_argument("--accept-profile", metavar="SPEC",
+                   help="force each round's accepted count (testing and benchmarking random-weight models): "
+                        "fixed=K, p=0.85 (per position, conditional), or trace=FILE; the output then differs "
+                        "from plain decoding")
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
     r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
     r.set_defaults(func=cmd_run)

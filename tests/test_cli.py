@@ -273,3 +273,24 @@ def test_separate_draft_gguf(models: dict[str, Path], capsys: pytest.CaptureFixt
     rc, out, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3", "--draft-model",
                        str(models["nomtp"]))
     assert rc == 2 and "not a draft GGUF" in err
+
+
+def test_forced_acceptance_and_stats(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """--accept-profile forces each round's accepted count; --stats shows the pooled-key rows per round."""
+    prompt = " ".join(["x"] * 60)
+    outs = {}
+    for name, flags in (("baseline", ["--no-preserve-pooled", "--no-incremental", "--no-pad",
+                                      "--no-fused-snapshots"]), ("ours", [])):
+        rc, out, err = run(capsys, "run", prompt, "--model", str(models["gguf"]), "--draft", "3", "--max-tokens",
+                           "17", "--ctx", "256", "--accept-profile", "fixed=2", "--stats", *flags)
+        assert rc == 0, err
+        c = counters(err)
+        assert c["mean"] == 2.0 and c["per_round"] == 3.0
+        rows = re.search(r"pooled keys r4 per round: ([\d.]+) rows materialized \(([\d.]+) real", err)
+        assert rows, err
+        outs[name] = (out, float(rows.group(1)), float(rows.group(2)))
+    assert outs["baseline"][0] == outs["ours"][0]  # identical output
+    assert outs["baseline"][1] > 10 and outs["ours"][1] == 8.0 and outs["ours"][2] <= 8.0
+    rc, out, err = run(capsys, "run", prompt, "--model", str(models["gguf"]), "--draft", "3", "--accept-profile",
+                       "p=7")
+    assert rc == 2 and "--accept-profile" in err
