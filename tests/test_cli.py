@@ -294,3 +294,17 @@ def test_forced_acceptance_and_stats(models: dict[str, Path], capsys: pytest.Cap
     rc, out, err = run(capsys, "run", prompt, "--model", str(models["gguf"]), "--draft", "3", "--accept-profile",
                        "p=7")
     assert rc == 2 and "--accept-profile" in err
+
+
+def test_gguf_tokenizer_cache(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The tokenizer built from a GGUF header is cached; the cached copy encodes and decodes identically."""
+    from qspec.loader import load_tokenizer
+
+    monkeypatch.setenv("QSPEC_CACHE_DIR", str(tmp_path))
+    text = "fn merge(a: &[i32], b: &[i32]) -> Vec<i32> { /* é 😀 */ }<|im_end|>"
+    first = load_tokenizer(models["gguf"])
+    assert list((tmp_path / "gguf-tokenizers").iterdir()), "nothing cached"
+    second = load_tokenizer(models["gguf"])
+    ids = first.encode(text)
+    assert second.encode(text) == ids and second.decode(ids) == first.decode(ids)
+    assert second.stop_ids == first.stop_ids and second.eos_id == first.eos_id
