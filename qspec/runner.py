@@ -170,13 +170,6 @@ class Runner:
         self.n_tokens = p0
         self.history.extend(self._rows[:n])
 
-    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
-        """llama.cpp-style removal entry point for the unsupported cases (other sequences, bounded ranges):
-        the recurrent state cannot undo them, so the call is refused after invalidating pooled keys."""
-        for lay in self.cache.layouts.values():
-            lay.retain(self.cache.cells, seq, p0, p1)
-        return seq == 0 and p1 < 0 and p0 == self.n_tokens
-
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
                  lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         T = int(tokens.shape[0])
