@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.config import ConfigError, preset
-from qspec.engine import Engine, EngineOptions, Generation
+from qspec.engine import Engine, EngineOptions, Generation, cells_needed
 from qspec.loader import (
     QWEN_VOCAB,
     default_model_file,
@@ -193,9 +193,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
                          "or a model with blk.N.nextn.* / mtp.* tensors)")
     ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
-    if len(ids) + a.max_tokens + a.draft + 1 > a.ctx:
+    need = cells_needed(len(ids), a.max_tokens, a.draft)
+    if need > a.ctx:
         raise UsageError(f"the prompt ({len(ids)} tokens) + --max-tokens {a.max_tokens} + {a.draft + 1} draft rows "
-                         f"need {len(ids) + a.max_tokens + a.draft + 1} cells, more than --ctx {a.ctx}")
+                         f"need {need} cells, more than --ctx {a.ctx}")
     opts = EngineOptions(
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,

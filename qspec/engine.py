@@ -80,6 +80,11 @@ class Generation:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
+def cells_needed(prompt_tokens: int, max_tokens: int, draft: int) -> int:
+    """Cache cells a request needs: the prompt, every generated token, and a verify step's draft rows."""
+    return prompt_tokens + max_tokens + draft + 1
+
+
 class Engine:
     def __init__(self, model: Model, opts: EngineOptions | None = None) -> None:
         self.model = model
@@ -110,7 +115,7 @@ class Engine:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         o = self.opts
-        need = len(prompt) + max_tokens + o.draft + 1
+        need = cells_needed(len(prompt), max_tokens, o.draft)
         if need > o.capacity:
             raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
                                f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")

@@ -29,7 +29,7 @@ import torch
 from qspec.bench.accept import AcceptProfile
 from qspec.bench.arms import Arm
 from qspec.bench.prompt import BenchPrompt, build_prompt
-from qspec.engine import Engine, Generation
+from qspec.engine import Engine, Generation, cells_needed
 from qspec.model.model import Model
 from qspec.runner import ContextError
 
@@ -77,7 +77,7 @@ def check_capacity(proto: Protocol) -> None:
     bad = []
     for p in proto.prompt_tokens:
         for arm in proto.arms:
-            need = p + gen + arm.draft + 1
+            need = cells_needed(p, gen, arm.draft)
             if need > proto.capacity:
                 bad.append(f"{arm.name} at {p} prompt tokens needs {need}")
     if bad:

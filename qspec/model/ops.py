@@ -9,7 +9,6 @@ what lets the tests demand bit-exact state equality.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -133,9 +132,6 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 def exp(x: torch.Tensor) -> torch.Tensor:
     return _elementwise(torch.exp, x)
 
-
-def inv_sqrt(n: int) -> float:
-    return 1.0 / math.sqrt(n)
 
 
 def causal_taps(X: torch.Tensor, w: torch.Tensor, n: int, dilation: int = 1) -> torch.Tensor:

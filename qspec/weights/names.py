@@ -135,9 +135,3 @@ def writable_shapes(c: ModelConfig, tensors: object) -> tuple[ModelConfig, dict[
     if missing:
         raise WeightsError(f"missing tensor {missing[0]!r} ({len(missing)} missing)")
     return c, shapes
-
-
-# Zero-centred gammas (HF stores w, llama.cpp stores 1 + w). `ssm_norm` is the one plain gamma.
-def is_centred_norm(name: str) -> bool:
-    last = name.rsplit(".", 2)[-2] if name.endswith(".weight") else name.rsplit(".", 1)[-1]
-    return "norm" in last and last != "ssm_norm"
