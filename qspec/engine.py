@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels.q4 import Q4Weight
-from qspec.model import ops
+from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import ContextError, Runner
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept
@@ -46,6 +46,8 @@ class EngineOptions:
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
     cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
+    compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
+    compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
 
@@ -119,7 +121,8 @@ class Engine:
         if need > o.capacity:
             raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
                                f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")
-        with ops.row_exact_mode(o.exact):
+        fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
+        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

@@ -11,6 +11,7 @@ from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
 from qspec.kernels.triton_gdn import gdn_recurrent_planes
+from qspec.model.fuse import fused
 from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus
 from qspec.state.recurrent import GDNState, RecurrentCache
 
@@ -51,26 +52,18 @@ class GatedDeltaNet(torch.nn.Module):
         c = self.cfg
         T = h.shape[0]
         Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
-        qkv = linear(h, self.qkv).float()  # [T, C]
-        z = linear(h, self.z).view(T, Hv, d)
-        beta = sigmoid(linear(h, self.beta).float())
-        g = self.a * softplus(linear(h, self.alpha).float() + self.dt_bias)
+        qkv, z, beta, g = gdn_in(h, self.qkv, self.z, self.beta, self.alpha, self.a, self.dt_bias)
 
         # conv over [live window || new rows]; snapshots of the window after each row
         S = st.conv.index_select(0, rc.live.view(1))[0]
         last_only = T > rc.n_slots
         X = write_snapshots(S, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats)
-        conv = silu(causal_taps(X, self.conv_w, T)).t().contiguous()  # [T, C]
-
-        q, k, v = torch.split(conv, [c.gdn_key_dim, c.gdn_key_dim, c.gdn_value_dim], dim=-1)
-        rep = Hv // Hk
-        q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
-        k = l2_norm(k.reshape(T, Hk, d))
-        v = v.reshape(T, Hv, d).contiguous()
+        q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
         if h.is_cuda and not last_only:
             # Triton: state tile in registers across the rows, each row's state to its rollback plane
             o = gdn_recurrent_planes(q, k, v, g, beta, st.ssm, rc.live, rc.base)
-            return self._finish(o, z, h.dtype)
+            return gdn_out(o, z, self.norm, self.out, c.rms_eps)
+        rep = Hv // Hk
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # value head n reads key head n % Hk
         S0 = st.ssm.index_select(0, rc.live.view(1))[0]
         if last_only:
@@ -79,10 +72,35 @@ class GatedDeltaNet(torch.nn.Module):
         else:
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.base + torch.arange(T, device=h.device), states)
+        return gdn_out(o, z, self.norm, self.out, c.rms_eps)
 
-        return self._finish(o, z, h.dtype)
 
-    def _finish(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Sigmoid-gated RMSNorm per head, then the output projection."""
-        o = rms_norm(o, self.norm, self.cfg.rms_eps) * sigmoid(z.float())
-        return linear(o.reshape(o.shape[0], -1).to(dtype), self.out)
+@fused
+def gdn_in(h: torch.Tensor, w_qkv: torch.Tensor, w_z: torch.Tensor, w_beta: torch.Tensor, w_alpha: torch.Tensor,
+           a: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input projections -> (conv input [T, C] f32, output gate z [T, C_v], beta [T, Hv], log-decay g [T, Hv])."""
+    qkv = linear(h, w_qkv).float()
+    z = linear(h, w_z)
+    beta = sigmoid(linear(h, w_beta).float())
+    g = a * softplus(linear(h, w_alpha).float() + dt_bias)
+    return qkv, z, beta, g
+
+
+@fused
+def gdn_conv_qkv(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal conv + silu over X = [window || rows] [C, s+T] -> L2-normed, scaled q, k [T, Hk, d] and v [T, Hv, d]."""
+    conv = silu(causal_taps(X, conv_w, T)).t().contiguous()  # [T, C]
+    kd = Hk * d
+    q, k, v = torch.split(conv, [kd, kd, Hv * d], dim=-1)
+    q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
+    k = l2_norm(k.reshape(T, Hk, d))
+    return q, k, v.reshape(T, Hv, d).contiguous()
+
+
+@fused
+def gdn_out(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
+    """Sigmoid-gated RMSNorm per head (o [T, Hv, d] f32), then the output projection."""
+    T = o.shape[0]
+    o = rms_norm(o, norm, eps) * sigmoid(z.view(o.shape).float())
+    return linear(o.reshape(T, -1).to(z.dtype), w_out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qspec.model.fuse import fused
 from qspec.model.ops import linear, rms_norm, sigmoid, silu
 
 
@@ -21,13 +22,19 @@ class HyperMixer(torch.nn.Module):
 
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""
-        Xn = rms_norm(X, self.norm, self.eps, group=self.hidden)
-        lo = silu(linear(Xn, self.down) / self.count)
-        gate = sigmoid(linear(lo, self.up))
-        h = stream_mean(gate.unflatten(-1, (self.count, self.hidden)) * Xn.unflatten(-1, (self.count, self.hidden)))
-        if self.inject is None:
-            return h, None
-        return h, 2 * sigmoid(linear(Xn, self.inject) / self.count)
+        return hc_mix(X, self.norm, self.down, self.up, self.inject, self.hidden, self.count, self.eps)
+
+
+@fused
+def hc_mix(X: torch.Tensor, norm: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject: torch.Tensor | None,
+           hidden: int, count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    Xn = rms_norm(X, norm, eps, group=hidden)
+    lo = silu(linear(Xn, down) / count)
+    gate = sigmoid(linear(lo, up))
+    h = stream_mean(gate.unflatten(-1, (count, hidden)) * Xn.unflatten(-1, (count, hidden)))
+    if inject is None:
+        return h, None
+    return h, 2 * sigmoid(linear(Xn, inject) / count)
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +46,7 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
     return acc / x.shape[-2]
 
 
+@fused
 def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
     """X_s += inj_s * y for every stream s; X [T, S*D], y [T, D], inj [T, S]."""
     return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)

@@ -13,6 +13,7 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight, q4_matvec
+from qspec.model import fuse
 from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
@@ -67,6 +68,9 @@ class ModelCache:
         for lay in self.layouts.values():
             lay.reset()
         self.snap_stats = SnapshotStats()
+
+
+_rope_tables = fuse.fused(rope_tables)
 
 
 class Model(torch.nn.Module):
@@ -125,7 +129,7 @@ class Model(torch.nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------
     def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(pos, self.cfg.rope_dim, self.cfg.rope_theta, self.dtype)
+        return _rope_tables(pos, self.cfg.rope_dim, self.cfg.rope_theta, self.dtype)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
                 upd: dict[int, PooledUpdate] | None = None, logit_rows: torch.Tensor | None = None,
@@ -134,6 +138,12 @@ class Model(torch.nn.Module):
 
         The recurrent cache must have had `begin_step()`; the caller commits the row to keep.
         Returns (logits [rows, V] of `logit_rows` (all rows by default), wide residual X [T, S*D])."""
+        with fuse.step_rows(tokens.shape[0]):
+            return self._forward(tokens, pos, cache, upd, logit_rows, kv_len)
+
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
+                 upd: dict[int, PooledUpdate] | None, logit_rows: torch.Tensor | None,
+                 kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         cos, sin = self.rope(pos)
         upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
@@ -163,8 +173,9 @@ class Model(torch.nn.Module):
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X)."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
-        cos, sin = self.rope(pos)
-        out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len)
+        with fuse.step_rows(tokens.shape[0]):
+            cos, sin = self.rope(pos)
+            out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len)
         if isinstance(lm_head, Q4Weight):
             return q4_matvec(out, lm_head), X  # reads a quarter of the bf16 head's bytes
         return linear(out, self.lm_head if lm_head is None else lm_head), X

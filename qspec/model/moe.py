@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from qspec.kernels.moe_few import moe_few
 from qspec.kernels.triton_common import use_triton
+from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
@@ -30,6 +31,23 @@ def moe_few_tokens(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, ga
     return (y * top_w.unsqueeze(-1)).sum(1)
 
 
+@fused
+def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, the top k renormalised -> (weights [T, k] in h's dtype, expert ids [T, k])."""
+    probs = torch.softmax(linear(h, router), dim=-1, dtype=torch.float32)
+    top_w, top_i = torch.topk(probs, k, dim=-1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    return top_w.to(h.dtype), top_i
+
+
+@fused
+def add_shared_expert(h: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                      gate_inp: torch.Tensor) -> torch.Tensor:
+    """routed + sigmoid(h . gate_inp) * down(silu(gate h) * up h)."""
+    sh = linear(silu(linear(h, gate)) * linear(h, up), down)
+    return routed + sh * sigmoid(linear(h, gate_inp[None, :]))
+
+
 class MoE(torch.nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], b: str, n_used: int) -> None:
         super().__init__()
@@ -44,11 +62,7 @@ class MoE(torch.nn.Module):
         self.sh_down = w[f"{b}.ffn_down_shexp.weight"]
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = linear(h, self.router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top_w, top_i = torch.topk(probs, self.n_used, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-        return top_w.to(h.dtype), top_i
+        return route(h, self.router, self.n_used)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T, D = h.shape
@@ -59,9 +73,7 @@ class MoE(torch.nn.Module):
             routed = moe_few_tokens(h, top_w, top_i, self.gate, self.up, self.down)
         else:
             routed = self._grouped(h, top_w, top_i)
-        sh = linear(silu(linear(h, self.sh_gate)) * linear(h, self.sh_up), self.sh_down)
-        sh_gate = sigmoid(linear(h, self.sh_gate_inp[None, :]))
-        return routed + sh * sh_gate
+        return add_shared_expert(h, routed, self.sh_gate, self.sh_up, self.sh_down, self.sh_gate_inp)
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""

@@ -10,11 +10,21 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
+from qspec.model.fuse import fused
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
 from qspec.model.ops import linear, rms_norm
 from qspec.model.qsa import QSAAttention
 from qspec.state.kv_cache import KVCache
+
+
+@fused
+def mtp_in(emb: torch.Tensor, H: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Tensor, eh: torch.Tensor, S: int,
+           D: int, eps: float, per_stream: bool) -> torch.Tensor:
+    """X_s = eh_proj [rms(emb) * enorm ; rms(H)_s * hnorm] for each stream s -> [T, S*D]."""
+    e = rms_norm(emb, enorm, eps)
+    Hn = rms_norm(H, hnorm, eps, group=D if per_stream else None).view(-1, S, D)
+    return linear(torch.cat([e.unsqueeze(1).expand(-1, S, -1), Hn], dim=-1), eh).flatten(-2)
 
 
 class MTPHead(torch.nn.Module):
@@ -35,10 +45,7 @@ class MTPHead(torch.nn.Module):
                 kv: KVCache, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D])."""
         c = self.cfg
-        D, S = c.hidden, c.hc_count
-        e = rms_norm(emb, self.enorm, c.rms_eps)
-        Hn = rms_norm(H, self.hnorm, c.rms_eps, group=D if self.hnorm_per_stream else None).view(-1, S, D)
-        X = linear(torch.cat([e.unsqueeze(1).expand(-1, S, -1), Hn], dim=-1), self.eh).flatten(-2)
+        X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
         h, inj = self.mix_attn(X)
         X = hc_combine(X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len), inj)
         h, inj = self.mix_ffn(X)

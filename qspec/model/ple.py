@@ -13,6 +13,7 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.model.fuse import fused
 from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu
 from qspec.state.recurrent import PLEState, RecurrentCache
 
@@ -32,6 +33,7 @@ class DeviceRowTable:
         return self.table[rows.to(self.table.device)].to(device=device, dtype=dtype)
 
 
+@fused
 def ngram_contexts(tokens: torch.Tensor, hist: torch.Tensor, eos: int) -> torch.Tensor:
     """[T, 3] (token, previous, one before) with the EOS cut: a missing or EOS predecessor ends the context."""
     full = torch.cat([hist, tokens])
@@ -42,6 +44,7 @@ def ngram_contexts(tokens: torch.Tensor, hist: torch.Tensor, eos: int) -> torch.
     return torch.stack([c0, c1, c2], dim=-1)
 
 
+@fused
 def ngram_rows(ctx: torch.Tensor, cfg: ModelConfig, mult: torch.Tensor, vocab: torch.Tensor,
                off: torch.Tensor) -> torch.Tensor:
     """[T, heads] table rows: for n = 2..ngram, XOR of token*multiplier, mod each head's prime, + offset."""
@@ -80,16 +83,31 @@ class PLE(torch.nn.Module):
         else:
             st.hist.index_copy_(0, rc.base + torch.arange(T, device=X.device), ctx[:, :2].flip(-1))
         E = self.table.gather(ngram_rows(ctx, c, self.mult, self.vocab, self.off), X.device, X.dtype).reshape(T, -1)
-        key = rms_norm(linear(E, self.key), self.norm_key, c.rms_eps, group=D).view(T, S, D)
-        value = linear(E, self.value)
-        query = rms_norm(X, self.norm_query, c.rms_eps, group=D).view(T, S, D)
-        gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        G = (sigmoid(gate) * value.unsqueeze(1)).flatten(-2)  # [T, S*D]
-        N = rms_norm(G, self.norm_conv, c.rms_eps, group=D)
+        G, N = ple_gate(E, X, self.key, self.value, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
 
         # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
         Sst = st.conv.index_select(0, rc.live.view(1))[0]
-        Xc = write_snapshots(Sst, N.float(), st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats)
-        conv = silu(causal_taps(Xc, self.conv_w, T, dilation=c.ngram_size)).t()
-        return X + G + conv.to(X.dtype)
+        Xc = write_snapshots(Sst, N, st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats)
+        return ple_out(X, G, Xc, self.conv_w, c.ngram_size)
+
+
+@fused
+def ple_gate(E: torch.Tensor, X: torch.Tensor, w_key: torch.Tensor, w_value: torch.Tensor, norm_key: torch.Tensor,
+             norm_query: torch.Tensor, norm_conv: torch.Tensor, S: int, D: int, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """n-gram rows E [T, heads*dh] and residual X [T, S*D] -> (gated value G [T, S*D], conv input N [T, S*D] f32)."""
+    T = E.shape[0]
+    key = rms_norm(linear(E, w_key), norm_key, eps, group=D).view(T, S, D)
+    value = linear(E, w_value)
+    query = rms_norm(X, norm_query, eps, group=D).view(T, S, D)
+    gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    G = (sigmoid(gate) * value.unsqueeze(1)).flatten(-2)
+    return G, rms_norm(G, norm_conv, eps, group=D).float()
+
+
+@fused
+def ple_out(X: torch.Tensor, G: torch.Tensor, Xc: torch.Tensor, conv_w: torch.Tensor, dilation: int) -> torch.Tensor:
+    """X + G + silu(dilated causal conv over Xc = [history || rows] [C, s+T])."""
+    conv = silu(causal_taps(Xc, conv_w, X.shape[0], dilation=dilation)).t()
+    return X + G + conv.to(X.dtype)

@@ -12,6 +12,7 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.pooled import materialize_pooled_fast
+from qspec.model.fuse import fused
 from qspec.model.hyper import stream_mean
 from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid
 from qspec.state.indexer_cache import IndexerCache
@@ -59,56 +60,84 @@ class QSAAttention(torch.nn.Module):
 
         kv_len: cells to attend over (a bucket above the last position; the whole cache by default)."""
         c = self.cfg
-        T = h.shape[0]
-        H, Hkv, d = c.n_heads, c.n_kv_heads, c.head_dim
-        qg = linear(h, self.wq).view(T, H, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:]
-        q = rms_norm(q, self.q_norm, c.rms_eps)
-        k = rms_norm(linear(h, self.wk).view(T, Hkv, d), self.k_norm, c.rms_eps)
-        v = linear(h, self.wv).view(T, Hkv, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, gate, k, v = qsa_qkv(h, self.wq, self.wk, self.wv, self.q_norm, self.k_norm, cos, sin,
+                                c.n_heads, c.n_kv_heads, c.head_dim, c.rms_eps)
         kv.write(pos, k, v)
         n = kv.capacity if kv_len is None else kv_len
         K, V = kv.read(n)
-        key_pos = torch.arange(n, device=h.device)
-        mask = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= key_lo)
         if self.ratio and idx is not None:
-            mask &= self.select(h, pos, cos, sin, idx, upd, upd_rope, n)
-        G = H // Hkv
-        qh = q.view(T, Hkv, G, d).permute(1, 0, 2, 3).reshape(Hkv, T * G, d)
-        scores = bmm_rows(qh, K.permute(1, 2, 0)) * d ** -0.5  # [Hkv, T*G, L]
-        m = mask.unsqueeze(1).expand(T, G, -1).reshape(1, T * G, -1)
-        scores = scores.float().masked_fill(~m, float("-inf"))
-        p = torch.softmax(scores, dim=-1).to(h.dtype)
-        o = bmm_rows(p, V.permute(1, 0, 2))  # [Hkv, T*G, d]
-        o = o.view(Hkv, T, G, d).permute(1, 0, 2, 3).reshape(T, H * d)
-        o = o * sigmoid(gate.reshape(T, H * d))
-        return linear(o, self.wo)
+            mask = self.select(h, pos, cos, sin, idx, upd, upd_rope, n, key_lo)
+        else:
+            mask = causal_mask(pos, n, key_lo)
+        return attend(q, K, V, mask, gate, self.wo)
 
     def select(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: IndexerCache,
-               upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int) -> torch.Tensor:
+               upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int,
+               key_lo: int = 0) -> torch.Tensor:
         """Boolean [T, n]: which of the first n cells each row may attend to (top blocks + incomplete tail)."""
         c, r = self.cfg, self.ratio
-        T = h.shape[0]
-        di = c.indexer_head_dim
-        qi = rms_norm(linear(h, self.iq).view(T, c.indexer_heads, di), self.iq_norm, c.rms_eps)
-        qi = apply_rope(qi, cos, sin)
         idx.raw.index_copy_(0, pos, linear(h, self.ik).to(idx.raw.dtype))
         if upd is not None and upd_rope is not None:
             materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
         nbmax = min(idx.n_blocks, n // r)
-        Kb = idx.pooled[:nbmax]
-        s = torch.relu(linear(qi.float().reshape(T * c.indexer_heads, di), Kb).view(T, c.indexer_heads, nbmax))
-        s = stream_mean(s) * (c.indexer_heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
-        nb_vis = (pos + 1) // r  # complete blocks visible to each row
-        blk = torch.arange(nbmax, device=h.device)
-        vis = blk[None, :] < nb_vis[:, None]
-        s = s.masked_fill(~vis, float("-inf"))
-        n_top = min(c.indexer_budget // r, nbmax)
-        top = torch.topk(s, n_top, dim=-1).indices
-        chosen = torch.zeros(T, nbmax, dtype=torch.bool, device=h.device).scatter_(1, top, True) & vis
-        key_pos = torch.arange(n, device=h.device)
-        kblk = (key_pos // r).clamp(max=nbmax - 1)
-        in_blocks = chosen.gather(1, kblk[None, :].expand(T, -1)) & (key_pos[None, :] < (nb_vis * r)[:, None])
-        tail = (key_pos[None, :] >= (nb_vis * r)[:, None]) & (key_pos[None, :] <= pos[:, None])
-        return in_blocks | tail
+        return block_mask(h, pos, cos, sin, self.iq, self.iq_norm, idx.pooled[:nbmax], n, r, c.indexer_heads,
+                          min(c.indexer_budget // r, nbmax), c.rms_eps, key_lo)
+
+
+@fused
+def qsa_qkv(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, q_norm: torch.Tensor,
+            k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int, d: int, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projections -> roped, normed q [T, H, d], output gate [T, H, d], roped, normed k and v [T, Hkv, d]."""
+    T = h.shape[0]
+    qg = linear(h, wq).view(T, H, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    q = apply_rope(rms_norm(q, q_norm, eps), cos, sin)
+    k = apply_rope(rms_norm(linear(h, wk).view(T, Hkv, d), k_norm, eps), cos, sin)
+    return q, gate, k, linear(h, wv).view(T, Hkv, d)
+
+
+@fused
+def causal_mask(pos: torch.Tensor, n: int, key_lo: int) -> torch.Tensor:
+    """Boolean [T, n]: cells key_lo..pos of each row."""
+    key_pos = torch.arange(n, device=pos.device)
+    return (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= key_lo)
+
+
+@fused
+def block_mask(h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq: torch.Tensor,
+               iq_norm: torch.Tensor, Kb: torch.Tensor, n: int, r: int, heads: int, n_top: int, eps: float,
+               key_lo: int) -> torch.Tensor:
+    """Indexer selection as a boolean [T, n] over the first n cells: the n_top best-scoring complete blocks
+    visible to each row (Kb [nb, di]: their pooled keys) plus the incomplete tail up to the row itself."""
+    T, nb, di = h.shape[0], Kb.shape[0], Kb.shape[1]
+    qi = apply_rope(rms_norm(linear(h, iq).view(T, heads, di), iq_norm, eps), cos, sin)
+    s = torch.relu(linear(qi.float().reshape(T * heads, di), Kb).view(T, heads, nb))
+    s = stream_mean(s) * (heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
+    nb_vis = (pos + 1) // r  # complete blocks visible to each row
+    vis = torch.arange(nb, device=h.device)[None, :] < nb_vis[:, None]
+    s = s.masked_fill(~vis, float("-inf"))
+    top = torch.topk(s, n_top, dim=-1).indices
+    chosen = torch.zeros(T, nb, dtype=torch.bool, device=h.device).scatter_(1, top, True) & vis
+    key_pos = torch.arange(n, device=h.device)
+    kblk = (key_pos // r).clamp(max=nb - 1)
+    in_blocks = chosen.gather(1, kblk[None, :].expand(T, -1)) & (key_pos[None, :] < (nb_vis * r)[:, None])
+    tail = (key_pos[None, :] >= (nb_vis * r)[:, None]) & (key_pos[None, :] <= pos[:, None])
+    return (in_blocks | tail) & (key_pos[None, :] >= key_lo)
+
+
+@fused
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor,
+           wo: torch.Tensor) -> torch.Tensor:
+    """Masked GQA softmax attention of q [T, H, d] over K, V [n, Hkv, d], gated by sigmoid(gate), projected by wo."""
+    T, H, d = q.shape
+    Hkv = K.shape[1]
+    G = H // Hkv
+    qh = q.view(T, Hkv, G, d).permute(1, 0, 2, 3).reshape(Hkv, T * G, d)
+    scores = bmm_rows(qh, K.permute(1, 2, 0)) * d ** -0.5  # [Hkv, T*G, n]
+    m = mask.unsqueeze(1).expand(T, G, -1).reshape(1, T * G, -1)
+    scores = scores.float().masked_fill(~m, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(q.dtype)
+    o = bmm_rows(p, V.permute(1, 0, 2))  # [Hkv, T*G, d]
+    o = o.view(Hkv, T, G, d).permute(1, 0, 2, 3).reshape(T, H * d)
+    return linear(o * sigmoid(gate.reshape(T, H * d)), wo)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from qspec.model.fuse import fused
+
 Q8_BLOCK = 32
 
 
+@fused
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] (d % 32 == 0) -> int8 values and f16 scales [..., d/32] (round-to-nearest like ggml)."""
     xb = x.float().unflatten(-1, (-1, Q8_BLOCK))
@@ -26,6 +29,7 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-2), d.squeeze(-1).to(torch.float16)
 
 
+@fused
 def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.unflatten(-1, (-1, Q8_BLOCK)).float() * d.float().unsqueeze(-1)).flatten(-2).to(dtype)
 

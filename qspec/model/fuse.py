@@ -1,0 +1,83 @@
+"""Fusing the small per-layer math of decode, verify and draft steps with torch.compile.
+
+A decode step of the real geometry is ~1,300 kernels, most of them 2-3 µs elementwise ops (norms,
+hyper-connection mixers, routing, RoPE, masks, q8_0 casts); inside a CUDA graph each still costs its
+execution plus ~1 µs of node latency, which is most of the step. `@fused` marks a pure tensor function
+(the torch reference itself) whose body inductor turns into a few generated kernels, on CUDA, for
+step-sized inputs, when fusion is on. Everything else (prefill, the CPU, row-exact mode) runs the same
+function eagerly (`step_rows`), so the CPU tests check the very code that gets compiled; `scripts/gpu_check.py`
+compares the two on the GPU.
+
+Compilation happens on the first eager use of a shape; the runner captures a CUDA graph only on the
+second use, so capture always replays already-compiled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from qspec.model import ops
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Steps with more rows than this (prefill chunks) run eagerly: their ops are few and large.
+MAX_ROWS = 64
+
+_ON = False
+# Tests trace the functions on the CPU with dynamo's "eager" backend (no code generation), which checks
+# that each one is a single graph and that tracing changes no result.
+_BACKEND = "inductor"
+
+
+def enabled() -> bool:
+    return _ON
+
+
+def step_rows(rows: int) -> contextlib.AbstractContextManager[None]:
+    """Scope of one forward step of `rows` rows: fusion stays on only for step-sized ones."""
+    return fused_mode(_ON and rows <= MAX_ROWS, _BACKEND)
+
+
+@contextlib.contextmanager
+def fused_mode(on: bool = True, backend: str = "inductor") -> Iterator[None]:
+    """Fusion on or off; a backend other than inductor also applies to CPU tensors (tests)."""
+    global _ON, _BACKEND
+    old = _ON, _BACKEND
+    _ON, _BACKEND = on, backend
+    try:
+        yield
+    finally:
+        _ON, _BACKEND = old
+
+
+def _configure() -> None:
+    # Every distinct (rows, kv bucket) shape may need its own graph; the default limit of 8 would
+    # silently fall back to eager for the rest.
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 64)
+
+
+def fused(fn: F) -> F:
+    """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA;
+    eagerly otherwise."""
+    compiled: dict[str, Callable[..., Any]] = {}
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kw: Any) -> Any:
+        if _ON and (args[0].is_cuda or _BACKEND != "inductor") and not ops.row_exact():
+            c = compiled.get(_BACKEND)
+            if c is None:
+                _configure()
+                c = compiled[_BACKEND] = torch.compile(fn, fullgraph=True, backend=_BACKEND)
+            return c(*args, **kw)
+        return fn(*args, **kw)
+
+    call.eager = fn  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
