@@ -29,6 +29,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 MAX_ROWS = 64
 
 _ON = False
+REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check each one is traced)
 # Tests trace the functions on the CPU with dynamo's "eager" backend (no code generation), which checks
 # that each one is a single graph and that tracing changes no result.
 _BACKEND = "inductor"
@@ -80,4 +81,6 @@ def fused(fn: F) -> F:
         return fn(*args, **kw)
 
     call.eager = fn  # type: ignore[attr-defined]
+    call.compiled = compiled  # type: ignore[attr-defined]
+    REGISTRY.append(call)
     return call  # type: ignore[return-value]

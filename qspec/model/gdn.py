@@ -12,7 +12,7 @@ from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
 from qspec.kernels.triton_gdn import gdn_recurrent_planes
 from qspec.model.fuse import fused
-from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus
+from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
 
 
@@ -37,13 +37,13 @@ class GatedDeltaNet(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], b: str) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = w[f"{b}.attn_qkv.weight"]
-        self.z = w[f"{b}.attn_gate.weight"]
+        # the four input projections read the same h: one product
+        self.w_in, (self.qkv, self.z, self.beta, self.alpha) = stack_rows(
+            w[f"{b}.attn_qkv.weight"], w[f"{b}.attn_gate.weight"], w[f"{b}.ssm_beta.weight"],
+            w[f"{b}.ssm_alpha.weight"])
         self.conv_w = w[f"{b}.ssm_conv1d.weight"].float()  # [C, K]
         self.dt_bias = w[f"{b}.ssm_dt.bias"].float()
         self.a = w[f"{b}.ssm_a"].float()
-        self.beta = w[f"{b}.ssm_beta.weight"]
-        self.alpha = w[f"{b}.ssm_alpha.weight"]
         self.norm = w[f"{b}.ssm_norm.weight"]
         self.out = w[f"{b}.ssm_out.weight"]
 
@@ -52,7 +52,7 @@ class GatedDeltaNet(torch.nn.Module):
         c = self.cfg
         T = h.shape[0]
         Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
-        qkv, z, beta, g = gdn_in(h, self.qkv, self.z, self.beta, self.alpha, self.a, self.dt_bias)
+        qkv, z, beta, g = gdn_in(h, self.w_in, self.a, self.dt_bias, c.gdn_conv_dim, c.gdn_value_dim)
 
         # conv over [live window || new rows]; snapshots of the window after each row
         S = st.conv.index_select(0, rc.live.view(1))[0]
@@ -76,13 +76,15 @@ class GatedDeltaNet(torch.nn.Module):
 
 
 @fused
-def gdn_in(h: torch.Tensor, w_qkv: torch.Tensor, w_z: torch.Tensor, w_beta: torch.Tensor, w_alpha: torch.Tensor,
-           a: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input projections -> (conv input [T, C] f32, output gate z [T, C_v], beta [T, Hv], log-decay g [T, Hv])."""
-    qkv = linear(h, w_qkv).float()
-    z = linear(h, w_z)
-    beta = sigmoid(linear(h, w_beta).float())
-    g = a * softplus(linear(h, w_alpha).float() + dt_bias)
+def gdn_in(h: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, C: int, Cv: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w_in = [qkv ; z ; beta ; alpha] -> (conv input [T, C] f32, output gate z [T, Cv], beta [T, Hv],
+    log-decay g [T, Hv])."""
+    y = linear(h, w_in)
+    Hv = a.shape[0]
+    qkv, z = y[:, :C].float(), y[:, C:C + Cv]
+    beta = sigmoid(y[:, C + Cv:C + Cv + Hv].float())
+    g = a * softplus(y[:, C + Cv + Hv:].float() + dt_bias)
     return qkv, z, beta, g
 
 
@@ -102,5 +104,5 @@ def gdn_conv_qkv(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int
 def gdn_out(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
     """Sigmoid-gated RMSNorm per head (o [T, Hv, d] f32), then the output projection."""
     T = o.shape[0]
-    o = rms_norm(o, norm, eps) * sigmoid(z.view(o.shape).float())
+    o = rms_norm(o, norm, eps) * sigmoid(z.reshape(o.shape).float())
     return linear(o.reshape(T, -1).to(z.dtype), w_out)

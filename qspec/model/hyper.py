@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qspec.model.fuse import fused
-from qspec.model.ops import linear, rms_norm, sigmoid, silu
+from qspec.model.ops import linear, rms_norm, sigmoid, silu, stack_rows
 
 
 class HyperMixer(torch.nn.Module):
@@ -16,25 +16,29 @@ class HyperMixer(torch.nn.Module):
         super().__init__()
         self.hidden, self.count, self.eps = hidden, count, eps
         self.norm = w[f"{prefix}_norm.weight"]
-        self.down = w[f"{prefix}_down.weight"]
         self.up = w[f"{prefix}_up.weight"]
-        self.inject = w[f"{prefix}_inject.weight"] if inject else None
+        self.rank = w[f"{prefix}_down.weight"].shape[0]
+        self.has_inject = inject
+        # down and inject both read the normed residual: one product
+        self.w_in, views = stack_rows(w[f"{prefix}_down.weight"], *([w[f"{prefix}_inject.weight"]] if inject else []))
+        self.down = views[0]
+        self.inject = views[1] if inject else None
 
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""
-        return hc_mix(X, self.norm, self.down, self.up, self.inject, self.hidden, self.count, self.eps)
+        h, inj = hc_mix(X, self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
+        return h, inj if self.has_inject else None
 
 
 @fused
-def hc_mix(X: torch.Tensor, norm: torch.Tensor, down: torch.Tensor, up: torch.Tensor, inject: torch.Tensor | None,
-           hidden: int, count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hc_mix(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
+           count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_in = [down ; inject] -> (h [T, D], injection weights [T, S] (empty without inject rows))."""
     Xn = rms_norm(X, norm, eps, group=hidden)
-    lo = silu(linear(Xn, down) / count)
-    gate = sigmoid(linear(lo, up))
+    y = linear(Xn, w_in)
+    gate = sigmoid(linear(silu(y[..., :rank] / count), up))
     h = stream_mean(gate.unflatten(-1, (count, hidden)) * Xn.unflatten(-1, (count, hidden)))
-    if inject is None:
-        return h, None
-    return h, 2 * sigmoid(linear(Xn, inject) / count)
+    return h, 2 * sigmoid(y[..., rank:] / count)
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:

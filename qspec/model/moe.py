@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from qspec.kernels.moe_few import moe_few
 from qspec.kernels.triton_common import use_triton
 from qspec.model.fuse import fused
-from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu
+from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
 FEW_TOKENS = 16
@@ -31,34 +31,46 @@ def moe_few_tokens(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, ga
     return (y * top_w.unsqueeze(-1)).sum(1)
 
 
-@fused
-def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, the top k renormalised -> (weights [T, k] in h's dtype, expert ids [T, k])."""
-    probs = torch.softmax(linear(h, router), dim=-1, dtype=torch.float32)
+def top_k_experts(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, the top k renormalised -> (weights [T, k] in the logits' dtype, ids [T, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_w, top_i = torch.topk(probs, k, dim=-1)
     top_w = top_w / top_w.sum(-1, keepdim=True)
-    return top_w.to(h.dtype), top_i
+    return top_w.to(logits.dtype), top_i
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return top_k_experts(linear(h, router), k)
 
 
 @fused
-def add_shared_expert(h: torch.Tensor, routed: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                      gate_inp: torch.Tensor) -> torch.Tensor:
-    """routed + sigmoid(h . gate_inp) * down(silu(gate h) * up h)."""
-    sh = linear(silu(linear(h, gate)) * linear(h, up), down)
-    return routed + sh * sigmoid(linear(h, gate_inp[None, :]))
+def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int, k: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w_in = [router ; shared gate ; shared up ; shared gate_inp] -> (top_w, top_i, shared activation
+    silu(gate h) * up h [T, ff], shared-expert gate sigmoid(gate_inp . h) [T, 1])."""
+    y = linear(h, w_in)
+    top_w, top_i = top_k_experts(y[:, :n_experts], k)
+    g, u, gi = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff], y[:, n_experts + 2 * ff:]
+    return top_w, top_i, silu(g) * u, sigmoid(gi)
+
+
+@fused
+def add_shared_expert(routed: torch.Tensor, act: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return routed + linear(act, down) * gate
 
 
 class MoE(torch.nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], b: str, n_used: int) -> None:
         super().__init__()
         self.n_used = n_used
-        self.router = w[f"{b}.ffn_gate_inp.weight"]
+        # the router and the shared expert's gate, up and gate_inp all read h: one product
+        self.w_in, (self.router, self.sh_gate, self.sh_up, sh_gate_inp) = stack_rows(
+            w[f"{b}.ffn_gate_inp.weight"], w[f"{b}.ffn_gate_shexp.weight"], w[f"{b}.ffn_up_shexp.weight"],
+            w[f"{b}.ffn_gate_inp_shexp.weight"][None, :])
+        self.sh_gate_inp = sh_gate_inp[0]  # [D]
         self.gate = w[f"{b}.ffn_gate_exps.weight"]  # [E, F, D]
         self.up = w[f"{b}.ffn_up_exps.weight"]  # [E, F, D]
         self.down = w[f"{b}.ffn_down_exps.weight"]  # [E, D, F]
-        self.sh_gate_inp = w[f"{b}.ffn_gate_inp_shexp.weight"]  # [D]
-        self.sh_gate = w[f"{b}.ffn_gate_shexp.weight"]
-        self.sh_up = w[f"{b}.ffn_up_shexp.weight"]
         self.sh_down = w[f"{b}.ffn_down_shexp.weight"]
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,14 +78,14 @@ class MoE(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T, D = h.shape
-        top_w, top_i = self.route(h)
+        top_w, top_i, act, gate = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0], self.n_used)
         if row_exact() and T <= EXACT_MAX_ROWS:
             routed = self._per_token(h, top_w, top_i)
         elif h.is_cuda and T <= FEW_TOKENS:
             routed = moe_few_tokens(h, top_w, top_i, self.gate, self.up, self.down)
         else:
             routed = self._grouped(h, top_w, top_i)
-        return add_shared_expert(h, routed, self.sh_gate, self.sh_up, self.sh_down, self.sh_gate_inp)
+        return add_shared_expert(routed, act, gate, self.sh_down)
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""

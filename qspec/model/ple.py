@@ -14,7 +14,7 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.model.fuse import fused
-from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu
+from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu, stack_rows
 from qspec.state.recurrent import PLEState, RecurrentCache
 
 
@@ -62,7 +62,7 @@ class PLE(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], b: str, table: RowTable) -> None:
         super().__init__()
         self.cfg, self.table = cfg, table
-        self.key, self.value = w[f"{b}.ple_key.weight"], w[f"{b}.ple_value.weight"]
+        self.w_kv, (self.key, self.value) = stack_rows(w[f"{b}.ple_key.weight"], w[f"{b}.ple_value.weight"])
         self.norm_key, self.norm_query = w[f"{b}.ple_norm_key.weight"], w[f"{b}.ple_norm_query.weight"]
         self.norm_conv = w[f"{b}.ple_norm_conv.weight"]
         self.conv_w = w[f"{b}.ple_conv1d.weight"].float()  # [hc_dim, K]
@@ -83,7 +83,7 @@ class PLE(torch.nn.Module):
         else:
             st.hist.index_copy_(0, rc.base + torch.arange(T, device=X.device), ctx[:, :2].flip(-1))
         E = self.table.gather(ngram_rows(ctx, c, self.mult, self.vocab, self.off), X.device, X.dtype).reshape(T, -1)
-        G, N = ple_gate(E, X, self.key, self.value, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
+        G, N = ple_gate(E, X, self.w_kv, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
 
         # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
         Sst = st.conv.index_select(0, rc.live.view(1))[0]
@@ -92,13 +92,15 @@ class PLE(torch.nn.Module):
 
 
 @fused
-def ple_gate(E: torch.Tensor, X: torch.Tensor, w_key: torch.Tensor, w_value: torch.Tensor, norm_key: torch.Tensor,
-             norm_query: torch.Tensor, norm_conv: torch.Tensor, S: int, D: int, eps: float
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """n-gram rows E [T, heads*dh] and residual X [T, S*D] -> (gated value G [T, S*D], conv input N [T, S*D] f32)."""
+def ple_gate(E: torch.Tensor, X: torch.Tensor, w_kv: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
+             norm_conv: torch.Tensor, S: int, D: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """n-gram rows E [T, heads*dh] and residual X [T, S*D] -> (gated value G [T, S*D], conv input N [T, S*D] f32).
+
+    w_kv = [key (S*D rows) ; value (D rows)]."""
     T = E.shape[0]
-    key = rms_norm(linear(E, w_key), norm_key, eps, group=D).view(T, S, D)
-    value = linear(E, w_value)
+    kv = linear(E, w_kv)
+    key = rms_norm(kv[:, :S * D], norm_key, eps, group=D).view(T, S, D)
+    value = kv[:, S * D:]
     query = rms_norm(X, norm_query, eps, group=D).view(T, S, D)
     gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()

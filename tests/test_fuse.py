@@ -1,0 +1,47 @@
+"""The fused (torch.compile) step path: every @fused function traces as one graph and changes no result.
+
+On the GPU the functions run through inductor; here dynamo traces them with the "eager" and "aot_eager"
+backends (no code generation, functionalised in-place ops for aot_eager), which is what can break
+silently: a graph break, a Python side effect, a guard that changes semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model, tiny_config
+
+from qspec.engine import Engine, EngineOptions
+from qspec.model import fuse
+
+
+@pytest.fixture(scope="module")
+def model():  # type: ignore[no-untyped-def]
+    return build_model(tiny_config())
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fused_steps_equal_eager(model, backend: str) -> None:  # type: ignore[no-untyped-def]
+    prompt = list(range(3, 45))
+    for draft in (0, 3):
+        kw = dict(draft=draft, capacity=256, kv_type="q8_0", record_logits=True)
+        ref = Engine(model, EngineOptions(**kw)).generate(prompt, 10)
+        got = Engine(model, EngineOptions(compile_backend=backend, **kw)).generate(prompt, 10)
+        assert got.tokens == ref.tokens
+        assert len(got.logits) == len(ref.logits) > 0
+        for a, b in zip(got.logits, ref.logits, strict=True):
+            assert torch.equal(a, b)
+    untraced = [f.__name__ for f in fuse.REGISTRY if backend not in f.compiled]
+    assert not untraced, f"never traced: {untraced}"
+
+
+def test_fusion_scope(model) -> None:  # type: ignore[no-untyped-def]
+    """Prefill-sized steps run eagerly; the CPU default compiles nothing (inductor is for CUDA only)."""
+    with fuse.fused_mode(True, "eager"):
+        assert fuse.enabled()
+        with fuse.step_rows(fuse.MAX_ROWS + 1):
+            assert not fuse.enabled()
+        with fuse.step_rows(1):
+            assert fuse.enabled()
+    assert not fuse.enabled()
+    Engine(model, EngineOptions(capacity=128, draft=2)).generate(list(range(3, 20)), 4)
+    assert not any("inductor" in f.compiled for f in fuse.REGISTRY)
