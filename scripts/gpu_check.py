@@ -3,7 +3,8 @@
   * CUDA f32 logits vs the CPU f32 model (same weights), bf16 vs f32 (relative tolerance);
   * greedy speculative == plain decoding on CUDA, bf16 and f32, with CUDA graphs, for N = 1..8,
     with oracle drafts so every acceptance length occurs;
-  * every combination of the seed's optimizations gives the baseline's tokens on CUDA.
+  * every combination of the seed's optimizations gives the baseline's tokens on CUDA;
+  * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly.
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
 """
 
@@ -67,6 +68,13 @@ def main() -> int:
         kv = "bf16" if dtype == torch.bfloat16 else "f32"
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv)).generate(prompt, 48)
         report(f"graphs used, plain decode {str(dtype)[6:]}", plain.graphs["replays"] > 0, str(plain.graphs))
+        for n in (0, 3):  # torch.compile-fused steps vs the same functions run eagerly
+            opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
+            f = Engine(gpu, EngineOptions(**opts)).generate(prompt, 24)
+            u = Engine(gpu, EngineOptions(compile=False, **opts)).generate(prompt, 24)
+            rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(f.logits, u.logits, strict=True))
+            report(f"fused == unfused steps, cuda {str(dtype)[6:]}, N={n}", f.tokens == u.tokens and rel < tol,
+                   f"tokens {'equal' if f.tokens == u.tokens else 'DIFFER'}, max logits rel diff {rel:.2e}")
         for n in range(1, 9):
             rng = random.Random(n)
             t0 = time.perf_counter()

@@ -31,7 +31,7 @@ from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
 from qspec.kernels.triton_common import HAS_TRITON, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
-from qspec.kernels.triton_moe import DEFAULT_CONFIG as MOE_DEFAULT
+from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_few_triton
 from qspec.kernels.triton_pooled import pooled_triton
 from qspec.kernels.triton_q4 import DEFAULT_CONFIG as Q4_DEFAULT
@@ -268,7 +268,7 @@ def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtyp
     h, top_i, top_w, gate, up, down = inputs
     ref = moe_few_torch(h, top_i, top_w, gate, up, down)
     out = torch.full((M, D), float("nan"), device=dev, dtype=dt)
-    cfg = config or MOE_DEFAULT
+    cfg = config or moe_config_for(M)
     moe_few_triton(h, top_i, top_w, gate, up, down, config=cfg, out=out)
     e = rel_err(out, ref)
     differ = (out != ref).float().mean().item()
@@ -381,7 +381,12 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
                         (64, 64, 32, 64, 4), (8, 512, 16, 128, 4)):
                 check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
         del inputs
-        check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+        inputs = check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+        if sweep:
+            for cfg in ((32, 128, 32, 128, 4), (16, 256, 8, 128, 4), (16, 128, 8, 256, 4), (32, 128, 8, 128, 4),
+                        (16, 256, 16, 128, 4), (8, 256, 8, 128, 2), (16, 512, 8, 256, 8), (8, 512, 4, 256, 4)):
+                check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
+        del inputs
         check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
         check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
 

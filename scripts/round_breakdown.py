@@ -78,13 +78,18 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     a = ap.parse_args()
+    unknown = set(a.arms.split(",")) - set(ARMS)
+    if unknown:
+        ap.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
     torch.set_grad_enabled(False)
     cfg = bench_config(a.preset, layers=a.layers)
     model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16 if a.device == "cuda" else torch.float32)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     res = {}
-    for name, kw in ARMS.items():
+    for name in a.arms.split(","):
+        kw = ARMS[name]
         prof = AcceptProfile.parse(f"p={a.p}")
         eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", accept_hook=prof.hook(), **kw))
         eng.generate(prompt, 32)  # warmup: kernels, graphs

@@ -17,6 +17,13 @@ import torch
 from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
 
 DEFAULT_CONFIG = (32, 128, 32, 128, 4)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
+# One or two rows launch few programs (kernel 2's grid is D / BD per row: 80 for D = 2560 at BD = 32,
+# fewer than the H200's 132 SMs), so they take narrower output tiles.
+FEW_ROWS_CONFIG = (16, 256, 8, 128, 4)
+
+
+def config_for(M: int) -> tuple[int, int, int, int, int]:
+    return FEW_ROWS_CONFIG if M <= 2 else DEFAULT_CONFIG
 
 if HAS_TRITON:
     import triton
@@ -80,7 +87,7 @@ if HAS_TRITON:
 
 def moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
                    up: torch.Tensor, down: torch.Tensor,
-                   config: tuple[int, int, int, int, int] = DEFAULT_CONFIG,
+                   config: tuple[int, int, int, int, int] | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch both kernels; shapes as in `moe_few` (already checked)."""
     M, D = h.shape
@@ -89,7 +96,7 @@ def moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
     for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
-    bf1, bd1, bd2, bf2, warps = config
+    bf1, bd1, bd2, bf2, warps = config or config_for(M)
     dt = tl_dtype(h.dtype)
     act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
     out = out if out is not None else torch.empty(M, D, dtype=h.dtype, device=h.device)
