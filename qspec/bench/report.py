@@ -69,7 +69,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"> **{REPLAYED_LABEL.capitalize()}**: every round's accepted count comes from the profile "
                   f"`{result['acceptance']['profile']}`, not from the model's drafts. The speeds measure this "
                   "engine's work at that acceptance, not a real model's.", ""]
-    commit = (env.get("git_commit") or "unknown")[:12]
+    full = env.get("git_commit") or "unknown"
+    commit = full[:12] + (" (uncommitted changes)" if full.endswith("-dirty") else "")
     prompts = result["prompts"]
     sha = ", ".join(f"{k_tokens(int(k))}: `{v['sha256'][:12]}`" for k, v in prompts.items())
     notes = {v["note"] for v in prompts.values() if v.get("note")}

@@ -87,16 +87,19 @@ def check_capacity(proto: Protocol) -> None:
 
 # ---- environment ---------------------------------------------------------------------------------------------------
 def git_commit() -> str | None:
-    """HEAD of the checkout qspec runs from, or None (not a checkout, no git, ...)."""
+    """HEAD of the checkout qspec runs from, with "-dirty" when tracked files differ from it (a copied
+    working tree, uncommitted edits), or None (not a checkout, no git, ...)."""
     root = Path(__file__).resolve().parents[2]
     try:
         r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10,
                            check=False)
+        if r.returncode != 0 or not r.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root, capture_output=True, timeout=30,
+                               check=False).returncode == 1
     except (OSError, subprocess.SubprocessError):
         return None
-    if r.returncode != 0:
-        return None
-    return r.stdout.strip() or None
+    return r.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def _cpu_name() -> str:
