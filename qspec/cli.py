@@ -201,6 +201,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
+        sparse_attention=a.sparse_attention,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
@@ -324,6 +325,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--pad-target", type=int, choices=(8, 16), default=8, help="rows pooled-key updates pad to")
     _on_off(r, "--no-fused-snapshots", "fused_snapshots", "write conv snapshots with separate copies")
     _on_off(r, "--no-cuda-graphs", "cuda_graphs", "run the CUDA decode/verify/draft steps eagerly")
+    r.add_argument("--sparse-attention", action="store_true",
+                   help="QSA reads only the indexer's chosen blocks and the tail (a Triton kernel on CUDA) instead of "
+                        "masking every cell of a KV bucket")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

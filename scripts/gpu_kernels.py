@@ -28,6 +28,7 @@ from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.moe_few import moe_few_torch
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
+from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.triton_common import HAS_TRITON, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
@@ -36,7 +37,9 @@ from qspec.kernels.triton_moe import moe_few_triton
 from qspec.kernels.triton_pooled import pooled_triton
 from qspec.kernels.triton_q4 import DEFAULT_CONFIG as Q4_DEFAULT
 from qspec.kernels.triton_q4 import q4_matvec_triton
+from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.model.ops import rope_tables
+from qspec.state.kv_cache import quantize_q8_0
 
 PEAK_GBS = 4200.0
 # max |got - ref| / max |ref|. In f32 that is accumulation order; in bf16 / f16 both sides round every op to the
@@ -218,6 +221,37 @@ def check_pooled(R: Runner, dt: torch.dtype, cap: int, d: int, r: int, C: int, r
     R.add(row)
 
 
+def check_sparse_attn(R: Runner, T: int, H: int, Hkv: int, d: int, r: int, n_top: int, ctx: int, kv: str,
+                      timed: bool = False) -> None:
+    """QSA attention over chosen blocks + tail at context `ctx` (rows at the last T positions); every row
+    has n_top - 1 chosen blocks and one empty slot (-1)."""
+    dev = R.device
+    cap = ctx + 64
+    q = torch.randn(T, H, d, device=dev).bfloat16()
+    kf, vf = torch.randn(cap, Hkv, d, device=dev), torch.randn(cap, Hkv, d, device=dev)
+    if kv == "q8_0":
+        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
+    else:
+        dt = {"bf16": torch.bfloat16, "f32": torch.float32}[kv]
+        k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
+    pos = torch.arange(ctx - T, ctx, device=dev)
+    nb_vis = (pos + 1) // r
+    blocks = torch.stack([torch.randperm(int(nb_vis[t]), device=dev)[:n_top] for t in range(T)])
+    blocks[:, -1] = -1
+    args = (q, k, v, ks, vs, blocks, nb_vis * r, pos, r)
+    ref = sparse_attention_torch(*args)
+    got = sparse_attention_triton(*args)
+    e = rel_err(got, ref)
+    ok = e < TOL[torch.bfloat16]
+    row = Row(f"sparse_attn T={T} H={H}/{Hkv} d={d} r={r} blocks={n_top} ctx={ctx} kv={kv}", ok, f"rel err {e:.2e}")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: sparse_attention_torch(*args))
+        row.triton_us = R.bench(lambda: sparse_attention_triton(*args))
+        per_cell = 2 * Hkv * (d * k.element_size() + (d // 32 * 2 if ks is not None else 0))
+        row.nbytes = T * (n_top * r + r) * per_cell + 2 * T * H * d * 2
+    R.add(row)
+
+
 # ---- 4. Q4 LM head ---------------------------------------------------------------------------------------------
 
 def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = False,
@@ -352,6 +386,20 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     check_pooled(R, torch.float16, 512, 128, 4, 16, 64)
     check_pooled(R, torch.float32, 512, 128, 4, 8, 64)
     check_pooled(R, torch.bfloat16, 384, 96, 3, 5, 32)  # non-power-of-2 head, odd ratio
+
+    # sparse QSA attention: real geometry (24 query / 2 kv heads of 256, r=4, 512 blocks = the 2,048-token
+    # budget) at 4K and 32K contexts, then small shapes and every cache type
+    if small:
+        check_sparse_attn(R, 1, 4, 2, 32, 4, 3, 64, "f32")
+        check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "q8_0")
+        check_sparse_attn(R, 6, 8, 2, 48, 2, 4, 96, "bf16")  # head dim not a power of 2
+    else:
+        for T in (1, 6):
+            for ctx in (4096, 32768):
+                check_sparse_attn(R, T, 24, 2, 256, 4, 512, ctx, "q8_0", timed=True)
+        check_sparse_attn(R, 6, 24, 2, 256, 4, 512, 4096, "bf16")
+        check_sparse_attn(R, 512, 24, 2, 256, 4, 512, 4096, "q8_0")  # a prefill chunk
+        check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
 
     # Q4 head: real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes
     if small:

@@ -88,6 +88,9 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
     rc, hf, err = run(capsys, *base, "--model", str(models["hf"]), "--draft", "1", "--no-preserve-pooled",
                       "--no-incremental", "--no-pad")
     assert rc == 0 and hf == plain, err
+    # reading only the chosen blocks attends to the same cells
+    rc, sparse, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3", "--sparse-attention")
+    assert rc == 0 and sparse == plain, err
 
 
 def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,6 +44,7 @@ class CacheOptions:
     incremental_pooled: bool = True  # seed Algorithm 2 (off: recompute every complete block each step)
     pad_target: int | None = 8  # seed Algorithm 3 (None: off)
     fused_snapshots: bool = True  # seed Algorithms 4-5
+    sparse_attention: bool = False  # QSA reads the chosen blocks' cells directly instead of masking a KV bucket
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Model(torch.nn.Module):
             else:
                 r = c.ratio(i)
                 y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
-                          upd_rope.get(r), kv_len=kv_len)
+                          upd_rope.get(r), kv_len=kv_len, sparse=cache.opts.sparse_attention)
             X = hc_combine(X, y, inj)
             h, inj = self.mix_ffn[i](X)
             X = hc_combine(X, self.moe[i](h), inj)

@@ -12,6 +12,7 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.pooled import materialize_pooled_fast
+from qspec.kernels.sparse_attention import sparse_attention
 from qspec.model.fuse import fused
 from qspec.model.hyper import stream_mean
 from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid, stack_rows
@@ -59,26 +60,36 @@ class QSAAttention(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
                 idx: IndexerCache | None, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None,
-                key_lo: int = 0, kv_len: int | None = None) -> torch.Tensor:
+                key_lo: int = 0, kv_len: int | None = None, sparse: bool = False) -> torch.Tensor:
         """h [T, D] at positions pos [T]; key_lo: first position that holds a key (the MTP head has none at 0).
 
-        kv_len: cells to attend over (a bucket above the last position; the whole cache by default)."""
+        kv_len: cells to attend over (a bucket above the last position; the whole cache by default).
+        sparse: attend over the indexer's chosen blocks and the tail directly (kernels/sparse_attention.py)
+        instead of a mask over the kv_len cells; the same cells, so the same result up to rounding."""
         c = self.cfg
         q, gate, k, v, rest = qsa_qkv(h, self.w_in, self.q_norm, self.k_norm, cos, sin, c.n_heads, c.n_kv_heads,
                                       c.head_dim, c.rms_eps)
         kv.write(pos, k, v)
         n = kv.capacity if kv_len is None else kv_len
-        K, V = kv.read(n)
         if self.ratio and idx is not None:
+            if sparse:  # read only the chosen blocks' cells and the tail
+                if key_lo:
+                    raise ValueError("sparse attention needs every cell to hold a key (key_lo = 0)")
+                blocks, tail_lo = self.select(rest, pos, cos, sin, idx, upd, upd_rope, n, sparse=True)
+                ks, vs = kv.scales()
+                o = sparse_attention(q, kv.k, kv.v, ks, vs, blocks, tail_lo, pos, self.ratio)
+                return gated_out(o, gate, self.wo)
             mask = self.select(rest, pos, cos, sin, idx, upd, upd_rope, n, key_lo)
         else:
             mask = causal_mask(pos, n, key_lo)
+        K, V = kv.read(n)
         return attend(q, K, V, mask, gate, self.wo)
 
     def select(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                idx: IndexerCache, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int,
-               key_lo: int = 0) -> torch.Tensor:
-        """Boolean [T, n]: which of the first n cells each row may attend to (top blocks + incomplete tail).
+               key_lo: int = 0, sparse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Which of the first n cells each row may attend to (top blocks + incomplete tail): a boolean [T, n],
+        or with `sparse` (block ids [T, n_top] with -1 for none, first tail cell [T]).
 
         proj [T, heads*di + di]: the indexer's query and raw key projections of the rows."""
         c, r = self.cfg, self.ratio
@@ -87,8 +98,11 @@ class QSAAttention(torch.nn.Module):
         if upd is not None and upd_rope is not None:
             materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
         nbmax = min(idx.n_blocks, n // r)
-        return block_mask(proj[:, :qd], pos, cos, sin, self.iq_norm, idx.pooled[:nbmax], n, r, c.indexer_heads,
-                          min(c.indexer_budget // r, nbmax), c.rms_eps, key_lo)
+        args = (proj[:, :qd], pos, cos, sin, self.iq_norm, idx.pooled[:nbmax], r, c.indexer_heads,
+                min(c.indexer_budget // r, nbmax), c.rms_eps)
+        if sparse:
+            return select_blocks(*args)
+        return block_mask(*args, n, key_lo)
 
 
 @fused
@@ -113,27 +127,44 @@ def causal_mask(pos: torch.Tensor, n: int, key_lo: int) -> torch.Tensor:
     return (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= key_lo)
 
 
-@fused
-def block_mask(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
-               Kb: torch.Tensor, n: int, r: int, heads: int, n_top: int, eps: float, key_lo: int) -> torch.Tensor:
-    """Indexer selection as a boolean [T, n] over the first n cells: the n_top best-scoring complete blocks
-    visible to each row (Kb [nb, di]: their pooled keys) plus the incomplete tail up to the row itself.
+def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
+                  Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top block ids [T, n_top], visible [T, nb], complete blocks visible to each row [T]).
 
-    qi [T, heads*di]: the rows' indexer query projections."""
+    qi [T, heads*di]: the rows' indexer query projections; Kb [nb, di]: the blocks' pooled keys."""
     T, nb, di = qi.shape[0], Kb.shape[0], Kb.shape[1]
     qi = apply_rope(rms_norm(qi.unflatten(-1, (heads, di)), iq_norm, eps), cos, sin)
     s = torch.relu(linear(qi.float().reshape(T * heads, di), Kb).view(T, heads, nb))
     s = stream_mean(s) * (heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
-    nb_vis = (pos + 1) // r  # complete blocks visible to each row
+    nb_vis = (pos + 1) // r
     vis = torch.arange(nb, device=qi.device)[None, :] < nb_vis[:, None]
-    s = s.masked_fill(~vis, float("-inf"))
-    top = torch.topk(s, n_top, dim=-1).indices
+    top = torch.topk(s.masked_fill(~vis, float("-inf")), n_top, dim=-1).indices
+    return top, vis, nb_vis
+
+
+@fused
+def block_mask(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
+               Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float, n: int, key_lo: int) -> torch.Tensor:
+    """Indexer selection as a boolean [T, n] over the first n cells: the n_top best-scoring complete blocks
+    visible to each row plus the incomplete tail up to the row itself."""
+    top, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, n_top, eps)
+    T, nb = vis.shape
     chosen = torch.zeros(T, nb, dtype=torch.bool, device=qi.device).scatter_(1, top, True) & vis
     key_pos = torch.arange(n, device=qi.device)
     kblk = (key_pos // r).clamp(max=nb - 1)
     in_blocks = chosen.gather(1, kblk[None, :].expand(T, -1)) & (key_pos[None, :] < (nb_vis * r)[:, None])
     tail = (key_pos[None, :] >= (nb_vis * r)[:, None]) & (key_pos[None, :] <= pos[:, None])
     return (in_blocks | tail) & (key_pos[None, :] >= key_lo)
+
+
+@fused
+def select_blocks(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
+                  Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same selection as block ids [T, n_top] (-1 where fewer blocks are visible) and each row's first
+    tail cell [T]."""
+    top, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, n_top, eps)
+    return torch.where(vis.gather(1, top), top, torch.full_like(top, -1)), nb_vis * r
 
 
 @fused
@@ -149,5 +180,13 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor
     scores = scores.float().masked_fill(~m, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)
     o = bmm_rows(p, V.permute(1, 0, 2))  # [Hkv, T*G, d]
-    o = o.view(Hkv, T, G, d).permute(1, 0, 2, 3).reshape(T, H * d)
-    return linear(o * sigmoid(gate.reshape(T, H * d)), wo)
+    return _gated_out(o.view(Hkv, T, G, d).permute(1, 0, 2, 3), gate, wo)
+
+
+def _gated_out(o: torch.Tensor, gate: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+    """wo (o * sigmoid(gate)) for attention outputs o and gates [T, H, d]."""
+    T = o.shape[0]
+    return linear(o.reshape(T, -1) * sigmoid(gate.reshape(T, -1)), wo)
+
+
+gated_out = fused(_gated_out)  # the sparse path's own (attend fuses it with the attention)

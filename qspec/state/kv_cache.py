@@ -74,6 +74,12 @@ class KVCache:
                     dequantize_q8_0(self.v[:n], self.v_scale[:n], self.dtype))
         return self.k[:n].to(self.dtype), self.v[:n].to(self.dtype)
 
+    def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The q8_0 block scales of k and v, or (None, None) for a float cache."""
+        if self.cache_type == "q8_0":
+            return self.k_scale, self.v_scale
+        return None, None
+
     def nbytes(self) -> int:
         t = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.cache_type == "q8_0" else [])
         return sum(x.numel() * x.element_size() for x in t)

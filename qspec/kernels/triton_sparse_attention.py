@@ -1,0 +1,105 @@
+"""Sparse QSA attention in Triton: one program per (row t, kv head h, chunk of the row's key list).
+
+The key list of row t is its chosen blocks' cells (blocks[t, j] * R + i) followed by the tail cells
+tail_lo[t] + i up to pos[t] (see sparse_attention.py). A program holds the G query heads that share kv
+head h as a [GP, D] f32 tile, walks its chunk BN keys at a time (gathered rows, q8_0 scaled in registers),
+and keeps an online softmax (running max m, sum l, accumulator acc). Chunks are combined afterwards
+(flash-decoding): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. Products use IEEE f32 (no TF32).
+"""
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+
+BN = 32  # keys per inner step
+TARGET_PROGRAMS = 264  # two per H200 SM: split the key list into chunks until the grid reaches this
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks_ptr, tail_ptr, pos_ptr,
+                            acc_ptr, m_ptr, l_ptr, NB, L, CHUNK, scale,
+                            q_t, q_h, k_c, k_h, s_c, s_h, b_t, a_t, a_h, a_s, ml_t, ml_h,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            R: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        g = tl.arange(0, GP)
+        gm = g < G
+        dd = tl.arange(0, DP)
+        dm = dd < D
+        qrow = q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :]
+        q = tl.load(qrow, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t)
+        tail = tl.load(tail_ptr + t)
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, DP], dtype=tl.float32)
+        nbr = NB * R
+        for j0 in range(s * CHUNK, s * CHUNK + CHUNK, BLOCK_N):
+            j = j0 + tl.arange(0, BLOCK_N)
+            inl = j < L
+            inb = j < nbr
+            blk = tl.load(blocks_ptr + t * b_t + j // R, mask=inb & inl, other=-1)
+            cell_t = tail + (j - nbr)
+            valid = inl & tl.where(inb, blk >= 0, cell_t <= pos)
+            cell = tl.where(valid, tl.where(inb, blk * R + j % R, cell_t), 0).to(tl.int64)
+            lm = valid[:, None] & dm[None, :]
+            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
+            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
+            if Q8:
+                so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
+                K = K * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                V = V * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)
+            sc = tl.dot(q, tl.trans(K), input_precision="ieee") * scale  # [GP, BLOCK_N]
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key so far
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p, V, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        heads = h * G + g
+        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc, mask=gm[:, None] & dm[None, :])
+        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
+        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+
+
+def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+                            v_scale: torch.Tensor | None, blocks: torch.Tensor, tail_lo: torch.Tensor,
+                            pos: torch.Tensor, r: int) -> torch.Tensor:
+    """Launch the kernel and combine its chunks; arguments as `sparse_attention` (already checked)."""
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    NB = blocks.shape[1]
+    L = NB * r + r
+    for name, x in (("q", q), ("k", k), ("v", v), ("blocks", blocks)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    if k.stride() != v.stride() or (k_scale is not None and (k_scale.stride() != v_scale.stride()
+                                                             or k_scale.stride(-1) != 1)):
+        raise ValueError("k and v (and their scales) need the same layout")
+    # enough chunks to fill the GPU, each a whole number of BN-key steps
+    splits = max(1, min(triton.cdiv(L, BN), triton.cdiv(TARGET_PROGRAMS, T * Hkv)))
+    chunk = triton.cdiv(triton.cdiv(L, splits), BN) * BN
+    splits = triton.cdiv(L, chunk)
+    acc = torch.empty(T, H, splits, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    q8 = k_scale is not None
+    ks = k_scale if q8 else k  # unused pointers when not q8_0
+    vs = v_scale if q8 else v
+    _sparse_attn_kernel[(T, Hkv, splits)](
+        q, k, v, ks, vs, blocks, tail_lo, pos, acc, m, lsum, NB, L, chunk, d ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
+        blocks.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        G=G, GP=max(16, next_pow2(G)), D=d, DP=max(16, next_pow2(d)), R=r, BLOCK_N=BN, Q8=q8, num_warps=4)
+    M = m.amax(-1, keepdim=True)
+    w = torch.exp(m - M)  # every row has a valid key (its own position), so M is finite
+    out = (acc * w.unsqueeze(-1)).sum(2) / (lsum * w).sum(-1, keepdim=True)
+    return out.to(q.dtype)
