@@ -32,8 +32,8 @@ MAX_ROWS = 64
 
 _ON = False
 REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check each one is traced)
-# Tests trace the functions on the CPU with dynamo's "eager" backend (no code generation), which checks
-# that each one is a single graph and that tracing changes no result.
+# Tests trace the functions on the CPU with dynamo's "aot_eager" backend (no code generation), which
+# checks that each one is a single graph and that tracing changes no result.
 _BACKEND = "inductor"
 
 
@@ -59,8 +59,8 @@ def fused_mode(on: bool = True, backend: str = "inductor") -> Iterator[None]:
 
 
 def _configure() -> None:
-    # Every distinct (rows, kv bucket) shape may need its own graph; the default limit of 8 would
-    # silently fall back to eager for the rest.
+    # Sizes 0 and 1 specialise even with symbolic sizes, and a guard can fail on a new stride or dtype;
+    # past the default limit of 8 graphs dynamo would silently run a function eagerly.
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):

@@ -38,7 +38,7 @@ class GatedDeltaNet(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         # the four input projections read the same h: one product
-        self.w_in, (self.qkv, self.z, self.beta, self.alpha) = stack_rows(
+        self.w_in, _ = stack_rows(
             w[f"{b}.attn_qkv.weight"], w[f"{b}.attn_gate.weight"], w[f"{b}.ssm_beta.weight"],
             w[f"{b}.ssm_alpha.weight"])
         self.conv_w = w[f"{b}.ssm_conv1d.weight"].float()  # [C, K]

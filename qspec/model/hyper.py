@@ -20,9 +20,7 @@ class HyperMixer(torch.nn.Module):
         self.rank = w[f"{prefix}_down.weight"].shape[0]
         self.has_inject = inject
         # down and inject both read the normed residual: one product
-        self.w_in, views = stack_rows(w[f"{prefix}_down.weight"], *([w[f"{prefix}_inject.weight"]] if inject else []))
-        self.down = views[0]
-        self.inject = views[1] if inject else None
+        self.w_in, _ = stack_rows(w[f"{prefix}_down.weight"], *([w[f"{prefix}_inject.weight"]] if inject else []))
 
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""

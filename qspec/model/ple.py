@@ -62,7 +62,7 @@ class PLE(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], b: str, table: RowTable) -> None:
         super().__init__()
         self.cfg, self.table = cfg, table
-        self.w_kv, (self.key, self.value) = stack_rows(w[f"{b}.ple_key.weight"], w[f"{b}.ple_value.weight"])
+        self.w_kv, _ = stack_rows(w[f"{b}.ple_key.weight"], w[f"{b}.ple_value.weight"])
         self.norm_key, self.norm_query = w[f"{b}.ple_norm_key.weight"], w[f"{b}.ple_norm_query.weight"]
         self.norm_conv = w[f"{b}.ple_norm_conv.weight"]
         self.conv_w = w[f"{b}.ple_conv1d.weight"].float()  # [hc_dim, K]

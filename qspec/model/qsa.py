@@ -53,10 +53,7 @@ class QSAAttention(torch.nn.Module):
             ins += [w[f"{b}.indexer.q_proj.weight"], w[f"{b}.indexer.k_proj.weight"]]
             self.iq_norm = w[f"{b}.indexer.q_norm.weight"]
             self.ik_norm = w[f"{b}.indexer.k_norm.weight"]
-        self.w_in, views = stack_rows(*ins)
-        self.wq, self.wk, self.wv = views[:3]
-        if ratio:
-            self.iq, self.ik = views[3:]
+        self.w_in, _ = stack_rows(*ins)
 
     def forward(self, h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVCache,
                 idx: IndexerCache | None, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None,
