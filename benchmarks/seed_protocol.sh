@@ -8,7 +8,7 @@
 set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
-h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b}"
+h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -36,5 +36,9 @@ case "$step" in
     h200-fn8-merge) bench merge "${fn8[@]}" ;;
     h200-fn8-sweep-a) bench sweep "${fn8[@]}" --contexts 512,1024,2048 ;;
     h200-fn8-sweep-b) bench sweep "${fn8[@]}" --contexts 4096,6144 ;;
+    # (d) what qspec's own GPU work buys, as ratios within one process: torch.compile-fused step math on/off,
+    #     sparse QSA attention on/off (not part of the seed's protocol)
+    h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,ours,\
+ours-unfused:from=ours,compile=0,ours-sparse:from=ours,sparse=1" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -125,7 +125,12 @@ def test_arm_specs() -> None:
     assert (o.draft, o.kv_type, o.pad_target, o.draft_head) == (5, "q8_0", 8, "q4")
     n = BUILTIN["nospec"].options(capacity=8192, kv_type="q8_0", accept_hook=None, draft_head=None)
     assert (n.draft, n.pad_target, n.draft_head) == (0, 8, "full")
-    for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3"):
+    u = parse_arms("u:from=ours,compile=0,sparse=1")[0]
+    uo = u.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None)
+    assert (uo.compile, uo.sparse_attention, uo.draft) == (False, True, 5)
+    assert "unfused" in u.describe() and "sparse" in u.describe()
+    assert (o.compile, o.sparse_attention) == (True, False)
+    for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3", "x:sparse=maybe"):
         with pytest.raises(ValueError):
             parse_arms(bad)
 

@@ -6,7 +6,8 @@ Built-in arms (the seed's comparison):
   ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
 
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
-fused, q4 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
+fused, q4, compile (torch.compile-fused step math, on by default), sparse (sparse QSA attention) (booleans as
+1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
 """
@@ -35,6 +36,8 @@ class Arm:
     pad: int | None = None  # seed Algorithm 3: fixed update-row count (8 in the seed)
     fused: bool = False  # seed Algorithms 4-5: one fused conv-snapshot pass
     q4: bool = False  # Q4_0-rounded draft output head
+    compile: bool = True  # torch.compile-fused step math on CUDA (the engine's default; off for A/B runs)
+    sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -43,7 +46,8 @@ class Arm:
                              preserve_pooled=self.preserve, incremental_pooled=self.incremental,
                              pad_target=self.pad, fused_snapshots=self.fused,
                              draft_head="q4" if self.q4 and self.draft else "full",
-                             accept_hook=accept_hook if self.draft else None)
+                             accept_hook=accept_hook if self.draft else None, compile=self.compile,
+                             sparse_attention=self.sparse)
 
     def describe(self) -> str:
         if not self.draft:
@@ -55,6 +59,10 @@ class Arm:
         parts = [head, "+".join(opts) if opts else "seed optimizations off"]
         if self.draft:
             parts.append("Q4 draft head" if self.q4 else "full-precision draft head")
+        if not self.compile:
+            parts.append("unfused step math")
+        if self.sparse:
+            parts.append("sparse attention")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -114,10 +122,11 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                 if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
-        elif k in ("preserve", "incremental", "fused", "q4"):
+        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse"):
             fields[k] = _bool(k, v, spec)
         else:
-            raise ValueError(f"arm {spec!r}: unknown key {k!r} (draft, preserve, incremental, pad, fused, q4, from)")
+            raise ValueError(f"arm {spec!r}: unknown key {k!r} "
+                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, from)")
     return replace(base, **fields)
 
 
