@@ -210,6 +210,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
          f"{'MTP' if model.mtp is not None else 'no MTP'}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
          f"loaded in {load_s:.1f} s (tokenizer {tok_s:.1f} s)")
+    if dev.type == "cuda" and a.compile:
+        _say("qspec: the first steps compile the fused step kernels (up to a few minutes at the real geometry; "
+             "cached on disk for later runs; --no-compile skips it)")
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
