@@ -287,6 +287,43 @@ def test_moe_few_reference(dtype: torch.dtype, M: int) -> None:
     torch.testing.assert_close(out.double(), (dense[..., None] * ys).sum(1), rtol=tol, atol=tol)
 
 
+# ---- sparse QSA attention -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("T", [1, 5])
+def test_sparse_attention_reference(kv: str, T: int) -> None:
+    """The reference equals softmax attention over the full cache with a mask built independently from the
+    block ids and the tail (f64), including empty block slots and tails shorter than r."""
+    g = torch.Generator().manual_seed(T)
+    cap, H, Hkv, d, r, NB = 96, 6, 2, 64, 4, 5
+    q = torch.randn(T, H, d, generator=g)
+    kf, vf = torch.randn(cap, Hkv, d, generator=g), torch.randn(cap, Hkv, d, generator=g)
+    if kv == "q8_0":
+        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
+        K, V = dequantize_q8_0(k, ks, torch.float64), dequantize_q8_0(v, vs, torch.float64)
+    else:
+        dt = torch.float32 if kv == "f32" else torch.bfloat16
+        k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
+        K, V = k.double(), v.double()
+    pos = torch.arange(cap - 9 - T, cap - 9)
+    nb_vis = (pos + 1) // r
+    blocks = torch.stack([torch.randperm(int(nb_vis[t]), generator=g)[:NB] for t in range(T)])
+    blocks[:, 1] = -1
+    got = sparse_attention_torch(q, k, v, ks, vs, blocks, nb_vis * r, pos, r)
+    mask = torch.zeros(T, cap, dtype=torch.bool)
+    for t in range(T):
+        for b in blocks[t].tolist():
+            if b >= 0:
+                mask[t, b * r:(b + 1) * r] = True
+        mask[t, int(nb_vis[t]) * r:int(pos[t]) + 1] = True
+    G = H // Hkv
+    s = torch.einsum("thd,chd->thc", q.double(), K.repeat_interleave(G, 1)) * d ** -0.5
+    p = torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), -1)
+    ref = torch.einsum("thc,chd->thd", p, V.repeat_interleave(G, 1))
+    assert (got.double() - ref).abs().max().item() < 1e-5
+    assert torch.equal(sparse_attention(q, k, v, ks, vs, blocks, nb_vis * r, pos, r), got)  # CPU dispatch
+
+
 # ---- the Triton kernels through Triton's interpreter (CPU) -----------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -353,37 +390,3 @@ def test_cuda_pooled_q4_moe() -> None:
     out = moe_few(h, top_i, top_w, moe.gate, moe.up, moe.down)
     assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
 
-
-@pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])
-@pytest.mark.parametrize("T", [1, 5])
-def test_sparse_attention_reference(kv: str, T: int) -> None:
-    """The reference equals softmax attention over the full cache with a mask built independently from the
-    block ids and the tail (f64), including empty block slots and tails shorter than r."""
-    g = torch.Generator().manual_seed(T)
-    cap, H, Hkv, d, r, NB = 96, 6, 2, 64, 4, 5
-    q = torch.randn(T, H, d, generator=g)
-    kf, vf = torch.randn(cap, Hkv, d, generator=g), torch.randn(cap, Hkv, d, generator=g)
-    if kv == "q8_0":
-        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
-        K, V = dequantize_q8_0(k, ks, torch.float64), dequantize_q8_0(v, vs, torch.float64)
-    else:
-        dt = torch.float32 if kv == "f32" else torch.bfloat16
-        k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
-        K, V = k.double(), v.double()
-    pos = torch.arange(cap - 9 - T, cap - 9)
-    nb_vis = (pos + 1) // r
-    blocks = torch.stack([torch.randperm(int(nb_vis[t]), generator=g)[:NB] for t in range(T)])
-    blocks[:, 1] = -1
-    got = sparse_attention_torch(q, k, v, ks, vs, blocks, nb_vis * r, pos, r)
-    mask = torch.zeros(T, cap, dtype=torch.bool)
-    for t in range(T):
-        for b in blocks[t].tolist():
-            if b >= 0:
-                mask[t, b * r:(b + 1) * r] = True
-        mask[t, int(nb_vis[t]) * r:int(pos[t]) + 1] = True
-    G = H // Hkv
-    s = torch.einsum("thd,chd->thc", q.double(), K.repeat_interleave(G, 1)) * d ** -0.5
-    p = torch.softmax(s.masked_fill(~mask[:, None, :], float("-inf")), -1)
-    ref = torch.einsum("thc,chd->thd", p, V.repeat_interleave(G, 1))
-    assert (got.double() - ref).abs().max().item() < 1e-5
-    assert torch.equal(sparse_attention(q, k, v, ks, vs, blocks, nb_vis * r, pos, r), got)  # CPU dispatch
