@@ -48,7 +48,7 @@ class EngineOptions:
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
     cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
     compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
-    compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "eager")
+    compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from qspec.kernels.triton_common import use_triton
-from qspec.state.kv_cache import Q8_BLOCK
+from qspec.state.kv_cache import dequantize_q8_0
 
 
 def key_cells(blocks: torch.Tensor, tail_lo: torch.Tensor, pos: torch.Tensor, r: int
@@ -32,10 +32,9 @@ def key_cells(blocks: torch.Tensor, tail_lo: torch.Tensor, pos: torch.Tensor, r:
 
 def _rows(x: torch.Tensor, scale: torch.Tensor | None, cells: torch.Tensor) -> torch.Tensor:
     """Cache rows at `cells` as f32, dequantised when `scale` is given (q8_0)."""
-    g = x[cells].float()
     if scale is None:
-        return g
-    return (g.unflatten(-1, (-1, Q8_BLOCK)) * scale[cells].float().unsqueeze(-1)).flatten(-2)
+        return x[cells].float()
+    return dequantize_q8_0(x[cells], scale[cells], torch.float32)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
