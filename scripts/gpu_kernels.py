@@ -25,18 +25,20 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.conv_snapshot import write_snapshots
-from qspec.kernels.moe_few import moe_few_torch
+from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
+from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.triton_common import HAS_TRITON, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
-from qspec.kernels.triton_moe import moe_few_triton
+from qspec.kernels.triton_moe import moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
 from qspec.kernels.triton_q4 import DEFAULT_CONFIG as Q4_DEFAULT
 from qspec.kernels.triton_q4 import q4_matvec_triton
+from qspec.kernels.triton_route import route_top_k_triton
 from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.model.ops import rope_tables
 from qspec.state.kv_cache import quantize_q8_0
@@ -301,9 +303,8 @@ def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtyp
         inputs = moe_inputs(M, D, Fd, E, k, dt, dev)
     h, top_i, top_w, gate, up, down = inputs
     ref = moe_few_torch(h, top_i, top_w, gate, up, down)
-    out = torch.full((M, D), float("nan"), device=dev, dtype=dt)
     cfg = config or moe_config_for(M)
-    moe_few_triton(h, top_i, top_w, gate, up, down, config=cfg, out=out)
+    out = sum_slots(moe_slots_triton(h, top_i, top_w, gate, up, down, config=cfg))
     e = rel_err(out, ref)
     differ = (out != ref).float().mean().item()
     ok = e < TOL[dt]
@@ -313,10 +314,29 @@ def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtyp
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: moe_few_torch(h, top_i, top_w, gate, up, down))
-        row.triton_us = R.bench(lambda: moe_few_triton(h, top_i, top_w, gate, up, down, config=cfg, out=out))
+        # the kernels alone: on the step path the slot sum is fused into the shared expert's add
+        row.triton_us = R.bench(lambda: moe_slots_triton(h, top_i, top_w, gate, up, down, config=cfg))
         row.nbytes = int(torch.unique(top_i).numel()) * 3 * Fd * D * gate.element_size()
     R.add(row, variant=config is not None)
     return inputs
+
+
+# ---- 6. MoE routing ----------------------------------------------------------------------------------------------
+
+def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool = False) -> None:
+    """Expert ids must match exactly (the random logits have no near-ties); weights by relative error."""
+    logits = torch.randn(T, E + 7, device=R.device).to(dt)[:, 3:3 + E]  # a strided slice, as the step passes it
+    w_ref, i_ref = route_top_k_torch(logits, k)
+    w, i = route_top_k_triton(logits, k)
+    e = rel_err(w, w_ref)
+    ok = torch.equal(i, i_ref) and e < TOL[dt]
+    row = Row(f"route_top_k T={T} E={E} k={k} {str(dt).removeprefix('torch.')}", ok,
+              f"ids {'equal' if torch.equal(i, i_ref) else 'DIFFER'}, weights rel err {e:.2e}")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: route_top_k_torch(logits, k))
+        row.triton_us = R.bench(lambda: route_top_k_triton(logits, k))
+        row.nbytes = logits.numel() * logits.element_size()
+    R.add(row)
 
 
 # ---- row independence ------------------------------------------------------------------------------------------
@@ -338,8 +358,9 @@ def check_row_independence(R: Runner, small: bool) -> None:
 
     D, Fd, E = (64, 48, 8) if small else (2560, 640, 64)
     h, top_i, top_w, gate, up, down = moe_inputs(6, D, Fd, E, 3, torch.bfloat16, dev)
-    all6 = moe_few_triton(h, top_i, top_w, gate, up, down)
-    alone = torch.cat([moe_few_triton(h[i:i + 1], top_i[i:i + 1], top_w[i:i + 1], gate, up, down) for i in range(6)])
+    all6 = moe_slots_triton(h, top_i, top_w, gate, up, down)
+    alone = torch.cat([moe_slots_triton(h[i:i + 1], top_i[i:i + 1], top_w[i:i + 1], gate, up, down)
+                       for i in range(6)])
     ok = same_bits(all6.float(), alone.float())
     R.add(Row("rows: moe_few 1 row at a time vs 6 rows", ok, "bit-identical" if ok else "BITS DIFFER", info=True))
 
@@ -425,18 +446,29 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     else:
         inputs = check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True)
         if sweep:
-            for cfg in ((32, 128, 32, 128, 4), (16, 256, 16, 256, 4), (32, 256, 32, 128, 8), (16, 128, 16, 128, 4),
-                        (64, 64, 32, 64, 4), (8, 512, 16, 128, 4)):
+            for cfg in ((32, 256, 32, 128, 8), (16, 256, 32, 128, 4), (32, 128, 64, 128, 4), (32, 128, 16, 128, 4),
+                        (64, 64, 32, 64, 4), (32, 128, 32, 64, 4), (32, 256, 64, 64, 8)):
                 check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
         del inputs
         inputs = check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
         if sweep:
-            for cfg in ((32, 128, 32, 128, 4), (16, 256, 8, 128, 4), (16, 128, 8, 256, 4), (32, 128, 8, 128, 4),
-                        (16, 256, 16, 128, 4), (8, 256, 8, 128, 2), (16, 512, 8, 256, 8), (8, 512, 4, 256, 4)):
+            for cfg in ((32, 128, 32, 128, 4), (16, 256, 16, 128, 4), (16, 256, 64, 128, 4), (16, 256, 32, 64, 4),
+                        (16, 256, 16, 256, 4), (16, 256, 64, 64, 8), (16, 256, 128, 64, 8), (16, 256, 32, 256, 8),
+                        (8, 256, 32, 128, 4), (16, 256, 8, 128, 4)):
                 check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
         del inputs
         check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
         check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
+
+    # routing: the real 512 experts top-10 for a decode and a verify step, then odd sizes
+    if small:
+        check_route(R, 3, 64, 4, torch.float32)
+        check_route(R, 2, 50, 3, torch.bfloat16)
+    else:
+        check_route(R, 1, 512, 10, torch.bfloat16, timed=True)
+        check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
+        check_route(R, 64, 512, 10, torch.float32)
+        check_route(R, 5, 300, 7, torch.float16)
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:

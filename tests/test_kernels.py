@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType
 
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
-from qspec.kernels.moe_few import moe_few, moe_few_torch
+from qspec.kernels.moe_few import moe_few, moe_few_torch, moe_slots, sum_slots
 from qspec.kernels.pooled import materialize_pooled_fast, materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec, q4_matvec_torch
+from qspec.kernels.route import route_top_k, route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention, sparse_attention_torch
 from qspec.kernels.triton_common import HAS_TRITON
 from qspec.kernels.triton_conv_snapshot import conv_snapshot, conv_snapshot_torch
@@ -275,8 +276,11 @@ def test_moe_few_reference(dtype: torch.dtype, M: int) -> None:
     args = (h, top_i, top_w, moe.gate, moe.up, moe.down)
     out = moe_few_torch(*args)
     assert torch.equal(out, moe._per_token(h, top_w, top_i))
-    assert torch.equal(moe_few(*args), out)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
+    slots = moe_slots(*args)  # the gathered batched products (the CPU path of the few-token step)
+    assert slots.shape == (M, 3, 32)
+    torch.testing.assert_close(sum_slots(slots).float(), out.float(), rtol=tol, atol=tol)
+    assert torch.equal(moe_few(*args), sum_slots(slots))
     torch.testing.assert_close(out.float(), moe._grouped(h, top_w, top_i).float(), rtol=tol, atol=tol)
     # independently: the dense mixture over all experts with zero weight off the top-k
     dense = torch.zeros(M, 8, dtype=torch.float64)
@@ -285,6 +289,25 @@ def test_moe_few_reference(dtype: torch.dtype, M: int) -> None:
     ys = torch.stack([(F.silu(x @ moe.gate[e].double().t()) * (x @ moe.up[e].double().t())) @ moe.down[e].double().t()
                       for e in range(8)], 1)  # [M, E, D]
     torch.testing.assert_close(out.double(), (dense[..., None] * ys).sum(1), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_top_k_reference(dtype: torch.dtype) -> None:
+    """Routing equals an f64 softmax, a full sort and renormalisation; the dispatch rejects bad shapes."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.stack([torch.randperm(64, generator=g) * 0.1 - 3.2 for _ in range(5)]).to(dtype)  # no ties
+    w, i = route_top_k_torch(logits, 6)
+    p = torch.softmax(logits.double(), -1)
+    order = p.argsort(-1, descending=True)[:, :6]
+    assert torch.equal(i, order)
+    top = p.gather(1, order)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(w.double(), top / top.sum(-1, keepdim=True), rtol=tol, atol=tol)
+    assert w.dtype == dtype and i.dtype == torch.int64
+    assert torch.equal(route_top_k(logits, 6)[1], i)
+    for bad, k in ((logits, 0), (logits, 65), (logits[0], 2)):
+        with pytest.raises(ValueError, match="routing needs"):
+            route_top_k(bad, k)
 
 
 # ---- sparse QSA attention -------------------------------------------------------------------------------------
@@ -389,4 +412,7 @@ def test_cuda_pooled_q4_moe() -> None:
     ref = moe_few_torch(h, top_i, top_w, moe.gate, moe.up, moe.down)
     out = moe_few(h, top_i, top_w, moe.gate, moe.up, moe.down)
     assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
+    logits = torch.randn(6, 300, device=dev).bfloat16()
+    (w_ref, i_ref), (w, i) = route_top_k_torch(logits, 7), route_top_k(logits, 7)
+    assert torch.equal(i, i_ref) and (w.float() - w_ref.float()).abs().max() <= 8e-3
 

@@ -1,7 +1,8 @@
 """Routed experts for a few tokens (decode / verify, M <= 16), reading only the chosen experts' weights.
 
-`moe_few` is the routed half of `MoE.forward` (the shared expert stays there): Triton kernels
-(triton_moe.py) on CUDA, the per-(token, expert) loop `moe_few_torch` otherwise.
+`moe_slots` is the routed half of `MoE.forward` (the shared expert stays there), up to the sum over
+each token's k slots: Triton kernels (triton_moe.py) on CUDA, gathered batched products otherwise.
+`moe_few` adds the slot sum; `moe_few_torch`, the per-(token, expert) loop, is its reference.
 """
 
 from __future__ import annotations
@@ -37,15 +38,31 @@ def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gat
     return torch.cat(rows)
 
 
-def moe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """sum_j top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m), e = top_i[m, j]: out [M, D] in h.dtype.
+def sum_slots(slots: torch.Tensor) -> torch.Tensor:
+    """[M, k, D] weighted slot outputs -> [M, D]: summed in f32, rounded once to their dtype."""
+    return slots.sum(1, dtype=torch.float32).to(slots.dtype)
+
+
+def moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+              down: torch.Tensor) -> torch.Tensor:
+    """top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m), e = top_i[m, j]: the weighted slot outputs [M, k, D].
 
     h [M, D]; top_i [M, k] int64; top_w [M, k] (h.dtype, as MoE.route returns it); gate/up [E, F, D],
-    down [E, D, F]. Two Triton launches on CUDA for M <= 16, no host sync; the reference otherwise."""
+    down [E, D, F]. Two Triton launches on CUDA for M <= 16, no host sync; otherwise the chosen
+    experts' matrices are gathered (extra copies, but no data-dependent host control flow either)."""
     _check(h, top_i, top_w, gate, up, down)
     if use_triton(h) and h.shape[0] <= MAX_ROWS:
-        from qspec.kernels.triton_moe import moe_few_triton
+        from qspec.kernels.triton_moe import moe_slots_triton
 
-        return moe_few_triton(h, top_i, top_w, gate, up, down)
-    return moe_few_torch(h, top_i, top_w, gate, up, down)
+        return moe_slots_triton(h, top_i, top_w, gate, up, down)
+    M, k = top_i.shape
+    idx = top_i.reshape(-1)
+    x = h.repeat_interleave(k, dim=0).unsqueeze(1)  # [M*k, 1, D]
+    act = F.silu(torch.bmm(x, gate[idx].transpose(1, 2))) * torch.bmm(x, up[idx].transpose(1, 2))
+    return torch.bmm(act, down[idx].transpose(1, 2)).view(M, k, -1) * top_w.unsqueeze(-1)
+
+
+def moe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+            down: torch.Tensor) -> torch.Tensor:
+    """sum_j top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m): out [M, D] in h.dtype (see `moe_slots`)."""
+    return sum_slots(moe_slots(h, top_i, top_w, gate, up, down))

@@ -17,9 +17,9 @@ import torch
 from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
 
 DEFAULT_CONFIG = (32, 128, 32, 128, 4)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
-# One or two rows launch few programs (kernel 2's grid is D / BD per row: 80 for D = 2560 at BD = 32,
-# fewer than the H200's 132 SMs), so they take narrower output tiles.
-FEW_ROWS_CONFIG = (16, 256, 8, 128, 4)
+# One or two rows launch few gate/up programs (F / BF per pair: 20 for F = 640 at BF = 32), so they
+# take narrower tiles.
+FEW_ROWS_CONFIG = (16, 256, 32, 128, 4)
 
 
 def config_for(M: int) -> tuple[int, int, int, int, int]:
@@ -60,36 +60,32 @@ if HAS_TRITON:
         tl.store(act_ptr + m * a_m + j * a_k + f, act.to(act_ptr.dtype.element_ty), mask=fmask)
 
     @triton.jit(do_not_specialize=["KS"])
-    def _moe_down_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, out_ptr, D, F, KS,
-                         a_m, a_k, ti_m, tw_m, d_e, d_d, o_m,
+    def _moe_down_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, slot_ptr, D, F, KS,
+                         a_m, a_k, ti_m, tw_m, d_e, d_d, s_m, s_k,
                          DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):
-        m = tl.program_id(1)
+        pair = tl.program_id(1)
+        m = pair // KS
+        j = pair % KS
         d = tl.program_id(0) * BD + tl.arange(0, BD)
         dmask = d < D
-        d64 = d.to(tl.int64)
-        total = tl.zeros([BD], dtype=tl.float32)
-        for j in range(KS):
-            e = tl.load(ti_ptr + m * ti_m + j).to(tl.int64)
-            w = tl.load(tw_ptr + m * tw_m + j).to(tl.float32)
-            drow = down_ptr + e * d_e + d64[:, None] * d_d
-            acc = tl.zeros([BD, BF], dtype=tl.float32)
-            for f0 in range(0, F, BF):
-                f = f0 + tl.arange(0, BF)
-                fmask = f < F
-                a = tl.load(act_ptr + m * a_m + j * a_k + f, mask=fmask, other=0.0).to(tl.float32)
-                wd = tl.load(drow + f[None, :], mask=dmask[:, None] & fmask[None, :], other=0.0).to(tl.float32)
-                acc += wd * a[None, :]
-            y = round_to(tl.sum(acc, axis=1), DT)
-            total += round_to(y * w, DT)
-        total = round_to(total, DT)
-        tl.store(out_ptr + m * o_m + d, total.to(out_ptr.dtype.element_ty), mask=dmask)
+        e = tl.load(ti_ptr + m * ti_m + j).to(tl.int64)
+        w = tl.load(tw_ptr + m * tw_m + j).to(tl.float32)
+        drow = down_ptr + e * d_e + d.to(tl.int64)[:, None] * d_d
+        acc = tl.zeros([BD, BF], dtype=tl.float32)
+        for f0 in range(0, F, BF):
+            f = f0 + tl.arange(0, BF)
+            fmask = f < F
+            a = tl.load(act_ptr + m * a_m + j * a_k + f, mask=fmask, other=0.0).to(tl.float32)
+            wd = tl.load(drow + f[None, :], mask=dmask[:, None] & fmask[None, :], other=0.0).to(tl.float32)
+            acc += wd * a[None, :]
+        y = round_to(tl.sum(acc, axis=1), DT)
+        tl.store(slot_ptr + m * s_m + j * s_k + d, round_to(y * w, DT).to(slot_ptr.dtype.element_ty), mask=dmask)
 
 
-def moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
-                   up: torch.Tensor, down: torch.Tensor,
-                   config: tuple[int, int, int, int, int] | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch both kernels; shapes as in `moe_few` (already checked)."""
+def moe_slots_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
+                     up: torch.Tensor, down: torch.Tensor,
+                     config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Launch both kernels -> the weighted slot outputs [M, k, D]; shapes as in `moe_few` (already checked)."""
     M, D = h.shape
     k = top_i.shape[1]
     F = gate.shape[1]
@@ -99,13 +95,11 @@ def moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, ga
     bf1, bd1, bd2, bf2, warps = config or config_for(M)
     dt = tl_dtype(h.dtype)
     act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
-    out = out if out is not None else torch.empty(M, D, dtype=h.dtype, device=h.device)
-    if out.shape != (M, D) or out.dtype != h.dtype or out.stride(1) != 1:
-        raise ValueError("out must be [M, D] in h.dtype with a contiguous last dim")
+    slots = torch.empty(M, k, D, dtype=h.dtype, device=h.device)
     _moe_gate_up_kernel[(triton.cdiv(F, bf1), M * k)](
         h, top_i, gate, up, act, D, F, k, h.stride(0), top_i.stride(0), gate.stride(0), gate.stride(1),
         up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, num_warps=warps)
-    _moe_down_kernel[(triton.cdiv(D, bd2), M)](
-        act, top_i, top_w, down, out, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
-        down.stride(0), down.stride(1), out.stride(0), DT=dt, BD=bd2, BF=bf2, num_warps=warps)
-    return out
+    _moe_down_kernel[(triton.cdiv(D, bd2), M * k)](
+        act, top_i, top_w, down, slots, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
+        down.stride(0), down.stride(1), slots.stride(0), slots.stride(1), DT=dt, BD=bd2, BF=bf2, num_warps=warps)
+    return slots

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qspec.kernels.moe_few import moe_few
-from qspec.kernels.triton_common import use_triton
+from qspec.kernels.moe_few import moe_slots, sum_slots
+from qspec.kernels.route import route_top_k
 from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
 
@@ -14,48 +14,26 @@ from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, st
 FEW_TOKENS = 16
 
 
-def moe_few_tokens(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
-    """The chosen experts of a few tokens, with no data-dependent host control flow.
-
-    Uses the Triton kernel when available (reads only the chosen experts' weights); the torch
-    fallback gathers the chosen experts' matrices, which costs extra copies."""
-    if use_triton(h):
-        return moe_few(h, top_i, top_w, gate, up, down)
-    T, k = top_i.shape
-    idx = top_i.reshape(-1)
-    x = h.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
-    a = torch.bmm(x, gate[idx].transpose(1, 2))
-    b = torch.bmm(x, up[idx].transpose(1, 2))
-    y = torch.bmm(F.silu(a) * b, down[idx].transpose(1, 2)).view(T, k, -1)
-    return (y * top_w.unsqueeze(-1)).sum(1)
-
-
-def top_k_experts(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over all experts, the top k renormalised -> (weights [T, k] in the logits' dtype, ids [T, k])."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top_w, top_i = torch.topk(probs, k, dim=-1)
-    top_w = top_w / top_w.sum(-1, keepdim=True)
-    return top_w.to(logits.dtype), top_i
-
-
 def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return top_k_experts(linear(h, router), k)
+    return route_top_k(linear(h, router), k)
 
 
 @fused
-def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int, k: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w_in = [router ; shared gate ; shared up ; shared gate_inp] -> (top_w, top_i, shared activation
-    silu(gate h) * up h [T, ff], shared-expert gate sigmoid(gate_inp . h) [T, 1])."""
+def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w_in = [router ; shared gate ; shared up ; shared gate_inp] -> (router logits [T, E], shared activation
+    silu(gate h) * up h [T, ff], shared-expert gate sigmoid(gate_inp . h) [T, 1]). Routing itself stays
+    outside the fused function: on CUDA it is one Triton kernel (kernels/route.py)."""
     y = linear(h, w_in)
-    top_w, top_i = top_k_experts(y[:, :n_experts], k)
     g, u, gi = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff], y[:, n_experts + 2 * ff:]
-    return top_w, top_i, silu(g) * u, sigmoid(gi)
+    return y[:, :n_experts], silu(g) * u, sigmoid(gi)
 
 
 @fused
 def add_shared_expert(routed: torch.Tensor, act: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """routed is [T, D], or [T, k, D] weighted slot outputs still to be summed (the few-token path)."""
+    if routed.dim() == 3:
+        routed = sum_slots(routed)
     return routed + linear(act, down) * gate
 
 
@@ -78,11 +56,12 @@ class MoE(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T, D = h.shape
-        top_w, top_i, act, gate = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0], self.n_used)
+        logits, act, gate = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
+        top_w, top_i = route_top_k(logits, self.n_used)
         if row_exact() and T <= EXACT_MAX_ROWS:
             routed = self._per_token(h, top_w, top_i)
         elif h.is_cuda and T <= FEW_TOKENS:
-            routed = moe_few_tokens(h, top_w, top_i, self.gate, self.up, self.down)
+            routed = moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         else:
             routed = self._grouped(h, top_w, top_i)
         return add_shared_expert(routed, act, gate, self.sh_down)

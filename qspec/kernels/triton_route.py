@@ -1,0 +1,53 @@
+"""MoE routing in Triton: one program per token, grid (T,).
+
+The program loads the token's E logits (E padded to a power of two with -inf), takes the f32
+softmax, then k times picks the largest probability (the lowest expert id among equals), records it
+and masks it out. The k picked probabilities are renormalised by their f32 sum and stored in the
+logits' dtype, with the ids as int64: `route_top_k_torch`'s outputs, best expert first, up to f32
+rounding of exp and of the sums.
+"""
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, tl_dtype
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import round_to
+
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, i_ptr, E, x_t, w_t, i_t, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                      DT: tl.constexpr):
+        t = tl.program_id(0)
+        e = tl.arange(0, BE)
+        x = tl.load(x_ptr + t * x_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)  # padding lanes hold exactly 0
+        p = tl.where(e < E, p, -1.0)  # never picked, even when real probabilities underflow to 0
+        slot = tl.arange(0, BK)
+        top_w = tl.zeros([BK], dtype=tl.float32)
+        top_i = tl.zeros([BK], dtype=tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, e, BE), axis=0)
+            top_w = tl.where(slot == j, best, top_w)
+            top_i = tl.where(slot == j, idx, top_i)
+            p = tl.where(e == idx, -2.0, p)
+        top_w = top_w / tl.sum(top_w, axis=0)  # unused slots hold 0
+        kmask = slot < K
+        tl.store(w_ptr + t * w_t + slot, round_to(top_w, DT).to(w_ptr.dtype.element_ty), mask=kmask)
+        tl.store(i_ptr + t * i_t + slot, top_i.to(tl.int64), mask=kmask)
+
+
+def route_top_k_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] with a contiguous last dim (checked by `route_top_k`) -> (weights [T, k], ids [T, k])."""
+    T, E = logits.shape
+    top_w = torch.empty(T, k, dtype=logits.dtype, device=logits.device)
+    top_i = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    if T:
+        BE = next_pow2(E)
+        _route_kernel[(T,)](logits, top_w, top_i, E, logits.stride(0), top_w.stride(0), top_i.stride(0),
+                            K=k, BE=BE, BK=next_pow2(k), DT=tl_dtype(logits.dtype), num_warps=4 if BE <= 1024 else 8)
+    return top_w, top_i
