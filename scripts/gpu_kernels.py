@@ -33,6 +33,8 @@ from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.triton_common import HAS_TRITON, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
+from qspec.kernels.triton_gemv import DEFAULT_CONFIG as GEMV_DEFAULT
+from qspec.kernels.triton_gemv import gemv_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
@@ -339,6 +341,35 @@ def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool 
     R.add(row)
 
 
+# ---- 7. step-sized matrix products --------------------------------------------------------------------------
+
+# (name, N, K) of the flash-next step's products (stacked as the model stacks them)
+GEMV_SHAPES = (("hc mixer in", 640, 10240), ("gdn in", 16480, 2560), ("gdn out", 2560, 6144),
+               ("qsa in", 14000, 2560), ("moe in", 1793, 2560), ("shared down", 2560, 640),
+               ("mtp eh", 2560, 5120), ("lm head", 248320, 2560))
+
+
+def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, timed: bool = False,
+               config: tuple[int, int, int] | None = None, W: torch.Tensor | None = None) -> torch.Tensor:
+    dev = R.device
+    W = (0.02 * torch.randn(N, K, device=dev)).to(dt) if W is None else W
+    x = torch.randn(M, K, device=dev).to(dt)
+    cfg = config or GEMV_DEFAULT
+    ref = x.double() @ W.double().t()
+    got = gemv_triton(x, W, cfg)
+    e = rel_err(got, ref)
+    ok = e < TOL[dt]
+    row = Row(f"gemv {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}" + (f" cfg={config}" if config else ""),
+              ok, f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
+    if timed and R.timing:
+        if config is None:
+            row.torch_us = R.bench(lambda: F.linear(x, W))
+        row.triton_us = R.bench(lambda: gemv_triton(x, W, cfg))
+        row.nbytes = W.numel() * W.element_size()
+    R.add(row, variant=config is not None)
+    return W
+
+
 # ---- row independence ------------------------------------------------------------------------------------------
 
 def check_row_independence(R: Runner, small: bool) -> None:
@@ -459,6 +490,22 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         del inputs
         check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
         check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
+
+    # step-sized products: the model's shapes for a decode (M=1) and a verify (M=6) step
+    if small:
+        check_gemv(R, "small", 100, 96, 1, torch.bfloat16)
+        check_gemv(R, "small", 100, 96, 3, torch.float16)
+        check_gemv(R, "split", 20, 1000, 1, torch.bfloat16)  # few row blocks: K split over programs
+        check_gemv(R, "split", 40, 700, 8, torch.bfloat16)
+    else:
+        for name, N, K in GEMV_SHAPES:
+            W = check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True)
+            check_gemv(R, name, N, K, 6, torch.bfloat16, timed=True, W=W)
+            if sweep and name in ("hc mixer in", "gdn in", "gdn out", "lm head"):
+                for cfg in ((16, 256, 4), (64, 128, 4), (32, 512, 8), (64, 256, 8), (16, 512, 4), (128, 128, 8)):
+                    check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True, config=cfg, W=W)
+            del W
+        check_gemv(R, "odd", 1001, 2560, 3, torch.float16)
 
     # routing: the real 512 experts top-10 for a decode and a verify step, then odd sizes
     if small:

@@ -310,6 +310,34 @@ def test_route_top_k_reference(dtype: torch.dtype) -> None:
             route_top_k(bad, k)
 
 
+# ---- step-sized matrix products ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,K,bn,bk,programs", [(20, 1000, 32, 256, 8), (640, 10240, 32, 256, 264),
+                                                 (248320, 2560, 32, 256, 264), (2560, 640, 32, 256, 264),
+                                                 (5, 100, 32, 256, 264)])
+def test_gemv_plan(N: int, K: int, bn: int, bk: int, programs: int) -> None:
+    """The K split covers K exactly once in whole BK steps, and only narrow matrices split."""
+    from qspec.kernels.triton_gemv import plan
+
+    split, k_split = plan(N, K, bn, bk, programs)
+    assert k_split % bk == 0 and (split - 1) * k_split < K <= split * k_split
+    blocks = -(-N // bn)
+    assert (split == 1) == (blocks >= programs or K <= bk)
+    assert blocks * split <= max(blocks, programs) + blocks  # no more programs than needed
+
+
+def test_gemv_op_traces() -> None:
+    """qspec::gemv is one graph node with symbolic rows under torch.compile (as the fused steps use it)."""
+    from qspec.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    f = torch.compile(lambda x, w: gemv(x, w) * 2, backend="aot_eager", fullgraph=True, dynamic=True)
+    for M in (1, 3, 6):
+        x = torch.randn(M, 64, generator=g).bfloat16()
+        assert torch.equal(f(x, w), F.linear(x, w) * 2)
+
+
 # ---- sparse QSA attention -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])

@@ -16,10 +16,11 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
 
-DEFAULT_CONFIG = (32, 128, 32, 128, 4)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
-# One or two rows launch few gate/up programs (F / BF per pair: 20 for F = 640 at BF = 32), so they
-# take narrower tiles.
-FEW_ROWS_CONFIG = (16, 256, 32, 128, 4)
+# Swept on the H200 (scripts/gpu_kernels.py, benchmarks/results/gpu_kernels_h200*.txt).
+DEFAULT_CONFIG = (32, 256, 32, 128, 8)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
+# One or two rows launch few gate/up programs (F / BF per pair), so they take narrow row tiles with
+# long K steps: 80 programs per pair at F = 640.
+FEW_ROWS_CONFIG = (8, 512, 32, 128, 4)
 
 
 def config_for(M: int) -> tuple[int, int, int, int, int]:

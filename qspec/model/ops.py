@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels import gemv
+
 _ROW_EXACT = False
 
 
@@ -42,11 +44,13 @@ EXACT_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ w[out, in]^T."""
-    if not _ROW_EXACT:
-        return F.linear(x, w)
+    """x [..., in] @ w[out, in]^T. Step-sized 16-bit products on CUDA go to the Triton mat-vec (kernels/gemv.py)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if gemv.eligible(x, w, x2.shape[0]) and not _ROW_EXACT:
+        return gemv.gemv(x2, w).view(*lead, w.shape[0])
+    if not _ROW_EXACT:
+        return F.linear(x, w)
     if x2.shape[0] <= 1 or x2.shape[0] > EXACT_MAX_ROWS:
         return F.linear(x, w)
     return torch.cat([F.linear(x2[i:i + 1], w) for i in range(x2.shape[0])]).reshape(*lead, w.shape[0])

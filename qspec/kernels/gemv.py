@@ -1,0 +1,46 @@
+"""Step-sized matrix products: y = x @ W^T for up to 8 rows of 16-bit activations and weights.
+
+`gemv` launches the Triton kernel (triton_gemv.py) on CUDA and falls back to `gemv_torch`
+(`F.linear`, the reference) elsewhere. It is registered as the custom op `qspec::gemv` so that the
+fused step functions (torch.compile, model/fuse.py) call it as one opaque kernel instead of
+lowering the product to cuBLAS; `ops.linear` routes eligible products to it (`eligible`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qspec.kernels.triton_common import triton_enabled, use_triton
+
+MAX_ROWS = 8
+DTYPES = (torch.bfloat16, torch.float16)
+# Read once: dynamo treats a module constant as fixed, where an environment lookup inside a traced
+# function would not be.
+ENABLED = triton_enabled()
+
+
+def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    """Whether ops.linear sends x [rows, K] @ w^T to the custom op: CUDA, 16-bit, few rows, w rows contiguous."""
+    return (ENABLED and x.is_cuda and rows <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype
+            and w.dim() == 2 and w.stride(1) == 1)
+
+
+@torch.library.custom_op("qspec::gemv", mutates_args=())
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; the Triton kernel for M <= 8 on CUDA."""
+    if use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype \
+            and w.stride(1) == 1:
+        from qspec.kernels.triton_gemv import gemv_triton
+
+        return gemv_triton(x if x.stride(1) == 1 else x.contiguous(), w)
+    return gemv_torch(x, w)
+
+
+@gemv.register_fake
+def _gemv_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])

@@ -1,0 +1,112 @@
+"""Matrix-vector products in Triton for step-sized inputs: y [M, N] = x [M, K] @ W[N, K]^T, M <= 8.
+
+A decode step multiplies one row by ~80 weight matrices, most of them a few MB: cuBLAS picks GEMM
+tiles for them that reach ~2 TB/s (5-10 µs each, plus split-K reductions), against the H200's
+~4.2 TB/s. This kernel streams W once: a program owns BN output rows and walks its share of K in BK
+steps; for one row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loop),
+for 2..8 rows it reduces each row's products per step. Narrow matrices (few row blocks) also split K
+over SPLIT programs, which write f32 partial sums that `_sum_splits_kernel` adds in split order, so
+results are deterministic. Products accumulate in f32 and round once to x's dtype. The plan (BN, BK,
+SPLIT) depends on N and K only, never on M, so a row's result does not depend on its neighbours.
+"""
+
+import functools
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, tl_dtype
+
+DEFAULT_CONFIG = (32, 256, 4)  # rows per program, K step, warps
+MAX_ROWS = 8
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import round_to
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
+                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     OUT_DT: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
+        kk = tl.arange(0, BK)
+        im = tl.arange(0, MP)
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        if M == 1:
+            prod = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                k = k0 + kk
+                kmask = k < k_hi
+                w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                prod += w * x[None, :]
+            acc = tl.sum(prod, axis=1)[None, :]  # [1, BN]
+        else:
+            acc = tl.zeros([MP, BN], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                k = k0 + kk
+                kmask = k < k_hi
+                w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                for m in tl.static_range(M):
+                    x = tl.load(x_ptr + m * x_m + k, mask=kmask, other=0.0).to(tl.float32)
+                    p = tl.sum(w * x[None, :], axis=1)
+                    acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < MN
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(S):
+            acc += tl.load(p_ptr + s * p_s + i, mask=mask, other=0.0)
+        tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _programs_wanted(device_index: int) -> int:
+    """Two programs per SM keep every SM streaming."""
+    if INTERPRET or not torch.cuda.is_available():
+        return 8
+    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(N: int, K: int, bn: int, bk: int, programs: int) -> tuple[int, int]:
+    """(SPLIT, K_SPLIT): enough programs for the GPU, each K share a whole number of BK steps."""
+    blocks = cdiv(N, bn)
+    split = 1 if blocks >= programs else min(cdiv(programs, blocks), cdiv(K, bk))
+    k_split = cdiv(cdiv(K, split), bk) * bk
+    return cdiv(K, k_split), k_split
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
+    """x [M, K] (M <= 8, last dim contiguous) @ w [N, K]^T (rows contiguous) -> [M, N] in x.dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    if not 0 < M <= MAX_ROWS or w.shape != (N, K) or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} stride {x.stride()}, w {tuple(w.shape)} stride {w.stride()}")
+    bn, bk, warps = config
+    split, k_split = plan(N, K, bn, bk, _programs_wanted(x.device.index or 0) if x.is_cuda else 8)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    dt = tl_dtype(x.dtype)
+    mp = 1 if M == 1 else triton.next_power_of_2(M)
+    grid = (triton.cdiv(N, bn), split)
+    if split == 1:
+        _gemv_kernel[grid](x, w, y, N, K, k_split, x.stride(0), w.stride(0), 0, y.stride(0),
+                           M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps)
+        return y
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](x, w, part, N, K, k_split, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
+                       M=M, MP=mp, BN=bn, BK=bk, OUT_DT=tl.float32, num_warps=warps)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block)
+    return y
