@@ -331,9 +331,15 @@ def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool 
     w_ref, i_ref = route_top_k_torch(logits, k)
     w, i = route_top_k_triton(logits, k)
     e = rel_err(w, w_ref)
-    ok = torch.equal(i, i_ref) and e < TOL[dt]
+    # 16-bit logits tie often (512 draws, 8 mantissa bits); the two implementations may order equal experts
+    # differently, so the picked experts must have the reference's probabilities, rank by rank
+    probs = torch.softmax(logits.float(), -1)
+    same_p = torch.equal(probs.gather(1, i), probs.gather(1, i_ref))
+    ok = same_p and e < TOL[dt]
+    ties = int((i != i_ref).sum())
     row = Row(f"route_top_k T={T} E={E} k={k} {str(dt).removeprefix('torch.')}", ok,
-              f"ids {'equal' if torch.equal(i, i_ref) else 'DIFFER'}, weights rel err {e:.2e}")
+              f"picked probabilities {'equal' if same_p else 'DIFFER'} ({ties} ids differ among ties), "
+              f"weights rel err {e:.2e}")
     if timed and R.timing:
         row.torch_us = R.bench(lambda: route_top_k_torch(logits, k))
         row.triton_us = R.bench(lambda: route_top_k_triton(logits, k))
@@ -495,14 +501,15 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     if small:
         check_gemv(R, "small", 100, 96, 1, torch.bfloat16)
         check_gemv(R, "small", 100, 96, 3, torch.float16)
-        check_gemv(R, "split", 20, 1000, 1, torch.bfloat16)  # few row blocks: K split over programs
-        check_gemv(R, "split", 40, 700, 8, torch.bfloat16)
+        # fewer rows than programs and a short K step: K split over programs
+        check_gemv(R, "split", 5, 1000, 1, torch.bfloat16, config=(32, 256, 4))
+        check_gemv(R, "split", 6, 700, 8, torch.bfloat16, config=(32, 256, 4))
     else:
         for name, N, K in GEMV_SHAPES:
             W = check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True)
-            check_gemv(R, name, N, K, 6, torch.bfloat16, timed=True, W=W)
+            check_gemv(R, name, N, K, 6, torch.bfloat16, W=W)
             if sweep and name in ("hc mixer in", "gdn in", "gdn out", "lm head"):
-                for cfg in ((16, 256, 4), (64, 128, 4), (32, 512, 8), (64, 256, 8), (16, 512, 4), (128, 128, 8)):
+                for cfg in ((16, 4096, 4), (64, 8192, 4), (32, 16384, 8), (32, 4096, 4), (16, 8192, 8), (8, 4096, 4)):
                     check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True, config=cfg, W=W)
             del W
         check_gemv(R, "odd", 1001, 2560, 3, torch.float16)

@@ -1,4 +1,4 @@
-"""Step-sized matrix products: y = x @ W^T for up to 8 rows of 16-bit activations and weights.
+"""Step-sized matrix products: y = x @ W^T for one row of 16-bit activations and weights.
 
 `gemv` launches the Triton kernel (triton_gemv.py) on CUDA and falls back to `gemv_torch`
 (`F.linear`, the reference) elsewhere. It is registered as the custom op `qspec::gemv` so that the
@@ -13,7 +13,9 @@ import torch.nn.functional as F
 
 from qspec.kernels.triton_common import triton_enabled, use_triton
 
-MAX_ROWS = 8
+# One row only: on the H200 the kernel's 2..8-row path lost to cuBLAS (gdn in, 6 rows: 67.9 vs 32.7 µs in
+# benchmarks/results/gpu_kernels_h200_s3b.txt), so verify steps keep cuBLAS.
+MAX_ROWS = 1
 DTYPES = (torch.bfloat16, torch.float16)
 # Read once: dynamo treats a module constant as fixed, where an environment lookup inside a traced
 # function would not be.
@@ -32,7 +34,7 @@ def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 @torch.library.custom_op("qspec::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; the Triton kernel for M <= 8 on CUDA."""
+    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; the Triton kernel for M <= MAX_ROWS on CUDA."""
     if use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype \
             and w.stride(1) == 1:
         from qspec.kernels.triton_gemv import gemv_triton

@@ -2,21 +2,23 @@
 
 A decode step multiplies one row by ~80 weight matrices, most of them a few MB: cuBLAS picks GEMM
 tiles for them that reach ~2 TB/s (5-10 µs each, plus split-K reductions), against the H200's
-~4.2 TB/s. This kernel streams W once: a program owns BN output rows and walks its share of K in BK
-steps; for one row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loop),
-for 2..8 rows it reduces each row's products per step. Narrow matrices (few row blocks) also split K
-over SPLIT programs, which write f32 partial sums that `_sum_splits_kernel` adds in split order, so
-results are deterministic. Products accumulate in f32 and round once to x's dtype. The plan (BN, BK,
-SPLIT) depends on N and K only, never on M, so a row's result does not depend on its neighbours.
+~4.2 TB/s. This kernel streams W once: a program owns BN output rows and walks K in BK steps; for one
+row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loop), for 2..8 rows it
+reduces each row's products per step. Products accumulate in f32 and round once to x's dtype.
+
+`plan` keeps every SM busy by narrowing BN (down to 1 row per program) before it splits K: a split
+needs a second kernel (`_sum_splits_kernel`, adding f32 partial sums in split order, deterministic),
+and on the H200 that launch cost more than the split saved. BK grows as BN shrinks, so each step
+still loads ~TILE elements. The plan depends on N and K only, never on M.
 """
 
 import functools
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
-DEFAULT_CONFIG = (32, 256, 4)  # rows per program, K step, warps
+DEFAULT_CONFIG = (32, 8192, 4)  # most rows per program, elements per K step (TILE), warps
 MAX_ROWS = 8
 
 if HAS_TRITON:
@@ -76,12 +78,17 @@ def _programs_wanted(device_index: int) -> int:
     return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def plan(N: int, K: int, bn: int, bk: int, programs: int) -> tuple[int, int]:
-    """(SPLIT, K_SPLIT): enough programs for the GPU, each K share a whole number of BK steps."""
+def plan(N: int, K: int, max_bn: int, tile: int, programs: int) -> tuple[int, int, int, int]:
+    """(BN, BK, SPLIT, K_SPLIT): at least `programs` programs where the rows allow, each K share a whole
+    number of BK steps."""
+    bn = max_bn
+    while bn > 1 and cdiv(N, bn) < programs:
+        bn //= 2
+    bk = max(16, min(tile // bn, next_pow2(K)))
     blocks = cdiv(N, bn)
     split = 1 if blocks >= programs else min(cdiv(programs, blocks), cdiv(K, bk))
     k_split = cdiv(cdiv(K, split), bk) * bk
-    return cdiv(K, k_split), k_split
+    return bn, bk, cdiv(K, k_split), k_split
 
 
 def cdiv(a: int, b: int) -> int:
@@ -94,8 +101,8 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int] =
     N = w.shape[0]
     if not 0 < M <= MAX_ROWS or w.shape != (N, K) or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} stride {x.stride()}, w {tuple(w.shape)} stride {w.stride()}")
-    bn, bk, warps = config
-    split, k_split = plan(N, K, bn, bk, _programs_wanted(x.device.index or 0) if x.is_cuda else 8)
+    max_bn, tile, warps = config
+    bn, bk, split, k_split = plan(N, K, max_bn, tile, _programs_wanted(x.device.index or 0) if x.is_cuda else 8)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
     mp = 1 if M == 1 else triton.next_power_of_2(M)

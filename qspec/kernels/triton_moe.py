@@ -18,9 +18,9 @@ from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
 
 # Swept on the H200 (scripts/gpu_kernels.py, benchmarks/results/gpu_kernels_h200*.txt).
 DEFAULT_CONFIG = (32, 256, 32, 128, 8)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
-# One or two rows launch few gate/up programs (F / BF per pair), so they take narrow row tiles with
-# long K steps: 80 programs per pair at F = 640.
-FEW_ROWS_CONFIG = (8, 512, 32, 128, 4)
+# One or two rows launch few programs, so they take narrower row tiles: 40 gate/up and 160 down
+# programs per (token, slot) pair at F = 640, D = 2560.
+FEW_ROWS_CONFIG = (16, 256, 16, 128, 4)
 
 
 def config_for(M: int) -> tuple[int, int, int, int, int]:

@@ -7,9 +7,7 @@ blocks: it loads the [BN, NB, 16] bytes (16 contiguous bytes per block: vector l
 nibble into (q - 8) as f32 with the 2^23 trick (bits 0x4B00000q are exactly 8388608 + q, so one
 OR and one subtraction, no int-to-float conversion), dots each block with x, then applies the
 block scale once per block. Bytes read: a quarter of bf16's, plus 1/16 for the scales.
-M < 16 leaves tensor cores idle (they need M >= 16), so the products are FMAs. One row (the draft
-chain's case) accumulates scaled products elementwise and reduces once at the end, so a row's bits
-differ between one-row and several-row launches (draft logits only: verification decides tokens).
+M < 16 leaves tensor cores idle (they need M >= 16), so the products are FMAs.
 """
 
 import torch
@@ -38,42 +36,23 @@ if HAS_TRITON:
         # by 16 and can use 16-byte loads
         qrow = q_ptr + n64[:, None, None] * row_bytes  # [BN, 1, 1]
         srow = s_ptr + n64[:, None] * KB  # [BN, 1]
-        if M == 1:
-            # one row (every draft step): keep a [BN, NB, 16] accumulator of scaled products and reduce once at
-            # the end, instead of two reductions per K step
-            acc3 = tl.zeros([BN, NB, 16], dtype=tl.float32)
-            for b0 in range(0, KB, NB):
-                blk = b0 + ib
-                bmask = blk < KB
-                wmask = nmask[:, None, None] & bmask[None, :, None]
-                byte = tl.load(qrow + blk[None, :, None] * 16 + ii[None, None, :], mask=wmask, other=0x88)
-                byte = byte.to(tl.int32)
-                wlo = ((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                whi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-                sc = tl.load(srow + blk[None, :], mask=nmask[:, None] & bmask[None, :], other=0.0).to(tl.float32)
-                xoff = blk[:, None] * 32 + ii[None, :]
-                xl = tl.load(x_ptr + xoff, mask=bmask[:, None], other=0.0).to(tl.float32)
-                xh = tl.load(x_ptr + xoff + 16, mask=bmask[:, None], other=0.0).to(tl.float32)
-                acc3 += (wlo * xl[None, :, :] + whi * xh[None, :, :]) * sc[:, :, None]
-            acc = tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :]  # [1, BN]; MP is 1
-        else:
-            acc = tl.zeros([MP, BN], dtype=tl.float32)
-            for b0 in range(0, KB, NB):
-                blk = b0 + ib
-                bmask = blk < KB
-                wmask = nmask[:, None, None] & bmask[None, :, None]
-                byte = tl.load(qrow + blk[None, :, None] * 16 + ii[None, None, :], mask=wmask, other=0x88)
-                byte = byte.to(tl.int32)
-                wlo = ((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_lo - 8
-                whi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_hi - 8
-                sc = tl.load(srow + blk[None, :], mask=nmask[:, None] & bmask[None, :], other=0.0).to(tl.float32)
-                xoff = blk[:, None] * 32 + ii[None, :]  # [NB, 16]: x index of each low nibble
-                for m in tl.static_range(M):
-                    xl = tl.load(x_ptr + m * x_m + xoff, mask=bmask[:, None], other=0.0).to(tl.float32)
-                    xh = tl.load(x_ptr + m * x_m + xoff + 16, mask=bmask[:, None], other=0.0).to(tl.float32)
-                    part = tl.sum(wlo * xl[None, :, :] + whi * xh[None, :, :], axis=2)  # [BN, NB] block dots
-                    p = tl.sum(part * sc, axis=1)
-                    acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
+        acc = tl.zeros([MP, BN], dtype=tl.float32)
+        for b0 in range(0, KB, NB):
+            blk = b0 + ib
+            bmask = blk < KB
+            wmask = nmask[:, None, None] & bmask[None, :, None]
+            byte = tl.load(qrow + blk[None, :, None] * 16 + ii[None, None, :], mask=wmask, other=0x88)
+            byte = byte.to(tl.int32)
+            wlo = ((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_lo - 8
+            whi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_hi - 8
+            sc = tl.load(srow + blk[None, :], mask=nmask[:, None] & bmask[None, :], other=0.0).to(tl.float32)
+            xoff = blk[:, None] * 32 + ii[None, :]  # [NB, 16]: x index of each low nibble
+            for m in tl.static_range(M):
+                xl = tl.load(x_ptr + m * x_m + xoff, mask=bmask[:, None], other=0.0).to(tl.float32)
+                xh = tl.load(x_ptr + m * x_m + xoff + 16, mask=bmask[:, None], other=0.0).to(tl.float32)
+                part = tl.sum(wlo * xl[None, :, :] + whi * xh[None, :, :], axis=2)  # [BN, NB] block dots
+                p = tl.sum(part * sc, axis=1)
+                acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
         out = o_ptr + im[:, None] * o_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(o_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
@@ -92,6 +71,7 @@ def q4_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     if out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("out must be [M, N] in x.dtype with a contiguous last dim")
     _q4_matvec_kernel[(triton.cdiv(N, bn),)](x, packed, scales, out, N, K // 32, K // 2, x.stride(0),
-                                             out.stride(0), M=M, MP=1 if M == 1 else next_pow2(M), BN=bn, NB=nb,
-                                             OUT_DT=tl_dtype(x.dtype), num_warps=warps)
+                                             out.stride(0),
+                                             M=M, MP=max(next_pow2(M), 2), BN=bn, NB=nb, OUT_DT=tl_dtype(x.dtype),
+                                             num_warps=warps)
     return out
