@@ -50,7 +50,9 @@ class EngineOptions:
     compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
     compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
-    record_logits: bool = False  # keep every verify/decode step's logits in Generation.logits (tests)
+    # keep every verify/decode step's logits in Generation.logits, and each round's first draft logits
+    # (the draft step whose context is the emitted tokens alone) in Generation.draft_logits (tests)
+    record_logits: bool = False
 
     def cache_options(self) -> CacheOptions:
         return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
@@ -73,6 +75,7 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)
     graphs: dict[str, object] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (time_phases)
+    draft_logits: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def decode_tps(self) -> float:
@@ -135,6 +138,7 @@ class Engine:
         out: list[int] = []
         rounds_log: list[dict[str, int]] = []
         logits_log: list[torch.Tensor] = []
+        draft_log: list[torch.Tensor] = []
         phases: dict[str, float] = {}
         mark = [time.perf_counter()]
 
@@ -198,6 +202,8 @@ class Engine:
                 for i in range(N):
                     if i:
                         d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
+                    elif o.record_logits:
+                        draft_log.append(d_logits[-1:].cpu())
                     if sampler.greedy:
                         drafts.append(int(d_logits[-1].argmax().item()))
                     else:
@@ -255,4 +261,4 @@ class Engine:
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log,
-                          logits_log, run.graph_stats.as_dict(), phases)
+                          logits_log, run.graph_stats.as_dict(), phases, draft_log)
