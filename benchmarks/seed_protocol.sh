@@ -37,8 +37,9 @@ case "$step" in
     h200-fn8-sweep-a) bench sweep "${fn8[@]}" --contexts 512,1024,2048 ;;
     h200-fn8-sweep-b) bench sweep "${fn8[@]}" --contexts 4096,6144 ;;
     # (d) what qspec's own GPU work buys, as ratios within one process: torch.compile-fused step math on/off,
-    #     sparse QSA attention on/off (not part of the seed's protocol)
-    h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,ours,\
-ours-unfused:from=ours,compile=0,ours-sparse:from=ours,sparse=1" ;;
+    #     the Triton one-row mat-vec vs cuBLAS, sparse QSA attention on/off (not part of the seed's protocol)
+    h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,\
+nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cublas:from=ours,gemv=0,\
+ours-sparse:from=ours,sparse=1" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qspec.kernels import gemv
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
@@ -48,6 +49,7 @@ class EngineOptions:
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
     cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
     compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
+    gemv: bool = True  # one-row 16-bit products through the Triton mat-vec on CUDA (kernels/gemv.py); off: cuBLAS
     compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     # keep every verify/decode step's logits in Generation.logits, and each round's first draft logits
@@ -126,7 +128,7 @@ class Engine:
             raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
                                f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
-        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend):
+        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

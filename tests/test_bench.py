@@ -129,8 +129,12 @@ def test_arm_specs() -> None:
     uo = u.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None)
     assert (uo.compile, uo.sparse_attention, uo.draft) == (False, True, 5)
     assert "unfused" in u.describe() and "sparse" in u.describe()
-    assert (o.compile, o.sparse_attention) == (True, False)
-    for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3", "x:sparse=maybe"):
+    assert (o.compile, o.sparse_attention, o.gemv) == (True, False, True)
+    c = parse_arms("c:from=nospec,gemv=off")[0]
+    assert c.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None).gemv is False
+    assert "cuBLAS" in c.describe() and c.draft == 0
+    for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3", "x:sparse=maybe",
+                "x:gemv=2"):
         with pytest.raises(ValueError):
             parse_arms(bad)
 

@@ -325,6 +325,18 @@ def test_gemv_plan(N: int, K: int, programs: int) -> None:
     assert (bn == 32 or bn == 1 or blocks >= programs) and (split == 1) == (blocks >= programs or K <= bk)
 
 
+def test_gemv_switch() -> None:
+    """enabled_mode turns the routing of eligible products off and restores it; CPU tensors never qualify."""
+    from qspec.kernels import gemv
+
+    x, w = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+    before = gemv._ON
+    with gemv.enabled_mode(False):
+        assert gemv._ON is False
+    assert gemv._ON == before
+    assert not gemv.eligible(x, w, 1)
+
+
 def test_gemv_op_traces() -> None:
     """qspec::gemv is one graph node with symbolic rows under torch.compile (as the fused steps use it)."""
     from qspec.kernels.gemv import gemv

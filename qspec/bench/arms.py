@@ -6,7 +6,8 @@ Built-in arms (the seed's comparison):
   ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
 
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
-fused, q4, compile (torch.compile-fused step math, on by default), sparse (sparse QSA attention) (booleans as
+fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec, on by
+default), sparse (sparse QSA attention) (booleans as
 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -38,6 +39,7 @@ class Arm:
     q4: bool = False  # Q4_0-rounded draft output head
     compile: bool = True  # torch.compile-fused step math on CUDA (the engine's default; off for A/B runs)
     sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
+    gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -47,7 +49,7 @@ class Arm:
                              pad_target=self.pad, fused_snapshots=self.fused,
                              draft_head="q4" if self.q4 and self.draft else "full",
                              accept_hook=accept_hook if self.draft else None, compile=self.compile,
-                             sparse_attention=self.sparse)
+                             sparse_attention=self.sparse, gemv=self.gemv)
 
     def describe(self) -> str:
         if not self.draft:
@@ -63,6 +65,8 @@ class Arm:
             parts.append("unfused step math")
         if self.sparse:
             parts.append("sparse attention")
+        if not self.gemv:
+            parts.append("cuBLAS one-row products")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -122,11 +126,11 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                 if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
-        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse"):
+        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv"):
             fields[k] = _bool(k, v, spec)
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
-                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, from)")
+                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, from)")
     return replace(base, **fields)
 
 

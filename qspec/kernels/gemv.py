@@ -8,6 +8,9 @@ lowering the product to cuBLAS; `ops.linear` routes eligible products to it (`el
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -17,9 +20,20 @@ from qspec.kernels.triton_common import triton_enabled, use_triton
 # benchmarks/results/gpu_kernels_h200_s3b.txt), so verify steps keep cuBLAS.
 MAX_ROWS = 1
 DTYPES = (torch.bfloat16, torch.float16)
-# Read once: dynamo treats a module constant as fixed, where an environment lookup inside a traced
-# function would not be.
-ENABLED = triton_enabled()
+# A module flag rather than an environment lookup inside traced code: dynamo guards on its value, so
+# flipping it (`enabled_mode`, the engine's `gemv` option for A/B runs) recompiles instead of misrunning.
+_ON = triton_enabled()
+
+
+@contextlib.contextmanager
+def enabled_mode(on: bool) -> Iterator[None]:
+    """Route eligible products to the mat-vec (on) or leave them all to cuBLAS (off) inside the block."""
+    global _ON
+    old, _ON = _ON, on and triton_enabled()
+    try:
+        yield
+    finally:
+        _ON = old
 
 
 def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -28,7 +42,7 @@ def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     """Whether ops.linear sends x [rows, K] @ w^T to the custom op: CUDA, 16-bit, few rows, w rows contiguous."""
-    return (ENABLED and x.is_cuda and rows <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype
+    return (_ON and x.is_cuda and rows <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype
             and w.dim() == 2 and w.stride(1) == 1)
 
 
