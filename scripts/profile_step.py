@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineOptions
+from qspec.kernels import gemv
 from qspec.model import fuse
 from qspec.runner import Runner
 
@@ -40,6 +41,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--draft", type=int, default=5)
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="small ops unfused")
+    ap.add_argument("--steps-kind", choices=("both", "decode", "verify"), default="both",
+                    help="profile only one kind of step (each pays its own first-request compilation)")
+    ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="one-row products on cuBLAS")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     cfg = bench_config("flash-next", layers=a.layers)
@@ -47,15 +51,16 @@ def main() -> int:
     model = device_random_model(cfg, device="cuda", dtype=torch.bfloat16)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
-    for kind, T in (("decode", 1), ("verify", a.draft + 1)):
+    kinds = [(k, T) for k, T in (("decode", 1), ("verify", a.draft + 1)) if a.steps_kind in ("both", k)]
+    for kind, T in kinds:
         eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=a.draft if T > 1 else 0,
-                                          cuda_graphs=False, compile=a.compile))
+                                          cuda_graphs=False, compile=a.compile, gemv=a.gemv))
         t = time.perf_counter()
         eng.generate(prompt, 4)
         print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s", flush=True)
         run = eng.runner
         toks = torch.arange(1, T + 1)
-        with fuse.fused_mode(a.compile):
+        with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(3):  # warm kernels
                 run.step(toks)
                 run.keep(1, rollback=T > 1)
@@ -65,10 +70,10 @@ def main() -> int:
         print(kernel_table(prof, a.steps, a.top), flush=True)
         # the same step through a CUDA graph
         g = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=a.draft if T > 1 else 0,
-                                        compile=a.compile))
+                                        compile=a.compile, gemv=a.gemv))
         g.generate(prompt, 2)
         gr = g.runner
-        with fuse.fused_mode(a.compile):
+        with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(3):
                 gr.step(toks)
                 gr.keep(1, rollback=T > 1)
