@@ -40,17 +40,21 @@ def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+def _fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
+    """What the kernel takes: 1..MAX_ROWS rows, x and w in the same 16-bit dtype, w a matrix with contiguous rows."""
+    return (0 < rows <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype and w.dim() == 2
+            and w.stride(1) == 1)
+
+
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """Whether ops.linear sends x [rows, K] @ w^T to the custom op: CUDA, 16-bit, few rows, w rows contiguous."""
-    return (_ON and x.is_cuda and rows <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype
-            and w.dim() == 2 and w.stride(1) == 1)
+    """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, and a shape the kernel takes."""
+    return _ON and x.is_cuda and _fits(x, w, rows)
 
 
 @torch.library.custom_op("qspec::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; the Triton kernel for M <= MAX_ROWS on CUDA."""
-    if use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and w.dtype == x.dtype \
-            and w.stride(1) == 1:
+    if use_triton(x) and _fits(x, w, x.shape[0]):
         from qspec.kernels.triton_gemv import gemv_triton
 
         return gemv_triton(x if x.stride(1) == 1 else x.contiguous(), w)
