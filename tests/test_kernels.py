@@ -291,6 +291,19 @@ def test_moe_few_reference(dtype: torch.dtype, M: int) -> None:
     torch.testing.assert_close(out.double(), (dense[..., None] * ys).sum(1), rtol=tol, atol=tol)
 
 
+def test_shared_expert_add_sums_slots() -> None:
+    """The few-token step hands add_shared_expert the [T, k, D] slot outputs; it must equal adding their sum."""
+    from qspec.model.moe import add_shared_expert
+
+    moe = tiny_moe(torch.bfloat16, seed=4)
+    h = torch.randn(5, 32, generator=torch.Generator().manual_seed(4)).bfloat16()
+    top_w, top_i = moe.route(h)
+    slots = moe_slots(h, top_i, top_w, moe.gate, moe.up, moe.down)
+    act, gate = torch.randn(5, 24).bfloat16(), torch.rand(5, 1).bfloat16()
+    assert torch.equal(add_shared_expert(slots, act, gate, moe.sh_down),
+                       add_shared_expert(sum_slots(slots), act, gate, moe.sh_down))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_route_top_k_reference(dtype: torch.dtype) -> None:
     """Routing equals an f64 softmax, a full sort and renormalisation; the dispatch rejects bad shapes."""
