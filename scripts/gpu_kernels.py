@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/gpu_kernels.py               # CUDA: checks, timings, block-size variants
     PYTHONPATH=. python scripts/gpu_kernels.py --no-sweep    # CUDA: skip the variants
     PYTHONPATH=. python scripts/gpu_kernels.py --interpret   # CPU: checks only, small shapes, Triton interpreter
+    PYTHONPATH=. python scripts/gpu_kernels.py --graph       # CUDA: time each call replayed from a CUDA graph
 
 Every check draws fresh random inputs and fills the outputs with NaN first, so an element the kernel
 never writes shows up as a mismatch. Conv snapshots must be bit-identical to `write_snapshots`
@@ -10,6 +11,10 @@ never writes shows up as a mismatch. Conv snapshots must be bit-identical to `wr
 by relative error, max |got - ref| / max |ref|, against a tolerance for its dtype. Exits 1 on any
 mismatch. Times are medians of triton.testing.do_bench (L2 flushed between runs), in microseconds;
 GB/s counts the bytes the kernel must move, against the H200's ~4.2 TB/s achievable copy bandwidth.
+By default a timed call is one eager launch, Python launch overhead included, which hides the GPU time of
+kernels shorter than their launch (~20-50 µs for a few launches). `--graph` captures each call in a CUDA graph
+and times its replay, as the engine's steps run; a call that cannot be captured (a host sync in a torch
+reference) is timed eagerly, and the run says how many were. `--graph` has not run on a GPU yet.
 """
 
 import argparse
@@ -64,17 +69,41 @@ class Row:
 
 
 class Runner:
-    def __init__(self, device: str, timing: bool) -> None:
-        self.device, self.timing = device, timing
+    def __init__(self, device: str, timing: bool, graph: bool = False) -> None:
+        self.device, self.timing, self.graph = device, timing, graph
         self.rows: list[Row] = []
         self.variants: list[Row] = []
+        self.eager_fallbacks = 0
 
     def bench(self, fn: Callable[[], object]) -> float | None:
         if not self.timing:
             return None
         import triton.testing
 
+        if self.graph:
+            replay = self._captured(fn)
+            if replay is not None:
+                fn = replay
+            else:
+                self.eager_fallbacks += 1
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")) * 1e3
+
+    @staticmethod
+    def _captured(fn: Callable[[], object]) -> Callable[[], object] | None:
+        """fn recorded in a CUDA graph (after a warm call on a side stream), or None if it cannot be captured."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return g.replay
+        except RuntimeError:
+            torch.cuda.synchronize()
+            return None
 
     def add(self, row: Row, variant: bool = False) -> None:
         (self.variants if variant else self.rows).append(row)
@@ -551,6 +580,7 @@ def main() -> int:
     ap.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, small shapes, no timing")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block-size variants")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -563,7 +593,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the f32 references must be real f32
     torch.backends.cudnn.allow_tf32 = False
     dev = "cpu" if args.interpret else "cuda"
-    R = Runner(dev, timing=not args.interpret)
+    R = Runner(dev, timing=not args.interpret, graph=args.graph and not args.interpret)
     import triton
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
@@ -571,6 +601,8 @@ def main() -> int:
           f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
     run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
     check_row_independence(R, small=args.interpret)
+    if R.graph:
+        print(f"\ntimes are CUDA-graph replays; {R.eager_fallbacks} timed calls could not be captured and ran eagerly")
     print_table("kernels", R.rows)
     print_table("variants (block sizes; torch column blank)", R.variants)
     bad = [r.name for r in R.rows + R.variants if not r.ok and not r.info]
