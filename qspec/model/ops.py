@@ -47,9 +47,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ w[out, in]^T. Step-sized 16-bit products on CUDA go to the Triton mat-vec (kernels/gemv.py)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if gemv.eligible(x, w, x2.shape[0]) and not _ROW_EXACT:
-        return gemv.gemv(x2, w).view(*lead, w.shape[0])
     if not _ROW_EXACT:
+        if gemv.eligible(x, w, x2.shape[0]):
+            return gemv.gemv(x2, w).view(*lead, w.shape[0])
         return F.linear(x, w)
     if x2.shape[0] <= 1 or x2.shape[0] > EXACT_MAX_ROWS:
         return F.linear(x, w)
