@@ -30,13 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.conv_snapshot import write_snapshots
+from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
 from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
+from qspec.kernels.top_blocks import top_blocks_mask_torch
 from qspec.kernels.triton_common import HAS_TRITON, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
+from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gemv import DEFAULT_CONFIG as GEMV_DEFAULT
 from qspec.kernels.triton_gemv import gemv_triton
@@ -47,6 +50,7 @@ from qspec.kernels.triton_q4 import DEFAULT_CONFIG as Q4_DEFAULT
 from qspec.kernels.triton_q4 import q4_matvec_triton
 from qspec.kernels.triton_route import route_top_k_triton
 from qspec.kernels.triton_sparse_attention import sparse_attention_triton
+from qspec.kernels.triton_top_blocks import top_blocks_mask_triton
 from qspec.model.ops import rope_tables
 from qspec.state.kv_cache import quantize_q8_0
 
@@ -405,6 +409,47 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     return W
 
 
+# ---- 8. KV q8_0 dequantisation and the indexer's block choice ------------------------------------------------
+
+def check_dequant(R: Runner, n: int, Hkv: int, d: int, dt: torch.dtype, timed: bool = False) -> None:
+    """Bit-identical to the reference: one f32 product, rounded once."""
+    dev = R.device
+    kq, ks = quantize_q8_0(torch.randn(n, Hkv, d, device=dev))
+    vq, vs = quantize_q8_0(3 * torch.randn(n, Hkv, d, device=dev))
+    ko, vo = dequant_kv_triton(kq, ks, vq, vs, dt)
+    ok = torch.equal(ko, dequant_q8_0_torch(kq, ks, dt)) and torch.equal(vo, dequant_q8_0_torch(vq, vs, dt))
+    row = Row(f"dequant_kv q8_0 n={n} Hkv={Hkv} d={d} -> {str(dt).removeprefix('torch.')}", ok,
+              "bit-identical" if ok else "BITS DIFFER")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: (dequant_q8_0_torch(kq, ks, dt), dequant_q8_0_torch(vq, vs, dt)))
+        row.triton_us = R.bench(lambda: dequant_kv_triton(kq, ks, vq, vs, dt))
+        row.nbytes = 2 * (kq.numel() * (1 + torch.empty(0, dtype=dt).element_size()) + ks.numel() * 2)
+    R.add(row)
+
+
+def check_top_blocks(R: Runner, T: int, nb: int, n_top: int, visible: int, ties: bool = False,
+                     timed: bool = False) -> None:
+    """The chosen set must be the reference's exactly: the n_top largest visible scores, equal scores to the
+    lower block id (a stable descending sort; with ties=True scores take 6 values, so most of them tie)."""
+    dev = R.device
+    s = torch.randint(0, 6, (T, nb), device=dev).float() if ties else torch.relu(torch.randn(T, nb, device=dev))
+    vis = torch.arange(nb, device=dev)[None, :] < torch.randint(visible // 2, visible + 1, (T, 1), device=dev)
+    s = s.masked_fill(~vis, float("-inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :n_top]
+    ref = torch.zeros(T, nb, dtype=torch.bool, device=dev).scatter_(1, order, True)
+    got = top_blocks_mask_triton(s, n_top)
+    ok = torch.equal(got, ref)
+    if not ties:  # and the set torch.topk picks, among the visible blocks
+        ok = ok and torch.equal(got & vis, top_blocks_mask_torch(s, n_top) & vis)
+    row = Row(f"top_blocks_mask T={T} nb={nb} n_top={n_top}" + (" ties" if ties else ""), ok,
+              f"{int((got != ref).sum())} lanes differ from the stable-sort choice")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: top_blocks_mask_torch(s, n_top))
+        row.triton_us = R.bench(lambda: top_blocks_mask_triton(s, n_top))
+        row.nbytes = s.numel() * 5
+    R.add(row)
+
+
 # ---- row independence ------------------------------------------------------------------------------------------
 
 def check_row_independence(R: Runner, small: bool) -> None:
@@ -552,6 +597,28 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
         check_route(R, 64, 512, 10, torch.float32)
         check_route(R, 5, 300, 7, torch.float16)
+
+    # KV dequantisation: a 4,608-cell bucket of the real geometry (2 kv heads of 256), then other dtypes/shapes
+    if small:
+        check_dequant(R, 40, 2, 64, torch.bfloat16)
+        check_dequant(R, 33, 3, 32, torch.float32)
+    else:
+        check_dequant(R, 4608, 2, 256, torch.bfloat16, timed=True)
+        check_dequant(R, 4609, 2, 256, torch.float16)
+        check_dequant(R, 4608, 2, 256, torch.float32)
+
+    # indexer block choice: 512 of 1,152 blocks (4,608 cells, r=4) for a decode and a verify step, then ties,
+    # fewer visible blocks than n_top, and the 32K-context row
+    if small:
+        check_top_blocks(R, 3, 100, 20, 90)
+        check_top_blocks(R, 2, 64, 30, 20)
+        check_top_blocks(R, 4, 50, 10, 50, ties=True)
+    else:
+        check_top_blocks(R, 1, 1152, 512, 1100, timed=True)
+        check_top_blocks(R, 6, 1152, 512, 1100, timed=True)
+        check_top_blocks(R, 6, 1152, 512, 400)
+        check_top_blocks(R, 6, 1152, 512, 1100, ties=True)
+        check_top_blocks(R, 2, 8192, 512, 8000, timed=True)
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
 from qspec.kernels.moe_few import moe_few, moe_few_torch, moe_slots, sum_slots
 from qspec.kernels.pooled import materialize_pooled_fast, materialize_pooled_torch
@@ -28,7 +29,7 @@ from qspec.model.moe import MoE
 from qspec.model.ops import rope_tables
 from qspec.model.qsa import PooledUpdate, materialize_pooled
 from qspec.state.indexer_cache import IndexerCache
-from qspec.state.kv_cache import dequantize_q8_0, quantize_q8_0
+from qspec.state.kv_cache import quantize_q8_0
 from qspec.weights.dequant import dequantize, quantize_q4_0
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,6 +363,47 @@ def test_gemv_op_traces() -> None:
         assert torch.equal(f(x, w), F.linear(x, w) * 2)
 
 
+
+# ---- the indexer's block choice and the KV cache's dequantisation ---------------------------------------------
+
+def test_top_blocks_mask_reference() -> None:
+    """The mask marks the n_top largest scores (a full sort's first n_top); the op checks its arguments and traces
+    as one node with a symbolic n_top, as the compiled block_mask calls it."""
+    from qspec.kernels.top_blocks import top_blocks_mask, top_blocks_mask_torch
+
+    g = torch.Generator().manual_seed(11)
+    s = torch.stack([torch.randperm(300, generator=g).float() for _ in range(4)])  # no ties
+    s[:, 250:] = float("-inf")
+    for n_top in (1, 64, 250):
+        ref = torch.zeros(4, 300, dtype=torch.bool).scatter_(1, s.argsort(-1, descending=True)[:, :n_top], True)
+        assert torch.equal(top_blocks_mask_torch(s, n_top), ref)
+        assert torch.equal(top_blocks_mask(s, n_top), ref)
+    f = torch.compile(lambda s, n: top_blocks_mask(s, n) & (s > 10), backend="aot_eager", fullgraph=True,
+                      dynamic=True)
+    for T, n_top in ((1, 30), (6, 40)):
+        x = s[:T].contiguous()
+        assert torch.equal(f(x, n_top), top_blocks_mask_torch(x, n_top) & (x > 10))
+    for bad, n_top in ((s, -1), (s, 301), (s[0], 2)):
+        with pytest.raises(ValueError, match="top_blocks_mask needs"):
+            top_blocks_mask(bad, n_top)
+
+
+def test_dequant_kv_reference() -> None:
+    """q8_0 dequantisation: each value times its block's f16 scale, against ggml's own Q8_0 reader (gguf)."""
+    from gguf.quants import dequantize as ggml_dequantize
+
+    from qspec.kernels.dequant import dequant_kv
+
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(7, 2, 64, generator=g), 4 * torch.randn(7, 2, 64, generator=g)
+    (kq, ks), (vq, vs) = quantize_q8_0(k), quantize_q8_0(v)
+    ko, vo = dequant_kv(kq, ks, vq, vs, torch.float32)
+    for q, d, out in ((kq, ks, ko), (vq, vs, vo)):
+        raw = torch.cat([d.unsqueeze(-1).view(torch.uint8), q.unflatten(-1, (-1, 32)).view(torch.uint8)], -1)
+        ref = ggml_dequantize(raw.flatten().numpy(), GGMLQuantizationType.Q8_0).reshape(out.shape)
+        assert torch.equal(out, torch.from_numpy(ref).float())
+    assert dequant_kv(kq, ks, vq, vs, torch.bfloat16)[1].dtype == torch.bfloat16
+
 # ---- sparse QSA attention -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])
@@ -375,7 +417,7 @@ def test_sparse_attention_reference(kv: str, T: int) -> None:
     kf, vf = torch.randn(cap, Hkv, d, generator=g), torch.randn(cap, Hkv, d, generator=g)
     if kv == "q8_0":
         (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
-        K, V = dequantize_q8_0(k, ks, torch.float64), dequantize_q8_0(v, vs, torch.float64)
+        K, V = dequant_q8_0_torch(k, ks, torch.float64), dequant_q8_0_torch(v, vs, torch.float64)
     else:
         dt = torch.float32 if kv == "f32" else torch.bfloat16
         k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
@@ -467,4 +509,19 @@ def test_cuda_pooled_q4_moe() -> None:
     logits = torch.randn(6, 300, device=dev).bfloat16()
     (w_ref, i_ref), (w, i) = route_top_k_torch(logits, 7), route_top_k(logits, 7)
     assert torch.equal(i, i_ref) and (w.float() - w_ref.float()).abs().max() <= 8e-3
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+def test_cuda_top_blocks_dequant() -> None:
+    from qspec.kernels.dequant import dequant_kv
+    from qspec.kernels.top_blocks import top_blocks_mask, top_blocks_mask_torch
+
+    s = torch.relu(torch.randn(6, 1152, device="cuda"))
+    s[:, 1100:] = float("-inf")
+    assert torch.equal(top_blocks_mask(s, 512), top_blocks_mask_torch(s, 512))
+    (kq, ks), (vq, vs) = quantize_q8_0(torch.randn(300, 2, 256, device="cuda")), \
+        quantize_q8_0(torch.randn(300, 2, 256, device="cuda"))
+    ko, vo = dequant_kv(kq, ks, vq, vs, torch.bfloat16)
+    assert torch.equal(ko, dequant_q8_0_torch(kq, ks, torch.bfloat16))
+    assert torch.equal(vo, dequant_q8_0_torch(vq, vs, torch.bfloat16))
 

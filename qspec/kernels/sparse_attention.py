@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.triton_common import use_triton
-from qspec.state.kv_cache import dequantize_q8_0
 
 
 def key_cells(blocks: torch.Tensor, tail_lo: torch.Tensor, pos: torch.Tensor, r: int
@@ -34,7 +34,7 @@ def _rows(x: torch.Tensor, scale: torch.Tensor | None, cells: torch.Tensor) -> t
     """Cache rows at `cells` as f32, dequantised when `scale` is given (q8_0)."""
     if scale is None:
         return x[cells].float()
-    return dequantize_q8_0(x[cells], scale[cells], torch.float32)
+    return dequant_q8_0_torch(x[cells], scale[cells], torch.float32)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,

@@ -13,6 +13,7 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.pooled import materialize_pooled_fast
 from qspec.kernels.sparse_attention import sparse_attention
+from qspec.kernels.top_blocks import top_blocks_mask
 from qspec.model.fuse import fused
 from qspec.model.hyper import stream_mean
 from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid, stack_rows
@@ -125,9 +126,8 @@ def causal_mask(pos: torch.Tensor, n: int, key_lo: int) -> torch.Tensor:
 
 
 def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
-                  Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(top block ids [T, n_top], visible [T, nb], complete blocks visible to each row [T]).
+                  Kb: torch.Tensor, r: int, heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores [T, nb], -inf where not visible; visible [T, nb]; complete blocks visible to each row [T]).
 
     qi [T, heads*di]: the rows' indexer query projections; Kb [nb, di]: the blocks' pooled keys."""
     T, nb, di = qi.shape[0], Kb.shape[0], Kb.shape[1]
@@ -136,8 +136,7 @@ def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
     s = stream_mean(s) * (heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
     nb_vis = (pos + 1) // r
     vis = torch.arange(nb, device=qi.device)[None, :] < nb_vis[:, None]
-    top = torch.topk(s.masked_fill(~vis, float("-inf")), n_top, dim=-1).indices
-    return top, vis, nb_vis
+    return s.masked_fill(~vis, float("-inf")), vis, nb_vis
 
 
 @fused
@@ -145,9 +144,9 @@ def block_mask(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torc
                Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float, n: int, key_lo: int) -> torch.Tensor:
     """Indexer selection as a boolean [T, n] over the first n cells: the n_top best-scoring complete blocks
     visible to each row plus the incomplete tail up to the row itself."""
-    top, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, n_top, eps)
+    s, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, eps)
     T, nb = vis.shape
-    chosen = torch.zeros(T, nb, dtype=torch.bool, device=qi.device).scatter_(1, top, True) & vis
+    chosen = top_blocks_mask(s, n_top) & vis
     key_pos = torch.arange(n, device=qi.device)
     kblk = (key_pos // r).clamp(max=nb - 1)
     in_blocks = chosen.gather(1, kblk[None, :].expand(T, -1)) & (key_pos[None, :] < (nb_vis * r)[:, None])
@@ -160,7 +159,8 @@ def select_blocks(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
                   Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection as block ids [T, n_top] (-1 where fewer blocks are visible) and each row's first
     tail cell [T]."""
-    top, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, n_top, eps)
+    s, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, eps)
+    top = torch.topk(s, n_top, dim=-1).indices
     return torch.where(vis.gather(1, top), top, torch.full_like(top, -1)), nb_vis * r
 
 

@@ -6,16 +6,15 @@ p before p reads it. Invariant: cells below the committed length hold the keys/v
 committed tokens.
 
 Types: float (bf16/f16/f32) or q8_0 (int8 in blocks of 32 along head_dim, one f16 scale each, as
-llama.cpp's Q8_0), dequantized on read.
+llama.cpp's Q8_0), dequantized on read (kernels/dequant.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from qspec.kernels.dequant import Q8_BLOCK, dequant_kv
 from qspec.model.fuse import fused
-
-Q8_BLOCK = 32
 
 
 @fused
@@ -27,11 +26,6 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv).clamp(-127, 127).to(torch.int8)
     return q.flatten(-2), d.squeeze(-1).to(torch.float16)
-
-
-@fused
-def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.unflatten(-1, (-1, Q8_BLOCK)).float() * d.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 class KVCache:
@@ -70,8 +64,7 @@ class KVCache:
         """Keys and values of cells [0, n) (all cells by default) in the compute dtype."""
         n = self.capacity if n is None else n
         if self.cache_type == "q8_0":
-            return (dequantize_q8_0(self.k[:n], self.k_scale[:n], self.dtype),
-                    dequantize_q8_0(self.v[:n], self.v_scale[:n], self.dtype))
+            return dequant_kv(self.k[:n], self.k_scale[:n], self.v[:n], self.v_scale[:n], self.dtype)
         return self.k[:n].to(self.dtype), self.v[:n].to(self.dtype)
 
     def scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
