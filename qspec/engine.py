@@ -24,7 +24,7 @@ from qspec.kernels import gemv
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
-from qspec.runner import ContextError, Runner
+from qspec.runner import ContextError, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept
 from qspec.spec.stats import SpecStats
 
@@ -184,7 +184,28 @@ class Engine:
         mark[0] = t1
         stop = emit(tok)
         reason = "stop token" if tok in stop_ids else "max tokens"
-        if o.draft == 0:
+        if o.draft == 0 and sampler.greedy and not stop:
+            # Pipelined: the step that consumes token j is queued (its input is the argmax on the device)
+            # before the host reads token j, so the host's work for a step overlaps the previous step on
+            # the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows).
+            logits, _ = run.step(torch.tensor([tok], device=dev))
+            run.keep(1, rollback=False)
+            while True:
+                phase("decode")
+                if o.record_logits:
+                    logits_log.append(logits.cpu())
+                nxt = logits[-1:].argmax(-1)
+                more = len(out) + 1 < max_tokens  # else emitting nxt ends the request by length
+                if more:
+                    logits, _ = run.step(nxt)
+                tok = int(nxt.item())  # waits for the step before; the one just queued keeps the GPU busy
+                stop = emit(tok)
+                if stop:
+                    if more:
+                        run.keep(0, rollback=True)
+                    break
+                run.keep(1, rollback=False)
+        elif o.draft == 0:  # sampling: the host draws each token
             while not stop:
                 logits, _ = run.step(torch.tensor([tok]))
                 run.keep(1, rollback=False)
@@ -197,35 +218,57 @@ class Engine:
             N = o.draft
             d_logits, d_X = run.mtp_step(torch.tensor([tok]), Hs[0], P, o.draft_lm_head)
             rnd = 0
+            # Greedy drafts never visit the host: each draft step reads the previous one's argmax on the
+            # device and the verify rows are assembled there, so the chain and the verify step are queued in
+            # one go and the round has one read-back (drafts and target predictions together).
+            on_device = sampler.greedy and o.draft_hook is None
             while not stop:
                 L = run.n_tokens
                 drafts: list[int] = []
                 q_rows = []
-                for i in range(N):
-                    if i:
-                        d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
-                    elif o.record_logits:
+                if on_device:
+                    if o.record_logits:
                         draft_log.append(d_logits[-1:].cpu())
-                    if sampler.greedy:
-                        drafts.append(int(d_logits[-1].argmax().item()))
-                    else:
-                        q = sampler.probs(d_logits[-1])
-                        q_rows.append(q)
-                        drafts.append(int(sampler.sample_probs(q).item()))
-                if o.draft_hook is not None:
-                    drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
-                phase("draft")
-                v_logits, vX = run.step(torch.tensor([tok] + drafts))
-                phase("verify")
-                if o.record_logits:
-                    logits_log.append(v_logits.cpu())
-                if sampler.greedy:
-                    target = v_logits.argmax(-1).tolist()
+                    d_toks = [d_logits[-1:].argmax(-1)]
+                    for i in range(1, N):
+                        d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
+                        d_toks.append(d_logits[-1:].argmax(-1))
+                    phase("draft")
+                    v_rows = torch.cat([upload([tok], dev)] + d_toks)
+                    v_logits, vX = run.step(v_rows)
+                    phase("verify")
+                    if o.record_logits:
+                        logits_log.append(v_logits.cpu())
+                    read = torch.cat([v_rows[1:], v_logits.argmax(-1)]).tolist()
+                    drafts, target = read[:N], read[N:]
                     k = greedy_accept(drafts, target)
                     nxt = target[k]
                 else:
-                    k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
-                    target = []
+                    for i in range(N):
+                        if i:
+                            d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
+                        elif o.record_logits:
+                            draft_log.append(d_logits[-1:].cpu())
+                        if sampler.greedy:
+                            drafts.append(int(d_logits[-1].argmax().item()))
+                        else:
+                            q = sampler.probs(d_logits[-1])
+                            q_rows.append(q)
+                            drafts.append(int(sampler.sample_probs(q).item()))
+                    if o.draft_hook is not None:
+                        drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
+                    phase("draft")
+                    v_logits, vX = run.step(torch.tensor([tok] + drafts))
+                    phase("verify")
+                    if o.record_logits:
+                        logits_log.append(v_logits.cpu())
+                    if sampler.greedy:
+                        target = v_logits.argmax(-1).tolist()
+                        k = greedy_accept(drafts, target)
+                        nxt = target[k]
+                    else:
+                        k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
+                        target = []
                 if o.accept_hook is not None:
                     k = max(0, min(N, int(o.accept_hook(rnd, N))))
                     if sampler.greedy:
@@ -251,7 +294,7 @@ class Engine:
                     break
                 tok = nxt
                 # extend the draft head over the committed rows with the target's residuals
-                ext = torch.tensor(committed + [committed[-1]] * (N + 1 - len(committed)))
+                ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
                 e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
                 d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
                 phase("draft extend")

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qspec.kernels.conv_snapshot import SnapshotStats
@@ -58,7 +59,8 @@ class Runner:
         self.model, self.opts = model, opts
         self.cache: ModelCache = model.new_cache(opts)
         self.n_tokens = 0  # committed tokens in the target caches
-        self.history: list[int] = []  # the committed tokens, by position
+        self._history: list[int] = []  # the committed tokens, by position (see `history`)
+        self._unread: list[torch.Tensor] = []  # kept rows of steps whose tokens came from the device, not yet read
         self.last_plan_rows: dict[int, tuple[int, int]] = {}
         self.use_graphs = cuda_graphs and model.device.type == "cuda" and model.graph_safe
         self.max_graphs = max_graphs
@@ -75,7 +77,16 @@ class Runner:
         """Forget the sequence. Buffers are cleared in place, so captured graphs stay valid."""
         self.cache.clear()
         self.n_tokens = 0
-        self.history = []
+        self._history, self._unread = [], []
+
+    @property
+    def history(self) -> list[int]:
+        """The committed tokens, by position. Steps may take their tokens from the device (an argmax the
+        host has not read), so reading them is deferred to here instead of stalling every step."""
+        for t in self._unread:
+            self._history.extend(t.tolist())
+        self._unread.clear()
+        return self._history
 
     def _run(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: list[torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,13 +137,12 @@ class Runner:
         c = self.cache
         c.rec.begin_step()
         c.cells.write(L, T)
-        upd: dict[int, PooledUpdate] = {}
         dev = self.device
+        plans = {}
         for r, lay in c.layouts.items():
-            plan = lay.plan(L + T, T)
+            plans[r] = plan = lay.plan(L + T, T)
             self.last_plan_rows[r] = (plan.n_real, plan.rows)
-            upd[r] = PooledUpdate(torch.from_numpy(plan.cells).to(dev), torch.from_numpy(plan.start).to(dev),
-                                  torch.from_numpy(plan.dest).to(dev))
+        upd = _upload_plans(plans, dev)
         pos = torch.arange(L, L + T, device=dev)
         kv_len = self.kv_len(L + T)
         if self.use_graphs and T <= GRAPH_MAX_ROWS and logit_rows is None:
@@ -150,25 +160,35 @@ class Runner:
         for lay in c.layouts.values():
             lay.commit()
         self._pending = (L, T)
-        self._rows = tokens.tolist()
+        self._rows = tokens
         return logits, X
 
     def keep(self, n: int, rollback: bool) -> None:
-        """Keep the first n rows of the last step; with `rollback`, remove the rest (seq_rm [L+n, end))."""
+        """Keep the first n rows of the last step; with `rollback`, remove the rest (seq_rm [L+n, end)).
+
+        n = 0 (with rollback) discards the whole step: the engine launches a decode step before it has read
+        the token that step consumes, and drops the step when that token turns out to end the request."""
         L, T = self._pending
-        if not 1 <= n <= T:
+        if not (1 if not rollback else 0) <= n <= T:
             raise ValueError(f"keep {n} rows of a {T}-row step")
         rc = self.cache.rec
-        if T > rc.n_slots and n != T:
+        if T > rc.n_slots and n not in (0, T):
             raise ValueError(f"a {T}-row step keeps only its final state; cannot keep {n} rows")
-        rc.commit(rc.last_row(T) if n == T else n - 1)
+        if n:
+            rc.commit(rc.last_row(T) if n == T else n - 1)
+        else:
+            rc.abandon_step()
         p0 = L + n
         if rollback:
             self.cache.cells.seq_rm(0, p0, -1)
             for lay in self.cache.layouts.values():
                 lay.retain(self.cache.cells, 0, p0, -1)
         self.n_tokens = p0
-        self.history.extend(self._rows[:n])
+        kept = self._rows[:n]
+        if kept.is_cuda:
+            self._unread.append(kept)
+        else:
+            self.history.extend(kept.tolist())
 
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
                  lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,6 +224,35 @@ class Runner:
             out[f"idx{i}.raw"] = ix.raw[:n].clone()
             out[f"idx{i}.pooled"] = ix.pooled[:n // ix.ratio].clone()
         return out
+
+
+def upload(values: list[int], dev: torch.device) -> torch.Tensor:
+    """int64 token ids on `dev`; on CUDA through pinned memory without waiting for the stream (see _upload_plans)."""
+    t = torch.tensor(values, dtype=torch.long)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+def _upload_plans(plans: dict, dev: torch.device) -> dict[int, PooledUpdate]:
+    """The update lists' index arrays on the device. On CUDA one pinned, non-blocking copy: a plain
+    `.to(device)` of a CPU tensor waits for the stream to drain, which would stop the engine from
+    queueing a step behind the one still running."""
+    parts = [a for p in plans.values() for a in (p.cells.reshape(-1), p.start, p.dest)]
+    if not parts:
+        return {}
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    if dev.type == "cuda":
+        flat = flat.pin_memory().to(dev, non_blocking=True)
+    else:
+        flat = flat.to(dev)
+    out, o = {}, 0
+    for r, p in plans.items():
+        nc, ns, nd = p.cells.size, p.start.size, p.dest.size
+        cells = flat[o:o + nc].view(p.cells.shape)
+        start = flat[o + nc:o + nc + ns]
+        dest = flat[o + nc + ns:o + nc + ns + nd]
+        out[r] = PooledUpdate(cells, start, dest)
+        o += nc + ns + nd
+    return out
 
 
 def _diff_snap(a: SnapshotStats, b: SnapshotStats) -> SnapshotStats:

@@ -120,3 +120,46 @@ def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
                                          draft_hook=oracle_hook(ref, random.Random(0), 512)))
     out = g.generate(list(range(1, 9)), 40, stop_ids={stop})
     assert out.tokens == ref[:ref.index(stop) + 1] and out.stop_reason == "stop token"
+
+
+@pytest.mark.parametrize("n_draft", [0, 3])
+def test_stop_token_leaves_exact_state(tiny_model: Model, n_draft: int) -> None:
+    """Greedy decoding queues the step for a token before reading that token; when it is a stop token the queued
+    step is discarded (keep 0 rows), and the caches hold exactly the emitted tokens, as plain decoding leaves them."""
+    prompt = [7]  # one token: a longer prefill's GDN chunking rounds differently from one-token steps
+    ref = plain(tiny_model, prompt, 30)
+    stop = ref[7]
+    eng = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, exact=True))
+    g = eng.generate(prompt, 30, stop_ids={stop})
+    assert g.tokens == ref[:ref.index(stop) + 1] and g.stop_reason == "stop token"
+    hist = eng.runner.history
+    assert hist == (prompt + g.tokens)[:len(hist)] and len(hist) == eng.runner.n_tokens
+    got, want = eng.runner.committed_state(), teacher_forced_state(tiny_model, hist, n_draft + 1)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert eng.generate(prompt, 30).tokens == ref  # and the engine serves the next request from a clean start
+
+
+def test_discarded_step_leaves_no_trace(tiny_model: Model) -> None:
+    """keep(0) undoes a step: running other tokens after it gives the state of never having run it (the recurrent
+    ping-pong half, cells and pooled-key records all roll back)."""
+    rng = random.Random(5)
+    tokens = [rng.randrange(511) for _ in range(23)]
+    run = Runner(tiny_model, EngineOptions(draft=2, capacity=CAP).cache_options())
+    with ops.row_exact_mode(True):
+        for i, t in enumerate(tokens):
+            if i % 3 == 2:  # a step for a token that is then dropped, e.g. one that ended a request
+                run.step(torch.tensor([(t + 1) % 511]))
+                run.keep(0, rollback=True)
+            rec = run.cache.rec  # invariant: the live plane is in the half the last kept step wrote
+            assert 0 <= int(rec.live) - rec.host_base < rec.n_slots
+            run.step(torch.tensor([t]))
+            run.keep(1, rollback=False)
+    assert run.history == tokens
+    want = teacher_forced_state(tiny_model, tokens, 3)
+    got = run.committed_state()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    with pytest.raises(ValueError, match="keep 0 rows"):
+        run.step(torch.tensor([1]))
+        run.keep(0, rollback=False)

@@ -46,9 +46,19 @@ def _fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
             and w.stride(1) == 1)
 
 
+# Which matrices the kernel beats cuBLAS on, from CUDA-graph replays on the H200 at one row
+# (benchmarks/results/gpu_kernels_h200_s4_graph.txt, µs kernel vs cuBLAS): it wins on the small ones
+# (640 x 10240: 10.1 vs 12.8; 1793 x 2560: 9.3 vs 11.1; 2560 x 640: 7.7 vs 8.0) and on the LM head
+# (248320 x 2560: 294.5 vs 307.1), and loses 7-16% on the mid-sized ones (2560 x 5120, 2560 x 6144,
+# 14000 x 2560, 16480 x 2560), whose few hundred row blocks leave the last wave of programs short.
+SMALL_ELEMENTS = 8 << 20
+WIDE_ROWS = 1 << 16
+
+
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
-    """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, and a shape the kernel takes."""
-    return _ON and x.is_cuda and _fits(x, w, rows)
+    """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, a shape the kernel takes,
+    and a matrix it is faster on than cuBLAS (small, or as wide as an LM head)."""
+    return _ON and x.is_cuda and _fits(x, w, rows) and (w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS)
 
 
 @torch.library.custom_op("qspec::gemv", mutates_args=())

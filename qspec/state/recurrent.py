@@ -62,6 +62,12 @@ class RecurrentCache:
         self.host_base = self.n_slots if self.host_base == 0 else 0
         self.base.fill_(self.host_base)
 
+    def abandon_step(self) -> None:
+        """Forget the step begun last (none of its rows is kept): the live plane stays, and the next step
+        writes the half that step wrote."""
+        self.host_base = self.n_slots if self.host_base == 0 else 0
+        self.base.fill_(self.host_base)
+
     def commit(self, row: torch.Tensor | int) -> None:
         """Make the state after `row` of the last step live (row 0 after a step longer than n_slots)."""
         self.live.copy_(self.base + row)
