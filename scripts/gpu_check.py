@@ -2,7 +2,8 @@
 
   * CUDA f32 logits vs the CPU f32 model (same weights), bf16 vs f32 (relative tolerance);
   * greedy speculative == plain decoding on CUDA, bf16 and f32, with CUDA graphs, for N = 1..8,
-    with oracle drafts so every acceptance length occurs;
+    with oracle drafts so every acceptance length occurs; without hooks (drafts chained on the device);
+    and with a stop token;
   * every combination of the seed's optimizations gives the baseline's tokens on CUDA;
   * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly.
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
@@ -89,6 +90,16 @@ def main() -> int:
             report(f"fused == unfused steps, cuda {str(dtype)[6:]}, N={n}", ok,
                    f"tokens {'equal' if f.tokens == u.tokens else 'DIFFER'}, logits rel diff {rel_first:.2e}, "
                    f"first draft step {rel_draft:.2e} ({len(f.draft_logits)} rounds); all verify rows {rel_all:.2e}")
+        if not only_fused:  # no hooks: drafts chained on the device, one read-back per round; a stop token
+            for n in (0, 1, 5):  # ends plain decoding with a queued step discarded
+                g = Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48)
+                stop = plain.tokens[20]
+                s = Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48, stop_ids={stop})
+                want = plain.tokens[:plain.tokens.index(stop) + 1]
+                report(f"device-chained greedy == plain, cuda {str(dtype)[6:]}, N={n}",
+                       g.tokens == plain.tokens and s.tokens == want,
+                       f"accepted {g.spec.accepted}/{g.spec.drafted}; with a stop token: {len(s.tokens)} tokens, "
+                       f"{'as plain' if s.tokens == want else 'DIFFER'}")
         for n in range(1, 9) if not only_fused else ():
             rng = random.Random(n)
             t0 = time.perf_counter()
