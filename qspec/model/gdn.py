@@ -84,7 +84,7 @@ def gdn_in(h: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor, dt_bias: torch.
     Hv = a.shape[0]
     qkv, z = y[:, :C].float(), y[:, C:C + Cv]
     beta = sigmoid(y[:, C + Cv:C + Cv + Hv].float())
-    g = a * softplus(y[:, C + Cv + Hv:].float() + dt_bias)
+    g = a * softplus(y[:, C + Cv + Hv:C + Cv + 2 * Hv].float() + dt_bias)
     return qkv, z, beta, g
 
 

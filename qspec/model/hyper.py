@@ -31,12 +31,12 @@ class HyperMixer(torch.nn.Module):
 @fused
 def hc_mix(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
            count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """w_in = [down ; inject] -> (h [T, D], injection weights [T, S] (empty without inject rows))."""
+    """w_in = [down ; inject] -> (h [T, D], injection weights [T, S]; meaningless without inject rows)."""
     Xn = rms_norm(X, norm, eps, group=hidden)
     y = linear(Xn, w_in)
     gate = sigmoid(linear(silu(y[..., :rank] / count), up))
     h = stream_mean(gate.unflatten(-1, (count, hidden)) * Xn.unflatten(-1, (count, hidden)))
-    return h, 2 * sigmoid(y[..., rank:] / count)
+    return h, 2 * sigmoid(y[..., rank:rank + count] / count)
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,8 @@ def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int
     silu(gate h) * up h [T, ff], shared-expert gate sigmoid(gate_inp . h) [T, 1]). Routing itself stays
     outside the fused function: on CUDA it is one Triton kernel (kernels/route.py)."""
     y = linear(h, w_in)
-    g, u, gi = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff], y[:, n_experts + 2 * ff:]
+    g, u = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff]
+    gi = y[:, n_experts + 2 * ff:n_experts + 2 * ff + 1]
     return y[:, :n_experts], silu(g) * u, sigmoid(gi)
 
 

@@ -56,11 +56,21 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.cat([F.linear(x2[i:i + 1], w) for i in range(x2.shape[0])]).reshape(*lead, w.shape[0])
 
 
+# Stacked matrices get zero rows up to a multiple of this: a product's output row stride is the matrix's
+# row count, and cuBLAS picks slow kernels for odd strides (on the H200 a 6-row product with 1,793 rows
+# ran a 15 µs "align1" CUTLASS kernel, one with 324 rows an 8 µs WMMA kernel; profile_step_fn8_s4.txt).
+ROW_ALIGN = 8
+
+
 def stack_rows(*ws: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One matrix holding the rows of several that multiply the same input (one product instead of several,
     which matters when each is a 5 µs launch), and views of it in place of the originals, so the
-    originals can be dropped (no extra memory)."""
+    originals can be dropped (no extra memory). Zero rows pad it to a multiple of ROW_ALIGN: callers slice
+    the product's columns by the parts' sizes and never read past the last part."""
     W = torch.cat([w.reshape(-1, w.shape[-1]) for w in ws])
+    pad = -W.shape[0] % ROW_ALIGN
+    if pad:
+        W = torch.cat([W, W.new_zeros(pad, W.shape[1])])
     views, o = [], 0
     for w in ws:
         n = w.numel() // w.shape[-1]

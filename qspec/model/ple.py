@@ -100,7 +100,7 @@ def ple_gate(E: torch.Tensor, X: torch.Tensor, w_kv: torch.Tensor, norm_key: tor
     T = E.shape[0]
     kv = linear(E, w_kv)
     key = rms_norm(kv[:, :S * D], norm_key, eps, group=D).view(T, S, D)
-    value = kv[:, S * D:]
+    value = kv[:, S * D:(S + 1) * D]
     query = rms_norm(X, norm_query, eps, group=D).view(T, S, D)
     gate = (key * query).sum(-1, keepdim=True) / D ** 0.5
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()

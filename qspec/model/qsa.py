@@ -92,7 +92,7 @@ class QSAAttention(torch.nn.Module):
         proj [T, heads*di + di]: the indexer's query and raw key projections of the rows."""
         c, r = self.cfg, self.ratio
         qd = c.indexer_heads * c.indexer_head_dim
-        idx.raw.index_copy_(0, pos, proj[:, qd:].to(idx.raw.dtype))
+        idx.raw.index_copy_(0, pos, proj[:, qd:qd + c.indexer_head_dim].to(idx.raw.dtype))
         if upd is not None and upd_rope is not None:
             materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
         nbmax = min(idx.n_blocks, n // r)
