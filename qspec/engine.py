@@ -276,12 +276,21 @@ class Engine:
                     else:
                         nxt = int(sampler.sample_probs(sampler.probs(v_logits[k])).item())
                 committed = drafts[:k] + [nxt]
-                n_emit = 0
-                for t in committed:
-                    n_emit += 1
-                    stop = emit(t)
-                    if stop:
+                n_emit, ends = len(committed), False  # tokens this round emits: up to a stop token or the limit
+                for j, t in enumerate(committed):
+                    if t in stop_ids or len(out) + j + 1 >= max_tokens:
+                        n_emit, ends = j + 1, True
                         break
+                if not ends:
+                    # extend the draft head over the committed rows with the target's residuals; queued before
+                    # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
+                    # the head's own cache, which the rollback does not touch)
+                    ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
+                    e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
+                    d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
+                    phase("draft extend")
+                for t in committed[:n_emit]:
+                    stop = emit(t)
                 # the caches keep row 0 (t_L) and the accepted drafts that were emitted
                 run.keep(min(k + 1, n_emit), rollback=True)
                 if o.after_round is not None:
@@ -293,11 +302,6 @@ class Engine:
                 if stop:
                     break
                 tok = nxt
-                # extend the draft head over the committed rows with the target's residuals
-                ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
-                e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
-                d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
-                phase("draft extend")
                 rnd += 1
         if out and out[-1] in stop_ids:
             reason = "stop token"
