@@ -286,8 +286,7 @@ class Engine:
                     # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
                     # the head's own cache, which the rollback does not touch)
                     ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
-                    e_logits, e_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head)
-                    d_logits, d_X = e_logits[k:k + 1], e_X[k:k + 1]
+                    d_logits, d_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
                     phase("draft extend")
                 for t in committed[:n_emit]:
                     stop = emit(t)

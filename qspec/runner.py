@@ -191,17 +191,27 @@ class Runner:
             self.history.extend(kept.tolist())
 
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
-                 lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lm_head: torch.Tensor | Q4Weight | None = None, row: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-head rows at positions start..; with `row`, the logits and residual of that row only."""
         T = int(tokens.shape[0])
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
-        pos = torch.arange(start, start + T, device=self.device)
+        if row is not None and not 0 <= row < T:
+            raise ValueError(f"row {row} of a {T}-row draft step")
+        dev = self.device
+        inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev)]
+        if row is not None:
+            inputs.append(upload([row], dev))
         kv_len = self.kv_len(start + T)
+
+        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model.mtp_forward(tok, h, p, self.cache, lm_head, kv_len, r[0] if r else None)
+
         if self.use_graphs and T <= GRAPH_MAX_ROWS:
-            key = ("mtp", T, kv_len, lm_head is not None)
-            return self._run(key, lambda tok, h, p: self.model.mtp_forward(tok, h, p, self.cache, lm_head, kv_len),
-                             [tokens.to(self.device), H, pos])
-        return self.model.mtp_forward(tokens.to(self.device), H, pos, self.cache, lm_head, kv_len)
+            return self._run(("mtp", T, kv_len, lm_head is not None, row is not None), fwd, inputs)
+        return fwd(*inputs)
 
     def kv_len(self, end: int) -> int:
         """Cells a step ending at position `end` attends over: a KV_BUCKET multiple, or the whole cache
