@@ -105,19 +105,21 @@ class Runner:
         # A shape runs eagerly until it recurs: capturing costs about two eager steps, so a shape
         # seen once (the update list of a round without Pad8, say) is not worth a graph. On its
         # second use the eager run is the real step, then the capture records without executing.
-        before = copy.deepcopy(self.cache.snap_stats)
-        out = fn(*inputs)
-        snap = _diff_snap(self.cache.snap_stats, before)
-        st.eager += 1
         self._seen[key] += 1
-        if self._seen[key] < 2:
-            st.eager_reasons["first use of a shape"] += 1
+        st.eager += 1
+        capture = self._seen[key] >= 2 and len(self.graphs) < self.max_graphs
+        st.eager_reasons["second use: captured" if capture else "first use of a shape" if self._seen[key] < 2
+                         else "graph limit reached"] += 1
+        # The real step of a capture runs on the graph's own input buffers: the compiled step functions then
+        # meet, inside the capture, exactly the tensors (strides, storage offsets, alignment) they were just
+        # run with, so nothing recompiles or autotunes there (inductor's autotuning synchronises, which a
+        # capture forbids; a view into the update lists' shared upload would otherwise differ from its clone).
+        bufs = [x.clone() for x in inputs] if capture else inputs
+        before = copy.deepcopy(self.cache.snap_stats)
+        out = fn(*bufs)
+        snap = _diff_snap(self.cache.snap_stats, before)
+        if not capture:
             return out
-        if len(self.graphs) >= self.max_graphs:
-            st.eager_reasons["graph limit reached"] += 1
-            return out
-        st.eager_reasons["second use: captured"] += 1
-        bufs = [x.clone() for x in inputs]
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         saved = copy.deepcopy(self.cache.snap_stats)

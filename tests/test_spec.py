@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -178,3 +179,34 @@ def test_draft_step_one_row_equals_that_row(tiny_model: Model) -> None:
             assert torch.equal(lk, logits[k:k + 1]) and torch.equal(yk, Y[k:k + 1])
     with pytest.raises(ValueError, match="row 6 of a 6-row"):
         run.mtp_step(rows, X, 1, row=6)
+
+
+def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape's second use runs the real step and then the capture on the same input buffers, so the compiled
+    functions see identical tensors in both (a different storage offset would recompile, and inductor's
+    autotuning synchronises, which a capture forbids: the H200 merge benchmark crashed that way). The CUDA
+    graph calls are stubbed: this checks the runner's policy on the CPU."""
+    class FakeGraph:
+        def replay(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    run = Runner(tiny_model, EngineOptions(draft=0, capacity=CAP).cache_options())
+    run.use_graphs = True
+    seen: list[list[torch.Tensor]] = []
+
+    def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(list(xs))
+        return xs[0] * 2, xs[0]
+
+    flat = torch.arange(12)
+    view = flat[5:8]  # a view with a storage offset, like the update lists' shared upload
+    for _ in range(3):
+        run._run(("k",), fn, [view])
+    first, real, captured = seen
+    assert first[0] is view  # first use: eager on the caller's tensors
+    assert real[0] is captured[0] and real[0].storage_offset() == 0  # second use: one buffer for both
+    assert run.graph_stats.captures == 1 and run.graph_stats.eager_reasons["second use: captured"] == 1
+    assert len(seen) == 3  # the third use replays
