@@ -117,7 +117,8 @@ def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base
             stats.dispatches += 1
             stats.source_reads += (s + n) * S.shape[0]
     for j in rest:
-        planes.index_copy_(0, (base + j).view(1), X[:, j + 1:j + 1 + s].unsqueeze(0))
+        # plane base itself needs no index arithmetic: in a graphed decode step that is one kernel fewer per layer
+        planes.index_copy_(0, (base if j == 0 else base + j).view(1), X[:, j + 1:j + 1 + s].unsqueeze(0))
         if stats is not None:
             stats.dispatches += 1
             stats.source_reads += s * S.shape[0]

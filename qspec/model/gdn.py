@@ -71,7 +71,7 @@ class GatedDeltaNet(torch.nn.Module):
             st.ssm.index_copy_(0, rc.base.view(1), Sf.unsqueeze(0))
         else:
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
-            st.ssm.index_copy_(0, rc.base + torch.arange(T, device=h.device), states)
+            st.ssm.index_copy_(0, rc.step_planes(T), states)
         return gdn_out(o, z, self.norm, self.out, c.rms_eps)
 
 

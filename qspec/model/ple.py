@@ -81,7 +81,7 @@ class PLE(torch.nn.Module):
         if T > rc.n_slots:
             st.hist.index_copy_(0, rc.base.view(1), ctx[-1:, :2].flip(-1))
         else:
-            st.hist.index_copy_(0, rc.base + torch.arange(T, device=X.device), ctx[:, :2].flip(-1))
+            st.hist.index_copy_(0, rc.step_planes(T), ctx[:, :2].flip(-1))
         E = self.table.gather(ngram_rows(ctx, c, self.mult, self.vocab, self.off), X.device, X.dtype).reshape(T, -1)
         G, N = ple_gate(E, X, self.w_kv, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
 

@@ -72,6 +72,13 @@ class RecurrentCache:
         """Make the state after `row` of the last step live (row 0 after a step longer than n_slots)."""
         self.live.copy_(self.base + row)
 
+    def step_planes(self, n_rows: int) -> torch.Tensor:
+        """Planes base .. base + n_rows - 1 that a step's rows write (for one row, `base` itself: no kernel to
+        build the index, which in a graphed decode step is a node of its own)."""
+        if n_rows == 1:
+            return self.base.view(1)
+        return self.base + torch.arange(n_rows, device=self.base.device)
+
     def last_row(self, n_rows: int) -> int:
         return n_rows - 1 if n_rows <= self.n_slots else 0
 
