@@ -133,37 +133,39 @@ class Engine:
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
                   on_token: Callable[[int], None] | None) -> Generation:
-        o, run, dev = self.opts, self.runner, self.model.device
+        o, run = self.opts, self.runner
         run.reset()
         run.graph_stats = type(run.graph_stats)()
-        stats = SpecStats()
-        out: list[int] = []
-        rounds_log: list[dict[str, int]] = []
-        logits_log: list[torch.Tensor] = []
-        draft_log: list[torch.Tensor] = []
-        phases: dict[str, float] = {}
-        mark = [time.perf_counter()]
-
-        def phase(name: str) -> None:
-            """Charge the time since the last mark to `name` (only when timing phases)."""
-            if not o.time_phases:
-                return
-            self._sync()
-            now = time.perf_counter()
-            phases[name] = phases.get(name, 0.0) + now - mark[0]
-            mark[0] = now
-
-        def emit(tok: int) -> bool:
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            return tok in stop_ids or len(out) >= max_tokens
-
+        req = _Request(max_tokens, stop_ids, on_token, self._sync if o.time_phases else None)
         t0 = time.perf_counter()
+        logits, H = self._prefill(prompt)
+        tok = int(sampler.sample(logits[-1]).item())
+        self._sync()
+        prefill_s = time.perf_counter() - t0
+
+        t1 = req.mark = time.perf_counter()
+        if not req.emit(tok):
+            if o.draft:
+                self._speculate(req, tok, H, len(prompt), sampler)
+            elif sampler.greedy:
+                self._decode_greedy(req, tok)
+            else:
+                self._decode_sampled(req, tok, sampler)
+        reason = "stop token" if req.out[-1] in stop_ids else "max tokens"
+        self._sync()
+        decode_s = time.perf_counter() - t1
+        cache = run.cache
+        pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
+        return Generation(req.out, len(prompt), prefill_s, decode_s, req.stats, reason, pooled,
+                          cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
+                          req.phases, req.draft_log)
+
+    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""
+        o, run, dev = self.opts, self.runner, self.model.device
         ids = torch.tensor(prompt, dtype=torch.long)
         P = len(prompt)
-        Hs: list[torch.Tensor] = []
-        logits = None
+        logits, H = None, None
         for s in range(0, P, o.prefill_chunk):
             chunk = ids[s:s + o.prefill_chunk]
             last = s + o.prefill_chunk >= P
@@ -175,138 +177,179 @@ class Engine:
                 nxt = ids[s + 1:s + 1 + len(chunk)]
                 if len(nxt):
                     run.mtp_step(nxt, X[:len(nxt)], s + 1)
-                Hs = [X[-1:]]
-        tok = int(sampler.sample(logits[-1]).item())
-        self._sync()
-        prefill_s = time.perf_counter() - t0
+                H = X[-1:]
+        return logits, H
 
-        t1 = time.perf_counter()
-        mark[0] = t1
-        stop = emit(tok)
-        reason = "stop token" if tok in stop_ids else "max tokens"
-        if o.draft == 0 and sampler.greedy and not stop:
-            # Pipelined: the step that consumes token j is queued (its input is the argmax on the device)
-            # before the host reads token j, so the host's work for a step overlaps the previous step on
-            # the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows).
-            logits, _ = run.step(torch.tensor([tok], device=dev))
-            run.keep(1, rollback=False)
-            while True:
-                phase("decode")
-                if o.record_logits:
-                    logits_log.append(logits.cpu())
-                nxt = logits[-1:].argmax(-1)
-                more = len(out) + 1 < max_tokens  # else emitting nxt ends the request by length
+    def _decode_greedy(self, req: _Request, tok: int) -> None:
+        """Plain greedy decoding, pipelined: the step that consumes token j is queued (its input is the argmax on
+        the device) before the host reads token j, so the host's work for a step overlaps the previous step on
+        the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows)."""
+        run = self.runner
+        logits, _ = run.step(torch.tensor([tok], device=self.model.device))
+        run.keep(1, rollback=False)
+        while True:
+            req.phase("decode")
+            if self.opts.record_logits:
+                req.logits_log.append(logits.cpu())
+            nxt = logits[-1:].argmax(-1)
+            more = len(req.out) + 1 < req.max_tokens  # else emitting nxt ends the request by length
+            if more:
+                logits, _ = run.step(nxt)
+            tok = int(nxt.item())  # waits for the step before; the one just queued keeps the GPU busy
+            if req.emit(tok):
                 if more:
-                    logits, _ = run.step(nxt)
-                tok = int(nxt.item())  # waits for the step before; the one just queued keeps the GPU busy
-                stop = emit(tok)
-                if stop:
-                    if more:
-                        run.keep(0, rollback=True)
-                    break
-                run.keep(1, rollback=False)
-        elif o.draft == 0:  # sampling: the host draws each token
-            while not stop:
-                logits, _ = run.step(torch.tensor([tok]))
-                run.keep(1, rollback=False)
-                phase("decode")
-                if o.record_logits:
-                    logits_log.append(logits.cpu())
-                tok = int(sampler.sample(logits[-1]).item())
-                stop = emit(tok)
-        else:
-            N = o.draft
-            d_logits, d_X = run.mtp_step(torch.tensor([tok]), Hs[0], P, o.draft_lm_head)
-            rnd = 0
-            # Greedy drafts never visit the host: each draft step reads the previous one's argmax on the
-            # device and the verify rows are assembled there, so the chain and the verify step are queued in
-            # one go and the round has one read-back (drafts and target predictions together).
-            on_device = sampler.greedy and o.draft_hook is None
-            while not stop:
-                L = run.n_tokens
-                drafts: list[int] = []
-                q_rows = []
-                if on_device:
-                    if o.record_logits:
-                        draft_log.append(d_logits[-1:].cpu())
-                    d_toks = [d_logits[-1:].argmax(-1)]
-                    for i in range(1, N):
-                        d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
-                        d_toks.append(d_logits[-1:].argmax(-1))
-                    phase("draft")
-                    v_rows = torch.cat([upload([tok], dev)] + d_toks)
-                    v_logits, vX = run.step(v_rows)
-                    phase("verify")
-                    if o.record_logits:
-                        logits_log.append(v_logits.cpu())
-                    read = torch.cat([v_rows[1:], v_logits.argmax(-1)]).tolist()
-                    drafts, target = read[:N], read[N:]
+                    run.keep(0, rollback=True)
+                return
+            run.keep(1, rollback=False)
+
+    def _decode_sampled(self, req: _Request, tok: int, sampler: Sampler) -> None:
+        """Plain decoding with sampling: the host draws each token."""
+        run = self.runner
+        while True:
+            logits, _ = run.step(torch.tensor([tok]))
+            run.keep(1, rollback=False)
+            req.phase("decode")
+            if self.opts.record_logits:
+                req.logits_log.append(logits.cpu())
+            tok = int(sampler.sample(logits[-1]).item())
+            if req.emit(tok):
+                return
+
+    def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
+        """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of
+        the position before it."""
+        o, run, dev, N = self.opts, self.runner, self.model.device, self.opts.draft
+        d_logits, d_X = run.mtp_step(torch.tensor([tok]), H, P, o.draft_lm_head)
+        # Greedy drafts never visit the host: each draft step reads the previous one's argmax on the
+        # device and the verify rows are assembled there, so the chain and the verify step are queued in
+        # one go and the round has one read-back (drafts and target predictions together).
+        on_device = sampler.greedy and o.draft_hook is None
+        rnd = 0
+        while True:
+            L = run.n_tokens
+            if o.record_logits:
+                req.draft_log.append(d_logits[-1:].cpu())
+            if on_device:
+                drafts, target, v_logits, vX = self._round_on_device(req, tok, d_logits, d_X, L)
+                k = greedy_accept(drafts, target)
+                nxt = target[k]
+            else:
+                drafts, q_rows, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
+                if sampler.greedy:
+                    target = v_logits.argmax(-1).tolist()
                     k = greedy_accept(drafts, target)
                     nxt = target[k]
                 else:
-                    for i in range(N):
-                        if i:
-                            d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
-                        elif o.record_logits:
-                            draft_log.append(d_logits[-1:].cpu())
-                        if sampler.greedy:
-                            drafts.append(int(d_logits[-1].argmax().item()))
-                        else:
-                            q = sampler.probs(d_logits[-1])
-                            q_rows.append(q)
-                            drafts.append(int(sampler.sample_probs(q).item()))
-                    if o.draft_hook is not None:
-                        drafts = [int(x) for x in o.draft_hook(len(out), list(drafts))]
-                    phase("draft")
-                    v_logits, vX = run.step(torch.tensor([tok] + drafts))
-                    phase("verify")
-                    if o.record_logits:
-                        logits_log.append(v_logits.cpu())
-                    if sampler.greedy:
-                        target = v_logits.argmax(-1).tolist()
-                        k = greedy_accept(drafts, target)
-                        nxt = target[k]
-                    else:
-                        k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
-                        target = []
-                if o.accept_hook is not None:
-                    k = max(0, min(N, int(o.accept_hook(rnd, N))))
-                    if sampler.greedy:
-                        nxt = target[k]
-                    else:
-                        nxt = int(sampler.sample_probs(sampler.probs(v_logits[k])).item())
-                committed = drafts[:k] + [nxt]
-                n_emit, ends = len(committed), False  # tokens this round emits: up to a stop token or the limit
-                for j, t in enumerate(committed):
-                    if t in stop_ids or len(out) + j + 1 >= max_tokens:
-                        n_emit, ends = j + 1, True
-                        break
-                if not ends:
-                    # extend the draft head over the committed rows with the target's residuals; queued before
-                    # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
-                    # the head's own cache, which the rollback does not touch)
-                    ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
-                    d_logits, d_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
-                    phase("draft extend")
-                for t in committed[:n_emit]:
-                    stop = emit(t)
-                # the caches keep row 0 (t_L) and the accepted drafts that were emitted
-                run.keep(min(k + 1, n_emit), rollback=True)
-                if o.after_round is not None:
-                    o.after_round(run, k)
-                phase("accept+rollback")
-                stats.record(N, k, len(committed))
-                rounds_log.append({"accepted": k, **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
+                    k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
+            if o.accept_hook is not None:
+                k = max(0, min(N, int(o.accept_hook(rnd, N))))
+                if sampler.greedy:
+                    nxt = target[k]
+                else:
+                    nxt = int(sampler.sample_probs(sampler.probs(v_logits[k])).item())
+            committed = drafts[:k] + [nxt]
+            n_emit, ends = req.emits(committed)
+            if not ends:
+                # extend the draft head over the committed rows with the target's residuals; queued before
+                # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
+                # the head's own cache, which the rollback does not touch)
+                ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
+                d_logits, d_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
+                req.phase("draft extend")
+            for t in committed[:n_emit]:
+                req.emit(t)
+            # the caches keep row 0 (t_L) and the accepted drafts that were emitted
+            run.keep(min(k + 1, n_emit), rollback=True)
+            if o.after_round is not None:
+                o.after_round(run, k)
+            req.phase("accept+rollback")
+            req.stats.record(N, k, len(committed))
+            req.rounds_log.append({"accepted": k,
+                                   **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
-                if stop:
-                    break
-                tok = nxt
-                rnd += 1
-        if out and out[-1] in stop_ids:
-            reason = "stop token"
-        self._sync()
-        decode_s = time.perf_counter() - t1
-        cache = run.cache
-        pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
-        return Generation(out, P, prefill_s, decode_s, stats, reason, pooled, cache.snap_stats.as_dict(), rounds_log,
-                          logits_log, run.graph_stats.as_dict(), phases, draft_log)
+            if ends:
+                return
+            tok = nxt
+            rnd += 1
+
+    def _round_on_device(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int
+                         ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+        """Greedy draft chain and verify step, queued without a host round trip -> (drafts, the target's
+        predictions for every verify row, verify logits, verify residuals)."""
+        o, run, N = self.opts, self.runner, self.opts.draft
+        d_toks = [d_logits[-1:].argmax(-1)]
+        for i in range(1, N):
+            d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
+            d_toks.append(d_logits[-1:].argmax(-1))
+        req.phase("draft")
+        v_rows = torch.cat([upload([tok], self.model.device)] + d_toks)
+        v_logits, vX = run.step(v_rows)
+        req.phase("verify")
+        if o.record_logits:
+            req.logits_log.append(v_logits.cpu())
+        read = torch.cat([v_rows[1:], v_logits.argmax(-1)]).tolist()
+        return read[:N], read[N:], v_logits, vX
+
+    def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
+                       sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Draft chain with each draft read (or sampled) on the host, then the verify step -> (drafts, the draft
+        distributions when sampling, verify logits, verify residuals). Sampling and the draft hook take it."""
+        o, run, N = self.opts, self.runner, self.opts.draft
+        drafts: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        for i in range(N):
+            if i:
+                d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
+            if sampler.greedy:
+                drafts.append(int(d_logits[-1].argmax().item()))
+            else:
+                q = sampler.probs(d_logits[-1])
+                q_rows.append(q)
+                drafts.append(int(sampler.sample_probs(q).item()))
+        if o.draft_hook is not None:
+            drafts = [int(x) for x in o.draft_hook(len(req.out), list(drafts))]
+        req.phase("draft")
+        v_logits, vX = run.step(torch.tensor([tok] + drafts))
+        req.phase("verify")
+        if o.record_logits:
+            req.logits_log.append(v_logits.cpu())
+        return drafts, q_rows, v_logits, vX
+
+
+class _Request:
+    """One generate() call's bookkeeping: the emitted tokens, the stop rule, counters, logs and phase timing."""
+
+    def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
+                 sync: Callable[[], None] | None) -> None:
+        self.max_tokens, self.stop_ids, self.on_token = max_tokens, stop_ids, on_token
+        self.sync = sync  # set when timing phases: synchronise at every phase boundary
+        self.out: list[int] = []
+        self.stats = SpecStats()
+        self.rounds_log: list[dict[str, int]] = []
+        self.logits_log: list[torch.Tensor] = []
+        self.draft_log: list[torch.Tensor] = []
+        self.phases: dict[str, float] = {}
+        self.mark = time.perf_counter()
+
+    def emit(self, tok: int) -> bool:
+        """Append a token (and stream it); True when it ends the request."""
+        self.out.append(tok)
+        if self.on_token is not None:
+            self.on_token(tok)
+        return tok in self.stop_ids or len(self.out) >= self.max_tokens
+
+    def emits(self, tokens: list[int]) -> tuple[int, bool]:
+        """How many of `tokens` emit() would take, and whether the last of those ends the request."""
+        for j, t in enumerate(tokens):
+            if t in self.stop_ids or len(self.out) + j + 1 >= self.max_tokens:
+                return j + 1, True
+        return len(tokens), False
+
+    def phase(self, name: str) -> None:
+        """Charge the time since the last mark to `name` (only when timing phases)."""
+        if self.sync is None:
+            return
+        self.sync()
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.mark
+        self.mark = now

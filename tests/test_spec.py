@@ -210,3 +210,16 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
     assert real[0] is captured[0] and real[0].storage_offset() == 0  # second use: one buffer for both
     assert run.graph_stats.captures == 1 and run.graph_stats.eager_reasons["second use: captured"] == 1
     assert len(seen) == 3  # the third use replays
+
+
+@pytest.mark.parametrize("n_draft", [0, 3])
+def test_phase_timing_changes_no_output(tiny_model: Model, n_draft: int) -> None:
+    """time_phases (scripts/round_breakdown.py) synchronises at every phase boundary and charges each phase; the
+    tokens stay those of an untimed run."""
+    prompt = list(range(4, 30))
+    plain_run = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP)).generate(prompt, 20)
+    timed = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, time_phases=True)).generate(prompt, 20)
+    assert timed.tokens == plain_run.tokens
+    want = {"decode"} if not n_draft else {"draft", "verify", "accept+rollback", "draft extend"}
+    assert set(timed.phases) == want and all(v > 0 for v in timed.phases.values())
+    assert plain_run.phases == {}
