@@ -171,7 +171,7 @@ class Runner:
         n = 0 (with rollback) discards the whole step: the engine launches a decode step before it has read
         the token that step consumes, and drops the step when that token turns out to end the request."""
         L, T = self._pending
-        if not (1 if not rollback else 0) <= n <= T:
+        if not (0 if rollback else 1) <= n <= T:
             raise ValueError(f"keep {n} rows of a {T}-row step")
         rc = self.cache.rec
         if T > rc.n_slots and n not in (0, T):
@@ -239,23 +239,23 @@ class Runner:
 
 
 def upload(values: list[int], dev: torch.device) -> torch.Tensor:
-    """int64 token ids on `dev`; on CUDA through pinned memory without waiting for the stream (see _upload_plans)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+    """int64 token ids on `dev` (see _to_device)."""
+    return _to_device(torch.tensor(values, dtype=torch.long), dev)
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A CPU tensor on `dev`. On CUDA through pinned memory and non-blocking: a plain `.to(device)` of a CPU
+    tensor waits for the stream to drain, which would stop the engine from queueing a step behind the one
+    still running."""
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
 def _upload_plans(plans: dict, dev: torch.device) -> dict[int, PooledUpdate]:
-    """The update lists' index arrays on the device. On CUDA one pinned, non-blocking copy: a plain
-    `.to(device)` of a CPU tensor waits for the stream to drain, which would stop the engine from
-    queueing a step behind the one still running."""
+    """The update lists' index arrays on the device, in one copy (_to_device)."""
     parts = [a for p in plans.values() for a in (p.cells.reshape(-1), p.start, p.dest)]
     if not parts:
         return {}
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
-    if dev.type == "cuda":
-        flat = flat.pin_memory().to(dev, non_blocking=True)
-    else:
-        flat = flat.to(dev)
+    flat = _to_device(torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)), dev)
     out, o = {}, 0
     for r, p in plans.items():
         nc, ns, nd = p.cells.size, p.start.size, p.dest.size

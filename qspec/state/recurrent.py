@@ -59,12 +59,14 @@ class RecurrentCache:
 
     def begin_step(self) -> None:
         """Pick the half that the coming step writes: the one without the live plane."""
-        self.host_base = self.n_slots if self.host_base == 0 else 0
-        self.base.fill_(self.host_base)
+        self._other_half()
 
     def abandon_step(self) -> None:
         """Forget the step begun last (none of its rows is kept): the live plane stays, and the next step
         writes the half that step wrote."""
+        self._other_half()
+
+    def _other_half(self) -> None:
         self.host_base = self.n_slots if self.host_base == 0 else 0
         self.base.fill_(self.host_base)
 
