@@ -37,7 +37,7 @@ from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
 from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
-from qspec.kernels.triton_common import HAS_TRITON, use_triton
+from qspec.kernels.triton_common import HAS_TRITON, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
@@ -153,13 +153,14 @@ def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, tim
     planes[targets] = float("nan")  # poison the destinations in both copies
     p_ref, p_tri = planes.clone(), planes.clone()
     live = torch.tensor(3, device=dev)
-    if from_live:
-        assert scalar_dest and 3 not in targets
-        X_ref = write_snapshots(p_ref[3], T, p_ref, dest, host_base, k, False, True, None)
-    elif scalar_dest:
-        X_ref = write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None)
-    else:
-        X_ref = conv_snapshot_torch(S, T, p_ref, dest)
+    with torch_references():
+        if from_live:
+            assert scalar_dest and 3 not in targets
+            X_ref = write_snapshots(p_ref[3], T, p_ref, dest, host_base, k, False, True, None)
+        elif scalar_dest:
+            X_ref = write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None)
+        else:
+            X_ref = conv_snapshot_torch(S, T, p_ref, dest)
     X_tri = torch.full((C, s + n), float("nan"), device=dev)
     if from_live:
         conv_snapshot_triton(p_tri, T, p_tri, dest, k, out=X_tri, live=live)
@@ -170,13 +171,32 @@ def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, tim
         " S=planes[live]" if from_live else "")
     row = Row(name, ok, "bit-identical (X and all planes)" if ok else "BITS DIFFER")
     if timed and R.timing:
-        row.torch_us = R.bench(lambda: write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None))
+        with torch_references():
+            row.torch_us = R.bench(lambda: write_snapshots(S, T, p_ref, dest, host_base, k, False, True, None))
         if from_live:
             row.triton_us = R.bench(lambda: conv_snapshot_triton(p_tri, T, p_tri, dest, k, out=X_tri, live=live))
         else:
             row.triton_us = R.bench(lambda: conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri))
         row.nbytes = C * (s + n) * 4 * 2 + k * C * s * 4
     R.add(row)
+
+
+def check_write_snapshots(R: Runner, C: int, s: int, n: int, fused: bool) -> None:
+    """The model's call: the state read in place from plane `live` of the planes (no gather), every window of the
+    step's rows written to planes base + j; against the torch path with the state gathered first."""
+    dev = R.device
+    n_slots = 8
+    host_base, live = n_slots, torch.tensor(5, device=dev)  # live in the half the step does not write
+    T = random_bits((n, C), dev)
+    planes = random_bits((2 * n_slots, C, s), dev)
+    p_ref, p_new = planes.clone(), planes.clone()
+    base = torch.tensor(host_base, device=dev)
+    with torch_references():
+        X_ref = write_snapshots(p_ref[5], T, p_ref, base, host_base, n, False, False, None)
+    X_new = write_snapshots(p_new, T, p_new, base, host_base, n, False, fused, None, live=live)
+    ok = same_bits(X_ref, X_new) and same_bits(p_ref, p_new)
+    R.add(Row(f"write_snapshots C={C} s={s} n={n} fused={fused} S=planes[live]", ok,
+              "bit-identical (X and all planes) to the gathered, unfused path" if ok else "BITS DIFFER"))
 
 
 # ---- 2. gated delta rule ---------------------------------------------------------------------------------------
@@ -494,6 +514,9 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     for s, n, k in ((3, 1, 1), (3, 2, 2), (3, 5, 3), (9, 7, 7), (9, 1, 1), (1, 8, 8), (8, 8, 5), (15, 1, 1)):
         check_conv(R, 257, s, n, k, scalar_dest=True)
         check_conv(R, 130, s, n, k, scalar_dest=False)
+    for s, n in ((3, 1), (9, 1), (3, 6), (9, 6)):
+        for fused in (True, False):
+            check_write_snapshots(R, 300 if small else 10240, s, n, fused)
 
     # gated delta rule: real geometry (Hv=48, dk=dv=128, T=6), with and without pre-expanded key heads
     if small:

@@ -187,3 +187,26 @@ def test_snapshot_eligibility_and_bit_equality(s: int, n: int, expect_fused: boo
         assert outs[0][2].dispatches == 1 + n
     else:
         assert sum(outs[1][2].fallbacks.values()) == 1
+
+
+@pytest.mark.parametrize("n", [1, 6])
+@pytest.mark.parametrize("fused", [True, False])
+def test_snapshots_read_the_live_plane_in_place(n: int, fused: bool) -> None:
+    """The model passes the planes and `live` instead of a gathered state: same X, planes and counters."""
+    from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+
+    g = torch.Generator().manual_seed(n)
+    C, s, n_slots = 37, 3, 6
+    T = torch.randn(n, C, generator=g)
+    planes = torch.randn(2 * n_slots, C, s, generator=g)
+    live, host_base = 2, n_slots  # live in the half the step does not write
+    outs = []
+    for in_place in (False, True):
+        p, stats = planes.clone(), SnapshotStats()
+        S = p if in_place else p[live].clone()
+        X = write_snapshots(S, T, p, torch.tensor(host_base), host_base, n, False, fused, stats,
+                            live=torch.tensor(live) if in_place else None)
+        outs.append((X, p, stats.as_dict()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert outs[0][2] == outs[1][2]
+    assert torch.equal(outs[1][1][host_base + n - 1], outs[1][0][:, n:n + s])  # the last row's window

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qspec.kernels.triton_common import use_triton
+
 MAX_SNAPSHOTS = 8
 ROW_WORDS = 16
 
@@ -79,47 +81,74 @@ def plan_snapshots(S: torch.Tensor, T: torch.Tensor, X: torch.Tensor, planes: to
     return accepted
 
 
+def _count(stats: SnapshotStats | None, fused: bool, dispatches: int, reads: int) -> None:
+    if stats is not None:
+        stats.fused += fused
+        stats.ordinary += not fused
+        stats.dispatches += dispatches
+        stats.source_reads += reads
+
+
 def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base: torch.Tensor, host_base: int,
-                    n_write: int, last_only: bool, fused: bool, stats: SnapshotStats | None) -> torch.Tensor:
+                    n_write: int, last_only: bool, fused: bool, stats: SnapshotStats | None,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
     """Return X = S || T^T ([C, s+n]) and store the rollback windows into `planes`.
 
-    S: [C, s] live state; T: [n, C] new activations. Windows for rows j < n_write go to plane
-    base + j; with `last_only`, just the final window goes to plane base."""
-    s, n = S.shape[-1], T.shape[0]
-    X = torch.cat([S, T.t().to(S.dtype)], dim=1)
-    if last_only:
-        planes.index_copy_(0, base.view(1), X[:, n:n + s].unsqueeze(0))
-        if stats is not None:
-            stats.ordinary += 1
-            stats.dispatches += 2
-            stats.source_reads += (s + n + s) * S.shape[0]
-        return X
-    accepted = plan_snapshots(S, T, X, planes, [host_base + j for j in range(n_write)], stats) if fused else None
-    if fused and accepted is not None:
-        k = len(accepted)
-        if S.is_cuda:
-            from qspec.kernels.triton_conv_snapshot import conv_snapshot
+    S: the [C, s] state; or, with `live` (an int64 device scalar), S is `planes` and the state is its plane
+    `live`, which lies in the half that `host_base` does not (the recurrent cache's ping-pong invariant): the
+    kernel reads it in place, where a gather would be a launch of its own. T: [n, C] new activations.
+    Windows for rows j < n_write go to plane base + j; with `last_only`, just the final window goes to plane base.
 
-            conv_snapshot(S, T.to(S.dtype), planes, base, k, out=X)  # Algorithm 5: one load per row
-        else:
-            windows = X.unfold(1, s, 1)[:, 1:k + 1]  # [C, k, s]: every window from the one load of X
-            idx = base + torch.arange(k, device=planes.device)
-            planes.index_copy_(0, idx, windows.permute(1, 0, 2))
-        if stats is not None:
-            stats.fused += 1
-            stats.dispatches += 1
-            stats.source_reads += (s + n) * S.shape[0]
+    With `fused` on the GPU, a one-row step (plain decoding) also goes through the kernel: one window is not
+    Algorithm 4's fused group (it needs two, and the step is counted as ordinary), but one launch replaces the
+    gather, cat and copy, each a node of a graphed decode step."""
+    s, n = S.shape[-1], T.shape[0]
+    C = S.shape[-2]
+    if last_only:
+        X = torch.cat([_state(S, live), T.t().to(S.dtype)], dim=1)
+        planes.index_copy_(0, base.view(1), X[:, n:n + s].unsqueeze(0))
+        _count(stats, False, 2, (s + n + s) * C)
+        return X
+    kernel = use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and s + n <= ROW_WORDS
+    X = torch.empty(C, s + n, dtype=S.dtype, device=S.device)
+    if live is None:
+        state_span = S
+    else:  # the half holding the live plane
+        half = planes.shape[0] // 2
+        state_span = planes[half:] if host_base < half else planes[:half]
+    dests = [host_base + j for j in range(n_write)]
+    accepted = plan_snapshots(state_span, T, X, planes, dests, stats) if fused else None
+    if fused and kernel and (accepted is not None or n_write == 1):
+        from qspec.kernels.triton_conv_snapshot import conv_snapshot
+
+        k = len(accepted) if accepted is not None else 1
+        conv_snapshot(S, T, planes, base, k, out=X, live=live)  # Algorithm 5: one load per row
+        _count(stats, accepted is not None, 1, (s + n) * C)
+        rest = range(k, n_write)
+    elif fused and accepted is not None:  # the reference of the fused path (CPU)
+        torch.cat([_state(S, live), T.t().to(S.dtype)], dim=1, out=X)
+        k = len(accepted)
+        windows = X.unfold(1, s, 1)[:, 1:k + 1]  # [C, k, s]: every window from the one load of X
+        planes.index_copy_(0, base + torch.arange(k, device=planes.device), windows.permute(1, 0, 2))
+        _count(stats, True, 1, (s + n) * C)
         rest = range(k, n_write)
     else:
+        torch.cat([_state(S, live), T.t().to(S.dtype)], dim=1, out=X)
+        _count(stats, False, 1, (s + n) * C)
         rest = range(n_write)
-        if stats is not None:
-            stats.ordinary += 1
-            stats.dispatches += 1
-            stats.source_reads += (s + n) * S.shape[0]
     for j in rest:
-        # plane base itself needs no index arithmetic: in a graphed decode step that is one kernel fewer per layer
+        # plane base itself needs no index arithmetic: one kernel fewer
         planes.index_copy_(0, (base if j == 0 else base + j).view(1), X[:, j + 1:j + 1 + s].unsqueeze(0))
         if stats is not None:
             stats.dispatches += 1
-            stats.source_reads += s * S.shape[0]
+            stats.source_reads += s * C
     return X
+
+
+def _state(S: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """The [C, s] state: S itself, or plane `live` of S [P, C, s] (gathered on the device)."""
+    if live is None:
+        return S
+    if S.dim() != 3 or live.dtype != torch.int64 or live.dim() != 0:
+        raise ValueError("with `live`, S must be [P, C, s] and live an int64 device scalar")
+    return S.index_select(0, live.view(1))[0]

@@ -5,7 +5,9 @@ Triton is optional: without it (or on the CPU) every dispatch function runs its 
 kernels on CPU tensors through Triton's interpreter, which is how the CPU tests exercise them.
 """
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -20,8 +22,22 @@ except ImportError:  # CPU-only installs: every dispatch falls back to its torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_REFERENCES_ONLY = False
+
+
 def triton_enabled() -> bool:
-    return HAS_TRITON and os.environ.get("QSPEC_TRITON", "1") != "0"
+    return HAS_TRITON and not _REFERENCES_ONLY and os.environ.get("QSPEC_TRITON", "1") != "0"
+
+
+@contextlib.contextmanager
+def torch_references() -> Iterator[None]:
+    """Every dispatch inside the block runs its torch reference (kernel checks compute their expected values so)."""
+    global _REFERENCES_ONLY
+    old, _REFERENCES_ONLY = _REFERENCES_ONLY, True
+    try:
+        yield
+    finally:
+        _REFERENCES_ONLY = old
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ word that another program writes, so there is no ordering hazard between program
 
 import torch
 
-from qspec.kernels.conv_snapshot import ROW_WORDS
+from qspec.kernels.conv_snapshot import ROW_WORDS, _state
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
 
 BLOCK_C = 128
@@ -47,15 +47,6 @@ if HAS_TRITON:
                 p = tl.load(dest_ptr + j)
             win = (c > j) & (c <= j + SW)  # window j = V[j + 1 : j + 1 + s]
             tl.store(planes_ptr + p * p_plane + r64 * p_row + (c - (j + 1)) * p_col, v, mask=rmask & win)
-
-
-def _state(S: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    """The [C, s] state: S itself, or plane `live` of S [P, C, s] (gathered on the device)."""
-    if live is None:
-        return S
-    if S.dim() != 3 or live.dtype != torch.int64 or live.dim() != 0:
-        raise ValueError("with `live`, S must be [P, C, s] and live an int64 device scalar")
-    return S.index_select(0, live.view(1))[0]
 
 
 def _check(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor, k: int | None) -> int:

@@ -55,9 +55,9 @@ class GatedDeltaNet(torch.nn.Module):
         qkv, z, beta, g = gdn_in(h, self.w_in, self.a, self.dt_bias, c.gdn_conv_dim, c.gdn_value_dim)
 
         # conv over [live window || new rows]; snapshots of the window after each row
-        S = st.conv.index_select(0, rc.live.view(1))[0]
         last_only = T > rc.n_slots
-        X = write_snapshots(S, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats)
+        X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
+                            live=rc.live)
         q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
         if h.is_cuda and not last_only:
             # Triton: state tile in registers across the rows, each row's state to its rollback plane

@@ -27,6 +27,17 @@ class HyperMixer(torch.nn.Module):
         h, inj = hc_mix(X, self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
         return h, inj if self.has_inject else None
 
+    def combine_mix(self, X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`hc_combine(X, *pending)` (the previous block's output, not yet added), then this mixer, as one fused
+        function: the combined residual is written by the kernel that computes its norm, one kernel fewer per
+        block in a decode step. -> (combined X, h, injection weights or None)."""
+        if pending is None:
+            return (X, *self(X))
+        X, h, inj = hc_combine_mix(X, pending[0], pending[1], self.norm, self.w_in, self.up, self.rank, self.hidden,
+                                   self.count, self.eps)
+        return X, h, inj if self.has_inject else None
+
 
 @fused
 def hc_mix(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
@@ -52,3 +63,12 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
 def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
     """X_s += inj_s * y for every stream s; X [T, S*D], y [T, D], inj [T, S]."""
     return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
+
+
+@fused
+def hc_combine_mix(X: torch.Tensor, y: torch.Tensor, inj_prev: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor,
+                   up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_combine followed by hc_mix -> (combined X, h, injection weights): the same ops in the same order."""
+    X = hc_combine.eager(X, y, inj_prev)  # type: ignore[attr-defined]
+    return (X, *hc_mix.eager(X, norm, w_in, up, rank, hidden, count, eps))  # type: ignore[attr-defined]

@@ -150,10 +150,15 @@ class Model(torch.nn.Module):
         upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
         X = self.embed[tokens].repeat(1, c.hc_count)
         rc, stats, fused = cache.rec, cache.snap_stats, cache.opts.fused_snapshots
+        # Each block's output (y, injection weights) waits in `pending` and is added into X by the next mixer's
+        # fused function (combine_mix), which saves a kernel per block.
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None
         for i in range(c.n_layers):
             if i == c.ple_layer and self.ple is not None:
+                if pending is not None:
+                    X, pending = hc_combine(X, *pending), None
                 X = self.ple(X, tokens, rc.ple, rc, fused, stats)
-            h, inj = self.mix_attn[i](X)
+            X, h, inj = self.mix_attn[i].combine_mix(X, pending)
             layer = self.layers[i]
             if isinstance(layer, GatedDeltaNet):
                 y = layer(h, rc.gdn[i], rc, fused, stats)
@@ -161,11 +166,13 @@ class Model(torch.nn.Module):
                 r = c.ratio(i)
                 y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
                           upd_rope.get(r), kv_len=kv_len, sparse=cache.opts.sparse_attention)
-            X = hc_combine(X, y, inj)
-            h, inj = self.mix_ffn[i](X)
-            X = hc_combine(X, self.moe[i](h), inj)
-        Xl = X if logit_rows is None else X[logit_rows]
-        out, _ = self.mixer(Xl)
+            X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
+            pending = (self.moe[i](h), inj)
+        if logit_rows is None:
+            X, out, _ = self.mixer.combine_mix(X, pending)
+        else:
+            X = X if pending is None else hc_combine(X, *pending)
+            out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,

@@ -11,7 +11,7 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.model.fuse import fused
-from qspec.model.hyper import HyperMixer, hc_combine
+from qspec.model.hyper import HyperMixer
 from qspec.model.moe import MoE
 from qspec.model.ops import linear, rms_norm
 from qspec.model.qsa import QSAAttention
@@ -47,8 +47,7 @@ class MTPHead(torch.nn.Module):
         c = self.cfg
         X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
         h, inj = self.mix_attn(X)
-        X = hc_combine(X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len), inj)
-        h, inj = self.mix_ffn(X)
-        X = hc_combine(X, self.moe(h), inj)
-        out, _ = self.mix_head(X)
+        y = self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len)
+        X, h, inj = self.mix_ffn.combine_mix(X, (y, inj))
+        X, out, _ = self.mix_head.combine_mix(X, (self.moe(h), inj))
         return out, X

@@ -86,8 +86,8 @@ class PLE(torch.nn.Module):
         G, N = ple_gate(E, X, self.w_kv, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
 
         # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
-        Sst = st.conv.index_select(0, rc.live.view(1))[0]
-        Xc = write_snapshots(Sst, N, st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats)
+        Xc = write_snapshots(st.conv, N, st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats,
+                             live=rc.live)
         return ple_out(X, G, Xc, self.conv_w, c.ngram_size)
 
 
