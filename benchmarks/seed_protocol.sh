@@ -8,7 +8,7 @@
 set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
-h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-depth}"
+h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -43,5 +43,7 @@ nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cubl
 ours-sparse:from=ours,sparse=1" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
+    # (f) the merge task's three arms and ours at MTP3 in one process: Figure 1 and the depth question side by side
+    h200-fn8-seed) bench merge "${fn8[@]}" --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
