@@ -6,9 +6,9 @@ tiles for them that reach ~2 TB/s (5-10 µs each, plus split-K reductions), agai
 row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loop), for 2..8 rows it
 reduces each row's products per step. Products accumulate in f32 and round once to x's dtype.
 
-`plan` keeps every SM busy by narrowing BN (down to 1 row per program) before it splits K: a split
-needs a second kernel (`_sum_splits_kernel`, adding f32 partial sums in split order, deterministic),
-and on the H200 that launch cost more than the split saved. BK grows as BN shrinks, so each step
+`plan` keeps every SM busy (a set number of programs per SM) by narrowing BN (down to 1 row per program)
+before it splits K: a split needs a second kernel (`_sum_splits_kernel`, adding f32 partial sums in split
+order, deterministic), and on the H200 that launch cost more than the split saved. BK grows as BN shrinks, so each step
 still loads ~TILE elements. The plan depends on N and K only, never on M.
 """
 
@@ -18,8 +18,12 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
-DEFAULT_CONFIG = (32, 8192, 4)  # most rows per program, elements per K step (TILE), warps
+# (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
+DEFAULT_CONFIG = (32, 8192, 4, 2)
 MAX_ROWS = 8
+# Configs measured best for particular (N, K) on the H200 (scripts/gpu_kernels.py --gemv-sweep); others use
+# DEFAULT_CONFIG.
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
 if HAS_TRITON:
     import triton
@@ -71,11 +75,10 @@ if HAS_TRITON:
 
 
 @functools.cache
-def _programs_wanted(device_index: int) -> int:
-    """Two programs per SM keep every SM streaming."""
+def _sm_count(device_index: int) -> int:
     if INTERPRET or not torch.cuda.is_available():
-        return 8
-    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def plan(N: int, K: int, max_bn: int, tile: int, programs: int) -> tuple[int, int, int, int]:
@@ -95,14 +98,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int] = DEFAULT_CONFIG) -> torch.Tensor:
-    """x [M, K] (M <= 8, last dim contiguous) @ w [N, K]^T (rows contiguous) -> [M, N] in x.dtype."""
+def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8, last dim contiguous) @ w [N, K]^T (rows contiguous) -> [M, N] in x.dtype.
+    config: (max rows per program, TILE, warps, programs per SM); default: TUNED for (N, K), else DEFAULT_CONFIG."""
     M, K = x.shape
     N = w.shape[0]
     if not 0 < M <= MAX_ROWS or w.shape != (N, K) or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} stride {x.stride()}, w {tuple(w.shape)} stride {w.stride()}")
-    max_bn, tile, warps = config
-    bn, bk, split, k_split = plan(N, K, max_bn, tile, _programs_wanted(x.device.index or 0) if x.is_cuda else 8)
+    max_bn, tile, warps, per_sm = config or TUNED.get((N, K), DEFAULT_CONFIG)
+    bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
     mp = 1 if M == 1 else triton.next_power_of_2(M)
