@@ -43,7 +43,7 @@ nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cubl
 ours-sparse:from=ours,sparse=1" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
-    # (f) the merge task's three arms and ours at MTP3 in one process: Figure 1 and the depth question side by side
-    h200-fn8-seed) bench merge "${fn8[@]}" --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours" ;;
+    # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together
+    h200-fn8-seed) bench merge "${fn8[@]}" --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
