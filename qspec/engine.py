@@ -34,7 +34,7 @@ class EngineOptions:
     draft: int = 0  # MTP draft depth N (0: plain decoding)
     capacity: int = 4096
     kv_type: str = "f32"
-    exact: bool = False  # row-exact products: decode and verify rows are bit-identical (CPU tests)
+    exact: bool = False  # row-exact products: decode and verify rows are bit-identical (tests; no CUDA graphs)
     preserve_pooled: bool = True
     incremental_pooled: bool = True
     pad_target: int | None = 8
@@ -109,7 +109,9 @@ class Engine:
             q4 = Q4Weight.from_dense(model.lm_head)
             # CUDA: the packed head and a 4-bit mat-vec kernel; CPU: the same values, unpacked once
             self.opts.draft_lm_head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
-        self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=self.opts.cuda_graphs)
+        # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
+        graphs = self.opts.cuda_graphs and not self.opts.exact
+        self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs)
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
