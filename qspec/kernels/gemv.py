@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.triton_common import triton_enabled, use_triton
+from qspec.kernels.triton_gemv import TUNED
 
 # One row only: on the H200 the kernel's 2..8-row path lost to cuBLAS (gdn in, 6 rows: 67.9 vs 32.7 µs in
 # benchmarks/results/gpu_kernels_h200_s3b.txt), so verify steps keep cuBLAS.
@@ -57,8 +58,10 @@ WIDE_ROWS = 1 << 16
 
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, a shape the kernel takes,
-    and a matrix it is faster on than cuBLAS (small, or as wide as an LM head)."""
-    return _ON and x.is_cuda and _fits(x, w, rows) and (w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS)
+    and a matrix it is faster on than cuBLAS (small, as wide as an LM head, or a shape whose tuned config
+    beat cuBLAS in the sweep: triton_gemv.TUNED)."""
+    return _ON and x.is_cuda and _fits(x, w, rows) and (
+        w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS or (w.shape[0], w.shape[1]) in TUNED)
 
 
 @torch.library.custom_op("qspec::gemv", mutates_args=())

@@ -21,9 +21,22 @@ from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dty
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
 MAX_ROWS = 8
-# Configs measured best for particular (N, K) on the H200 (scripts/gpu_kernels.py --gemv-sweep); others use
-# DEFAULT_CONFIG.
-TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+# Configs measured best for the flash-next step's (N, K) on the H200, weights read from HBM, each shape as a graph
+# of 24 calls (scripts/gpu_kernels.py --gemv-sweep -> benchmarks/results/gemv_sweep_h200_s5.txt; us per call,
+# default config -> tuned, and cuBLAS). Every shape listed beat cuBLAS, so ops.linear routes its one-row products
+# here (gemv.eligible); 16480 x 2560 (GDN in: cuBLAS 23.21, best 23.26) is not listed and stays on cuBLAS.
+TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (328, 10240): (32, 4096, 8, 2),  # hyper-connection mixer in: 6.05 -> 5.19 (cuBLAS 7.36)
+    (10240, 320): (32, 4096, 8, 2),  # mixer up: 4.89 -> 4.62 (4.80)
+    (320, 10240): (32, 4096, 8, 2),  # output mixer in: 6.40 -> 5.18 (8.13)
+    (1800, 2560): (32, 4096, 4, 2),  # router + shared expert in: 5.52 -> 5.21 (7.03)
+    (2560, 640): (16, 16384, 4, 8),  # shared expert down: 4.13 -> 3.37 (4.61)
+    (2560, 6144): (32, 4096, 8, 4),  # GDN / QSA out: 13.44 -> 10.02 (13.12)
+    (13952, 2560): (32, 4096, 4, 4),  # QSA in: 24.22 -> 19.16 (20.55)
+    (12800, 2560): (32, 4096, 4, 4),  # PLE key/value: 23.47 -> 17.94 (19.55)
+    (2560, 5120): (32, 4096, 8, 4),  # MTP eh: 11.75 -> 8.88 (11.96)
+    (248320, 2560): (32, 8192, 8, 8),  # LM head: 289.20 -> 285.65 (312.04)
+}
 
 if HAS_TRITON:
     import triton
