@@ -29,7 +29,6 @@ from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
 
-torch.set_grad_enabled(False)
 rows: list[tuple[str, str, str]] = []
 failed = False
 
@@ -114,6 +113,7 @@ def oracle(reference: list[int], rng: random.Random):  # noqa: ANN201
 
 
 def main() -> int:
+    torch.set_grad_enabled(False)
     only_fused = "--only-fused" in sys.argv  # just the fused-vs-unfused rows (a short device run)
     cpu = build("cpu", torch.float32)
     ids = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(0))
