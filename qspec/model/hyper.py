@@ -23,7 +23,7 @@ class HyperMixer(torch.nn.Module):
         self.w_in, _ = stack_rows(w[f"{prefix}_down.weight"], *([w[f"{prefix}_inject.weight"]] if inject else []))
 
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """X [T, S*D] -> (block input h [T, D], injection weights [T, S] or None)."""
+        """X [T, S*D] -> (block input h [T, D], injection logits [T, S] or None: hc_combine turns them into weights)."""
         h, inj = hc_mix(X, self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
         return h, inj if self.has_inject else None
 
@@ -31,7 +31,7 @@ class HyperMixer(torch.nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`hc_combine(X, *pending)` (the previous block's output, not yet added), then this mixer, as one fused
         function: the combined residual is written by the kernel that computes its norm, one kernel fewer per
-        block in a decode step. -> (combined X, h, injection weights or None)."""
+        block in a decode step. -> (combined X, h, injection logits or None)."""
         if pending is None:
             return (X, *self(X))
         X, h, inj = hc_combine_mix(X, pending[0], pending[1], self.norm, self.w_in, self.up, self.rank, self.hidden,
@@ -42,12 +42,19 @@ class HyperMixer(torch.nn.Module):
 @fused
 def hc_mix(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
            count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """w_in = [down ; inject] -> (h [T, D], injection weights [T, S]; meaningless without inject rows)."""
+    """w_in = [down ; inject] -> (h [T, D], injection logits [T, S]; meaningless without inject rows).
+
+    The logits stay raw: hc_combine, which reads them, applies their sigmoid, so no kernel of this function
+    computes them. The gated streams are summed slice by slice (the values and order of stream_mean over their
+    product): inductor would write a product read 4 times to memory with a kernel of its own."""
     Xn = rms_norm(X, norm, eps, group=hidden)
     y = linear(Xn, w_in)
-    gate = sigmoid(linear(silu(y[..., :rank] / count), up))
-    h = stream_mean(gate.unflatten(-1, (count, hidden)) * Xn.unflatten(-1, (count, hidden)))
-    return h, 2 * sigmoid(y[..., rank:rank + count] / count)
+    gate = sigmoid(linear(silu(y[..., :rank] / count), up)).unflatten(-1, (count, hidden))
+    xs = Xn.unflatten(-1, (count, hidden))
+    acc = gate[..., 0, :] * xs[..., 0, :]
+    for s in range(1, count):
+        acc = acc + gate[..., s, :] * xs[..., s, :]
+    return acc / count, y[..., rank:rank + count]
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
@@ -60,8 +67,9 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
 
 
 @fused
-def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Tensor:
-    """X_s += inj_s * y for every stream s; X [T, S*D], y [T, D], inj [T, S]."""
+def hc_combine(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:
+    """X_s += inj_s * y for every stream s, inj = 2 sigmoid(logits / S); X [T, S*D], y [T, D], logits [T, S]."""
+    inj = 2 * sigmoid(inj_logits / inj_logits.shape[-1])
     return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
 
 
@@ -69,6 +77,6 @@ def hc_combine(X: torch.Tensor, y: torch.Tensor, inj: torch.Tensor) -> torch.Ten
 def hc_combine_mix(X: torch.Tensor, y: torch.Tensor, inj_prev: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor,
                    up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_combine followed by hc_mix -> (combined X, h, injection weights): the same ops in the same order."""
+    """hc_combine followed by hc_mix -> (combined X, h, injection logits): the same ops in the same order."""
     X = hc_combine.eager(X, y, inj_prev)  # type: ignore[attr-defined]
     return (X, *hc_mix.eager(X, norm, w_in, up, rank, hidden, count, eps))  # type: ignore[attr-defined]
