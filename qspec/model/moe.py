@@ -22,20 +22,22 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w_in = [router ; shared gate ; shared up ; shared gate_inp] -> (router logits [T, E], shared activation
-    silu(gate h) * up h [T, ff], shared-expert gate sigmoid(gate_inp . h) [T, 1]). Routing itself stays
-    outside the fused function: on CUDA it is one Triton kernel (kernels/route.py)."""
+    silu(gate h) * up h [T, ff], shared-expert gate logit gate_inp . h [T, 1]). Routing itself stays
+    outside the fused function: on CUDA it is one Triton kernel (kernels/route.py). The gate logit stays raw:
+    add_shared_expert applies its sigmoid, so no kernel of this function computes it."""
     y = linear(h, w_in)
     g, u = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff]
-    gi = y[:, n_experts + 2 * ff:n_experts + 2 * ff + 1]
-    return y[:, :n_experts], silu(g) * u, sigmoid(gi)
+    return y[:, :n_experts], silu(g) * u, y[:, n_experts + 2 * ff:n_experts + 2 * ff + 1]
 
 
 @fused
-def add_shared_expert(routed: torch.Tensor, act: torch.Tensor, gate: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """routed is [T, D], or [T, k, D] weighted slot outputs still to be summed (the few-token path)."""
+def add_shared_expert(routed: torch.Tensor, act: torch.Tensor, gate_logit: torch.Tensor, down: torch.Tensor
+                      ) -> torch.Tensor:
+    """routed is [T, D], or [T, k, D] weighted slot outputs still to be summed (the few-token path); the shared
+    expert's output is weighted by sigmoid(gate_logit) [T, 1]."""
     if routed.dim() == 3:
         routed = sum_slots(routed)
-    return routed + linear(act, down) * gate
+    return routed + linear(act, down) * sigmoid(gate_logit)
 
 
 class MoE(torch.nn.Module):
@@ -57,7 +59,7 @@ class MoE(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         T, D = h.shape
-        logits, act, gate = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
+        logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
         top_w, top_i = route_top_k(logits, self.n_used)
         if row_exact() and T <= EXACT_MAX_ROWS:
             routed = self._per_token(h, top_w, top_i)
@@ -65,7 +67,7 @@ class MoE(torch.nn.Module):
             routed = moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         else:
             routed = self._grouped(h, top_w, top_i)
-        return add_shared_expert(routed, act, gate, self.sh_down)
+        return add_shared_expert(routed, act, gate_logit, self.sh_down)
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
