@@ -1,5 +1,5 @@
-"""The `qspec` command: `run` (generate, streaming), `make-model` (random-weight models), `logits` (one
-prefill forward, full-vocabulary logits), and `bench` when `qspec.bench.cli` provides it.
+"""The `qspec` command: `run` (generate, streaming), `serve` (an HTTP completions API), `make-model` (random-weight
+models), `logits` (one prefill forward, full-vocabulary logits), and `bench` when `qspec.bench.cli` provides it.
 
 Every user error (missing or bad model file, prompt too long, bad numbers) prints one line
 `qspec: error: ...` on stderr and returns 2; only bugs show a traceback.
@@ -87,17 +87,21 @@ def _model_path(arg: str | None) -> Path:
 
 
 # ---- qspec run -------------------------------------------------------------------------------------------------------
-def _check_run_args(a: argparse.Namespace) -> None:
+def _check_engine_args(a: argparse.Namespace) -> None:
     if not 0 <= a.draft <= MAX_DRAFT:
         raise UsageError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {a.draft}")
+    if a.ctx < 4 or a.ctx % 4:
+        raise UsageError(f"--ctx must be a positive multiple of 4, got {a.ctx}")
+
+
+def _check_run_args(a: argparse.Namespace) -> None:
+    _check_engine_args(a)
     if a.max_tokens < 1:
         raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
     if a.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
     if not 0 < a.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
-    if a.ctx < 4 or a.ctx % 4:
-        raise UsageError(f"--ctx must be a positive multiple of 4, got {a.ctx}")
 
 
 def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
@@ -177,8 +181,8 @@ def _accept_hook(spec: str | None):  # noqa: ANN202
         raise UsageError(f"--accept-profile: {e}") from None
 
 
-def cmd_run(a: argparse.Namespace) -> int:
-    _check_run_args(a)
+def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
+    """The model, its tokenizer and an engine from the options `run` and `serve` share."""
     dev = _device(a.device)
     path = _model_path(a.model)
     t0 = time.perf_counter()
@@ -192,11 +196,6 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.draft and model.mtp is None:
         raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
                          "or a model with blk.N.nextn.* / mtp.* tensors)")
-    ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
-    need = cells_needed(len(ids), a.max_tokens, a.draft)
-    if need > a.ctx:
-        raise UsageError(f"the prompt ({len(ids)} tokens) + --max-tokens {a.max_tokens} + {a.draft + 1} draft rows "
-                         f"need {need} cells, more than --ctx {a.ctx}")
     opts = EngineOptions(
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
@@ -205,14 +204,26 @@ def cmd_run(a: argparse.Namespace) -> int:
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
-    sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
-                      generator=torch.Generator().manual_seed(a.seed))
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
          f"{'MTP' if model.mtp is not None else 'no MTP'}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
          f"loaded in {load_s:.1f} s (tokenizer {tok_s:.1f} s)")
     if dev.type == "cuda" and a.compile:
         _say("qspec: the first steps compile the fused step kernels (up to a few minutes at the real geometry; "
              "cached on disk for later runs; --no-compile skips it)")
+    return path, tok, engine
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    _check_run_args(a)
+    path, tok, engine = _load(a)
+    model = engine.model
+    ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
+    need = cells_needed(len(ids), a.max_tokens, a.draft)
+    if need > a.ctx:
+        raise UsageError(f"the prompt ({len(ids)} tokens) + --max-tokens {a.max_tokens} + {a.draft + 1} draft rows "
+                         f"need {need} cells, more than --ctx {a.ctx}")
+    sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
+                      generator=torch.Generator().manual_seed(a.seed))
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -224,9 +235,29 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(g, a.draft)
     if a.json:
-        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path), "device": dev.type}
+        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path),
+                                                                        "device": engine.model.device.type}
         doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
         Path(a.json).write_text(json.dumps(doc, indent=2, ensure_ascii=False), encoding="utf-8")
+    return 0
+
+
+# ---- qspec serve -----------------------------------------------------------------------------------------------------
+def cmd_serve(a: argparse.Namespace) -> int:
+    _check_engine_args(a)
+    if not 0 < a.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {a.port}")
+    try:
+        import uvicorn
+
+        from qspec.server.app import create_app
+    except ImportError as e:
+        raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
+                         "pip install 'qspec[server]'") from None
+    path, tok, engine = _load(a)
+    name = a.served_name or path.stem
+    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, GET /v1/models, GET /health)")
+    uvicorn.run(create_app(engine, tok, name), host=a.host, port=a.port, log_level="warning")
     return 0
 
 
@@ -301,19 +332,10 @@ def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None
     p.add_argument(flag, dest=dest, action="store_false", help=help)
 
 
-def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
-    parser = _Parser(prog="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next (qwen4exp).")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
-    r.add_argument("prompt")
+def _add_engine_args(r: argparse.ArgumentParser) -> None:
+    """The model and engine options `run` and `serve` share."""
     r.add_argument("--model", help="GGUF file or HF checkpoint dir (default: the embedded random-weight model)")
     r.add_argument("--draft", type=int, default=0, metavar="N", help="MTP draft depth 0..8 (0: plain decoding)")
-    r.add_argument("--max-tokens", type=int, default=128)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=0, help="sampling seed")
-    r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
     r.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (a multiple of 4)")
     r.add_argument("--kv-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
@@ -342,9 +364,30 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    help="force each round's accepted count (testing and benchmarking random-weight models): "
                         "fixed=K, p=0.85 (per position, conditional), or trace=FILE; the output then differs "
                         "from plain decoding")
+
+
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    parser = _Parser(prog="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next (qwen4exp).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
+    r.add_argument("prompt")
+    r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0, help="sampling seed")
+    r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
+    _add_engine_args(r)
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
     r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
     r.set_defaults(func=cmd_run)
+
+    sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
+    _add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("make-model", help="write a random-weight model (seed-deterministic)",
                        description="--format both writes OUT.gguf and the HF dir OUT-hf/.")

@@ -1,0 +1,229 @@
+"""An OpenAI-style HTTP server over one Engine: `/v1/completions` (whole or streamed), `/v1/models`, `/health`.
+
+The engine decodes one sequence at a time, so requests wait their turn on a lock; each generation runs in a
+worker thread and the event loop stays free to stream tokens and answer health checks. A streamed request
+whose client goes away, or any request that meets one of its stop strings, ends at the next token: the
+engine resets every cache at the start of the next request, so stopping mid-round leaves nothing behind.
+Bad requests (an empty prompt, a token id outside the vocabulary, a request longer than the context, a wrong
+model name, out-of-range numbers) get a 4xx with an OpenAI-style error body that names the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from qspec.engine import Engine, Generation, cells_needed
+from qspec.spec.accept import Sampler
+from qspec.tokenizer import Tokenizer
+
+
+class CompletionRequest(BaseModel):
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+
+
+class _Stopped(Exception):
+    """Raised from the token callback to end a generation early (a stop string, or the client left)."""
+
+
+@dataclass
+class _Run:
+    """One request's text as the worker thread's token callback decodes it."""
+    stops: list[str]
+    text: str = ""
+    sent: int = 0  # text[:sent] has been handed out
+    n_tokens: int = 0
+    finish: str = "length"
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
+        """Append decoded text -> (the text that may be shown now, whether a stop string ended the request).
+
+        While stop strings are set, the last (longest stop - 1) characters are held back: they may be the start
+        of a stop string that the next tokens complete, and streamed text cannot be taken back."""
+        longest = max((len(s) for s in self.stops), default=0)
+        start = max(0, len(self.text) - longest + 1)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+        hold = 0 if final or hits else max(0, longest - 1)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out, bool(hits)
+
+
+class CompletionServer:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str) -> None:
+        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+        self.vocab = engine.model.cfg.vocab_size
+        self.capacity = engine.opts.capacity
+        self.lock = asyncio.Lock()
+
+    def prompt_ids(self, req: CompletionRequest) -> list[int]:
+        if req.model is not None and req.model != self.model_name:
+            raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
+                             "model")
+        ids = req.prompt if isinstance(req.prompt, list) else self.tok.encode(req.prompt, add_special=True)
+        if not ids:
+            raise BadRequest("the prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise BadRequest(f"the prompt has token id {bad[0]}, outside the vocabulary of {self.vocab}",
+                             param="prompt")
+        need = cells_needed(len(ids), req.max_tokens, self.engine.opts.draft)
+        if need > self.capacity:
+            raise BadRequest(f"the prompt ({len(ids)} tokens) + max_tokens {req.max_tokens} + "
+                             f"{self.engine.opts.draft + 1} draft rows need {need} cells, more than the context "
+                             f"capacity {self.capacity}", param="max_tokens")
+        return ids
+
+    def generate(self, req: CompletionRequest, ids: list[int], run: _Run,
+                 emit: Callable[[str], None] | None = None) -> Generation | None:
+        """Blocking: decode with the engine, passing visible text pieces to `emit` (worker thread)."""
+        sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
+                          generator=torch.Generator().manual_seed(req.seed if req.seed is not None else 0))
+        stream = self.tok.stream(skip_special=True)
+
+        def show(piece: str) -> None:
+            if piece and emit is not None:
+                emit(piece)
+
+        def on_token(t: int) -> None:
+            if run.cancelled.is_set():
+                raise _Stopped
+            run.n_tokens += 1
+            if t in self.tok.stop_ids:
+                run.finish = "stop"
+            piece, hit = run.add(stream.push(t))
+            show(piece)
+            if hit:
+                run.finish = "stop"
+                raise _Stopped
+
+        try:
+            g = self.engine.generate(ids, req.max_tokens, sampler=sampler, stop_ids=set(self.tok.stop_ids),
+                                     on_token=on_token)
+        except _Stopped:
+            return None
+        piece, hit = run.add(stream.flush(), final=True)
+        show(piece)
+        if hit:
+            run.finish = "stop"
+        return g
+
+    def body(self, rid: str, created: int, choice: dict, usage: dict | None = None) -> dict:
+        doc = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+               "choices": [{"index": 0, "logprobs": None, **choice}]}
+        if usage is not None:
+            doc["usage"] = usage
+        return doc
+
+    def usage(self, ids: list[int], run: _Run) -> dict:
+        return {"prompt_tokens": len(ids), "completion_tokens": run.n_tokens,
+                "total_tokens": len(ids) + run.n_tokens}
+
+
+def _stats(g: Generation | None) -> dict:
+    if g is None:
+        return {}
+    return {"qspec": {"decode_tokens_per_s": g.decode_tps, "prefill_s": g.prefill_s,
+                      "drafted": g.spec.drafted, "accepted": g.spec.accepted}}
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec") -> FastAPI:
+    srv = CompletionServer(engine, tokenizer, model_name)
+    app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
+    app.state.server = srv
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where or None)
+
+    @app.exception_handler(BadRequest)
+    async def bad(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc.status, str(exc), exc.param)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "qspec"}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
+        ids = srv.prompt_ids(req)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if any(not s for s in stops):
+            raise BadRequest("stop strings must not be empty", param="stop")
+        run = _Run(stops)
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        if not req.stream:
+            async with srv.lock:
+                g = await asyncio.to_thread(srv.generate, req, ids, run)
+            return srv.body(rid, created, {"text": run.text, "finish_reason": run.finish},
+                            srv.usage(ids, run)) | _stats(g)
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def emit(piece: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        async def events() -> AsyncIterator[str]:
+            async with srv.lock:
+                def work() -> Generation | None:
+                    try:
+                        return srv.generate(req, ids, run, emit)
+                    finally:
+                        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+                task = asyncio.create_task(asyncio.to_thread(work))
+                try:
+                    while (piece := await queue.get()) is not None:
+                        yield f"data: {json.dumps(srv.body(rid, created, {'text': piece, 'finish_reason': None}))}\n\n"
+                    g = await task
+                    last = srv.body(rid, created, {"text": "", "finish_reason": run.finish}, srv.usage(ids, run))
+                    yield f"data: {json.dumps(last | _stats(g))}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    run.cancelled.set()  # the client left mid-stream: the worker stops at its next token
+                    if not task.done():
+                        await asyncio.wait([task])
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
