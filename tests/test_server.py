@@ -128,3 +128,24 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_chat_completion_uses_the_chat_template(served) -> None:  # noqa: ANN001
+    client, engine, tok = served
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    text = tok.apply_chat_template(messages)
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 10})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": _reference(engine, tok, text, 10)}
+    assert body["usage"]["prompt_tokens"] == len(tok.encode(text, add_special=True))
+    with client.stream("POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 10,
+                                                              "stream": True}) as s:
+        lines = [ln for ln in s.iter_lines() if ln]
+    chunks = [json.loads(ln.removeprefix("data: "))["choices"][0] for ln in lines[:-1]]
+    assert chunks[0]["delta"]["role"] == "assistant" and chunks[-1]["finish_reason"] == "length"
+    assert "".join(c["delta"].get("content", "") for c in chunks) == body["choices"][0]["message"]["content"]
+    bad = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
+    assert bad.status_code == 400 and "robot" in bad.json()["error"]["message"]
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400

@@ -1,4 +1,5 @@
-"""An OpenAI-style HTTP server over one Engine: `/v1/completions` (whole or streamed), `/v1/models`, `/health`.
+"""An OpenAI-style HTTP server over one Engine: `/v1/completions` and `/v1/chat/completions` (whole or streamed as
+server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/models`, `/health`.
 
 The engine decodes one sequence at a time, so requests wait their turn on a lock; each generation runs in a
 worker thread and the event loop stays free to stream tokens and answer health checks. A streamed request
@@ -29,15 +30,27 @@ from qspec.spec.accept import Sampler
 from qspec.tokenizer import Tokenizer
 
 
-class CompletionRequest(BaseModel):
+class _Sampling(BaseModel):
     model: str | None = None
-    prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
 
 
 class BadRequest(Exception):
@@ -89,11 +102,11 @@ class CompletionServer:
         self.capacity = engine.opts.capacity
         self.lock = asyncio.Lock()
 
-    def prompt_ids(self, req: CompletionRequest) -> list[int]:
+    def prompt_ids(self, req: _Sampling, prompt: str | list[int]) -> list[int]:
         if req.model is not None and req.model != self.model_name:
             raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
                              "model")
-        ids = req.prompt if isinstance(req.prompt, list) else self.tok.encode(req.prompt, add_special=True)
+        ids = prompt if isinstance(prompt, list) else self.tok.encode(prompt, add_special=True)
         if not ids:
             raise BadRequest("the prompt is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -107,7 +120,7 @@ class CompletionServer:
                              f"capacity {self.capacity}", param="max_tokens")
         return ids
 
-    def generate(self, req: CompletionRequest, ids: list[int], run: _Run,
+    def generate(self, req: _Sampling, ids: list[int], run: _Run,
                  emit: Callable[[str], None] | None = None) -> Generation | None:
         """Blocking: decode with the engine, passing visible text pieces to `emit` (worker thread)."""
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
@@ -141,13 +154,6 @@ class CompletionServer:
             run.finish = "stop"
         return g
 
-    def body(self, rid: str, created: int, choice: dict, usage: dict | None = None) -> dict:
-        doc = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-               "choices": [{"index": 0, "logprobs": None, **choice}]}
-        if usage is not None:
-            doc["usage"] = usage
-        return doc
-
     def usage(self, ids: list[int], run: _Run) -> dict:
         return {"prompt_tokens": len(ids), "completion_tokens": run.n_tokens,
                 "total_tokens": len(ids) + run.n_tokens}
@@ -158,6 +164,27 @@ def _stats(g: Generation | None) -> dict:
         return {}
     return {"qspec": {"decode_tokens_per_s": g.decode_tps, "prefill_s": g.prefill_s,
                       "drafted": g.spec.drafted, "accepted": g.spec.accepted}}
+
+
+class _Text:
+    """/v1/completions bodies: text_completion objects."""
+    prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
+
+    @staticmethod
+    def choice(text: str, finish: str | None, streamed: bool, first: bool) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+class _Chat:
+    """/v1/chat/completions bodies: chat.completion objects, and chunks with deltas when streamed."""
+    prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def choice(text: str, finish: str | None, streamed: bool, first: bool) -> dict:
+        if not streamed:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        return {"index": 0, "delta": delta, "finish_reason": finish}
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec") -> FastAPI:
@@ -184,46 +211,63 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec") 
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "qspec"}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
-        ids = srv.prompt_ids(req)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if any(not s for s in stops):
-            raise BadRequest("stop strings must not be empty", param="stop")
-        run = _Run(stops)
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        if not req.stream:
-            async with srv.lock:
-                g = await asyncio.to_thread(srv.generate, req, ids, run)
-            return srv.body(rid, created, {"text": run.text, "finish_reason": run.finish},
-                            srv.usage(ids, run)) | _stats(g)
+    async def completions(req: CompletionRequest):  # noqa: ANN202
+        return await _respond(srv, req, srv.prompt_ids(req, req.prompt), _Text)
 
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[str | None] = asyncio.Queue()
-
-        def emit(piece: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, piece)
-
-        async def events() -> AsyncIterator[str]:
-            async with srv.lock:
-                def work() -> Generation | None:
-                    try:
-                        return srv.generate(req, ids, run, emit)
-                    finally:
-                        loop.call_soon_threadsafe(queue.put_nowait, None)
-
-                task = asyncio.create_task(asyncio.to_thread(work))
-                try:
-                    while (piece := await queue.get()) is not None:
-                        yield f"data: {json.dumps(srv.body(rid, created, {'text': piece, 'finish_reason': None}))}\n\n"
-                    g = await task
-                    last = srv.body(rid, created, {"text": "", "finish_reason": run.finish}, srv.usage(ids, run))
-                    yield f"data: {json.dumps(last | _stats(g))}\n\n"
-                    yield "data: [DONE]\n\n"
-                finally:
-                    run.cancelled.set()  # the client left mid-stream: the worker stops at its next token
-                    if not task.done():
-                        await asyncio.wait([task])
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):  # noqa: ANN202
+        try:
+            text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), param="messages") from None
+        return await _respond(srv, req, srv.prompt_ids(req, text), _Chat)
 
     return app
+
+
+async def _respond(srv: CompletionServer, req: _Sampling, ids: list[int], fmt: type[_Text] | type[_Chat]):  # noqa: ANN202
+    """Generate for one request: a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stops):
+        raise BadRequest("stop strings must not be empty", param="stop")
+    run = _Run(stops)
+    head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
+
+    def body(obj: str, choice: dict, g: Generation | None = None, done: bool = False) -> dict:
+        return head | {"object": obj, "choices": [choice]} | (
+            {"usage": srv.usage(ids, run)} | _stats(g) if done else {})
+
+    if not req.stream:
+        async with srv.lock:
+            g = await asyncio.to_thread(srv.generate, req, ids, run)
+        return body(fmt.whole, fmt.choice(run.text, run.finish, False, True), g, done=True)
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    def emit(piece: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+    def work() -> Generation | None:
+        try:
+            return srv.generate(req, ids, run, emit)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    async def events() -> AsyncIterator[str]:
+        async with srv.lock:
+            task = asyncio.create_task(asyncio.to_thread(work))
+            try:
+                first = True
+                while (piece := await queue.get()) is not None:
+                    yield f"data: {json.dumps(body(fmt.chunk, fmt.choice(piece, None, True, first)))}\n\n"
+                    first = False
+                g = await task
+                yield f"data: {json.dumps(body(fmt.chunk, fmt.choice('', run.finish, True, first), g, True))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                run.cancelled.set()  # the client left mid-stream: the worker stops at its next token
+                if not task.done():
+                    await asyncio.wait([task])
+
+    return StreamingResponse(events(), media_type="text/event-stream")
