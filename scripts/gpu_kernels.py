@@ -135,11 +135,12 @@ def random_bits(shape: tuple[int, ...], device: str) -> torch.Tensor:
 # ---- 1. conv snapshots (Algorithm 5) ---------------------------------------------------------------------------
 
 def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, timed: bool = False,
-               from_live: bool = False) -> None:
-    """from_live: S is plane 3 of the planes tensor itself, selected on the device (`live`)."""
+               from_live: bool = False, t_dtype: torch.dtype = torch.float32) -> None:
+    """from_live: S is plane 3 of the planes tensor itself, selected on the device (`live`). t_dtype: the new
+    activations' dtype (16-bit ones are finite values, widened exactly)."""
     dev = R.device
     S = random_bits((C, s + 3), dev)[:, 2:2 + s]  # a strided view, as a plane slice would be
-    T = random_bits((n, C), dev)
+    T = random_bits((n, C), dev) if t_dtype == torch.float32 else torch.randn(n, C, device=dev).to(t_dtype)
     P = 2 * 8
     planes = random_bits((P, C, s), dev)
     if scalar_dest:
@@ -167,7 +168,7 @@ def check_conv(R: Runner, C: int, s: int, n: int, k: int, scalar_dest: bool, tim
         conv_snapshot_triton(S, T, p_tri, dest, k, out=X_tri)
     ok = same_bits(X_ref, X_tri) and same_bits(p_ref, p_tri)
     name = f"conv_snapshot C={C} s={s} n={n} k={k} {'base' if scalar_dest else 'list'}" + (
-        " S=planes[live]" if from_live else "")
+        " S=planes[live]" if from_live else "") + ("" if t_dtype == torch.float32 else f" T {t_dtype}")
     row = Row(name, ok, "bit-identical (X and all planes)" if ok else "BITS DIFFER")
     if timed and R.timing:
         with torch_references():
@@ -563,6 +564,9 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     for s, n in ((3, 1), (9, 1), (3, 6), (9, 6)):
         for fused in (True, False):
             check_write_snapshots(R, 300 if small else 10240, s, n, fused)
+    for s, n, k in ((3, 6, 6), (3, 1, 1), (9, 5, 3)):  # bf16 activations (the GDN projection's own dtype)
+        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, from_live=True, t_dtype=torch.bfloat16)
+        check_conv(R, 257, s, n, k, scalar_dest=False, t_dtype=torch.float16)
 
     # gated delta rule: real geometry (Hv=48, dk=dv=128, T=6), with and without pre-expanded key heads
     if small:

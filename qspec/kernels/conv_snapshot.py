@@ -6,11 +6,12 @@ row j: the window X[:, j+1 : j+1+s]. The ordinary path writes X, then each windo
 copy (1 + k dispatches, s + n + k*s source reads per row). The fused path loads each row once and
 writes X and every window from that load (1 dispatch, s + n reads per row).
 
-Eligibility follows Algorithm 4: f32 rows, 1 <= n <= 8, 1 <= s, s + n <= 16 (the 16-word row
-buffer; the seed also states s <= 8, which would exclude the PLE conv's s = 9 rows, so qspec keeps
-only the buffer bound, as the issue asks), at most 8 snapshot candidates scanned, at least 2
-accepted, destinations in bounds and disjoint from S, T, X and each other; the first unsupported
-candidate ends the scan. Otherwise the ordinary copies run, and the reason is counted.
+Eligibility follows Algorithm 4: f32 rows (new activations may arrive in 16 bits, widened exactly on
+load), 1 <= n <= 8, 1 <= s, s + n <= 16 (the 16-word row buffer; the seed also states s <= 8, which would
+exclude the PLE conv's s = 9 rows, so qspec keeps only the buffer bound, as the issue asks), at most 8
+snapshot candidates scanned, at least 2 accepted, destinations in bounds and disjoint from S, T, X and each
+other; the first unsupported candidate ends the scan. Otherwise the ordinary copies run, and the reason is
+counted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from qspec.kernels.triton_common import use_triton
 
 MAX_SNAPSHOTS = 8
 ROW_WORDS = 16
+# New activations may come in 16-bit: widening to f32 is exact, so the rows the kernel moves are still f32 words
+# (the step's projection then needs no separate cast kernel).
+ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -62,7 +66,7 @@ def plan_snapshots(S: torch.Tensor, T: torch.Tensor, X: torch.Tensor, planes: to
         return None
 
     s, n = S.shape[-1], T.shape[0]
-    if S.dtype != torch.float32 or T.dtype != torch.float32 or planes.dtype != torch.float32:
+    if S.dtype != torch.float32 or T.dtype not in ROW_DTYPES or planes.dtype != torch.float32:
         return no("not f32")
     if not (1 <= n <= 8 and s >= 1 and s + n <= ROW_WORDS):
         return no(f"shape s={s} n={n}")
@@ -109,7 +113,8 @@ def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base
         planes.index_copy_(0, base.view(1), X[:, n:n + s].unsqueeze(0))
         _count(stats, False, 2, (s + n + s) * C)
         return X
-    kernel = use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and s + n <= ROW_WORDS
+    kernel = (use_triton(S) and S.dtype == planes.dtype == torch.float32 and T.dtype in ROW_DTYPES
+              and s + n <= ROW_WORDS)
     X = torch.empty(C, s + n, dtype=S.dtype, device=S.device)
     if live is None:
         state_span = S

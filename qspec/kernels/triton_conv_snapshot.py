@@ -13,7 +13,7 @@ word that another program writes, so there is no ordering hazard between program
 
 import torch
 
-from qspec.kernels.conv_snapshot import ROW_WORDS, _state
+from qspec.kernels.conv_snapshot import ROW_DTYPES, ROW_WORDS, _state
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
 
 BLOCK_C = 128
@@ -26,7 +26,8 @@ if HAS_TRITON:
     def _conv_snapshot_kernel(s_ptr, live_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
                               s_plane, s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
                               SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
-                              DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, BLOCK: tl.constexpr):
+                              DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, T_WORDS: tl.constexpr,
+                              BLOCK: tl.constexpr):
         if LIVE:  # S is plane `live` of a [P, C, s] tensor, chosen on the device (no gather launch)
             s_ptr += tl.load(live_ptr) * s_plane
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -37,7 +38,11 @@ if HAS_TRITON:
         in_t = (c >= SW) & (c < SW + NT)
         # column c < s comes from S[row, c], column s + i from T[i, row]; masked lanes never touch memory
         sv = tl.load(s_ptr + r64 * s_row + c * s_col, mask=rmask & in_s, other=0)
-        tv = tl.load(t_ptr + (c - SW) * t_tok + r64 * t_ch, mask=rmask & in_t, other=0)
+        if T_WORDS:
+            tv = tl.load(t_ptr + (c - SW) * t_tok + r64 * t_ch, mask=rmask & in_t, other=0)
+        else:  # 16-bit activations, widened exactly to f32 and moved as its bits
+            tv = tl.load(t_ptr + (c - SW) * t_tok + r64 * t_ch, mask=rmask & in_t, other=0.0)
+            tv = tv.to(tl.float32).to(tl.int32, bitcast=True)
         v = tl.where(in_s, sv, tv)  # V[0 : s + n], the row's only load
         tl.store(x_ptr + r64 * (SW + NT) + c, v, mask=rmask & (c < SW + NT))
         for j in range(k):
@@ -99,20 +104,22 @@ def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor,
         s_plane, S2 = 0, S
     C, s = S2.shape
     n = T.shape[0]
-    if S.dtype != torch.float32 or T.dtype != torch.float32 or planes.dtype != torch.float32:
-        raise ValueError("the fused snapshot kernel moves f32 words only")
+    if S.dtype != torch.float32 or T.dtype not in ROW_DTYPES or planes.dtype != torch.float32:
+        raise ValueError("the fused snapshot kernel moves f32 words (T may be 16-bit: widened exactly)")
     if s + n > ROW_WORDS:
         raise ValueError(f"s + n = {s + n} exceeds the {ROW_WORDS}-word row buffer")
     X = out if out is not None else torch.empty(C, s + n, dtype=torch.float32, device=S.device)
     if X.shape != (C, s + n) or X.dtype != torch.float32 or not X.is_contiguous():
         raise ValueError("out must be a contiguous f32 [C, s + n] tensor")
-    Si, Ti, Xi, Pi = (t.view(torch.int32) for t in (S, T, X, planes))  # bit-preserving word copies
+    Si, Xi, Pi = (t.view(torch.int32) for t in (S, X, planes))  # bit-preserving word copies
+    Ti = T.view(torch.int32) if T.dtype == torch.float32 else T
     grid = (triton.cdiv(C, BLOCK_C),)
     _conv_snapshot_kernel[grid](
         Si, live if live is not None else dest, Ti, Xi, Pi, dest, C, k,
         s_plane, S2.stride(0), S2.stride(1), T.stride(0), T.stride(1),
         planes.stride(0), planes.stride(1), planes.stride(2),
         SW=s, NT=n, W=max(next_pow2(s + n), 2), DEST_IS_BASE=dest.dim() == 0, LIVE=live is not None,
+        T_WORDS=T.dtype == torch.float32,
         BLOCK=BLOCK_C, num_warps=4)
     return X
 
@@ -123,13 +130,13 @@ def conv_snapshot(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: 
     """X = S || T^T ([C, s+n] f32) and planes[dest_j] = X[:, j+1 : j+1+s] for j < k; returns X.
 
     S [C, s] f32 (any strides), or with `live` (an int64 device scalar) a [P, C, s] tensor whose plane
-    `live` is the state (e.g. S = planes, live = rc.live: no index_select launch); T [n, C] f32
+    `live` is the state (e.g. S = planes, live = rc.live: no index_select launch); T [n, C] f32, bf16 or f16
     (token-major); planes [P, C, s] f32; dest: either a 1-D int64 device tensor of the k destination
     planes, or an int64 device scalar `base` with `k` given (planes base + j, no index tensor to build).
     `out`: optional contiguous f32 [C, s+n] to receive X. The caller guarantees Algorithm 4's
     conditions (see `plan_snapshots`; the state plane must not be a destination). Triton on CUDA
-    when s + n <= 16 and everything is f32, the torch reference otherwise; both are bit-identical."""
+    when s + n <= 16 and S, planes are f32, the torch reference otherwise; both are bit-identical."""
     s, n = S.shape[-1], T.shape[0]
-    if use_triton(S) and S.dtype == T.dtype == planes.dtype == torch.float32 and s + n <= ROW_WORDS:
+    if use_triton(S) and S.dtype == planes.dtype == torch.float32 and T.dtype in ROW_DTYPES and s + n <= ROW_WORDS:
         return conv_snapshot_triton(S, T, planes, dest, k, out, live)
     return conv_snapshot_torch(S, T, planes, dest, k, out, live)

@@ -78,11 +78,11 @@ class GatedDeltaNet(torch.nn.Module):
 @fused
 def gdn_in(h: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, C: int, Cv: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w_in = [qkv ; z ; beta ; alpha] -> (conv input [T, C] f32, output gate z [T, Cv], beta [T, Hv],
-    log-decay g [T, Hv])."""
+    """w_in = [qkv ; z ; beta ; alpha] -> (conv input [T, C] in h's dtype: the snapshot kernel widens it to f32
+    as it loads it, so no kernel here casts it; output gate z [T, Cv], beta [T, Hv], log-decay g [T, Hv])."""
     y = linear(h, w_in)
     Hv = a.shape[0]
-    qkv, z = y[:, :C].float(), y[:, C:C + Cv]
+    qkv, z = y[:, :C], y[:, C:C + Cv]
     beta = sigmoid(y[:, C + Cv:C + Cv + Hv].float())
     g = a * softplus(y[:, C + Cv + Hv:C + Cv + 2 * Hv].float() + dt_bias)
     return qkv, z, beta, g
