@@ -212,22 +212,27 @@ def gdn_inputs(T: int, Hq: int, Hv: int, dk: int, dv: int, P: int, dev: str) -> 
 
 
 def check_gdn(R: Runner, T: int, Hq: int, Hv: int, dk: int, dv: int, n_slots: int, timed: bool = False,
-              block_v: int | None = None, warps: int = 4, alias: bool = False) -> None:
+              block_v: int | None = None, warps: int = 4, alias: bool = False, gates: bool = False) -> None:
     """alias: row 0's state overwrites the live plane itself (beyond the contract; each program's slice is
-    read before it is written, so this must hold too)."""
+    read before it is written, so this must hold too). gates: pass the projection's raw bf16 logits and let the
+    kernel compute beta and g (the model's call), against the reference computing them with `gdn_gates`."""
     dev = R.device
     P = 2 * n_slots
     q, k, v, g, beta, ssm = gdn_inputs(T, Hq, Hv, dk, dv, P, dev)
+    gate_params = None
+    if gates:  # logits spanning softplus's threshold (dt_bias + logit up to ~25) and both sigmoid tails
+        g, beta = (8 * torch.randn(T, Hv, device=dev)).bfloat16(), (6 * torch.randn(T, Hv, device=dev)).bfloat16()
+        gate_params = (-(1 + 15 * torch.rand(Hv, device=dev)), 4 * torch.rand(Hv, device=dev))
     live_i, base_i = n_slots - 1, n_slots  # live in one half, the rows' slots in the other (ping-pong)
     if alias:
         live_i = base_i
     live, base = torch.tensor(live_i, device=dev), torch.tensor(base_i, device=dev)
     ssm[base_i + int(alias):base_i + T] = float("nan")
     s_ref, s_tri = ssm.clone(), ssm.clone()
-    o_ref = gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base)
+    o_ref = gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base, gate_params)
     o_tri = torch.full((T, Hv, dv), float("nan"), device=dev)
     kw = {"num_warps": warps} | ({"block_v": block_v} if block_v else {})
-    gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, out=o_tri, **kw)
+    gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, gate_params, out=o_tri, **kw)
     rows = slice(base_i, base_i + T)
     eo, es = rel_err(o_tri, o_ref), rel_err(s_tri[rows], s_ref[rows])
     rest = torch.ones(P, dtype=torch.bool, device=dev)
@@ -235,13 +240,14 @@ def check_gdn(R: Runner, T: int, Hq: int, Hv: int, dk: int, dv: int, n_slots: in
     untouched = same_bits(s_tri[rest], ssm[rest])
     ok = eo < 1e-5 and es < 1e-5 and untouched
     name = (f"gdn T={T} Hq={Hq} Hv={Hv} dk={dk} dv={dv}" + (f" BV={block_v} w={warps}" if block_v else "")
-            + (" live=base" if alias else ""))
+            + (" live=base" if alias else "") + (" gates from bf16 logits" if gates else ""))
     row = Row(name, ok, f"rel err o {eo:.2e} states {es:.2e}, other planes {'untouched' if untouched else 'CHANGED'}")
     if timed and R.timing:
         if block_v is None:
-            row.torch_us = R.bench(lambda: gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base))
-        row.triton_us = R.bench(lambda: gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, out=o_tri,
-                                                                    **kw))
+            row.torch_us = R.bench(lambda: gdn_recurrent_planes_torch(q, k, v, g, beta, s_ref, live, base,
+                                                                      gate_params))
+        row.triton_us = R.bench(lambda: gdn_recurrent_planes_triton(q, k, v, g, beta, s_tri, live, base, gate_params,
+                                                                    out=o_tri, **kw))
         row.nbytes = Hv * dk * dv * 4 * (1 + T) + T * (2 * Hq * dk + 2 * Hv * dv + 2 * Hv) * 4
     R.add(row, variant=block_v is not None)
 
@@ -574,6 +580,7 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_gdn(R, 3, 4, 4, 32, 64, 4)
         check_gdn(R, 1, 1, 2, 48, 40, 1)
         check_gdn(R, 3, 2, 4, 64, 64, 3, alias=True)
+        check_gdn(R, 4, 2, 4, 32, 32, 4, gates=True)
     else:
         check_gdn(R, 6, 48, 48, 128, 128, 6, timed=True)
         check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True)
@@ -581,6 +588,8 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
             check_gdn(R, T, 16, 48, 128, 128, max(T, 6))
         check_gdn(R, 4, 3, 6, 96, 80, 4)  # non-power-of-2 head dims (masks)
         check_gdn(R, 6, 16, 48, 128, 128, 6, alias=True)
+        check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True, gates=True)  # the model's call
+        check_gdn(R, 1, 16, 48, 128, 128, 6, gates=True)
         if sweep:
             for bv in (16, 32, 64):
                 for w in (2, 4, 8):

@@ -15,6 +15,7 @@ import torch
 
 from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
+from qspec.model.ops import sigmoid, softplus
 
 MAX_ROWS = 16
 DEFAULT_BV = 32
@@ -24,9 +25,9 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every row count
-    def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
+    def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr):
         h = tl.program_id(1)
         hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
         ik = tl.arange(0, BK)
@@ -45,6 +46,10 @@ if HAS_TRITON:
             vt = tl.load(v_ptr + t * v_t + h * v_h + iv, mask=vmask, other=0.0).to(tl.float32)
             gt = tl.load(g_ptr + t * g_t + h * g_h).to(tl.float32)
             bt = tl.load(b_ptr + t * b_t + h * b_h).to(tl.float32)
+            if GATES:  # g and b hold the projection's raw logits: the gates are computed here (`gdn_gates`)
+                x = gt + tl.load(dtb_ptr + h)
+                gt = tl.load(a_ptr + h) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+                bt = 1.0 / (1.0 + tl.exp(-bt))
             S = S * tl.exp(gt)
             kv = tl.sum(S * kt[:, None], axis=0)  # [BV]: S^T k
             u = (vt - kv) * bt
@@ -69,10 +74,19 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError(f"{T} rows do not fit {ssm.shape[0]} planes")
 
 
+def gdn_gates(b_logit: torch.Tensor, a_logit: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, g) [T, Hv] f32 from the projection's raw logits: beta = sigmoid(b), g = a * softplus(alpha + dt_bias)."""
+    return sigmoid(b_logit.float()), a * softplus(a_logit.float() + dt_bias)
+
+
 def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
-                               base: torch.Tensor) -> torch.Tensor:
+                               base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None
+                               ) -> torch.Tensor:
     """Reference: what GatedDeltaNet.forward does today for a short step (gather, recurrence, scatter)."""
+    if gates is not None:
+        beta, g = gdn_gates(beta, g, *gates)
     _check(q, k, v, g, beta, ssm)
     T, Hq = q.shape[:2]
     rep = v.shape[1] // Hq
@@ -86,10 +100,15 @@ def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                 beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
+                                gates: tuple[torch.Tensor, torch.Tensor] | None = None,
                                 block_v: int = DEFAULT_BV, num_warps: int = 4,
                                 out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel; same contract as `gdn_recurrent_planes`."""
     _check(q, k, v, g, beta, ssm)
+    a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
+    if gates is not None and any(t.shape != (v.shape[1],) or t.dtype != torch.float32 or not t.is_contiguous()
+                                 for t in gates):
+        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={v.shape[1]}]")
     T, Hq, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     if T > MAX_ROWS:
@@ -104,22 +123,25 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError("out must be f32 [T, Hv, dv] with a contiguous last dim")
     bv = min(block_v, next_pow2(dv))
     grid = (triton.cdiv(dv, bv), Hv)
-    _gdn_kernel[grid](q, k, v, g, beta, ssm, live, base, o, T, Hq,
+    _gdn_kernel[grid](q, k, v, g, beta, a, dt_bias, ssm, live, base, o, T, Hq,
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
                       ssm.stride(0), ssm.stride(1), ssm.stride(2),
-                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, num_warps=num_warps)
+                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, num_warps=num_warps)
     return o
 
 
 def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+                         ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
+                         gates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Gated delta rule over T <= 16 rows, reading plane `live` and writing row t's state to plane base + t.
 
     q, k [T, Hq, dk] f32 (L2-normed, q scaled; Hq = Hv when the caller expanded the key heads, or the
     k-head count, value head h then reading key head h % Hq, llama.cpp's tiled order); v [T, Hv, dv];
-    g, beta [T, Hv] f32; ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
+    g, beta [T, Hv] f32; or, with gates = (a, dt_bias) [Hv] f32, g and beta are the projection's raw alpha and
+    beta logits (any float dtype) and the kernel computes the gates itself (`gdn_gates`: two kernels fewer per
+    step); ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
     Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
     if use_triton(q) and q.shape[0] <= MAX_ROWS:
-        return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base)
-    return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base)
+        return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates)
+    return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates)

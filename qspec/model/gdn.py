@@ -10,9 +10,9 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
-from qspec.kernels.triton_gdn import gdn_recurrent_planes
+from qspec.kernels.triton_gdn import gdn_gates, gdn_recurrent_planes
 from qspec.model.fuse import fused
-from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, softplus, stack_rows
+from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
 
 
@@ -52,7 +52,7 @@ class GatedDeltaNet(torch.nn.Module):
         c = self.cfg
         T = h.shape[0]
         Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
-        qkv, z, beta, g = gdn_in(h, self.w_in, self.a, self.dt_bias, c.gdn_conv_dim, c.gdn_value_dim)
+        qkv, z, b_logit, a_logit = gdn_in(h, self.w_in, c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads)
 
         # conv over [live window || new rows]; snapshots of the window after each row
         last_only = T > rc.n_slots
@@ -60,9 +60,11 @@ class GatedDeltaNet(torch.nn.Module):
                             live=rc.live)
         q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
         if h.is_cuda and not last_only:
-            # Triton: state tile in registers across the rows, each row's state to its rollback plane
-            o = gdn_recurrent_planes(q, k, v, g, beta, st.ssm, rc.live, rc.base)
+            # Triton: state tile in registers across the rows, each row's state to its rollback plane; the kernel
+            # computes the gates from the raw logits
+            o = gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias))
             return gdn_out(o, z, self.norm, self.out, c.rms_eps)
+        beta, g = gdn_gates(b_logit, a_logit, self.a, self.dt_bias)
         rep = Hv // Hk
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # value head n reads key head n % Hk
         S0 = st.ssm.index_select(0, rc.live.view(1))[0]
@@ -76,16 +78,13 @@ class GatedDeltaNet(torch.nn.Module):
 
 
 @fused
-def gdn_in(h: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, C: int, Cv: int
+def gdn_in(h: torch.Tensor, w_in: torch.Tensor, C: int, Cv: int, Hv: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w_in = [qkv ; z ; beta ; alpha] -> (conv input [T, C] in h's dtype: the snapshot kernel widens it to f32
-    as it loads it, so no kernel here casts it; output gate z [T, Cv], beta [T, Hv], log-decay g [T, Hv])."""
+    """w_in = [qkv ; z ; beta ; alpha] -> (conv input [T, C], output gate z [T, Cv], beta logits [T, Hv], alpha
+    logits [T, Hv]), all in h's dtype and raw: the snapshot kernel widens the conv input as it loads it and the
+    gates come from `gdn_gates` (inside the recurrence kernel on CUDA), so no kernel here computes them."""
     y = linear(h, w_in)
-    Hv = a.shape[0]
-    qkv, z = y[:, :C], y[:, C:C + Cv]
-    beta = sigmoid(y[:, C + Cv:C + Cv + Hv].float())
-    g = a * softplus(y[:, C + Cv + Hv:C + Cv + 2 * Hv].float() + dt_bias)
-    return qkv, z, beta, g
+    return y[:, :C], y[:, C:C + Cv], y[:, C + Cv:C + Cv + Hv], y[:, C + Cv + Hv:C + Cv + 2 * Hv]
 
 
 @fused
