@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from qspec.model.ops import sigmoid, softplus
+
+
+def gdn_gates(b_logit: torch.Tensor, a_logit: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beta, g) [T, Hv] f32 from the projection's raw logits: beta = sigmoid(b), g = a * softplus(alpha + dt_bias)."""
+    return sigmoid(b_logit.float()), a * softplus(a_logit.float() + dt_bias)
+
 
 def gdn_recurrent_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         S0: torch.Tensor, keep_states: bool) -> tuple[torch.Tensor, torch.Tensor]:

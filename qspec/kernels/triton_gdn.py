@@ -13,9 +13,8 @@ reductions: with one token at a time there is no M >= 16 operand for tensor core
 
 import torch
 
-from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
+from qspec.kernels.gdn_recurrent import gdn_gates, gdn_recurrent_torch
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
-from qspec.model.ops import sigmoid, softplus
 
 MAX_ROWS = 16
 DEFAULT_BV = 32
@@ -72,12 +71,6 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError("the state must be f32")
     if not 1 <= T <= ssm.shape[0]:
         raise ValueError(f"{T} rows do not fit {ssm.shape[0]} planes")
-
-
-def gdn_gates(b_logit: torch.Tensor, a_logit: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(beta, g) [T, Hv] f32 from the projection's raw logits: beta = sigmoid(b), g = a * softplus(alpha + dt_bias)."""
-    return sigmoid(b_logit.float()), a * softplus(a_logit.float() + dt_bias)
 
 
 def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -9,8 +9,8 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
-from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_recurrent_torch
-from qspec.kernels.triton_gdn import gdn_gates, gdn_recurrent_planes
+from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
+from qspec.kernels.triton_gdn import gdn_recurrent_planes
 from qspec.model.fuse import fused
 from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
