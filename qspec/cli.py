@@ -255,8 +255,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
                          "pip install 'qspec[server]'") from None
     path, tok, engine = _load(a)
+    ids = tok.encode("Hello", add_special=True) or [0]
+    n = min(8, a.ctx - cells_needed(len(ids), 0, a.draft))
+    if a.warmup and n >= 1:
+        # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
+        t0 = time.perf_counter()
+        engine.generate(ids, n)
+        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s")
     name = a.served_name or path.stem
-    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, GET /v1/models, GET /health)")
+    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions; "
+         "GET /v1/models, /health)")
     uvicorn.run(create_app(engine, tok, name), host=a.host, port=a.port, log_level="warning")
     return 0
 
@@ -386,6 +394,8 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
+    _on_off(sv, "--no-warmup", "warmup", "skip the short generation at startup that compiles the steps and "
+            "captures their graphs before the first request")
     _add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 

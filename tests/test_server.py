@@ -94,6 +94,9 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"prompt": PROMPT, "model": "other"}, 404, "'other'"),
     ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": PROMPT, "n": 2}, 400, "n: "),
+    ({"prompt": PROMPT, "logprobs": 5}, 400, "logprobs: "),
+    ({"prompt": PROMPT, "echo": True}, 400, "echo: "),
 ])
 def test_bad_requests_name_the_problem(served, payload: dict, status: int, word: str) -> None:  # noqa: ANN001
     client = served[0]

@@ -38,6 +38,12 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    # OpenAI options this engine cannot honour: accepted only at values that change nothing, so a client that
+    # asks for more gets a 400 instead of a silently different answer
+    n: int = Field(1, ge=1, le=1, description="one sequence per request")
+    logprobs: None = None
+    echo: bool = Field(False, le=False)
+    best_of: int | None = Field(None, ge=1, le=1)
 
 
 class CompletionRequest(_Sampling):
