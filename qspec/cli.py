@@ -235,8 +235,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(g, a.draft)
     if a.json:
-        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path),
-                                                                        "device": engine.model.device.type}
+        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path), "device": model.device.type}
         doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
         Path(a.json).write_text(json.dumps(doc, indent=2, ensure_ascii=False), encoding="utf-8")
     return 0

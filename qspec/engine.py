@@ -117,11 +117,15 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
-    @torch.inference_mode()
-    def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
-                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
+    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+        """Raise ValueError (ContextError when it does not fit the cache) for a request generate() cannot run,
+        before any work: callers that answer for a request (the server) check it up front with the same rules."""
         if not prompt:
             raise ValueError("the prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"the prompt has token id {bad}, outside the vocabulary of {vocab}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         o = self.opts
@@ -129,6 +133,12 @@ class Engine:
         if need > o.capacity:
             raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
                                f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
+                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
+        self.check_request(prompt, max_tokens)
+        o = self.opts
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)

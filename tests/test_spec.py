@@ -103,6 +103,10 @@ def test_bad_depth_and_context(tiny_model: Model) -> None:
         eng.generate(list(range(30)), 8)
     with pytest.raises(ValueError, match="empty"):
         eng.generate([], 8)
+    with pytest.raises(ValueError, match="token id 512, outside the vocabulary of 512"):
+        eng.generate([1, 512], 4)
+    with pytest.raises(ValueError, match="token id -1"):
+        eng.check_request([-1], 4)
 
 
 def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:

@@ -25,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from qspec.engine import Engine, Generation, cells_needed
+from qspec.engine import Engine, Generation
+from qspec.runner import ContextError
 from qspec.spec.accept import Sampler
 from qspec.tokenizer import Tokenizer
 
@@ -104,8 +105,6 @@ class _Run:
 class CompletionServer:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
-        self.vocab = engine.model.cfg.vocab_size
-        self.capacity = engine.opts.capacity
         self.lock = asyncio.Lock()
 
     def prompt_ids(self, req: _Sampling, prompt: str | list[int]) -> list[int]:
@@ -113,17 +112,12 @@ class CompletionServer:
             raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
                              "model")
         ids = prompt if isinstance(prompt, list) else self.tok.encode(prompt, add_special=True)
-        if not ids:
-            raise BadRequest("the prompt is empty", param="prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab]
-        if bad:
-            raise BadRequest(f"the prompt has token id {bad[0]}, outside the vocabulary of {self.vocab}",
-                             param="prompt")
-        need = cells_needed(len(ids), req.max_tokens, self.engine.opts.draft)
-        if need > self.capacity:
-            raise BadRequest(f"the prompt ({len(ids)} tokens) + max_tokens {req.max_tokens} + "
-                             f"{self.engine.opts.draft + 1} draft rows need {need} cells, more than the context "
-                             f"capacity {self.capacity}", param="max_tokens")
+        try:
+            self.engine.check_request(ids, req.max_tokens)  # the engine's own rules, before the request queues
+        except ContextError as e:
+            raise BadRequest(str(e), param="max_tokens") from None
+        except ValueError as e:
+            raise BadRequest(str(e), param="prompt") from None
         return ids
 
     def generate(self, req: _Sampling, ids: list[int], run: _Run,
