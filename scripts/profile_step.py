@@ -1,4 +1,6 @@
-"""Kernel-level profile of one decode step and one verify step at flash-next geometry (issue: GPU fast path).
+"""Kernel-level profile of the steps of a round at flash-next geometry (issue: GPU fast path): the target's
+one-row decode step and (N+1)-row verify step, and the draft head's one-row chained step and (N+1)-row extend
+step (both with the Q4 draft LM head, as the `ours` arm runs them; the extend computes one row's logits).
 
 Runs the steps eagerly under torch.profiler and prints, per step kind: kernels launched, the sum of their
 GPU times, and the kernels that take the most time; then the CUDA-graph replay time of the same step.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,7 +22,6 @@ from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineOptions
 from qspec.kernels import gemv
 from qspec.model import fuse
-from qspec.runner import Runner
 
 
 def kernel_table(prof: profile, steps: int, top: int) -> str:
@@ -41,63 +43,88 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--draft", type=int, default=5)
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="small ops unfused")
-    ap.add_argument("--steps-kind", choices=("both", "decode", "verify"), default="both",
-                    help="profile only one kind of step (each pays its own first-request compilation)")
+    ap.add_argument("--kinds", default="decode,verify",
+                    help="comma-separated step kinds among " + ", ".join(KINDS) + " (each pays its own first-request "
+                         "compilation)")
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="one-row products on cuBLAS")
+    ap.add_argument("--preset", default="flash-next")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
-    cfg = bench_config("flash-next", layers=a.layers)
+    cfg = bench_config(a.preset, layers=a.layers)
     t = time.perf_counter()
-    model = device_random_model(cfg, device="cuda", dtype=torch.bfloat16)
+    model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
-    kinds = [(k, T) for k, T in (("decode", 1), ("verify", a.draft + 1)) if a.steps_kind in ("both", k)]
-    for kind, T in kinds:
-        eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=a.draft if T > 1 else 0,
-                                          cuda_graphs=False, compile=a.compile, gemv=a.gemv))
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown} (known: {', '.join(KINDS)})")
+    for kind in kinds:
+        def engine(graphs: bool, kind: str = kind) -> Engine:
+            return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
+                                               draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv))
+        eng = engine(False)
         t = time.perf_counter()
         eng.generate(prompt, 4)
         print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s", flush=True)
-        run = eng.runner
-        toks = torch.arange(1, T + 1)
+        one = step_fn(eng, kind, a.draft)
         with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(3):  # warm kernels
-                run.step(toks)
-                run.keep(1, rollback=T > 1)
-            torch.cuda.synchronize()
-            prof = profiled(run, toks, a.steps)
-        print(f"{kind} step, T={T}, eager launches:")
+                one()
+            sync()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(a.steps):
+                    one()
+                sync()
+        print(f"{kind} step, eager launches:")
         print(kernel_table(prof, a.steps, a.top), flush=True)
         # the same step through a CUDA graph
-        g = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=a.draft if T > 1 else 0,
-                                        compile=a.compile, gemv=a.gemv))
+        g = engine(True)
         g.generate(prompt, 2)
-        gr = g.runner
+        one = step_fn(g, kind, a.draft)
         with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(3):
-                gr.step(toks)
-                gr.keep(1, rollback=T > 1)
-            torch.cuda.synchronize()
+                one()
+            sync()
             t = time.perf_counter()
             n = 50
             for _ in range(n):
-                gr.step(toks)
-                gr.keep(1, rollback=T > 1)
-            torch.cuda.synchronize()
+                one()
+            sync()
+        st = g.runner.graph_stats
         print(f"{kind} step through a CUDA graph: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
-              f"(captures {gr.graph_stats.captures}, replays {gr.graph_stats.replays})", flush=True)
-        del eng, g
-        torch.cuda.empty_cache()
+              f"(captures {st.captures}, replays {st.replays})", flush=True)
+        del eng, g, one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0
 
 
-def profiled(run: Runner, toks: torch.Tensor, steps: int) -> profile:
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run.step(toks)
-            run.keep(1, rollback=toks.shape[0] > 1)
+KINDS = ("decode", "verify", "draft", "extend")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return prof
+
+
+def step_fn(eng: Engine, kind: str, draft: int) -> Callable[[], object]:
+    """One step of `kind` after the engine's last request, repeatable: target steps are kept and rolled back to
+    one row; draft-head steps rewrite the same cells of the head's cache (they own no rollback)."""
+    run, dev = eng.runner, eng.model.device
+    if kind in ("decode", "verify"):
+        toks = torch.arange(1, (1 if kind == "decode" else draft + 1) + 1)
+
+        def target() -> object:
+            run.step(toks)
+            run.keep(1, rollback=kind == "verify")
+        return target
+    T = 1 if kind == "draft" else draft + 1
+    toks = torch.arange(1, T + 1, device=dev)
+    H = torch.randn(T, eng.model.cfg.hc_dim, device=dev, dtype=eng.model.dtype)
+    row = None if kind == "draft" else T - 1
+    return lambda: run.mtp_step(toks, H, run.n_tokens, eng.opts.draft_lm_head, row=row)
 
 
 if __name__ == "__main__":
