@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
+from qspec.kernels.hc_mix import combine_torch, mix_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch
@@ -42,6 +43,7 @@ from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapsho
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gemv import gemv_triton
+from qspec.kernels.triton_hc_mix import hc_mix_step_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
@@ -437,6 +439,42 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     return W
 
 
+def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, pending: bool, timed: bool = False,
+                 in_config: tuple[int, int, int] | None = None) -> None:
+    """The one-row mixer (combine, grouped norm, w_in and up products, gated stream mean) against the same math in
+    f64; the kernel may round differently from the torch path but must not be less accurate than it (2x slack)."""
+    dev = R.device
+    X = torch.randn(1, S * D, device=dev).to(dt)
+    y = torch.randn(1, D, device=dev).to(dt) if pending else None
+    inj = torch.randn(1, S, device=dev).to(dt) if pending else None
+    norm = (1 + 0.1 * torch.randn(S * D, device=dev)).to(dt)
+    w_in = (torch.randn(N, S * D, device=dev) / (S * D) ** 0.5).to(dt)
+    up = (torch.randn(S * D, rank, device=dev) / rank ** 0.5).to(dt)
+
+    def reference(d: torch.dtype) -> tuple[torch.Tensor, ...]:
+        a = [t.to(d) for t in (X, y, inj, norm, w_in, up) if t is not None]
+        x = a[0] if not pending else combine_torch(a[0], a[1], a[2])
+        return (x, *mix_torch(x, *a[-3:], rank, D, S, 1e-6))
+
+    with torch_references():
+        ref, base = reference(torch.float64), reference(dt)
+    got = hc_mix_step_triton(X, (y, inj) if pending else None, norm, w_in, up, rank, D, S, 1e-6, in_config=in_config)
+    names = ("X", "h", "y")
+    errs = [rel_err(g, r) for g, r in zip(got, ref, strict=True)]
+    base_errs = [rel_err(b, r) for b, r in zip(base, ref, strict=True)]
+    ok = all(e <= max(2 * b, TOL[torch.float32]) for e, b in zip(errs, base_errs, strict=True))
+    detail = ", ".join(f"{n} {e:.2e} (torch {b:.2e})" for n, e, b in zip(names, errs, base_errs, strict=True))
+    row = Row(f"hc mixer D={D} S={S} rank={rank} N={N} {'+combine ' if pending else ''}"
+              f"{str(dt).removeprefix('torch.')}" + (f" cfg={in_config}" if in_config else ""), ok,
+              f"rel err vs f64: {detail}")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: reference(dt))
+        row.triton_us = R.bench(lambda: hc_mix_step_triton(X, (y, inj) if pending else None, norm, w_in, up, rank, D,
+                                                           S, 1e-6, in_config=in_config))
+        row.nbytes = (w_in.numel() + up.numel()) * w_in.element_size()
+    R.add(row, variant=in_config is not None)
+
+
 def gemv_sweep(R: Runner, repeat: int = 24) -> None:
     """One-row products of the model's shapes: cuBLAS, the default plan and a grid of configs, each timed as a CUDA
     graph of `repeat` back-to-back calls (per call: the kernel plus its node latency, as inside a step's graph).
@@ -666,6 +704,23 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
             check_gemv(R, name, N, K, 6, torch.bfloat16, W=W)
             del W
         check_gemv(R, "odd", 1001, 2560, 3, torch.float16)
+
+    # the hyper-connection mixer of one row: real geometry (D=2560, S=4, rank 320, w_in padded to 328 rows; the
+    # output mixer has no injection rows), then K steps that straddle streams and odd sizes
+    if small:
+        check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True)
+        check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True)
+        check_hc_mix(R, 96, 4, 24, 24, torch.float32, pending=False, in_config=(4, 128, 4))
+        check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, in_config=(1, 64, 4))
+    else:
+        check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True)
+        check_hc_mix(R, 2560, 4, 320, 320, torch.bfloat16, pending=True, timed=True)
+        check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=False, timed=True)
+        check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True)
+        check_hc_mix(R, 1000, 3, 100, 107, torch.float16, pending=True)
+        # a few first-kernel configs, also without --sweep: cheap, and IN_CONFIG is a guess until the GPU says
+        for cfg in ((1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 4), (4, 1024, 8), (4, 2048, 8), (8, 512, 4)):
+            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True, in_config=cfg)
 
     # routing: the real 512 experts top-10 for a decode and a verify step, then odd sizes
     if small:

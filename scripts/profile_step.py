@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineOptions
-from qspec.kernels import gemv
+from qspec.kernels import gemv, hc_mix
 from qspec.model import fuse
 
 
@@ -47,6 +47,9 @@ def main() -> int:
                     help="comma-separated step kinds among " + ", ".join(KINDS) + " (each pays its own first-request "
                          "compilation)")
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="one-row products on cuBLAS")
+    ap.add_argument("--mixer-ab", action="store_true",
+                    help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
+                         "Triton kernels (kernels/hc_mix.py), in the same process")
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
@@ -79,22 +82,25 @@ def main() -> int:
                 sync()
         print(f"{kind} step, eager launches:")
         print(kernel_table(prof, a.steps, a.top), flush=True)
-        # the same step through a CUDA graph
-        g = engine(True)
-        g.generate(prompt, 2)
-        one = step_fn(g, kind, a.draft)
-        with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
-            for _ in range(3):
-                one()
-            sync()
-            t = time.perf_counter()
-            n = 50
-            for _ in range(n):
-                one()
-            sync()
-        st = g.runner.graph_stats
-        print(f"{kind} step through a CUDA graph: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
-              f"(captures {st.captures}, replays {st.replays})", flush=True)
+        # the same step through a CUDA graph (and, with --mixer-ab, with the mixers compiled)
+        for mixer_kernels in (True, False) if a.mixer_ab else (True,):
+            with hc_mix.enabled_mode(mixer_kernels):
+                g = engine(True)
+                g.generate(prompt, 2)
+                one = step_fn(g, kind, a.draft)
+                with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
+                    for _ in range(3):
+                        one()
+                    sync()
+                    t = time.perf_counter()
+                    n = 50
+                    for _ in range(n):
+                        one()
+                    sync()
+            st = g.runner.graph_stats
+            label = "" if not a.mixer_ab else " (mixer kernels)" if mixer_kernels else " (mixers compiled)"
+            print(f"{kind} step through a CUDA graph{label}: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
+                  f"(captures {st.captures}, replays {st.replays})", flush=True)
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -525,3 +525,29 @@ def test_cuda_top_blocks_dequant() -> None:
     assert torch.equal(ko, dequant_q8_0_torch(kq, ks, torch.bfloat16))
     assert torch.equal(vo, dequant_q8_0_torch(vq, vs, torch.bfloat16))
 
+
+
+# ---- one-row hyper-connection mixer --------------------------------------------------------------------------
+
+def test_hc_mix_step_dispatch() -> None:
+    """On the CPU (no interpreter) mix_step is the references composed; the kernels never take several rows,
+    f32, row-exact mode or a switched-off run (the kernels themselves: scripts/gpu_kernels.py --interpret)."""
+    from qspec.kernels import hc_mix
+    from qspec.model import ops
+
+    g = torch.Generator().manual_seed(3)
+    S, D, R, N = 4, 32, 8, 12
+    X, y, inj = torch.randn(1, S * D, generator=g), torch.randn(1, D, generator=g), torch.randn(1, S, generator=g)
+    norm = 1 + 0.1 * torch.randn(S * D, generator=g)
+    w_in, up = torch.randn(N, S * D, generator=g), torch.randn(S * D, R, generator=g)
+    Xc, h, out = hc_mix.mix_step(X, (y, inj), norm, w_in, up, R, D, S, 1e-6)
+    want_X = hc_mix.combine_torch(X, y, inj)
+    want_h, want_y = hc_mix.mix_torch(want_X, norm, w_in, up, R, D, S, 1e-6)
+    assert torch.equal(Xc, want_X) and torch.equal(h, want_h) and torch.equal(out, want_y)
+    assert not hc_mix.step_eligible(X, w_in)  # f32 (and the CPU without the interpreter)
+    Xb, wb = X.bfloat16(), w_in.bfloat16()
+    assert not hc_mix.step_eligible(torch.cat([Xb, Xb]), wb)
+    with ops.row_exact_mode(True):
+        assert not hc_mix.step_eligible(Xb, wb)
+    with hc_mix.enabled_mode(False):
+        assert not hc_mix.step_eligible(Xb, wb)

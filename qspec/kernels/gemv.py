@@ -37,6 +37,11 @@ def enabled_mode(on: bool) -> Iterator[None]:
         _ON = old
 
 
+def is_on() -> bool:
+    """Whether one-row products (and the other one-row kernels that read weights: kernels/hc_mix.py) use Triton."""
+    return _ON
+
+
 def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 

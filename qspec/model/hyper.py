@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from qspec.kernels.hc_mix import combine_torch, mix_step, mix_torch, step_eligible
 from qspec.model.fuse import fused
-from qspec.model.ops import linear, rms_norm, sigmoid, silu, stack_rows
+from qspec.model.ops import stack_rows
 
 
 class HyperMixer(torch.nn.Module):
@@ -24,37 +25,37 @@ class HyperMixer(torch.nn.Module):
 
     def forward(self, X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """X [T, S*D] -> (block input h [T, D], injection logits [T, S] or None: hc_combine turns them into weights)."""
-        h, inj = hc_mix(X, self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
-        return h, inj if self.has_inject else None
+        _, h, inj = self.combine_mix(X, None)
+        return h, inj
 
     def combine_mix(self, X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`hc_combine(X, *pending)` (the previous block's output, not yet added), then this mixer, as one fused
         function: the combined residual is written by the kernel that computes its norm, one kernel fewer per
-        block in a decode step. -> (combined X, h, injection logits or None)."""
-        if pending is None:
-            return (X, *self(X))
-        X, h, inj = hc_combine_mix(X, pending[0], pending[1], self.norm, self.w_in, self.up, self.rank, self.hidden,
-                                   self.count, self.eps)
-        return X, h, inj if self.has_inject else None
+        block in a decode step; a one-row step runs both as two Triton kernels (kernels/hc_mix.py).
+        -> (combined X, h, injection logits or None)."""
+        args = (self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
+        if step_eligible(X, self.w_in):
+            X, h, y = mix_step(X, pending, *args)
+        elif pending is None:
+            h, y = hc_mix(X, *args)
+        else:
+            X, h, y = hc_combine_mix(X, pending[0], pending[1], *args)
+        return X, h, y[..., self.rank:self.rank + self.count] if self.has_inject else None
+
+
+# The math lives with its one-row Triton kernels (kernels/hc_mix.py); steps of several rows run it compiled.
+hc_mix = fused(mix_torch)
+hc_combine = fused(combine_torch)
 
 
 @fused
-def hc_mix(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
-           count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """w_in = [down ; inject] -> (h [T, D], injection logits [T, S]; meaningless without inject rows).
-
-    The logits stay raw: hc_combine, which reads them, applies their sigmoid, so no kernel of this function
-    computes them. The gated streams are summed slice by slice (the values and order of stream_mean over their
-    product): inductor would write a product read 4 times to memory with a kernel of its own."""
-    Xn = rms_norm(X, norm, eps, group=hidden)
-    y = linear(Xn, w_in)
-    gate = sigmoid(linear(silu(y[..., :rank] / count), up)).unflatten(-1, (count, hidden))
-    xs = Xn.unflatten(-1, (count, hidden))
-    acc = gate[..., 0, :] * xs[..., 0, :]
-    for s in range(1, count):
-        acc = acc + gate[..., s, :] * xs[..., s, :]
-    return acc / count, y[..., rank:rank + count]
+def hc_combine_mix(X: torch.Tensor, y: torch.Tensor, inj_prev: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor,
+                   up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """combine followed by mix -> (combined X, h, w_in's outputs): the same ops in the same order."""
+    X = combine_torch(X, y, inj_prev)
+    return (X, *mix_torch(X, norm, w_in, up, rank, hidden, count, eps))
 
 
 def stream_mean(x: torch.Tensor) -> torch.Tensor:
@@ -64,19 +65,3 @@ def stream_mean(x: torch.Tensor) -> torch.Tensor:
     for s in range(1, x.shape[-2]):
         acc = acc + x[..., s, :]
     return acc / x.shape[-2]
-
-
-@fused
-def hc_combine(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:
-    """X_s += inj_s * y for every stream s, inj = 2 sigmoid(logits / S); X [T, S*D], y [T, D], logits [T, S]."""
-    inj = 2 * sigmoid(inj_logits / inj_logits.shape[-1])
-    return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
-
-
-@fused
-def hc_combine_mix(X: torch.Tensor, y: torch.Tensor, inj_prev: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor,
-                   up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_combine followed by hc_mix -> (combined X, h, injection logits): the same ops in the same order."""
-    X = hc_combine.eager(X, y, inj_prev)  # type: ignore[attr-defined]
-    return (X, *hc_mix.eager(X, norm, w_in, up, rank, hidden, count, eps))  # type: ignore[attr-defined]

@@ -1,0 +1,76 @@
+"""The hyper-connection mixer's math: the pending block output added into the residual streams (`combine_torch`),
+and the mixer (`mix_torch`): grouped RMSNorm, the low-rank gate, the gated mean of the streams.
+
+These are the torch references; model/hyper.py runs them compiled (@fused) for steps of several rows. For a
+one-row step of 16-bit weights on CUDA, `mix_step` runs the whole mixer as two Triton kernels
+(triton_hc_mix.py) instead of the ~6 kernels the compiled functions make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from qspec.kernels import gemv
+from qspec.kernels.triton_common import use_triton
+from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
+
+DTYPES = (torch.bfloat16, torch.float16)
+_ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
+
+
+@contextlib.contextmanager
+def enabled_mode(on: bool) -> Iterator[None]:
+    """Let one-row mixers take the Triton kernels (on, the default) or not, inside the block."""
+    global _ON
+    old, _ON = _ON, on
+    try:
+        yield
+    finally:
+        _ON = old
+
+
+def combine_torch(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:
+    """X_s += inj_s * y for every stream s, inj = 2 sigmoid(logits / S); X [T, S*D], y [T, D], logits [T, S]."""
+    inj = 2 * sigmoid(inj_logits / inj_logits.shape[-1])
+    return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
+
+
+def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
+              count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """w_in = [down ; inject] -> (h [T, D], w_in's outputs [T, N]: the rows past `rank` are the injection logits).
+
+    The logits stay raw: combine, which reads them, applies their sigmoid. The gated streams are summed slice by
+    slice (a fixed order whatever the row count; compiled, no kernel of its own writes the product)."""
+    Xn = rms_norm(X, norm, eps, group=hidden)
+    y = linear(Xn, w_in)
+    gate = sigmoid(linear(silu(y[..., :rank] / count), up)).unflatten(-1, (count, hidden))
+    xs = Xn.unflatten(-1, (count, hidden))
+    acc = gate[..., 0, :] * xs[..., 0, :]
+    for s in range(1, count):
+        acc = acc + gate[..., s, :] * xs[..., s, :]
+    return acc / count, y
+
+
+def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
+    """Whether `mix_step` takes this mixer: one row, 16-bit, CUDA (or the interpreter), the one-row kernels
+    switched on (gemv.enabled_mode: the A/B arm `gemv=0` measures the compiled path), not row-exact mode."""
+    return (_ON and X.shape[0] == 1 and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on() and use_triton(X)
+            and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
+
+
+def mix_step(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+             w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """combine (when a block output is pending) then mix, for one row -> (combined X, h, w_in's outputs).
+    The Triton kernels where `step_eligible`, else the references."""
+    if step_eligible(X, w_in):
+        from qspec.kernels.triton_hc_mix import hc_mix_step_triton
+
+        p = None if pending is None else (pending[0].contiguous(), pending[1].contiguous())
+        return hc_mix_step_triton(X, p, norm, w_in, up.contiguous(), rank, hidden, count, eps)
+    if pending is not None:
+        X = combine_torch(X, *pending)
+    return (X, *mix_torch(X, norm, w_in, up, rank, hidden, count, eps))
