@@ -440,13 +440,14 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
 
 
 def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, pending: bool, timed: bool = False,
-                 in_config: tuple[int, int, int] | None = None) -> None:
-    """The one-row mixer (combine, grouped norm, w_in and up products, gated stream mean) against the same math in
+                 in_config: tuple[int, int, int] | None = None, M: int = 1) -> None:
+    """The step-sized mixer (combine, grouped norm, w_in and up products, gated stream mean) against the same math in
     f64; the kernel may round differently from the torch path but must not be less accurate than it (2x slack)."""
     dev = R.device
-    X = torch.randn(1, S * D, device=dev).to(dt)
-    y = torch.randn(1, D, device=dev).to(dt) if pending else None
-    inj = torch.randn(1, S, device=dev).to(dt) if pending else None
+    X = torch.randn(M, S * D, device=dev).to(dt)
+    y = torch.randn(M, D, device=dev).to(dt) if pending else None
+    # the injection logits as the model passes them: a column slice of the previous mixer's w_in outputs
+    inj = torch.randn(M, S + 5, device=dev).to(dt)[:, 2:2 + S] if pending else None
     norm = (1 + 0.1 * torch.randn(S * D, device=dev)).to(dt)
     w_in = (torch.randn(N, S * D, device=dev) / (S * D) ** 0.5).to(dt)
     up = (torch.randn(S * D, rank, device=dev) / rank ** 0.5).to(dt)
@@ -464,7 +465,7 @@ def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, 
     base_errs = [rel_err(b, r) for b, r in zip(base, ref, strict=True)]
     ok = all(e <= max(2 * b, TOL[torch.float32]) for e, b in zip(errs, base_errs, strict=True))
     detail = ", ".join(f"{n} {e:.2e} (torch {b:.2e})" for n, e, b in zip(names, errs, base_errs, strict=True))
-    row = Row(f"hc mixer D={D} S={S} rank={rank} N={N} {'+combine ' if pending else ''}"
+    row = Row(f"hc mixer M={M} D={D} S={S} rank={rank} N={N} {'+combine ' if pending else ''}"
               f"{str(dt).removeprefix('torch.')}" + (f" cfg={in_config}" if in_config else ""), ok,
               f"rel err vs f64: {detail}")
     if timed and R.timing:
@@ -712,12 +713,20 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True)
         check_hc_mix(R, 96, 4, 24, 24, torch.float32, pending=False, in_config=(4, 128, 4))
         check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, in_config=(1, 64, 4))
+        check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True, M=6)
+        check_hc_mix(R, 96, 4, 24, 24, torch.bfloat16, pending=True, M=3, in_config=(4, 128, 4))
+        check_hc_mix(R, 64, 4, 16, 20, torch.float32, pending=False, M=8)
     else:
         check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True)
         check_hc_mix(R, 2560, 4, 320, 320, torch.bfloat16, pending=True, timed=True)
         check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=False, timed=True)
         check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True)
         check_hc_mix(R, 1000, 3, 100, 107, torch.float16, pending=True)
+        for M in (6, 2, 8):  # a verify / extend step of MTP5, and the edges
+            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=M == 6, M=M)
+        check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True, M=6)
+        for cfg in ((2, 1024, 8), (4, 2048, 8), (8, 1024, 8), (8, 512, 4), (16, 512, 8)):
+            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True, in_config=cfg, M=6)
         # a few first-kernel configs, also without --sweep: cheap, and IN_CONFIG is a guess until the GPU says
         for cfg in ((1, 2048, 8), (1, 4096, 8), (2, 1024, 4), (2, 2048, 4), (4, 1024, 8), (4, 2048, 8), (8, 512, 4)):
             check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True, in_config=cfg)

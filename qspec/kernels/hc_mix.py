@@ -1,9 +1,9 @@
 """The hyper-connection mixer's math: the pending block output added into the residual streams (`combine_torch`),
 and the mixer (`mix_torch`): grouped RMSNorm, the low-rank gate, the gated mean of the streams.
 
-These are the torch references; model/hyper.py runs them compiled (@fused) for steps of several rows. For a
-one-row step of 16-bit weights on CUDA, `mix_step` runs the whole mixer as two Triton kernels
-(triton_hc_mix.py) instead of the ~6 kernels the compiled functions make.
+These are the torch references; model/hyper.py runs them compiled (@fused) for prefill chunks. For a step of up
+to 8 rows (decode, verify, draft, extend) of 16-bit weights on CUDA, `mix_step` runs the whole mixer as two
+Triton kernels (triton_hc_mix.py) instead of the ~6 kernels the compiled functions make.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from qspec.kernels.triton_common import use_triton
 from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
 DTYPES = (torch.bfloat16, torch.float16)
-_ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
+MAX_ROWS = 8  # triton_hc_mix.MAX_ROWS (that module needs triton)
+_ON = True  # off: step-sized mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
 
 
 @contextlib.contextmanager
 def enabled_mode(on: bool) -> Iterator[None]:
-    """Let one-row mixers take the Triton kernels (on, the default) or not, inside the block."""
+    """Let step-sized mixers take the Triton kernels (on, the default) or not, inside the block."""
     global _ON
     old, _ON = _ON, on
     try:
@@ -55,21 +56,22 @@ def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch
 
 
 def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
-    """Whether `mix_step` takes this mixer: one row, 16-bit, CUDA (or the interpreter), the one-row kernels
-    switched on (gemv.enabled_mode: the A/B arm `gemv=0` measures the compiled path), not row-exact mode."""
-    return (_ON and X.shape[0] == 1 and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on() and use_triton(X)
-            and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
+    """Whether `mix_step` takes this mixer: a step of at most MAX_ROWS rows (decode, verify, draft, extend), 16-bit,
+    CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0` measures the
+    compiled path), not row-exact mode."""
+    return (_ON and 0 < X.shape[0] <= MAX_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
+            and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
 
 def mix_step(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
              w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """combine (when a block output is pending) then mix, for one row -> (combined X, h, w_in's outputs).
+    """combine (when a block output is pending) then mix -> (combined X, h, w_in's outputs).
     The Triton kernels where `step_eligible`, else the references."""
     if step_eligible(X, w_in):
         from qspec.kernels.triton_hc_mix import hc_mix_step_triton
 
-        p = None if pending is None else (pending[0].contiguous(), pending[1].contiguous())
+        p = None if pending is None else tuple(t if t.stride(-1) == 1 else t.contiguous() for t in pending)
         return hc_mix_step_triton(X, p, norm, w_in, up.contiguous(), rank, hidden, count, eps)
     if pending is not None:
         X = combine_torch(X, *pending)
