@@ -49,8 +49,8 @@ class EngineOptions:
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
     cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
     compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
-    # one-row 16-bit products through the Triton mat-vec (kernels/gemv.py) and the hyper-connection mixers of steps of
-    # up to 8 rows through their Triton kernels (kernels/hc_mix.py), on CUDA; off: cuBLAS and the compiled mixers
+    # one-row 16-bit products through the Triton mat-vec (kernels/gemv.py) and one-row hyper-connection mixers through
+    # their Triton kernels (kernels/hc_mix.py), on CUDA; off: cuBLAS and the compiled mixers
     gemv: bool = True
     compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)

@@ -707,7 +707,7 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_gemv(R, "odd", 1001, 2560, 3, torch.float16)
 
     # the hyper-connection mixer of a step: real geometry (D=2560, S=4, rank 320, w_in padded to 328 rows; the
-    # output mixer has no injection rows) for 1, 2, 6 and 8 rows, then odd sizes
+    # output mixer has no injection rows) for 1, 2, 6 and 8 rows (the engine uses one), then odd sizes
     if small:
         check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True)
         check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True)

@@ -6,7 +6,7 @@ Built-in arms (the seed's comparison):
   ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
 
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
-fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and step-sized
+fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
 mixer kernels, on by default), sparse (sparse QSA attention) (booleans as
 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a

@@ -13,7 +13,9 @@ the `w_in` product of the normed rows (`ops.linear`: the tuned mat-vec for one r
 
 A first version did the combine and norm inside the product's kernel (every program recomputing the row's
 norm) and the rows' products in one kernel: on the H200 it was slower than the compiled functions (decode step
-1.849 vs 1.674 ms, verify 3.377 vs 5.201: BENCHMARKS.md §3b), its recomputation and [rows x K] tiles spilling.
+1.849 vs 1.674 ms, verify 5.201 vs 3.377 ms: BENCHMARKS.md §3b), likely its recomputation and [rows x K] tiles.
+This version is faster for one row (1.734 vs 1.835 ms per decode step, one process) but its output kernel still
+takes ~13 µs where the plain `up` mat-vec takes ~5: the next thing to tune (OUT_CONFIG is not tuned yet).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.

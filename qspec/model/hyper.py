@@ -32,7 +32,7 @@ class HyperMixer(torch.nn.Module):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`hc_combine(X, *pending)` (the previous block's output, not yet added), then this mixer, as one fused
         function: the combined residual is written by the kernel that computes its norm, one kernel fewer per
-        block in a decode step; a step of up to 8 rows runs both as two Triton kernels (kernels/hc_mix.py).
+        block in a decode step; a one-row step runs both on Triton kernels (kernels/hc_mix.py).
         -> (combined X, h, injection logits or None)."""
         args = (self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
         if step_eligible(X, self.w_in):
@@ -44,7 +44,7 @@ class HyperMixer(torch.nn.Module):
         return X, h, y[..., self.rank:self.rank + self.count] if self.has_inject else None
 
 
-# The math lives with its Triton kernels (kernels/hc_mix.py); prefill chunks run it compiled.
+# The math lives with its Triton kernels (kernels/hc_mix.py); steps of several rows run it compiled.
 hc_mix = fused(mix_torch)
 hc_combine = fused(combine_torch)
 
