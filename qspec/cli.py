@@ -27,6 +27,7 @@ from qspec.loader import (
     QWEN_VOCAB,
     default_model_file,
     default_model_path,
+    demo_model_path,
     load_model,
     load_tokenizer,
     tokenizer_for_vocab,
@@ -78,6 +79,11 @@ def _device(name: str | None) -> torch.device:
 
 
 def _model_path(arg: str | None) -> Path:
+    if arg == "demo" and not Path(arg).exists():
+        try:
+            return demo_model_path()
+        except FileNotFoundError as e:
+            raise UsageError(f"--model demo: {e}") from e
     if arg is not None:
         return Path(arg)
     first = "" if default_model_file().is_file() else ", generating it once (about 10 s)"
@@ -341,7 +347,8 @@ def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None
 
 def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share."""
-    r.add_argument("--model", help="GGUF file or HF checkpoint dir (default: the embedded random-weight model)")
+    r.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
+                                    "qspec; default: the embedded random-weight model)")
     r.add_argument("--draft", type=int, default=0, metavar="N", help="MTP draft depth 0..8 (0: plain decoding)")
     r.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (a multiple of 4)")
     r.add_argument("--kv-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32")

@@ -38,6 +38,8 @@ QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k re
 # Bump when the default model's definition (preset, seed, format, tokenizer) changes: a new file name means a
 # stale cache is never reused.
 DEFAULT_MODEL_VERSION = 1
+# The trained demo model (scripts/train_demo.py): `--model demo`
+DEMO_MODEL = Path(__file__).parent / "assets" / "demo-q8_0.gguf"
 DEFAULT_MODEL_SEED = 0
 # Random models with a shrunk vocabulary get the Qwen tokenizer cut to its first ids plus the ChatML specials.
 TRUNCATED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -246,3 +248,12 @@ def default_model_path() -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def demo_model_path() -> Path:
+    """The trained demo model shipped with the package (`--model demo`): a tiny qwen4exp with an MTP head, trained
+    on Python source (scripts/train_demo.py)."""
+    if not DEMO_MODEL.is_file():
+        raise FileNotFoundError(f"{DEMO_MODEL}: the demo model is missing from this install "
+                                "(scripts/train_demo.py makes it)")
+    return DEMO_MODEL

@@ -97,7 +97,8 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
             raise ValueError("--layers / --experts / --vocab apply to --preset only")
         from qspec import loader
 
-        path = Path(model) if model is not None else loader.default_model_path()
+        path = (loader.demo_model_path() if model == "demo" and not Path(model).exists()
+                else Path(model) if model is not None else loader.default_model_path())
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         m = loader.load_model(path, device=dev, dtype=dt)
@@ -197,7 +198,8 @@ def run_sweep(model: str | os.PathLike[str] | Model | None = None, *, preset: st
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="PATH", help="GGUF file or HF checkpoint dir (default: the embedded model)")
+    src.add_argument("--model", metavar="PATH", help="GGUF file, HF checkpoint dir, or `demo` (the trained demo "
+                                                    "model) (default: the embedded model)")
     src.add_argument("--preset", choices=("tiny", "flash-next"),
                      help="random weights generated on the device instead of a file")
     g.add_argument("--layers", type=int, help="trunk layers of the preset (3 GDN : 1 QSA pattern)")
