@@ -4,6 +4,11 @@ plain decoding token for token at every draft depth."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_cli import counters, run
@@ -68,3 +73,19 @@ def test_demo_sampling_is_seeded(demo: tuple) -> None:
     b = Engine(model, EngineOptions(draft=3, capacity=512)).generate(
         prompt, 32, sampler=Sampler(temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(1)))
     assert a.tokens == b.tokens and a.spec.accepted > 0
+
+
+def test_train_demo_script_end_to_end(tmp_path: Path) -> None:
+    """scripts/train_demo.py for a few seconds: transformers trains, the HF checkpoint with its `mtp.*` head goes
+    through qspec's reader to a Q8_0 GGUF, and its checks run (qspec vs transformers, speculative vs plain)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "demo.gguf"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "train_demo.py"), "--out", str(out),
+                        "--trunk-minutes", "0.05", "--mtp-minutes", "0.03", "--batch", "2", "--length", "64"],
+                       cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert out.is_file() and "argmax agree" in r.stdout
+    assert r.stdout.count("same tokens as plain: True") == 3, r.stdout[-2000:]
+    model = load_model(out, with_mtp=True)
+    assert model.mtp is not None and model.cfg.vocab_size == 8192
