@@ -88,7 +88,7 @@ def _model_path(arg: str | None) -> Path:
         return Path(arg)
     first = "" if default_model_file().is_file() else ", generating it once (about 10 s)"
     _say(f"qspec: using the embedded default model (random weights: the text is gibberish; "
-         f"pass --model path.gguf for real weights){first}")
+         f"pass --model path.gguf for real weights, or --model demo for a small trained model){first}")
     return default_model_path()
 
 
