@@ -27,9 +27,9 @@ from qspec.loader import (
     QWEN_VOCAB,
     default_model_file,
     default_model_path,
-    demo_model_path,
     load_model,
     load_tokenizer,
+    model_path,
     tokenizer_for_vocab,
     write_model,
 )
@@ -79,13 +79,11 @@ def _device(name: str | None) -> torch.device:
 
 
 def _model_path(arg: str | None) -> Path:
-    if arg == "demo" and not Path(arg).exists():
-        try:
-            return demo_model_path()
-        except FileNotFoundError as e:
-            raise UsageError(f"--model demo: {e}") from e
     if arg is not None:
-        return Path(arg)
+        try:
+            return model_path(arg)
+        except FileNotFoundError as e:
+            raise UsageError(f"--model {arg}: {e}") from e
     first = "" if default_model_file().is_file() else ", generating it once (about 10 s)"
     _say(f"qspec: using the embedded default model (random weights: the text is gibberish; "
          f"pass --model path.gguf for real weights, or --model demo for a small trained model){first}")

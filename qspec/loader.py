@@ -250,6 +250,11 @@ def default_model_path() -> Path:
     return path
 
 
+def model_path(arg: str) -> Path:
+    """A `--model` argument as a path: `demo` names the trained demo model (unless a file of that name exists)."""
+    return demo_model_path() if arg == "demo" and not Path(arg).exists() else Path(arg)
+
+
 def demo_model_path() -> Path:
     """The trained demo model shipped with the package (`--model demo`): a tiny qwen4exp with an MTP head, trained
     on Python source (scripts/train_demo.py)."""

@@ -97,8 +97,7 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
             raise ValueError("--layers / --experts / --vocab apply to --preset only")
         from qspec import loader
 
-        path = (loader.demo_model_path() if model == "demo" and not Path(model).exists()
-                else Path(model) if model is not None else loader.default_model_path())
+        path = loader.model_path(model) if model is not None else loader.default_model_path()
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         m = loader.load_model(path, device=dev, dtype=dt)
