@@ -18,12 +18,12 @@ from qspec.kernels.triton_common import use_triton
 from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
 DTYPES = (torch.bfloat16, torch.float16)
-_ON = True  # off: step-sized mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
+_ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
 
 
 @contextlib.contextmanager
 def enabled_mode(on: bool) -> Iterator[None]:
-    """Let step-sized mixers take the Triton kernels (on, the default) or not, inside the block."""
+    """Let one-row mixers take the Triton kernels (on, the default) or not, inside the block."""
     global _ON
     old, _ON = _ON, on
     try:
