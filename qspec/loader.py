@@ -38,9 +38,9 @@ QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k re
 # Bump when the default model's definition (preset, seed, format, tokenizer) changes: a new file name means a
 # stale cache is never reused.
 DEFAULT_MODEL_VERSION = 1
+DEFAULT_MODEL_SEED = 0
 # The trained demo model (scripts/train_demo.py): `--model demo`
 DEMO_MODEL = Path(__file__).parent / "assets" / "demo-q8_0.gguf"
-DEFAULT_MODEL_SEED = 0
 # Random models with a shrunk vocabulary get the Qwen tokenizer cut to its first ids plus the ChatML specials.
 TRUNCATED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_TRUNCATED_VOCAB = 256 + 1 + len(TRUNCATED_SPECIALS)  # the bytes, >= 1 merge (GGUF has no empty arrays)

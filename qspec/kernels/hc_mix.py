@@ -65,16 +65,23 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
 
+def mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                    w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton kernels for a mixer `step_eligible` takes -> (combined X, h, w_in's outputs)."""
+    from qspec.kernels.triton_hc_mix import hc_mix_step_triton
+
+    p = None if pending is None else tuple(t if t.stride(-1) == 1 else t.contiguous() for t in pending)
+    return hc_mix_step_triton(X, p, norm, w_in, up.contiguous(), rank, hidden, count, eps)
+
+
 def mix_step(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
              w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """combine (when a block output is pending) then mix -> (combined X, h, w_in's outputs).
     The Triton kernels where `step_eligible`, else the references."""
     if step_eligible(X, w_in):
-        from qspec.kernels.triton_hc_mix import hc_mix_step_triton
-
-        p = None if pending is None else tuple(t if t.stride(-1) == 1 else t.contiguous() for t in pending)
-        return hc_mix_step_triton(X, p, norm, w_in, up.contiguous(), rank, hidden, count, eps)
+        return mix_step_triton(X, pending, norm, w_in, up, rank, hidden, count, eps)
     if pending is not None:
         X = combine_torch(X, *pending)
     return (X, *mix_torch(X, norm, w_in, up, rank, hidden, count, eps))

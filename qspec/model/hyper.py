@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qspec.kernels.hc_mix import combine_torch, mix_step, mix_torch, step_eligible
+from qspec.kernels.hc_mix import combine_torch, mix_step_triton, mix_torch, step_eligible
 from qspec.model.fuse import fused
 from qspec.model.ops import stack_rows
 
@@ -36,7 +36,7 @@ class HyperMixer(torch.nn.Module):
         -> (combined X, h, injection logits or None)."""
         args = (self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
         if step_eligible(X, self.w_in):
-            X, h, y = mix_step(X, pending, *args)
+            X, h, y = mix_step_triton(X, pending, *args)
         elif pending is None:
             h, y = hc_mix(X, *args)
         else:
