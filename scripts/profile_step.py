@@ -50,6 +50,10 @@ def main() -> int:
     ap.add_argument("--mixer-ab", action="store_true",
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")
+    ap.add_argument("--e2e", type=int, default=0, metavar="N",
+                    help="after the decode kind: plain greedy decoding of N tokens through the engine (graphs, the "
+                         "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
+                         "token against the GPU's kernel time per token")
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
@@ -101,6 +105,8 @@ def main() -> int:
             label = "" if not a.mixer_ab else " (mixer kernels)" if mixer_kernels else " (mixers compiled)"
             print(f"{kind} step through a CUDA graph{label}: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
                   f"(captures {st.captures}, replays {st.replays})", flush=True)
+        if kind == "decode" and a.e2e:
+            print(end_to_end(g, prompt, a.e2e, a.top), flush=True)
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -108,6 +114,27 @@ def main() -> int:
 
 
 KINDS = ("decode", "verify", "draft", "extend")
+
+
+def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
+    """Plain decoding of n tokens as the benchmarks run it: decode tok/s, then a profiled request whose profile
+    starts at the first token (after the prefill) -> wall ms per token beside the kernel time per token."""
+    eng.generate(prompt, n)  # every KV bucket's graph captured
+    gen = eng.generate(prompt, n)
+    lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt: {gen.decode_tps:.2f} tok/s "
+             f"({gen.decode_s / n * 1e3:.3f} ms per token; graphs {gen.graphs})"]
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    started = []
+
+    def start(_: int) -> None:
+        if not started:
+            started.append(True)
+            prof.start()
+    gen = eng.generate(prompt, n, on_token=start)
+    prof.stop()
+    lines.append(f"profiled: {gen.decode_s / n * 1e3:.3f} ms per token (profiler overhead included)")
+    lines.append(kernel_table(prof, n, top))
+    return "\n".join(lines)
 
 
 def sync() -> None:

@@ -28,9 +28,9 @@ from qspec.model.ops import linear
 
 MAX_ROWS = 8
 MAX_STREAM = 16384  # one prep program holds a whole stream
-# (features per program, warps) of the output kernel, for one row and for several
-OUT_CONFIG = (16, 4)
-OUT_CONFIG_ROWS = (8, 4)
+# (features per program, rank elements per K step, warps) of the output kernel, for one row and for several
+OUT_CONFIG = (8, 128, 8)
+OUT_CONFIG_ROWS = (8, 64, 4)
 
 if HAS_TRITON:
     import triton
@@ -39,7 +39,7 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import round_to
 
     @triton.jit
-    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, r_ptr, D, eps, yp_m, ip_m,
+    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
                         S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
         m = tl.program_id(0)
         s = tl.program_id(1)
@@ -55,39 +55,60 @@ if HAS_TRITON:
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         g = tl.load(norm_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         tl.store(xn_ptr + f, round_to(x * r * g, DT).to(xn_ptr.dtype.element_ty), mask=dmask)
-        tl.store(r_ptr + m * S + s, r)
 
     @triton.jit
     def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
-                       M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, BD: tl.constexpr, RP: tl.constexpr,
-                       DT: tl.constexpr):
-        d = tl.program_id(0) * BD + tl.arange(0, BD)
-        dmask = d < D
-        j = tl.arange(0, RP)
-        jmask = j < R
+                       M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                       BK: tl.constexpr, DT: tl.constexpr):
+        # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
+        # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
+        # mat-vec does (triton_gemv.py)
+        i = tl.arange(0, SP * BD)
+        s = i // BD
+        d = tl.program_id(0) * BD + i % BD
+        fmask = (s < S) & (d < D)
+        f = s * D + d
+        urow = up_ptr + f.to(tl.int64)[:, None] * R
+        kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
-        acc = tl.zeros([MP, BD], dtype=tl.float32)
-        for s in tl.static_range(S):
-            f = s * D + d
-            u = tl.load(up_ptr + f.to(tl.int64)[:, None] * R + j[None, :], mask=dmask[:, None] & jmask[None, :],
-                        other=0.0).to(tl.float32)  # [BD, RP], loaded once for every row
-            for m in tl.static_range(M):
-                a = tl.load(y_ptr + m * N + j, mask=jmask, other=0.0).to(tl.float32) / S
+        if M == 1:
+            prod = tl.zeros([SP * BD, BK], dtype=tl.float32)
+            for k0 in range(0, R, BK):
+                k = k0 + kk
+                kmask = k < R
+                u = tl.load(urow + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                a = tl.load(y_ptr + k, mask=kmask, other=0.0).to(tl.float32) / S
                 a = round_to(a * tl.sigmoid(a), DT)  # silu(y / S), the up product's input
-                gate = tl.sigmoid(round_to(tl.sum(u * a[None, :], axis=1), DT))
-                xn = tl.load(xn_ptr + m * S * D + f, mask=dmask, other=0.0).to(tl.float32)
-                acc = tl.where(mi[:, None] == m, acc + (gate * xn)[None, :], acc)
-        out = h_ptr + mi[:, None] * D + d[None, :]
-        tl.store(out, round_to(acc / S, DT).to(h_ptr.dtype.element_ty), mask=(mi[:, None] < M) & dmask[None, :])
+                prod += u * a[None, :]
+            logits = tl.sum(prod, axis=1)[None, :]  # [1, SP*BD]
+        else:
+            logits = tl.zeros([MP, SP * BD], dtype=tl.float32)
+            for k0 in range(0, R, BK):
+                k = k0 + kk
+                kmask = k < R
+                u = tl.load(urow + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                for m in tl.static_range(M):
+                    a = tl.load(y_ptr + m * N + k, mask=kmask, other=0.0).to(tl.float32) / S
+                    a = round_to(a * tl.sigmoid(a), DT)
+                    p = tl.sum(u * a[None, :], axis=1)
+                    logits = tl.where(mi[:, None] == m, logits + p[None, :], logits)
+        gate = tl.sigmoid(round_to(logits, DT))  # the up product's output is stored in 16 bits when compiled
+        rmask = (mi[:, None] < M) & fmask[None, :]
+        xn = tl.load(xn_ptr + mi[:, None] * S * D + f[None, :], mask=rmask, other=0.0).to(tl.float32)
+        h = tl.sum(tl.reshape(gate * xn, [MP, SP, BD]), axis=1) / S  # the gated mean over the streams
+        dd = tl.program_id(0) * BD + tl.arange(0, BD)
+        out = h_ptr + mi[:, None] * D + dd[None, :]
+        tl.store(out, round_to(h, DT).to(h_ptr.dtype.element_ty), mask=(mi[:, None] < M) & (dd < D)[None, :])
 
 
 def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
                        w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float,
-                       out_config: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       out_config: tuple[int, int, int] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """M <= MAX_ROWS rows: X [M, S*D] contiguous, pending (y [M, D], injection logits [M, S], each with contiguous
     rows) or None -> (combined X, h [M, D], w_in's outputs [M, N]: the columns past `rank` are the injection logits)."""
     S, D = count, hidden
-    M, N = X.shape[0], w_in.shape[0]
+    M = X.shape[0]
     if (not 0 < M <= MAX_ROWS or X.shape[1] != S * D or not X.is_contiguous() or w_in.shape[1] != S * D
             or D > MAX_STREAM):
         raise ValueError(f"hc mixer: X {tuple(X.shape)} (contiguous: {X.is_contiguous()}), w_in {tuple(w_in.shape)}, "
@@ -95,13 +116,20 @@ def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     dt = X.dtype
     Xo = torch.empty_like(X) if pending is not None else X
     Xn = torch.empty_like(X)
-    r = torch.empty(M, S, dtype=torch.float32, device=X.device)
     yp, ip = pending if pending is not None else (X, X)
-    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, r, D, eps, yp.stride(0), ip.stride(0), S=S,
+    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), ip.stride(0), S=S,
                             HAS_PENDING=pending is not None, BD=next_pow2(D), DT=tl_dtype(dt), num_warps=4)
     y = linear(Xn, w_in)
-    h = torch.empty(M, D, dtype=dt, device=X.device)
-    bd, warps = out_config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
-    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, N, D, rank, M=M, MP=triton.next_power_of_2(M), S=S,
-                                          BD=bd, RP=next_pow2(rank), DT=tl_dtype(dt), num_warps=warps)
-    return Xo, h, y
+    return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
+
+
+def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int,
+                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The output kernel alone: y [M, N] (w_in's outputs, the first `rank` columns feed the gate), Xn [M, S*D]
+    the normed streams, up [S*D, rank] -> h [M, D]. config: (features per program, K step, warps)."""
+    M, D, S = Xn.shape[0], hidden, count
+    h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
+    bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
+    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=triton.next_power_of_2(M),
+                                          S=S, SP=next_pow2(S), BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), num_warps=warps)
+    return h
