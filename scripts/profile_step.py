@@ -87,7 +87,7 @@ def main() -> int:
         print(f"{kind} step, eager launches:")
         print(kernel_table(prof, a.steps, a.top), flush=True)
         # the same step through a CUDA graph (and, with --mixer-ab, with the mixers compiled)
-        for mixer_kernels in (True, False) if a.mixer_ab else (True,):
+        for mixer_kernels in (False, True) if a.mixer_ab else (True,):  # the engine left in g runs as the default
             with hc_mix.enabled_mode(mixer_kernels):
                 g = engine(True)
                 g.generate(prompt, 2)
@@ -117,12 +117,38 @@ KINDS = ("decode", "verify", "draft", "extend")
 
 
 def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
-    """Plain decoding of n tokens as the benchmarks run it: decode tok/s, then a profiled request whose profile
-    starts at the first token (after the prefill) -> wall ms per token beside the kernel time per token."""
+    """Plain decoding of n tokens as the benchmarks run it: decode tok/s with the host's time inside the runner's
+    step and keep calls (the rest of the host's time is mostly waiting for each token's read-back), then a request
+    profiled from its first token (after the prefill): kernel time per token and the host calls that take most."""
     eng.generate(prompt, n)  # every KV bucket's graph captured
-    gen = eng.generate(prompt, n)
+    run = eng.runner
+    host = {"step": 0.0, "keep": 0.0}
+    decoding = []  # set at the first token: the prefill's steps are not counted
+
+    def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object, **kw: object) -> object:
+            t = time.perf_counter()
+            out = fn(*args, **kw)
+            if decoding:
+                host[name] += time.perf_counter() - t
+            return out
+        return call
+    run.step, run.keep = timed("step", run.step), timed("keep", run.keep)  # type: ignore[method-assign]
+    gen = eng.generate(prompt, n, on_token=lambda _: decoding.append(True))
+    del run.step, run.keep  # the instance attributes: back to the methods
+    per = {k: v / n * 1e3 for k, v in host.items()}
     lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt: {gen.decode_tps:.2f} tok/s "
-             f"({gen.decode_s / n * 1e3:.3f} ms per token; graphs {gen.graphs})"]
+             f"({gen.decode_s / n * 1e3:.3f} ms per token; host inside runner.step {per['step']:.3f} ms and "
+             f"runner.keep {per['keep']:.3f} ms per token; graphs {gen.graphs})"]
+    if run.graphs:  # the last graph captured (the decode step's, for the bucket the request ended in) alone
+        graph = list(run.graphs.values())[-1].graph
+        sync()
+        t = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        sync()
+        lines.append(f"its last graph replayed back to back, no host work between: "
+                     f"{(time.perf_counter() - t) / 50 * 1e3:.3f} ms per replay")
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     started = []
 
@@ -134,6 +160,10 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
     prof.stop()
     lines.append(f"profiled: {gen.decode_s / n * 1e3:.3f} ms per token (profiler overhead included)")
     lines.append(kernel_table(prof, n, top))
+    cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    cpu.sort(key=lambda e: -e.self_cpu_time_total)
+    lines.append("  host calls by self time per token:")
+    lines += [f"  {e.self_cpu_time_total / n:9.1f} us  x{e.count / n:6.1f}  {e.key[:100]}" for e in cpu[:top]]
     return "\n".join(lines)
 
 
