@@ -24,7 +24,7 @@ from qspec.kernels import gemv
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
-from qspec.runner import ContextError, Runner, upload
+from qspec.runner import ContextError, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept
 from qspec.spec.stats import SpecStats
 
@@ -90,6 +90,12 @@ class Generation:
         return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
+def accepted_on_device(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """greedy_accept on the device: drafts [N], the target's predictions [N+1] -> [1], the length of the prefix
+    of drafts equal to the predictions."""
+    return torch.cumprod((drafts == pred[:-1]).long(), 0).sum().view(1)
+
+
 def cells_needed(prompt_tokens: int, max_tokens: int, draft: int) -> int:
     """Cache cells a request needs: the prompt, every generated token, and a verify step's draft rows."""
     return prompt_tokens + max_tokens + draft + 1
@@ -114,6 +120,7 @@ class Engine:
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs)
+        self.reader = Readback(model.device, capacity=2 * self.opts.draft + 1)
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
@@ -198,7 +205,7 @@ class Engine:
         """Plain greedy decoding, pipelined: the step that consumes token j is queued (its input is the argmax on
         the device) before the host reads token j, so the host's work for a step overlaps the previous step on
         the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows)."""
-        run = self.runner
+        run, reader = self.runner, self.reader
         logits, _ = run.step(torch.tensor([tok], device=self.model.device))
         run.keep(1, rollback=False)
         while True:
@@ -206,10 +213,11 @@ class Engine:
             if self.opts.record_logits:
                 req.logits_log.append(logits.cpu())
             nxt = logits[-1:].argmax(-1)
+            reader.start(nxt)  # queued before the next step: reading it waits for this step only
             more = len(req.out) + 1 < req.max_tokens  # else emitting nxt ends the request by length
             if more:
                 logits, _ = run.step(nxt)
-            tok = int(nxt.item())  # waits for the step before; the one just queued keeps the GPU busy
+            tok = reader.result()[0]  # the step just queued keeps the GPU busy meanwhile
             if req.emit(tok):
                 if more:
                     run.keep(0, rollback=True)
@@ -243,27 +251,28 @@ class Engine:
             L = run.n_tokens
             if o.record_logits:
                 req.draft_log.append(d_logits[-1:].cpu())
+            # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
+            forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
-                drafts, target, v_logits, vX = self._round_on_device(req, tok, d_logits, d_X, L)
-                k = greedy_accept(drafts, target)
+                drafts, target, v_logits, vX, extended = self._round_on_device(req, tok, d_logits, d_X, L, forced)
+                k = greedy_accept(drafts, target) if forced is None else forced
                 nxt = target[k]
             else:
+                extended = None
                 drafts, q_rows, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
                 if sampler.greedy:
                     target = v_logits.argmax(-1).tolist()
-                    k = greedy_accept(drafts, target)
+                    k = greedy_accept(drafts, target) if forced is None else forced
                     nxt = target[k]
                 else:
                     k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
-            if o.accept_hook is not None:
-                k = max(0, min(N, int(o.accept_hook(rnd, N))))
-                if sampler.greedy:
-                    nxt = target[k]
-                else:
-                    nxt = int(sampler.sample_probs(sampler.probs(v_logits[k])).item())
+                    if forced is not None:
+                        k, nxt = forced, int(sampler.sample_probs(sampler.probs(v_logits[forced])).item())
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
-            if not ends:
+            if extended is not None:
+                d_logits, d_X = extended
+            elif not ends:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
                 # the head's own cache, which the rollback does not touch)
@@ -286,23 +295,36 @@ class Engine:
             tok = nxt
             rnd += 1
 
-    def _round_on_device(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int
-                         ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-        """Greedy draft chain and verify step, queued without a host round trip -> (drafts, the target's
-        predictions for every verify row, verify logits, verify residuals)."""
-        o, run, N = self.opts, self.runner, self.opts.draft
+    def _round_on_device(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
+                         forced: int | None) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
+                                                      tuple[torch.Tensor, torch.Tensor]]:
+        """Greedy draft chain, verify step and the next round's draft extend, queued without a host round trip
+        -> (drafts, the target's predictions for every verify row, verify logits, verify residuals, the extend's
+        (logits, residual)).
+
+        The accepted length k is computed on the device too (or `forced`, a benchmark's replayed acceptance), so
+        the extend is queued behind the verify step before the host reads the round: the GPU runs it while the
+        host accepts and rolls back. When the round ends the request, the extend's result is not used."""
+        o, run, N, dev = self.opts, self.runner, self.opts.draft, self.model.device
         d_toks = [d_logits[-1:].argmax(-1)]
         for i in range(1, N):
             d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
             d_toks.append(d_logits[-1:].argmax(-1))
         req.phase("draft")
-        v_rows = torch.cat([upload([tok], self.model.device)] + d_toks)
+        v_rows = torch.cat([upload([tok], dev)] + d_toks)
         v_logits, vX = run.step(v_rows)
         req.phase("verify")
         if o.record_logits:
             req.logits_log.append(v_logits.cpu())
-        read = torch.cat([v_rows[1:], v_logits.argmax(-1)]).tolist()
-        return read[:N], read[N:], v_logits, vX
+        pred = v_logits.argmax(-1)
+        self.reader.start(torch.cat([v_rows[1:], pred]))
+        k = accepted_on_device(v_rows[1:], pred) if forced is None else upload([forced], dev)
+        # committed rows padded with the target's next token: drafts[:k] + [pred[k]] * (N + 1 - k)
+        ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([v_rows[1:], pred[N:]]), pred[k])
+        extended = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
+        req.phase("draft extend")
+        read = self.reader.result()
+        return read[:N], read[N:], v_logits, vX, extended
 
     def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
                        sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:

@@ -193,18 +193,19 @@ class Runner:
             self.history.extend(kept.tolist())
 
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
-                 lm_head: torch.Tensor | Q4Weight | None = None, row: int | None = None
+                 lm_head: torch.Tensor | Q4Weight | None = None, row: int | torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft-head rows at positions start..; with `row`, the logits and residual of that row only."""
+        """Draft-head rows at positions start..; with `row` (an int, or a [1] index on the device that the host
+        has not read), the logits and residual of that row only."""
         T = int(tokens.shape[0])
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
-        if row is not None and not 0 <= row < T:
+        if isinstance(row, int) and not 0 <= row < T:
             raise ValueError(f"row {row} of a {T}-row draft step")
         dev = self.device
         inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev)]
         if row is not None:
-            inputs.append(upload([row], dev))
+            inputs.append(upload([row], dev) if isinstance(row, int) else row.to(dev).view(1))
         kv_len = self.kv_len(start + T)
 
         def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
@@ -236,6 +237,35 @@ class Runner:
             out[f"idx{i}.raw"] = ix.raw[:n].clone()
             out[f"idx{i}.pooled"] = ix.pooled[:n // ix.ratio].clone()
         return out
+
+
+class Readback:
+    """Reads device token ids without waiting for the work queued after them. `.tolist()` / `.item()` would queue
+    the copy behind everything already on the stream: the engine queues the next step before it reads a token, so
+    the read would wait for that step too and the host's work would run with the GPU idle (plain decoding measured
+    1.91 ms per token against 1.39 ms for the step's graph alone). Here `start` queues the copy into pinned host
+    memory and records an event right after it; `result` waits for that event only."""
+
+    def __init__(self, dev: torch.device, capacity: int = 64) -> None:
+        self.cuda = dev.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.n = 0
+
+    def start(self, ids: torch.Tensor) -> None:
+        """Queue the read of a 1-D tensor of token ids (at most `capacity`)."""
+        self.n = int(ids.shape[0])
+        if self.n > self.host.shape[0]:
+            raise ValueError(f"read back {self.n} ids into a buffer of {self.host.shape[0]}")
+        self.host[:self.n].copy_(ids, non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def result(self) -> list[int]:
+        """The ids of the last `start`, once their copy has landed."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:self.n].tolist()
 
 
 def upload(values: list[int], dev: torch.device) -> torch.Tensor:

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineOptions, accepted_on_device
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Runner
+from qspec.spec.accept import greedy_accept
 
 CAP = 128
 
@@ -227,3 +228,35 @@ def test_phase_timing_changes_no_output(tiny_model: Model, n_draft: int) -> None
     want = {"decode"} if not n_draft else {"draft", "verify", "accept+rollback", "draft extend"}
     assert set(timed.phases) == want and all(v > 0 for v in timed.phases.values())
     assert plain_run.phases == {}
+
+
+def test_accepted_on_device_is_greedy_accept() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 8)
+        pred = [rng.randrange(3) for _ in range(n + 1)]
+        drafts = [rng.randrange(3) for _ in range(n)]
+        got = accepted_on_device(torch.tensor(drafts), torch.tensor(pred))
+        assert got.shape == (1,) and int(got) == greedy_accept(drafts, pred)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced: bool) -> None:
+    """Greedy rounds queue the draft extend before the host reads the round, with the accepted length and the
+    committed rows computed on the device. Each round's first draft logits (which the extend yields) equal those of
+    the host round (an identity draft hook takes that path), bit for bit, whatever was accepted."""
+    prompt = list(range(7, 40))
+
+    def run(host: bool) -> object:
+        hook = (lambda r, n: (3 * r + 1) % (n + 1)) if forced else None
+        opts = EngineOptions(draft=4, capacity=CAP, exact=True, record_logits=True, accept_hook=hook,
+                             draft_hook=(lambda n_out, d: d) if host else None)
+        return Engine(tiny_model, opts).generate(prompt, 30)
+
+    dev, host = run(False), run(True)
+    assert dev.tokens == host.tokens and dev.rounds_log == host.rounds_log
+    assert len(dev.draft_logits) == len(host.draft_logits) > 5
+    for a, b in zip(dev.draft_logits, host.draft_logits, strict=True):
+        assert torch.equal(a, b)
+    if forced:  # every acceptance length occurred
+        assert {r["accepted"] for r in dev.rounds_log} == set(range(5))
