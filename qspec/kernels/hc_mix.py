@@ -59,8 +59,9 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
     step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0` measures the compiled path), not row-exact mode.
 
     The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8), but only the one-row
-    step measured faster than the compiled functions on the H200 (decode step 1.734 vs 1.835 ms in one process; a
-    6-row verify step 3.438 ms against 3.377 ms compiled in another call): verify and extend stay compiled."""
+    step has measured faster than the compiled functions on the H200 (decode step 1.587 vs 1.633 ms in one process,
+    BENCHMARKS.md §3b; a 6-row verify step with the previous output kernel 3.438 ms against 3.377 ms compiled in
+    another call; the current one for 6 rows has not run in a step): verify and extend stay compiled."""
     return (_ON and X.shape[0] == 1 and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 

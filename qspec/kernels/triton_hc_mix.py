@@ -5,17 +5,19 @@ the `up` product, the gated stream sum), each a few µs or less, plus a CUDA-gra
 ~120 launches of an 8-layer decode step. Here:
 
 `_hc_prep_kernel`, one program per (row, stream): adds the pending block output into the stream
-(X_s += 2 sigmoid(l_s / S) y), its RMS factor, and the normed stream rounded to the weights' dtype (the
-product's input);
+(X_s += 2 sigmoid(l_s / S) y) and writes the normed stream rounded to the weights' dtype (the product's input);
 the `w_in` product of the normed rows (`ops.linear`: the tuned mat-vec for one row, cuBLAS for several);
 `_hc_out_kernel`, one program per BD features: the gate logits of those features in every stream and row
-(`up` [S*D, R] against silu(y[:R] / S)), sigmoid, and the gated mean of the normed streams.
+(`up` [S*D, R] against silu(y[:R] / S)), sigmoid, and the gated mean of the normed streams. Its tile is the `up`
+rows of all S streams at once, walked along R in BK steps as the mat-vec walks K (triton_gemv.py).
 
 A first version did the combine and norm inside the product's kernel (every program recomputing the row's
 norm) and the rows' products in one kernel: on the H200 it was slower than the compiled functions (decode step
 1.849 vs 1.674 ms, verify 5.201 vs 3.377 ms: BENCHMARKS.md §3b), likely its recomputation and [rows x K] tiles.
-This version is faster for one row (1.734 vs 1.835 ms per decode step, one process) but its output kernel still
-takes ~13 µs where the plain `up` mat-vec takes ~5: the next thing to tune (OUT_CONFIG is not tuned yet).
+The second version's output kernel looped over the streams with the whole rank in one padded tile (13 µs per call
+where the plain `up` mat-vec takes 4.6); this one takes 5.6 µs for one row (graph of 24 calls, `up` read from
+HBM; gpu_kernels.py `hc_out_sweep`), and the decode step went 1.633 -> 1.587 ms against the compiled mixers in one
+process.
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
@@ -28,9 +30,11 @@ from qspec.model.ops import linear
 
 MAX_ROWS = 8
 MAX_STREAM = 16384  # one prep program holds a whole stream
-# (features per program, rank elements per K step, warps) of the output kernel, for one row and for several
+# (features per program, rank elements per K step, warps) of the output kernel, for one row and for several: the
+# fastest of 24 configs on the H200 at the real geometry (one row 5.60 µs; six rows 15.33 µs, where (8, 64, 4)
+# took 20.04; benchmarks/results/gpu_kernels_h200_s7.txt)
 OUT_CONFIG = (8, 128, 8)
-OUT_CONFIG_ROWS = (8, 64, 4)
+OUT_CONFIG_ROWS = (16, 128, 4)
 
 if HAS_TRITON:
     import triton
