@@ -17,11 +17,13 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineOptions
 from qspec.kernels import gemv, hc_mix
 from qspec.model import fuse
+from qspec.spec.accept import AcceptHook
 
 
 def kernel_table(prof: profile, steps: int, top: int) -> str:
@@ -53,7 +55,8 @@ def main() -> int:
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="after the decode kind: plain greedy decoding of N tokens through the engine (graphs, the "
                          "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
-                         "token against the GPU's kernel time per token")
+                         "token against the GPU's kernel time per token; after the verify kind: the same for MTP "
+                         "rounds (--draft, Q4 draft head, replayed acceptance p=0.85), per round")
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
@@ -68,9 +71,10 @@ def main() -> int:
     if unknown:
         ap.error(f"--kinds: unknown {unknown} (known: {', '.join(KINDS)})")
     for kind in kinds:
-        def engine(graphs: bool, kind: str = kind) -> Engine:
+        def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None) -> Engine:
             return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
-                                               draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv))
+                                               draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
+                                               accept_hook=hook))
         eng = engine(False)
         t = time.perf_counter()
         eng.generate(prompt, 4)
@@ -105,8 +109,10 @@ def main() -> int:
             label = "" if not a.mixer_ab else " (mixer kernels)" if mixer_kernels else " (mixers compiled)"
             print(f"{kind} step through a CUDA graph{label}: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
                   f"(captures {st.captures}, replays {st.replays})", flush=True)
-        if kind == "decode" and a.e2e:
-            print(end_to_end(g, prompt, a.e2e, a.top), flush=True)
+        if a.e2e and kind in ("decode", "verify"):  # plain decoding, or MTP rounds at the benchmarks' acceptance
+            with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
+                print(end_to_end(engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e, a.top),
+                      flush=True)
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -117,12 +123,13 @@ KINDS = ("decode", "verify", "draft", "extend")
 
 
 def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
-    """Plain decoding of n tokens as the benchmarks run it: decode tok/s with the host's time inside the runner's
-    step and keep calls (the rest of the host's time is mostly waiting for each token's read-back), then a request
-    profiled from its first token (after the prefill): kernel time per token and the host calls that take most."""
+    """n tokens as the benchmarks run them (plain decoding, or MTP rounds when the engine drafts): tok/s with the
+    host's time inside the runner's calls per token or round (the rest of the host's time is mostly waiting for
+    the read-back), the last graph replayed alone, then a request profiled from its first token (after the
+    prefill): kernel time per token or round and the host calls that take most."""
     eng.generate(prompt, n)  # every KV bucket's graph captured
     run = eng.runner
-    host = {"step": 0.0, "keep": 0.0}
+    host = {"step": 0.0, "keep": 0.0, "mtp_step": 0.0}
     decoding = []  # set at the first token: the prefill's steps are not counted
 
     def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
@@ -133,14 +140,17 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
                 host[name] += time.perf_counter() - t
             return out
         return call
-    run.step, run.keep = timed("step", run.step), timed("keep", run.keep)  # type: ignore[method-assign]
+    for name in host:
+        setattr(run, name, timed(name, getattr(run, name)))
     gen = eng.generate(prompt, n, on_token=lambda _: decoding.append(True))
-    del run.step, run.keep  # the instance attributes: back to the methods
-    per = {k: v / n * 1e3 for k, v in host.items()}
-    lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt: {gen.decode_tps:.2f} tok/s "
-             f"({gen.decode_s / n * 1e3:.3f} ms per token; host inside runner.step {per['step']:.3f} ms and "
-             f"runner.keep {per['keep']:.3f} ms per token; graphs {gen.graphs})"]
-    if run.graphs:  # the last graph captured (the decode step's, for the bucket the request ended in) alone
+    for name in host:
+        delattr(run, name)  # the instance attributes: back to the methods
+    unit, per_unit = ("round", gen.spec.rounds) if eng.opts.draft else ("token", n)
+    per = ", ".join(f"runner.{k} {v / per_unit * 1e3:.3f} ms" for k, v in host.items() if v)
+    lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt, draft {eng.opts.draft}: "
+             f"{gen.decode_tps:.2f} tok/s, {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} ({per_unit} {unit}s); "
+             f"host inside {per} per {unit}; graphs {gen.graphs}"]
+    if run.graphs:  # the last graph captured (for the KV bucket the request ended in) alone
         graph = list(run.graphs.values())[-1].graph
         sync()
         t = time.perf_counter()
@@ -158,12 +168,14 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
             prof.start()
     gen = eng.generate(prompt, n, on_token=start)
     prof.stop()
-    lines.append(f"profiled: {gen.decode_s / n * 1e3:.3f} ms per token (profiler overhead included)")
-    lines.append(kernel_table(prof, n, top))
+    per_unit = gen.spec.rounds if eng.opts.draft else n
+    lines.append(f"profiled: {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} (profiler overhead included)")
+    lines.append(kernel_table(prof, per_unit, top).replace("per step", f"per {unit}"))
     cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
     cpu.sort(key=lambda e: -e.self_cpu_time_total)
-    lines.append("  host calls by self time per token:")
-    lines += [f"  {e.self_cpu_time_total / n:9.1f} us  x{e.count / n:6.1f}  {e.key[:100]}" for e in cpu[:top]]
+    lines.append(f"  host calls by self time per {unit}:")
+    lines += [f"  {e.self_cpu_time_total / per_unit:9.1f} us  x{e.count / per_unit:6.1f}  {e.key[:100]}"
+              for e in cpu[:top]]
     return "\n".join(lines)
 
 
