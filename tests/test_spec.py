@@ -12,7 +12,7 @@ from conftest import build_model, tiny_config
 from qspec.engine import Engine, EngineOptions, accepted_on_device
 from qspec.model import ops
 from qspec.model.model import Model
-from qspec.runner import ContextError, Runner
+from qspec.runner import ContextError, Readback, Runner
 from qspec.spec.accept import greedy_accept
 
 CAP = 128
@@ -260,3 +260,13 @@ def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced
         assert torch.equal(a, b)
     if forced:  # every acceptance length occurred
         assert {r["accepted"] for r in dev.rounds_log} == set(range(5))
+
+
+def test_readback_returns_the_last_started_ids_and_names_an_overflow() -> None:
+    rb = Readback(torch.device("cpu"), capacity=4)
+    rb.start(torch.tensor([3, 1, 4]))
+    assert rb.result() == [3, 1, 4]
+    rb.start(torch.tensor([9]))
+    assert rb.result() == [9]
+    with pytest.raises(ValueError, match="read back 5 ids into a buffer of 4"):
+        rb.start(torch.arange(5))
