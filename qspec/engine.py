@@ -255,19 +255,18 @@ class Engine:
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
                 drafts, target, v_logits, vX, extended = self._round_on_device(req, tok, d_logits, d_X, L, forced)
-                k = greedy_accept(drafts, target) if forced is None else forced
-                nxt = target[k]
             else:
                 extended = None
                 drafts, q_rows, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
                 if sampler.greedy:
                     target = v_logits.argmax(-1).tolist()
-                    k = greedy_accept(drafts, target) if forced is None else forced
-                    nxt = target[k]
-                else:
-                    k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
-                    if forced is not None:
-                        k, nxt = forced, int(sampler.sample_probs(sampler.probs(v_logits[forced])).item())
+            if sampler.greedy:
+                k = greedy_accept(drafts, target) if forced is None else forced
+                nxt = target[k]
+            else:
+                k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
+                if forced is not None:
+                    k, nxt = forced, int(sampler.sample_probs(sampler.probs(v_logits[forced])).item())
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
             if extended is not None:
