@@ -108,7 +108,8 @@ def main() -> int:
             st = g.runner.graph_stats
             label = "" if not a.mixer_ab else " (mixer kernels)" if mixer_kernels else " (mixers compiled)"
             print(f"{kind} step through a CUDA graph{label}: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
-                  f"(captures {st.captures}, replays {st.replays})", flush=True)
+                  f"(captures {st.captures}, replays {st.replays}); "
+                  f"{replay_alone(g, 'target' if kind in ('decode', 'verify') else 'mtp')}", flush=True)
         if a.e2e and kind in ("decode", "verify"):  # plain decoding, or MTP rounds at the benchmarks' acceptance
             with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
                 print(end_to_end(engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e, a.top),
@@ -150,15 +151,10 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
     lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt, draft {eng.opts.draft}: "
              f"{gen.decode_tps:.2f} tok/s, {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} ({per_unit} {unit}s); "
              f"host inside {per} per {unit}; graphs {gen.graphs}"]
-    if run.graphs:  # the last target graph captured (for the KV bucket the request ended in) alone
-        key, g = [(k, v) for k, v in run.graphs.items() if k[0] == "target"][-1]
-        sync()
-        t = time.perf_counter()
-        for _ in range(50):
-            g.graph.replay()
-        sync()
-        lines.append(f"the last target graph captured, {key}, replayed back to back with no host work between: "
-                     f"{(time.perf_counter() - t) / 50 * 1e3:.3f} ms per replay")
+    if run.graphs:  # the last graphs captured (for the KV bucket the request ended in) alone
+        lines.append(replay_alone(eng, "target"))
+        if eng.opts.draft:
+            lines.append(replay_alone(eng, "mtp"))
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     started = []
 
@@ -177,6 +173,26 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
     lines += [f"  {e.self_cpu_time_total / per_unit:9.1f} us  x{e.count / per_unit:6.1f}  {e.key[:100]}"
               for e in cpu[:top]]
     return "\n".join(lines)
+
+
+def replay_alone(eng: Engine, kind: str, n: int = 50) -> str:
+    """The GPU time of the last graph of `kind` ("target" or "mtp") captured for each row count: its replays back
+    to back, with no host work between (the graphs for the KV bucket the last request ended in)."""
+    last = {}  # by the key without its KV length: the latest bucket's graph of each shape
+    for key, g in eng.runner.graphs.items():
+        if key[0] == kind:
+            last[key[1:2] + key[3:]] = (key, g)
+    if not last:
+        return f"no {kind} graph captured"
+    out = []
+    for key, g in last.values():
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            g.graph.replay()
+        sync()
+        out.append(f"{key}: {(time.perf_counter() - t) / n * 1e3:.3f} ms")
+    return f"{kind} graphs replayed alone, per replay: " + "; ".join(out)
 
 
 def sync() -> None:
