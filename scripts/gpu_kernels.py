@@ -524,6 +524,42 @@ def hc_out_sweep(R: Runner, D: int = 2560, S: int = 4, rank: int = 320, N: int =
                   f"{len(grid)} configs, wrong: {bad}"), variant=True)
 
 
+def q4_sweep(R: Runner, N: int = 248320, K: int = 2560, repeat: int = 8) -> None:
+    """The draft's Q4_0 LM head at the real geometry, one bf16 row: every kernel design (v1: all rows per program
+    and a reduction at every K step; fma: a row per program column, block dots reduced once; dot: tensor cores)
+    over a grid of configs, each checked against f32 dequantize-matmul and timed as a CUDA graph of `repeat`
+    calls (the 357 MB head far exceeds the 50 MB L2, so every call reads it from HBM)."""
+    W = Q4Weight.from_dense(0.02 * torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+    ref = q4_matvec_torch(x, W)
+    out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
+    nbytes = N * K // 2 + N * K // 32 * 2
+    grids = {"v1": [(64, 4, 4), (64, 8, 4), (128, 4, 8), (32, 4, 2)],
+             "fma": [(bn, nb, w) for bn in (16, 32, 64, 128) for nb in (2, 4, 8) for w in (2, 4, 8)],
+             "dot": [(bn, nb, w) for bn in (32, 64, 128, 256) for nb in (1, 2, 4) for w in (4, 8)]}
+    print(f"\nq4 head sweep: us per call in a graph of {repeat} calls (M=1, bf16, {nbytes / 1e6:.0f} MB)")
+    for kernel, grid in grids.items():
+        best, t_best, bad = None, float("inf"), []
+        for cfg in grid:
+            try:
+                q4_matvec_triton(x, W.packed, W.scales, config=cfg, out=out, kernel=kernel)
+            except Exception as exc:  # a config the compiler rejects (registers, shared memory)
+                bad.append((cfg, type(exc).__name__))
+                continue
+            e = rel_err(out, ref)
+            if e >= TOL[torch.bfloat16]:
+                bad.append((cfg, f"{e:.1e}"))
+                continue
+            t = graph_per_call(lambda i, cfg=cfg, kernel=kernel: q4_matvec_triton(
+                x, W.packed, W.scales, config=cfg, out=out, kernel=kernel), repeat)
+            print(f"  {kernel} {cfg}: {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s)", flush=True)
+            if t < t_best:
+                best, t_best = cfg, t
+        R.add(Row(f"q4 head sweep {kernel} N={N} K={K}", best is not None,
+                  f"best {t_best:.1f} us ({nbytes / t_best / 1e6:.2f} TB/s) cfg={best}; {len(grid)} configs, "
+                  f"failed: {bad}"), variant=True)
+
+
 def gemv_sweep(R: Runner, repeat: int = 24) -> None:
     """One-row products of the model's shapes: cuBLAS, the default plan and a grid of configs, each timed as a CUDA
     graph of `repeat` back-to-back calls (per call: the kernel plus its node latency, as inside a step's graph).
@@ -829,6 +865,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the one-row mat-vec config sweep (CUDA)")
+    ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -847,8 +884,9 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
           f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
-    if args.gemv_sweep:
-        gemv_sweep(R)
+    if args.gemv_sweep or args.q4_sweep:
+        (gemv_sweep if args.gemv_sweep else q4_sweep)(R)
+        print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
     run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)

@@ -56,9 +56,79 @@ if HAS_TRITON:
         out = o_ptr + im[:, None] * o_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(o_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
+    @triton.jit
+    def _q4_row_fma_kernel(x_ptr, q_ptr, s_ptr, o_ptr, N, x_m, o_m, KB: tl.constexpr, BN: tl.constexpr,
+                           NB: tl.constexpr, EVEN_N: tl.constexpr, OUT_DT: tl.constexpr):
+        """One x row per program column (grid (N / BN, M)): every row is computed by the same code whatever M is.
+        Block dots accumulate per (row, block lane) and are reduced once at the end, not at every K step."""
+        m = tl.program_id(1)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        n64 = n.to(tl.int64)
+        ib = tl.arange(0, NB)
+        ii = tl.arange(0, 16)
+        qrow = q_ptr + n64[:, None, None] * (KB * 16) + ii[None, None, :]  # [BN, 1, 16]
+        srow = s_ptr + n64[:, None] * KB  # [BN, 1]
+        xrow = x_ptr + m * x_m
+        acc = tl.zeros([BN, NB], dtype=tl.float32)
+        for b0 in range(0, KB, NB):
+            blk = b0 + ib
+            if EVEN_N and KB % NB == 0:
+                byte = tl.load(qrow + blk[None, :, None] * 16)
+                sc = tl.load(srow + blk[None, :])
+                xl = tl.load(xrow + blk[:, None] * 32 + ii[None, :])
+                xh = tl.load(xrow + blk[:, None] * 32 + 16 + ii[None, :])
+            else:
+                bmask = blk < KB
+                wmask = nmask[:, None] & bmask[None, :]
+                byte = tl.load(qrow + blk[None, :, None] * 16, mask=wmask[:, :, None], other=0x88)
+                sc = tl.load(srow + blk[None, :], mask=wmask, other=0.0)
+                xl = tl.load(xrow + blk[:, None] * 32 + ii[None, :], mask=bmask[:, None], other=0.0)
+                xh = tl.load(xrow + blk[:, None] * 32 + 16 + ii[None, :], mask=bmask[:, None], other=0.0)
+            byte = byte.to(tl.int32)
+            wlo = ((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_lo - 8
+            whi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q_hi - 8
+            part = tl.sum(wlo * xl.to(tl.float32)[None, :, :] + whi * xh.to(tl.float32)[None, :, :], axis=2)
+            acc += part * sc.to(tl.float32)
+        y = tl.sum(acc, axis=1)
+        tl.store(o_ptr + m * o_m + n, round_to(y, OUT_DT).to(o_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.jit
+    def _q4_row_dot_kernel(x_ptr, q_ptr, s_ptr, o_ptr, N, x_m, o_m, KB: tl.constexpr, BN: tl.constexpr,
+                           NB: tl.constexpr, EVEN_N: tl.constexpr, OUT_DT: tl.constexpr):
+        """The nibbles become exact f16 (q - 8) and each half block meets x, cast to f16 (exact for bf16 values
+        in f16's normal range), on the tensor cores ([BN, 16] @ [16, 16] with x in column 0, the other columns
+        zero); the block scale is applied in f32."""
+        m = tl.program_id(1)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        n64 = n.to(tl.int64)
+        ii = tl.arange(0, 16)
+        col0 = ii[None, :] == 0  # [1, 16]: x's column of the dot's right operand
+        qrow = q_ptr + n64[:, None] * (KB * 16) + ii[None, :]  # [BN, 16]
+        srow = s_ptr + n64 * KB
+        xrow = x_ptr + m * x_m
+        acc = tl.zeros([BN, 16], dtype=tl.float32)
+        for b0 in range(0, KB, NB):
+            for j in tl.static_range(NB):
+                b = b0 + j  # NB divides KB (the launcher's choice)
+                byte = tl.load(qrow + b * 16, mask=nmask[:, None], other=0x88).to(tl.int32)
+                wlo = ((byte & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # exact in f16
+                whi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+                xl = tl.load(xrow + b * 32 + ii)
+                xh = tl.load(xrow + b * 32 + 16 + ii)
+                Xl = tl.where(col0, xl[:, None], 0.0).to(tl.float16)
+                Xh = tl.where(col0, xh[:, None], 0.0).to(tl.float16)
+                d = tl.dot(wlo.to(tl.float16), Xl) + tl.dot(whi.to(tl.float16), Xh)
+                sc = tl.load(srow + b, mask=nmask, other=0.0).to(tl.float32)
+                acc += d * sc[:, None]
+        y = tl.sum(tl.where(col0, acc, 0.0), axis=1)
+        tl.store(o_ptr + m * o_m + n, round_to(y, OUT_DT).to(o_ptr.dtype.element_ty), mask=nmask)
+
 
 def q4_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                     config: tuple[int, int, int] = DEFAULT_CONFIG, out: torch.Tensor | None = None) -> torch.Tensor:
+                     config: tuple[int, int, int] = DEFAULT_CONFIG, out: torch.Tensor | None = None,
+                     kernel: str = "v1") -> torch.Tensor:
     """Launch the kernel: x [M, K] (M <= 8, last dim contiguous), packed [N, K/2] uint8, scales [N, K/32] f16."""
     M, K = x.shape
     N = packed.shape[0]
@@ -70,8 +140,17 @@ def q4_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("out must be [M, N] in x.dtype with a contiguous last dim")
-    _q4_matvec_kernel[(triton.cdiv(N, bn),)](x, packed, scales, out, N, K // 32, K // 2, x.stride(0),
-                                             out.stride(0),
-                                             M=M, MP=max(next_pow2(M), 2), BN=bn, NB=nb, OUT_DT=tl_dtype(x.dtype),
-                                             num_warps=warps)
+    if kernel == "v1":
+        _q4_matvec_kernel[(triton.cdiv(N, bn),)](x, packed, scales, out, N, K // 32, K // 2, x.stride(0),
+                                                 out.stride(0),
+                                                 M=M, MP=max(next_pow2(M), 2), BN=bn, NB=nb,
+                                                 OUT_DT=tl_dtype(x.dtype), num_warps=warps)
+        return out
+    if kernel == "dot" and x.dtype != torch.bfloat16:
+        raise ValueError("the tensor-core Q4 kernel takes bf16 x only")
+    fn = _q4_row_fma_kernel if kernel == "fma" else _q4_row_dot_kernel
+    if kernel == "dot" and (K // 32) % nb:
+        nb = 1
+    fn[(triton.cdiv(N, bn), M)](x, packed, scales, out, N, x.stride(0), out.stride(0), KB=K // 32, BN=bn, NB=nb,
+                                EVEN_N=N % bn == 0, OUT_DT=tl_dtype(x.dtype), num_warps=warps)
     return out
