@@ -62,6 +62,31 @@ def q4_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
     return (x.float() @ W.dequantize(torch.float32).t()).to(x.dtype)
 
 
+def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> int8 q [M, K], f32 scales d [M, K/32] and int32 block sums [M, K/32]: per 32-element block,
+    q = floor(x * 127 / amax + 0.5) and d = amax / 127 (llama.cpp's q8_1 activations, rounding half up)."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // QK, QK)
+    amax = xb.abs().amax(-1)
+    ones = torch.ones_like(amax)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, ones), torch.zeros_like(amax))
+    q = torch.floor(xb * inv[..., None] + 0.5).clamp(-127, 127)
+    return q.to(torch.int8).reshape(M, K), amax / 127.0, q.sum(-1).to(torch.int32)
+
+
+def q4_q8_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
+    """Reference of the CUDA kernel: x [M, K] quantized by quantize_q8_torch, exact integer block dots with the
+    nibbles, then per block (dot - 8 * sum(q)) * (d_w * d_x), summed in f32 -> [M, N] in x.dtype."""
+    N, K = W.shape
+    M = x.shape[0]
+    q, d, sums = quantize_q8_torch(x)
+    qs = W.packed.view(N, K // QK, QK // 2).to(torch.int32)
+    nib = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, KB, 32], 0..15
+    dots = torch.einsum("mbi,nbi->mnb", q.float().view(M, K // QK, QK), nib)  # exact: |dot| < 2^24
+    y = ((dots - 8 * sums[:, None, :].float()) * (W.scales.float()[None] * d[:, None, :])).sum(-1)
+    return y.to(x.dtype)
+
+
 def q4_matvec(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W^T (f32 accumulation, output in x.dtype).
 

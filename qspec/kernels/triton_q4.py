@@ -12,7 +12,7 @@ M < 16 leaves tensor cores idle (they need M >= 16), so the products are FMAs.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
 DEFAULT_CONFIG = (64, 4, 4)  # rows per program, blocks per K step, warps
 
@@ -124,6 +124,105 @@ if HAS_TRITON:
                 acc += d * sc[:, None]
         y = tl.sum(tl.where(col0, acc, 0.0), axis=1)
         tl.store(o_ptr + m * o_m + n, round_to(y, OUT_DT).to(o_ptr.dtype.element_ty), mask=nmask)
+
+    @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of a's four bytes (unsigned, < 128 here) with b's (signed int8)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:  # the interpreter runs no PTX: the same sum, byte by byte
+            for k in tl.static_range(4):
+                c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+            return c
+
+    @triton.jit
+    def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB: tl.constexpr, KBP: tl.constexpr):
+        """One x row per program: int8 q = floor(x * 127 / amax + 0.5) per 32-element block, its scale amax / 127
+        and the block's sum of q."""
+        m = tl.program_id(0)
+        b = tl.arange(0, KBP)
+        i = tl.arange(0, 32)
+        bmask = b < KB
+        x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        tl.store(q_ptr + m * (KB * 32) + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
+        tl.store(d_ptr + m * KB + b, amax / 127.0, mask=bmask)
+        tl.store(s_ptr + m * KB + b, tl.sum(q, axis=1).to(tl.int32), mask=bmask)
+
+    @triton.jit
+    def _q4_q8_matvec_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, s_ptr, o_ptr, N, o_m, KB: tl.constexpr,
+                             BN: tl.constexpr, NB: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
+                             OUT_DT: tl.constexpr):
+        """Grid (N / BN, M). Weights and x both as int32 words: word j of block b holds nibbles 4j..4j+3 (low)
+        and 16+4j..16+4j+3 (high), and x words 8b+j and 8b+4+j hold the matching int8 x. Per word: two masks
+        and two dp4a, four multiply-adds each; per block: (sum - 8 * sum(qx)) * d_w * d_x in f32."""
+        m = tl.program_id(1)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        n64 = n.to(tl.int64)
+        ib = tl.arange(0, NB)
+        jj = tl.arange(0, 4)
+        wrow = q_ptr + n64[:, None, None] * (KB * 4) + jj[None, None, :]  # [BN, 1, 4] int32 words
+        srow = s_ptr + n64[:, None] * KB
+        xrow = xq_ptr + m * (KB * 8)
+        acc = tl.zeros([BN, NB], dtype=tl.float32)
+        for b0 in range(0, KB, NB):
+            blk = b0 + ib
+            if EVEN_N and KB % NB == 0:
+                w = tl.load(wrow + blk[None, :, None] * 4)
+                dw = tl.load(srow + blk[None, :])
+                xl = tl.load(xrow + blk[:, None] * 8 + jj[None, :])
+                xh = tl.load(xrow + blk[:, None] * 8 + 4 + jj[None, :])
+                dx = tl.load(xd_ptr + m * KB + blk)
+                sx = tl.load(xs_ptr + m * KB + blk)
+            else:
+                bmask = blk < KB
+                wmask = nmask[:, None] & bmask[None, :]
+                w = tl.load(wrow + blk[None, :, None] * 4, mask=wmask[:, :, None], other=0)
+                dw = tl.load(srow + blk[None, :], mask=wmask, other=0.0)
+                xl = tl.load(xrow + blk[:, None] * 8 + jj[None, :], mask=bmask[:, None], other=0)
+                xh = tl.load(xrow + blk[:, None] * 8 + 4 + jj[None, :], mask=bmask[:, None], other=0)
+                dx = tl.load(xd_ptr + m * KB + blk, mask=bmask, other=0.0)
+                sx = tl.load(xs_ptr + m * KB + blk, mask=bmask, other=0)
+            lo = w & 0x0F0F0F0F
+            hi = (w >> 4) & 0x0F0F0F0F
+            d = _dp4a(hi, xh[None, :, :], _dp4a(lo, xl[None, :, :], tl.zeros_like(lo), ASM), ASM)
+            isum = tl.sum(d, axis=2) - 8 * sx[None, :]
+            acc += isum.to(tl.float32) * (dw.to(tl.float32) * dx[None, :])
+        y = tl.sum(acc, axis=1)
+        tl.store(o_ptr + m * o_m + n, round_to(y, OUT_DT).to(o_ptr.dtype.element_ty), mask=nmask)
+
+
+def quantize_q8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], f32 scales [M, K/32], int32 block sums [M, K/32]), as q4.quantize_q8_torch."""
+    M, K = x.shape
+    KB = K // 32
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    sums = torch.empty(M, KB, dtype=torch.int32, device=x.device)
+    _quantize_q8_kernel[(M,)](x, q, d, sums, x.stride(0), KB=KB, KBP=next_pow2(KB), num_warps=4)
+    return q, d, sums
+
+
+def q4_q8_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                        config: tuple[int, int, int] = DEFAULT_CONFIG, out: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+    """x [M, K] quantized to int8 per 32-element block, then its integer products with the Q4_0 nibbles."""
+    M, K = x.shape
+    N = packed.shape[0]
+    if K % 32 or packed.shape != (N, K // 2) or scales.shape != (N, K // 32) or x.stride(1) != 1:
+        raise ValueError(f"q4_q8_matvec: x {tuple(x.shape)} packed {tuple(packed.shape)} scales {tuple(scales.shape)}")
+    bn, nb, warps = config
+    out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    xq, xd, xs = quantize_q8_triton(x)
+    _q4_q8_matvec_kernel[(triton.cdiv(N, bn), M)](xq.view(torch.int32), xd, xs, packed.view(torch.int32), scales,
+                                                  out, N, out.stride(0), KB=K // 32, BN=bn, NB=nb,
+                                                  EVEN_N=N % bn == 0, ASM=not INTERPRET, OUT_DT=tl_dtype(x.dtype),
+                                                  num_warps=warps)
+    return out
 
 
 def q4_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
