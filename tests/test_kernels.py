@@ -19,7 +19,7 @@ from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.gdn_recurrent import gdn_recurrent_torch
 from qspec.kernels.moe_few import moe_few, moe_few_torch, moe_slots, sum_slots
 from qspec.kernels.pooled import materialize_pooled_fast, materialize_pooled_torch
-from qspec.kernels.q4 import Q4Weight, q4_matvec, q4_matvec_torch
+from qspec.kernels.q4 import Q4Weight, q4_matvec, q4_matvec_torch, q4_q8_matvec_torch, quantize_q8_torch
 from qspec.kernels.route import route_top_k, route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention, sparse_attention_torch
 from qspec.kernels.triton_common import HAS_TRITON
@@ -250,6 +250,29 @@ def test_q4_reference(N: int, K: int) -> None:
         assert torch.equal(q4_matvec(x, W), ref)
     x3 = torch.randn(2, 3, K, generator=g)
     assert torch.equal(q4_matvec(x3, W), (x3 @ deq.t()))
+
+
+def test_q4_q8_reference() -> None:
+    """The CUDA kernel's reference (x quantized to int8 blocks, integer block dots, the -8 offset through the
+    block sums) equals the plain product of the dequantized weights with the dequantized x."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 37, 128
+    W = Q4Weight.from_dense(torch.randn(N, K, generator=g))
+    x = torch.randn(4, K, generator=g)
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, q 0
+    x[2, 5] = 1e3  # one large value: the rest of its block rounds to few levels
+    q, d, sums = quantize_q8_torch(x)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.equal(sums, q.view(4, K // 32, 32).sum(-1).int())
+    assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and d[1, 1] == 0
+    xq = q.float().view(4, K // 32, 32) * d[..., None]
+    assert ((xq.view(4, K) - x).abs() <= d.repeat_interleave(32, 1) / 2 * (1 + 1e-6)).all()  # rounding to nearest
+    ref = xq.view(4, K).double() @ W.dequantize(torch.float64).t()
+    got = q4_q8_matvec_torch(x, W)
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # int8 x moves the product by a fraction of a percent here (the first three rows: no outlier)
+    exact = q4_matvec_torch(x, W)
+    assert 0 < (got[:2] - exact[:2]).abs().max() <= 2e-2 * exact[:2].abs().max()
 
 
 # ---- MoE for a few tokens --------------------------------------------------------------------------------------
@@ -493,7 +516,7 @@ def test_cuda_pooled_q4_moe() -> None:
 
     W = Q4Weight.from_dense(0.02 * torch.randn(1000, 512, device=dev))
     x = torch.randn(3, 512, device=dev)
-    torch.testing.assert_close(q4_matvec(x, W), q4_matvec_torch(x, W), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q4_matvec(x, W), q4_q8_matvec_torch(x, W), rtol=1e-5, atol=1e-5)
 
     moe = tiny_moe(torch.bfloat16, E=16, D=256, Fd=96, k=4)
     moe = MoE({n: getattr(moe, a).to(dev) for n, a in (

@@ -16,7 +16,6 @@ from qspec.weights.dequant import quantize_q4_0
 
 QK = 32  # elements per Q4_0 block
 BLOCK_BYTES = 18  # f16 scale + 16 bytes of nibbles
-MAX_ROWS = 8
 
 
 @dataclass
@@ -88,19 +87,18 @@ def q4_q8_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
 
 
 def q4_matvec(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ W^T (f32 accumulation, output in x.dtype).
+    """y [..., N] = x [..., K] @ W^T, output in x.dtype.
 
-    Triton on CUDA, reading the packed bytes directly (rows beyond 8 go in chunks of 8 rows, each
-    chunk re-reading W: fine for the draft's 1-row steps, wasteful for a prefill); dequantize then
-    matmul otherwise."""
+    On CUDA the Triton kernel (triton_q4.py), which quantizes x to int8 blocks as llama.cpp's CUDA backend does for
+    its Q4_0 mat-vec (reference: q4_q8_matvec_torch); elsewhere the exact dequantize-then-matmul (q4_matvec_torch).
+    The draft head only proposes tokens, which the target verifies with its own head, so the int8 x changes at
+    most which drafts are proposed, never the output."""
     if not use_triton(x):
         return q4_matvec_torch(x, W)
-    from qspec.kernels.triton_q4 import q4_matvec_triton
+    from qspec.kernels.triton_q4 import q4_q8_matvec_triton
 
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    ys = [q4_matvec_triton(x2[i:i + MAX_ROWS], W.packed, W.scales) for i in range(0, x2.shape[0], MAX_ROWS)]
-    y = ys[0] if len(ys) == 1 else torch.cat(ys)
-    return y.reshape(*lead, W.shape[0])
+    return q4_q8_matvec_triton(x2, W.packed, W.scales).reshape(*lead, W.shape[0])
