@@ -246,6 +246,9 @@ class Engine:
         # device and the verify rows are assembled there, so the chain and the verify step are queued in
         # one go and the round has one read-back (drafts and target predictions together).
         on_device = sampler.greedy and o.draft_hook is None
+        # on the device, each round's draft chain is queued right after the previous round's read-back, before
+        # the host's rollback work (it reads only the head's own cache and the extend's residual)
+        d_toks = self._draft_chain(req, d_logits, d_X, P) if on_device else []
         rnd = 0
         while True:
             L = run.n_tokens
@@ -254,7 +257,7 @@ class Engine:
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
-                drafts, target, v_logits, vX, extended = self._round_on_device(req, tok, d_logits, d_X, L, forced)
+                drafts, target, v_logits, vX, extended = self._round_on_device(req, tok, d_toks, L, forced)
             else:
                 extended = None
                 drafts, q_rows, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
@@ -271,6 +274,8 @@ class Engine:
             n_emit, ends = req.emits(committed)
             if extended is not None:
                 d_logits, d_X = extended
+                if not ends:
+                    d_toks = self._draft_chain(req, d_logits, d_X, L + len(committed))
             elif not ends:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
@@ -294,22 +299,30 @@ class Engine:
             tok = nxt
             rnd += 1
 
-    def _round_on_device(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
-                         forced: int | None) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
-                                                      tuple[torch.Tensor, torch.Tensor]]:
-        """Greedy draft chain, verify step and the next round's draft extend, queued without a host round trip
-        -> (drafts, the target's predictions for every verify row, verify logits, verify residuals, the extend's
-        (logits, residual)).
-
-        The accepted length k is computed on the device too (or `forced`, a benchmark's replayed acceptance), so
-        the extend is queued behind the verify step before the host reads the round: the GPU runs it while the
-        host accepts and rolls back. When the round ends the request, the extend's result is not used."""
-        o, run, N, dev = self.opts, self.runner, self.opts.draft, self.model.device
+    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int) -> list[torch.Tensor]:
+        """Greedy drafts d_1..d_N as [1] device tensors, queued without a host round trip: d_1 from the logits of
+        the step that saw the committed tokens (the extend), then N - 1 head steps chained on the head's own
+        residual at positions L + 1.. (L: the committed tokens once the round's rollback is done)."""
+        o, run = self.opts, self.runner
         d_toks = [d_logits[-1:].argmax(-1)]
-        for i in range(1, N):
+        for i in range(1, o.draft):
             d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
             d_toks.append(d_logits[-1:].argmax(-1))
         req.phase("draft")
+        return d_toks
+
+    def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], L: int,
+                         forced: int | None) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
+                                                      tuple[torch.Tensor, torch.Tensor]]:
+        """The verify step over the queued greedy drafts and the next round's draft extend, queued without a host
+        round trip -> (drafts, the target's predictions for every verify row, verify logits, verify residuals,
+        the extend's (logits, residual)).
+
+        The accepted length k is computed on the device too (or `forced`, a benchmark's replayed acceptance), so
+        the extend is queued behind the verify step before the host reads the round: the GPU runs it (and the next
+        round's draft chain, queued next) while the host accepts and rolls back. When the round ends the request,
+        the extend's result is not used."""
+        o, run, N, dev = self.opts, self.runner, self.opts.draft, self.model.device
         v_rows = torch.cat([upload([tok], dev)] + d_toks)
         v_logits, vX = run.step(v_rows)
         req.phase("verify")

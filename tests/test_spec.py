@@ -243,8 +243,10 @@ def test_accepted_on_device_is_greedy_accept() -> None:
 @pytest.mark.parametrize("forced", [False, True])
 def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced: bool) -> None:
     """Greedy rounds queue the draft extend before the host reads the round, with the accepted length and the
-    committed rows computed on the device. Each round's first draft logits (which the extend yields) equal those of
-    the host round (an identity draft hook takes that path), bit for bit, whatever was accepted."""
+    committed rows computed on the device, and the next round's draft chain right after the read-back, before the
+    rollback. Each round's first draft logits (which the extend yields) and verify logits (whose rows are the
+    chained drafts) equal those of the host round (an identity draft hook takes that path), bit for bit, whatever
+    was accepted."""
     prompt = list(range(7, 40))
 
     def run(host: bool) -> object:
@@ -257,6 +259,9 @@ def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced
     assert dev.tokens == host.tokens and dev.rounds_log == host.rounds_log
     assert len(dev.draft_logits) == len(host.draft_logits) > 5
     for a, b in zip(dev.draft_logits, host.draft_logits, strict=True):
+        assert torch.equal(a, b)
+    assert len(dev.logits) == len(host.logits)
+    for a, b in zip(dev.logits, host.logits, strict=True):
         assert torch.equal(a, b)
     if forced:  # every acceptance length occurred
         assert {r["accepted"] for r in dev.rounds_log} == set(range(5))
