@@ -252,7 +252,7 @@ class Engine:
         rnd = 0
         while True:
             L = run.n_tokens
-            if o.record_logits:
+            if o.record_logits and not on_device:  # on the device: recorded by _draft_chain
                 req.draft_log.append(d_logits[-1:].cpu())
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
@@ -304,6 +304,9 @@ class Engine:
         the step that saw the committed tokens (the extend), then N - 1 head steps chained on the head's own
         residual at positions L + 1.. (L: the committed tokens once the round's rollback is done)."""
         o, run = self.opts, self.runner
+        if o.record_logits:
+            # now: the chain's graph replays may reuse the memory of the step that made d_logits (see Runner._run)
+            req.draft_log.append(d_logits[-1:].cpu())
         d_toks = [d_logits[-1:].argmax(-1)]
         for i in range(1, o.draft):
             d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)

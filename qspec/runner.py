@@ -90,7 +90,11 @@ class Runner:
 
     def _run(self, key: tuple, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], inputs: list[torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fn(*inputs) eagerly, or through a CUDA graph captured for this shape (`key`)."""
+        """fn(*inputs) eagerly, or through a CUDA graph captured for this shape (`key`).
+
+        All graphs share one memory pool, so a graph's outputs may lie in memory that a graph captured before it
+        uses for its intermediates: read (or copy, or queue the ops that read) a step's outputs before replaying
+        another graph. The engine's order does so (a graph's inputs are copied into its buffers before it replays)."""
         if not self.use_graphs:
             return fn(*inputs)
         st = self.graph_stats
