@@ -168,10 +168,8 @@ class Engine:
         if not req.emit(tok):
             if o.draft:
                 self._speculate(req, tok, H, len(prompt), sampler)
-            elif sampler.greedy:
-                self._decode_greedy(req, tok)
             else:
-                self._decode_sampled(req, tok, sampler)
+                self._decode(req, tok, sampler)
         reason = "stop token" if req.out[-1] in stop_ids else "max tokens"
         self._sync()
         decode_s = time.perf_counter() - t1
@@ -201,10 +199,10 @@ class Engine:
                 H = X[-1:]
         return logits, H
 
-    def _decode_greedy(self, req: _Request, tok: int) -> None:
-        """Plain greedy decoding, pipelined: the step that consumes token j is queued (its input is the argmax on
-        the device) before the host reads token j, so the host's work for a step overlaps the previous step on
-        the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows)."""
+    def _decode(self, req: _Request, tok: int, sampler: Sampler) -> None:
+        """Plain decoding, pipelined: the step that consumes token j is queued (its input is the argmax, or the
+        sampler's draw, on the device) before the host reads token j, so the host's work for a step overlaps the
+        previous step on the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows)."""
         run, reader = self.runner, self.reader
         logits, _ = run.step(torch.tensor([tok], device=self.model.device))
         run.keep(1, rollback=False)
@@ -212,7 +210,7 @@ class Engine:
             req.phase("decode")
             if self.opts.record_logits:
                 req.logits_log.append(logits.cpu())
-            nxt = logits[-1:].argmax(-1)
+            nxt = sampler.sample(logits[-1:])
             reader.start(nxt)  # queued before the next step: reading it waits for this step only
             more = len(req.out) + 1 < req.max_tokens  # else emitting nxt ends the request by length
             if more:
@@ -223,19 +221,6 @@ class Engine:
                     run.keep(0, rollback=True)
                 return
             run.keep(1, rollback=False)
-
-    def _decode_sampled(self, req: _Request, tok: int, sampler: Sampler) -> None:
-        """Plain decoding with sampling: the host draws each token."""
-        run = self.runner
-        while True:
-            logits, _ = run.step(torch.tensor([tok]))
-            run.keep(1, rollback=False)
-            req.phase("decode")
-            if self.opts.record_logits:
-                req.logits_log.append(logits.cpu())
-            tok = int(sampler.sample(logits[-1]).item())
-            if req.emit(tok):
-                return
 
     def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
         """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of

@@ -13,7 +13,7 @@ from qspec.engine import Engine, EngineOptions, accepted_on_device
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Readback, Runner
-from qspec.spec.accept import greedy_accept
+from qspec.spec.accept import Sampler, greedy_accept, speculative_accept
 
 CAP = 128
 
@@ -126,6 +126,61 @@ def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
                                          draft_hook=oracle_hook(ref, random.Random(0), 512)))
     out = g.generate(list(range(1, 9)), 40, stop_ids={stop})
     assert out.tokens == ref[:ref.index(stop) + 1] and out.stop_reason == "stop token"
+
+
+def test_sample_probs_follows_the_distribution() -> None:
+    """The on-device draw (exponential race) picks token i with probability p_i, never a zero-probability token."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    T = 40000
+    draws = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0)).sample_probs(p.expand(T, 5))
+    assert draws.shape == (T,) and draws.dtype == torch.long
+    freq = torch.bincount(draws, minlength=5).double() / T
+    assert freq[4] == 0
+    assert ((freq - p.double()).abs() <= 4 * (p.double() * (1 - p.double()) / T).sqrt() + 1e-9).all(), freq
+
+
+def test_speculative_accept_keeps_the_target_distribution() -> None:
+    """Drafts drawn from q, accepted or replaced by speculative_accept: each committed position follows the
+    target's p, not q (the first position always; the second in the rounds that reach it)."""
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.3, 0.3, 0.2, 0.2]])
+    s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
+    T = 20000
+    first, second = torch.zeros(4), torch.zeros(4)
+    drafts = torch.stack([s.sample_probs(q[0].expand(T, 4)), s.sample_probs(q[1].expand(T, 4))], 1).tolist()
+    for d in drafts:
+        k, nxt = speculative_accept(d, q, p, s)
+        committed = d[:k] + [nxt]
+        first[committed[0]] += 1
+        if len(committed) > 1:
+            second[committed[1]] += 1
+    for counts, target in ((first, p[0]), (second, p[1])):
+        n = counts.sum()
+        assert n > T / 10
+        sigma = (target * (1 - target) / n).sqrt()
+        assert ((counts / n - target).abs() <= 4 * sigma).all(), (counts / n, target)
+
+
+def test_sampled_decoding_equals_a_step_by_step_loop(tiny_model: Model) -> None:
+    """Sampled plain decoding is pipelined like greedy (each step's input drawn on the device before the host reads
+    it): its tokens equal a loop that reads every draw before running the next step, from the same seed."""
+    prompt = list(range(3, 20))
+
+    def sampler() -> Sampler:
+        return Sampler(temperature=0.9, top_p=0.95, generator=torch.Generator().manual_seed(5))
+
+    got = Engine(tiny_model, EngineOptions(capacity=CAP)).generate(prompt, 16, sampler=sampler()).tokens
+    ref_engine = Engine(tiny_model, EngineOptions(capacity=CAP))
+    run, s = ref_engine.runner, sampler()
+    with torch.inference_mode():
+        logits, _ = ref_engine._prefill(prompt)
+        out = [int(s.sample(logits[-1]).item())]
+        while len(out) < 16:
+            logits, _ = run.step(torch.tensor([out[-1]]))
+            run.keep(1, rollback=False)
+            out.append(int(s.sample(logits[-1]).item()))
+    assert got == out
+    assert len(set(got)) > 3  # sampled, not a constant stream
 
 
 @pytest.mark.parametrize("n_draft", [0, 3])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,9 @@ AcceptHook = Callable[[int, int], int]
 class Sampler:
     temperature: float = 0.0
     top_p: float = 1.0
+    # the request's seeded generator; draws on another device use one generator seeded from it (see _generator)
     generator: torch.Generator | None = None
+    _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def greedy(self) -> bool:
@@ -38,8 +40,23 @@ class Sampler:
         return self.sample_probs(self.probs(logits))
 
     def sample_probs(self, p: torch.Tensor) -> torch.Tensor:
+        """One draw from each distribution p [..., V] -> [...] int64 on p's device, without a host round trip (so a
+        decode step can consume it before the host reads it): the exponential race argmax_i p_i / E_i with
+        E_i ~ Exp(1) i.i.d. picks i with probability p_i (vLLM and SGLang sample the same way)."""
+        e = torch.empty(p.shape, dtype=torch.float32, device=p.device).exponential_(generator=self._generator(p.device))
+        return (p.float() / e.clamp_min(1e-30)).argmax(-1)
+
+    def _generator(self, dev: torch.device) -> torch.Generator | None:
+        """The generator for draws on `dev`: the request's own when it lives there, else one generator per device
+        seeded once from it (deterministic for a seeded request; None: torch's default generators)."""
         g = self.generator
-        return torch.multinomial(p.reshape(-1, p.shape[-1]).cpu(), 1, generator=g).reshape(p.shape[:-1]).to(p.device)
+        if g is None or (g.device.type == dev.type and (g.device.index or 0) == (dev.index or 0)):
+            return g
+        key = str(dev)
+        if key not in self._derived:
+            seed = int(torch.randint(0, 2 ** 62, (1,), generator=g))
+            self._derived[key] = torch.Generator(device=dev).manual_seed(seed)
+        return self._derived[key]
 
 
 def greedy_accept(drafts: list[int], target: list[int]) -> int:
