@@ -25,7 +25,7 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import ContextError, Readback, Runner, upload
-from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept
+from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept, speculative_accept_on_device
 from qspec.spec.stats import SpecStats
 
 
@@ -120,7 +120,7 @@ class Engine:
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs)
-        self.reader = Readback(model.device, capacity=2 * self.opts.draft + 1)
+        self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
@@ -227,13 +227,13 @@ class Engine:
         the position before it."""
         o, run, dev, N = self.opts, self.runner, self.model.device, self.opts.draft
         d_logits, d_X = run.mtp_step(torch.tensor([tok]), H, P, o.draft_lm_head)
-        # Greedy drafts never visit the host: each draft step reads the previous one's argmax on the
-        # device and the verify rows are assembled there, so the chain and the verify step are queued in
-        # one go and the round has one read-back (drafts and target predictions together).
-        on_device = sampler.greedy and o.draft_hook is None
+        # Drafts never visit the host (unless a draft hook must see them): each draft step reads the previous
+        # one's argmax or draw on the device, the verify rows are assembled there and the acceptance is decided
+        # there, so a round has one read-back (drafts, accepted count, next token).
+        on_device = o.draft_hook is None
         # on the device, each round's draft chain is queued right after the previous round's read-back, before
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
-        d_toks = self._draft_chain(req, d_logits, d_X, P) if on_device else []
+        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, P, sampler) if on_device else ([], [])
         rnd = 0
         while True:
             L = run.n_tokens
@@ -242,25 +242,25 @@ class Engine:
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
-                drafts, target, v_logits, vX, extended = self._round_on_device(req, tok, d_toks, L, forced)
+                drafts, k, nxt, vX, extended = self._round_on_device(req, tok, d_toks, q_rows, L, forced, sampler)
             else:
                 extended = None
-                drafts, q_rows, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
-                if sampler.greedy:
-                    target = v_logits.argmax(-1).tolist()
-            if sampler.greedy:
-                k = greedy_accept(drafts, target) if forced is None else forced
-                nxt = target[k]
-            else:
-                k, nxt = speculative_accept(drafts, torch.stack(q_rows), sampler.probs(v_logits), sampler)
+                drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
                 if forced is not None:
-                    k, nxt = forced, int(sampler.sample_probs(sampler.probs(v_logits[forced])).item())
+                    k = forced
+                    nxt = int(sampler.sample(v_logits[forced]).item())
+                elif sampler.greedy:
+                    target = v_logits.argmax(-1).tolist()
+                    k = greedy_accept(drafts, target)
+                    nxt = target[k]
+                else:
+                    k, nxt = speculative_accept(drafts, torch.stack(host_q), sampler.probs(v_logits), sampler)
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
             if extended is not None:
                 d_logits, d_X = extended
                 if not ends:
-                    d_toks = self._draft_chain(req, d_logits, d_X, L + len(committed))
+                    d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L + len(committed), sampler)
             elif not ends:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
@@ -284,52 +284,71 @@ class Engine:
             tok = nxt
             rnd += 1
 
-    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int) -> list[torch.Tensor]:
-        """Greedy drafts d_1..d_N as [1] device tensors, queued without a host round trip: d_1 from the logits of
-        the step that saw the committed tokens (the extend), then N - 1 head steps chained on the head's own
-        residual at positions L + 1.. (L: the committed tokens once the round's rollback is done)."""
+    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Drafts d_1..d_N as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
+        d_1 from the logits of the step that saw the committed tokens (the extend), then N - 1 head steps chained on
+        the head's own residual at positions L + 1.. (L: the committed tokens once the round's rollback is done).
+        -> (drafts, their distributions [1, V] when sampling)."""
         o, run = self.opts, self.runner
         if o.record_logits:
             # now: the chain's graph replays may reuse the memory of the step that made d_logits (see Runner._run)
             req.draft_log.append(d_logits[-1:].cpu())
-        d_toks = [d_logits[-1:].argmax(-1)]
-        for i in range(1, o.draft):
-            d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
-            d_toks.append(d_logits[-1:].argmax(-1))
+        d_toks: list[torch.Tensor] = []
+        q_rows: list[torch.Tensor] = []
+        for i in range(o.draft):
+            if i:
+                d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
+            if sampler.greedy:
+                d_toks.append(d_logits[-1:].argmax(-1))
+            else:  # computed before the next replay can reuse the logits' memory
+                q_rows.append(sampler.probs(d_logits[-1:]))
+                d_toks.append(sampler.sample_probs(q_rows[-1]))
         req.phase("draft")
-        return d_toks
+        return d_toks, q_rows
 
-    def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], L: int,
-                         forced: int | None) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor,
-                                                      tuple[torch.Tensor, torch.Tensor]]:
-        """The verify step over the queued greedy drafts and the next round's draft extend, queued without a host
-        round trip -> (drafts, the target's predictions for every verify row, verify logits, verify residuals,
-        the extend's (logits, residual)).
+    def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
+                         L: int, forced: int | None, sampler: Sampler
+                         ) -> tuple[list[int], int, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The verify step over the queued drafts, the acceptance and the next round's draft extend, queued without
+        a host round trip -> (drafts, accepted count k, the target's next token, verify residuals, the extend's
+        (logits, residual)).
 
-        The accepted length k is computed on the device too (or `forced`, a benchmark's replayed acceptance), so
-        the extend is queued behind the verify step before the host reads the round: the GPU runs it (and the next
-        round's draft chain, queued next) while the host accepts and rolls back. When the round ends the request,
-        the extend's result is not used."""
+        k and the next token are decided on the device (greedy prefix match, or speculative sampling; `forced`: a
+        benchmark's replayed k), so the extend is queued behind the verify step before the host reads the round:
+        the GPU runs it (and the next round's draft chain, queued next) while the host accepts and rolls back.
+        When the round ends the request, the extend's result is not used."""
         o, run, N, dev = self.opts, self.runner, self.opts.draft, self.model.device
         v_rows = torch.cat([upload([tok], dev)] + d_toks)
+        drafts = v_rows[1:]
         v_logits, vX = run.step(v_rows)
         req.phase("verify")
         if o.record_logits:
             req.logits_log.append(v_logits.cpu())
-        pred = v_logits.argmax(-1)
-        self.reader.start(torch.cat([v_rows[1:], pred]))
-        k = accepted_on_device(v_rows[1:], pred) if forced is None else upload([forced], dev)
-        # committed rows padded with the target's next token: drafts[:k] + [pred[k]] * (N + 1 - k)
-        ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([v_rows[1:], pred[N:]]), pred[k])
+        if sampler.greedy:
+            pred = v_logits.argmax(-1)
+            k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)
+            nxt = pred.index_select(0, k)
+        else:
+            p = sampler.probs(v_logits)
+            if forced is None:
+                k, nxt = speculative_accept_on_device(drafts, torch.cat(q_rows), p, sampler)
+            else:
+                k = upload([forced], dev)
+                nxt = sampler.sample_probs(p.index_select(0, k))
+        self.reader.start(torch.cat([drafts, k, nxt]))
+        # committed rows padded with the target's next token: drafts[:k] + [nxt] * (N + 1 - k)
+        ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
         extended = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
         req.phase("draft extend")
         read = self.reader.result()
-        return read[:N], read[N:], v_logits, vX, extended
+        return read[:N], read[N], read[N + 1], vX, extended
 
     def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
                        sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """Draft chain with each draft read (or sampled) on the host, then the verify step -> (drafts, the draft
-        distributions when sampling, verify logits, verify residuals). Sampling and the draft hook take it."""
+        distributions when sampling, verify logits, verify residuals). Only a draft hook (tests) takes this path:
+        the hook must see the drafts before the verify step."""
         o, run, N = self.opts, self.runner, self.opts.draft
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []

@@ -13,7 +13,7 @@ from qspec.engine import Engine, EngineOptions, accepted_on_device
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Readback, Runner
-from qspec.spec.accept import Sampler, greedy_accept, speculative_accept
+from qspec.spec.accept import Sampler, greedy_accept, speculative_accept, speculative_accept_on_device
 
 CAP = 128
 
@@ -139,9 +139,11 @@ def test_sample_probs_follows_the_distribution() -> None:
     assert ((freq - p.double()).abs() <= 4 * (p.double() * (1 - p.double()) / T).sqrt() + 1e-9).all(), freq
 
 
-def test_speculative_accept_keeps_the_target_distribution() -> None:
-    """Drafts drawn from q, accepted or replaced by speculative_accept: each committed position follows the
-    target's p, not q (the first position always; the second in the rounds that reach it)."""
+@pytest.mark.parametrize("on_device", [False, True])
+def test_speculative_accept_keeps_the_target_distribution(on_device: bool) -> None:
+    """Drafts drawn from q, accepted or replaced by speculative_accept (the host's, or the engine's on-device one):
+    each committed position follows the target's p, not q (the first position always; the second in the rounds
+    that reach it)."""
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.3, 0.3, 0.2, 0.2]])
     s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
@@ -149,7 +151,11 @@ def test_speculative_accept_keeps_the_target_distribution() -> None:
     first, second = torch.zeros(4), torch.zeros(4)
     drafts = torch.stack([s.sample_probs(q[0].expand(T, 4)), s.sample_probs(q[1].expand(T, 4))], 1).tolist()
     for d in drafts:
-        k, nxt = speculative_accept(d, q, p, s)
+        if on_device:
+            kt, nt = speculative_accept_on_device(torch.tensor(d), q, p, s)
+            k, nxt = int(kt), int(nt)
+        else:
+            k, nxt = speculative_accept(d, q, p, s)
         committed = d[:k] + [nxt]
         first[committed[0]] += 1
         if len(committed) > 1:

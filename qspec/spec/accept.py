@@ -83,3 +83,23 @@ def speculative_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, samp
         return i, int(sampler.sample_probs(resid / resid.sum()).item())
     n = len(drafts)
     return n, int(sampler.sample_probs(p[n]).item())
+
+
+def speculative_accept_on_device(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, sampler: Sampler
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """speculative_accept with every draw on the tensors' device, nothing read by the host: drafts [N] int64,
+    q [N, V], p [N+1, V] -> (accepted count [1], next token [1]).
+
+    Draft i is accepted when u_i * q_i(d_i) < p_i(d_i) (u_i uniform on [0, 1)); k is the length of the accepted
+    prefix; the next token is drawn from max(0, p_k - q_k) (from p_k if that is all zero), where q_N = 0 makes it
+    the bonus draw from p_N."""
+    N, V = q.shape
+    dev = p.device
+    rows = torch.arange(N, device=dev)
+    u = torch.rand(N, device=dev, generator=sampler._generator(dev))
+    ok = u * q[rows, drafts].float() < p[rows, drafts].float()
+    k = torch.cumprod(ok.long(), 0).sum().view(1)
+    resid = (p.float() - torch.cat([q.float(), q.new_zeros(1, V, dtype=torch.float32)])).clamp_min(0)
+    r = resid.index_select(0, k)
+    r = torch.where(r.sum(-1, keepdim=True) > 0, r, p.float().index_select(0, k))
+    return k, sampler.sample_probs(r)  # the race needs no normalisation
