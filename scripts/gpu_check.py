@@ -9,7 +9,9 @@
     other may swap: there the tokens must be equal up to the first difference, and that difference must
     sit at a near tie of plain decoding (top-2 gap <= NEAR_TIE of the row's largest |logit|), else it fails;
   * every combination of the seed's optimizations gives the baseline's tokens on CUDA;
-  * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly.
+  * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly;
+  * sampling on the device: draws and speculative sampling follow their distributions, sampled decoding is
+    repeatable for a seed.
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
 (`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only).
 """
@@ -189,8 +191,55 @@ def main() -> int:
         base = base or g.tokens
         report(f"seed opts {combo} == baseline tokens (cuda f32)", g.tokens == base,
                str(g.graphs["graphs_by_shape"])[:90])
+    if not only_fused:
+        sampling_checks(gpu, prompt)
     print("\nsummary:", sum(r[1] == "ok" for r in rows), "ok,", sum(r[1] != "ok" for r in rows), "failed")
     return 1 if failed else 0
+
+
+def within(counts: torch.Tensor, target: torch.Tensor, sigmas: float = 5.0) -> tuple[bool, str]:
+    """Whether the empirical frequencies of `counts` match the distribution `target` within `sigmas` standard
+    errors per token (and tokens of probability 0 never occur)."""
+    n = counts.sum()
+    freq, target = counts.double() / n, target.double().cpu()
+    ok = bool(((freq - target).abs() <= sigmas * (target * (1 - target) / n).sqrt() + 1e-12).all())
+    def show(v: torch.Tensor) -> list[float]:
+        return [round(float(x), 3) for x in v]
+    return ok, f"{int(n)} draws, frequencies {show(freq)} vs {show(target)}"
+
+
+def sampling_checks(gpu: Model, prompt: list[int]) -> None:
+    """Sampling on the device: the draw and speculative sampling's acceptance follow their distributions on CUDA
+    (device generators seeded from the request's CPU generator), and sampled plain and speculative decoding run
+    through the graphs, repeatably for a seed."""
+    from qspec.spec.accept import Sampler, speculative_accept_on_device
+
+    dev = gpu.device
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], device=dev)
+    s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    draws = s.sample_probs(p.expand(200000, 5))
+    ok, why = within(torch.bincount(draws, minlength=5).cpu(), p)
+    report(f"sampled draws follow p ({dev.type})", ok and draws.device == p.device, why)
+    pt = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25] * 4], device=dev)
+    q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.3, 0.3, 0.2, 0.2]], device=dev)
+    first = torch.zeros(4)
+    for _ in range(4000):
+        d = torch.cat([s.sample_probs(q[0:1]), s.sample_probs(q[1:2])])
+        k, nxt = speculative_accept_on_device(d, q, pt, s)
+        first[int(nxt) if int(k) == 0 else int(d[0])] += 1
+    ok, why = within(first, pt[0])
+    report(f"speculative sampling keeps p, first token ({dev.type})", ok, why)
+    for n in (0, 3, 5):
+        def run(seed: int, n: int = n) -> object:
+            sampler = Sampler(temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(seed))
+            return Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type="q8_0")).generate(prompt, 48,
+                                                                                            sampler=sampler)
+        a, b, c = run(1), run(1), run(2)
+        ok = a.tokens == b.tokens and len(a.tokens) == 48 and a.tokens != c.tokens and a.graphs["replays"] > 0
+        report(f"sampled decoding, {dev.type} f32, N={n}", ok,
+               f"same seed {'equal' if a.tokens == b.tokens else 'DIFFERENT'}, other seed "
+               f"{'different' if a.tokens != c.tokens else 'EQUAL'}, accepted {a.spec.accepted}/{a.spec.drafted}, "
+               f"graphs {a.graphs['captures']} captures / {a.graphs['replays']} replays")
 
 
 if __name__ == "__main__":
