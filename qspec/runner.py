@@ -66,6 +66,7 @@ class Runner:
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
         self._seen: Counter = Counter()
+        self._families: set[tuple] = set()  # captured keys without their KV bucket (see _run)
         self.graph_stats = GraphStats()
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -109,11 +110,15 @@ class Runner:
         # A shape runs eagerly until it recurs: capturing costs about two eager steps, so a shape
         # seen once (the update list of a round without Pad8, say) is not worth a graph. On its
         # second use the eager run is the real step, then the capture records without executing.
+        # A shape captured before for another KV bucket (key[2]) recurs for sure, every step until the
+        # next bucket: it is captured on its first use.
         self._seen[key] += 1
         st.eager += 1
-        capture = self._seen[key] >= 2 and len(self.graphs) < self.max_graphs
-        st.eager_reasons["second use: captured" if capture else "first use of a shape" if self._seen[key] < 2
-                         else "graph limit reached"] += 1
+        family = key[:2] + key[3:]
+        recurs = self._seen[key] >= 2 or family in self._families
+        capture = recurs and len(self.graphs) < self.max_graphs
+        st.eager_reasons[("second use: captured" if self._seen[key] >= 2 else "new KV bucket: captured") if capture
+                         else "first use of a shape" if not recurs else "graph limit reached"] += 1
         # The real step of a capture runs on the graph's own input buffers: the compiled step functions then
         # meet, inside the capture, exactly the tensors (strides, storage offsets, alignment) they were just
         # run with, so nothing recompiles or autotunes there (inductor's autotuning synchronises, which a
@@ -131,6 +136,7 @@ class Runner:
             outs = fn(*bufs)
         self.cache.snap_stats = saved
         self.graphs[key] = _Graph(graph, bufs, outs, snap)
+        self._families.add(family)
         st.captures += 1
         st.shapes[key] += 1
         return out

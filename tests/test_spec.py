@@ -276,6 +276,14 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
     assert real[0] is captured[0] and real[0].storage_offset() == 0  # second use: one buffer for both
     assert run.graph_stats.captures == 1 and run.graph_stats.eager_reasons["second use: captured"] == 1
     assert len(seen) == 3  # the third use replays
+    # a step shape captured before, now in the next KV bucket (key[2]): captured on its first use
+    seen.clear()
+    run._run(("target", 1, 512, ()), fn, [view])
+    run._run(("target", 1, 512, ()), fn, [view])
+    run._run(("target", 1, 1024, ()), fn, [view])
+    run._run(("target", 1, 1024, ()), fn, [view])
+    assert len(seen) == 5  # 512: eager, then eager + capture; 1024: eager + capture, then a replay
+    assert run.graph_stats.eager_reasons["new KV bucket: captured"] == 1 and run.graph_stats.captures == 3
 
 
 @pytest.mark.parametrize("n_draft", [0, 3])
