@@ -181,14 +181,12 @@ class Model(torch.nn.Module):
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X).
 
         row (a device index [1]): logits and residual of that row only (the draft extend needs the accepted
-        row's, and the LM head is most of a step's weight traffic)."""
+        row's; the other rows stop after writing their K/V cells, see MTPHead.forward)."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
         with fuse.step_rows(tokens.shape[0]):
             cos, sin = self.rope(pos)
-            out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len)
-        if row is not None:
-            out, X = out.index_select(0, row), X.index_select(0, row)
+            out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len, row)
         if isinstance(lm_head, Q4Weight):
             return q4_matvec(out, lm_head), X  # reads a quarter of the bf16 head's bytes
         return linear(out, self.lm_head if lm_head is None else lm_head), X

@@ -42,12 +42,20 @@ class MTPHead(torch.nn.Module):
         self.moe = MoE(w, b, cfg.n_experts_used)
 
     def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVCache, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D])."""
+                kv: KVCache, kv_len: int | None = None, row: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D]).
+
+        row (a device index [1]): every row writes its K/V cells, but only that row goes on through the MoE and the
+        mixers after the attention -> (h [1, D], X [1, S*D]). The draft extend needs one row's output, and the other
+        rows' MoE would read ~47 more experts (for 6 rows) for nothing."""
         c = self.cfg
         X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
         h, inj = self.mix_attn(X)
         y = self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len)
+        if row is not None:
+            X, y = X.index_select(0, row), y.index_select(0, row)
+            inj = None if inj is None else inj.index_select(0, row)
         X, h, inj = self.mix_ffn.combine_mix(X, (y, inj))
         X, out, _ = self.mix_head.combine_mix(X, (self.moe(h), inj))
         return out, X
