@@ -62,7 +62,7 @@ def bound(cfg: ModelConfig, draft: int, q4: bool, p: float) -> dict[str, float]:
     dhead = head / 4 * 1.125 if q4 else head  # Q4_0: 4.5 bits per weight
     mtp_block = layer_bytes(cfg, cfg.n_experts_used, False) + 3 * cfg.hidden * cfg.hidden * 2
     # the extend's rows all write their K/V cells, but only the accepted row goes through the MoE and the head (since
-    # commit after 0d63857; before, its MoE ran all rows: layer_bytes(cfg, distinct_experts(cfg, rows), False))
+    # commit 79fc7cb; before, its MoE ran all rows: layer_bytes(cfg, distinct_experts(cfg, rows), False))
     extend = mtp_block + dhead
     chain = (draft - 1) * (mtp_block + dhead)
     per_round = verify + extend + chain
