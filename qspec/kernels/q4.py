@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from qspec.kernels.triton_common import use_triton
-from qspec.weights.dequant import quantize_q4_0
+from qspec.weights.dequant import nibbles, quantize_q4_0
 
 QK = 32  # elements per Q4_0 block
 BLOCK_BYTES = 18  # f16 scale + 16 bytes of nibbles
@@ -48,8 +48,7 @@ class Q4Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[N, K] in `dtype`: d * (q - 8), computed in f32 (exact), as ggml's dequantize_row_q4_0."""
         N, K = self.shape
-        qs = self.packed.view(N, K // QK, QK // 2)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float() - 8.0
+        q = nibbles(self.packed.view(N, K // QK, QK // 2)).float() - 8.0
         return (self.scales.float()[..., None] * q).reshape(N, K).to(dtype)
 
     def to(self, device: torch.device | str) -> Q4Weight:
@@ -79,8 +78,7 @@ def q4_q8_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
     N, K = W.shape
     M = x.shape[0]
     q, d, sums = quantize_q8_torch(x)
-    qs = W.packed.view(N, K // QK, QK // 2).to(torch.int32)
-    nib = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [N, KB, 32], 0..15
+    nib = nibbles(W.packed.view(N, K // QK, QK // 2)).float()  # [N, KB, 32], 0..15
     dots = torch.einsum("mbi,nbi->mnb", q.float().view(M, K // QK, QK), nib)  # exact: |dot| < 2^24
     y = ((dots - 8 * sums[:, None, :].float()) * (W.scales.float()[None] * d[:, None, :])).sum(-1)
     return y.to(x.dtype)

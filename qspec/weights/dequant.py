@@ -28,7 +28,7 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """[n, m] packed bytes -> [n, 2m]: all low nibbles first, then all high nibbles (ggml's Q4 layout)."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
@@ -38,18 +38,18 @@ def _deq_q8_0(b: torch.Tensor) -> torch.Tensor:
 
 
 def _deq_q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).float() - 8.0)
+    return _f16(b[:, :2]) * (nibbles(b[:, 2:]).float() - 8.0)
 
 
 def _deq_q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+    return _f16(b[:, :2]) * nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
 
 
 def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
     # qh is a little-endian uint32: bit i (byte i // 8, bit i % 8) is the 5th bit of element i.
     qh = ((b[:, 2:6, None] >> shifts) & 1).reshape(-1, 32)
-    q = _nibbles(b[:, 6:]) | (qh << 4)
+    q = nibbles(b[:, 6:]) | (qh << 4)
     return _f16(b[:, :2]) * (q.float() - 16.0)
 
 
