@@ -25,7 +25,7 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import ContextError, Readback, Runner, upload
-from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept, speculative_accept_on_device
+from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.stats import SpecStats
 
 
@@ -254,7 +254,9 @@ class Engine:
                     k = greedy_accept(drafts, target)
                     nxt = target[k]
                 else:
-                    k, nxt = speculative_accept(drafts, torch.stack(host_q), sampler.probs(v_logits), sampler)
+                    p = sampler.probs(v_logits)
+                    k, nxt = (int(t) for t in speculative_accept_on_device(upload(drafts, dev), torch.stack(host_q),
+                                                                           p, sampler))
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
             if extended is not None:

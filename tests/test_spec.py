@@ -13,7 +13,7 @@ from qspec.engine import Engine, EngineOptions, accepted_on_device
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Readback, Runner
-from qspec.spec.accept import Sampler, greedy_accept, speculative_accept, speculative_accept_on_device
+from qspec.spec.accept import Sampler, greedy_accept, speculative_accept_on_device
 
 CAP = 128
 
@@ -113,13 +113,17 @@ def test_bad_depth_and_context(tiny_model: Model) -> None:
 def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
     from qspec.spec.accept import Sampler
 
-    def run(n: int) -> list[int]:
+    def run(n: int, host: bool = False) -> list[int]:
         s = Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(3))
-        eng = Engine(tiny_model, EngineOptions(draft=n, capacity=CAP))
+        # an identity draft hook takes the host round (drafts read on the host, then accepted)
+        hook = (lambda n_out, d: d) if host else None
+        eng = Engine(tiny_model, EngineOptions(draft=n, capacity=CAP, draft_hook=hook))
         return eng.generate(list(range(1, 9)), 12, sampler=s).tokens
 
     a, b = run(3), run(3)
     assert a == b and len(a) == 12
+    h = run(3, host=True)
+    assert h == run(3, host=True) and len(h) == 12
     ref = plain(tiny_model, list(range(1, 9)), 40)
     stop = ref[5]
     g = Engine(tiny_model, EngineOptions(draft=4, capacity=CAP, exact=True,
@@ -139,11 +143,9 @@ def test_sample_probs_follows_the_distribution() -> None:
     assert ((freq - p.double()).abs() <= 4 * (p.double() * (1 - p.double()) / T).sqrt() + 1e-9).all(), freq
 
 
-@pytest.mark.parametrize("on_device", [False, True])
-def test_speculative_accept_keeps_the_target_distribution(on_device: bool) -> None:
-    """Drafts drawn from q, accepted or replaced by speculative_accept (the host's, or the engine's on-device one):
-    each committed position follows the target's p, not q (the first position always; the second in the rounds
-    that reach it)."""
+def test_speculative_accept_keeps_the_target_distribution() -> None:
+    """Drafts drawn from q, accepted or replaced by speculative sampling: each committed position follows the
+    target's p, not q (the first position always; the second in the rounds that reach it)."""
     p = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.1, 0.4, 0.4], [0.3, 0.3, 0.2, 0.2]])
     s = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(1))
@@ -151,11 +153,8 @@ def test_speculative_accept_keeps_the_target_distribution(on_device: bool) -> No
     first, second = torch.zeros(4), torch.zeros(4)
     drafts = torch.stack([s.sample_probs(q[0].expand(T, 4)), s.sample_probs(q[1].expand(T, 4))], 1).tolist()
     for d in drafts:
-        if on_device:
-            kt, nt = speculative_accept_on_device(torch.tensor(d), q, p, s)
-            k, nxt = int(kt), int(nt)
-        else:
-            k, nxt = speculative_accept(d, q, p, s)
+        kt, nt = speculative_accept_on_device(torch.tensor(d), q, p, s)
+        k, nxt = int(kt), int(nt)
         committed = d[:k] + [nxt]
         first[committed[0]] += 1
         if len(committed) > 1:

@@ -67,28 +67,10 @@ def greedy_accept(drafts: list[int], target: list[int]) -> int:
     return k
 
 
-def speculative_accept(drafts: list[int], q: torch.Tensor, p: torch.Tensor, sampler: Sampler) -> tuple[int, int]:
-    """Standard speculative sampling: accept draft i with prob min(1, p_i(d)/q_i(d)); on the first
-    rejection sample from normalise(max(0, p_i - q_i)), else the bonus from p_N.
-
-    q [N, V] draft distributions, p [N+1, V] target distributions. Returns (accepted, next token)."""
-    g = sampler.generator
-    for i, d in enumerate(drafts):
-        u = torch.rand((), generator=g).item()
-        if u * q[i, d].item() < p[i, d].item():
-            continue
-        resid = (p[i] - q[i]).clamp_min(0)
-        if resid.sum() <= 0:
-            resid = p[i]
-        return i, int(sampler.sample_probs(resid / resid.sum()).item())
-    n = len(drafts)
-    return n, int(sampler.sample_probs(p[n]).item())
-
-
 def speculative_accept_on_device(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, sampler: Sampler
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """speculative_accept with every draw on the tensors' device, nothing read by the host: drafts [N] int64,
-    q [N, V], p [N+1, V] -> (accepted count [1], next token [1]).
+    """Standard speculative sampling, every draw on the tensors' device and nothing read by the host: drafts [N]
+    int64, q [N, V] draft distributions, p [N+1, V] target distributions -> (accepted count [1], next token [1]).
 
     Draft i is accepted when u_i * q_i(d_i) < p_i(d_i) (u_i uniform on [0, 1)); k is the length of the accepted
     prefix; the next token is drawn from max(0, p_k - q_k) (from p_k if that is all zero), where q_N = 0 makes it
