@@ -42,7 +42,7 @@ class Sampler:
     def sample_probs(self, p: torch.Tensor) -> torch.Tensor:
         """One draw from each distribution p [..., V] -> [...] int64 on p's device, without a host round trip (so a
         decode step can consume it before the host reads it): the exponential race argmax_i p_i / E_i with
-        E_i ~ Exp(1) i.i.d. picks i with probability p_i (vLLM and SGLang sample the same way)."""
+        E_i ~ Exp(1) i.i.d. picks i with probability p_i (vLLM's sampler draws the same way)."""
         e = torch.empty(p.shape, dtype=torch.float32, device=p.device).exponential_(generator=self._generator(p.device))
         return (p.float() / e.clamp_min(1e-30)).argmax(-1)
 
