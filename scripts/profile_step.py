@@ -152,9 +152,16 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
              f"{gen.decode_tps:.2f} tok/s, {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} ({per_unit} {unit}s); "
              f"host inside {per} per {unit}; graphs {gen.graphs}"]
     if run.graphs:  # the last graphs captured (for the KV bucket the request ended in) alone
-        lines.append(replay_alone(eng, "target"))
+        times: dict[tuple, float] = {}
+        lines.append(replay_alone(eng, "target", times=times))
         if eng.opts.draft:
-            lines.append(replay_alone(eng, "mtp"))
+            lines.append(replay_alone(eng, "mtp", times=times))
+        alone = graphs_per_unit(times, eng.opts.draft)
+        if alone is not None:
+            wall = gen.decode_s / per_unit * 1e3
+            lines.append(f"the graphs one {unit} replays, alone: {alone:.3f} ms; end to end {wall:.3f} ms, so "
+                         f"{wall - alone:.3f} ms per {unit} is GPU idle or host-bound (an upper bound: the eager "
+                         f"ops between graphs count here too)")
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     started = []
 
@@ -175,9 +182,10 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def replay_alone(eng: Engine, kind: str, n: int = 50) -> str:
+def replay_alone(eng: Engine, kind: str, n: int = 50, times: dict[tuple, float] | None = None) -> str:
     """The GPU time of the last graph of `kind` ("target" or "mtp") captured for each row count: its replays back
-    to back, with no host work between (the graphs for the KV bucket the last request ended in)."""
+    to back, with no host work between (the graphs for the KV bucket the last request ended in). `times` collects
+    ms per replay by key."""
     last = {}  # by the key without its KV length: the latest bucket's graph of each shape
     for key, g in eng.runner.graphs.items():
         if key[0] == kind:
@@ -191,8 +199,24 @@ def replay_alone(eng: Engine, kind: str, n: int = 50) -> str:
         for _ in range(n):
             g.graph.replay()
         sync()
-        out.append(f"{key}: {(time.perf_counter() - t) / n * 1e3:.3f} ms")
+        ms = (time.perf_counter() - t) / n * 1e3
+        if times is not None:
+            times[key] = ms
+        out.append(f"{key}: {ms:.3f} ms")
     return f"{kind} graphs replayed alone, per replay: " + "; ".join(out)
+
+
+def graphs_per_unit(times: dict[tuple, float], draft: int) -> float | None:
+    """GPU time of the graphs one token (plain decoding) or one round replays: the target step, and with drafts
+    N - 1 one-row chained draft steps and the (N + 1)-row extend."""
+    target = [ms for k, ms in times.items() if k[0] == "target"]
+    if not draft:
+        return target[-1] if target else None
+    chain = [ms for k, ms in times.items() if k[0] == "mtp" and k[1] == 1 and not k[4]]
+    extend = [ms for k, ms in times.items() if k[0] == "mtp" and k[1] == draft + 1 and k[4]]
+    if not (target and chain and extend):
+        return None
+    return target[-1] + (draft - 1) * chain[-1] + extend[-1]
 
 
 def sync() -> None:
