@@ -128,6 +128,25 @@ def test_update_list_padding_rules() -> None:
     assert plan.rows == 1 and plan.dest[0] == 64
 
 
+def test_seq_rm_removes_only_the_range_and_the_sequence() -> None:
+    """seq_rm(seq, p0, p1) frees the cells of [p0, p1) that only `seq` owned, drops `seq` from shared ones, and
+    leaves every other cell as it was."""
+    cells = CellTable(64)
+    cells.write(0, 40)
+    cells.seq[35] = np.uint64(0b11)  # cell 35 shared with sequence 1
+    cells.seq_rm(0, 20, 30)  # bounded
+    assert (cells.pos[20:30] == -1).all() and (cells.pos4[20:30] == -1).all() and (cells.seq[20:30] == 0).all()
+    assert (cells.pos[:20] == np.arange(20)).all() and (cells.pos[30:40] == np.arange(30, 40)).all()
+    cells.seq_rm(0, 32)  # to the end
+    assert (cells.pos[32:] == np.r_[-1, -1, -1, 35, [-1] * 28]).all()  # the shared cell stays, for sequence 1
+    assert cells.seq[35] == np.uint64(0b10) and cells.n_live() == 20 + 2 + 1
+    cells.seq_rm(1, 0)  # sequence 1 owned only cell 35 among the live ones
+    assert cells.pos[35] == -1 and cells.n_live() == 22
+    cells.seq_rm(0, 64)  # nothing at or past the capacity
+    cells.seq_rm(0, -5, 2)  # p0 < 0: from 0
+    assert cells.n_live() == 20 and (cells.pos[:2] == -1).all()
+
+
 def test_retention_and_fallbacks() -> None:
     lay, cells = make_layout()
     step(lay, cells, 0, 40)

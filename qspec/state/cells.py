@@ -25,13 +25,18 @@ class CellTable:
         self.seq[start:start + n] = np.uint64(1 << seq)
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
-        """Remove positions [p0, p1) (p1 < 0: to the end) of `seq`."""
-        hi = np.iinfo(np.int64).max if p1 < 0 else p1
-        sel = (self.pos >= max(p0, 0)) & (self.pos < hi) & ((self.seq & np.uint64(1 << seq)) != 0)
-        self.seq[sel] &= ~np.uint64(1 << seq)
-        free = sel & (self.seq == 0)
-        self.pos[free] = -1
-        self.pos4[free] = -1
+        """Remove positions [p0, p1) (p1 < 0: to the end) of `seq`. Cell c only ever holds position c (`write`),
+        so only cells [p0, p1) are scanned, not the whole table: this runs at every speculative round."""
+        lo, hi = max(p0, 0), self.capacity if p1 < 0 else min(p1, self.capacity)
+        if lo >= hi:
+            return
+        bit = np.uint64(1 << seq)
+        pos, owners = self.pos[lo:hi], self.seq[lo:hi]  # views
+        sel = (pos >= 0) & ((owners & bit) != 0)
+        owners[sel] &= ~bit
+        free = sel & (owners == 0)
+        pos[free] = -1
+        self.pos4[lo:hi][free] = -1
 
     def clear(self) -> None:
         self.pos[:] = -1
