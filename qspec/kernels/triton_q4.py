@@ -118,8 +118,10 @@ def q4_q8_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     does not depend on the others and W is read once per row."""
     M, K = x.shape
     N = packed.shape[0]
-    if K % 32 or packed.shape != (N, K // 2) or scales.shape != (N, K // 32) or x.stride(1) != 1:
+    if K % 32 or packed.shape != (N, K // 2) or scales.shape != (N, K // 32):
         raise ValueError(f"q4_q8_matvec: x {tuple(x.shape)} packed {tuple(packed.shape)} scales {tuple(scales.shape)}")
+    if x.stride(1) != 1 or not packed.is_contiguous() or not scales.is_contiguous():
+        raise ValueError("q4_q8_matvec needs x rows, packed and scales contiguous")
     bn, nb, warps = config
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
