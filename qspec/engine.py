@@ -237,8 +237,6 @@ class Engine:
         rnd = 0
         while True:
             L = run.n_tokens
-            if o.record_logits and not on_device:  # on the device: recorded by _draft_chain
-                req.draft_log.append(d_logits[-1:].cpu())
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
@@ -255,7 +253,7 @@ class Engine:
                     nxt = target[k]
                 else:
                     p = sampler.probs(v_logits)
-                    k, nxt = (int(t) for t in speculative_accept_on_device(upload(drafts, dev), torch.stack(host_q),
+                    k, nxt = (int(t) for t in speculative_accept_on_device(upload(drafts, dev), torch.cat(host_q),
                                                                            p, sampler))
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
@@ -348,24 +346,14 @@ class Engine:
 
     def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
                        sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Draft chain with each draft read (or sampled) on the host, then the verify step -> (drafts, the draft
-        distributions when sampling, verify logits, verify residuals). Only a draft hook (tests) takes this path:
-        the hook must see the drafts before the verify step."""
-        o, run, N = self.opts, self.runner, self.opts.draft
-        drafts: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        for i in range(N):
-            if i:
-                d_logits, d_X = run.mtp_step(torch.tensor([drafts[-1]]), d_X, L + i, o.draft_lm_head)
-            if sampler.greedy:
-                drafts.append(int(d_logits[-1].argmax().item()))
-            else:
-                q = sampler.probs(d_logits[-1])
-                q_rows.append(q)
-                drafts.append(int(sampler.sample_probs(q).item()))
+        """The draft chain, its drafts read by the host and passed through the draft hook, then the verify step
+        -> (drafts, the draft distributions [1, V] when sampling, verify logits, verify residuals). Only a draft
+        hook (tests) takes this path: the hook must see the drafts before the verify step."""
+        o, run = self.opts, self.runner
+        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L, sampler)
+        drafts = torch.cat(d_toks).tolist()
         if o.draft_hook is not None:
             drafts = [int(x) for x in o.draft_hook(len(req.out), list(drafts))]
-        req.phase("draft")
         v_logits, vX = run.step(torch.tensor([tok] + drafts))
         req.phase("verify")
         if o.record_logits:
