@@ -42,7 +42,7 @@ from qspec.kernels.triton_common import HAS_TRITON, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
-from qspec.kernels.triton_gemv import gemv_triton
+from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_triton
@@ -454,21 +454,23 @@ GEMV_SHAPES = (("hc mixer in (x16)", 328, 10240), ("hc mixer up (x17)", 10240, 3
 
 
 def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, timed: bool = False,
-               config: tuple[int, int, int, int] | None = None, W: torch.Tensor | None = None) -> torch.Tensor:
+               config: tuple[int, ...] | None = None, W: torch.Tensor | None = None, few: bool = False) -> torch.Tensor:
+    """The mat-vec kernel (few=False) or the few-rows tensor-core kernel (few=True) against x @ W^T in f64."""
     dev = R.device
     W = (0.02 * torch.randn(N, K, device=dev)).to(dt) if W is None else W
     x = torch.randn(M, K, device=dev).to(dt)
-    cfg = config
+    kernel, cfg = (gemm_few_triton if few else gemv_triton), config
     ref = x.double() @ W.double().t()
-    got = gemv_triton(x, W, cfg)
+    got = kernel(x, W, cfg)
     e = rel_err(got, ref)
-    ok = e < TOL[dt]
-    row = Row(f"gemv {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}" + (f" cfg={config}" if config else ""),
-              ok, f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
+    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt
+    row = Row(f"{'gemm few' if few else 'gemv'} {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}"
+              + (f" cfg={config}" if config else ""), ok,
+              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: F.linear(x, W))
-        row.triton_us = R.bench(lambda: gemv_triton(x, W, cfg))
+        row.triton_us = R.bench(lambda: kernel(x, W, cfg))
         row.nbytes = W.numel() * W.element_size()
     R.add(row, variant=config is not None)
     return W
@@ -574,24 +576,36 @@ def gemv_sweep(R: Runner, repeat: int = 24) -> None:
         _sweep_shape(R, name, N, K, grid, per_call)
 
 
-def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, int, int, int]],
-                 per_call: Callable[[Callable[[int], object]], float]) -> None:
+def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24) -> None:
+    """The few-rows tensor-core kernel on the model's shapes for a verify step's rows (MTP5: 6, MTP3: 4): cuBLAS,
+    the default config and a grid, timed as gemv_sweep times them."""
+    grid = [(bn, bk, w, st, ps) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
+            for st in (3, 4) for ps in (1, 2, 4) if bn * bk <= 16384]
+    for M in rows:
+        print(f"\nfew-rows sweep: us per call in a graph of {repeat} calls (M={M}, bf16)")
+        for name, N, K in GEMV_SHAPES:
+            _sweep_shape(R, name, N, K, grid, lambda fn: graph_per_call(fn, repeat), M=M, kernel=gemm_few_triton)
+
+
+def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...]],
+                 per_call: Callable[[Callable[[int], object]], float], M: int = 1,
+                 kernel: Callable[..., torch.Tensor] = gemv_triton) -> None:
     copies = max(1, min(24, -(-(160 << 20) // (N * K * 2))))  # >= 160 MB of weights, or one matrix
     Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = x.double() @ Ws[0].double().t()
     t_cublas = per_call(lambda i: F.linear(x, Ws[i % copies]))
-    t_default = per_call(lambda i: gemv_triton(x, Ws[i % copies]))
+    t_default = per_call(lambda i: kernel(x, Ws[i % copies]))
     best, t_best, bad = None, float("inf"), 0
     for cfg in grid:
-        if rel_err(gemv_triton(x, Ws[0], cfg), ref) >= TOL[torch.bfloat16]:
+        if rel_err(kernel(x, Ws[0], cfg), ref) >= TOL[torch.bfloat16]:
             bad += 1
             continue
-        t = per_call(lambda i, cfg=cfg: gemv_triton(x, Ws[i % copies], cfg))
+        t = per_call(lambda i, cfg=cfg: kernel(x, Ws[i % copies], cfg))
         if t < t_best:
             best, t_best = cfg, t
     gb = N * K * 2 / 1e3
-    R.add(Row(f"gemv sweep {name} {N}x{K}", bad == 0,
+    R.add(Row(f"{kernel.__name__} sweep M={M} {name} {N}x{K}", bad == 0,
               f"cuBLAS {t_cublas:.2f} ({gb / t_cublas:.0f} GB/s), default {t_default:.2f}, best {t_best:.2f} us "
               f"({gb / t_best:.0f} GB/s) cfg={best}; {copies} copies; {bad} configs wrong"), variant=True)
 
@@ -770,12 +784,20 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         # fewer rows than programs and a short K step: K split over programs
         check_gemv(R, "split", 5, 1000, 1, torch.bfloat16, config=(32, 256, 4, 2))
         check_gemv(R, "split", 6, 700, 8, torch.bfloat16, config=(32, 256, 4, 2))
+        # the few-rows kernel: every row count, ragged N and K, a K split, both 16-bit types
+        for M in (2, 5, 8):
+            check_gemv(R, "small", 100, 96, M, torch.bfloat16, few=True, config=(16, 32, 4, 2, 1))
+        check_gemv(R, "ragged", 50, 200, 6, torch.float16, few=True, config=(32, 64, 4, 2, 1))
+        check_gemv(R, "split", 20, 1000, 3, torch.bfloat16, few=True, config=(16, 64, 4, 2, 8))
     else:
         for name, N, K in GEMV_SHAPES:
             W = check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True)
             check_gemv(R, name, N, K, 6, torch.bfloat16, W=W)
+            check_gemv(R, name, N, K, 6, torch.bfloat16, W=W, few=True, timed=True)
             del W
         check_gemv(R, "odd", 1001, 2560, 3, torch.float16)
+        for M in (2, 3, 8):
+            check_gemv(R, "odd", 1001, 2565, M, torch.float16, few=True)
 
     # the hyper-connection mixer of a step: real geometry (D=2560, S=4, rank 320, w_in padded to 328 rows; the
     # output mixer has no injection rows) for 1, 2, 6 and 8 rows (the engine uses one), then odd sizes
@@ -861,6 +883,7 @@ def main() -> int:
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
     ap.add_argument("--gemv-sweep", action="store_true", help="only the one-row mat-vec config sweep (CUDA)")
     ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
+    ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -879,8 +902,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
           f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
-    if args.gemv_sweep or args.q4_sweep:
-        (gemv_sweep if args.gemv_sweep else q4_sweep)(R)
+    if args.gemv_sweep or args.q4_sweep or args.few_sweep:
+        (gemv_sweep if args.gemv_sweep else few_sweep if args.few_sweep else q4_sweep)(R)
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0

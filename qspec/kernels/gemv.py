@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.triton_common import triton_enabled, use_triton
-from qspec.kernels.triton_gemv import TUNED
+from qspec.kernels.triton_gemv import TUNED, TUNED_FEW
 
-# One row only: on the H200 the kernel's 2..8-row path lost to cuBLAS (gdn in, 6 rows: 67.9 vs 32.7 µs in
-# benchmarks/results/gpu_kernels_h200_s3b.txt), so verify steps keep cuBLAS.
-MAX_ROWS = 1
+# One row goes to the mat-vec kernel; 2..8 rows (verify and extend steps) to the tensor-core kernel, on the
+# shapes where it beat cuBLAS (triton_gemv.TUNED_FEW). The mat-vec's own 2..8-row path lost to cuBLAS (gdn in,
+# 6 rows: 67.9 vs 32.7 µs in benchmarks/results/gpu_kernels_h200_s3b.txt) and is not routed to.
+MAX_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float16)
 # A module flag rather than an environment lookup inside traced code: dynamo guards on its value, so
 # flipping it (`enabled_mode`, the engine's `gemv` option for A/B runs) recompiles instead of misrunning.
@@ -65,17 +66,22 @@ def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, a shape the kernel takes,
     and a matrix it is faster on than cuBLAS (small, as wide as an LM head, or a shape whose tuned config
     beat cuBLAS in the sweep: triton_gemv.TUNED)."""
-    return _ON and x.is_cuda and _fits(x, w, rows) and (
-        w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS or (w.shape[0], w.shape[1]) in TUNED)
+    if not (_ON and x.is_cuda and _fits(x, w, rows)):
+        return False
+    if rows > 1:
+        return (w.shape[0], w.shape[1]) in TUNED_FEW
+    return w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS or (w.shape[0], w.shape[1]) in TUNED
 
 
 @torch.library.custom_op("qspec::gemv", mutates_args=())
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; the Triton kernel for M <= MAX_ROWS on CUDA."""
+    """x [M, K] @ w [N, K]^T -> [M, N] in x.dtype; on CUDA the mat-vec kernel for one row, the tensor-core kernel
+    for 2..MAX_ROWS rows."""
     if use_triton(x) and _fits(x, w, x.shape[0]):
-        from qspec.kernels.triton_gemv import gemv_triton
+        from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 
-        return gemv_triton(x if x.stride(1) == 1 else x.contiguous(), w)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        return gemv_triton(x, w) if x.shape[0] == 1 else gemm_few_triton(x, w)
     return gemv_torch(x, w)
 
 

@@ -13,6 +13,7 @@ still loads ~TILE elements. The plan depends on N and K only, never on M.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +38,10 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (2560, 5120): (32, 4096, 8, 4),  # MTP eh: 11.75 -> 8.88 (11.96)
     (248320, 2560): (32, 8192, 8, 8),  # LM head: 289.20 -> 285.65 (312.04)
 }
+
+# Few rows (the tensor-core kernel): (BN, BK, warps, pipeline stages, programs wanted per SM).
+DEFAULT_FEW_CONFIG = (64, 128, 4, 4, 2)
+TUNED_FEW: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
 if HAS_TRITON:
     import triton
@@ -78,6 +83,32 @@ if HAS_TRITON:
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
+    def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
+                         M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr):
+        # 2..8 rows: x^T padded to 16 columns, so each K step is one tensor-core product [BN, BK] @ [BK, 16]
+        # and the loop does no per-row reductions (the mat-vec kernel's M > 1 path spent its time on those).
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
+        kk = tl.arange(0, BK)
+        im = tl.arange(0, 16)
+        k_lo = tl.program_id(1) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        acc = tl.zeros([BN, 16], dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            k = k0 + kk
+            kmask = k < k_hi
+            w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptr + im[None, :] * x_m + k[:, None], mask=(im[None, :] < M) & kmask[:, None], other=0.0)
+            if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly; exact f32 products instead
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
+
+    @triton.jit
     def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < MN
@@ -111,26 +142,68 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def plan_few(N: int, K: int, bn: int, bk: int, programs: int) -> tuple[int, int, int]:
+    """(BK, SPLIT, K_SPLIT) for the few-rows kernel: BN stays (the tensor-core tile needs >= 16 rows), K splits
+    until there are about `programs` programs, each share a whole number of BK steps."""
+    bk = max(16, min(bk, next_pow2(K)))
+    blocks = cdiv(N, bn)
+    split = 1 if blocks >= programs else min(cdiv(programs, blocks), cdiv(K, bk))
+    k_split = cdiv(cdiv(K, split), bk) * bk
+    return bk, cdiv(K, k_split), k_split
+
+
+def _check(x: torch.Tensor, w: torch.Tensor) -> None:
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or w.shape != (w.shape[0], K) or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"gemv: x {tuple(x.shape)} stride {x.stride()}, w {tuple(w.shape)} stride {w.stride()}")
+
+
 def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 8, last dim contiguous) @ w [N, K]^T (rows contiguous) -> [M, N] in x.dtype.
+    """x [M, K] (M <= 8, last dim contiguous) @ w [N, K]^T (rows contiguous) -> [M, N] in x.dtype, by the
+    mat-vec kernel (any M; the one the engine uses for one row).
     config: (max rows per program, TILE, warps, programs per SM); default: TUNED for (N, K), else DEFAULT_CONFIG."""
+    _check(x, w)
     M, K = x.shape
     N = w.shape[0]
-    if not 0 < M <= MAX_ROWS or w.shape != (N, K) or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"gemv: x {tuple(x.shape)} stride {x.stride()}, w {tuple(w.shape)} stride {w.stride()}")
     max_bn, tile, warps, per_sm = config or TUNED.get((N, K), DEFAULT_CONFIG)
     bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
+    mp = 1 if M == 1 else triton.next_power_of_2(M)
+
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps)
+    return _with_splits(x, N, split, launch)
+
+
+def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
+                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (2 <= M <= 8 in practice) @ w [N, K]^T -> [M, N] in x.dtype through tensor cores (a verify step's
+    rows). config: (BN, BK, warps, pipeline stages, programs per SM); default: TUNED_FEW for (N, K), else
+    DEFAULT_FEW_CONFIG."""
+    _check(x, w)
+    M, K = x.shape
+    N = w.shape[0]
+    bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K), DEFAULT_FEW_CONFIG)
+    bk, split, k_split = plan_few(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
+
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s,
+                                                      y.stride(-2), M=M, BN=bn, BK=bk, STAGES=stages, OUT_DT=dt,
+                                                      UPCAST=INTERPRET, num_warps=warps)
+    return _with_splits(x, N, split, launch)
+
+
+def _with_splits(x: torch.Tensor, N: int, split: int,
+                 launch: Callable[[torch.Tensor, int, object], None]) -> torch.Tensor:
+    """Run `launch` into y directly, or into f32 partial sums per K share that a second kernel adds in order."""
+    M = x.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
-    mp = 1 if M == 1 else triton.next_power_of_2(M)
-    grid = (triton.cdiv(N, bn), split)
     if split == 1:
-        _gemv_kernel[grid](x, w, y, N, K, k_split, x.stride(0), w.stride(0), 0, y.stride(0),
-                           M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps)
+        launch(y, 0, dt)
         return y
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](x, w, part, N, K, k_split, x.stride(0), w.stride(0), part.stride(0), part.stride(1),
-                       M=M, MP=mp, BN=bn, BK=bk, OUT_DT=tl.float32, num_warps=warps)
+    launch(part, part.stride(0), tl.float32)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block)
     return y
