@@ -40,8 +40,21 @@ TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
 }
 
 # Few rows (the tensor-core kernel): (BN, BK, warps, pipeline stages, programs wanted per SM).
-DEFAULT_FEW_CONFIG = (64, 128, 4, 4, 2)
-TUNED_FEW: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+DEFAULT_FEW_CONFIG = (64, 128, 4, 4, 1)
+# The shapes where its best config beat cuBLAS at 6 rows and at 4 (MTP5's and MTP3's verify), each as a graph of
+# 24 calls over copies exceeding the L2 (scripts/gpu_kernels.py --few-sweep ->
+# benchmarks/results/gpu_kernels_few_sweep_h200_s9.txt; µs per call at 6 rows, cuBLAS -> this kernel). The mixers'
+# 328 x 10240 and 320 x 10240 products, the router's 1800 x 2560 and the shared expert's 2560 x 640 stay on cuBLAS
+# (it won, or this kernel was within 2%).
+TUNED_FEW: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (16480, 2560): (64, 128, 4, 4, 1),  # GDN in: 23.33 -> 21.96
+    (2560, 6144): (64, 128, 4, 4, 1),  # GDN / QSA out: 13.01 -> 12.45
+    (13952, 2560): (64, 128, 4, 4, 1),  # QSA in: 19.81 -> 19.13
+    (12800, 2560): (64, 128, 4, 4, 1),  # PLE key/value: 19.22 -> 17.84
+    (2560, 5120): (64, 128, 4, 4, 1),  # MTP eh: 11.83 -> 11.33
+    (10240, 320): (64, 64, 4, 4, 1),  # mixer up: 4.83 -> 4.52
+    (248320, 2560): (64, 128, 4, 3, 1),  # LM head: 298.24 -> 282.65
+}
 
 if HAS_TRITON:
     import triton
