@@ -45,7 +45,7 @@ from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_p
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
-from qspec.kernels.triton_moe import moe_slots_triton
+from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
 from qspec.kernels.triton_q4 import q4_q8_matvec_triton
 from qspec.kernels.triton_route import route_top_k_triton
@@ -394,29 +394,64 @@ def moe_inputs(M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtype, dev: st
 
 
 def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtype, timed: bool = False,
-              config: tuple[int, int, int, int, int] | None = None,
-              inputs: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+              config: tuple[int, ...] | None = None, inputs: tuple[torch.Tensor, ...] | None = None,
+              grouped: bool = False) -> tuple[torch.Tensor, ...]:
+    """The per-pair kernels, or (grouped) the kernels that read each distinct expert once, against the
+    per-(token, expert) reference; timed, the torch column is the reference loop."""
     dev = R.device
     if inputs is None:
         inputs = moe_inputs(M, D, Fd, E, k, dt, dev)
     h, top_i, top_w, gate, up, down = inputs
     ref = moe_few_torch(h, top_i, top_w, gate, up, down)
-    cfg = config or moe_config_for(M)
-    out = sum_slots(moe_slots_triton(h, top_i, top_w, gate, up, down, config=cfg))
+    kernel = moe_slots_grouped_triton if grouped else moe_slots_triton
+    cfg = config or (None if grouped else moe_config_for(M))
+    out = sum_slots(kernel(h, top_i, top_w, gate, up, down, config=cfg))
     e = rel_err(out, ref)
     differ = (out != ref).float().mean().item()
     ok = e < TOL[dt]
-    name = f"moe_few M={M} D={D} F={Fd} E={E} k={k} {str(dt).removeprefix('torch.')}" + (
-        f" cfg={config}" if config else "")
-    row = Row(name, ok, f"rel err {e:.2e} ({differ:.1%} of elements differ by rounding)")
+    distinct = int(torch.unique(top_i).numel())
+    name = f"moe_few{' grouped' if grouped else ''} M={M} D={D} F={Fd} E={E} k={k} " \
+           f"{str(dt).removeprefix('torch.')}" + (f" cfg={config}" if config else "")
+    row = Row(name, ok, f"rel err {e:.2e} ({differ:.1%} of elements differ by rounding); {distinct} distinct "
+                        f"experts of {M * k} pairs")
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: moe_few_torch(h, top_i, top_w, gate, up, down))
         # the kernels alone: on the step path the slot sum is fused into the shared expert's add
-        row.triton_us = R.bench(lambda: moe_slots_triton(h, top_i, top_w, gate, up, down, config=cfg))
+        row.triton_us = R.bench(lambda: kernel(h, top_i, top_w, gate, up, down, config=cfg))
         row.nbytes = int(torch.unique(top_i).numel()) * 3 * Fd * D * gate.element_size()
     R.add(row, variant=config is not None)
     return inputs
+
+
+def moe_sweep(R: Runner, repeat: int = 8) -> None:
+    """Routed experts at the real geometry (E=512, D=2560, F=640, k=10, bf16) for a verify's 6 and 4 rows and a
+    decode's 1: the per-pair kernels against the grouped ones (each distinct expert read once), default configs
+    and a grid, each timed as a CUDA graph of `repeat` calls (the ~60 chosen experts, ~390 MB, exceed the L2)."""
+    grid = [(bf1, bd1, bd2, bf2, w, st) for bf1, bd1 in ((32, 128), (64, 64), (16, 256), (64, 128))
+            for bd2, bf2 in ((64, 128), (32, 128), (128, 64)) for w in (4, 8) for st in (3, 4)]
+    inputs_all = moe_inputs(16, 2560, 640, 512, 10, torch.bfloat16, "cuda")
+    print(f"\nMoE sweep: us per call in a graph of {repeat} calls (E=512, bf16)")
+    for M in (6, 4, 1):
+        h, top_i, top_w, gate, up, down = inputs_all
+        inputs = (h[:M].contiguous(), top_i[:M].contiguous(), top_w[:M].contiguous(), gate, up, down)
+        ref = moe_few_torch(*inputs)
+        nbytes = int(torch.unique(inputs[1]).numel()) * 3 * 640 * 2560 * 2
+        t_pair = graph_per_call(lambda i, a=inputs: moe_slots_triton(*a), repeat)
+        t_group = graph_per_call(lambda i, a=inputs: moe_slots_grouped_triton(*a), repeat)
+        best, t_best, bad = None, float("inf"), []
+        for cfg in grid:
+            e = rel_err(sum_slots(moe_slots_grouped_triton(*inputs, config=cfg)), ref)
+            if e >= TOL[torch.bfloat16]:
+                bad.append((cfg, e))
+                continue
+            t = graph_per_call(lambda i, a=inputs, cfg=cfg: moe_slots_grouped_triton(*a, config=cfg), repeat)
+            if t < t_best:
+                best, t_best = cfg, t
+        R.add(Row(f"moe sweep M={M}", not bad,
+                  f"per pair {t_pair:.1f} us ({nbytes / t_pair / 1e6:.2f} TB/s of distinct experts), grouped default "
+                  f"{t_group:.1f}, best {t_best:.1f} us ({nbytes / t_best / 1e6:.2f} TB/s) cfg={best}; "
+                  f"{len(grid)} configs, wrong: {bad}"), variant=True)
 
 
 # ---- 6. MoE routing ----------------------------------------------------------------------------------------------
@@ -760,8 +795,15 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     if small:
         check_moe(R, 3, 64, 48, 8, 3, torch.bfloat16)
         check_moe(R, 2, 96, 40, 6, 2, torch.float32)
+        # grouped: few experts, so rows share them; ragged F and D; one row; all 16 rows
+        check_moe(R, 6, 64, 48, 5, 3, torch.bfloat16, grouped=True, config=(16, 32, 32, 16, 4, 2))
+        check_moe(R, 5, 96, 40, 4, 2, torch.float16, grouped=True, config=(16, 32, 32, 16, 4, 2))
+        check_moe(R, 1, 64, 48, 8, 3, torch.bfloat16, grouped=True, config=(16, 32, 16, 32, 4, 2))
+        check_moe(R, 16, 64, 32, 12, 4, torch.bfloat16, grouped=True, config=(32, 64, 64, 32, 4, 2))
     else:
         inputs = check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+        check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, inputs=inputs, grouped=True)
+        check_moe(R, 16, 2560, 640, 12, 10, torch.bfloat16, grouped=True)  # rows share most experts
         if sweep:
             for cfg in ((32, 256, 32, 128, 8), (16, 256, 32, 128, 4), (32, 128, 64, 128, 4), (32, 128, 16, 128, 4),
                         (64, 64, 32, 64, 4), (32, 128, 32, 64, 4), (32, 256, 64, 64, 8)):
@@ -884,6 +926,7 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="only the one-row mat-vec config sweep (CUDA)")
     ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
     ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
+    ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -902,8 +945,11 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
           f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
-    if args.gemv_sweep or args.q4_sweep or args.few_sweep:
-        (gemv_sweep if args.gemv_sweep else few_sweep if args.few_sweep else q4_sweep)(R)
+    sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep}
+    chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
+    if chosen:
+        for fn in chosen:
+            fn(R)
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0

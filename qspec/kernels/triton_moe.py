@@ -14,13 +14,18 @@ accumulated in f32 and rounded once, so results differ only by f32 accumulation 
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
 # Swept on the H200 (scripts/gpu_kernels.py, benchmarks/results/gpu_kernels_h200*.txt).
 DEFAULT_CONFIG = (32, 256, 32, 128, 8)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
 # One or two rows launch few programs, so they take narrower row tiles: 40 gate/up and 160 down
 # programs per (token, slot) pair at F = 640, D = 2560.
 FEW_ROWS_CONFIG = (16, 256, 16, 128, 4)
+
+
+# The grouped kernels (a verify step's rows): tensor-core columns hold up to 16 rows.
+GROUPED_MAX_ROWS = 16
+GROUPED_CONFIG = (32, 128, 64, 128, 4, 3)  # kernel 1: BF, BD; kernel 2: BD, BF; warps; pipeline stages
 
 
 def config_for(M: int) -> tuple[int, int, int, int, int]:
@@ -81,6 +86,117 @@ if HAS_TRITON:
             acc += wd * a[None, :]
         y = round_to(tl.sum(acc, axis=1), DT)
         tl.store(slot_ptr + m * s_m + j * s_k + d, round_to(y * w, DT).to(slot_ptr.dtype.element_ty), mask=dmask)
+
+
+    @triton.jit
+    def _expert_rows(ti_ptr, pair, M, KS, ti_m, KP: tl.constexpr):
+        """For the pair's expert e: whether the pair is the first (in row-major pair order) that chose e, and for
+        each of 16 rows r the slot j with top_i[r, j] == e, or -1 (a row chooses an expert at most once)."""
+        e = tl.load(ti_ptr + (pair // KS) * ti_m + pair % KS)
+        r = tl.arange(0, 16)
+        jj = tl.arange(0, KP)
+        tile = tl.load(ti_ptr + r[:, None] * ti_m + jj[None, :], mask=(r[:, None] < M) & (jj[None, :] < KS), other=-1)
+        hit = tile == e
+        earlier = tl.sum(tl.sum((hit & ((r[:, None] * KS + jj[None, :]) < pair)).to(tl.int32), axis=1), axis=0)
+        jm = tl.max(tl.where(hit, jj[None, :], -1), axis=1)
+        return e.to(tl.int64), earlier == 0, jm
+
+    @triton.jit(do_not_specialize=["KS"])
+    def _moe_gate_up_grouped_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, M, D, F, KS,
+                                    h_m, ti_m, g_e, g_f, u_e, u_f, a_m, a_k,
+                                    DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr,
+                                    STAGES: tl.constexpr, UPCAST: tl.constexpr):
+        # one program per (F tile, pair), but only the first pair of each distinct expert works: it reads the
+        # expert's rows once for every row that chose it (rows as 16 tensor-core columns, the others masked)
+        e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
+        if first:
+            r = tl.arange(0, 16)
+            member = jm >= 0
+            f = tl.program_id(0) * BF + tl.arange(0, BF)
+            fmask = f < F
+            f64 = f.to(tl.int64)
+            grow = gate_ptr + e * g_e + f64[:, None] * g_f
+            urow = up_ptr + e * u_e + f64[:, None] * u_f
+            accg = tl.zeros([BF, 16], dtype=tl.float32)
+            accu = tl.zeros([BF, 16], dtype=tl.float32)
+            for d0 in tl.range(0, D, BD, num_stages=STAGES):
+                d = d0 + tl.arange(0, BD)
+                dmask = d < D
+                xt = tl.load(h_ptr + r[None, :] * h_m + d[:, None], mask=member[None, :] & dmask[:, None], other=0.0)
+                wm = fmask[:, None] & dmask[None, :]
+                g = tl.load(grow + d[None, :], mask=wm, other=0.0)
+                u = tl.load(urow + d[None, :], mask=wm, other=0.0)
+                if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly; exact f32 products instead
+                    xt = xt.to(tl.float32)
+                    accg = tl.dot(g.to(tl.float32), xt, accg, input_precision="ieee")
+                    accu = tl.dot(u.to(tl.float32), xt, accu, input_precision="ieee")
+                else:
+                    accg = tl.dot(g, xt, accg)
+                    accu = tl.dot(u, xt, accu)
+            g = round_to(accg, DT)
+            u = round_to(accu, DT)
+            a = round_to(g / (1.0 + tl.exp(-g)), DT)
+            act = round_to(a * u, DT)
+            out = act_ptr + r[None, :] * a_m + jm[None, :] * a_k + f[:, None]
+            tl.store(out, act.to(act_ptr.dtype.element_ty), mask=member[None, :] & fmask[:, None])
+
+    @triton.jit(do_not_specialize=["KS"])
+    def _moe_down_grouped_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, slot_ptr, M, D, F, KS,
+                                 a_m, a_k, ti_m, tw_m, d_e, d_d, s_m, s_k,
+                                 DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, KP: tl.constexpr,
+                                 STAGES: tl.constexpr, UPCAST: tl.constexpr):
+        e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
+        if first:
+            r = tl.arange(0, 16)
+            member = jm >= 0
+            d = tl.program_id(0) * BD + tl.arange(0, BD)
+            dmask = d < D
+            drow = down_ptr + e * d_e + d.to(tl.int64)[:, None] * d_d
+            arow = act_ptr + r[None, :] * a_m + jm[None, :] * a_k  # [1, 16]: each member row's act slot
+            acc = tl.zeros([BD, 16], dtype=tl.float32)
+            for f0 in tl.range(0, F, BF, num_stages=STAGES):
+                f = f0 + tl.arange(0, BF)
+                fmask = f < F
+                at = tl.load(arow + f[:, None], mask=member[None, :] & fmask[:, None], other=0.0)  # [BF, 16]
+                wd = tl.load(drow + f[None, :], mask=dmask[:, None] & fmask[None, :], other=0.0)
+                if UPCAST:
+                    acc = tl.dot(wd.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(wd, at, acc)
+            w = tl.load(tw_ptr + r * tw_m + jm, mask=member, other=0.0).to(tl.float32)
+            y = round_to(round_to(acc, DT) * w[None, :], DT)
+            out = slot_ptr + r[None, :] * s_m + jm[None, :] * s_k + d[:, None]
+            tl.store(out, y.to(slot_ptr.dtype.element_ty), mask=member[None, :] & dmask[:, None])
+
+
+def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
+                             up: torch.Tensor, down: torch.Tensor,
+                             config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
+    """As `moe_slots_triton`, but each distinct expert's weights are read once for all rows that chose it, through
+    tensor cores (2..16 rows: a verify step's). config: (BF, BD of kernel 1; BD, BF of kernel 2; warps; stages)."""
+    M, D = h.shape
+    k = top_i.shape[1]
+    F = gate.shape[1]
+    if M > GROUPED_MAX_ROWS:
+        raise ValueError(f"grouped MoE kernels take at most {GROUPED_MAX_ROWS} rows, got {M}")
+    for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+    bf1, bd1, bd2, bf2, warps, stages = config or GROUPED_CONFIG
+    dt = tl_dtype(h.dtype)
+    kp = max(2, next_pow2(k))
+    # rows x slots no row's expert fills stay unwritten: every (row, slot) pair is some expert's member, so none
+    act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
+    slots = torch.empty(M, k, D, dtype=h.dtype, device=h.device)
+    _moe_gate_up_grouped_kernel[(triton.cdiv(F, bf1), M * k)](
+        h, top_i, gate, up, act, M, D, F, k, h.stride(0), top_i.stride(0), gate.stride(0), gate.stride(1),
+        up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, KP=kp, STAGES=stages,
+        UPCAST=INTERPRET, num_warps=warps)
+    _moe_down_grouped_kernel[(triton.cdiv(D, bd2), M * k)](
+        act, top_i, top_w, down, slots, M, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
+        down.stride(0), down.stride(1), slots.stride(0), slots.stride(1), DT=dt, BD=bd2, BF=bf2, KP=kp,
+        STAGES=stages, UPCAST=INTERPRET, num_warps=warps)
+    return slots
 
 
 def moe_slots_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
