@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from qspec.kernels.triton_common import use_triton
 
 MAX_ROWS = 16
-# From this many rows on, the grouped kernels (each distinct expert read once for all its rows, tensor cores);
-# fewer rows keep the per-pair kernels.
-GROUPED_MIN_ROWS = 3
+# From this many rows on, the grouped kernels (each distinct expert read once for all its rows, tensor cores):
+# on the H200 they beat the per-pair kernels at 1, 4 and 6 rows (triton_moe.GROUPED_CONFIGS), so every step
+# takes them; the per-pair kernels stay as the second implementation gpu_kernels checks them against.
+GROUPED_MIN_ROWS = 1
 
 
 def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -51,8 +52,8 @@ def moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: t
     """top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m), e = top_i[m, j]: the weighted slot outputs [M, k, D].
 
     h [M, D]; top_i [M, k] int64; top_w [M, k] (h.dtype, as MoE.route returns it); gate/up [E, F, D],
-    down [E, D, F]. Two Triton launches on CUDA for M <= 16 (per (token, slot) pair for one or two rows, per
-    distinct expert from GROUPED_MIN_ROWS rows on), no host sync; otherwise the chosen
+    down [E, D, F]. Two Triton launches on CUDA for M <= 16 (per distinct expert from GROUPED_MIN_ROWS rows
+    on, else per (token, slot) pair), no host sync; otherwise the chosen
     experts' matrices are gathered (extra copies, but no data-dependent host control flow either)."""
     _check(h, top_i, top_w, gate, up, down)
     if use_triton(h) and h.shape[0] <= MAX_ROWS:

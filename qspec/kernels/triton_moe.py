@@ -25,7 +25,15 @@ FEW_ROWS_CONFIG = (16, 256, 16, 128, 4)
 
 # The grouped kernels (a verify step's rows): tensor-core columns hold up to 16 rows.
 GROUPED_MAX_ROWS = 16
-GROUPED_CONFIG = (32, 128, 64, 128, 4, 3)  # kernel 1: BF, BD; kernel 2: BD, BF; warps; pipeline stages
+# Configs (kernel 1: BF, BD; kernel 2: BD, BF; warps; pipeline stages) by row count, the best of 48 at E=512,
+# D=2560, F=640, k=10 on the H200 (scripts/gpu_kernels.py --moe-sweep ->
+# benchmarks/results/gpu_kernels_moe_sweep_h200_s9.txt, a graph of 8 calls, µs per call, per-pair -> grouped):
+# 6 rows 164.6 -> 144.0 (4.03 TB/s of distinct experts), 4 rows 119.0 -> 99.6, 1 row 35.4 -> 31.4.
+GROUPED_CONFIGS = ((1, (64, 128, 128, 64, 4, 4)), (4, (64, 128, 128, 64, 4, 3)), (16, (32, 128, 128, 64, 4, 4)))
+
+
+def grouped_config_for(M: int) -> tuple[int, int, int, int, int, int]:
+    return next(cfg for rows, cfg in GROUPED_CONFIGS if M <= rows)
 
 
 def config_for(M: int) -> tuple[int, int, int, int, int]:
@@ -173,7 +181,7 @@ def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.
                              up: torch.Tensor, down: torch.Tensor,
                              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """As `moe_slots_triton`, but each distinct expert's weights are read once for all rows that chose it, through
-    tensor cores (2..16 rows: a verify step's). config: (BF, BD of kernel 1; BD, BF of kernel 2; warps; stages)."""
+    tensor cores (1..16 rows). config: (BF, BD of kernel 1; BD, BF of kernel 2; warps; stages)."""
     M, D = h.shape
     k = top_i.shape[1]
     F = gate.shape[1]
@@ -182,7 +190,7 @@ def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.
     for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dim")
-    bf1, bd1, bd2, bf2, warps, stages = config or GROUPED_CONFIG
+    bf1, bd1, bd2, bf2, warps, stages = config or grouped_config_for(M)
     dt = tl_dtype(h.dtype)
     kp = max(2, next_pow2(k))
     # rows x slots no row's expert fills stay unwritten: every (row, slot) pair is some expert's member, so none
