@@ -17,6 +17,8 @@ MAX_ROWS = 16
 # on the H200 they beat the per-pair kernels at 1, 4 and 6 rows (triton_moe.GROUPED_CONFIGS), so every step
 # takes them; the per-pair kernels stay as the second implementation gpu_kernels checks them against.
 GROUPED_MIN_ROWS = 1
+# 16-bit weights only: f32 tiles would exceed the shared memory, and tl.dot would round f32 products to tf32.
+GROUPED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
@@ -59,7 +61,7 @@ def moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: t
     if use_triton(h) and h.shape[0] <= MAX_ROWS:
         from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
 
-        if h.shape[0] >= GROUPED_MIN_ROWS:
+        if h.shape[0] >= GROUPED_MIN_ROWS and h.dtype in GROUPED_DTYPES:
             return moe_slots_grouped_triton(h, top_i, top_w, gate, up, down)
         return moe_slots_triton(h, top_i, top_w, gate, up, down)
     M, k = top_i.shape
