@@ -13,7 +13,7 @@
   * sampling on the device: draws and speculative sampling follow their distributions, sampled decoding is
     repeatable for a seed.
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
-(`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only).
+(`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows only).
 """
 
 from __future__ import annotations
