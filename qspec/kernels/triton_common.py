@@ -71,3 +71,13 @@ if HAS_TRITON:
         else:
             y = x
         return y
+
+    @triton.jit
+    def dot_acc(a, b, acc, UPCAST: tl.constexpr):
+        """acc + a @ b for 16-bit tiles on tensor cores. UPCAST (set under the CPU interpreter, which multiplies
+        bf16 tiles wrongly): the same product from exact f32 copies."""
+        if UPCAST:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc)
+        return out

@@ -60,7 +60,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import dot_acc, round_to
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
@@ -114,10 +114,7 @@ if HAS_TRITON:
             kmask = k < k_hi
             w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptr + im[None, :] * x_m + k[:, None], mask=(im[None, :] < M) & kmask[:, None], other=0.0)
-            if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly; exact f32 products instead
-                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, xt, acc)
+            acc = dot_acc(w, xt, acc, UPCAST)
         out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 

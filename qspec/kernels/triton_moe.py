@@ -43,7 +43,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import dot_acc, round_to
 
     @triton.jit(do_not_specialize=["KS"])
     def _moe_gate_up_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, D, F, KS,
@@ -134,13 +134,8 @@ if HAS_TRITON:
                 wm = fmask[:, None] & dmask[None, :]
                 g = tl.load(grow + d[None, :], mask=wm, other=0.0)
                 u = tl.load(urow + d[None, :], mask=wm, other=0.0)
-                if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly; exact f32 products instead
-                    xt = xt.to(tl.float32)
-                    accg = tl.dot(g.to(tl.float32), xt, accg, input_precision="ieee")
-                    accu = tl.dot(u.to(tl.float32), xt, accu, input_precision="ieee")
-                else:
-                    accg = tl.dot(g, xt, accg)
-                    accu = tl.dot(u, xt, accu)
+                accg = dot_acc(g, xt, accg, UPCAST)
+                accu = dot_acc(u, xt, accu, UPCAST)
             g = round_to(accg, DT)
             u = round_to(accu, DT)
             a = round_to(g / (1.0 + tl.exp(-g)), DT)
@@ -167,10 +162,7 @@ if HAS_TRITON:
                 fmask = f < F
                 at = tl.load(arow + f[:, None], mask=member[None, :] & fmask[:, None], other=0.0)  # [BF, 16]
                 wd = tl.load(drow + f[None, :], mask=dmask[:, None] & fmask[None, :], other=0.0)
-                if UPCAST:
-                    acc = tl.dot(wd.to(tl.float32), at.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(wd, at, acc)
+                acc = dot_acc(wd, at, acc, UPCAST)
             w = tl.load(tw_ptr + r * tw_m + jm, mask=member, other=0.0).to(tl.float32)
             y = round_to(round_to(acc, DT) * w[None, :], DT)
             out = slot_ptr + r[None, :] * s_m + jm[None, :] * s_k + d[:, None]
