@@ -362,6 +362,33 @@ def test_gemv_plan(N: int, K: int, programs: int) -> None:
     assert (bn == 32 or bn == 1 or blocks >= programs) and (split == 1) == (blocks >= programs or K <= bk)
 
 
+@pytest.mark.parametrize("N,K,bn,bk,programs", [(2560, 6144, 64, 128, 132), (16480, 2560, 64, 128, 132),
+                                                 (20, 1000, 16, 64, 32), (100, 96, 16, 256, 4)])
+def test_gemm_few_plan(N: int, K: int, bn: int, bk: int, programs: int) -> None:
+    """The few-rows kernel keeps its row tile and splits K only while there are fewer row blocks than programs; the
+    shares cover K exactly once in whole BK steps (BK no wider than K's power of two)."""
+    from qspec.kernels.triton_gemv import plan_few
+
+    bk2, split, k_split = plan_few(N, K, bn, bk, programs)
+    blocks = -(-N // bn)
+    assert 16 <= bk2 <= bk and k_split % bk2 == 0 and (split - 1) * k_split < K <= split * k_split
+    assert (split == 1) == (blocks >= programs or K <= bk2)
+    assert split == 1 or blocks * (split - 1) < programs  # no more shares than it takes to fill the programs
+
+
+def test_gemv_rejects_bad_shapes() -> None:
+    """Both product kernels name the shapes they cannot take instead of launching."""
+    pytest.importorskip("triton")
+    from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
+
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    for x in (torch.zeros(9, 32, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16),
+              torch.zeros(32, 2, dtype=torch.bfloat16).t()):
+        for fn in (gemv_triton, gemm_few_triton):
+            with pytest.raises(ValueError, match="gemv: x"):
+                fn(x, w)
+
+
 def test_gemv_switch() -> None:
     """enabled_mode turns the routing of eligible products off and restores it; CPU tensors never qualify."""
     from qspec.kernels import gemv
