@@ -13,11 +13,9 @@ import torch.nn.functional as F
 from qspec.kernels.triton_common import use_triton
 
 MAX_ROWS = 16
-# From this many rows on, the grouped kernels (each distinct expert read once for all its rows, tensor cores):
-# on the H200 they beat the per-pair kernels at 1, 4 and 6 rows (triton_moe.GROUPED_CONFIGS), so every step
-# takes them; the per-pair kernels stay as the second implementation gpu_kernels checks them against.
-GROUPED_MIN_ROWS = 1
-# 16-bit weights only: f32 tiles would exceed the shared memory, and tl.dot would round f32 products to tf32.
+# 16-bit steps take the grouped kernels (each distinct expert read once for all its rows, tensor cores): on the
+# H200 they beat the per-pair kernels at 1, 4 and 6 rows (triton_moe.GROUPED_CONFIGS). f32 keeps the per-pair
+# kernels: its tiles would exceed the shared memory, and tl.dot would round f32 products to tf32.
 GROUPED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -54,14 +52,14 @@ def moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: t
     """top_w[m, j] * down_e (silu(gate_e h_m) * up_e h_m), e = top_i[m, j]: the weighted slot outputs [M, k, D].
 
     h [M, D]; top_i [M, k] int64; top_w [M, k] (h.dtype, as MoE.route returns it); gate/up [E, F, D],
-    down [E, D, F]. Two Triton launches on CUDA for M <= 16 (per distinct expert from GROUPED_MIN_ROWS rows
-    on, else per (token, slot) pair), no host sync; otherwise the chosen
+    down [E, D, F]. Two Triton launches on CUDA for M <= 16 (per distinct expert for 16-bit weights, per
+    (token, slot) pair for f32), no host sync; otherwise the chosen
     experts' matrices are gathered (extra copies, but no data-dependent host control flow either)."""
     _check(h, top_i, top_w, gate, up, down)
     if use_triton(h) and h.shape[0] <= MAX_ROWS:
         from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
 
-        if h.shape[0] >= GROUPED_MIN_ROWS and h.dtype in GROUPED_DTYPES:
+        if h.dtype in GROUPED_DTYPES:
             return moe_slots_grouped_triton(h, top_i, top_w, gate, up, down)
         return moe_slots_triton(h, top_i, top_w, gate, up, down)
     M, k = top_i.shape
