@@ -27,6 +27,7 @@ import torch
 
 from qspec.config import preset
 from qspec.engine import Engine, EngineOptions
+from qspec.kernels import gemv
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
@@ -180,6 +181,17 @@ def main() -> int:
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, "
                        f"graphs {g.graphs['captures']} captures / {g.graphs['replays']} replays, "
                        f"{time.perf_counter() - t0:.1f}s")
+        if dtype == torch.bfloat16 and not only_fused:
+            # the few-rows tensor-core products run in steps only for flash-next's shapes (TUNED_FEW); here every
+            # verify product that fits takes them, and greedy speculation must still reproduce plain decoding
+            with gemv.few_rows_everywhere():
+                for n in (3, 5):
+                    hook = oracle(plain.tokens, random.Random(n))
+                    opts = EngineOptions(draft=n, capacity=256, kv_type=kv, draft_hook=hook)
+                    g = Engine(gpu, opts).generate(prompt, 48)
+                    ok, why = same_or_tie(g.tokens, plain, 0, tie)
+                    report(f"greedy spec == plain, few-rows products everywhere, cuda {name}, N={n}", ok,
+                           f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}")
     gpu = build("cuda", torch.float32)
     prompt = ids[:40].tolist()
     base = None

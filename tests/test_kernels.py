@@ -399,6 +399,10 @@ def test_gemv_switch() -> None:
         assert gemv._ON is False
     assert gemv._ON == before
     assert not gemv.eligible(x, w, 1)
+    with gemv.few_rows_everywhere():
+        assert gemv._FEW_EVERYWHERE is True
+        assert not gemv.eligible(x.expand(3, 8), w, 3)  # still CUDA only
+    assert gemv._FEW_EVERYWHERE is False
 
 
 def test_gemv_op_traces() -> None:

@@ -38,6 +38,22 @@ def enabled_mode(on: bool) -> Iterator[None]:
         _ON = old
 
 
+# Checks only (scripts/gpu_check.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
+# small test model, none of whose shapes are in TUNED_FEW, runs it inside its steps. A module flag, as _ON.
+_FEW_EVERYWHERE = False
+
+
+@contextlib.contextmanager
+def few_rows_everywhere() -> Iterator[None]:
+    """Inside the block, route every few-row product the kernel takes to it, not only TUNED_FEW's shapes."""
+    global _FEW_EVERYWHERE
+    old, _FEW_EVERYWHERE = _FEW_EVERYWHERE, True
+    try:
+        yield
+    finally:
+        _FEW_EVERYWHERE = old
+
+
 def is_on() -> bool:
     """Whether one-row products (and the other one-row kernels that read weights: kernels/hc_mix.py) use Triton."""
     return _ON
@@ -69,7 +85,7 @@ def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     if not (_ON and x.is_cuda and _fits(x, w, rows)):
         return False
     if rows > 1:
-        return (w.shape[0], w.shape[1]) in TUNED_FEW
+        return _FEW_EVERYWHERE or (w.shape[0], w.shape[1]) in TUNED_FEW
     return w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS or (w.shape[0], w.shape[1]) in TUNED
 
 
