@@ -53,6 +53,9 @@ def main() -> int:
     ap.add_argument("--mixer-ab", action="store_true",
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")
+    ap.add_argument("--mixer-rows", type=int, default=1, metavar="N",
+                    help="mixers of steps with up to N rows take the Triton kernels (default 1: decode and draft "
+                         "steps; 6 puts MTP5's verify and extend on them, for --mixer-ab on the verify kind)")
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="after the decode kind: plain greedy decoding of N tokens through the engine (graphs, the "
                          "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
@@ -61,15 +64,23 @@ def main() -> int:
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
+    if not 1 <= a.mixer_rows <= 8:
+        ap.error(f"--mixer-rows: 1..8, got {a.mixer_rows}")
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown} (known: {', '.join(KINDS)})")
+    with hc_mix.step_rows_mode(a.mixer_rows):
+        return profile_kinds(a, kinds)
+
+
+def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
+    """Each step kind: its eager kernel table, its graph time, and with --e2e whole requests (see main)."""
     cfg = bench_config(a.preset, layers=a.layers)
     t = time.perf_counter()
     model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
-    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        ap.error(f"--kinds: unknown {unknown} (known: {', '.join(KINDS)})")
     for kind in kinds:
         def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None) -> Engine:
             return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,

@@ -584,8 +584,9 @@ def test_cuda_top_blocks_dequant() -> None:
 # ---- one-row hyper-connection mixer --------------------------------------------------------------------------
 
 def test_hc_mix_step_dispatch() -> None:
-    """On the CPU (no interpreter) mix_step is the references composed; the kernels never take several rows,
-    f32, row-exact mode or a switched-off run (the kernels themselves: scripts/gpu_kernels.py --interpret)."""
+    """On the CPU (no interpreter) mix_step is the references composed; the kernels never take several rows (unless
+    step_rows_mode allows them), f32, row-exact mode or a switched-off run (the kernels themselves:
+    scripts/gpu_kernels.py --interpret)."""
     from qspec.kernels import hc_mix
     from qspec.model import ops
 
@@ -605,3 +606,8 @@ def test_hc_mix_step_dispatch() -> None:
         assert not hc_mix.step_eligible(Xb, wb)
     with hc_mix.enabled_mode(False):
         assert not hc_mix.step_eligible(Xb, wb)
+    with hc_mix.step_rows_mode(6):  # several rows only inside the block (an A/B switch), 1..8 rows
+        assert hc_mix._STEP_ROWS == 6
+    assert hc_mix._STEP_ROWS == 1
+    with pytest.raises(ValueError, match="mixer step rows"), hc_mix.step_rows_mode(9):
+        pass

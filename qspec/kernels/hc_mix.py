@@ -19,6 +19,9 @@ from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
 DTYPES = (torch.bfloat16, torch.float16)
 _ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
+# Most rows of a step whose mixers take the kernels: one (decode, draft) until several rows measure faster in a
+# step (A/B: scripts/profile_step.py --kinds verify --mixer-ab --mixer-rows 6).
+_STEP_ROWS = 1
 
 
 @contextlib.contextmanager
@@ -30,6 +33,19 @@ def enabled_mode(on: bool) -> Iterator[None]:
         yield
     finally:
         _ON = old
+
+
+@contextlib.contextmanager
+def step_rows_mode(rows: int) -> Iterator[None]:
+    """Inside the block, mixers of steps with up to `rows` rows (at most triton_hc_mix.MAX_ROWS) take the kernels."""
+    global _STEP_ROWS
+    if not 1 <= rows <= 8:
+        raise ValueError(f"mixer step rows: 1..8, got {rows}")
+    old, _STEP_ROWS = _STEP_ROWS, rows
+    try:
+        yield
+    finally:
+        _STEP_ROWS = old
 
 
 def combine_torch(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:
@@ -55,14 +71,16 @@ def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch
 
 
 def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
-    """Whether `mix_step` takes this mixer: a one-row step (decode, draft), 16-bit, CUDA (or the interpreter), the
-    step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0` measures the compiled path), not row-exact mode.
+    """Whether `mix_step` takes this mixer: a one-row step (decode, draft; more rows under `step_rows_mode`),
+    16-bit, CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0`
+    measures the compiled path), not row-exact mode.
 
     The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8), but only the one-row
     step has measured faster than the compiled functions on the H200 (decode step 1.587 vs 1.633 ms in one process,
     BENCHMARKS.md §3b; a 6-row verify step with the previous output kernel 3.438 ms against 3.377 ms compiled in
-    another call; the current one for 6 rows has not run in a step): verify and extend stay compiled."""
-    return (_ON and X.shape[0] == 1 and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
+    another call; the current one, tensor cores for several rows, has not run in a step): verify and extend stay
+    compiled."""
+    return (_ON and X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
 

@@ -25,7 +25,7 @@ inputs and outputs); the rest stays in f32, as inductor keeps it.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 from qspec.model.ops import linear
 
 MAX_ROWS = 8
@@ -40,7 +40,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import dot_acc, round_to
 
     @triton.jit
     def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
@@ -63,7 +63,7 @@ if HAS_TRITON:
     @triton.jit
     def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                       BK: tl.constexpr, DT: tl.constexpr):
+                       BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
         # mat-vec does (triton_gemv.py)
@@ -85,6 +85,17 @@ if HAS_TRITON:
                 a = round_to(a * tl.sigmoid(a), DT)  # silu(y / S), the up product's input
                 prod += u * a[None, :]
             logits = tl.sum(prod, axis=1)[None, :]  # [1, SP*BD]
+        elif TC:  # several 16-bit rows: one tensor-core product per K step, the rows as MP = 16 columns
+            acc = tl.zeros([SP * BD, MP], dtype=tl.float32)
+            for k0 in range(0, R, BK):
+                k = k0 + kk
+                kmask = k < R
+                u = tl.load(urow + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0)
+                a = tl.load(y_ptr + mi[None, :] * N + k[:, None], mask=(mi[None, :] < M) & kmask[:, None],
+                            other=0.0).to(tl.float32) / S  # [BK, MP]
+                a = round_to(a * tl.sigmoid(a), DT).to(u.dtype)
+                acc = dot_acc(u, a, acc, UPCAST)
+            logits = tl.trans(acc)  # [MP, SP*BD]
         else:
             logits = tl.zeros([MP, SP * BD], dtype=tl.float32)
             for k0 in range(0, R, BK):
@@ -134,6 +145,11 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int
     M, D, S = Xn.shape[0], hidden, count
     h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
     bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
-    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=triton.next_power_of_2(M),
-                                          S=S, SP=next_pow2(S), BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), num_warps=warps)
+    # several 16-bit rows on tensor cores when the tile is at least 16 x 16; f32 keeps FMA products (tl.dot would
+    # round them to tf32)
+    tc = M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
+    mp = 16 if tc else triton.next_power_of_2(M)
+    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=mp, S=S, SP=next_pow2(S),
+                                          BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
+                                          num_warps=warps)
     return h
