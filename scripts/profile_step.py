@@ -64,8 +64,8 @@ def main() -> int:
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
-    if not 1 <= a.mixer_rows <= 8:
-        ap.error(f"--mixer-rows: 1..8, got {a.mixer_rows}")
+    if not 1 <= a.mixer_rows <= hc_mix.MAX_ROWS:
+        ap.error(f"--mixer-rows: 1..{hc_mix.MAX_ROWS}, got {a.mixer_rows}")
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:

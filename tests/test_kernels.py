@@ -367,9 +367,9 @@ def test_gemv_plan(N: int, K: int, programs: int) -> None:
 def test_gemm_few_plan(N: int, K: int, bn: int, bk: int, programs: int) -> None:
     """The few-rows kernel keeps its row tile and splits K only while there are fewer row blocks than programs; the
     shares cover K exactly once in whole BK steps (BK no wider than K's power of two)."""
-    from qspec.kernels.triton_gemv import plan_few
+    from qspec.kernels.triton_gemv import plan_k
 
-    bk2, split, k_split = plan_few(N, K, bn, bk, programs)
+    bk2, split, k_split = plan_k(N, K, bn, bk, programs)
     blocks = -(-N // bn)
     assert 16 <= bk2 <= bk and k_split % bk2 == 0 and (split - 1) * k_split < K <= split * k_split
     assert (split == 1) == (blocks >= programs or K <= bk2)

@@ -15,6 +15,7 @@ import torch
 
 from qspec.kernels import gemv
 from qspec.kernels.triton_common import use_triton
+from qspec.kernels.triton_hc_mix import MAX_ROWS
 from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -37,10 +38,10 @@ def enabled_mode(on: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def step_rows_mode(rows: int) -> Iterator[None]:
-    """Inside the block, mixers of steps with up to `rows` rows (at most triton_hc_mix.MAX_ROWS) take the kernels."""
+    """Inside the block, mixers of steps with up to `rows` rows (at most the kernels' MAX_ROWS) take the kernels."""
     global _STEP_ROWS
-    if not 1 <= rows <= 8:
-        raise ValueError(f"mixer step rows: 1..8, got {rows}")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"mixer step rows: 1..{MAX_ROWS}, got {rows}")
     old, _STEP_ROWS = _STEP_ROWS, rows
     try:
         yield

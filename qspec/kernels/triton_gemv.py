@@ -141,20 +141,17 @@ def plan(N: int, K: int, max_bn: int, tile: int, programs: int) -> tuple[int, in
     bn = max_bn
     while bn > 1 and cdiv(N, bn) < programs:
         bn //= 2
-    bk = max(16, min(tile // bn, next_pow2(K)))
-    blocks = cdiv(N, bn)
-    split = 1 if blocks >= programs else min(cdiv(programs, blocks), cdiv(K, bk))
-    k_split = cdiv(cdiv(K, split), bk) * bk
-    return bn, bk, cdiv(K, k_split), k_split
+    return (bn, *plan_k(N, K, bn, tile // bn, programs))
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan_few(N: int, K: int, bn: int, bk: int, programs: int) -> tuple[int, int, int]:
-    """(BK, SPLIT, K_SPLIT) for the few-rows kernel: BN stays (the tensor-core tile needs >= 16 rows), K splits
-    until there are about `programs` programs, each share a whole number of BK steps."""
+def plan_k(N: int, K: int, bn: int, bk: int, programs: int) -> tuple[int, int, int]:
+    """(BK, SPLIT, K_SPLIT) for BN rows per program (`plan` narrows BN first; the few-rows kernel keeps it, as its
+    tensor-core tile needs >= 16 rows): K splits until there are about `programs` programs, each share a whole
+    number of BK steps."""
     bk = max(16, min(bk, next_pow2(K)))
     blocks = cdiv(N, bn)
     split = 1 if blocks >= programs else min(cdiv(programs, blocks), cdiv(K, bk))
@@ -194,7 +191,7 @@ def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
     M, K = x.shape
     N = w.shape[0]
     bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K), DEFAULT_FEW_CONFIG)
-    bk, split, k_split = plan_few(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
+    bk, split, k_split = plan_k(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
 
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
         _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s,

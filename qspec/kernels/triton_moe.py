@@ -169,6 +169,13 @@ if HAS_TRITON:
             tl.store(out, y.to(slot_ptr.dtype.element_ty), mask=member[None, :] & dmask[:, None])
 
 
+def _check_last_dims(**tensors: torch.Tensor) -> None:
+    """Both launchers address each tensor's last dim with unit stride."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim")
+
+
 def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
                              up: torch.Tensor, down: torch.Tensor,
                              config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
@@ -179,13 +186,11 @@ def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.
     F = gate.shape[1]
     if M > GROUPED_MAX_ROWS:
         raise ValueError(f"grouped MoE kernels take at most {GROUPED_MAX_ROWS} rows, got {M}")
-    for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim")
+    _check_last_dims(h=h, top_i=top_i, top_w=top_w, gate=gate, up=up, down=down)
     bf1, bd1, bd2, bf2, warps, stages = config or grouped_config_for(M)
     dt = tl_dtype(h.dtype)
     kp = max(2, next_pow2(k))
-    # rows x slots no row's expert fills stay unwritten: every (row, slot) pair is some expert's member, so none
+    # no element stays unwritten: every (row, slot) pair is in its expert's group, whose first pair writes it
     act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
     slots = torch.empty(M, k, D, dtype=h.dtype, device=h.device)
     _moe_gate_up_grouped_kernel[(triton.cdiv(F, bf1), M * k)](
@@ -206,9 +211,7 @@ def moe_slots_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, 
     M, D = h.shape
     k = top_i.shape[1]
     F = gate.shape[1]
-    for name, t in (("h", h), ("top_i", top_i), ("top_w", top_w), ("gate", gate), ("up", up), ("down", down)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim")
+    _check_last_dims(h=h, top_i=top_i, top_w=top_w, gate=gate, up=up, down=down)
     bf1, bd1, bd2, bf2, warps = config or config_for(M)
     dt = tl_dtype(h.dtype)
     act = torch.empty(M, k, F, dtype=h.dtype, device=h.device)
