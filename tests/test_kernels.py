@@ -611,3 +611,17 @@ def test_hc_mix_step_dispatch() -> None:
     assert hc_mix._STEP_ROWS == 1
     with pytest.raises(ValueError, match="mixer step rows"), hc_mix.step_rows_mode(9):
         pass
+
+
+def test_hc_mix_step_rows_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels available, the step takes 1.._STEP_ROWS rows and never 0: a prefill chunk that computes
+    no logits sends an empty batch through the final mixer (the kernels reject it; it crashed a session 10 run)."""
+    from qspec.kernels import hc_mix
+
+    monkeypatch.setattr(hc_mix, "use_triton", lambda t: True)
+    X, w_in = torch.randn(8, 4 * 32).bfloat16(), torch.randn(12, 4 * 32).bfloat16()
+    assert hc_mix.step_eligible(X[:1], w_in)
+    assert not hc_mix.step_eligible(X[:0], w_in) and not hc_mix.step_eligible(X[:2], w_in)
+    with hc_mix.step_rows_mode(6):
+        assert hc_mix.step_eligible(X[:6], w_in) and not hc_mix.step_eligible(X[:0], w_in)
+        assert not hc_mix.step_eligible(X[:7], w_in)

@@ -81,7 +81,7 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
     BENCHMARKS.md §3b; a 6-row verify step with the previous output kernel 3.438 ms against 3.377 ms compiled in
     another call; the current one, tensor cores for several rows, has not run in a step): verify and extend stay
     compiled."""
-    return (_ON and X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
+    return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
 
