@@ -122,9 +122,12 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
                   f"(captures {st.captures}, replays {st.replays}); "
                   f"{replay_alone(g, 'target' if kind in ('decode', 'verify') else 'mtp')}", flush=True)
         if a.e2e and kind in ("decode", "verify"):  # plain decoding, or MTP rounds at the benchmarks' acceptance
-            with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
-                print(end_to_end(engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e, a.top),
-                      flush=True)
+            # with --mixer-ab, the compiled mixers' arm first, timed only; then the default arm, also profiled
+            for mixer_kernels in (False, True) if a.mixer_ab else (True,):
+                with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv), hc_mix.enabled_mode(mixer_kernels):
+                    label = "" if not a.mixer_ab else "mixer kernels: " if mixer_kernels else "mixers compiled: "
+                    print(label + end_to_end(engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e,
+                                             a.top, profiled=mixer_kernels), flush=True)
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -134,7 +137,7 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
 KINDS = ("decode", "verify", "draft", "extend")
 
 
-def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
+def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool = True) -> str:
     """n tokens as the benchmarks run them (plain decoding, or MTP rounds when the engine drafts): tok/s with the
     host's time inside the runner's calls per token or round (the rest of the host's time is mostly waiting for
     the read-back), the last graph replayed alone, then a request profiled from its first token (after the
@@ -173,6 +176,8 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int) -> str:
             lines.append(f"the graphs one {unit} replays, alone: {alone:.3f} ms; end to end {wall:.3f} ms, so "
                          f"{wall - alone:.3f} ms per {unit} is GPU idle or host-bound (an upper bound: the eager "
                          f"ops between graphs count here too)")
+    if not profiled:
+        return "\n".join(lines)
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
     started = []
 
