@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels import gemv
+from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
@@ -248,7 +249,7 @@ class Engine:
                     k = forced
                     nxt = int(sampler.sample(v_logits[forced]).item())
                 elif sampler.greedy:
-                    target = v_logits.argmax(-1).tolist()
+                    target = argmax_rows(v_logits).tolist()
                     k = greedy_accept(drafts, target)
                     nxt = target[k]
                 else:
@@ -296,14 +297,18 @@ class Engine:
             req.draft_log.append(d_logits[-1:].cpu())
         d_toks: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
+        if sampler.greedy:  # d_1, then the other N - 1 steps as one chain (one graph replay)
+            d_toks.append(argmax_rows(d_logits[-1:]))
+            if o.draft > 1:
+                d_toks.append(run.mtp_chain(d_toks[0], d_X, L + 1, o.draft - 1, o.draft_lm_head)[0])
+            req.phase("draft")
+            return d_toks, q_rows
         for i in range(o.draft):
             if i:
                 d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
-            if sampler.greedy:
-                d_toks.append(d_logits[-1:].argmax(-1))
-            else:  # computed before the next replay can reuse the logits' memory
-                q_rows.append(sampler.probs(d_logits[-1:]))
-                d_toks.append(sampler.sample_probs(q_rows[-1]))
+            # computed before the next replay can reuse the logits' memory
+            q_rows.append(sampler.probs(d_logits[-1:]))
+            d_toks.append(sampler.sample_probs(q_rows[-1]))
         req.phase("draft")
         return d_toks, q_rows
 
@@ -326,7 +331,7 @@ class Engine:
         if o.record_logits:
             req.logits_log.append(v_logits.cpu())
         if sampler.greedy:
-            pred = v_logits.argmax(-1)
+            pred = argmax_rows(v_logits)
             k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)
             nxt = pred.index_select(0, k)
         else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import ops
@@ -224,6 +225,34 @@ class Runner:
 
         if self.use_graphs and T <= GRAPH_MAX_ROWS:
             return self._run(("mtp", T, kv_len, lm_head is not None, row is not None), fwd, inputs)
+        return fwd(*inputs)
+
+    def mtp_chain(self, tok: torch.Tensor, H: torch.Tensor, start: int, n: int,
+                  lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """n greedy draft-head steps in one go: step i runs at position start + i on the previous step's argmax
+        (step 0 on `tok` [1]) and residual (step 0 on H [1, D]) -> (the n argmax tokens [n], the last residual).
+
+        The same steps as n calls of `mtp_step` each followed by an argmax, captured as one CUDA graph per chain
+        length and KV buckets: the draft chain of a round is one replay instead of n replays with their input
+        copies and argmax launches between them (issue 6: the MTP draft chain captured once per shape)."""
+        if n < 1:
+            raise ValueError(f"a draft chain needs at least one step, got {n}")
+        if start + n > self.opts.capacity:
+            raise ContextError(f"draft rows reach position {start + n} beyond the capacity {self.opts.capacity}")
+        kv_lens = tuple(self.kv_len(start + i + 1) for i in range(n))
+        dev = self.device
+
+        def fwd(t: torch.Tensor, h: torch.Tensor, p0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            toks = []
+            for i in range(n):
+                logits, h = self.model.mtp_forward(t, h, p0 + i, self.cache, lm_head, kv_lens[i], None)
+                t = argmax_rows(logits[-1:])
+                toks.append(t)
+            return torch.cat(toks), h
+
+        inputs = [tok.to(dev).view(1), H, upload([start], dev)]
+        if self.use_graphs:
+            return self._run(("chain", n, kv_lens, lm_head is not None), fwd, inputs)
         return fwd(*inputs)
 
     def kv_len(self, end: int) -> int:

@@ -13,7 +13,9 @@
   * sampling on the device: draws and speculative sampling follow their distributions, sampled decoding is
     repeatable for a seed.
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
-(`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows only).
+(`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows
+only; `--only-chained`: the logits rows, plain decoding and the device-chained greedy rows, the engine's own path;
+the flags combine).
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def main() -> int:
     ids = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(0))
     ref = Runner(cpu, CacheOptions(capacity=128)).step(ids)[0]
     only_bf16 = "--only-bf16" in sys.argv  # the bf16 model alone (the engine's 16-bit kernels), no f32 rows
+    # the engine's own path alone (plain decoding, drafts chained on the device in one graph): a short device run
+    only_chained = "--only-chained" in sys.argv
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2))[1 if only_bf16 else 0:]:
         gpu = build("cuda", dtype)
         got = Runner(gpu, CacheOptions(capacity=128, kv_type="bf16" if dtype == torch.bfloat16 else "f32")
@@ -136,7 +140,7 @@ def main() -> int:
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
-        for n in (0, 3):  # torch.compile-fused steps vs the same functions run eagerly
+        for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
             f = Engine(gpu, EngineOptions(**opts)).generate(prompt, 24)
             u = Engine(gpu, EngineOptions(compile=False, **opts)).generate(prompt, 24)
@@ -167,7 +171,7 @@ def main() -> int:
                 report(f"device-chained greedy == plain, cuda {name}, N={n}", ok_g and ok_s,
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why_g}; with a stop token: "
                        f"{len(s.tokens)} tokens, {why_s}")
-        for exact in (False, True) if not only_fused else ():
+        for exact in (False, True) if not (only_fused or only_chained) else ():
             # row-exact: a verify row is computed as a decode row is, so bf16 must be exact too
             ref_run = plain if not exact else Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, exact=True,
                                                                     record_logits=True)).generate(prompt, 48)
@@ -181,7 +185,7 @@ def main() -> int:
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, "
                        f"graphs {g.graphs['captures']} captures / {g.graphs['replays']} replays, "
                        f"{time.perf_counter() - t0:.1f}s")
-        if dtype == torch.bfloat16 and not only_fused:
+        if dtype == torch.bfloat16 and not (only_fused or only_chained):
             # the few-rows tensor-core products run in steps only for flash-next's shapes (TUNED_FEW); here every
             # verify product that fits takes them, and greedy speculation must still reproduce plain decoding
             with gemv.few_rows_everywhere():
@@ -195,7 +199,7 @@ def main() -> int:
     gpu = build("cuda", torch.float32)
     prompt = ids[:40].tolist()
     base = None
-    for combo in itertools.product([False, True], repeat=4) if not (only_fused or only_bf16) else ():
+    for combo in itertools.product([False, True], repeat=4) if not (only_fused or only_bf16 or only_chained) else ():
         p, inc, pad, fused = combo
         rng = random.Random(5)
         g = Engine(gpu, EngineOptions(draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
@@ -204,7 +208,7 @@ def main() -> int:
         base = base or g.tokens
         report(f"seed opts {combo} == baseline tokens (cuda f32)", g.tokens == base,
                str(g.graphs["graphs_by_shape"])[:90])
-    if not only_fused:
+    if not (only_fused or only_chained):
         sampling_checks(gpu, prompt)
     print("\nsummary:", sum(r[1] == "ok" for r in rows), "ok,", sum(r[1] != "ok" for r in rows), "failed")
     return 1 if failed else 0

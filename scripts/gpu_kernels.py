@@ -29,6 +29,7 @@ if "--interpret" in sys.argv:
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.hc_mix import combine_torch, mix_torch
@@ -38,6 +39,7 @@ from qspec.kernels.q4 import Q4Weight, q4_matvec_torch, q4_q8_matvec_torch
 from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
+from qspec.kernels.triton_argmax import argmax_rows_triton
 from qspec.kernels.triton_common import HAS_TRITON, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
@@ -686,6 +688,31 @@ def check_top_blocks(R: Runner, T: int, nb: int, n_top: int, visible: int, ties:
     R.add(row)
 
 
+def check_argmax(R: Runner, M: int, V: int, dt: torch.dtype, ties: bool = False, chunk: int | None = None,
+                 timed: bool = False) -> None:
+    """The same index as torch's argmax, exactly: random rows, then (ties) rows of few distinct values, so the
+    maximum recurs and the first occurrence must win across chunks, and rows with -0/+0, -inf and NaN."""
+    dev = R.device
+    x = (torch.randint(-3, 3, (M, V), device=dev).to(dt) if ties else torch.randn(M, V, device=dev).to(dt))
+    if ties and M >= 3:
+        x[1] = float("-inf")
+        x[2, V // 2:] = float("nan")
+        x[2, V // 3] = -torch.tensor(float("nan"))  # a NaN with its sign bit set (still torch's maximum)
+    if ties and M >= 4:
+        x[3] = 0.0
+        x[3, :V // 3] = -0.0
+    kw = {} if chunk is None else {"chunk": chunk}
+    got, ref = argmax_rows_triton(x, **kw), argmax_rows_torch(x)
+    ok = torch.equal(got, ref)
+    row = Row(f"argmax_rows M={M} V={V} {str(dt).removeprefix('torch.')}" + (" ties" if ties else "")
+              + (f" chunk={chunk}" if chunk else ""), ok, f"{int((got != ref).sum())} rows differ from torch")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: argmax_rows_torch(x))
+        row.triton_us = R.bench(lambda: argmax_rows_triton(x))
+        row.nbytes = x.numel() * x.element_size()
+    R.add(row)
+
+
 # ---- row independence ------------------------------------------------------------------------------------------
 
 def check_row_independence(R: Runner, small: bool) -> None:
@@ -895,6 +922,21 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_top_blocks(R, 6, 1152, 512, 1100, ties=True)
         check_top_blocks(R, 2, 8192, 512, 8000, timed=True)
 
+    argmax_checks(R, small)
+
+
+def argmax_checks(R: Runner, small: bool) -> None:
+    """Greedy token choice over the vocabulary: a draft step (1 row) and MTP5's verify (6 rows), then ties."""
+    if small:
+        check_argmax(R, 3, 5000, torch.bfloat16, chunk=512)
+        check_argmax(R, 4, 3001, torch.float32, ties=True, chunk=256)
+        check_argmax(R, 2, 7, torch.float16, ties=True, chunk=16)
+    else:
+        check_argmax(R, 1, 248320, torch.bfloat16, timed=True)
+        check_argmax(R, 6, 248320, torch.bfloat16, timed=True)
+        check_argmax(R, 6, 248320, torch.bfloat16, ties=True)
+        check_argmax(R, 4, 248321, torch.float32, ties=True)
+
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
@@ -927,6 +969,7 @@ def main() -> int:
     ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
     ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
     ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
+    ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -953,8 +996,11 @@ def main() -> int:
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
-    run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
-    check_row_independence(R, small=args.interpret)
+    if args.argmax:
+        argmax_checks(R, small=args.interpret)
+    else:
+        run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
+        check_row_independence(R, small=args.interpret)
     if R.graph:
         print(f"\ntimes are CUDA-graph replays; {R.eager_fallbacks} timed calls could not be captured and ran eagerly")
     print_table("kernels", R.rows)

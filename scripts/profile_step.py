@@ -144,7 +144,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
     prefill): kernel time per token or round and the host calls that take most."""
     eng.generate(prompt, n)  # every KV bucket's graph captured
     run = eng.runner
-    host = {"step": 0.0, "keep": 0.0, "mtp_step": 0.0}
+    host = {"step": 0.0, "keep": 0.0, "mtp_step": 0.0, "mtp_chain": 0.0}
     decoding = []  # set at the first token: the prefill's steps are not counted
 
     def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
@@ -170,6 +170,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
         lines.append(replay_alone(eng, "target", times=times))
         if eng.opts.draft:
             lines.append(replay_alone(eng, "mtp", times=times))
+            lines.append(replay_alone(eng, "chain", times=times))
         alone = graphs_per_unit(times, eng.opts.draft)
         if alone is not None:
             wall = gen.decode_s / per_unit * 1e3
@@ -199,9 +200,9 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
 
 
 def replay_alone(eng: Engine, kind: str, n: int = 50, times: dict[tuple, float] | None = None) -> str:
-    """The GPU time of the last graph of `kind` ("target" or "mtp") captured for each row count: its replays back
-    to back, with no host work between (the graphs for the KV bucket the last request ended in). `times` collects
-    ms per replay by key."""
+    """The GPU time of the last graph of `kind` ("target", "mtp" or "chain") captured for each row count: its
+    replays back to back, with no host work between (the graphs for the KV bucket the last request ended in).
+    `times` collects ms per replay by key."""
     last = {}  # by the key without its KV length: the latest bucket's graph of each shape
     for key, g in eng.runner.graphs.items():
         if key[0] == kind:
@@ -224,15 +225,16 @@ def replay_alone(eng: Engine, kind: str, n: int = 50, times: dict[tuple, float] 
 
 def graphs_per_unit(times: dict[tuple, float], draft: int) -> float | None:
     """GPU time of the graphs one token (plain decoding) or one round replays: the target step, and with drafts
-    N - 1 one-row chained draft steps and the (N + 1)-row extend."""
+    the (N + 1)-row extend and the chain of N - 1 one-row draft steps (one graph; N - 1 replays of the one-row
+    step's graph before the chain was captured whole)."""
     target = [ms for k, ms in times.items() if k[0] == "target"]
     if not draft:
         return target[-1] if target else None
-    chain = [ms for k, ms in times.items() if k[0] == "mtp" and k[1] == 1 and not k[4]]
+    chain = [ms for k, ms in times.items() if k[0] == "chain" and k[1] == draft - 1]
     extend = [ms for k, ms in times.items() if k[0] == "mtp" and k[1] == draft + 1 and k[4]]
-    if not (target and chain and extend):
+    if not (target and extend and (chain or draft == 1)):
         return None
-    return target[-1] + (draft - 1) * chain[-1] + extend[-1]
+    return target[-1] + (chain[-1] if chain else 0.0) + extend[-1]
 
 
 def sync() -> None:

@@ -625,3 +625,18 @@ def test_hc_mix_step_rows_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     with hc_mix.step_rows_mode(6):
         assert hc_mix.step_eligible(X[:6], w_in) and not hc_mix.step_eligible(X[:0], w_in)
         assert not hc_mix.step_eligible(X[:7], w_in)
+
+
+# ---- greedy token choice -----------------------------------------------------------------------------------------
+
+def test_argmax_rows_dispatch() -> None:
+    """On the CPU argmax_rows is torch's argmax (the kernels: scripts/gpu_kernels.py --interpret, ties and NaN
+    included); a tensor that is not a non-empty matrix is refused by name."""
+    from qspec.kernels.argmax import argmax_rows
+
+    x = torch.randn(3, 50)
+    x[1, 4] = x[1, 9] = x[1].max() + 1  # a tie: the first index wins
+    assert torch.equal(argmax_rows(x), x.argmax(-1)) and int(argmax_rows(x)[1]) == 4
+    for bad in (torch.randn(5), torch.randn(2, 0), torch.randn(1, 2, 3)):
+        with pytest.raises(ValueError, match="argmax_rows needs"):
+            argmax_rows(bad)

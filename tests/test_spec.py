@@ -252,6 +252,31 @@ def test_draft_step_one_row_equals_that_row(tiny_model: Model) -> None:
         run.mtp_step(rows, X, 1, row=6)
 
 
+def test_draft_chain_equals_its_steps(tiny_model: Model) -> None:
+    """mtp_chain (the greedy draft chain as one step sequence, one CUDA graph on the GPU) gives the tokens, the last
+    residual and the head's K/V cells of n mtp_step calls, each fed the previous step's argmax."""
+    run = Runner(tiny_model, EngineOptions(draft=5, capacity=CAP).cache_options())
+    _, X = run.step(torch.tensor([5, 9, 2, 7]))
+    run.keep(4, rollback=False)
+    run.mtp_step(torch.tensor([9, 2, 7]), X[:3], 1)
+    kv = run.cache.mtp_kv
+    tok, H = torch.tensor([11]), X[3:]
+    toks, h = run.mtp_chain(tok, H, 4, 4)
+    cells = kv.k[:9].clone(), kv.v[:9].clone()
+    kv.k[4:9], kv.v[4:9] = 0, 0
+    want = []
+    for i in range(4):
+        logits, H = run.mtp_step(tok, H, 4 + i)
+        tok = logits[-1:].argmax(-1)
+        want.append(int(tok))
+    assert toks.tolist() == want and torch.equal(h, H)
+    assert torch.equal(kv.k[:9], cells[0]) and torch.equal(kv.v[:9], cells[1])
+    with pytest.raises(ContextError, match="beyond the capacity"):
+        run.mtp_chain(tok, H, CAP - 2, 3)
+    with pytest.raises(ValueError, match="at least one step"):
+        run.mtp_chain(tok, H, 4, 0)
+
+
 def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shape's second use runs the real step and then the capture on the same input buffers, so the compiled
     functions see identical tensors in both (a different storage offset would recompile, and inductor's

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qspec.kernels.argmax import argmax_rows
+
 # (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance.
 AcceptHook = Callable[[int, int], int]
 
@@ -36,7 +38,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         if self.greedy:
-            return logits.argmax(-1)
+            return argmax_rows(logits) if logits.dim() == 2 else logits.argmax(-1)
         return self.sample_probs(self.probs(logits))
 
     def sample_probs(self, p: torch.Tensor) -> torch.Tensor:
