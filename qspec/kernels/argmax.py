@@ -3,7 +3,7 @@
 `argmax_rows_torch` is the reference (`Tensor.argmax`). On CUDA `argmax_rows` runs two Triton kernels
 (triton_argmax.py): chunks of every row in parallel, then one small program per row over the chunks' winners.
 Why: torch's argmax of a [1, 248320] row is one block of 512 threads, 8.7 µs per call on the H200, and an MTP5
-round takes six of them (benchmarks/results/profile_step_fn8_s10_mixer_ab.txt).
+round takes six of them (benchmarks/results/profile_step_fn8_s10b_mixer_ab.txt).
 """
 
 from __future__ import annotations
