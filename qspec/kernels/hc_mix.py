@@ -78,9 +78,9 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
 
     The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8), but only the one-row
     step has measured faster than the compiled functions on the H200 (decode step 1.587 vs 1.633 ms in one process,
-    BENCHMARKS.md §3b; a 6-row verify step with the previous output kernel 3.438 ms against 3.377 ms compiled in
-    another call; the current one, tensor cores for several rows, has not run in a step): verify and extend stay
-    compiled."""
+    BENCHMARKS.md §3b). For a 6-row verify step the tensor-core output kernel measured 2.913 ms against 2.880 ms
+    compiled in one process, and its replays alone 2.632 against 2.579 ms (the same run's end-to-end replays had the
+    opposite sign): no clear gain, so verify and extend stay compiled."""
     return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
