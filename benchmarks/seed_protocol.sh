@@ -8,7 +8,8 @@
 set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
-h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-depth h200-fn8-seed}"
+h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
+h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -41,6 +42,8 @@ case "$step" in
     h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,\
 nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cublas:from=ours,gemv=0,\
 ours-sparse:from=ours,sparse=1" ;;
+    # (d2) masked attention in one Triton pass over the cache (--fused-attention) against the default path, same run
+    h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-fattn:from=nospec,fattn=1,ours,ours-fattn:from=ours,fattn=1" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

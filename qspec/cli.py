@@ -204,7 +204,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
-        sparse_attention=a.sparse_attention,
+        sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
@@ -365,6 +365,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--sparse-attention", action="store_true",
                    help="QSA reads only the indexer's chosen blocks and the tail (a Triton kernel on CUDA) instead of "
                         "masking every cell of a KV bucket")
+    r.add_argument("--fused-attention", action="store_true",
+                   help="masked attention (QSA's dense path, the MTP head) in one Triton pass over the KV cache, "
+                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -41,6 +41,7 @@ class EngineOptions:
     pad_target: int | None = 8
     fused_snapshots: bool = True
     sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
+    fused_attention: bool = False  # masked attention in one pass over the cache (kernels/masked_attention.py)
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
@@ -63,7 +64,8 @@ class EngineOptions:
         return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
                             preserve_pooled=self.preserve_pooled, pad_target=self.pad_target,
                             incremental_pooled=self.incremental_pooled,
-                            fused_snapshots=self.fused_snapshots, sparse_attention=self.sparse_attention)
+                            fused_snapshots=self.fused_snapshots, sparse_attention=self.sparse_attention,
+                            fused_attention=self.fused_attention)
 
 
 @dataclass

@@ -171,6 +171,24 @@ def main() -> int:
                 report(f"device-chained greedy == plain, cuda {name}, N={n}", ok_g and ok_s,
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why_g}; with a stop token: "
                        f"{len(s.tokens)} tokens, {why_s}")
+            # masked attention in one Triton pass over the cache (q8_0 here, the benchmarks' cache): its logits
+            # against the default path's, then greedy speculation against plain decoding, both through it
+            fa = dict(capacity=256, kv_type="q8_0", fused_attention=True, record_logits=True)
+            fa_plain = Engine(gpu, EngineOptions(draft=0, **fa)).generate(prompt, 48)
+            dflt = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type="q8_0", record_logits=True)
+                          ).generate(prompt, 48)
+            cut = first_diff(fa_plain.tokens, dflt.tokens)
+            steps = len(fa_plain.logits) if cut is None else cut + 1
+            rel = max(rel_diff(a, b) for a, b in zip(fa_plain.logits[:steps], dflt.logits[:steps], strict=False))
+            ok, why = same_or_tie(fa_plain.tokens, dflt, 0, tie)
+            report(f"fused attention == default attention, q8_0, cuda {name}", ok and rel < tol,
+                   f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps")
+            for n in (1, 5):
+                g = Engine(gpu, EngineOptions(draft=n, **fa)).generate(prompt, 48)
+                ok, why = same_or_tie(g.tokens, fa_plain, 0, tie)
+                report(f"device-chained greedy == plain, fused attention, cuda {name}, N={n}", ok,
+                       f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, graphs {g.graphs['replays']} "
+                       f"replays")
         for exact in (False, True) if not (only_fused or only_chained) else ():
             # row-exact: a verify row is computed as a decode row is, so bf16 must be exact too
             ref_run = plain if not exact else Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, exact=True,

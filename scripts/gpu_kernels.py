@@ -33,6 +33,7 @@ from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.hc_mix import combine_torch, mix_torch
+from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch, q4_q8_matvec_torch
@@ -46,6 +47,7 @@ from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
+from qspec.kernels.triton_masked_attention import masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
@@ -315,6 +317,50 @@ def check_sparse_attn(R: Runner, T: int, H: int, Hkv: int, d: int, r: int, n_top
         row.triton_us = R.bench(lambda: sparse_attention_triton(*args))
         per_cell = 2 * Hkv * (d * k.element_size() + (d // 32 * 2 if ks is not None else 0))
         row.nbytes = T * (n_top * r + r) * per_cell + 2 * T * H * d * 2
+    R.add(row)
+
+
+def dense_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor | None,
+                         vs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """The model's default path for the same attention (qsa.attend without its gate and output product): the
+    cells dequantized to a bf16 copy, then batched products and a softmax, as eager torch ops."""
+    T, H, d = q.shape
+    Hkv = k.shape[1]
+    K, V = dequant_kv_triton(k, ks, v, vs, q.dtype) if ks is not None else (k, v)
+    qh = q.view(T, Hkv, H // Hkv, d).permute(1, 0, 2, 3).reshape(Hkv, -1, d)
+    sc = torch.bmm(qh, K.permute(1, 2, 0)) * d ** -0.5
+    m = mask.unsqueeze(1).expand(T, H // Hkv, -1).reshape(1, T * (H // Hkv), -1)
+    p = torch.softmax(sc.float().masked_fill(~m, float("-inf")), dim=-1).to(q.dtype)
+    return torch.bmm(p, V.permute(1, 0, 2)).view(Hkv, T, H // Hkv, d).permute(1, 0, 2, 3).reshape(T, H, d)
+
+
+def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype = torch.bfloat16,
+                      keep: float = 1.0, timed: bool = False) -> None:
+    """Masked attention over n cells, rows at the last T positions (causal), a share `keep` of each row's earlier
+    cells left in the mask (QSA's block choice; 1.0: the MTP head's causal mask), against the f32 reference."""
+    dev = R.device
+    q = torch.randn(T, H, d, device=dev).to(dt)
+    kf, vf = torch.randn(n, Hkv, d, device=dev), torch.randn(n, Hkv, d, device=dev)
+    if kv == "q8_0":
+        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
+    else:
+        k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
+    empty = min(64, n // 4)  # a bucket's last cells are empty
+    pos = torch.arange(n - empty - T, n - empty, device=dev)
+    cells = torch.arange(n, device=dev)[None, :]
+    mask = (cells <= pos[:, None]) & ((torch.rand(T, n, device=dev) < keep) | (cells == pos[:, None]))
+    args = (q, k, v, ks, vs, mask)
+    ref = masked_attention_torch(*args)
+    got = masked_attention_triton(*args)
+    e = rel_err(got, ref)
+    ok = e < TOL[dt]
+    row = Row(f"masked_attn T={T} H={H}/{Hkv} d={d} n={n} kv={kv} keep={keep} {str(dt).removeprefix('torch.')}"
+              + (" (torch: the model's dequant + bmm/softmax path)" if timed else ""), ok, f"rel err {e:.2e}")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: dense_attention_path(*args))
+        row.triton_us = R.bench(lambda: masked_attention_triton(*args))
+        per_cell = 2 * Hkv * (d * k.element_size() + (d // 32 * 2 if ks is not None else 0))
+        row.nbytes = n * per_cell + T * n + 2 * T * H * d * 2
     R.add(row)
 
 
@@ -804,6 +850,21 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_sparse_attn(R, 6, 24, 2, 256, 4, 512, 4096, "bf16")
         check_sparse_attn(R, 512, 24, 2, 256, 4, 512, 4096, "q8_0")  # a prefill chunk
         check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
+
+    # masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
+    # (~half the cells), then small and ragged shapes and every cache type
+    if small:
+        check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
+        check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)
+        check_masked_attn(R, 6, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4)
+        check_masked_attn(R, 2, 2, 1, 48, 5, "bf16", keep=0.5)
+        check_masked_attn(R, 1, 4, 1, 32, 1000, "q8_0", keep=0.3)  # 32 chunks: the combine loops
+    else:
+        for T in (1, 6):
+            check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", timed=True)
+            check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", keep=0.45, timed=True)
+        check_masked_attn(R, 6, 24, 2, 256, 4608, "bf16", keep=0.45)
+        check_masked_attn(R, 3, 12, 2, 128, 1000, "f32", dt=torch.float32, keep=0.5)
 
     # Q4 head: real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes
     if small:

@@ -50,6 +50,8 @@ def main() -> int:
                     help="comma-separated step kinds among " + ", ".join(KINDS) + " (each pays its own first-request "
                          "compilation)")
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="one-row products on cuBLAS")
+    ap.add_argument("--fused-attention", action="store_true",
+                    help="masked attention in one Triton pass over the KV cache (kernels/masked_attention.py)")
     ap.add_argument("--mixer-ab", action="store_true",
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")
@@ -85,7 +87,7 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
         def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None) -> Engine:
             return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
                                                draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
-                                               accept_hook=hook))
+                                               fused_attention=a.fused_attention, accept_hook=hook))
         eng = engine(False)
         t = time.perf_counter()
         eng.generate(prompt, 4)

@@ -130,6 +130,9 @@ def test_arm_specs() -> None:
     assert (uo.compile, uo.sparse_attention, uo.draft) == (False, True, 5)
     assert "unfused" in u.describe() and "sparse" in u.describe()
     assert (o.compile, o.sparse_attention, o.gemv) == (True, False, True)
+    f = parse_arms("f:from=ours,fattn=1")[0]
+    assert f.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).fused_attention is True
+    assert "fused masked attention" in f.describe() and o.fused_attention is False
     c = parse_arms("c:from=nospec,gemv=off")[0]
     assert c.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None).gemv is False
     assert "cuBLAS" in c.describe() and c.draft == 0

@@ -495,6 +495,38 @@ def test_sparse_attention_reference(kv: str, T: int) -> None:
     assert torch.equal(sparse_attention(q, k, v, ks, vs, blocks, nb_vis * r, pos, r), got)  # CPU dispatch
 
 
+@pytest.mark.parametrize("kv", ["f32", "q8_0"])
+def test_masked_attention_reference(kv: str) -> None:
+    """The reference equals per-row, per-head softmax attention in f64 over exactly the mask's cells (loops, no
+    masking trick); bad shapes are refused by name."""
+    from qspec.kernels.masked_attention import masked_attention, masked_attention_torch
+
+    g = torch.Generator().manual_seed(11)
+    T, H, Hkv, d, n = 3, 6, 2, 64, 40
+    q = torch.randn(T, H, d, generator=g)
+    kf, vf = torch.randn(n, Hkv, d, generator=g), torch.randn(n, Hkv, d, generator=g)
+    if kv == "q8_0":
+        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
+        K, V = dequant_q8_0_torch(k, ks, torch.float64), dequant_q8_0_torch(v, vs, torch.float64)
+    else:
+        k, v, ks, vs = kf, vf, None, None
+        K, V = k.double(), v.double()
+    mask = torch.rand(T, n, generator=g) < 0.4
+    mask[:, 3] = True
+    got = masked_attention_torch(q, k, v, ks, vs, mask)
+    for t in range(T):
+        cells = mask[t].nonzero().squeeze(1)
+        for h in range(H):
+            kh = h // (H // Hkv)
+            p = torch.softmax(K[cells, kh] @ q[t, h].double() * d ** -0.5, 0)
+            assert (got[t, h].double() - p @ V[cells, kh]).abs().max().item() < 1e-5
+    assert torch.equal(masked_attention(q, k, v, ks, vs, mask), got)  # CPU dispatch
+    with pytest.raises(ValueError, match="mask must be bool"):
+        masked_attention(q, k, v, ks, vs, mask[:, :-1])
+    with pytest.raises(ValueError, match="needs k/v"):
+        masked_attention(q, k[:, :1].repeat(1, 4, 1), v, ks, vs, mask)
+
+
 # ---- the Triton kernels through Triton's interpreter (CPU) -----------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -117,6 +117,27 @@ def test_row_exact_mode_matches_batched() -> None:
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
+def test_fused_attention_equals_default_path(kv_type: str) -> None:
+    """fused_attention (masked attention in one pass over the stored cells) gives the default path's logits and
+    draft-head outputs: a prefill, decode steps and MTP steps, with the indexer restricting QSA."""
+    model = build_model(tiny_config(), seed=7)
+    ids = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for fused in (False, True):
+        run = Runner(model, CacheOptions(capacity=128, kv_type=kv_type, fused_attention=fused))
+        assert all(kv.fused_attention == fused for kv in [*run.cache.kv.values(), run.cache.mtp_kv])
+        pre, X = run.step(ids[:52])
+        run.keep(52, rollback=False)
+        d_logits, _ = run.mtp_step(ids[1:53], X, 1)
+        dec = []
+        for t in ids[52:].tolist():
+            dec.append(run.step(torch.tensor([t]))[0])
+            run.keep(1, rollback=False)
+        out[fused] = torch.cat([pre, *dec, d_logits])
+    assert (out[True] - out[False]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "q8_0"])
 def test_sparse_attention_equals_masked_dense(kv_type: str) -> None:
     """Reading only the chosen blocks and the tail gives the masked dense attention's logits, prefill and decode,
     with the indexer actually restricting (a 16-token budget under an 80-token prompt)."""

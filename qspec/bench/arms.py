@@ -7,7 +7,8 @@ Built-in arms (the seed's comparison):
 
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
 fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
-mixer kernels, on by default), sparse (sparse QSA attention) (booleans as
+mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
+cache) (booleans as
 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -40,6 +41,7 @@ class Arm:
     compile: bool = True  # torch.compile-fused step math on CUDA (the engine's default; off for A/B runs)
     sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
     gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
+    fattn: bool = False  # masked attention in one pass over the cache (--fused-attention)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -49,7 +51,7 @@ class Arm:
                              pad_target=self.pad, fused_snapshots=self.fused,
                              draft_head="q4" if self.q4 and self.draft else "full",
                              accept_hook=accept_hook if self.draft else None, compile=self.compile,
-                             sparse_attention=self.sparse, gemv=self.gemv)
+                             sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn)
 
     def describe(self) -> str:
         if not self.draft:
@@ -65,6 +67,8 @@ class Arm:
             parts.append("unfused step math")
         if self.sparse:
             parts.append("sparse attention")
+        if self.fattn:
+            parts.append("fused masked attention")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
         return ", ".join(parts)
@@ -126,11 +130,11 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                 if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
-        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv"):
+        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn"):
             fields[k] = _bool(k, v, spec)
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
-                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, from)")
+                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, from)")
     return replace(base, **fields)
 
 

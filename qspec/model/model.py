@@ -45,6 +45,9 @@ class CacheOptions:
     pad_target: int | None = 8  # seed Algorithm 3 (None: off)
     fused_snapshots: bool = True  # seed Algorithms 4-5
     sparse_attention: bool = False  # QSA reads the chosen blocks' cells directly instead of masking a KV bucket
+    # masked (dense) attention of QSA and the MTP head in one pass over the cache, q8_0 dequantized in registers
+    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax
+    fused_attention: bool = False
 
 
 @dataclass
@@ -114,7 +117,7 @@ class Model(torch.nn.Module):
         if opts.capacity % 4:
             raise ValueError(f"cache capacity must be a multiple of 4, got {opts.capacity}")
         kv = {i: KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev) for i in c.qsa_layers()}
+                         device=dev, fused_attention=opts.fused_attention) for i in c.qsa_layers()}
         idx, layouts = {}, {}
         for i in c.qsa_layers():
             r = c.ratio(i)
@@ -124,7 +127,7 @@ class Model(torch.nn.Module):
                     layouts[r] = PooledLayout(r, opts.capacity // r, preserve=opts.preserve_pooled,
                                               pad_target=opts.pad_target, incremental=opts.incremental_pooled)
         mtp_kv = KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev) if self.mtp is not None else None
+                         device=dev, fused_attention=opts.fused_attention) if self.mtp is not None else None
         return ModelCache(opts, kv, idx, RecurrentCache(c, opts.n_slots, dev), CellTable(opts.capacity), layouts,
                           mtp_kv)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels.masked_attention import masked_attention
 from qspec.kernels.pooled import materialize_pooled_fast
 from qspec.kernels.sparse_attention import sparse_attention
 from qspec.kernels.top_blocks import top_blocks_mask
@@ -80,6 +81,11 @@ class QSAAttention(torch.nn.Module):
             mask = self.select(rest, pos, cos, sin, idx, upd, upd_rope, n, key_lo)
         else:
             mask = causal_mask(pos, n, key_lo)
+        if kv.fused_attention:  # one pass over the stored cells (q8_0 scaled in registers)
+            ks, vs = kv.scales()
+            o = masked_attention(q, kv.k[:n], kv.v[:n], None if ks is None else ks[:n], None if vs is None else vs[:n],
+                                 mask)
+            return gated_out(o, gate, self.wo)
         K, V = kv.read(n)
         return attend(q, K, V, mask, gate, self.wo)
 

@@ -30,8 +30,11 @@ def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVCache:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, *, cache_type: str, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, fused_attention: bool = False) -> None:
         self.capacity, self.cache_type, self.dtype = capacity, cache_type, dtype
+        # how attention reads the cells: one pass over the stored cells (kernels/masked_attention.py) instead of
+        # `read` (a dequantized copy) then separate products and softmax
+        self.fused_attention = fused_attention
         shape = (capacity, kv_heads, head_dim)
         if cache_type == "q8_0":
             if head_dim % Q8_BLOCK:

@@ -1,0 +1,126 @@
+"""Masked attention in Triton, flash-decoding: grid (T, Hkv, chunks) then grid (T, H).
+
+The first kernel's program holds the G query heads that share kv head h as a [GP, DP] f32 tile and walks its chunk
+of cells BLOCK_N at a time: the row's mask bits, the K and V rows (q8_0 scaled in registers), an online softmax
+(running max m, sum l, accumulator acc), products in IEEE f32. The second kernel combines a row's chunks for one
+head: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m_s (a chunk without a valid
+cell has m_s = -inf and weighs nothing).
+"""
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+
+BLOCK_N = 32  # cells per inner step
+TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
+COMBINE_STEP = 16  # chunks the combine kernel reads per step
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _masked_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, N, CHUNK, scale,
+                            q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
+                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BN: tl.constexpr, Q8: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        g = tl.arange(0, GP)
+        gm = g < G
+        dd = tl.arange(0, DP)
+        dm = dd < D
+        q = tl.load(q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :], mask=gm[:, None] & dm[None, :],
+                    other=0.0).to(tl.float32)
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, DP], dtype=tl.float32)
+        for j0 in range(s * CHUNK, s * CHUNK + CHUNK, BN):
+            j = j0 + tl.arange(0, BN)
+            inn = j < N
+            valid = inn & (tl.load(mask_ptr + t * mk_t + j, mask=inn, other=0) != 0)
+            cell = j.to(tl.int64)
+            lm = valid[:, None] & dm[None, :]
+            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
+            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
+            if Q8:
+                so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
+                K = K * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)
+                V = V * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)
+            sc = tl.dot(q, tl.trans(K), input_precision="ieee") * scale  # [GP, BN]
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid cell so far
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p, V, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        heads = h * G + g
+        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc, mask=gm[:, None] & dm[None, :])
+        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
+        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,
+                        D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, STEP: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        ss = tl.arange(0, SP)
+        M = tl.max(tl.load(m_ptr + t * ml_t + h * ml_h + ss, mask=ss < S, other=float("-inf")), axis=0)
+        dd = tl.arange(0, DP)
+        dm = dd < D
+        num = tl.zeros([DP], dtype=tl.float32)
+        den = tl.zeros([STEP], dtype=tl.float32)
+        for s0 in range(0, S, STEP):
+            si = s0 + tl.arange(0, STEP)
+            sm = si < S
+            m = tl.load(m_ptr + t * ml_t + h * ml_h + si, mask=sm, other=float("-inf"))
+            w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))
+            den += w * tl.load(l_ptr + t * ml_t + h * ml_h + si, mask=sm, other=0.0)
+            a = tl.load(acc_ptr + t * a_t + h * a_h + si[:, None] * a_s + dd[None, :], mask=sm[:, None] & dm[None, :],
+                        other=0.0)
+            num += tl.sum(a * w[:, None], axis=0)
+        out = num / tl.sum(den, axis=0)
+        tl.store(o_ptr + t * o_t + h * o_h + dd, out.to(o_ptr.dtype.element_ty), mask=dm)
+
+
+def plan_chunks(T: int, Hkv: int, n: int, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
+    """(cells per chunk, chunks): enough chunks to fill the GPU, each a whole number of BLOCK_N-cell steps."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+    splits = max(1, min(cdiv(n, block_n), cdiv(target, max(1, T * Hkv))))
+    chunk = cdiv(cdiv(n, splits), block_n) * block_n
+    return chunk, cdiv(n, chunk)
+
+
+def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+                            v_scale: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """Launch both kernels; arguments as `masked_attention` (already checked)."""
+    T, H, d = q.shape
+    n, Hkv = k.shape[0], k.shape[1]
+    G = H // Hkv
+    for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"masked attention: {name} needs a contiguous last dim")
+    q8 = k_scale is not None
+    if k.stride() != v.stride() or (q8 and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1)):
+        raise ValueError("masked attention: k and v (and their scales) need the same layout")
+    chunk, splits = plan_chunks(T, Hkv, n)
+    acc = torch.empty(T, H, splits, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    ks = k_scale if q8 else k  # unused pointers when not q8_0
+    vs = v_scale if q8 else v
+    DP = max(16, next_pow2(d))
+    _masked_attn_kernel[(T, Hkv, splits)](
+        q, k, v, ks, vs, mask.view(torch.uint8), acc, m, lsum, n, chunk, d ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
+        mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        G=G, GP=max(16, next_pow2(G)), D=d, DP=DP, BN=BLOCK_N, Q8=q8, num_warps=4)
+    out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
+    _combine_kernel[(T, H)](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+                            m.stride(1), out.stride(0), out.stride(1), D=d, DP=DP,
+                            SP=max(2, next_pow2(splits)), STEP=COMBINE_STEP, num_warps=4)
+    return out
