@@ -851,8 +851,13 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_sparse_attn(R, 512, 24, 2, 256, 4, 512, 4096, "q8_0")  # a prefill chunk
         check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
 
-    # masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
-    # (~half the cells), then small and ragged shapes and every cache type
+    masked_attention_checks(R, small)
+    q4_and_rest_checks(R, small, sweep)
+
+
+def masked_attention_checks(R: Runner, small: bool) -> None:
+    """Masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
+    (~half the cells), then small and ragged shapes and every cache type."""
     if small:
         check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
         check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)
@@ -866,6 +871,9 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_masked_attn(R, 6, 24, 2, 256, 4608, "bf16", keep=0.45)
         check_masked_attn(R, 3, 12, 2, 128, 1000, "f32", dt=torch.float32, keep=0.5)
 
+
+def q4_and_rest_checks(R: Runner, small: bool, sweep: bool) -> None:
+    """The checks after the attention ones: Q4 head, MoE, products, mixers, routing, dequant, block choice."""
     # Q4 head: real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes
     if small:
         check_q4(R, 200, 256, 1, torch.float32)
@@ -1031,6 +1039,7 @@ def main() -> int:
     ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
     ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
     ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
+    ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -1057,8 +1066,11 @@ def main() -> int:
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
-    if args.argmax:
-        argmax_checks(R, small=args.interpret)
+    if args.argmax or args.attention:
+        if args.argmax:
+            argmax_checks(R, small=args.interpret)
+        if args.attention:
+            masked_attention_checks(R, small=args.interpret)
     else:
         run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
         check_row_independence(R, small=args.interpret)
