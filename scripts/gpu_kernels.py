@@ -354,8 +354,12 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
     got = masked_attention_triton(*args)
     e = rel_err(got, ref)
     ok = e < TOL[dt]
+    detail = f"rel err {e:.2e}"
+    if dt != torch.float32:  # and against the model's path, which rounds K, V and p to the same 16-bit type
+        e16 = rel_err(got, dense_attention_path(*args))
+        ok, detail = ok and e16 < TOL[dt], detail + f" (f32 reference), {e16:.2e} (the model's 16-bit path)"
     row = Row(f"masked_attn T={T} H={H}/{Hkv} d={d} n={n} kv={kv} keep={keep} {str(dt).removeprefix('torch.')}"
-              + (" (torch: the model's dequant + bmm/softmax path)" if timed else ""), ok, f"rel err {e:.2e}")
+              + (" (torch: the model's dequant + bmm/softmax path)" if timed else ""), ok, detail)
     if timed and R.timing:
         row.torch_us = R.bench(lambda: dense_attention_path(*args))
         row.triton_us = R.bench(lambda: masked_attention_triton(*args))
