@@ -139,8 +139,15 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), D=d, DP=DP, BN=BLOCK_N, Q8=q8, DT=tl_dtype(q.dtype), UPCAST=INTERPRET,
         num_warps=4)
-    out = torch.empty(T, H, d, dtype=q.dtype, device=q.device)
-    _combine_kernel[(T, H)](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-                            m.stride(1), out.stride(0), out.stride(1), D=d, DP=DP,
-                            SP=max(2, next_pow2(splits)), STEP=COMBINE_STEP, num_warps=4)
+    return combine_chunks(acc, m, lsum, q.dtype)
+
+
+def combine_chunks(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flash-decoding combine of per-chunk partial results acc [T, H, S, d] f32 and m, l [T, H, S] (the layout
+    of this module's and triton_sparse_attention's first kernels) -> [T, H, d] in dtype, one launch."""
+    T, H, S, d = acc.shape
+    out = torch.empty(T, H, d, dtype=dtype, device=acc.device)
+    _combine_kernel[(T, H)](acc, m, lsum, out, S, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+                            m.stride(1), out.stride(0), out.stride(1), D=d, DP=max(16, next_pow2(d)),
+                            SP=max(2, next_pow2(S)), STEP=COMBINE_STEP, num_warps=4)
     return out

@@ -4,12 +4,16 @@ The key list of row t is its chosen blocks' cells (blocks[t, j] * R + i) followe
 tail_lo[t] + i up to pos[t] (see sparse_attention.py). A program holds the G query heads that share kv
 head h as a [GP, D] f32 tile, walks its chunk BN keys at a time (gathered rows, q8_0 scaled in registers),
 and keeps an online softmax (running max m, sum l, accumulator acc). Chunks are combined afterwards
-(flash-decoding): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s. Products use IEEE f32 (no TF32).
+(flash-decoding, triton_masked_attention.combine_chunks): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+
+For 16-bit q the products run on tensor cores with K, V and the probabilities in q's dtype, f32 accumulation, as in
+triton_masked_attention (whose first design, IEEE f32 products on the FMA units, was as slow as this kernel's was:
+244.5 µs for one row at 4K context, BENCHMARKS.md §4). f32 q keeps IEEE f32 products.
 """
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
 BN = 32  # keys per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the key list into chunks until the grid reaches this
@@ -18,12 +22,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import dot_acc
+    from qspec.kernels.triton_masked_attention import combine_chunks
+
     @triton.jit
     def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks_ptr, tail_ptr, pos_ptr,
                             acc_ptr, m_ptr, l_ptr, NB, L, CHUNK, scale,
                             q_t, q_h, k_c, k_h, s_c, s_h, b_t, a_t, a_h, a_s, ml_t, ml_h,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            R: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr):
+                            R: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
+                            UPCAST: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -32,7 +40,7 @@ if HAS_TRITON:
         dd = tl.arange(0, DP)
         dm = dd < D
         qrow = q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :]
-        q = tl.load(qrow, mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        q = tl.load(qrow, mask=gm[:, None] & dm[None, :], other=0.0)
         pos = tl.load(pos_ptr + t)
         tail = tl.load(tail_ptr + t)
         m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
@@ -48,19 +56,29 @@ if HAS_TRITON:
             valid = inl & tl.where(inb, blk >= 0, cell_t <= pos)
             cell = tl.where(valid, tl.where(inb, blk * R + j % R, cell_t), 0).to(tl.int64)
             lm = valid[:, None] & dm[None, :]
-            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
-            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0).to(tl.float32)
-            if Q8:
+            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
+            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
+            if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype
                 so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
-                K = K * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)
-                V = V * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)
-            sc = tl.dot(q, tl.trans(K), input_precision="ieee") * scale  # [GP, BLOCK_N]
-            sc = tl.where(valid[None, :], sc, float("-inf"))
+                K = (K.to(tl.float32) * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
+                V = (V.to(tl.float32) * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
+            else:
+                K, V = K.to(DT), V.to(DT)
+            zero = tl.zeros([GP, BLOCK_N], dtype=tl.float32)
+            if DT == tl.float32:
+                sc = tl.dot(q, tl.trans(K), zero, input_precision="ieee")
+            else:
+                sc = dot_acc(q, tl.trans(K), zero, UPCAST)
+            sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key so far
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(sc - m_use[:, None])
-            acc = acc * alpha[:, None] + tl.dot(p, V, input_precision="ieee")
+            if DT == tl.float32:
+                pv = tl.dot(p, V, tl.zeros([GP, DP], dtype=tl.float32), input_precision="ieee")
+            else:
+                pv = dot_acc(p.to(DT), V, tl.zeros([GP, DP], dtype=tl.float32), UPCAST)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         heads = h * G + g
@@ -98,8 +116,6 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         q, k, v, ks, vs, blocks, tail_lo, pos, acc, m, lsum, NB, L, chunk, d ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
         blocks.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        G=G, GP=max(16, next_pow2(G)), D=d, DP=max(16, next_pow2(d)), R=r, BLOCK_N=BN, Q8=q8, num_warps=4)
-    M = m.amax(-1, keepdim=True)
-    w = torch.exp(m - M)  # every row has a valid key (its own position), so M is finite
-    out = (acc * w.unsqueeze(-1)).sum(2) / (lsum * w).sum(-1, keepdim=True)
-    return out.to(q.dtype)
+        G=G, GP=max(16, next_pow2(G)), D=d, DP=max(16, next_pow2(d)), R=r, BLOCK_N=BN, Q8=q8,
+        DT=tl_dtype(q.dtype), UPCAST=INTERPRET, num_warps=4)
+    return combine_chunks(acc, m, lsum, q.dtype)
