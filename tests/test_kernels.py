@@ -458,7 +458,21 @@ def test_dequant_kv_reference() -> None:
         assert torch.equal(out, torch.from_numpy(ref).float())
     assert dequant_kv(kq, ks, vq, vs, torch.bfloat16)[1].dtype == torch.bfloat16
 
-# ---- sparse QSA attention -------------------------------------------------------------------------------------
+# ---- sparse QSA attention ---------------------------------------------------------------------------------
+
+def attention_inputs(T: int, H: int, Hkv: int, d: int, n: int, kv: str, g: torch.Generator
+                     ) -> tuple[torch.Tensor, tuple, tuple[torch.Tensor, torch.Tensor]]:
+    """q [T, H, d] f32; the cache (k, v, k_scale, v_scale) of n cells stored as `kv` (f32, bf16 or q8_0, scales None
+    unless q8_0); and the keys and values it holds, in f64."""
+    q = torch.randn(T, H, d, generator=g)
+    kf, vf = torch.randn(n, Hkv, d, generator=g), torch.randn(n, Hkv, d, generator=g)
+    if kv == "q8_0":
+        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
+        return q, (k, v, ks, vs), (dequant_q8_0_torch(k, ks, torch.float64), dequant_q8_0_torch(v, vs, torch.float64))
+    dt = torch.float32 if kv == "f32" else torch.bfloat16
+    k, v = kf.to(dt), vf.to(dt)
+    return q, (k, v, None, None), (k.double(), v.double())
+
 
 @pytest.mark.parametrize("kv", ["f32", "bf16", "q8_0"])
 @pytest.mark.parametrize("T", [1, 5])
@@ -467,15 +481,7 @@ def test_sparse_attention_reference(kv: str, T: int) -> None:
     block ids and the tail (f64), including empty block slots and tails shorter than r."""
     g = torch.Generator().manual_seed(T)
     cap, H, Hkv, d, r, NB = 96, 6, 2, 64, 4, 5
-    q = torch.randn(T, H, d, generator=g)
-    kf, vf = torch.randn(cap, Hkv, d, generator=g), torch.randn(cap, Hkv, d, generator=g)
-    if kv == "q8_0":
-        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
-        K, V = dequant_q8_0_torch(k, ks, torch.float64), dequant_q8_0_torch(v, vs, torch.float64)
-    else:
-        dt = torch.float32 if kv == "f32" else torch.bfloat16
-        k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
-        K, V = k.double(), v.double()
+    q, (k, v, ks, vs), (K, V) = attention_inputs(T, H, Hkv, d, cap, kv, g)
     pos = torch.arange(cap - 9 - T, cap - 9)
     nb_vis = (pos + 1) // r
     blocks = torch.stack([torch.randperm(int(nb_vis[t]), generator=g)[:NB] for t in range(T)])
@@ -503,14 +509,7 @@ def test_masked_attention_reference(kv: str) -> None:
 
     g = torch.Generator().manual_seed(11)
     T, H, Hkv, d, n = 3, 6, 2, 64, 40
-    q = torch.randn(T, H, d, generator=g)
-    kf, vf = torch.randn(n, Hkv, d, generator=g), torch.randn(n, Hkv, d, generator=g)
-    if kv == "q8_0":
-        (k, ks), (v, vs) = quantize_q8_0(kf), quantize_q8_0(vf)
-        K, V = dequant_q8_0_torch(k, ks, torch.float64), dequant_q8_0_torch(v, vs, torch.float64)
-    else:
-        k, v, ks, vs = kf, vf, None, None
-        K, V = k.double(), v.double()
+    q, (k, v, ks, vs), (K, V) = attention_inputs(T, H, Hkv, d, n, kv, g)
     mask = torch.rand(T, n, generator=g) < 0.4
     mask[:, 3] = True
     got = masked_attention_torch(q, k, v, ks, vs, mask)

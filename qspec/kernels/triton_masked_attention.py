@@ -29,6 +29,51 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dot_acc
 
     @triton.jit
+    def online_step(q, cell, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c, s_h, scale,
+                    GP: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, Q8: tl.constexpr,
+                    DT: tl.constexpr, UPCAST: tl.constexpr):
+        """One online-softmax step of the G query heads q [GP, DP] over BN cells of kv head h (cell [BN] int64, the
+        invalid ones masked) -> the updated (m_i, l_i, acc). Shared with triton_sparse_attention."""
+        dd = tl.arange(0, DP)
+        lm = valid[:, None] & (dd < D)[None, :]
+        K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
+        V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
+        if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype (as dequant_q8_0 does)
+            so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
+            K = (K.to(tl.float32) * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
+            V = (V.to(tl.float32) * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
+        else:
+            K, V = K.to(DT), V.to(DT)
+        zero = tl.zeros([GP, BN], dtype=tl.float32)
+        if DT == tl.float32:
+            sc = tl.dot(q, tl.trans(K), zero, input_precision="ieee")
+        else:
+            sc = dot_acc(q, tl.trans(K), zero, UPCAST)
+        sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BN]
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid cell so far
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(sc - m_use[:, None])
+        if DT == tl.float32:
+            pv = tl.dot(p, V, tl.zeros([GP, DP], dtype=tl.float32), input_precision="ieee")
+        else:
+            pv = dot_acc(p.to(DT), V, tl.zeros([GP, DP], dtype=tl.float32), UPCAST)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    @triton.jit
+    def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G: tl.constexpr,
+                       GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """A program's chunk result for row t, kv head h, chunk s, in combine_chunks' layout."""
+        g = tl.arange(0, GP)
+        dd = tl.arange(0, DP)
+        gm = g < G
+        heads = h * G + g
+        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc,
+                 mask=gm[:, None] & (dd < D)[None, :])
+        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
+        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+
+    @triton.jit
     def _masked_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, N, CHUNK, scale,
                             q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -49,37 +94,9 @@ if HAS_TRITON:
             j = j0 + tl.arange(0, BN)
             inn = j < N
             valid = inn & (tl.load(mask_ptr + t * mk_t + j, mask=inn, other=0) != 0)
-            cell = j.to(tl.int64)
-            lm = valid[:, None] & dm[None, :]
-            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
-            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
-            if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype (as dequant_q8_0 does)
-                so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
-                K = (K.to(tl.float32) * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
-                V = (V.to(tl.float32) * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
-            else:
-                K, V = K.to(DT), V.to(DT)
-            zero = tl.zeros([GP, BN], dtype=tl.float32)
-            if DT == tl.float32:
-                sc = tl.dot(q, tl.trans(K), zero, input_precision="ieee")
-            else:
-                sc = dot_acc(q, tl.trans(K), zero, UPCAST)
-            sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BN]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid cell so far
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(sc - m_use[:, None])
-            if DT == tl.float32:
-                pv = tl.dot(p, V, tl.zeros([GP, DP], dtype=tl.float32), input_precision="ieee")
-            else:
-                pv = dot_acc(p.to(DT), V, tl.zeros([GP, DP], dtype=tl.float32), UPCAST)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        heads = h * G + g
-        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc, mask=gm[:, None] & dm[None, :])
-        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
-        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+            m_i, l_i, acc = online_step(q, j.to(tl.int64), valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c,
+                                        k_h, s_c, s_h, scale, GP, DP, D, BN, Q8, DT, UPCAST)
+        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, D, DP)
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,

@@ -22,8 +22,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc
-    from qspec.kernels.triton_masked_attention import combine_chunks
+    from qspec.kernels.triton_masked_attention import combine_chunks, online_step, store_partials
 
     @triton.jit
     def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks_ptr, tail_ptr, pos_ptr,
@@ -55,36 +54,9 @@ if HAS_TRITON:
             cell_t = tail + (j - nbr)
             valid = inl & tl.where(inb, blk >= 0, cell_t <= pos)
             cell = tl.where(valid, tl.where(inb, blk * R + j % R, cell_t), 0).to(tl.int64)
-            lm = valid[:, None] & dm[None, :]
-            K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
-            V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
-            if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype
-                so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
-                K = (K.to(tl.float32) * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
-                V = (V.to(tl.float32) * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
-            else:
-                K, V = K.to(DT), V.to(DT)
-            zero = tl.zeros([GP, BLOCK_N], dtype=tl.float32)
-            if DT == tl.float32:
-                sc = tl.dot(q, tl.trans(K), zero, input_precision="ieee")
-            else:
-                sc = dot_acc(q, tl.trans(K), zero, UPCAST)
-            sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a chunk with no valid key so far
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(sc - m_use[:, None])
-            if DT == tl.float32:
-                pv = tl.dot(p, V, tl.zeros([GP, DP], dtype=tl.float32), input_precision="ieee")
-            else:
-                pv = dot_acc(p.to(DT), V, tl.zeros([GP, DP], dtype=tl.float32), UPCAST)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-        heads = h * G + g
-        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc, mask=gm[:, None] & dm[None, :])
-        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
-        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+            m_i, l_i, acc = online_step(q, cell, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c,
+                                        s_h, scale, GP, DP, D, BLOCK_N, Q8, DT, UPCAST)
+        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, D, DP)
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
