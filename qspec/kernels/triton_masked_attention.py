@@ -61,6 +61,17 @@ if HAS_TRITON:
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
     @triton.jit
+    def start_heads(q_ptr, t, h, q_t, q_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """The G query heads of row t that share kv head h as a [GP, DP] tile, and an empty online softmax (m, l,
+        acc)."""
+        g = tl.arange(0, GP)
+        dd = tl.arange(0, DP)
+        q = tl.load(q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :],
+                    mask=(g < G)[:, None] & (dd < D)[None, :], other=0.0)
+        return (q, tl.full([GP], float("-inf"), dtype=tl.float32), tl.zeros([GP], dtype=tl.float32),
+                tl.zeros([GP, DP], dtype=tl.float32))
+
+    @triton.jit
     def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G: tl.constexpr,
                        GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """A program's chunk result for row t, kv head h, chunk s, in combine_chunks' layout."""
@@ -81,15 +92,7 @@ if HAS_TRITON:
         t = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        g = tl.arange(0, GP)
-        gm = g < G
-        dd = tl.arange(0, DP)
-        dm = dd < D
-        q = tl.load(q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :], mask=gm[:, None] & dm[None, :],
-                    other=0.0)
-        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, DP], dtype=tl.float32)
+        q, m_i, l_i, acc = start_heads(q_ptr, t, h, q_t, q_h, G, GP, D, DP)
         for j0 in range(s * CHUNK, s * CHUNK + CHUNK, BN):
             j = j0 + tl.arange(0, BN)
             inn = j < N

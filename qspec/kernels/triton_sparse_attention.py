@@ -22,7 +22,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_masked_attention import combine_chunks, online_step, store_partials
+    from qspec.kernels.triton_masked_attention import combine_chunks, online_step, start_heads, store_partials
 
     @triton.jit
     def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks_ptr, tail_ptr, pos_ptr,
@@ -34,17 +34,9 @@ if HAS_TRITON:
         t = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        g = tl.arange(0, GP)
-        gm = g < G
-        dd = tl.arange(0, DP)
-        dm = dd < D
-        qrow = q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :]
-        q = tl.load(qrow, mask=gm[:, None] & dm[None, :], other=0.0)
+        q, m_i, l_i, acc = start_heads(q_ptr, t, h, q_t, q_h, G, GP, D, DP)
         pos = tl.load(pos_ptr + t)
         tail = tl.load(tail_ptr + t)
-        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([GP], dtype=tl.float32)
-        acc = tl.zeros([GP, DP], dtype=tl.float32)
         nbr = NB * R
         for j0 in range(s * CHUNK, s * CHUNK + CHUNK, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
