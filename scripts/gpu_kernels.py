@@ -33,6 +33,7 @@ from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.hc_mix import combine_torch, mix_torch
+from qspec.kernels.kv_write import write_q8_0_torch
 from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
@@ -47,6 +48,7 @@ from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
+from qspec.kernels.triton_kv_write import write_q8_0_triton
 from qspec.kernels.triton_masked_attention import masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
@@ -859,9 +861,46 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
     q4_and_rest_checks(R, small, sweep)
 
 
+def check_kv_write(R: Runner, T: int, Hkv: int, d: int, cells: int, dt: torch.dtype, timed: bool = False) -> None:
+    """The q8_0 KV write must leave the cache bit-identical to the reference's: random rows at scattered cells, one
+    all-zero block (scale 0), and a block of exact halves (amax 127, so x * inv = x: 0.5, 1.5, 2.5 round to even)."""
+    dev = R.device
+    k = torch.randn(T, Hkv, d, device=dev).to(dt)
+    v = (3 * torch.randn(T, Hkv, d, device=dev)).to(dt)
+    k[0, 0, :32] = 0.0
+    halves = torch.tensor([127.0] + [0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] * 4 + [-4.5, 5.5, 126.5], device=dev)
+    v[-1, -1, :32] = halves.to(dt)
+    pos = torch.randperm(cells, device=dev)[:T]
+    caches = [torch.randint(-127, 128, (cells, Hkv, d), dtype=torch.int8, device=dev) for _ in range(2)]
+    scales = [torch.randn(cells, Hkv, d // 32, device=dev).half() for _ in range(2)]
+    want = [c.clone() for c in caches + scales]
+    got = [c.clone() for c in caches + scales]
+    write_q8_0_torch(*want, pos, k, v)
+    write_q8_0_triton(*got, pos, k, v)
+    ok = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    row = Row(f"kv_write q8_0 T={T} Hkv={Hkv} d={d} cells={cells} {str(dt).removeprefix('torch.')}", ok,
+              "bit-identical" if ok else f"{sum(int((a != b).sum()) for a, b in zip(got, want, strict=True))} "
+                                          "entries differ")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: write_q8_0_torch(*want, pos, k, v))
+        row.triton_us = R.bench(lambda: write_q8_0_triton(*got, pos, k, v))
+        row.nbytes = 2 * T * Hkv * d * (k.element_size() + 1) + 2 * T * Hkv * d // 32 * 2
+    R.add(row)
+
+
 def masked_attention_checks(R: Runner, small: bool) -> None:
     """Masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
     (~half the cells), then small and ragged shapes and every cache type."""
+    # the q8_0 write of a decode, a verify and a prefill chunk's rows, then odd shapes
+    if small:
+        check_kv_write(R, 1, 2, 64, 40, torch.bfloat16)
+        check_kv_write(R, 6, 2, 96, 50, torch.float32)
+        check_kv_write(R, 3, 3, 32, 9, torch.float16)
+    else:
+        check_kv_write(R, 1, 2, 256, 8192, torch.bfloat16, timed=True)
+        check_kv_write(R, 6, 2, 256, 8192, torch.bfloat16, timed=True)
+        check_kv_write(R, 512, 2, 256, 8192, torch.bfloat16, timed=True)
+        check_kv_write(R, 5, 3, 96, 100, torch.float32)
     if small:
         check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
         check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)

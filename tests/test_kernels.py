@@ -671,3 +671,28 @@ def test_argmax_rows_dispatch() -> None:
     for bad in (torch.randn(5), torch.randn(2, 0), torch.randn(1, 2, 3)):
         with pytest.raises(ValueError, match="argmax_rows needs"):
             argmax_rows(bad)
+
+
+# ---- q8_0 KV write ---------------------------------------------------------------------------------------------
+
+def test_kv_write_q8_0_dispatch() -> None:
+    """On the CPU write_q8_0 is the reference: each row's values and scales at its cell (the rows quantized as the
+    cache's own quantize_q8_0), every other cell untouched; bad shapes are refused by name (the kernel:
+    scripts/gpu_kernels.py --interpret, bit-identical)."""
+    from qspec.kernels.kv_write import quantize_q8_0_torch, write_q8_0
+
+    g = torch.Generator().manual_seed(5)
+    kq, vq = torch.zeros(10, 2, 64, dtype=torch.int8), torch.zeros(10, 2, 64, dtype=torch.int8)
+    ks, vs = torch.zeros(10, 2, 2, dtype=torch.float16), torch.zeros(10, 2, 2, dtype=torch.float16)
+    k, v, pos = torch.randn(3, 2, 64, generator=g), torch.randn(3, 2, 64, generator=g), torch.tensor([7, 2, 4])
+    write_q8_0(kq, vq, ks, vs, pos, k, v)
+    for x, q, s in ((k, kq, ks), (v, vq, vs)):
+        xq, xs = quantize_q8_0_torch(x)
+        assert torch.equal(q[pos], xq) and torch.equal(s[pos], xs)
+        assert torch.equal(dequant_q8_0_torch(q[pos], s[pos], torch.float32), dequant_q8_0_torch(xq, xs, torch.float32))
+    others = torch.tensor([i for i in range(10) if i not in (7, 2, 4)])
+    assert not kq[others].any() and not vs[others].any()
+    with pytest.raises(ValueError, match="rows k, v"):
+        write_q8_0(kq, vq, ks, vs, pos[:2], k, v)
+    with pytest.raises(ValueError, match="scales must be"):
+        write_q8_0(kq, vq, ks[:, :, :1], vs, pos, k, v)

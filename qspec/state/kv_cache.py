@@ -14,26 +14,19 @@ from __future__ import annotations
 import torch
 
 from qspec.kernels.dequant import Q8_BLOCK, dequant_kv
+from qspec.kernels.kv_write import quantize_q8_0_torch, write_q8_0
 from qspec.model.fuse import fused
 
-
-@fused
-def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] (d % 32 == 0) -> int8 values and f16 scales [..., d/32] (round-to-nearest like ggml)."""
-    xb = x.float().unflatten(-1, (-1, Q8_BLOCK))
-    amax = xb.abs().amax(-1, keepdim=True)
-    d = amax / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(xb * inv).clamp(-127, 127).to(torch.int8)
-    return q.flatten(-2), d.squeeze(-1).to(torch.float16)
+quantize_q8_0 = fused(quantize_q8_0_torch)  # x [..., d] -> int8 values, f16 scales [..., d/32] (ggml's Q8_0)
 
 
 class KVCache:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, *, cache_type: str, dtype: torch.dtype,
                  device: torch.device | str, fused_attention: bool = False) -> None:
         self.capacity, self.cache_type, self.dtype = capacity, cache_type, dtype
-        # how attention reads the cells: one pass over the stored cells (kernels/masked_attention.py) instead of
-        # `read` (a dequantized copy) then separate products and softmax
+        # how attention uses the cells: a q8_0 write in one kernel (kernels/kv_write.py) and the read in one pass over
+        # the stored cells (kernels/masked_attention.py), instead of the compiled quantization with four index
+        # copies, and `read` (a dequantized copy) with separate products and softmax
         self.fused_attention = fused_attention
         shape = (capacity, kv_heads, head_dim)
         if cache_type == "q8_0":
@@ -52,7 +45,9 @@ class KVCache:
             self.v = torch.zeros(shape, dtype=store, device=device)
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.cache_type == "q8_0":
+        if self.cache_type == "q8_0" and self.fused_attention:
+            write_q8_0(self.k, self.v, self.k_scale, self.v_scale, pos, k, v)
+        elif self.cache_type == "q8_0":
             kq, ks = quantize_q8_0(k)
             vq, vs = quantize_q8_0(v)
             self.k.index_copy_(0, pos, kq)

@@ -1,0 +1,54 @@
+"""q8_0 KV write in Triton: one program per (row, kv head) quantizes that head's K and V rows and stores values and
+scales at the row's cell.
+
+Bit-identical to kv_write.quantize_q8_0_torch: the scale is amax / 127 and its inverse 1 / scale, both IEEE
+divisions; the product is rounded half to even by adding and subtracting 1.5 * 2^23 (|x * inv| <= 127 + a rounding,
+far below 2^22), launched without fp fusion so that the multiply and the add round separately, as torch's do.
+"""
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _quantize_row(x):
+        """x [NB, 32] f32 -> (int8 values [NB, 32], f16 scales [NB])."""
+        amax = tl.max(tl.abs(x), axis=1)
+        d = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+        inv = tl.where(d > 0, tl.math.div_rn(tl.zeros_like(d) + 1.0, tl.where(d > 0, d, 1.0)), 0.0)
+        y = x * inv[:, None]
+        r = (y + 12582912.0) - 12582912.0  # round half to even
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        return q.to(tl.int8), d.to(tl.float16)
+
+    @triton.jit
+    def _write_q8_0_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, pos_ptr, k_ptr, v_ptr, k_t, k_h, v_t, v_h, c_c, c_h,
+                           s_c, s_h, NB: tl.constexpr, NBP: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.arange(0, NBP)
+        i = tl.arange(0, 32)
+        bm = b < NB
+        off = b[:, None] * 32 + i[None, :]
+        cell = tl.load(pos_ptr + t).to(tl.int64)
+        x = tl.load(k_ptr + t * k_t + h * k_h + off, mask=bm[:, None], other=0.0).to(tl.float32)
+        q, d = _quantize_row(x)
+        tl.store(kq_ptr + cell * c_c + h * c_h + off, q, mask=bm[:, None])
+        tl.store(ks_ptr + cell * s_c + h * s_h + b, d, mask=bm)
+        x = tl.load(v_ptr + t * v_t + h * v_h + off, mask=bm[:, None], other=0.0).to(tl.float32)
+        q, d = _quantize_row(x)
+        tl.store(vq_ptr + cell * c_c + h * c_h + off, q, mask=bm[:, None])
+        tl.store(vs_ptr + cell * s_c + h * s_h + b, d, mask=bm)
+
+
+def write_q8_0_triton(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> None:
+    """Arguments as kv_write.write_q8_0 (checked there; the cache tensors contiguous, k and v rows contiguous)."""
+    T, Hkv, d = k.shape
+    _write_q8_0_kernel[(T, Hkv)](kq, vq, ks, vs, pos, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                 kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), NB=d // 32,
+                                 NBP=max(2, next_pow2(d // 32)), num_warps=2, enable_fp_fusion=False)
