@@ -367,7 +367,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                         "masking every cell of a KV bucket")
     r.add_argument("--fused-attention", action="store_true",
                    help="masked attention (QSA's dense path, the MTP head) in one Triton pass over the KV cache, "
-                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax")
+                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax; "
+                        "q8_0 cache writes in one launch")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -41,7 +41,8 @@ class EngineOptions:
     pad_target: int | None = 8
     fused_snapshots: bool = True
     sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
-    fused_attention: bool = False  # masked attention in one pass over the cache (kernels/masked_attention.py)
+    # masked attention in one pass over the cache, q8_0 writes in one launch (kernels/masked_attention.py, kv_write.py)
+    fused_attention: bool = False
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)

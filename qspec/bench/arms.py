@@ -68,7 +68,7 @@ class Arm:
         if self.sparse:
             parts.append("sparse attention")
         if self.fattn:
-            parts.append("fused masked attention")
+            parts.append("fused masked attention and KV write")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
         return ", ".join(parts)

@@ -46,7 +46,8 @@ class CacheOptions:
     fused_snapshots: bool = True  # seed Algorithms 4-5
     sparse_attention: bool = False  # QSA reads the chosen blocks' cells directly instead of masking a KV bucket
     # masked (dense) attention of QSA and the MTP head in one pass over the cache, q8_0 dequantized in registers
-    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax
+    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax; and a q8_0 cache
+    # written in one launch per step and layer (kernels/kv_write.py)
     fused_attention: bool = False
 
 
