@@ -229,3 +229,19 @@ def test_snapshots_read_the_live_plane_in_place(n: int, fused: bool) -> None:
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert outs[0][2] == outs[1][2]
     assert torch.equal(outs[1][1][host_base + n - 1], outs[1][0][:, n:n + s])  # the last row's window
+
+
+def test_rows_all_equals_numpy_all() -> None:
+    """The layout's row reduction (a word per row for widths 1, 2, 4, 8) equals numpy's all(1), for strided views
+    too, and falls back to it for other widths."""
+    import numpy as np
+
+    from qspec.state.indexer_cache import rows_all
+
+    rng = np.random.default_rng(0)
+    for w in (1, 2, 3, 4, 5, 8, 16):
+        x = rng.random((200, w)) > 0.1
+        x[::7] = True
+        assert np.array_equal(rows_all(x), x.all(1))
+        assert np.array_equal(rows_all(x[::3]), x[::3].all(1))
+    assert rows_all(np.zeros((0, 4), dtype=bool)).shape == (0,)
