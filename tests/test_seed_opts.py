@@ -245,3 +245,23 @@ def test_rows_all_equals_numpy_all() -> None:
         assert np.array_equal(rows_all(x), x.all(1))
         assert np.array_equal(rows_all(x[::3]), x[::3].all(1))
     assert rows_all(np.zeros((0, 4), dtype=bool)).shape == (0,)
+
+
+def test_host_round_script_runs() -> None:
+    """scripts/host_round.py (the host's per-round bookkeeping with the model stubbed out) runs and reports a time;
+    it refuses bad arguments by name."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "scripts/host_round.py", "--prompt", "100", "--draft", "3", "--rounds", "20"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    us = float(r.stdout.split("per round: ")[1].split(" us")[0])
+    assert us > 0 and "4-row steps after a 100-token prompt" in r.stdout
+    bad = subprocess.run([sys.executable, "scripts/host_round.py", "--draft", "9"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--draft in 1..8" in bad.stderr
