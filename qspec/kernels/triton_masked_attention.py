@@ -140,7 +140,9 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     T, H, d = q.shape
     n, Hkv = k.shape[0], k.shape[1]
     G = H // Hkv
-    for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask)):
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    mask = mask if mask.stride(-1) == 1 else mask.contiguous()  # a broadcast mask has stride 0
+    for name, x in (("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"masked attention: {name} needs a contiguous last dim")
     q8 = k_scale is not None
