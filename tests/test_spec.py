@@ -374,3 +374,15 @@ def test_readback_returns_the_last_started_ids_and_names_an_overflow() -> None:
     assert rb.result() == [9]
     with pytest.raises(ValueError, match="read back 5 ids into a buffer of 4"):
         rb.start(torch.arange(5))
+
+
+def test_greedy_spec_equals_plain_with_fused_attention(tiny_model: Model) -> None:
+    """With fused_attention (the one-launch q8_0 KV write, the one-pass masked read; their references on the CPU),
+    greedy speculation still reproduces plain decoding through the same path, drafts chained in one step sequence."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(511) for _ in range(21)]
+    kw = dict(capacity=CAP, exact=True, kv_type="q8_0", fused_attention=True)
+    ref = plain(tiny_model, prompt, 30, kv_type="q8_0", fused_attention=True)
+    for n in (1, 4):
+        g = Engine(tiny_model, EngineOptions(draft=n, draft_hook=oracle_hook(ref, rng, 512), **kw)).generate(prompt, 30)
+        assert g.tokens == ref and 0 < g.spec.accepted < g.spec.drafted
