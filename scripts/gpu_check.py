@@ -29,7 +29,7 @@ import torch
 
 from qspec.config import preset
 from qspec.engine import Engine, EngineOptions
-from qspec.kernels import gemv
+from qspec.kernels import gdn_conv, gemv
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
@@ -189,6 +189,20 @@ def main() -> int:
                 report(f"device-chained greedy == plain, fused attention, cuda {name}, N={n}", ok,
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, graphs {g.graphs['replays']} "
                        f"replays")
+            # GDN's step conv, silu and q/k norms in one Triton kernel (opt-in): the same two checks
+            with gdn_conv.conv_kernel_mode(True):
+                gc_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)
+                                  ).generate(prompt, 48)
+                cut = first_diff(gc_plain.tokens, plain.tokens)
+                steps = len(gc_plain.logits) if cut is None else cut + 1
+                rel = max(rel_diff(a, b) for a, b in zip(gc_plain.logits[:steps], plain.logits[:steps], strict=False))
+                ok, why = same_or_tie(gc_plain.tokens, plain, 0, tie)
+                report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol,
+                       f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps")
+                g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv)).generate(prompt, 48)
+                ok, why = same_or_tie(g.tokens, gc_plain, 0, tie)
+                report(f"device-chained greedy == plain, GDN conv kernel, cuda {name}, N=5", ok,
+                       f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}")
         for exact in (False, True) if not (only_fused or only_chained) else ():
             # row-exact: a verify row is computed as a decode row is, so bf16 must be exact too
             ref_run = plain if not exact else Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, exact=True,

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
+from qspec.kernels.gdn_conv import gdn_conv_qkv_torch
 from qspec.kernels.hc_mix import combine_torch, mix_torch
 from qspec.kernels.kv_write import write_q8_0_torch
 from qspec.kernels.masked_attention import masked_attention_torch
@@ -46,6 +47,7 @@ from qspec.kernels.triton_common import HAS_TRITON, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
+from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
 from qspec.kernels.triton_kv_write import write_q8_0_triton
@@ -858,6 +860,7 @@ def run_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
 
     masked_attention_checks(R, small)
+    gdn_conv_checks(R, small)
     q4_and_rest_checks(R, small, sweep)
 
 
@@ -886,6 +889,37 @@ def check_kv_write(R: Runner, T: int, Hkv: int, d: int, cells: int, dt: torch.dt
         row.triton_us = R.bench(lambda: write_q8_0_triton(*got, pos, k, v))
         row.nbytes = 2 * T * Hkv * d * (k.element_size() + 1) + 2 * T * Hkv * d // 32 * 2
     R.add(row)
+
+
+def check_gdn_conv(R: Runner, T: int, Hk: int, Hv: int, d: int, taps: int = 4, timed: bool = False) -> None:
+    """GDN's step conv + silu + q/k L2 norms against the reference (f32 throughout), on a window like the snapshot
+    kernel's output [C, taps - 1 + T]."""
+    dev = R.device
+    C = (2 * Hk + Hv) * d
+    X = torch.randn(C, taps - 1 + T, device=dev)
+    w = torch.randn(C, taps, device=dev) * 0.5
+    ref = gdn_conv_qkv_torch(X, w, T, Hk, Hv, d)
+    got = gdn_conv_qkv_triton(X, w, T, Hk, Hv, d)
+    e = max(rel_err(g, r) for g, r in zip(got, ref, strict=True))
+    row = Row(f"gdn_conv T={T} Hk={Hk} Hv={Hv} d={d}" + (" (torch: the reference, eager)" if timed else ""),
+              e < TOL[torch.float32], f"rel err {e:.2e} (max over q, k, v)")
+    if timed and R.timing:
+        row.torch_us = R.bench(lambda: gdn_conv_qkv_torch(X, w, T, Hk, Hv, d))
+        row.triton_us = R.bench(lambda: gdn_conv_qkv_triton(X, w, T, Hk, Hv, d))
+        row.nbytes = (X.numel() + w.numel() + T * C) * 4
+    R.add(row)
+
+
+def gdn_conv_checks(R: Runner, small: bool) -> None:
+    """GDN's step conv: a verify (6 rows) and a decode row at the real geometry, then ragged head dims."""
+    if small:
+        check_gdn_conv(R, 3, 2, 4, 16)
+        check_gdn_conv(R, 1, 1, 2, 48)
+        check_gdn_conv(R, 2, 2, 2, 32, taps=3)
+    else:
+        check_gdn_conv(R, 6, 16, 48, 128, timed=True)
+        check_gdn_conv(R, 1, 16, 48, 128, timed=True)
+        check_gdn_conv(R, 4, 3, 6, 96)
 
 
 def masked_attention_checks(R: Runner, small: bool) -> None:
@@ -1083,6 +1117,7 @@ def main() -> int:
     ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
     ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
+    ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
     args = ap.parse_args()
     if not HAS_TRITON:
         print("triton is not installed")
@@ -1109,11 +1144,13 @@ def main() -> int:
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
-    if args.argmax or args.attention:
+    if args.argmax or args.attention or args.gdn_conv:
         if args.argmax:
             argmax_checks(R, small=args.interpret)
         if args.attention:
             masked_attention_checks(R, small=args.interpret)
+        if args.gdn_conv:
+            gdn_conv_checks(R, small=args.interpret)
     else:
         run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
         check_row_independence(R, small=args.interpret)

@@ -10,6 +10,7 @@ Run from the repo root: PYTHONPATH=. python scripts/profile_step.py --layers 8 -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineOptions
-from qspec.kernels import gemv, hc_mix
+from qspec.kernels import gdn_conv, gemv, hc_mix
 from qspec.model import fuse
 from qspec.spec.accept import AcceptHook
 
@@ -55,6 +56,9 @@ def main() -> int:
     ap.add_argument("--mixer-ab", action="store_true",
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")
+    ap.add_argument("--gdn-conv-ab", action="store_true",
+                    help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms in one "
+                         "Triton kernel (kernels/gdn_conv.py) instead of compiled, in the same process")
     ap.add_argument("--mixer-rows", type=int, default=1, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default 1: decode and draft "
                          "steps; 6 puts MTP5's verify and extend on them, for --mixer-ab on the verify kind)")
@@ -103,9 +107,9 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
                 sync()
         print(f"{kind} step, eager launches:")
         print(kernel_table(prof, a.steps, a.top), flush=True)
-        # the same step through a CUDA graph (and, with --mixer-ab, with the mixers compiled)
-        for mixer_kernels in (False, True) if a.mixer_ab else (True,):  # the engine left in g runs as the default
-            with hc_mix.enabled_mode(mixer_kernels):
+        # the same step through a CUDA graph, for each A/B arm, then with the defaults (the engine left in g)
+        for label, arm in ab_arms(a):
+            with arm():
                 g = engine(True)
                 g.generate(prompt, 2)
                 one = step_fn(g, kind, a.draft)
@@ -119,17 +123,18 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
                         one()
                     sync()
             st = g.runner.graph_stats
-            label = "" if not a.mixer_ab else " (mixer kernels)" if mixer_kernels else " (mixers compiled)"
-            print(f"{kind} step through a CUDA graph{label}: {(time.perf_counter() - t) / n * 1e3:.3f} ms "
+            print(f"{kind} step through a CUDA graph{f' ({label})' if label else ''}: "
+                  f"{(time.perf_counter() - t) / n * 1e3:.3f} ms "
                   f"(captures {st.captures}, replays {st.replays}); "
                   f"{replay_alone(g, 'target' if kind in ('decode', 'verify') else 'mtp')}", flush=True)
         if a.e2e and kind in ("decode", "verify"):  # plain decoding, or MTP rounds at the benchmarks' acceptance
-            # with --mixer-ab, the compiled mixers' arm first, timed only; then the default arm, also profiled
-            for mixer_kernels in (False, True) if a.mixer_ab else (True,):
-                with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv), hc_mix.enabled_mode(mixer_kernels):
-                    label = "" if not a.mixer_ab else "mixer kernels: " if mixer_kernels else "mixers compiled: "
-                    print(label + end_to_end(engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e,
-                                             a.top, profiled=mixer_kernels), flush=True)
+            # each A/B arm timed only, then the defaults, also profiled
+            arms = ab_arms(a)
+            for i, (label, arm) in enumerate(arms):
+                with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv), arm():
+                    print((f"{label}: " if label else "") + end_to_end(
+                        engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e, a.top,
+                        profiled=i == len(arms) - 1), flush=True)
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -137,6 +142,17 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
 
 
 KINDS = ("decode", "verify", "draft", "extend")
+
+
+def ab_arms(a: argparse.Namespace) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager]]]:
+    """The variants to time in one process, each as (label, a context manager factory), the defaults last; the
+    label is empty when there is nothing to compare."""
+    arms: list[tuple[str, Callable[[], contextlib.AbstractContextManager]]] = []
+    if a.mixer_ab:
+        arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False)))
+    if a.gdn_conv_ab:
+        arms.append(("GDN conv kernel", lambda: gdn_conv.conv_kernel_mode(True)))
+    return arms + [("defaults" if arms else "", contextlib.nullcontext)]
 
 
 def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool = True) -> str:

@@ -9,10 +9,11 @@ import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
 from qspec.kernels.triton_gdn import gdn_recurrent_planes
 from qspec.model.fuse import fused
-from qspec.model.ops import causal_taps, l2_norm, linear, rms_norm, sigmoid, silu, stack_rows
+from qspec.model.ops import linear, rms_norm, sigmoid, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
 
 
@@ -58,7 +59,12 @@ class GatedDeltaNet(torch.nn.Module):
         last_only = T > rc.n_slots
         X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
                             live=rc.live)
-        q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
+        if kernel_takes(X, self.conv_w, T, Hk, Hv, d):  # opt-in (gdn_conv.conv_kernel_mode), one launch
+            from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
+
+            q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, d)
+        else:
+            q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
         if h.is_cuda and not last_only:
             # Triton: state tile in registers across the rows, each row's state to its rollback plane; the kernel
             # computes the gates from the raw logits
@@ -87,16 +93,8 @@ def gdn_in(h: torch.Tensor, w_in: torch.Tensor, C: int, Cv: int, Hv: int
     return y[:, :C], y[:, C:C + Cv], y[:, C + Cv:C + Cv + Hv], y[:, C + Cv + Hv:C + Cv + 2 * Hv]
 
 
-@fused
-def gdn_conv_qkv(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal conv + silu over X = [window || rows] [C, s+T] -> L2-normed, scaled q, k [T, Hk, d] and v [T, Hv, d]."""
-    conv = silu(causal_taps(X, conv_w, T)).t().contiguous()  # [T, C]
-    kd = Hk * d
-    q, k, v = torch.split(conv, [kd, kd, Hv * d], dim=-1)
-    q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
-    k = l2_norm(k.reshape(T, Hk, d))
-    return q, k, v.reshape(T, Hv, d).contiguous()
+# causal conv + silu over [window || rows] -> L2-normed, scaled q, k and v (kernels/gdn_conv.py), compiled
+gdn_conv_qkv = fused(gdn_conv_qkv_torch)
 
 
 @fused

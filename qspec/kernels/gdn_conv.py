@@ -1,0 +1,53 @@
+"""GDN's short convolution for a step: causal depthwise conv over [window || rows], silu, then the L2-normed (and for
+q scaled) query and key heads and the value heads.
+
+`gdn_conv_qkv_torch` is the reference (the model's math: taps added in order, silu, split, l2 norm). On CUDA, inside
+`conv_kernel_mode(True)`, `gdn_conv_qkv` runs one Triton program per (row, head) that does all of it
+(triton_gdn_conv.py). Why: the compiled function is five generated kernels, 16.6 µs per GDN layer of a 6-row verify
+step on the H200, the largest (7.4 µs) writing the transposed conv output (BENCHMARKS.md §3b), for ~0.5 MB of data.
+Off by default until measured in a step (`scripts/profile_step.py --gdn-conv-ab`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from qspec.kernels.triton_common import use_triton
+from qspec.model.ops import causal_taps, l2_norm, row_exact, silu
+
+# A module flag rather than an engine option: dynamo guards on its value, like hc_mix's step-rows switch.
+_ON = False
+
+
+@contextlib.contextmanager
+def conv_kernel_mode(on: bool) -> Iterator[None]:
+    """Inside the block, GDN steps run their conv, silu and q/k norms in the Triton kernel (on) or compiled (off)."""
+    global _ON
+    old, _ON = _ON, on
+    try:
+        yield
+    finally:
+        _ON = old
+
+
+def gdn_conv_qkv_torch(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal conv + silu over X = [window || rows] [C, s+T] -> L2-normed, scaled q, k [T, Hk, d] and v [T, Hv, d]."""
+    conv = silu(causal_taps(X, conv_w, T)).t().contiguous()  # [T, C]
+    kd = Hk * d
+    q, k, v = torch.split(conv, [kd, kd, Hv * d], dim=-1)
+    q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
+    k = l2_norm(k.reshape(T, Hk, d))
+    return q, k, v.reshape(T, Hv, d).contiguous()
+
+
+def kernel_takes(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int) -> bool:
+    """Whether `gdn_conv_qkv_triton` runs this call: switched on, CUDA (or the interpreter), f32 window and taps of
+    the model's shape, not row-exact mode."""
+    C = (2 * Hk + Hv) * d
+    return (_ON and use_triton(X) and not row_exact() and X.dtype == torch.float32 and conv_w.dtype == torch.float32
+            and X.dim() == 2 and X.shape[0] == C and conv_w.shape[0] == C and X.shape[1] == T + conv_w.shape[1] - 1
+            and X.stride(1) == 1 and conv_w.is_contiguous() and T > 0)
