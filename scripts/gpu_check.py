@@ -58,6 +58,16 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return i if i is not None or len(a) == len(b) else min(len(a), len(b))
 
 
+def plain_against(run, ref, near_tie: float) -> tuple[bool, str, float]:  # noqa: ANN001
+    """Plain decoding `run` against `ref` (both with record_logits): tokens equal, or equal up to a near tie (see
+    same_or_tie); and the largest logits rel diff over the steps up to the first difference -> (ok, detail, rel)."""
+    cut = first_diff(run.tokens, ref.tokens)
+    steps = len(run.logits) if cut is None else cut + 1
+    rel = max(rel_diff(a, b) for a, b in zip(run.logits[:steps], ref.logits[:steps], strict=False))
+    ok, why = same_or_tie(run.tokens, ref, 0, near_tie)
+    return ok, f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps", rel
+
+
 def same_or_tie(got: list[int], ref, n_ref: int, near_tie: float) -> tuple[bool, str]:  # noqa: ANN001
     """Equal to ref.tokens, or equal up to a first difference i at which the ref run's top two logits for token i
     are within `near_tie` of that row's largest |logit| (ref: a Generation with record_logits, n_ref drafts)."""
@@ -177,12 +187,8 @@ def main() -> int:
             fa_plain = Engine(gpu, EngineOptions(draft=0, **fa)).generate(prompt, 48)
             dflt = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type="q8_0", record_logits=True)
                           ).generate(prompt, 48)
-            cut = first_diff(fa_plain.tokens, dflt.tokens)
-            steps = len(fa_plain.logits) if cut is None else cut + 1
-            rel = max(rel_diff(a, b) for a, b in zip(fa_plain.logits[:steps], dflt.logits[:steps], strict=False))
-            ok, why = same_or_tie(fa_plain.tokens, dflt, 0, tie)
-            report(f"fused attention == default attention, q8_0, cuda {name}", ok and rel < tol,
-                   f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps")
+            ok, why, rel = plain_against(fa_plain, dflt, tie)
+            report(f"fused attention == default attention, q8_0, cuda {name}", ok and rel < tol, why)
             for n in (1, 5):
                 g = Engine(gpu, EngineOptions(draft=n, **fa)).generate(prompt, 48)
                 ok, why = same_or_tie(g.tokens, fa_plain, 0, tie)
@@ -193,12 +199,8 @@ def main() -> int:
             with gdn_conv.conv_kernel_mode(True):
                 gc_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)
                                   ).generate(prompt, 48)
-                cut = first_diff(gc_plain.tokens, plain.tokens)
-                steps = len(gc_plain.logits) if cut is None else cut + 1
-                rel = max(rel_diff(a, b) for a, b in zip(gc_plain.logits[:steps], plain.logits[:steps], strict=False))
-                ok, why = same_or_tie(gc_plain.tokens, plain, 0, tie)
-                report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol,
-                       f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps")
+                ok, why, rel = plain_against(gc_plain, plain, tie)
+                report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol, why)
                 g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv)).generate(prompt, 48)
                 ok, why = same_or_tie(g.tokens, gc_plain, 0, tie)
                 report(f"device-chained greedy == plain, GDN conv kernel, cuda {name}, N=5", ok,

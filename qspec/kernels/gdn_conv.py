@@ -11,26 +11,19 @@ Off by default until measured in a step (`scripts/profile_step.py --gdn-conv-ab`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
-from qspec.kernels.triton_common import use_triton
+from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.model.ops import causal_taps, l2_norm, row_exact, silu
 
 # A module flag rather than an engine option: dynamo guards on its value, like hc_mix's step-rows switch.
 _ON = False
 
 
-@contextlib.contextmanager
-def conv_kernel_mode(on: bool) -> Iterator[None]:
+def conv_kernel_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Inside the block, GDN steps run their conv, silu and q/k norms in the Triton kernel (on) or compiled (off)."""
-    global _ON
-    old, _ON = _ON, on
-    try:
-        yield
-    finally:
-        _ON = old
+    return module_flag(__name__, "_ON", on)
 
 
 def gdn_conv_qkv_torch(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int

@@ -9,12 +9,11 @@ lowering the product to cuBLAS; `ops.linear` routes eligible products to it (`el
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from qspec.kernels.triton_common import triton_enabled, use_triton
+from qspec.kernels.triton_common import module_flag, triton_enabled, use_triton
 from qspec.kernels.triton_gemv import TUNED, TUNED_FEW
 
 # One row goes to the mat-vec kernel; 2..8 rows (verify and extend steps) to the tensor-core kernel, on the
@@ -27,15 +26,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 _ON = triton_enabled()
 
 
-@contextlib.contextmanager
-def enabled_mode(on: bool) -> Iterator[None]:
+def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Route eligible products to the mat-vec (on) or leave them all to cuBLAS (off) inside the block."""
-    global _ON
-    old, _ON = _ON, on and triton_enabled()
-    try:
-        yield
-    finally:
-        _ON = old
+    return module_flag(__name__, "_ON", on and triton_enabled())
 
 
 # Checks only (scripts/gpu_check.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
@@ -43,15 +36,9 @@ def enabled_mode(on: bool) -> Iterator[None]:
 _FEW_EVERYWHERE = False
 
 
-@contextlib.contextmanager
-def few_rows_everywhere() -> Iterator[None]:
+def few_rows_everywhere() -> contextlib.AbstractContextManager[None]:
     """Inside the block, route every few-row product the kernel takes to it, not only TUNED_FEW's shapes."""
-    global _FEW_EVERYWHERE
-    old, _FEW_EVERYWHERE = _FEW_EVERYWHERE, True
-    try:
-        yield
-    finally:
-        _FEW_EVERYWHERE = old
+    return module_flag(__name__, "_FEW_EVERYWHERE", True)
 
 
 def is_on() -> bool:

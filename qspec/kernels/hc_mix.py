@@ -9,12 +9,11 @@ These are the torch references; model/hyper.py runs them compiled (@fused). For 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
 from qspec.kernels import gemv
-from qspec.kernels.triton_common import use_triton
+from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.kernels.triton_hc_mix import MAX_ROWS
 from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
@@ -25,28 +24,16 @@ _ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_
 _STEP_ROWS = 1
 
 
-@contextlib.contextmanager
-def enabled_mode(on: bool) -> Iterator[None]:
+def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Let one-row mixers take the Triton kernels (on, the default) or not, inside the block."""
-    global _ON
-    old, _ON = _ON, on
-    try:
-        yield
-    finally:
-        _ON = old
+    return module_flag(__name__, "_ON", on)
 
 
-@contextlib.contextmanager
-def step_rows_mode(rows: int) -> Iterator[None]:
+def step_rows_mode(rows: int) -> contextlib.AbstractContextManager[None]:
     """Inside the block, mixers of steps with up to `rows` rows (at most the kernels' MAX_ROWS) take the kernels."""
-    global _STEP_ROWS
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"mixer step rows: 1..{MAX_ROWS}, got {rows}")
-    old, _STEP_ROWS = _STEP_ROWS, rows
-    try:
-        yield
-    finally:
-        _STEP_ROWS = old
+    return module_flag(__name__, "_STEP_ROWS", rows)
 
 
 def combine_torch(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:

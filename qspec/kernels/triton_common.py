@@ -7,6 +7,7 @@ kernels on CPU tensors through Triton's interpreter, which is how the CPU tests 
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -30,14 +31,22 @@ def triton_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def torch_references() -> Iterator[None]:
-    """Every dispatch inside the block runs its torch reference (kernel checks compute their expected values so)."""
-    global _REFERENCES_ONLY
-    old, _REFERENCES_ONLY = _REFERENCES_ONLY, True
+def module_flag(module: str, name: str, value: object) -> Iterator[None]:
+    """Module `module`'s global `name` set to `value` inside the block. The kernels' switches are module globals
+    rather than arguments: dynamo guards on the globals that compiled code reads, so flipping one recompiles instead
+    of misrunning."""
+    mod = sys.modules[module]
+    old = getattr(mod, name)
+    setattr(mod, name, value)
     try:
         yield
     finally:
-        _REFERENCES_ONLY = old
+        setattr(mod, name, old)
+
+
+def torch_references() -> contextlib.AbstractContextManager[None]:
+    """Every dispatch inside the block runs its torch reference (kernel checks compute their expected values so)."""
+    return module_flag(__name__, "_REFERENCES_ONLY", True)
 
 
 def use_triton(t: torch.Tensor) -> bool:
