@@ -9,6 +9,8 @@ two generated kernels per quantization and four index copies per attention layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from qspec.kernels.dequant import Q8_BLOCK
@@ -40,12 +42,15 @@ def _check(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tenso
 
 
 def write_q8_0_torch(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
+                     k: torch.Tensor, v: torch.Tensor,
+                     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_q8_0_torch
+                     ) -> None:
     """Quantize k, v [T, heads, d] and write them to cells pos [T] of the cache's values kq, vq [cells, heads, d]
-    (int8) and scales ks, vs [cells, heads, d/32] (f16)."""
+    (int8) and scales ks, vs [cells, heads, d/32] (f16). `quantize`: the same rounding, compiled (the KV cache's
+    default write passes its fused copy)."""
     _check(kq, vq, ks, vs, pos, k, v)
     for x, q, s in ((k, kq, ks), (v, vq, vs)):
-        xq, xs = quantize_q8_0_torch(x)
+        xq, xs = quantize(x)
         q.index_copy_(0, pos, xq)
         s.index_copy_(0, pos, xs)
 

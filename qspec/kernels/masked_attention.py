@@ -14,20 +14,14 @@ from __future__ import annotations
 import torch
 
 from qspec.kernels.dequant import dequant_q8_0_torch
+from qspec.kernels.sparse_attention import check_cache
 from qspec.kernels.triton_common import use_triton
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
            v_scale: torch.Tensor | None, mask: torch.Tensor) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"masked attention needs q [T, H, d], got {tuple(q.shape)}")
-    T, H, d = q.shape
-    if k.dim() != 3 or v.shape != k.shape or k.shape[2] != d or H % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)} needs k/v [cells, kv_heads, {d}] with H % kv_heads == 0, "
-                         f"got k {tuple(k.shape)} v {tuple(v.shape)}")
-    if (k_scale is None) != (v_scale is None) or (k_scale is not None and (
-            k_scale.shape != (k.shape[0], k.shape[1], d // 32) or v_scale.shape != k_scale.shape)):
-        raise ValueError("q8_0 caches need both scale tensors [cells, kv_heads, d/32]")
+    check_cache(q, k, v, k_scale, v_scale)
+    T = q.shape[0]
     if mask.shape != (T, k.shape[0]) or mask.dtype != torch.bool:
         raise ValueError(f"mask must be bool [{T}, {k.shape[0]}], got {mask.dtype} {tuple(mask.shape)}")
 

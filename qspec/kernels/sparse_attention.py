@@ -37,14 +37,25 @@ def _rows(x: torch.Tensor, scale: torch.Tensor | None, cells: torch.Tensor) -> t
     return dequant_q8_0_torch(x[cells], scale[cells], torch.float32)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
-           v_scale: torch.Tensor | None, blocks: torch.Tensor, tail_lo: torch.Tensor, pos: torch.Tensor) -> None:
-    T, H, d = q.shape
+def check_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> None:
+    """An attention kernel's query and cache arguments: q [T, H, d]; k, v [cells, kv_heads, d] with H a multiple of
+    kv_heads; both q8_0 scales [cells, kv_heads, d/32] or neither (also masked_attention's)."""
+    if q.dim() != 3:
+        raise ValueError(f"attention needs q [T, H, d], got {tuple(q.shape)}")
+    H, d = q.shape[1], q.shape[2]
     if k.dim() != 3 or v.shape != k.shape or k.shape[2] != d or H % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)} needs k/v [cells, kv_heads, {d}] with H % kv_heads == 0, "
                          f"got k {tuple(k.shape)} v {tuple(v.shape)}")
-    if (k_scale is None) != (v_scale is None) or (k_scale is not None and k_scale.shape[:2] != k.shape[:2]):
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None and (
+            k_scale.shape != (k.shape[0], k.shape[1], d // 32) or v_scale.shape != k_scale.shape)):
         raise ValueError("q8_0 caches need both scale tensors [cells, kv_heads, d/32]")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+           v_scale: torch.Tensor | None, blocks: torch.Tensor, tail_lo: torch.Tensor, pos: torch.Tensor) -> None:
+    check_cache(q, k, v, k_scale, v_scale)
+    T = q.shape[0]
     if blocks.dim() != 2 or blocks.shape[0] != T or tail_lo.shape != (T,) or pos.shape != (T,):
         raise ValueError(f"blocks {tuple(blocks.shape)}, tail_lo {tuple(tail_lo.shape)}, pos {tuple(pos.shape)} "
                          f"for {T} rows")
