@@ -205,6 +205,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
         sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
+        kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
@@ -367,8 +368,12 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                         "masking every cell of a KV bucket")
     r.add_argument("--fused-attention", action="store_true",
                    help="masked attention (QSA's dense path, the MTP head) in one Triton pass over the KV cache, "
-                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax; "
-                        "q8_0 cache writes in one launch")
+                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax")
+    r.add_argument("--kv-write-kernel", action="store_true",
+                   help="write a q8_0 KV cache in one Triton launch per layer and step instead of the compiled "
+                        "quantization and four index copies")
+    r.add_argument("--gdn-conv-kernel", action="store_true",
+                   help="GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (CUDA)")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec.kernels import gemv
+from qspec.kernels import gdn_conv, gemv
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
@@ -41,8 +41,10 @@ class EngineOptions:
     pad_target: int | None = 8
     fused_snapshots: bool = True
     sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
-    # masked attention in one pass over the cache, q8_0 writes in one launch (kernels/masked_attention.py, kv_write.py)
-    fused_attention: bool = False
+    fused_attention: bool = False  # masked attention in one pass over the cache (kernels/masked_attention.py)
+    kv_write_kernel: bool = False  # q8_0 KV writes in one launch per layer and step (kernels/kv_write.py)
+    # GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (kernels/gdn_conv.py), on CUDA
+    gdn_conv_kernel: bool = False
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
@@ -66,7 +68,7 @@ class EngineOptions:
                             preserve_pooled=self.preserve_pooled, pad_target=self.pad_target,
                             incremental_pooled=self.incremental_pooled,
                             fused_snapshots=self.fused_snapshots, sparse_attention=self.sparse_attention,
-                            fused_attention=self.fused_attention)
+                            fused_attention=self.fused_attention, kv_write_kernel=self.kv_write_kernel)
 
 
 @dataclass
@@ -153,7 +155,8 @@ class Engine:
         self.check_request(prompt, max_tokens)
         o = self.opts
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
-        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv):
+        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
+                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

@@ -29,7 +29,7 @@ import torch
 
 from qspec.config import preset
 from qspec.engine import Engine, EngineOptions
-from qspec.kernels import gdn_conv, gemv
+from qspec.kernels import gemv
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
@@ -183,7 +183,7 @@ def main() -> int:
                        f"{len(s.tokens)} tokens, {why_s}")
             # masked attention in one Triton pass over the cache (q8_0 here, the benchmarks' cache): its logits
             # against the default path's, then greedy speculation against plain decoding, both through it
-            fa = dict(capacity=256, kv_type="q8_0", fused_attention=True, record_logits=True)
+            fa = dict(capacity=256, kv_type="q8_0", fused_attention=True, kv_write_kernel=True, record_logits=True)
             fa_plain = Engine(gpu, EngineOptions(draft=0, **fa)).generate(prompt, 48)
             dflt = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type="q8_0", record_logits=True)
                           ).generate(prompt, 48)
@@ -196,15 +196,14 @@ def main() -> int:
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, graphs {g.graphs['replays']} "
                        f"replays")
             # GDN's step conv, silu and q/k norms in one Triton kernel (opt-in): the same two checks
-            with gdn_conv.conv_kernel_mode(True):
-                gc_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)
-                                  ).generate(prompt, 48)
-                ok, why, rel = plain_against(gc_plain, plain, tie)
-                report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol, why)
-                g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv)).generate(prompt, 48)
-                ok, why = same_or_tie(g.tokens, gc_plain, 0, tie)
-                report(f"device-chained greedy == plain, GDN conv kernel, cuda {name}, N=5", ok,
-                       f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}")
+            gc = dict(capacity=256, kv_type=kv, gdn_conv_kernel=True)
+            gc_plain = Engine(gpu, EngineOptions(draft=0, record_logits=True, **gc)).generate(prompt, 48)
+            ok, why, rel = plain_against(gc_plain, plain, tie)
+            report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol, why)
+            g = Engine(gpu, EngineOptions(draft=5, **gc)).generate(prompt, 48)
+            ok, why = same_or_tie(g.tokens, gc_plain, 0, tie)
+            report(f"device-chained greedy == plain, GDN conv kernel, cuda {name}, N=5", ok,
+                   f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}")
         for exact in (False, True) if not (only_fused or only_chained) else ():
             # row-exact: a verify row is computed as a decode row is, so bf16 must be exact too
             ref_run = plain if not exact else Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, exact=True,

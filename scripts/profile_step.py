@@ -88,10 +88,10 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     for kind in kinds:
-        def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None) -> Engine:
+        def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None, **over: bool) -> Engine:
             return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
                                                draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
-                                               fused_attention=a.fused_attention, accept_hook=hook))
+                                               fused_attention=a.fused_attention, accept_hook=hook, **over))
         eng = engine(False)
         t = time.perf_counter()
         eng.generate(prompt, 4)
@@ -108,9 +108,9 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
         print(f"{kind} step, eager launches:")
         print(kernel_table(prof, a.steps, a.top), flush=True)
         # the same step through a CUDA graph, for each A/B arm, then with the defaults (the engine left in g)
-        for label, arm in ab_arms(a):
+        for label, arm, over in ab_arms(a):
             with arm():
-                g = engine(True)
+                g = engine(True, **over)
                 g.generate(prompt, 2)
                 one = step_fn(g, kind, a.draft)
                 with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
@@ -130,10 +130,10 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
         if a.e2e and kind in ("decode", "verify"):  # plain decoding, or MTP rounds at the benchmarks' acceptance
             # each A/B arm timed only, then the defaults, also profiled
             arms = ab_arms(a)
-            for i, (label, arm) in enumerate(arms):
+            for i, (label, arm, over) in enumerate(arms):
                 with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv), arm():
                     print((f"{label}: " if label else "") + end_to_end(
-                        engine(True, hook=AcceptProfile.parse("p=0.85").hook()), prompt, a.e2e, a.top,
+                        engine(True, hook=AcceptProfile.parse("p=0.85").hook(), **over), prompt, a.e2e, a.top,
                         profiled=i == len(arms) - 1), flush=True)
         del eng, g, one
         if torch.cuda.is_available():
@@ -144,15 +144,19 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
 KINDS = ("decode", "verify", "draft", "extend")
 
 
-def ab_arms(a: argparse.Namespace) -> list[tuple[str, Callable[[], contextlib.AbstractContextManager]]]:
-    """The variants to time in one process, each as (label, a context manager factory), the defaults last; the
-    label is empty when there is nothing to compare."""
-    arms: list[tuple[str, Callable[[], contextlib.AbstractContextManager]]] = []
+ABArm = tuple[str, Callable[[], contextlib.AbstractContextManager], dict[str, bool]]
+
+
+def ab_arms(a: argparse.Namespace) -> list[ABArm]:
+    """The variants to time in one process, each as (label, a context manager factory for the steps called
+    directly, engine option overrides for those run by `generate`), the defaults last; the label is empty when there
+    is nothing to compare."""
+    arms: list[ABArm] = []
     if a.mixer_ab:
-        arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False)))
+        arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False), {}))
     if a.gdn_conv_ab:
-        arms.append(("GDN conv kernel", lambda: gdn_conv.conv_kernel_mode(True)))
-    return arms + [("defaults" if arms else "", contextlib.nullcontext)]
+        arms.append(("GDN conv kernel", lambda: gdn_conv.conv_kernel_mode(True), {"gdn_conv_kernel": True}))
+    return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 
 def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool = True) -> str:

@@ -133,11 +133,16 @@ def test_arm_specs() -> None:
     f = parse_arms("f:from=ours,fattn=1")[0]
     assert f.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).fused_attention is True
     assert "fused masked attention" in f.describe() and o.fused_attention is False
+    k = parse_arms("k:from=ours,kvw=1,gconv=on")[0].options(capacity=64, kv_type="q8_0", accept_hook=None,
+                                                               draft_head=None)
+    assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (True, True, False)
+    assert (o.kv_write_kernel, o.gdn_conv_kernel) == (False, False)
+    assert k.cache_options().kv_write_kernel is True
     c = parse_arms("c:from=nospec,gemv=off")[0]
     assert c.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None).gemv is False
     assert "cuBLAS" in c.describe() and c.draft == 0
     for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3", "x:sparse=maybe",
-                "x:gemv=2"):
+                "x:gemv=2", "x:kvw=2"):
         with pytest.raises(ValueError):
             parse_arms(bad)
 

@@ -124,8 +124,9 @@ def test_fused_attention_equals_default_path(kv_type: str) -> None:
     ids = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(7))
     out = {}
     for fused in (False, True):
-        run = Runner(model, CacheOptions(capacity=128, kv_type=kv_type, fused_attention=fused))
-        assert all(kv.fused_attention == fused for kv in [*run.cache.kv.values(), run.cache.mtp_kv])
+        run = Runner(model, CacheOptions(capacity=128, kv_type=kv_type, fused_attention=fused, kv_write_kernel=fused))
+        assert all(kv.fused_attention == fused and kv.write_kernel == fused
+                   for kv in [*run.cache.kv.values(), run.cache.mtp_kv])
         pre, X = run.step(ids[:52])
         run.keep(52, rollback=False)
         d_logits, _ = run.mtp_step(ids[1:53], X, 1)

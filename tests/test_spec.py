@@ -381,8 +381,23 @@ def test_greedy_spec_equals_plain_with_fused_attention(tiny_model: Model) -> Non
     greedy speculation still reproduces plain decoding through the same path, drafts chained in one step sequence."""
     rng = random.Random(9)
     prompt = [rng.randrange(511) for _ in range(21)]
-    kw = dict(capacity=CAP, exact=True, kv_type="q8_0", fused_attention=True)
-    ref = plain(tiny_model, prompt, 30, kv_type="q8_0", fused_attention=True)
+    kw = dict(capacity=CAP, exact=True, kv_type="q8_0", fused_attention=True, kv_write_kernel=True)
+    ref = plain(tiny_model, prompt, 30, kv_type="q8_0", fused_attention=True, kv_write_kernel=True)
     for n in (1, 4):
         g = Engine(tiny_model, EngineOptions(draft=n, draft_hook=oracle_hook(ref, rng, 512), **kw)).generate(prompt, 30)
         assert g.tokens == ref and 0 < g.spec.accepted < g.spec.drafted
+
+
+def test_gdn_conv_kernel_option_reaches_the_layers(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineOptions.gdn_conv_kernel switches the GDN layers' conv kernel on for the engine's steps (and only then):
+    the layer asks gdn_conv.kernel_takes, which sees the module flag the engine set."""
+    from qspec.kernels import gdn_conv
+    from qspec.model import gdn
+
+    seen: list[bool] = []
+    monkeypatch.setattr(gdn, "kernel_takes", lambda *a: seen.append(gdn_conv._ON) or False)
+    for on in (False, True):
+        seen.clear()
+        Engine(tiny_model, EngineOptions(draft=2, capacity=CAP, gdn_conv_kernel=on)).generate([1, 2, 3, 4], 6)
+        assert seen and set(seen) == {on}
+    assert gdn_conv._ON is False  # restored after generate

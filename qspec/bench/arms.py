@@ -8,10 +8,10 @@ Built-in arms (the seed's comparison):
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
 fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
 mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
-cache) (booleans as
-1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
-`ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
-`name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
+cache), kvw (the q8_0 KV write in one launch), gconv (the GDN step conv kernel) (booleans as 1/0, true/false,
+on/off) and `from=ARM` to start from another arm instead of all-off: `ours-noq4:from=ours,q4=0`. In a list,
+arms are separated by commas (or `;`); a `key=value` item without a `name:` continues the custom arm before
+it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Arm:
     sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
     gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
     fattn: bool = False  # masked attention in one pass over the cache (--fused-attention)
+    kvw: bool = False  # q8_0 KV writes in one launch (--kv-write-kernel)
+    gconv: bool = False  # GDN step conv, silu and q/k norms in one launch (--gdn-conv-kernel)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -51,7 +53,8 @@ class Arm:
                              pad_target=self.pad, fused_snapshots=self.fused,
                              draft_head="q4" if self.q4 and self.draft else "full",
                              accept_hook=accept_hook if self.draft else None, compile=self.compile,
-                             sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn)
+                             sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn,
+                             kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv)
 
     def describe(self) -> str:
         if not self.draft:
@@ -68,7 +71,11 @@ class Arm:
         if self.sparse:
             parts.append("sparse attention")
         if self.fattn:
-            parts.append("fused masked attention and KV write")
+            parts.append("fused masked attention")
+        if self.kvw:
+            parts.append("one-launch q8_0 KV write")
+        if self.gconv:
+            parts.append("GDN conv kernel")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
         return ", ".join(parts)
@@ -130,11 +137,13 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                 if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
-        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn"):
+        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
+                   "gconv"):
             fields[k] = _bool(k, v, spec)
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
-                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, from)")
+                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
+                             "from)")
     return replace(base, **fields)
 
 

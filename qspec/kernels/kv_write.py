@@ -1,10 +1,12 @@
 """Writing step rows into a q8_0 KV cache: quantize K and V per 32-element block and scatter them to their cells.
 
-`quantize_q8_0_torch` is llama.cpp's Q8_0 rounding (scale amax / 127, values rounded half to even, clamped to ±127);
+`quantize_q8_0_torch` is ggml's Q8_0 (scale amax / 127, values rounded to nearest with halves to even as its AVX path
+does, where its scalar and CUDA paths round halves away from zero; clamped to ±127);
 `write_q8_0_torch` quantizes K and V and writes values and scales with four `index_copy_`s. On CUDA `write_q8_0` does
-the whole write in one Triton launch (triton_kv_write.py), bit-identical to the reference. Why: the step path spent
-two generated kernels per quantization and four index copies per attention layer, eight launches for a few KB
-(~96 µs per MTP5 round on the H200 for 56 launches, BENCHMARKS.md §3b).
+the whole write in one Triton launch (triton_kv_write.py), bit-identical to the reference on the CPU (eager torch on
+CUDA divides by a CPU scalar as a product with its reciprocal: one ulp off in a few scales in a thousand). Why: the
+step path spent two generated kernels per quantization and four index copies per attention layer, eight launches for
+a few KB (~96 µs per MTP5 round on the H200 for 56 launches, BENCHMARKS.md §3b).
 """
 
 from __future__ import annotations

@@ -46,9 +46,11 @@ class CacheOptions:
     fused_snapshots: bool = True  # seed Algorithms 4-5
     sparse_attention: bool = False  # QSA reads the chosen blocks' cells directly instead of masking a KV bucket
     # masked (dense) attention of QSA and the MTP head in one pass over the cache, q8_0 dequantized in registers
-    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax; and a q8_0 cache
-    # written in one launch per step and layer (kernels/kv_write.py)
+    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax
     fused_attention: bool = False
+    # a q8_0 cache written in one launch per step and layer (kernels/kv_write.py) instead of the compiled
+    # quantization and four index copies
+    kv_write_kernel: bool = False
 
 
 @dataclass
@@ -118,7 +120,8 @@ class Model(torch.nn.Module):
         if opts.capacity % 4:
             raise ValueError(f"cache capacity must be a multiple of 4, got {opts.capacity}")
         kv = {i: KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev, fused_attention=opts.fused_attention) for i in c.qsa_layers()}
+                         device=dev, fused_attention=opts.fused_attention,
+                         write_kernel=opts.kv_write_kernel) for i in c.qsa_layers()}
         idx, layouts = {}, {}
         for i in c.qsa_layers():
             r = c.ratio(i)
@@ -128,7 +131,8 @@ class Model(torch.nn.Module):
                     layouts[r] = PooledLayout(r, opts.capacity // r, preserve=opts.preserve_pooled,
                                               pad_target=opts.pad_target, incremental=opts.incremental_pooled)
         mtp_kv = KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev, fused_attention=opts.fused_attention) if self.mtp is not None else None
+                         device=dev, fused_attention=opts.fused_attention,
+                         write_kernel=opts.kv_write_kernel) if self.mtp is not None else None
         return ModelCache(opts, kv, idx, RecurrentCache(c, opts.n_slots, dev), CellTable(opts.capacity), layouts,
                           mtp_kv)
 

@@ -22,12 +22,14 @@ quantize_q8_0 = fused(quantize_q8_0_torch)  # x [..., d] -> int8 values, f16 sca
 
 class KVCache:
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, *, cache_type: str, dtype: torch.dtype,
-                 device: torch.device | str, fused_attention: bool = False) -> None:
+                 device: torch.device | str, fused_attention: bool = False, write_kernel: bool = False) -> None:
         self.capacity, self.cache_type, self.dtype = capacity, cache_type, dtype
-        # how attention uses the cells: a q8_0 write in one kernel (kernels/kv_write.py) and the read in one pass over
-        # the stored cells (kernels/masked_attention.py), instead of the compiled quantization with four index
-        # copies, and `read` (a dequantized copy) with separate products and softmax
+        # how attention reads the cells: in one pass over the stored cells (kernels/masked_attention.py) instead of
+        # `read` (a dequantized copy) with separate products and softmax
         self.fused_attention = fused_attention
+        # how a q8_0 cache is written: one kernel (kernels/kv_write.py) instead of the compiled quantization with four
+        # index copies
+        self.write_kernel = write_kernel
         shape = (capacity, kv_heads, head_dim)
         if cache_type == "q8_0":
             if head_dim % Q8_BLOCK:
@@ -45,7 +47,7 @@ class KVCache:
             self.v = torch.zeros(shape, dtype=store, device=device)
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.cache_type == "q8_0" and self.fused_attention:
+        if self.cache_type == "q8_0" and self.write_kernel:
             write_q8_0(self.k, self.v, self.k_scale, self.v_scale, pos, k, v)
         elif self.cache_type == "q8_0":  # the compiled quantization, four index copies
             write_q8_0_torch(self.k, self.v, self.k_scale, self.v_scale, pos, k, v, quantize=quantize_q8_0)
