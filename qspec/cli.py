@@ -369,11 +369,10 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--fused-attention", action="store_true",
                    help="masked attention (QSA's dense path, the MTP head) in one Triton pass over the KV cache, "
                         "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax")
-    r.add_argument("--kv-write-kernel", action="store_true",
-                   help="write a q8_0 KV cache in one Triton launch per layer and step instead of the compiled "
-                        "quantization and four index copies")
-    r.add_argument("--gdn-conv-kernel", action="store_true",
-                   help="GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (CUDA)")
+    _on_off(r, "--no-kv-write-kernel", "kv_write_kernel", "write a q8_0 KV cache with the compiled quantization and "
+            "four index copies instead of one Triton launch per layer and step (CUDA)")
+    _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "
+            "instead of in one Triton launch per layer (CUDA)")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

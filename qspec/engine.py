@@ -42,9 +42,9 @@ class EngineOptions:
     fused_snapshots: bool = True
     sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
     fused_attention: bool = False  # masked attention in one pass over the cache (kernels/masked_attention.py)
-    kv_write_kernel: bool = False  # q8_0 KV writes in one launch per layer and step (kernels/kv_write.py)
+    kv_write_kernel: bool = True  # q8_0 KV writes in one launch per layer and step on CUDA (kernels/kv_write.py)
     # GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (kernels/gdn_conv.py), on CUDA
-    gdn_conv_kernel: bool = False
+    gdn_conv_kernel: bool = True
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)

@@ -57,8 +57,8 @@ def main() -> int:
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")
     ap.add_argument("--gdn-conv-ab", action="store_true",
-                    help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms in one "
-                         "Triton kernel (kernels/gdn_conv.py) instead of compiled, in the same process")
+                    help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms compiled "
+                         "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
     ap.add_argument("--mixer-rows", type=int, default=1, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default 1: decode and draft "
                          "steps; 6 puts MTP5's verify and extend on them, for --mixer-ab on the verify kind)")
@@ -155,7 +155,7 @@ def ab_arms(a: argparse.Namespace) -> list[ABArm]:
     if a.mixer_ab:
         arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False), {}))
     if a.gdn_conv_ab:
-        arms.append(("GDN conv kernel", lambda: gdn_conv.conv_kernel_mode(True), {"gdn_conv_kernel": True}))
+        arms.append(("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False}))
     return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 

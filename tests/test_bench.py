@@ -133,11 +133,11 @@ def test_arm_specs() -> None:
     f = parse_arms("f:from=ours,fattn=1")[0]
     assert f.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).fused_attention is True
     assert "fused masked attention" in f.describe() and o.fused_attention is False
-    k = parse_arms("k:from=ours,kvw=1,gconv=on")[0].options(capacity=64, kv_type="q8_0", accept_hook=None,
-                                                               draft_head=None)
-    assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (True, True, False)
-    assert (o.kv_write_kernel, o.gdn_conv_kernel) == (False, False)
-    assert k.cache_options().kv_write_kernel is True
+    ka = parse_arms("k:from=ours,kvw=0,gconv=off")[0]
+    k = ka.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None)
+    assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (False, False, False)
+    assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults
+    assert k.cache_options().kv_write_kernel is False and "compiled GDN conv" in ka.describe()
     c = parse_arms("c:from=nospec,gemv=off")[0]
     assert c.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None).gemv is False
     assert "cuBLAS" in c.describe() and c.draft == 0

@@ -91,6 +91,10 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
     # reading only the chosen blocks attends to the same cells
     rc, sparse, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "3", "--sparse-attention")
     assert rc == 0 and sparse == plain, err
+    # the step kernels' switches parse and leave the (CPU) text unchanged
+    rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-kv-write-kernel",
+                       "--no-gdn-conv-kernel", "--fused-attention")
+    assert rc == 0 and off == plain, err
 
 
 def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

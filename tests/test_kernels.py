@@ -701,7 +701,7 @@ def test_kv_write_q8_0_dispatch() -> None:
 # ---- GDN step conv ---------------------------------------------------------------------------------------------
 
 def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GDN conv kernel runs only inside conv_kernel_mode(True), for f32 windows of the model's shape and not in
+    """The GDN conv kernel runs only while switched on (the default), for f32 windows of the model's shape and not in
     row-exact mode; the layer's result on the CPU is the reference's (the kernel itself: scripts/gpu_kernels.py
     --interpret)."""
     from qspec.kernels import gdn_conv
@@ -710,7 +710,9 @@ def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gdn_conv, "use_triton", lambda t: True)
     Hk, Hv, d, T = 2, 4, 16, 3
     X, w = torch.randn((2 * Hk + Hv) * d, 3 + T), torch.randn((2 * Hk + Hv) * d, 4)
-    assert not gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)  # off by default
+    assert gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)  # on by default
+    with gdn_conv.conv_kernel_mode(False):
+        assert not gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)
     with gdn_conv.conv_kernel_mode(True):
         assert gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)
         assert not gdn_conv.kernel_takes(X.bfloat16(), w, T, Hk, Hv, d)
@@ -718,7 +720,7 @@ def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not gdn_conv.kernel_takes(X, w, T, Hk, Hv + 1, d)
         with ops.row_exact_mode(True):
             assert not gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)
-    assert not gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)
+    assert gdn_conv.kernel_takes(X, w, T, Hk, Hv, d)
     q, k, v = gdn_conv.gdn_conv_qkv_torch(X, w, T, Hk, Hv, d)
     assert q.shape == k.shape == (T, Hk, d) and v.shape == (T, Hv, d)
     assert torch.allclose(k.norm(dim=-1), torch.ones(T, Hk), atol=1e-4)

@@ -8,10 +8,10 @@ Built-in arms (the seed's comparison):
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
 fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
 mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
-cache), kvw (the q8_0 KV write in one launch), gconv (the GDN step conv kernel) (booleans as 1/0, true/false,
-on/off) and `from=ARM` to start from another arm instead of all-off: `ours-noq4:from=ours,q4=0`. In a list,
-arms are separated by commas (or `;`); a `key=value` item without a `name:` continues the custom arm before
-it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
+cache), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv kernel, on by default)
+(booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
+`ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
+`name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class Arm:
     sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
     gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
     fattn: bool = False  # masked attention in one pass over the cache (--fused-attention)
-    kvw: bool = False  # q8_0 KV writes in one launch (--kv-write-kernel)
-    gconv: bool = False  # GDN step conv, silu and q/k norms in one launch (--gdn-conv-kernel)
+    kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
+    gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -72,10 +72,10 @@ class Arm:
             parts.append("sparse attention")
         if self.fattn:
             parts.append("fused masked attention")
-        if self.kvw:
-            parts.append("one-launch q8_0 KV write")
-        if self.gconv:
-            parts.append("GDN conv kernel")
+        if not self.kvw:
+            parts.append("compiled q8_0 KV write")
+        if not self.gconv:
+            parts.append("compiled GDN conv")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
         return ", ".join(parts)

@@ -1,11 +1,12 @@
 """GDN's short convolution for a step: causal depthwise conv over [window || rows], silu, then the L2-normed (and for
 q scaled) query and key heads and the value heads.
 
-`gdn_conv_qkv_torch` is the reference (the model's math: taps added in order, silu, split, l2 norm). On CUDA, inside
-`conv_kernel_mode(True)`, `gdn_conv_qkv` runs one Triton program per (row, head) that does all of it
-(triton_gdn_conv.py). Why: the compiled function is five generated kernels, 16.6 µs per GDN layer of a 6-row verify
-step on the H200, the largest (7.4 µs) writing the transposed conv output (BENCHMARKS.md §3b), for ~0.5 MB of data.
-Off by default until measured in a step (`scripts/profile_step.py --gdn-conv-ab`).
+`gdn_conv_qkv_torch` is the reference (the model's math: taps added in order, silu, split, l2 norm). On CUDA, unless
+switched off (`conv_kernel_mode(False)`, `EngineOptions(gdn_conv_kernel=False)`), a GDN step runs one Triton program
+per (row, head) that does all of it (triton_gdn_conv.py). Why: the compiled function is five generated kernels,
+16.6 µs per GDN layer of a 6-row verify step on the H200, the largest (7.4 µs) writing the transposed conv output,
+for ~0.5 MB of data; the kernel takes 6.0 µs, and with the one-launch KV write it made plain decoding 3.5% faster
+end to end (BENCHMARKS.md §3c).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.model.ops import causal_taps, l2_norm, row_exact, silu
 
 # A module flag rather than an engine option: dynamo guards on its value, like hc_mix's step-rows switch.
-_ON = False
+_ON = True
 
 
 def conv_kernel_mode(on: bool) -> contextlib.AbstractContextManager[None]:

@@ -48,9 +48,9 @@ class CacheOptions:
     # masked (dense) attention of QSA and the MTP head in one pass over the cache, q8_0 dequantized in registers
     # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax
     fused_attention: bool = False
-    # a q8_0 cache written in one launch per step and layer (kernels/kv_write.py) instead of the compiled
+    # a q8_0 cache written in one launch per step and layer on CUDA (kernels/kv_write.py) instead of the compiled
     # quantization and four index copies
-    kv_write_kernel: bool = False
+    kv_write_kernel: bool = True
 
 
 @dataclass
