@@ -338,11 +338,10 @@ def dense_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: 
     return torch.bmm(p, V.permute(1, 0, 2)).view(Hkv, T, H // Hkv, d).permute(1, 0, 2, 3).reshape(T, H, d)
 
 
-def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype = torch.bfloat16,
-                      keep: float = 1.0, timed: bool = False) -> None:
-    """Masked attention over n cells, rows at the last T positions (causal), a share `keep` of each row's earlier
-    cells left in the mask (QSA's block choice; 1.0: the MTP head's causal mask), against the f32 reference."""
-    dev = R.device
+def masked_attn_inputs(T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype, keep: float,
+                       dev: str) -> tuple[torch.Tensor | None, ...]:
+    """(q, k, v, k_scale, v_scale, mask): rows at the last T positions of an n-cell bucket (causal), a share `keep`
+    of each row's earlier cells left in the mask (QSA's block choice; 1.0: the MTP head's causal mask)."""
     q = torch.randn(T, H, d, device=dev).to(dt)
     kf, vf = torch.randn(n, Hkv, d, device=dev), torch.randn(n, Hkv, d, device=dev)
     if kv == "q8_0":
@@ -353,9 +352,18 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
     pos = torch.arange(n - empty - T, n - empty, device=dev)
     cells = torch.arange(n, device=dev)[None, :]
     mask = (cells <= pos[:, None]) & ((torch.rand(T, n, device=dev) < keep) | (cells == pos[:, None]))
-    args = (q, k, v, ks, vs, mask)
+    return q, k, v, ks, vs, mask
+
+
+def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype = torch.bfloat16,
+                      keep: float = 1.0, timed: bool = False, config: tuple[int, int, int, int, int] | None = None
+                      ) -> None:
+    """Masked attention (masked_attn_inputs) against the f32 reference; config: the kernel's (rows per program,
+    cells per step, warps, stages, programs), its default when None."""
+    args = masked_attn_inputs(T, H, Hkv, d, n, kv, dt, keep, R.device)
+    q, k, v, ks, vs, mask = args
     ref = masked_attention_torch(*args)
-    got = masked_attention_triton(*args)
+    got = masked_attention_triton(*args, config=config)
     e = rel_err(got, ref)
     ok = e < TOL[dt]
     detail = f"rel err {e:.2e}"
@@ -363,6 +371,7 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
         e16 = rel_err(got, dense_attention_path(*args))
         ok, detail = ok and e16 < TOL[dt], detail + f" (f32 reference), {e16:.2e} (the model's 16-bit path)"
     row = Row(f"masked_attn T={T} H={H}/{Hkv} d={d} n={n} kv={kv} keep={keep} {str(dt).removeprefix('torch.')}"
+              + (f" config={config}" if config else "")
               + (" (torch: the model's dequant + bmm/softmax path)" if timed else ""), ok, detail)
     if timed and R.timing:
         row.torch_us = R.bench(lambda: dense_attention_path(*args))
@@ -370,6 +379,43 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
         per_cell = 2 * Hkv * (d * k.element_size() + (d // 32 * 2 if ks is not None else 0))
         row.nbytes = n * per_cell + T * n + 2 * T * H * d * 2
     R.add(row)
+
+
+def attention_sweep(R: Runner, copies: int = 12) -> None:
+    """The masked attention kernel at the real geometry (24/2 heads of 256, a 4,608-cell q8_0 bucket) over a grid of
+    configs (rows per program, cells per step, warps, stages, programs), for a draft step's causal row, a decode's
+    QSA row and a verify's six QSA rows: each checked against the f32 reference and timed in a CUDA graph over
+    `copies` caches (58 MB, more than the 50 MB L2), beside the model's default path on the same inputs."""
+    from qspec.kernels.triton_masked_attention import DEFAULT_CONFIG
+
+    print(f"\nmasked attention sweep: us per call in a graph over {copies} caches (bf16 q, q8_0 cells)")
+    for T, keep in ((1, 1.0), (1, 0.45), (6, 0.45)):
+        sets = [masked_attn_inputs(T, 24, 2, 256, 4608, "q8_0", torch.bfloat16, keep, "cuda") for _ in range(copies)]
+        ref = masked_attention_torch(*sets[0])
+        t_path = graph_per_call(lambda i, s=sets: dense_attention_path(*s[i % copies]), copies)
+        grid = [(rp, bn, w, st, tg) for rp in (1, 2, 4) if rp <= T for bn in (32, 64) for w in (4, 8)
+                for st in (1, 3) for tg in (264, 528)]
+        times, bad = [], []
+        for cfg in grid:
+            try:
+                e = rel_err(masked_attention_triton(*sets[0], config=cfg), ref)
+            except Exception as exc:  # a config the compiler rejects (registers, shared memory)
+                bad.append((cfg, type(exc).__name__))
+                continue
+            if e >= TOL[torch.bfloat16]:
+                bad.append((cfg, f"{e:.1e}"))
+                continue
+            times.append((graph_per_call(lambda i, c=cfg, s=sets: masked_attention_triton(*s[i % copies], config=c),
+                                         copies), cfg))
+        times.sort()
+        dflt = next((t for t, c in times if c == DEFAULT_CONFIG), None)
+        print(f"  T={T} keep={keep}: default path {t_path:.1f} us; kernel default config "
+              f"{'-' if dflt is None else f'{dflt:.1f}'} us; best: "
+              + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]) + (f"; failed: {bad}" if bad else ""), flush=True)
+        best = times[0] if times else None
+        R.add(Row(f"masked attention sweep T={T} keep={keep}", best is not None and not bad,
+                  f"default path {t_path:.1f} us, default config {dflt} us, best {best}; {len(grid)} configs, "
+                  f"failed: {bad}"), variant=True)
 
 
 # ---- 4. Q4 LM head ---------------------------------------------------------------------------------------------
@@ -946,6 +992,10 @@ def masked_attention_checks(R: Runner, small: bool) -> None:
         check_masked_attn(R, 6, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4)
         check_masked_attn(R, 2, 2, 1, 48, 5, "bf16", keep=0.5)
         check_masked_attn(R, 1, 4, 1, 32, 1000, "q8_0", keep=0.3)  # 32 chunks: the combine loops
+        # several rows per program (a ragged last group), other step sizes, warps and pipeline stages
+        check_masked_attn(R, 6, 12, 2, 64, 100, "q8_0", keep=0.5, config=(4, 16, 4, 2, 8))
+        check_masked_attn(R, 5, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4, config=(2, 64, 8, 3, 264))
+        check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5, config=(4, 32, 4, 1, 264))
     else:
         for T in (1, 6):
             check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", timed=True)
@@ -1122,6 +1172,7 @@ def main() -> int:
     ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
     ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
+    ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
     args = ap.parse_args()
     if not HAS_TRITON:
@@ -1141,7 +1192,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
           f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
-    sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep}
+    sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep,
+              "attention_sweep": attention_sweep}
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
     if chosen:
         for fn in chosen:

@@ -526,6 +526,23 @@ def test_masked_attention_reference(kv: str) -> None:
         masked_attention(q, k[:, :1].repeat(1, 4, 1), v, ks, vs, mask)
 
 
+def test_masked_attention_plan_and_config() -> None:
+    """The kernel's chunk plan covers every cell in whole steps, with fewer chunks when a program takes several rows;
+    a config whose rows per program or step is not a power of two is refused by name."""
+    pytest.importorskip("triton")
+    from qspec.kernels.triton_masked_attention import masked_attention_triton, plan_chunks
+
+    for T, rp, n, bn, target in ((1, 1, 4608, 32, 264), (6, 1, 4608, 32, 264), (6, 4, 4608, 64, 264),
+                                 (5, 2, 70, 16, 8)):
+        chunk, splits = plan_chunks(T, 2, n, bn, target, rp)
+        assert chunk % bn == 0 and chunk * splits >= n > chunk * (splits - 1)
+    assert plan_chunks(6, 2, 4608, 32, 264, 4)[1] > plan_chunks(6, 2, 4608, 32, 264, 1)[1]
+    q, k, v = torch.zeros(2, 4, 32), torch.zeros(8, 2, 32), torch.zeros(8, 2, 32)
+    for bad in ((3, 32, 4, 1, 264), (1, 24, 4, 1, 264), (0, 32, 4, 1, 264)):
+        with pytest.raises(ValueError, match="powers of two"):
+            masked_attention_triton(q, k, v, None, None, torch.ones(2, 8, dtype=torch.bool), config=bad)
+
+
 # ---- the Triton kernels through Triton's interpreter (CPU) -----------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

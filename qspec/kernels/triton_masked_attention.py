@@ -1,8 +1,9 @@
-"""Masked attention in Triton, flash-decoding: grid (T, Hkv, chunks) then grid (T, H).
+"""Masked attention in Triton, flash-decoding: grid (T / RP, Hkv, chunks) then grid (T, H).
 
-The first kernel's program holds the G query heads that share kv head h as a [GP, DP] tile and walks its chunk of
-cells BLOCK_N at a time: the row's mask bits, the K and V rows (q8_0 scaled in registers), an online softmax (running
-max m, sum l, f32 accumulator acc). The second kernel combines a row's chunks for one head:
+The first kernel's program holds, for RP consecutive rows, the G query heads that share kv head h as an [RP * GP, DP]
+tile (each row's heads padded to GP) and walks its chunk of cells BLOCK_N at a time: each row's mask bits, the K and V
+rows, loaded once for the RP rows (q8_0 scaled in registers), an online softmax (running max m, sum l, f32
+accumulator acc). The second kernel combines a row's chunks for one head:
 out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m_s (a chunk without a valid cell has
 m_s = -inf and weighs nothing).
 
@@ -21,6 +22,12 @@ from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dty
 BLOCK_N = 32  # cells per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
 COMBINE_STEP = 16  # chunks the combine kernel reads per step
+# (rows per program RP, cells per step, warps, pipeline stages, programs wanted): the design measured in BENCHMARKS.md
+# §4 (one row per program), for one-row steps (decode, draft) and for a few rows (verify). `scripts/gpu_kernels.py
+# --attention-sweep` times the alternatives; with four rows per program the products compile to Hopper's wgmma.
+DEFAULT_CONFIG = (1, BLOCK_N, 4, 1, TARGET_PROGRAMS)
+ONE_ROW_CONFIG = DEFAULT_CONFIG
+FEW_ROWS_CONFIG = DEFAULT_CONFIG
 
 if HAS_TRITON:
     import triton
@@ -29,13 +36,14 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dot_acc
 
     @triton.jit
-    def online_step(q, cell, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c, s_h, scale,
-                    GP: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, Q8: tl.constexpr,
+    def online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c, s_h,
+                    scale, GP: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, Q8: tl.constexpr,
                     DT: tl.constexpr, UPCAST: tl.constexpr):
-        """One online-softmax step of the G query heads q [GP, DP] over BN cells of kv head h (cell [BN] int64, the
-        invalid ones masked) -> the updated (m_i, l_i, acc). Shared with triton_sparse_attention."""
+        """One online-softmax step of the query rows q [GP, DP] over BN cells of kv head h -> the updated (m_i, l_i,
+        acc). cell [BN] int64; load_ok [BN]: the cells to read; valid [GP, BN] (or [1, BN] for all rows): the cells
+        each query row attends to. Shared with triton_sparse_attention."""
         dd = tl.arange(0, DP)
-        lm = valid[:, None] & (dd < D)[None, :]
+        lm = load_ok[:, None] & (dd < D)[None, :]
         K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
         V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
         if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype (as dequant_q8_0 does)
@@ -49,7 +57,7 @@ if HAS_TRITON:
             sc = tl.dot(q, tl.trans(K), zero, input_precision="ieee")
         else:
             sc = dot_acc(q, tl.trans(K), zero, UPCAST)
-        sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # [GP, BN]
+        sc = tl.where(valid, sc * scale, float("-inf"))  # [GP, BN]
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid cell so far
         alpha = tl.exp(m_i - m_use)
@@ -61,45 +69,57 @@ if HAS_TRITON:
         return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
     @triton.jit
-    def start_heads(q_ptr, t, h, q_t, q_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-        """The G query heads of row t that share kv head h as a [GP, DP] tile, and an empty online softmax (m, l,
-        acc)."""
-        g = tl.arange(0, GP)
-        dd = tl.arange(0, DP)
-        q = tl.load(q_ptr + t * q_t + (h * G + g)[:, None] * q_h + dd[None, :],
-                    mask=(g < G)[:, None] & (dd < D)[None, :], other=0.0)
-        return (q, tl.full([GP], float("-inf"), dtype=tl.float32), tl.zeros([GP], dtype=tl.float32),
-                tl.zeros([GP, DP], dtype=tl.float32))
+    def query_rows(t0, T, G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr):
+        """The RP * GP query rows of a program whose first row is t0: (row t, head within the group g, in use)."""
+        r = tl.arange(0, RP * GP)
+        t = t0 + r // GP
+        g = r % GP
+        return t, g, (g < G) & (t < T)
 
     @triton.jit
-    def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G: tl.constexpr,
-                       GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-        """A program's chunk result for row t, kv head h, chunk s, in combine_chunks' layout."""
-        g = tl.arange(0, GP)
+    def start_heads(q_ptr, t0, T, h, q_t, q_h, G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr,
+                    DP: tl.constexpr):
+        """The G query heads that share kv head h, of rows t0 .. t0 + RP - 1 (those below T), as an [RP * GP, DP]
+        tile, and an empty online softmax (m, l, acc)."""
+        t, g, used = query_rows(t0, T, G, GP, RP)
         dd = tl.arange(0, DP)
-        gm = g < G
+        q = tl.load(q_ptr + t[:, None] * q_t + (h * G + g)[:, None] * q_h + dd[None, :],
+                    mask=used[:, None] & (dd < D)[None, :], other=0.0)
+        return (q, tl.full([RP * GP], float("-inf"), dtype=tl.float32), tl.zeros([RP * GP], dtype=tl.float32),
+                tl.zeros([RP * GP, DP], dtype=tl.float32))
+
+    @triton.jit
+    def store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t0, T, h, s, a_t, a_h, a_s, ml_t, ml_h, G: tl.constexpr,
+                       GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """A program's chunk result for rows t0 .. t0 + RP - 1, kv head h, chunk s, in combine_chunks' layout."""
+        t, g, used = query_rows(t0, T, G, GP, RP)
+        dd = tl.arange(0, DP)
         heads = h * G + g
-        tl.store(acc_ptr + t * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc,
-                 mask=gm[:, None] & (dd < D)[None, :])
-        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=gm)
-        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=gm)
+        tl.store(acc_ptr + t[:, None] * a_t + heads[:, None] * a_h + s * a_s + dd[None, :], acc,
+                 mask=used[:, None] & (dd < D)[None, :])
+        tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=used)
+        tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=used)
 
     @triton.jit
-    def _masked_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, N, CHUNK, scale,
+    def _masked_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, T, N, CHUNK, scale,
                             q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
-                            G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BN: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr, UPCAST: tl.constexpr):
-        t = tl.program_id(0)
+                            G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BN: tl.constexpr, STAGES: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
+                            UPCAST: tl.constexpr):
+        t0 = tl.program_id(0) * RP
         h = tl.program_id(1)
         s = tl.program_id(2)
-        q, m_i, l_i, acc = start_heads(q_ptr, t, h, q_t, q_h, G, GP, D, DP)
-        for j0 in range(s * CHUNK, s * CHUNK + CHUNK, BN):
+        q, m_i, l_i, acc = start_heads(q_ptr, t0, T, h, q_t, q_h, G, GP, RP, D, DP)
+        t, g, used = query_rows(t0, T, G, GP, RP)
+        for j0 in tl.range(s * CHUNK, s * CHUNK + CHUNK, BN, num_stages=STAGES):
             j = j0 + tl.arange(0, BN)
             inn = j < N
-            valid = inn & (tl.load(mask_ptr + t * mk_t + j, mask=inn, other=0) != 0)
-            m_i, l_i, acc = online_step(q, j.to(tl.int64), valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c,
-                                        k_h, s_c, s_h, scale, GP, DP, D, BN, Q8, DT, UPCAST)
-        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, D, DP)
+            lm = used[:, None] & inn[None, :]
+            valid = lm & (tl.load(mask_ptr + t[:, None] * mk_t + j[None, :], mask=lm, other=0) != 0)  # [RP*GP, BN]
+            load_ok = tl.max(valid.to(tl.int32), axis=0) > 0  # a cell some row attends to
+            m_i, l_i, acc = online_step(q, j.to(tl.int64), load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                        h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
+        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t0, T, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, RP, D, DP)
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,
@@ -125,18 +145,27 @@ if HAS_TRITON:
         tl.store(o_ptr + t * o_t + h * o_h + dd, out.to(o_ptr.dtype.element_ty), mask=dm)
 
 
-def plan_chunks(T: int, Hkv: int, n: int, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS) -> tuple[int, int]:
-    """(cells per chunk, chunks): enough chunks to fill the GPU, each a whole number of BLOCK_N-cell steps."""
+def plan_chunks(T: int, Hkv: int, n: int, block_n: int = BLOCK_N, target: int = TARGET_PROGRAMS, rp: int = 1
+                ) -> tuple[int, int]:
+    """(cells per chunk, chunks): enough chunks to fill the GPU (programs of rp rows), each a whole number of
+    block_n-cell steps."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
-    splits = max(1, min(cdiv(n, block_n), cdiv(target, max(1, T * Hkv))))
+    splits = max(1, min(cdiv(n, block_n), cdiv(target, max(1, cdiv(T, rp) * Hkv))))
     chunk = cdiv(cdiv(n, splits), block_n) * block_n
     return chunk, cdiv(n, chunk)
 
 
 def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
-                            v_scale: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-    """Launch both kernels; arguments as `masked_attention` (already checked)."""
+                            v_scale: torch.Tensor | None, mask: torch.Tensor,
+                            config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Launch both kernels; arguments as `masked_attention` (already checked). config: (rows per program (a power of
+    two), cells per step, warps, pipeline stages, programs wanted); default ONE_ROW_CONFIG or FEW_ROWS_CONFIG."""
+    T = q.shape[0]
+    rp, block_n, warps, stages, target = config or (ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG)
+    if rp < 1 or rp & (rp - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"masked attention config {config}: rows per program and cells per step must be powers of "
+                         "two (cells per step >= 16)")
     T, H, d = q.shape
     n, Hkv = k.shape[0], k.shape[1]
     G = H // Hkv
@@ -148,19 +177,19 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     q8 = k_scale is not None
     if k.stride() != v.stride() or (q8 and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1)):
         raise ValueError("masked attention: k and v (and their scales) need the same layout")
-    chunk, splits = plan_chunks(T, Hkv, n)
+    chunk, splits = plan_chunks(T, Hkv, n, block_n, target, rp)
     acc = torch.empty(T, H, splits, d, dtype=torch.float32, device=q.device)
     m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
     lsum = torch.empty_like(m)
     ks = k_scale if q8 else k  # unused pointers when not q8_0
     vs = v_scale if q8 else v
     DP = max(16, next_pow2(d))
-    _masked_attn_kernel[(T, Hkv, splits)](
-        q, k, v, ks, vs, mask.view(torch.uint8), acc, m, lsum, n, chunk, d ** -0.5,
+    _masked_attn_kernel[(-(-T // rp), Hkv, splits)](
+        q, k, v, ks, vs, mask.view(torch.uint8), acc, m, lsum, T, n, chunk, d ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
         mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        G=G, GP=max(16, next_pow2(G)), D=d, DP=DP, BN=BLOCK_N, Q8=q8, DT=tl_dtype(q.dtype), UPCAST=INTERPRET,
-        num_warps=4)
+        G=G, GP=max(16, next_pow2(G)), RP=rp, D=d, DP=DP, BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype),
+        UPCAST=INTERPRET, num_warps=warps)
     return combine_chunks(acc, m, lsum, q.dtype)
 
 

@@ -34,7 +34,7 @@ if HAS_TRITON:
         t = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
-        q, m_i, l_i, acc = start_heads(q_ptr, t, h, q_t, q_h, G, GP, D, DP)
+        q, m_i, l_i, acc = start_heads(q_ptr, t, t + 1, h, q_t, q_h, G, GP, 1, D, DP)
         pos = tl.load(pos_ptr + t)
         tail = tl.load(tail_ptr + t)
         nbr = NB * R
@@ -46,9 +46,10 @@ if HAS_TRITON:
             cell_t = tail + (j - nbr)
             valid = inl & tl.where(inb, blk >= 0, cell_t <= pos)
             cell = tl.where(valid, tl.where(inb, blk * R + j % R, cell_t), 0).to(tl.int64)
-            m_i, l_i, acc = online_step(q, cell, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c,
-                                        s_h, scale, GP, DP, D, BLOCK_N, Q8, DT, UPCAST)
-        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, D, DP)
+            m_i, l_i, acc = online_step(q, cell, valid, valid[None, :], m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h,
+                                        k_c, k_h, s_c, s_h, scale, GP, DP, D, BLOCK_N, Q8, DT, UPCAST)
+        store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t, t + 1, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, 1, D,
+                       DP)
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
