@@ -161,12 +161,11 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Launch both kernels; arguments as `masked_attention` (already checked). config: (rows per program (a power of
     two), cells per step, warps, pipeline stages, programs wanted); default ONE_ROW_CONFIG or FEW_ROWS_CONFIG."""
-    T = q.shape[0]
+    T, H, d = q.shape
     rp, block_n, warps, stages, target = config or (ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG)
     if rp < 1 or rp & (rp - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"masked attention config {config}: rows per program and cells per step must be powers of "
                          "two (cells per step >= 16)")
-    T, H, d = q.shape
     n, Hkv = k.shape[0], k.shape[1]
     G = H // Hkv
     q = q if q.stride(-1) == 1 else q.contiguous()
