@@ -421,8 +421,9 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
 # ---- 4. Q4 LM head ---------------------------------------------------------------------------------------------
 
 def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = False,
-             W: Q4Weight | None = None) -> Q4Weight:
-    """The Q4 head kernel (x quantized to int8 blocks) against its reference (tight in f32: only the f32
+             W: Q4Weight | None = None, config: tuple[int, int, int, int] | None = None) -> Q4Weight:
+    """The Q4 head kernel (x quantized to int8 blocks; config: its (rows, blocks per step, warps, stages), the
+    default when None) against its reference (tight in f32: only the f32
     summation order differs), and how far the int8 x moves it from the exact dequantize-matmul (info)."""
     dev = R.device
     if W is None:
@@ -430,11 +431,11 @@ def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = 
     x = torch.randn(M, K, device=dev).to(xdt)
     ref = q4_q8_matvec_torch(x, W)
     out = torch.full((M, N), float("nan"), device=dev, dtype=xdt)
-    q4_q8_matvec_triton(x, W.packed, W.scales, out=out)
+    q4_q8_matvec_triton(x, W.packed, W.scales, out=out, **({"config": config} if config else {}))
     e = rel_err(out, ref)
     # bf16/f16 outputs: rounding the same f32 value to the output dtype may differ by an ulp at ties of order
     ok = e < (TOL[torch.float32] if xdt == torch.float32 else 8e-3)
-    name = f"q4_head N={N} K={K} M={M} x={str(xdt).removeprefix('torch.')}"
+    name = f"q4_head N={N} K={K} M={M} x={str(xdt).removeprefix('torch.')}" + (f" config={config}" if config else "")
     row = Row(name, ok, f"rel err {e:.2e} vs its reference; {rel_err(out, q4_matvec_torch(x, W)):.2e} vs exact "
                         f"dequantize-matmul (int8 x)")
     if timed and R.timing:
@@ -459,11 +460,11 @@ def q4_sweep(R: Runner, N: int = 248320, K: int = 2560, repeat: int = 8) -> None
     ref = q4_q8_matvec_torch(x, W)
     out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
     nbytes = N * K // 2 + N * K // 32 * 2
-    grid = [(bn, nb, w) for bn in (8, 16, 32, 64) for nb in (8, 16) for w in (1, 2, 4)]
+    grid = [(bn, nb, w, st) for bn in (16, 32, 64) for nb in (8, 16) for w in (1, 2, 4) for st in (1, 2, 3)]
     print(f"\nq4 head sweep: us per call in a graph of {repeat} calls (M=1, bf16, {nbytes / 1e6:.0f} MB)")
     best, t_best, bad = None, float("inf"), []
     for cfg in grid:
-        def call(_: int, cfg: tuple[int, int, int] = cfg) -> None:
+        def call(_: int, cfg: tuple[int, int, int, int] = cfg) -> None:
             q4_q8_matvec_triton(x, W.packed, W.scales, config=cfg, out=out)
         try:
             call(0)
@@ -1011,6 +1012,7 @@ def q4_and_rest_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_q4(R, 200, 256, 1, torch.float32)
         check_q4(R, 130, 96, 3, torch.bfloat16)
         check_q4(R, 64, 64, 8, torch.float16)
+        check_q4(R, 100, 160, 2, torch.float32, config=(16, 2, 1, 3))  # a pipelined K loop, a ragged last step
     else:
         W = check_q4(R, 248320, 2560, 1, torch.bfloat16, timed=True)
         check_q4(R, 248320, 2560, 1, torch.float32, W=W)

@@ -18,7 +18,9 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
 
-DEFAULT_CONFIG = (32, 16, 2)  # rows per program, blocks per K step, warps (the sweep's best)
+# rows per program, blocks per K step, warps (the s8b sweep's best), pipeline stages of the K loop (1: none, as
+# measured; `scripts/gpu_kernels.py --q4-sweep` times 2 and 3)
+DEFAULT_CONFIG = (32, 16, 2, 1)
 
 if HAS_TRITON:
     import triton
@@ -56,8 +58,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _q4_q8_matvec_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, s_ptr, o_ptr, N, o_m, KB: tl.constexpr,
-                             BN: tl.constexpr, NB: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr,
-                             OUT_DT: tl.constexpr):
+                             BN: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
+                             ASM: tl.constexpr, OUT_DT: tl.constexpr):
         """Grid (N / BN, M). Weights and x both as int32 words: word j of block b holds nibbles 4j..4j+3 (low)
         and 16+4j..16+4j+3 (high), and x words 8b+j and 8b+4+j hold the matching int8 x. Per word: two masks
         and two dp4a, four multiply-adds each; per block: (sum - 8 * sum(qx)) * d_w * d_x in f32."""
@@ -71,7 +73,7 @@ if HAS_TRITON:
         srow = s_ptr + n64[:, None] * KB
         xrow = xq_ptr + m * (KB * 8)
         acc = tl.zeros([BN, NB], dtype=tl.float32)
-        for b0 in range(0, KB, NB):
+        for b0 in tl.range(0, KB, NB, num_stages=STAGES):
             blk = b0 + ib
             if EVEN_N and KB % NB == 0:
                 w = tl.load(wrow + blk[None, :, None] * 4)
@@ -111,7 +113,7 @@ def quantize_q8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def q4_q8_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                        config: tuple[int, int, int] = DEFAULT_CONFIG, out: torch.Tensor | None = None
+                        config: tuple[int, int, int, int] = DEFAULT_CONFIG, out: torch.Tensor | None = None
                         ) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T with x quantized to int8 per 32-element block (quantize_q8_triton), W's planes
     packed [N, K/2] uint8 and scales [N, K/32] f16 (contiguous). Each x row has its own programs, so a row's result
@@ -122,13 +124,13 @@ def q4_q8_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
         raise ValueError(f"q4_q8_matvec: x {tuple(x.shape)} packed {tuple(packed.shape)} scales {tuple(scales.shape)}")
     if x.stride(1) != 1 or not packed.is_contiguous() or not scales.is_contiguous():
         raise ValueError("q4_q8_matvec needs x rows, packed and scales contiguous")
-    bn, nb, warps = config
+    bn, nb, warps, stages = config
     out = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1:
         raise ValueError("out must be [M, N] in x.dtype with a contiguous last dim")
     xq, xd, xs = quantize_q8_triton(x)
     _q4_q8_matvec_kernel[(triton.cdiv(N, bn), M)](xq.view(torch.int32), xd, xs, packed.view(torch.int32), scales,
-                                                  out, N, out.stride(0), KB=K // 32, BN=bn, NB=nb,
+                                                  out, N, out.stride(0), KB=K // 32, BN=bn, NB=nb, STAGES=stages,
                                                   EVEN_N=N % bn == 0, ASM=not INTERPRET, OUT_DT=tl_dtype(x.dtype),
                                                   num_warps=warps)
     return out
