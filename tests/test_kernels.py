@@ -709,6 +709,10 @@ def test_kv_write_q8_0_dispatch() -> None:
         assert torch.equal(dequant_q8_0_torch(q[pos], s[pos], torch.float32), dequant_q8_0_torch(xq, xs, torch.float32))
     others = torch.tensor([i for i in range(10) if i not in (7, 2, 4)])
     assert not kq[others].any() and not vs[others].any()
+    # without the kernel (or where it does not apply) the write quantizes with the `quantize` it is given
+    seen = []
+    write_q8_0(kq, vq, ks, vs, pos, k, v, kernel=False, quantize=lambda x: seen.append(x) or quantize_q8_0_torch(x))
+    assert len(seen) == 2 and seen[0] is k and seen[1] is v
     with pytest.raises(ValueError, match="rows k, v"):
         write_q8_0(kq, vq, ks, vs, pos[:2], k, v)
     with pytest.raises(ValueError, match="scales must be"):

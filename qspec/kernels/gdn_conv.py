@@ -18,7 +18,8 @@ import torch
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.model.ops import causal_taps, l2_norm, row_exact, silu
 
-# A module flag rather than an engine option: dynamo guards on its value, like hc_mix's step-rows switch.
+# A module flag (EngineOptions.gdn_conv_kernel sets it around generate): dynamo guards on its value, like hc_mix's
+# step-rows switch.
 _ON = True
 
 

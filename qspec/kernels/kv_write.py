@@ -58,13 +58,15 @@ def write_q8_0_torch(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: t
 
 
 def write_q8_0(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos: torch.Tensor,
-               k: torch.Tensor, v: torch.Tensor) -> None:
-    """As `write_q8_0_torch`; one Triton launch on CUDA (and under the interpreter)."""
+               k: torch.Tensor, v: torch.Tensor, kernel: bool = True,
+               quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_q8_0_torch) -> None:
+    """As `write_q8_0_torch`; with `kernel`, one Triton launch on CUDA (and under the interpreter), else (and where
+    the kernel does not apply) `write_q8_0_torch` with `quantize`."""
     _check(kq, vq, ks, vs, pos, k, v)
-    if use_triton(k) and k.shape[0] > 0 and all(t.is_contiguous() for t in (kq, vq, ks, vs)) \
+    if kernel and use_triton(k) and k.shape[0] > 0 and all(t.is_contiguous() for t in (kq, vq, ks, vs)) \
             and k.stride(-1) == 1 and v.stride(-1) == 1:
         from qspec.kernels.triton_kv_write import write_q8_0_triton
 
         write_q8_0_triton(kq, vq, ks, vs, pos, k, v)
         return
-    write_q8_0_torch(kq, vq, ks, vs, pos, k, v)
+    write_q8_0_torch(kq, vq, ks, vs, pos, k, v, quantize=quantize)

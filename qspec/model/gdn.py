@@ -59,7 +59,7 @@ class GatedDeltaNet(torch.nn.Module):
         last_only = T > rc.n_slots
         X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
                             live=rc.live)
-        if kernel_takes(X, self.conv_w, T, Hk, Hv, d):  # opt-in (gdn_conv.conv_kernel_mode), one launch
+        if kernel_takes(X, self.conv_w, T, Hk, Hv, d):  # one launch (on unless gdn_conv.conv_kernel_mode(False))
             from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 
             q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, d)

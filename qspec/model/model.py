@@ -119,9 +119,12 @@ class Model(torch.nn.Module):
         c, dev = self.cfg, self.device
         if opts.capacity % 4:
             raise ValueError(f"cache capacity must be a multiple of 4, got {opts.capacity}")
-        kv = {i: KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev, fused_attention=opts.fused_attention,
-                         write_kernel=opts.kv_write_kernel) for i in c.qsa_layers()}
+
+        def new_kv() -> KVCache:
+            return KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
+                           device=dev, fused_attention=opts.fused_attention, write_kernel=opts.kv_write_kernel)
+
+        kv = {i: new_kv() for i in c.qsa_layers()}
         idx, layouts = {}, {}
         for i in c.qsa_layers():
             r = c.ratio(i)
@@ -130,9 +133,7 @@ class Model(torch.nn.Module):
                 if r not in layouts:
                     layouts[r] = PooledLayout(r, opts.capacity // r, preserve=opts.preserve_pooled,
                                               pad_target=opts.pad_target, incremental=opts.incremental_pooled)
-        mtp_kv = KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                         device=dev, fused_attention=opts.fused_attention,
-                         write_kernel=opts.kv_write_kernel) if self.mtp is not None else None
+        mtp_kv = new_kv() if self.mtp is not None else None
         return ModelCache(opts, kv, idx, RecurrentCache(c, opts.n_slots, dev), CellTable(opts.capacity), layouts,
                           mtp_kv)
 

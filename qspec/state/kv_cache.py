@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from qspec.kernels.dequant import Q8_BLOCK, dequant_kv
-from qspec.kernels.kv_write import quantize_q8_0_torch, write_q8_0, write_q8_0_torch
+from qspec.kernels.kv_write import quantize_q8_0_torch, write_q8_0
 from qspec.model.fuse import fused
 
 quantize_q8_0 = fused(quantize_q8_0_torch)  # x [..., d] -> int8 values, f16 scales [..., d/32] (ggml's Q8_0)
@@ -47,10 +47,9 @@ class KVCache:
             self.v = torch.zeros(shape, dtype=store, device=device)
 
     def write(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.cache_type == "q8_0" and self.write_kernel:
-            write_q8_0(self.k, self.v, self.k_scale, self.v_scale, pos, k, v)
-        elif self.cache_type == "q8_0":  # the compiled quantization, four index copies
-            write_q8_0_torch(self.k, self.v, self.k_scale, self.v_scale, pos, k, v, quantize=quantize_q8_0)
+        if self.cache_type == "q8_0":  # the kernel, or the compiled quantization and four index copies
+            write_q8_0(self.k, self.v, self.k_scale, self.v_scale, pos, k, v, kernel=self.write_kernel,
+                       quantize=quantize_q8_0)
         else:
             self.k.index_copy_(0, pos, k.to(self.k.dtype))
             self.v.index_copy_(0, pos, v.to(self.v.dtype))
