@@ -386,7 +386,7 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
     configs (rows per program, cells per step, warps, stages, programs), for a draft step's causal row, a decode's
     QSA row and a verify's six QSA rows: each checked against the f32 reference and timed in a CUDA graph over
     `copies` caches (58 MB, more than the 50 MB L2), beside the model's default path on the same inputs."""
-    from qspec.kernels.triton_masked_attention import DEFAULT_CONFIG
+    from qspec.kernels.triton_masked_attention import FEW_ROWS_CONFIG, ONE_ROW_CONFIG
 
     print(f"\nmasked attention sweep: us per call in a graph over {copies} caches (bf16 q, q8_0 cells)")
     for T, keep in ((1, 1.0), (1, 0.45), (6, 0.45)):
@@ -408,8 +408,9 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
             times.append((graph_per_call(lambda i, c=cfg, s=sets: masked_attention_triton(*s[i % copies], config=c),
                                          copies), cfg))
         times.sort()
-        dflt = next((t for t, c in times if c == DEFAULT_CONFIG), None)
-        print(f"  T={T} keep={keep}: default path {t_path:.1f} us; kernel default config "
+        chosen = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
+        dflt = next((t for t, c in times if c == chosen), None)
+        print(f"  T={T} keep={keep}: default path {t_path:.1f} us; kernel's config {chosen} "
               f"{'-' if dflt is None else f'{dflt:.1f}'} us; best: "
               + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]) + (f"; failed: {bad}" if bad else ""), flush=True)
         best = times[0] if times else None

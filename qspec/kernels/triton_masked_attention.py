@@ -22,12 +22,13 @@ from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dty
 BLOCK_N = 32  # cells per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
 COMBINE_STEP = 16  # chunks the combine kernel reads per step
-# (rows per program RP, cells per step, warps, pipeline stages, programs wanted): the design measured in BENCHMARKS.md
-# §4 (one row per program), for one-row steps (decode, draft) and for a few rows (verify). `scripts/gpu_kernels.py
-# --attention-sweep` times the alternatives; with four rows per program the products compile to Hopper's wgmma.
+# (rows per program RP, cells per step, warps, pipeline stages, programs wanted), for one-row steps (decode, draft)
+# and for a few rows (verify). `scripts/gpu_kernels.py --attention-sweep` times the alternatives (BENCHMARKS.md §4,
+# twelfth session): one row per program is the fastest for one row; for six rows, four rows per program (K and V read
+# and dequantized once for four rows, the products on Hopper's wgmma) took 41.0 us against 59.7 us with one row.
 DEFAULT_CONFIG = (1, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 ONE_ROW_CONFIG = DEFAULT_CONFIG
-FEW_ROWS_CONFIG = DEFAULT_CONFIG
+FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 
 if HAS_TRITON:
     import triton
