@@ -42,10 +42,10 @@ case "$step" in
     h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,\
 nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cublas:from=ours,gemv=0,\
 ours-sparse:from=ours,sparse=1" ;;
-    # (d2) masked attention in one Triton pass over the cache (fattn) against the default path, same run; ours twice
-    #     (first and last) to show the spread between arms that run the same code
-    h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-fattn:from=nospec,fattn=1,ours,\
-ours-fattn:from=ours,fattn=1,ours-again:from=ours" ;;
+    # (d2) masked attention in one Triton pass over the cache (the default on CUDA since the twelfth session) against
+    #     the dequantized read (fattn=0), same run; ours twice (first and last) to show the spread of one build
+    h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-dqread:from=nospec,fattn=0,ours,\
+ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -366,9 +366,12 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--sparse-attention", action="store_true",
                    help="QSA reads only the indexer's chosen blocks and the tail (a Triton kernel on CUDA) instead of "
                         "masking every cell of a KV bucket")
-    r.add_argument("--fused-attention", action="store_true",
-                   help="masked attention (QSA's dense path, the MTP head) in one Triton pass over the KV cache, "
-                        "q8_0 dequantized in registers, instead of a dequantized copy, batched products and a softmax")
+    fa = r.add_mutually_exclusive_group()
+    fa.add_argument("--fused-attention", dest="fused_attention", action="store_const", const=True, default=None,
+                    help="masked attention (QSA's dense path, the MTP head) in one pass over the KV cache, q8_0 "
+                         "dequantized in registers (default on CUDA; on the CPU this runs its torch reference)")
+    fa.add_argument("--no-fused-attention", dest="fused_attention", action="store_const", const=False,
+                    help="masked attention through a dequantized copy of the cache, batched products and a softmax")
     _on_off(r, "--no-kv-write-kernel", "kv_write_kernel", "write a q8_0 KV cache with the compiled quantization and "
             "four index copies instead of one Triton launch per layer and step (CUDA)")
     _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "

@@ -41,7 +41,8 @@ class EngineOptions:
     pad_target: int | None = 8
     fused_snapshots: bool = True
     sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
-    fused_attention: bool = False  # masked attention in one pass over the cache (kernels/masked_attention.py)
+    # masked attention in one pass over the cache (kernels/masked_attention.py); None: on CUDA, off on the CPU
+    fused_attention: bool | None = None
     kv_write_kernel: bool = True  # q8_0 KV writes in one launch per layer and step on CUDA (kernels/kv_write.py)
     # GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (kernels/gdn_conv.py), on CUDA
     gdn_conv_kernel: bool = True

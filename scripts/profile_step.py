@@ -51,8 +51,9 @@ def main() -> int:
                     help="comma-separated step kinds among " + ", ".join(KINDS) + " (each pays its own first-request "
                          "compilation)")
     ap.add_argument("--no-gemv", dest="gemv", action="store_false", help="one-row products on cuBLAS")
-    ap.add_argument("--fused-attention", action="store_true",
-                    help="masked attention in one Triton pass over the KV cache (kernels/masked_attention.py)")
+    ap.add_argument("--no-fused-attention", dest="fused_attention", action="store_const", const=False, default=None,
+                    help="masked attention through a dequantized copy of the KV cache instead of the default Triton "
+                         "one-pass read (kernels/masked_attention.py)")
     ap.add_argument("--mixer-ab", action="store_true",
                     help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
                          "Triton kernels (kernels/hc_mix.py), in the same process")

@@ -132,10 +132,11 @@ def test_arm_specs() -> None:
     assert (o.compile, o.sparse_attention, o.gemv) == (True, False, True)
     f = parse_arms("f:from=ours,fattn=1")[0]
     assert f.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).fused_attention is True
-    assert "fused masked attention" in f.describe() and o.fused_attention is False
-    ka = parse_arms("k:from=ours,kvw=0,gconv=off")[0]
+    assert "fused masked attention" in f.describe() and o.fused_attention is None  # None: on CUDA, off on the CPU
+    ka = parse_arms("k:from=ours,kvw=0,gconv=off,fattn=0")[0]
     k = ka.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None)
     assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (False, False, False)
+    assert "default masked attention read" in ka.describe() and "attention" not in BUILTIN["ours"].describe()
     assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults
     assert k.cache_options().kv_write_kernel is False and "compiled GDN conv" in ka.describe()
     c = parse_arms("c:from=nospec,gemv=off")[0]

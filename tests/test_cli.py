@@ -95,6 +95,8 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
     rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-kv-write-kernel",
                        "--no-gdn-conv-kernel", "--fused-attention")
     assert rc == 0 and off == plain, err
+    rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-fused-attention")
+    assert rc == 0 and off == plain, err
 
 
 def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -242,6 +244,8 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("ctx not a multiple of 4", ["run", "x", "--model", "{gguf}", "--ctx", "30"], "multiple of 4"),
     ("not a number", ["run", "x", "--model", "{gguf}", "--draft", "three"], "invalid int value"),
     ("bad kv type", ["run", "x", "--model", "{gguf}", "--kv-type", "q4"], "invalid choice"),
+    ("attention on and off", ["run", "x", "--model", "{gguf}", "--fused-attention", "--no-fused-attention"],
+     "not allowed with argument"),
     ("no command", [], "required"),
     ("logits ids out of vocab", ["logits", "{gguf}", "--ids", "1,512", "--out", "{dir}/o.npy"], "[0, 512)"),
     ("logits bad ids", ["logits", "{gguf}", "--ids", "1,a", "--out", "{dir}/o.npy"], "comma-separated"),

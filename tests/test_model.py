@@ -123,6 +123,8 @@ def test_fused_attention_equals_default_path(kv_type: str) -> None:
     model = build_model(tiny_config(), seed=7)
     ids = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(7))
     out = {}
+    # the default (None) turns the fused read on only where its Triton kernel runs: on the CPU, the default path
+    assert not any(kv.fused_attention for kv in Runner(model, CacheOptions(capacity=128)).cache.kv.values())
     for fused in (False, True):
         run = Runner(model, CacheOptions(capacity=128, kv_type=kv_type, fused_attention=fused, kv_write_kernel=fused))
         assert all(kv.fused_attention == fused and kv.write_kernel == fused

@@ -41,7 +41,7 @@ class Arm:
     compile: bool = True  # torch.compile-fused step math on CUDA (the engine's default; off for A/B runs)
     sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
     gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
-    fattn: bool = False  # masked attention in one pass over the cache (--fused-attention)
+    fattn: bool | None = None  # masked attention in one pass over the cache (None: the default, on CUDA)
     kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
     gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
 
@@ -70,7 +70,9 @@ class Arm:
             parts.append("unfused step math")
         if self.sparse:
             parts.append("sparse attention")
-        if self.fattn:
+        if self.fattn is False:
+            parts.append("default masked attention read")
+        elif self.fattn:
             parts.append("fused masked attention")
         if not self.kvw:
             parts.append("compiled q8_0 KV write")

@@ -13,6 +13,7 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight, q4_matvec
+from qspec.kernels.triton_common import triton_enabled
 from qspec.model import fuse
 from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
@@ -46,8 +47,9 @@ class CacheOptions:
     fused_snapshots: bool = True  # seed Algorithms 4-5
     sparse_attention: bool = False  # QSA reads the chosen blocks' cells directly instead of masking a KV bucket
     # masked (dense) attention of QSA and the MTP head in one pass over the cache, q8_0 dequantized in registers
-    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax
-    fused_attention: bool = False
+    # (kernels/masked_attention.py), instead of a dequantized copy, batched products and a softmax. None: on where
+    # its Triton kernel runs (CUDA), off elsewhere; True on the CPU runs its torch reference (tests)
+    fused_attention: bool | None = None
     # a q8_0 cache written in one launch per step and layer on CUDA (kernels/kv_write.py) instead of the compiled
     # quantization and four index copies
     kv_write_kernel: bool = True
@@ -120,9 +122,13 @@ class Model(torch.nn.Module):
         if opts.capacity % 4:
             raise ValueError(f"cache capacity must be a multiple of 4, got {opts.capacity}")
 
+        fused_attention = opts.fused_attention
+        if fused_attention is None:
+            fused_attention = dev.type == "cuda" and triton_enabled()
+
         def new_kv() -> KVCache:
             return KVCache(opts.capacity, c.n_kv_heads, c.head_dim, cache_type=opts.kv_type, dtype=self.dtype,
-                           device=dev, fused_attention=opts.fused_attention, write_kernel=opts.kv_write_kernel)
+                           device=dev, fused_attention=fused_attention, write_kernel=opts.kv_write_kernel)
 
         kv = {i: new_kv() for i in c.qsa_layers()}
         idx, layouts = {}, {}
