@@ -543,6 +543,47 @@ def test_masked_attention_plan_and_config() -> None:
             masked_attention_triton(q, k, v, None, None, torch.ones(2, 8, dtype=torch.bool), config=bad)
 
 
+def test_masked_attention_compiles_once_for_every_kv_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton compiles a kernel again when an integer argument changes its divisibility by 16 (or its being 1). A
+    request that crosses into the next KV bucket changes the cell and chunk counts; at the real geometry (24/2 heads
+    of 256, q8_0 cells, buckets of 512 from 512 to 8,192 cells), one row (decode, draft) and six (verify, extend), every
+    argument the two kernels specialize on must keep its class, so the crossing compiles nothing. Before the partial
+    results' buffers were sized by the most chunks, their stride changed class between 4,608 and 5,120 cells."""
+    pytest.importorskip("triton")
+    import qspec.kernels.triton_masked_attention as tma
+
+    specialized = {name: [not p.do_not_specialize for p in getattr(tma, name).params]
+                   for name in ("_masked_attn_kernel", "_combine_kernel")}
+    calls: list[tuple[str, tuple, dict]] = []
+
+    class Recorder:  # stands in for a kernel: records its arguments instead of launching
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: tuple[int, ...]):  # noqa: ANN204
+            return lambda *args, **kw: calls.append((self.name, args, kw))
+
+    for name in specialized:
+        monkeypatch.setattr(tma, name, Recorder(name))
+
+    def key(name: str, args: tuple, kw: dict) -> tuple:
+        ints = tuple((a % 16 == 0, a == 1) for a, s in zip(args, specialized[name], strict=False)
+                     if s and isinstance(a, int) and not isinstance(a, bool))
+        return name, ints, tuple(sorted((k, v) for k, v in kw.items() if k != "DT"))
+
+    for T in (1, 6):
+        keys = set()
+        for n in range(512, 8193, 512):
+            calls.clear()
+            q = torch.empty(T, 24, 256, dtype=torch.bfloat16)
+            k, v = torch.empty(n, 2, 256, dtype=torch.int8), torch.empty(n, 2, 256, dtype=torch.int8)
+            ks, vs = torch.empty(n, 2, 8, dtype=torch.float16), torch.empty(n, 2, 8, dtype=torch.float16)
+            tma.masked_attention_triton(q, k, v, ks, vs, torch.ones(T, n, dtype=torch.bool))
+            assert [c[0] for c in calls] == ["_masked_attn_kernel", "_combine_kernel"]
+            keys |= {key(*c) for c in calls}
+        assert len(keys) == 2, (T, sorted(keys))
+
+
 # ---- the Triton kernels through Triton's interpreter (CPU) -----------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

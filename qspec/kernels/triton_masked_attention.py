@@ -122,7 +122,7 @@ if HAS_TRITON:
                                         h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
         store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t0, T, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, RP, D, DP)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # the chunk count follows the KV bucket: one compiled kernel for all
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,
                         D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, STEP: tl.constexpr):
         t = tl.program_id(0)
@@ -152,9 +152,25 @@ def plan_chunks(T: int, Hkv: int, n: int, block_n: int = BLOCK_N, target: int = 
     block_n-cell steps."""
     def cdiv(a: int, b: int) -> int:
         return -(-a // b)
-    splits = max(1, min(cdiv(n, block_n), cdiv(target, max(1, cdiv(T, rp) * Hkv))))
+    splits = max(1, min(cdiv(n, block_n), max_chunks(T, Hkv, target, rp)))
     chunk = cdiv(cdiv(n, splits), block_n) * block_n
     return chunk, cdiv(n, chunk)
+
+
+def max_chunks(T: int, Hkv: int, target: int = TARGET_PROGRAMS, rp: int = 1) -> int:
+    """The most chunks plan_chunks gives T rows, whatever the number of cells."""
+    return max(1, -(-target // max(1, -(-T // rp) * Hkv)))
+
+
+def new_partials(T: int, H: int, chunks: int, d: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffers for per-chunk partial results (acc [T, H, S, d], m and l [T, H, S], f32) with room for `chunks`,
+    padded to a multiple of 16. Sized by the most chunks a step's rows can have, not by the chunks of this call,
+    their strides stay the same in every KV bucket: Triton specializes integer arguments on their divisibility by
+    16, so a stride that followed the bucket compiled the kernels again when a request crossed into the next one."""
+    S = -(-chunks // 16) * 16
+    m = torch.empty(T, H, S, dtype=torch.float32, device=device)
+    return torch.empty(T, H, S, d, dtype=torch.float32, device=device), m, torch.empty_like(m)
 
 
 def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
@@ -178,9 +194,7 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     if k.stride() != v.stride() or (q8 and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1)):
         raise ValueError("masked attention: k and v (and their scales) need the same layout")
     chunk, splits = plan_chunks(T, Hkv, n, block_n, target, rp)
-    acc = torch.empty(T, H, splits, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
+    acc, m, lsum = new_partials(T, H, max_chunks(T, Hkv, target, rp), d, q.device)
     ks = k_scale if q8 else k  # unused pointers when not q8_0
     vs = v_scale if q8 else v
     DP = max(16, next_pow2(d))
@@ -190,15 +204,19 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), RP=rp, D=d, DP=DP, BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype),
         UPCAST=INTERPRET, num_warps=warps)
-    return combine_chunks(acc, m, lsum, q.dtype)
+    return combine_chunks(acc, m, lsum, splits, q.dtype)
 
 
-def combine_chunks(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The flash-decoding combine of per-chunk partial results acc [T, H, S, d] f32 and m, l [T, H, S] (the layout
-    of this module's and triton_sparse_attention's first kernels) -> [T, H, d] in dtype, one launch."""
+def combine_chunks(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor, splits: int, dtype: torch.dtype
+                   ) -> torch.Tensor:
+    """The flash-decoding combine of the first `splits` per-chunk partial results in acc [T, H, S, d] f32 and m, l
+    [T, H, S] (new_partials' layout, written by this module's and triton_sparse_attention's first kernels) ->
+    [T, H, d] in dtype, one launch."""
     T, H, S, d = acc.shape
+    if not 1 <= splits <= S:
+        raise ValueError(f"combine: {splits} chunks do not fit buffers of {S}")
     out = torch.empty(T, H, d, dtype=dtype, device=acc.device)
-    _combine_kernel[(T, H)](acc, m, lsum, out, S, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+    _combine_kernel[(T, H)](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
                             m.stride(1), out.stride(0), out.stride(1), D=d, DP=max(16, next_pow2(d)),
                             SP=max(2, next_pow2(S)), STEP=COMBINE_STEP, num_warps=4)
     return out

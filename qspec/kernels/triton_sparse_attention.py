@@ -22,7 +22,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_masked_attention import combine_chunks, online_step, start_heads, store_partials
+    from qspec.kernels.triton_masked_attention import (
+        combine_chunks,
+        new_partials,
+        online_step,
+        start_heads,
+        store_partials,
+    )
 
     @triton.jit
     def _sparse_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, blocks_ptr, tail_ptr, pos_ptr,
@@ -71,9 +77,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     splits = max(1, min(triton.cdiv(L, BN), triton.cdiv(TARGET_PROGRAMS, T * Hkv)))
     chunk = triton.cdiv(triton.cdiv(L, splits), BN) * BN
     splits = triton.cdiv(L, chunk)
-    acc = torch.empty(T, H, splits, d, dtype=torch.float32, device=q.device)
-    m = torch.empty(T, H, splits, dtype=torch.float32, device=q.device)
-    lsum = torch.empty_like(m)
+    acc, m, lsum = new_partials(T, H, splits, d, q.device)  # L is fixed by the budget: so is splits
     q8 = k_scale is not None
     ks = k_scale if q8 else k  # unused pointers when not q8_0
     vs = v_scale if q8 else v
@@ -83,4 +87,4 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         blocks.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), D=d, DP=max(16, next_pow2(d)), R=r, BLOCK_N=BN, Q8=q8,
         DT=tl_dtype(q.dtype), UPCAST=INTERPRET, num_warps=4)
-    return combine_chunks(acc, m, lsum, q.dtype)
+    return combine_chunks(acc, m, lsum, splits, q.dtype)
