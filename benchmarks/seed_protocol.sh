@@ -9,7 +9,7 @@ set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
-h200-fn8-depth h200-fn8-seed}"
+h200-fn8-early h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -46,6 +46,9 @@ ours-sparse:from=ours,sparse=1" ;;
     #     the dequantized read (fattn=0), same run; ours twice (first and last) to show the spread of one build
     h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-dqread:from=nospec,fattn=0,ours,\
 ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
+    # (d3) the next round's draft chain queued before the round's read-back (early) against after it, same run
+    h200-fn8-early) bench merge "${fn8[@]}" --arms "ours,ours-early:from=ours,early=1,ours-again:from=ours,\
+ours-early-again:from=ours,early=1" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -206,6 +206,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
         sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
         kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
+        draft_before_readback=a.draft_before_readback,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
@@ -376,6 +377,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
             "four index copies instead of one Triton launch per layer and step (CUDA)")
     _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "
             "instead of in one Triton launch per layer (CUDA)")
+    r.add_argument("--draft-before-readback", action="store_true",
+                   help="greedy speculation: queue each round's next draft chain before the host reads the round "
+                        "(its first position computed on the device), so the GPU does not wait for the read-back")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -46,6 +46,9 @@ class EngineOptions:
     kv_write_kernel: bool = True  # q8_0 KV writes in one launch per layer and step on CUDA (kernels/kv_write.py)
     # GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (kernels/gdn_conv.py), on CUDA
     gdn_conv_kernel: bool = True
+    # greedy rounds: queue the next round's draft chain before the host reads the round (its first position, which
+    # depends on the accepted count, stays on the device), so the GPU does not wait for the read-back to get it
+    draft_before_readback: bool = False
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
@@ -248,9 +251,10 @@ class Engine:
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
             if on_device:
-                drafts, k, nxt, vX, extended = self._round_on_device(req, tok, d_toks, q_rows, L, forced, sampler)
+                drafts, k, nxt, vX, extended, early = self._round_on_device(req, tok, d_toks, q_rows, L, forced,
+                                                                            sampler)
             else:
-                extended = None
+                extended = early = None
                 drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
                 if forced is not None:
                     k = forced
@@ -265,7 +269,11 @@ class Engine:
                                                                            p, sampler))
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
-            if extended is not None:
+            if early is not None:  # the next round's drafts are queued already (discarded when the request ends)
+                d_toks, q_rows = early[0], []
+                if early[1] is not None and not ends:
+                    req.draft_log.append(early[1])
+            elif extended is not None:
                 d_logits, d_X = extended
                 if not ends:
                     d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L + len(committed), sampler)
@@ -304,10 +312,8 @@ class Engine:
             req.draft_log.append(d_logits[-1:].cpu())
         d_toks: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
-        if sampler.greedy:  # d_1, then the other N - 1 steps as one chain (one graph replay)
-            d_toks.append(argmax_rows(d_logits[-1:]))
-            if o.draft > 1:
-                d_toks.append(run.mtp_chain(d_toks[0], d_X, L + 1, o.draft - 1, o.draft_lm_head)[0])
+        if sampler.greedy:
+            d_toks = self._greedy_chain(d_logits, d_X, L + 1)
             req.phase("draft")
             return d_toks, q_rows
         for i in range(o.draft):
@@ -319,12 +325,24 @@ class Engine:
         req.phase("draft")
         return d_toks, q_rows
 
+    def _greedy_chain(self, d_logits: torch.Tensor, d_X: torch.Tensor, start: int, at: torch.Tensor | None = None
+                      ) -> list[torch.Tensor]:
+        """Greedy drafts as [1] device tensors: d_1, the argmax of d_logits' last row, then the other N - 1 as one
+        chain (one graph replay) from position `start`, or from `at` (a [1] device position; `start` bounds it)."""
+        o = self.opts
+        d_toks = [argmax_rows(d_logits[-1:])]
+        if o.draft > 1:
+            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, o.draft - 1, o.draft_lm_head, at=at)[0])
+        return d_toks
+
     def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
                          L: int, forced: int | None, sampler: Sampler
-                         ) -> tuple[list[int], int, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                         ) -> tuple[list[int], int, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor],
+                                    tuple[list[torch.Tensor], torch.Tensor | None] | None]:
         """The verify step over the queued drafts, the acceptance and the next round's draft extend, queued without
         a host round trip -> (drafts, accepted count k, the target's next token, verify residuals, the extend's
-        (logits, residual)).
+        (logits, residual), and with `draft_before_readback` the next round's greedy drafts queued before the read
+        (with the extend's last logits row on the host when recording logits) or None).
 
         k and the next token are decided on the device (greedy prefix match, or speculative sampling; `forced`: a
         benchmark's replayed k), so the extend is queued behind the verify step before the host reads the round:
@@ -353,8 +371,15 @@ class Engine:
         ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
         extended = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
         req.phase("draft extend")
+        early = None
+        if o.draft_before_readback and sampler.greedy and L + 2 * N + 1 <= run.opts.capacity:
+            # the chain starts at L + k + 2 once the round commits k + 1 tokens: the position is computed on the
+            # device, and the bound L + N + 2 (k = N) picks its KV buckets, whose extra cells the causal mask hides
+            log = extended[0][-1:].cpu() if o.record_logits else None  # before the chain's replay reuses its memory
+            early = self._greedy_chain(*extended, L + N + 2, at=k + (L + 2)), log
+            req.phase("draft")
         read = self.reader.result()
-        return read[:N], read[N], read[N + 1], vX, extended
+        return read[:N], read[N], read[N + 1], vX, extended, early
 
     def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
                        sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:

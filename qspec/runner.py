@@ -228,9 +228,12 @@ class Runner:
         return fwd(*inputs)
 
     def mtp_chain(self, tok: torch.Tensor, H: torch.Tensor, start: int, n: int,
-                  lm_head: torch.Tensor | Q4Weight | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  lm_head: torch.Tensor | Q4Weight | None = None, at: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """n greedy draft-head steps in one go: step i runs at position start + i on the previous step's argmax
         (step 0 on `tok` [1]) and residual (step 0 on H [1, D]) -> (the n argmax tokens [n], the last residual).
+        `at`: the first position as a [1] device tensor the host has not read, at most `start`, which then only
+        bounds it (the capacity check and the KV buckets use `start`; the causal mask hides cells past a row).
 
         The same steps as n calls of `mtp_step` each followed by an argmax, captured as one CUDA graph per chain
         length and KV buckets: the draft chain of a round is one replay instead of n replays with their input
@@ -250,7 +253,7 @@ class Runner:
                 toks.append(t)
             return torch.cat(toks), h
 
-        inputs = [tok.to(dev).view(1), H, upload([start], dev)]
+        inputs = [tok.to(dev).view(1), H, upload([start], dev) if at is None else at.to(dev).view(1)]
         if self.use_graphs:
             return self._run(("chain", n, kv_lens, lm_head is not None), fwd, inputs)
         return fwd(*inputs)

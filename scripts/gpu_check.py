@@ -181,6 +181,20 @@ def main() -> int:
                 report(f"device-chained greedy == plain, cuda {name}, N={n}", ok_g and ok_s,
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why_g}; with a stop token: "
                        f"{len(s.tokens)} tokens, {why_s}")
+            # the next round's draft chain queued before the read-back (its first position on the device): with
+            # replayed acceptance (every length occurs; the output follows the drafts) it must give the tokens and
+            # rounds of the chain queued after the read, and without it plain decoding's tokens
+            replay = dict(draft=5, capacity=256, kv_type=kv, accept_hook=lambda r, n: (3 * r + 1) % (n + 1))
+            after = Engine(gpu, EngineOptions(**replay)).generate(prompt, 48)
+            early = Engine(gpu, EngineOptions(draft_before_readback=True, **replay)).generate(prompt, 48)
+            g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, draft_before_readback=True)).generate(
+                prompt, 48)
+            ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
+            report(f"draft chain before the read-back, cuda {name}, N=5",
+                   early.tokens == after.tokens and early.rounds_log == after.rounds_log and ok_g,
+                   f"replayed rounds {'equal' if early.rounds_log == after.rounds_log else 'differ'}, tokens "
+                   f"{'equal' if early.tokens == after.tokens else 'differ'}; greedy {why_g}, "
+                   f"graphs {g.graphs['replays']} replays")
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)

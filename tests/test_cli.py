@@ -95,7 +95,8 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
     rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-kv-write-kernel",
                        "--no-gdn-conv-kernel", "--fused-attention")
     assert rc == 0 and off == plain, err
-    rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-fused-attention")
+    rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-fused-attention",
+                       "--draft-before-readback")
     assert rc == 0 and off == plain, err
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from qspec.engine import Engine, EngineOptions, accepted_on_device
+from qspec.engine import Engine, EngineOptions, accepted_on_device, cells_needed
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Readback, Runner
@@ -271,6 +271,10 @@ def test_draft_chain_equals_its_steps(tiny_model: Model) -> None:
         want.append(int(tok))
     assert toks.tolist() == want and torch.equal(h, H)
     assert torch.equal(kv.k[:9], cells[0]) and torch.equal(kv.v[:9], cells[1])
+    # the first position on the device, under a larger bound (the bound only picks the KV buckets)
+    kv.k[4:12], kv.v[4:12] = 0, 0
+    toks_at, h_at = run.mtp_chain(torch.tensor([11]), X[3:], 7, 4, at=torch.tensor([4]))
+    assert toks_at.tolist() == want and torch.equal(h_at, H) and torch.equal(kv.k[:9], cells[0])
     with pytest.raises(ContextError, match="beyond the capacity"):
         run.mtp_chain(tok, H, CAP - 2, 3)
     with pytest.raises(ValueError, match="at least one step"):
@@ -364,6 +368,49 @@ def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced
         assert torch.equal(a, b)
     if forced:  # every acceptance length occurred
         assert {r["accepted"] for r in dev.rounds_log} == set(range(5))
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_chain_before_readback_equals_the_chain_after_it(tiny_model: Model, forced: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """draft_before_readback queues each greedy round's next draft chain before the host reads the round, its first
+    position computed on the device from the accepted count: the tokens, rounds, verify logits and first draft logits
+    are those of the chain queued after the read, bit for bit. Near the end of the cache (the chain's bound would pass
+    the capacity) it falls back to the chain after the read, and the output stays plain decoding's."""
+    prompt = list(range(7, 40))
+    at_calls = []
+    chain = Runner.mtp_chain
+
+    def spy(self: Runner, *a: object, at: torch.Tensor | None = None, **kw: object) -> object:
+        at_calls.append(at is not None)
+        return chain(self, *a, at=at, **kw)
+
+    monkeypatch.setattr(Runner, "mtp_chain", spy)
+
+    def run(early: bool, capacity: int = CAP, draft: int = 4) -> object:
+        hook = (lambda r, n: (3 * r + 1) % (n + 1)) if forced else None
+        opts = EngineOptions(draft=draft, capacity=capacity, exact=True, record_logits=True, accept_hook=hook,
+                             draft_before_readback=early)
+        return Engine(tiny_model, opts).generate(prompt, 30)
+
+    after = run(False)
+    assert at_calls and not any(at_calls)
+    at_calls.clear()
+    early = run(True)
+    # the first round's chain follows the prompt (no read); every later one was queued before its round's read
+    assert len(at_calls) > 5 and not at_calls[0] and all(at_calls[1:])
+    assert early.tokens == after.tokens and early.rounds_log == after.rounds_log
+    assert len(early.draft_logits) == len(after.draft_logits) == len(after.logits) > 5
+    for a, b in zip(early.draft_logits + early.logits, after.draft_logits + after.logits, strict=True):
+        assert torch.equal(a, b)
+    if forced:
+        assert {r["accepted"] for r in early.rounds_log} == set(range(5))
+    at_calls.clear()
+    tight = run(True, capacity=(cells_needed(len(prompt), 30, 4) + 3) // 4 * 4)  # the least it may be
+    assert True in at_calls and False in at_calls  # early rounds, then the fallback near the end
+    assert tight.tokens == after.tokens
+    if not forced:
+        assert tight.tokens == plain(tiny_model, prompt, 30)
 
 
 def test_readback_returns_the_last_started_ids_and_names_an_overflow() -> None:

@@ -8,7 +8,8 @@ Built-in arms (the seed's comparison):
 Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
 fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
 mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
-cache), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv kernel, on by default)
+cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv
+kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -44,6 +45,7 @@ class Arm:
     fattn: bool | None = None  # masked attention in one pass over the cache (None: the default, on CUDA)
     kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
     gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
+    early: bool = False  # the next draft chain queued before the round's read-back (--draft-before-readback)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -54,7 +56,8 @@ class Arm:
                              draft_head="q4" if self.q4 and self.draft else "full",
                              accept_hook=accept_hook if self.draft else None, compile=self.compile,
                              sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn,
-                             kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv)
+                             kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv,
+                             draft_before_readback=self.early and bool(self.draft))
 
     def describe(self) -> str:
         if not self.draft:
@@ -80,6 +83,8 @@ class Arm:
             parts.append("compiled GDN conv")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
+        if self.early and self.draft:
+            parts.append("draft chain before the read-back")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -140,12 +145,12 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
         elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
-                   "gconv"):
+                   "gconv", "early"):
             fields[k] = _bool(k, v, spec)
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
                              "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "from)")
+                             "early, from)")
     return replace(base, **fields)
 
 
