@@ -26,6 +26,7 @@ if HAS_TRITON:
         combine_chunks,
         new_partials,
         online_step,
+        plan_chunks,
         start_heads,
         store_partials,
     )
@@ -74,9 +75,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
                                                              or k_scale.stride(-1) != 1)):
         raise ValueError("k and v (and their scales) need the same layout")
     # enough chunks to fill the GPU, each a whole number of BN-key steps
-    splits = max(1, min(triton.cdiv(L, BN), triton.cdiv(TARGET_PROGRAMS, T * Hkv)))
-    chunk = triton.cdiv(triton.cdiv(L, splits), BN) * BN
-    splits = triton.cdiv(L, chunk)
+    chunk, splits = plan_chunks(T, Hkv, L, BN, TARGET_PROGRAMS)
     acc, m, lsum = new_partials(T, H, splits, d, q.device)  # L is fixed by the budget: so is splits
     q8 = k_scale is not None
     ks = k_scale if q8 else k  # unused pointers when not q8_0
