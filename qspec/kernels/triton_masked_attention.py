@@ -26,8 +26,7 @@ COMBINE_STEP = 16  # chunks the combine kernel reads per step
 # and for a few rows (verify). `scripts/gpu_kernels.py --attention-sweep` times the alternatives (BENCHMARKS.md §4,
 # twelfth session): one row per program is the fastest for one row; for six rows, four rows per program (K and V read
 # and dequantized once for four rows, the products on Hopper's wgmma) took 41.0 us against 59.7 us with one row.
-DEFAULT_CONFIG = (1, BLOCK_N, 4, 1, TARGET_PROGRAMS)
-ONE_ROW_CONFIG = DEFAULT_CONFIG
+ONE_ROW_CONFIG = (1, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 
 if HAS_TRITON:
