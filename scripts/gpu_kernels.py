@@ -393,8 +393,10 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
         sets = [masked_attn_inputs(T, 24, 2, 256, 4608, "q8_0", torch.bfloat16, keep, "cuda") for _ in range(copies)]
         ref = masked_attention_torch(*sets[0])
         t_path = graph_per_call(lambda i, s=sets: dense_attention_path(*s[i % copies]), copies)
+        # fewer programs than the SM count too: a one-row program over a 64-cell chunk is mostly fixed cost (q load,
+        # partials store), and longer chunks trade it against the GPU's width
         grid = [(rp, bn, w, st, tg) for rp in (1, 2, 4) if rp <= T for bn in (32, 64) for w in (4, 8)
-                for st in (1, 3) for tg in (264, 528)]
+                for st in (1, 3) for tg in (33, 66, 132, 264, 528)]
         times, bad = [], []
         for cfg in grid:
             try:
@@ -589,7 +591,7 @@ def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool 
 GEMV_SHAPES = (("hc mixer in (x16)", 328, 10240), ("hc mixer up (x17)", 10240, 320), ("output mixer in", 320, 10240),
                ("moe in (x8)", 1800, 2560), ("shared down (x8)", 2560, 640), ("gdn in (x6)", 16480, 2560),
                ("gdn/qsa out (x8)", 2560, 6144), ("qsa in (x2)", 13952, 2560), ("ple kv", 12800, 2560),
-               ("mtp eh", 2560, 5120), ("lm head", 248320, 2560))
+               ("mtp eh", 2560, 5120), ("mtp attn in", 13312, 2560), ("lm head", 248320, 2560))
 
 
 def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, timed: bool = False,
@@ -700,7 +702,15 @@ def hc_out_sweep(R: Runner, D: int = 2560, S: int = 4, rank: int = 320, N: int =
                   f"{len(grid)} configs, wrong: {bad}"), variant=True)
 
 
-def gemv_sweep(R: Runner, repeat: int = 24) -> None:
+def _shapes(only: str | None) -> tuple[tuple[str, int, int], ...]:
+    """GEMV_SHAPES whose name contains `only` (all without it)."""
+    picked = tuple(s for s in GEMV_SHAPES if only is None or only in s[0])
+    if not picked:
+        raise SystemExit(f"--shapes {only!r} matches none of: {', '.join(s[0] for s in GEMV_SHAPES)}")
+    return picked
+
+
+def gemv_sweep(R: Runner, repeat: int = 24, only: str | None = None) -> None:
     """One-row products of the model's shapes: cuBLAS, the default plan and a grid of configs, each timed as a CUDA
     graph of `repeat` back-to-back calls (per call: the kernel plus its node latency, as inside a step's graph).
     The calls cycle through copies of the matrix that together exceed the 50 MB L2, so every call reads its
@@ -711,18 +721,18 @@ def gemv_sweep(R: Runner, repeat: int = 24) -> None:
     grid = [(bn, tile, w, ps) for bn, tile in ((32, 8192), (32, 4096), (16, 16384), (8, 8192), (4, 16384), (1, 16384),
                                                 (1, 8192)) for w in (4, 8) for ps in (2, 4, 8)]
     print(f"\ngemv sweep: us per call in a graph of {repeat} calls (M=1, bf16)")
-    for name, N, K in GEMV_SHAPES:
+    for name, N, K in _shapes(only):
         _sweep_shape(R, name, N, K, grid, per_call)
 
 
-def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24) -> None:
+def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24, only: str | None = None) -> None:
     """The few-rows tensor-core kernel on the model's shapes for a verify step's rows (MTP5: 6, MTP3: 4): cuBLAS,
     the default config and a grid, timed as gemv_sweep times them."""
     grid = [(bn, bk, w, st, ps) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
             for st in (3, 4) for ps in (1, 2, 4) if bn * bk <= 16384]
     for M in rows:
         print(f"\nfew-rows sweep: us per call in a graph of {repeat} calls (M={M}, bf16)")
-        for name, N, K in GEMV_SHAPES:
+        for name, N, K in _shapes(only):
             _sweep_shape(R, name, N, K, grid, lambda fn: graph_per_call(fn, repeat), M=M, kernel=gemm_few_triton)
 
 
@@ -1172,6 +1182,7 @@ def main() -> int:
     ap.add_argument("--gemv-sweep", action="store_true", help="only the one-row mat-vec config sweep (CUDA)")
     ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
     ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
+    ap.add_argument("--shapes", metavar="NAME", help="the gemv and few-rows sweeps: only shapes whose name has NAME")
     ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
     ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
@@ -1200,7 +1211,7 @@ def main() -> int:
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
     if chosen:
         for fn in chosen:
-            fn(R)
+            fn(R, only=args.shapes) if fn in (gemv_sweep, few_sweep) else fn(R)
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
