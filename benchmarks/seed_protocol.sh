@@ -46,9 +46,10 @@ ours-sparse:from=ours,sparse=1" ;;
     #     the dequantized read (fattn=0), same run; ours twice (first and last) to show the spread of one build
     h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-dqread:from=nospec,fattn=0,ours,\
 ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
-    # (d3) the next round's draft chain queued before the round's read-back (early) against after it, same run
-    h200-fn8-early) bench merge "${fn8[@]}" --arms "ours,ours-early:from=ours,early=1,ours-again:from=ours,\
-ours-early-again:from=ours,early=1" ;;
+    # (d3) the next round's draft chain queued before the round's read-back (early, the default since the thirteenth
+    #      session) against after it (late), same run, each twice
+    h200-fn8-early) bench merge "${fn8[@]}" --arms "ours-late:from=ours,early=0,ours,ours-late-again:from=ours,\
+early=0,ours-again:from=ours" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -377,9 +377,13 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
             "four index copies instead of one Triton launch per layer and step (CUDA)")
     _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "
             "instead of in one Triton launch per layer (CUDA)")
-    r.add_argument("--draft-before-readback", action="store_true",
-                   help="greedy speculation: queue each round's next draft chain before the host reads the round "
-                        "(its first position computed on the device), so the GPU does not wait for the read-back")
+    db = r.add_mutually_exclusive_group()
+    db.add_argument("--draft-before-readback", dest="draft_before_readback", action="store_const", const=True,
+                    default=True, help="greedy speculation: queue each round's next draft chain before the host reads "
+                    "the round (its first position computed on the device), so the GPU does not wait for the read-back "
+                    "(the default)")
+    db.add_argument("--no-draft-before-readback", dest="draft_before_readback", action="store_const", const=False,
+                    help="queue each round's draft chain after the host has read the round")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -185,7 +185,7 @@ def main() -> int:
             # replayed acceptance (every length occurs; the output follows the drafts) it must give the tokens and
             # rounds of the chain queued after the read, and without it plain decoding's tokens
             replay = dict(draft=5, capacity=256, kv_type=kv, accept_hook=lambda r, n: (3 * r + 1) % (n + 1))
-            after = Engine(gpu, EngineOptions(**replay)).generate(prompt, 48)
+            after = Engine(gpu, EngineOptions(draft_before_readback=False, **replay)).generate(prompt, 48)
             early = Engine(gpu, EngineOptions(draft_before_readback=True, **replay)).generate(prompt, 48)
             g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, draft_before_readback=True)).generate(
                 prompt, 48)

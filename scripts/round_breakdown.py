@@ -30,7 +30,7 @@ ARMS = {
                      fused_snapshots=False),
     "mtp5-on": dict(draft=5),
     "ours": dict(draft=5, draft_head="q4"),
-    "ours-early": dict(draft=5, draft_head="q4", draft_before_readback=True),  # the chain before the read-back
+    "ours-late": dict(draft=5, draft_head="q4", draft_before_readback=False),  # the chain after the read-back
 }
 
 

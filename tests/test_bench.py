@@ -137,9 +137,10 @@ def test_arm_specs() -> None:
     k = ka.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None)
     assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (False, False, False)
     assert "default masked attention read" in ka.describe() and "attention" not in BUILTIN["ours"].describe()
-    e = parse_arms("e:from=ours,early=1")[0]
-    assert e.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is True
-    assert "before the read-back" in e.describe() and o.draft_before_readback is False
+    e = parse_arms("e:from=ours,early=0")[0]
+    assert e.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
+    assert "after the read-back" in e.describe() and o.draft_before_readback is True  # the engine's default
+    assert "read-back" not in BUILTIN["ours"].describe()
     ne = parse_arms("n:from=nospec,early=1")[0]  # no rounds, no chain: the switch does not apply to plain decoding
     assert ne.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
     assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults

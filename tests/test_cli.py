@@ -96,7 +96,7 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
                        "--no-gdn-conv-kernel", "--fused-attention")
     assert rc == 0 and off == plain, err
     rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-fused-attention",
-                       "--draft-before-readback")
+                       "--no-draft-before-readback")
     assert rc == 0 and off == plain, err
 
 
@@ -247,6 +247,8 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("bad kv type", ["run", "x", "--model", "{gguf}", "--kv-type", "q4"], "invalid choice"),
     ("attention on and off", ["run", "x", "--model", "{gguf}", "--fused-attention", "--no-fused-attention"],
      "not allowed with argument"),
+    ("chain before and after the read", ["run", "x", "--model", "{gguf}", "--draft-before-readback",
+                                         "--no-draft-before-readback"], "not allowed with argument"),
     ("no command", [], "required"),
     ("logits ids out of vocab", ["logits", "{gguf}", "--ids", "1,512", "--out", "{dir}/o.npy"], "[0, 512)"),
     ("logits bad ids", ["logits", "{gguf}", "--ids", "1,a", "--out", "{dir}/o.npy"], "comma-separated"),

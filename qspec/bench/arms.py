@@ -45,7 +45,7 @@ class Arm:
     fattn: bool | None = None  # masked attention in one pass over the cache (None: the default, on CUDA)
     kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
     gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
-    early: bool = False  # the next draft chain queued before the round's read-back (--draft-before-readback)
+    early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -83,8 +83,8 @@ class Arm:
             parts.append("compiled GDN conv")
         if not self.gemv:
             parts.append("cuBLAS one-row products")
-        if self.early and self.draft:
-            parts.append("draft chain before the read-back")
+        if not self.early and self.draft:
+            parts.append("draft chain after the read-back")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:

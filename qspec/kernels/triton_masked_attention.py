@@ -24,9 +24,12 @@ TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the 
 COMBINE_STEP = 16  # chunks the combine kernel reads per step
 # (rows per program RP, cells per step, warps, pipeline stages, programs wanted), for one-row steps (decode, draft)
 # and for a few rows (verify). `scripts/gpu_kernels.py --attention-sweep` times the alternatives (BENCHMARKS.md §4,
-# twelfth session): one row per program is the fastest for one row; for six rows, four rows per program (K and V read
-# and dequantized once for four rows, the products on Hopper's wgmma) took 41.0 us against 59.7 us with one row.
-ONE_ROW_CONFIG = (1, BLOCK_N, 4, 1, TARGET_PROGRAMS)
+# twelfth session): for six rows, four rows per program (K and V read and dequantized once for four rows, the products
+# on Hopper's wgmma) took 41.0 us against 59.7 us with one row per program. For one row, half as many programs (132,
+# chunks of 128 cells instead of 64: less of each program is its fixed q load and partials store), 8 warps and
+# 3 stages took 26.8 us against 33.3 us for (1, 32, 4, 1, 264), and 24.9 against 30.6 on a QSA row (thirteenth
+# session, benchmarks/results/gpu_kernels_attn_sweep_h200_s13.txt).
+ONE_ROW_CONFIG = (1, BLOCK_N, 8, 3, TARGET_PROGRAMS // 2)
 FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 
 if HAS_TRITON:
