@@ -1189,6 +1189,10 @@ def main() -> int:
     ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
     args = ap.parse_args()
+    if args.shapes is not None and not (args.gemv_sweep or args.few_sweep):
+        ap.error("--shapes selects the shapes of --gemv-sweep and --few-sweep; give one of them")
+    if args.shapes is not None:
+        _shapes(args.shapes)  # an unknown name fails here, before any device work
     if not HAS_TRITON:
         print("triton is not installed")
         return 2
@@ -1211,7 +1215,10 @@ def main() -> int:
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
     if chosen:
         for fn in chosen:
-            fn(R, only=args.shapes) if fn in (gemv_sweep, few_sweep) else fn(R)
+            if fn in (gemv_sweep, few_sweep):
+                fn(R, only=args.shapes)
+            else:
+                fn(R)
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
