@@ -9,7 +9,7 @@ set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
-h200-fn8-early h200-fn8-depth h200-fn8-seed}"
+h200-fn8-early h200-fn8-pdl h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -50,6 +50,9 @@ ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
     #      session) against after it (late), same run, each twice
     h200-fn8-early) bench merge "${fn8[@]}" --arms "ours-late:from=ours,early=0,ours,ours-late-again:from=ours,\
 early=0,ours-again:from=ours" ;;
+    # (d4) programmatic dependent launch (opt-in, Hopper) against the default launches, plain decoding and MTP5
+    h200-fn8-pdl) bench merge "${fn8[@]}" --arms "nospec,nospec-pdl:from=nospec,pdl=1,ours,ours-pdl:from=ours,pdl=1,\
+ours-again:from=ours" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -206,7 +206,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
         sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
         kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
-        draft_before_readback=a.draft_before_readback,
+        draft_before_readback=a.draft_before_readback, pdl=a.pdl,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
@@ -384,6 +384,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                     "(the default)")
     db.add_argument("--no-draft-before-readback", dest="draft_before_readback", action="store_const", const=False,
                     help="queue each round's draft chain after the host has read the round")
+    r.add_argument("--pdl", action="store_true",
+                   help="launch the Triton and compiled kernels with programmatic dependent launch (Hopper and later: "
+                        "each kernel is scheduled while the one before it runs); experimental, not yet measured")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec.kernels import gdn_conv, gemv
+from qspec.kernels import gdn_conv, gemv, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
@@ -50,6 +50,9 @@ class EngineOptions:
     # depends on the accepted count, stays on the device), so the GPU does not wait for the read-back to get it
     # (H200, MTP5: 929.83 against 908.72 tok/s in one process, benchmarks/results/h200-fn8-early-s13.md)
     draft_before_readback: bool = True
+    # programmatic dependent launch for the Triton kernels and inductor's (Hopper+; kernels/triton_common.py): each
+    # kernel is scheduled while the one before it runs and waits for it on the GPU. Opt-in: not yet measured
+    pdl: bool = False
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
@@ -161,7 +164,7 @@ class Engine:
         o = self.opts
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
-                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel):
+                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(o.pdl):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

@@ -30,6 +30,7 @@ import torch
 from qspec.config import preset
 from qspec.engine import Engine, EngineOptions
 from qspec.kernels import gemv
+from qspec.model import fuse
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
@@ -195,6 +196,18 @@ def main() -> int:
                    f"replayed rounds {'equal' if early.rounds_log == after.rounds_log else 'differ'}, tokens "
                    f"{'equal' if early.tokens == after.tokens else 'differ'}; greedy {why_g}, "
                    f"graphs {g.graphs['replays']} replays")
+            # programmatic dependent launch (opt-in): the same kernels, each waiting on the GPU for the one before it,
+            # so the logits must be those of the default launches bit for bit (a missing wait would race), and
+            # greedy MTP5 through it plain decoding's tokens
+            pdl_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True,
+                                                  pdl=True)).generate(prompt, 48)
+            same = len(pdl_plain.logits) == len(plain.logits) and all(
+                torch.equal(a, b) for a, b in zip(pdl_plain.logits, plain.logits, strict=True))
+            g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, pdl=True)).generate(prompt, 48)
+            ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
+            report(f"PDL launches == default launches, cuda {name}", same and pdl_plain.tokens == plain.tokens and ok_g,
+                   f"plain logits {'identical' if same else 'DIFFER'} over {len(plain.logits)} steps; greedy MTP5 "
+                   f"{why_g}; inductor PDL {'on' if fuse.inductor_has_pdl() else 'not in this torch'}")
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)

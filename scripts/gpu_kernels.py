@@ -43,7 +43,7 @@ from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
 from qspec.kernels.triton_argmax import argmax_rows_triton
-from qspec.kernels.triton_common import HAS_TRITON, torch_references, use_triton
+from qspec.kernels.triton_common import HAS_TRITON, pdl_mode, pdl_on, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
@@ -1188,6 +1188,8 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
     ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
+    ap.add_argument("--pdl", action="store_true", help="launch every kernel with programmatic dependent launch "
+                    "(Hopper): the checks then cover the PDL variants, and graph timings show what it saves")
     args = ap.parse_args()
     if args.shapes is not None and not (args.gemv_sweep or args.few_sweep):
         ap.error("--shapes selects the shapes of --gemv-sweep and --few-sweep; give one of them")
@@ -1209,7 +1211,13 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, device "
           f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu (interpreter)'}; "
-          f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}", flush=True)
+          f"dispatch picks triton here: {use_triton(torch.empty(0, device=dev))}; PDL "
+          f"{'on' if args.pdl and pdl_on(torch.empty(0, device=dev)) else 'off'}", flush=True)
+    with pdl_mode(args.pdl):
+        return _run(args, R)
+
+
+def _run(args: argparse.Namespace, R: Runner) -> int:
     sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep,
               "attention_sweep": attention_sweep}
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]

@@ -9,7 +9,8 @@ Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, 
 fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
 mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
 cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv
-kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round)
+kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
+default), pdl (programmatic dependent launch for the Triton and compiled kernels, off by default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -46,6 +47,7 @@ class Arm:
     kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
     gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
     early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
+    pdl: bool = False  # programmatic dependent launch for the Triton and compiled kernels (--pdl)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -57,7 +59,7 @@ class Arm:
                              accept_hook=accept_hook if self.draft else None, compile=self.compile,
                              sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn,
                              kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv,
-                             draft_before_readback=self.early and bool(self.draft))
+                             draft_before_readback=self.early and bool(self.draft), pdl=self.pdl)
 
     def describe(self) -> str:
         if not self.draft:
@@ -85,6 +87,8 @@ class Arm:
             parts.append("cuBLAS one-row products")
         if not self.early and self.draft:
             parts.append("draft chain after the read-back")
+        if self.pdl:
+            parts.append("PDL launches")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -145,12 +149,12 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
         elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
-                   "gconv", "early"):
+                   "gconv", "early", "pdl"):
             fields[k] = _bool(k, v, spec)
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
                              "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "early, from)")
+                             "early, pdl, from)")
     return replace(base, **fields)
 
 

@@ -8,7 +8,7 @@ returns the first NaN). So equal keys are exactly torch's equal values and the f
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch
 
 CHUNK = 2048  # elements per program of the first pass: a 248,320-entry row spreads over 122 programs
 
@@ -16,8 +16,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
+
     @triton.jit
-    def _argmax_chunk_kernel(x_ptr, key_ptr, idx_ptr, V, x_m, NC, BLOCK: tl.constexpr):
+    def _argmax_chunk_kernel(x_ptr, key_ptr, idx_ptr, V, x_m, NC, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         m = tl.program_id(0)
         c = tl.program_id(1)
         i = c * BLOCK + tl.arange(0, BLOCK)
@@ -33,7 +36,8 @@ if HAS_TRITON:
         tl.store(idx_ptr + m * NC + c, first)
 
     @triton.jit
-    def _argmax_rows_kernel(key_ptr, idx_ptr, o_ptr, NC, NCP: tl.constexpr):
+    def _argmax_rows_kernel(key_ptr, idx_ptr, o_ptr, NC, NCP: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         m = tl.program_id(0)
         c = tl.arange(0, NCP)
         valid = c < NC
@@ -51,6 +55,6 @@ def argmax_rows_triton(x: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     keys = torch.empty(M, nc, dtype=torch.int32, device=x.device)
     idx = torch.empty(M, nc, dtype=torch.int32, device=x.device)
     out = torch.empty(M, dtype=torch.int64, device=x.device)
-    _argmax_chunk_kernel[(M, nc)](x, keys, idx, V, x.stride(0), nc, BLOCK=chunk, num_warps=4)
-    _argmax_rows_kernel[(M,)](keys, idx, out, nc, NCP=max(next_pow2(nc), 2), num_warps=1)
+    _argmax_chunk_kernel[(M, nc)](x, keys, idx, V, x.stride(0), nc, BLOCK=chunk, num_warps=4, **pdl_launch(x))
+    _argmax_rows_kernel[(M,)](keys, idx, out, nc, NCP=max(next_pow2(nc), 2), num_warps=1, **pdl_launch(keys))
     return out

@@ -49,6 +49,31 @@ def torch_references() -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_REFERENCES_ONLY", True)
 
 
+# Programmatic dependent launch (Hopper and later; opt-in, `pdl_mode`). Inside a CUDA graph a kernel starts ~1 µs
+# after the one before it ends; with PDL the next kernel is scheduled while the previous one still runs and waits in
+# `pdl_start` (griddepcontrol.wait) until that one has finished and its writes are visible. Every kernel here waits
+# before it touches memory, so the order of reads and writes is the stream's, as without PDL.
+_PDL = False
+
+
+def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Launch the Triton kernels with programmatic dependent launch inside the block (where the GPU has it)."""
+    return module_flag(__name__, "_PDL", on)
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether a kernel launched for tensors on t's device now uses PDL: switched on, a CUDA device of compute
+    capability 9 or more, not the interpreter, and not while dynamo traces (its kernel wrapper takes no launch
+    options)."""
+    return (_PDL and t.is_cuda and not INTERPRET and torch.version.hip is None
+            and torch.cuda.get_device_capability(t.device)[0] >= 9 and not torch.compiler.is_compiling())
+
+
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel that takes the `PDL` constexpr (and calls `pdl_start(PDL)` first)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_on(t) else {"PDL": False}
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when the dispatch should launch the Triton kernel for tensors on t's device."""
     return triton_enabled() and (t.is_cuda or INTERPRET)
@@ -80,6 +105,14 @@ if HAS_TRITON:
         else:
             y = x
         return y
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A kernel's first statement: with PDL, wait until the kernel before it has finished (its writes visible),
+        then let the next kernel be scheduled. Without PDL, nothing."""
+        if PDL:  # (the branch is compiled only when PDL is set, so other backends never meet tl.extra.cuda)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def dot_acc(a, b, acc, UPCAST: tl.constexpr):

@@ -14,7 +14,7 @@ word that another program writes, so there is no ordering hazard between program
 import torch
 
 from qspec.kernels.conv_snapshot import ROW_DTYPES, ROW_WORDS, _state
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, use_triton
 
 BLOCK_C = 128
 
@@ -22,12 +22,15 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
+
     @triton.jit(do_not_specialize=["k"])  # one compiled kernel per (s, n), whatever k
     def _conv_snapshot_kernel(s_ptr, live_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
                               s_plane, s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
                               SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
                               DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, T_WORDS: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         if LIVE:  # S is plane `live` of a [P, C, s] tensor, chosen on the device (no gather launch)
             s_ptr += tl.load(live_ptr) * s_plane
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -120,7 +123,7 @@ def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor,
         planes.stride(0), planes.stride(1), planes.stride(2),
         SW=s, NT=n, W=max(next_pow2(s + n), 2), DEST_IS_BASE=dest.dim() == 0, LIVE=live is not None,
         T_WORDS=T.dtype == torch.float32,
-        BLOCK=BLOCK_C, num_warps=4)
+        BLOCK=BLOCK_C, num_warps=4, **pdl_launch(Si))
     return X
 
 

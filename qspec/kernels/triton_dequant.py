@@ -6,7 +6,7 @@ once to the output dtype, as `dequant_q8_0_torch` does op by op, so the result i
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, pdl_launch, tl_dtype
 
 BLOCK = 2048
 
@@ -14,11 +14,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import pdl_start, round_to
 
     @triton.jit
     def _dequant_q8_0_kernel(kq_ptr, ks_ptr, ko_ptr, vq_ptr, vs_ptr, vo_ptr, numel,
-                             QB: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr):
+                             QB: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < numel
         if tl.program_id(1) == 0:
@@ -38,5 +39,5 @@ def dequant_kv_triton(k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v
     n = k.numel()
     if n:
         _dequant_q8_0_kernel[(triton.cdiv(n, BLOCK), 2)](k, k_scale, ko, v, v_scale, vo, n, QB=32,
-                                                         DT=tl_dtype(dtype), BLOCK=BLOCK, num_warps=8)
+                                                         DT=tl_dtype(dtype), BLOCK=BLOCK, num_warps=8, **pdl_launch(k))
     return ko, vo

@@ -14,7 +14,7 @@ reductions: with one token at a time there is no M >= 16 operand for tensor core
 import torch
 
 from qspec.kernels.gdn_recurrent import gdn_gates, gdn_recurrent_torch
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, use_triton
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, use_triton
 
 MAX_ROWS = 16
 DEFAULT_BV = 32
@@ -23,10 +23,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
+
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every row count
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr):
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
+                    PDL: tl.constexpr = False):
+        pdl_start(PDL)
         h = tl.program_id(1)
         hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
         ik = tl.arange(0, BK)
@@ -120,7 +124,8 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
                       ssm.stride(0), ssm.stride(1), ssm.stride(2),
-                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, num_warps=num_warps)
+                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, num_warps=num_warps,
+                      **pdl_launch(q))
     return o
 
 

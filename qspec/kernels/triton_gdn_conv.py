@@ -5,15 +5,18 @@ order, silu, then for a q or k head the L2 norm (and the q scale), written strai
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
+
     @triton.jit
     def _gdn_conv_kernel(x_ptr, w_ptr, q_ptr, k_ptr, v_ptr, x_c, Hk, scale, eps, D: tl.constexpr, DP: tl.constexpr,
-                         KT: tl.constexpr):
+                         KT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         j = tl.program_id(1)
         dd = tl.arange(0, DP)
@@ -42,5 +45,5 @@ def gdn_conv_qkv_triton(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, 
     k = torch.empty_like(q)
     v = torch.empty(T, Hv, d, dtype=torch.float32, device=X.device)
     _gdn_conv_kernel[(T, 2 * Hk + Hv)](X, conv_w, q, k, v, X.stride(0), Hk, d ** -0.5, 1e-6, D=d,
-                                       DP=max(16, next_pow2(d)), KT=conv_w.shape[1], num_warps=4)
+                                       DP=max(16, next_pow2(d)), KT=conv_w.shape[1], num_warps=4, **pdl_launch(X))
     return q, k, v

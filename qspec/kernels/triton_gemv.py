@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
@@ -62,12 +62,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                      M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     OUT_DT: tl.constexpr):
+                     OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
@@ -100,9 +101,10 @@ if HAS_TRITON:
     @triton.jit
     def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                          M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr):
+                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         # 2..8 rows: x^T padded to 16 columns, so each K step is one tensor-core product [BN, BK] @ [BK, 16]
         # and the loop does no per-row reductions (the mat-vec kernel's M > 1 path spent its time on those).
+        pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
@@ -121,7 +123,9 @@ if HAS_TRITON:
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 
     @triton.jit
-    def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        pdl_start(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < MN
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -180,7 +184,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
 
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
         _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
-                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps)
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps, **pdl_launch(x))
     return _with_splits(x, N, split, launch)
 
 
@@ -198,7 +202,7 @@ def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
         _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s,
                                                       y.stride(-2), M=M, BN=bn, BK=bk, STAGES=stages, OUT_DT=dt,
-                                                      UPCAST=INTERPRET, num_warps=warps)
+                                                      UPCAST=INTERPRET, num_warps=warps, **pdl_launch(x))
     return _with_splits(x, N, split, launch)
 
 
@@ -214,5 +218,6 @@ def _with_splits(x: torch.Tensor, N: int, split: int,
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     launch(part, part.stride(0), tl.float32)
     block = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block)
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block,
+    **pdl_launch(part))
     return y

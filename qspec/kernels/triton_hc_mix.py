@@ -25,7 +25,7 @@ inputs and outputs); the rest stays in f32, as inductor keeps it.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 from qspec.model.ops import linear
 
 MAX_ROWS = 8
@@ -40,11 +40,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
     def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
-                        S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr):
+                        S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_start(PDL)
         m = tl.program_id(0)
         s = tl.program_id(1)
         d = tl.arange(0, BD)
@@ -63,10 +65,12 @@ if HAS_TRITON:
     @triton.jit
     def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
-                       BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr):
+                       BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
+                       PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
         # mat-vec does (triton_gemv.py)
+        pdl_start(PDL)
         i = tl.arange(0, SP * BD)
         s = i // BD
         d = tl.program_id(0) * BD + i % BD
@@ -133,7 +137,8 @@ def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     Xn = torch.empty_like(X)
     yp, ip = pending if pending is not None else (X, X)
     _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), ip.stride(0), S=S,
-                            HAS_PENDING=pending is not None, BD=next_pow2(D), DT=tl_dtype(dt), num_warps=4)
+                            HAS_PENDING=pending is not None, BD=next_pow2(D), DT=tl_dtype(dt), num_warps=4,
+                            **pdl_launch(X))
     y = linear(Xn, w_in)
     return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
 
@@ -151,5 +156,5 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int
     mp = 16 if tc else triton.next_power_of_2(M)
     _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=mp, S=S, SP=next_pow2(S),
                                           BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
-                                          num_warps=warps)
+                                          num_warps=warps, **pdl_launch(y))
     return h

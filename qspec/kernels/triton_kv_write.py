@@ -8,11 +8,13 @@ far below 2^22), launched without fp fusion so that the multiply and the add rou
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from qspec.kernels.triton_common import pdl_start
 
     @triton.jit
     def _quantize_row(x):
@@ -27,7 +29,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_q8_0_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, pos_ptr, k_ptr, v_ptr, k_t, k_h, v_t, v_h, c_c, c_h,
-                           s_c, s_h, NB: tl.constexpr, NBP: tl.constexpr):
+                           s_c, s_h, NB: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.arange(0, NBP)
@@ -51,4 +54,4 @@ def write_q8_0_triton(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: 
     T, Hkv, d = k.shape
     _write_q8_0_kernel[(T, Hkv)](kq, vq, ks, vs, pos, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                  kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), NB=d // 32,
-                                 NBP=max(2, next_pow2(d // 32)), num_warps=2, enable_fp_fusion=False)
+                                 NBP=max(2, next_pow2(d // 32)), num_warps=2, enable_fp_fusion=False, **pdl_launch(kq))

@@ -17,7 +17,7 @@ registers). f32 q keeps IEEE f32 products (tests and the f32 model).
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 BLOCK_N = 32  # cells per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
@@ -36,7 +36,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc
+    from qspec.kernels.triton_common import dot_acc, pdl_start
 
     @triton.jit
     def online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c, s_h,
@@ -108,7 +108,8 @@ if HAS_TRITON:
                             q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
                             G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BN: tl.constexpr, STAGES: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t0 = tl.program_id(0) * RP
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -126,7 +127,9 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["S"])  # the chunk count follows the KV bucket: one compiled kernel for all
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,
-                        D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, STEP: tl.constexpr):
+                        D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, STEP: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         ss = tl.arange(0, SP)
@@ -205,7 +208,7 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
         mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), RP=rp, D=d, DP=DP, BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype),
-        UPCAST=INTERPRET, num_warps=warps)
+        UPCAST=INTERPRET, num_warps=warps, **pdl_launch(q))
     return combine_chunks(acc, m, lsum, splits, q.dtype)
 
 
@@ -220,5 +223,5 @@ def combine_chunks(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor, split
     out = torch.empty(T, H, d, dtype=dtype, device=acc.device)
     _combine_kernel[(T, H)](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
                             m.stride(1), out.stride(0), out.stride(1), D=d, DP=max(16, next_pow2(d)),
-                            SP=max(2, next_pow2(S)), STEP=COMBINE_STEP, num_warps=4)
+                            SP=max(2, next_pow2(S)), STEP=COMBINE_STEP, num_warps=4, **pdl_launch(acc))
     return out

@@ -14,7 +14,7 @@ accumulated in f32 and rounded once, so results differ only by f32 accumulation 
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # Swept on the H200 (scripts/gpu_kernels.py, benchmarks/results/gpu_kernels_h200*.txt).
 DEFAULT_CONFIG = (32, 256, 32, 128, 8)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
@@ -43,12 +43,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit(do_not_specialize=["KS"])
     def _moe_gate_up_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, D, F, KS,
                             h_m, ti_m, g_e, g_f, u_e, u_f, a_m, a_k,
-                            DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr):
+                            DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pair = tl.program_id(1)
         m = pair // KS
         j = pair % KS
@@ -76,7 +77,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["KS"])
     def _moe_down_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, slot_ptr, D, F, KS,
                          a_m, a_k, ti_m, tw_m, d_e, d_d, s_m, s_k,
-                         DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr):
+                         DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         pair = tl.program_id(1)
         m = pair // KS
         j = pair % KS
@@ -113,9 +115,10 @@ if HAS_TRITON:
     def _moe_gate_up_grouped_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, M, D, F, KS,
                                     h_m, ti_m, g_e, g_f, u_e, u_f, a_m, a_k,
                                     DT: tl.constexpr, BF: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr,
-                                    STAGES: tl.constexpr, UPCAST: tl.constexpr):
+                                    STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         # one program per (F tile, pair), but only the first pair of each distinct expert works: it reads the
         # expert's rows once for every row that chose it (rows as 16 tensor-core columns, the others masked)
+        pdl_start(PDL)
         e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
         if first:
             r = tl.arange(0, 16)
@@ -147,7 +150,8 @@ if HAS_TRITON:
     def _moe_down_grouped_kernel(act_ptr, ti_ptr, tw_ptr, down_ptr, slot_ptr, M, D, F, KS,
                                  a_m, a_k, ti_m, tw_m, d_e, d_d, s_m, s_k,
                                  DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, KP: tl.constexpr,
-                                 STAGES: tl.constexpr, UPCAST: tl.constexpr):
+                                 STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
         if first:
             r = tl.arange(0, 16)
@@ -196,11 +200,11 @@ def moe_slots_grouped_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.
     _moe_gate_up_grouped_kernel[(triton.cdiv(F, bf1), M * k)](
         h, top_i, gate, up, act, M, D, F, k, h.stride(0), top_i.stride(0), gate.stride(0), gate.stride(1),
         up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, KP=kp, STAGES=stages,
-        UPCAST=INTERPRET, num_warps=warps)
+        UPCAST=INTERPRET, num_warps=warps, **pdl_launch(h))
     _moe_down_grouped_kernel[(triton.cdiv(D, bd2), M * k)](
         act, top_i, top_w, down, slots, M, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
         down.stride(0), down.stride(1), slots.stride(0), slots.stride(1), DT=dt, BD=bd2, BF=bf2, KP=kp,
-        STAGES=stages, UPCAST=INTERPRET, num_warps=warps)
+        STAGES=stages, UPCAST=INTERPRET, num_warps=warps, **pdl_launch(act))
     return slots
 
 
@@ -218,8 +222,10 @@ def moe_slots_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, 
     slots = torch.empty(M, k, D, dtype=h.dtype, device=h.device)
     _moe_gate_up_kernel[(triton.cdiv(F, bf1), M * k)](
         h, top_i, gate, up, act, D, F, k, h.stride(0), top_i.stride(0), gate.stride(0), gate.stride(1),
-        up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, num_warps=warps)
+        up.stride(0), up.stride(1), act.stride(0), act.stride(1), DT=dt, BF=bf1, BD=bd1, num_warps=warps,
+        **pdl_launch(h))
     _moe_down_kernel[(triton.cdiv(D, bd2), M * k)](
         act, top_i, top_w, down, slots, D, F, k, act.stride(0), act.stride(1), top_i.stride(0), top_w.stride(0),
-        down.stride(0), down.stride(1), slots.stride(0), slots.stride(1), DT=dt, BD=bd2, BF=bf2, num_warps=warps)
+        down.stride(0), down.stride(1), slots.stride(0), slots.stride(1), DT=dt, BD=bd2, BF=bf2, num_warps=warps,
+        **pdl_launch(act))
     return slots

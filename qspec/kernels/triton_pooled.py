@@ -9,19 +9,20 @@ rope_dim / 2, so the RoPE pairs (i, i + h) are element-wise between two register
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, tl_dtype
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import pdl_start, round_to
 
     @triton.jit
     def _pooled_kernel(raw_ptr, cells_ptr, dest_ptr, gamma_ptr, cos_ptr, sin_ptr, pooled_ptr, eps,
                        raw_row, cells_row, cells_col, dest_s, cs_row, pooled_row,
                        D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                       BP: tl.constexpr, RAW_DT: tl.constexpr, ROPE_DT: tl.constexpr):
+                       BP: tl.constexpr, RAW_DT: tl.constexpr, ROPE_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         u = tl.program_id(0)
         ih = tl.arange(0, BH)
         ip = tl.arange(0, BP)
@@ -74,4 +75,4 @@ def pooled_triton(raw: torch.Tensor, cells: torch.Tensor, dest: torch.Tensor, ga
                          raw.stride(0), cells.stride(0), cells.stride(1), dest.stride(0), cos.stride(0),
                          pooled.stride(0),
                          D=d, R=r, HALF=rope // 2, BH=max(next_pow2(rope // 2), 2), BP=max(next_pow2(d - rope), 2),
-                         RAW_DT=tl_dtype(raw.dtype), ROPE_DT=tl_dtype(rope_dt), num_warps=1)
+                         RAW_DT=tl_dtype(raw.dtype), ROPE_DT=tl_dtype(rope_dt), num_warps=1, **pdl_launch(raw))

@@ -16,7 +16,7 @@ previous f32-FMA kernel (nibbles turned into floats with the 2^23 trick), which 
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # rows per program, blocks per K step, warps (the s8b sweep's best), pipeline stages of the K loop (1: none, as
 # measured; `scripts/gpu_kernels.py --q4-sweep` times 2 and 3)
@@ -26,7 +26,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import pdl_start, round_to
 
     @triton.jit
     def _dp4a(a, b, c, ASM: tl.constexpr):
@@ -40,9 +40,11 @@ if HAS_TRITON:
             return c
 
     @triton.jit
-    def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB: tl.constexpr, KBP: tl.constexpr):
+    def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB: tl.constexpr, KBP: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """One x row per program: int8 q = floor(x * 127 / amax + 0.5) per 32-element block, its scale amax / 127
         and the block's sum of q."""
+        pdl_start(PDL)
         m = tl.program_id(0)
         b = tl.arange(0, KBP)
         i = tl.arange(0, 32)
@@ -59,10 +61,11 @@ if HAS_TRITON:
     @triton.jit
     def _q4_q8_matvec_kernel(xq_ptr, xd_ptr, xs_ptr, q_ptr, s_ptr, o_ptr, N, o_m, KB: tl.constexpr,
                              BN: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, EVEN_N: tl.constexpr,
-                             ASM: tl.constexpr, OUT_DT: tl.constexpr):
+                             ASM: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """Grid (N / BN, M). Weights and x both as int32 words: word j of block b holds nibbles 4j..4j+3 (low)
         and 16+4j..16+4j+3 (high), and x words 8b+j and 8b+4+j hold the matching int8 x. Per word: two masks
         and two dp4a, four multiply-adds each; per block: (sum - 8 * sum(qx)) * d_w * d_x in f32."""
+        pdl_start(PDL)
         m = tl.program_id(1)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
@@ -108,7 +111,7 @@ def quantize_q8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
     sums = torch.empty(M, KB, dtype=torch.int32, device=x.device)
     _quantize_q8_kernel[(M,)](x, q, d, sums, x.stride(0), KB=KB, KBP=next_pow2(KB), num_warps=4,
-                              enable_fp_fusion=False)
+                              enable_fp_fusion=False, **pdl_launch(x))
     return q, d, sums
 
 
@@ -132,5 +135,5 @@ def q4_q8_matvec_triton(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     _q4_q8_matvec_kernel[(triton.cdiv(N, bn), M)](xq.view(torch.int32), xd, xs, packed.view(torch.int32), scales,
                                                   out, N, out.stride(0), KB=K // 32, BN=bn, NB=nb, STAGES=stages,
                                                   EVEN_N=N % bn == 0, ASM=not INTERPRET, OUT_DT=tl_dtype(x.dtype),
-                                                  num_warps=warps)
+                                                  num_warps=warps, **pdl_launch(xq.view(torch.int32)))
     return out

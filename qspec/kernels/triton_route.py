@@ -9,17 +9,18 @@ rounding of exp and of the sums.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, tl_dtype
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import round_to
+    from qspec.kernels.triton_common import pdl_start, round_to
 
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, i_ptr, E, x_t, w_t, i_t, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                      DT: tl.constexpr):
+                      DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         e = tl.arange(0, BE)
         x = tl.load(x_ptr + t * x_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -49,5 +50,6 @@ def route_top_k_triton(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     if T:
         BE = next_pow2(E)
         _route_kernel[(T,)](logits, top_w, top_i, E, logits.stride(0), top_w.stride(0), top_i.stride(0),
-                            K=k, BE=BE, BK=next_pow2(k), DT=tl_dtype(logits.dtype), num_warps=4 if BE <= 1024 else 8)
+                            K=k, BE=BE, BK=next_pow2(k), DT=tl_dtype(logits.dtype), num_warps=4 if BE <= 1024 else 8,
+                            **pdl_launch(logits))
     return top_w, top_i

@@ -13,7 +13,7 @@ triton_masked_attention (whose first design, IEEE f32 products on the FMA units,
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 BN = 32  # keys per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the key list into chunks until the grid reaches this
@@ -22,6 +22,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
     from qspec.kernels.triton_masked_attention import (
         combine_chunks,
         new_partials,
@@ -37,7 +38,8 @@ if HAS_TRITON:
                             q_t, q_h, k_c, k_h, s_c, s_h, b_t, a_t, a_h, a_s, ml_t, ml_h,
                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             R: tl.constexpr, BLOCK_N: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
-                            UPCAST: tl.constexpr):
+                            UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -85,5 +87,5 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
         blocks.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), D=d, DP=max(16, next_pow2(d)), R=r, BLOCK_N=BN, Q8=q8,
-        DT=tl_dtype(q.dtype), UPCAST=INTERPRET, num_warps=4)
+        DT=tl_dtype(q.dtype), UPCAST=INTERPRET, num_warps=4, **pdl_launch(q))
     return combine_chunks(acc, m, lsum, splits, q.dtype)

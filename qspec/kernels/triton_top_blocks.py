@@ -9,14 +9,17 @@ block id (a prefix count). Exactly n_top lanes are set, the set `torch.topk` pic
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from qspec.kernels.triton_common import pdl_start
+
     @triton.jit
-    def _top_blocks_kernel(s_ptr, o_ptr, NB, n_top, s_t, o_t, BLOCK: tl.constexpr):
+    def _top_blocks_kernel(s_ptr, o_ptr, NB, n_top, s_t, o_t, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         valid = i < NB
@@ -44,5 +47,5 @@ def top_blocks_mask_triton(s: torch.Tensor, n_top: int) -> torch.Tensor:
     if T and nb:
         BLOCK = max(next_pow2(nb), 16)
         _top_blocks_kernel[(T,)](s, out, nb, n_top, s.stride(0), out.stride(0), BLOCK=BLOCK,
-                                 num_warps=4 if BLOCK <= 1024 else 8)
+                                 num_warps=4 if BLOCK <= 1024 else 8, **pdl_launch(s))
     return out

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from qspec.kernels import triton_common
 from qspec.model import ops
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -67,18 +68,31 @@ def _configure() -> None:
             setattr(cfg, name, 64)
 
 
+def inductor_has_pdl() -> bool:
+    """Whether this torch's inductor can emit programmatic dependent launch in its kernels."""
+    return hasattr(torch._inductor.config.triton, "enable_pdl")
+
+
+def _compile(fn: Callable[..., Any], backend: str, pdl: bool) -> Callable[..., Any]:
+    _configure()
+    if pdl and backend == "inductor" and inductor_has_pdl():
+        # generated kernels wait (griddepcontrol) before their first access, as triton_common.pdl_start does
+        return torch.compile(fn, fullgraph=True, dynamic=True, options={"triton.enable_pdl": True})
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
+
+
 def fused(fn: F) -> F:
     """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA;
-    eagerly otherwise."""
-    compiled: dict[str, Callable[..., Any]] = {}
+    eagerly otherwise. With PDL on (triton_common.pdl_mode) a second compilation emits PDL launches."""
+    compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
 
     @functools.wraps(fn)
     def call(*args: Any, **kw: Any) -> Any:
         if _ON and (args[0].is_cuda or _BACKEND != "inductor") and not ops.row_exact():
-            c = compiled.get(_BACKEND)
+            key = (_BACKEND, triton_common.pdl_on(args[0]))
+            c = compiled.get(key)
             if c is None:
-                _configure()
-                c = compiled[_BACKEND] = torch.compile(fn, fullgraph=True, dynamic=True, backend=_BACKEND)
+                c = compiled[key] = _compile(fn, *key)
             return c(*args, **kw)
         return fn(*args, **kw)
 
