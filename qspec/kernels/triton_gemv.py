@@ -219,5 +219,5 @@ def _with_splits(x: torch.Tensor, N: int, split: int,
     launch(part, part.stride(0), tl.float32)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block,
-    **pdl_launch(part))
+                                                     **pdl_launch(part))
     return y
