@@ -668,6 +668,47 @@ def graph_per_call(fn: Callable[[int], object], repeat: int = 24) -> float:
     return float(triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3 / repeat
 
 
+def pdl_ab(R: Runner, repeat: int = 24, rounds: int = 3) -> None:
+    """Programmatic dependent launch against the default launch, in one process: step-sized kernels as CUDA graphs of
+    `repeat` back-to-back calls (weights and caches cycled through copies that exceed the 50 MB L2), each timed with
+    PDL off and on, alternated `rounds` times (medians). The outputs must be identical: PDL changes when a kernel is
+    scheduled, not what it computes."""
+    bf = torch.bfloat16
+
+    def copies_of(n_bytes: int) -> int:
+        return max(1, min(repeat, -(-(160 << 20) // n_bytes)))
+
+    cases: list[tuple[str, Callable[[int], torch.Tensor]]] = []
+    shapes = (("gemv 1 x 2560x6144 (GDN/QSA out)", 1, 2560, 6144), ("gemv 1 x 1800x2560 (router)", 1, 1800, 2560),
+              ("few rows 6 x 2560x6144", 6, 2560, 6144))
+    for name, M, N, K in shapes:
+        c = copies_of(N * K * 2)
+        Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(bf) for _ in range(c)]
+        x = torch.randn(M, K, device="cuda").to(bf)
+        kern = gemv_triton if M == 1 else gemm_few_triton
+        cases.append((name, lambda i, Ws=Ws, x=x, kern=kern, c=c: kern(x, Ws[i % c])))
+    for T in (1, 6):
+        sets = [masked_attn_inputs(T, 24, 2, 256, 4608, "q8_0", bf, 1.0 if T == 1 else 0.45, "cuda") for _ in range(12)]
+        cases.append((f"masked attention {T} row(s), 4608 q8_0 cells",
+                      lambda i, s=sets: masked_attention_triton(*s[i % len(s)])))
+    logits = [torch.randn(1, 248320, device="cuda").to(bf) for _ in range(4)]
+    cases.append(("argmax 1 x 248320", lambda i: argmax_rows_triton(logits[i % 4])))
+    print(f"\nPDL A/B: us per call in a graph of {repeat} calls, off / on, median of {rounds} alternations")
+    for name, fn in cases:
+        with pdl_mode(False):
+            ref = fn(0).clone()
+        with pdl_mode(True):
+            same = torch.equal(fn(0), ref)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for on in (False, True):
+                with pdl_mode(on):
+                    times[on].append(graph_per_call(fn, repeat))
+        off, on = (sorted(times[b])[len(times[b]) // 2] for b in (False, True))
+        R.add(Row(f"PDL A/B {name}", same, f"off {off:.2f} us, on {on:.2f} us, on/off x{on / off:.3f}; outputs "
+                                           f"{'identical' if same else 'DIFFER'}"), variant=True)
+
+
 def hc_out_sweep(R: Runner, D: int = 2560, S: int = 4, rank: int = 320, N: int = 328) -> None:
     """The mixer's output kernel alone at the real geometry, for 1 and 6 rows: every config checked against the
     same inputs through the output math in f64, and timed in a CUDA graph of 24 calls over copies of `up` that
@@ -1188,6 +1229,8 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
     ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
+    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against the default "
+                    "launch for step-sized kernels, timed in one process (CUDA, Hopper)")
     ap.add_argument("--pdl", action="store_true", help="launch every kernel with programmatic dependent launch "
                     "(Hopper): the checks then cover the PDL variants, and graph timings show what it saves")
     args = ap.parse_args()
@@ -1219,7 +1262,7 @@ def main() -> int:
 
 def _run(args: argparse.Namespace, R: Runner) -> int:
     sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep,
-              "attention_sweep": attention_sweep}
+              "attention_sweep": attention_sweep, "pdl_ab": pdl_ab}
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
     if chosen:
         for fn in chosen:
