@@ -386,7 +386,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                     help="queue each round's draft chain after the host has read the round")
     r.add_argument("--pdl", action="store_true",
                    help="launch the Triton and compiled kernels with programmatic dependent launch (Hopper and later: "
-                        "each kernel is scheduled while the one before it runs); experimental, not yet measured")
+                        "each kernel is scheduled while the one before it runs); opt-in until its engine-level gain "
+                        "is measured")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -51,7 +51,8 @@ class EngineOptions:
     # (H200, MTP5: 929.83 against 908.72 tok/s in one process, benchmarks/results/h200-fn8-early-s13.md)
     draft_before_readback: bool = True
     # programmatic dependent launch for the Triton kernels and inductor's (Hopper+; kernels/triton_common.py): each
-    # kernel is scheduled while the one before it runs and waits for it on the GPU. Opt-in: not yet measured
+    # kernel is scheduled while the one before it runs and waits for it on the GPU. Opt-in: per kernel 0.2-1.3 µs
+    # shorter on the H200 (benchmarks/results/gpu_kernels_pdl_ab_h200_s13.txt); the engine-level A/B is not measured
     pdl: bool = False
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
