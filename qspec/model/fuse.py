@@ -70,7 +70,9 @@ def _configure() -> None:
 
 def inductor_has_pdl() -> bool:
     """Whether this torch's inductor can emit programmatic dependent launch in its kernels."""
-    return hasattr(torch._inductor.config.triton, "enable_pdl")
+    import torch._inductor.config as inductor_config  # not necessarily imported before the first compilation
+
+    return hasattr(inductor_config.triton, "enable_pdl")
 
 
 def _compile(fn: Callable[..., Any], backend: str, pdl: bool) -> Callable[..., Any]:
