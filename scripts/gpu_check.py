@@ -15,7 +15,7 @@
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
 (`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows
 only; `--only-chained`: the logits rows, plain decoding and the device-chained greedy rows, the engine's own path;
-the flags combine).
+`--only-pdl`: the logits rows and the programmatic-dependent-launch row; the flags combine).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import torch
 
 from qspec.config import preset
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineOptions, Generation
 from qspec.kernels import gemv
 from qspec.model import fuse
 from qspec.model.model import CacheOptions, Model
@@ -128,6 +128,21 @@ def oracle(reference: list[int], rng: random.Random):  # noqa: ANN201
     return hook
 
 
+def pdl_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float) -> None:
+    """Programmatic dependent launch (opt-in): the same kernels, each waiting on the GPU for the one before it, so
+    the logits must be those of the default launches bit for bit (a missing wait would race), and greedy MTP5 through
+    it plain decoding's tokens."""
+    pdl_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True,
+                                          pdl=True)).generate(prompt, 48)
+    same = len(pdl_plain.logits) == len(plain.logits) and all(
+        torch.equal(a, b) for a, b in zip(pdl_plain.logits, plain.logits, strict=True))
+    g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, pdl=True)).generate(prompt, 48)
+    ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
+    report(f"PDL launches == default launches, cuda {name}", same and pdl_plain.tokens == plain.tokens and ok_g,
+           f"plain logits {'identical' if same else 'DIFFER'} over {len(plain.logits)} steps; greedy MTP5 "
+           f"{why_g}; inductor PDL {'on' if fuse.inductor_has_pdl() else 'not in this torch'}")
+
+
 def main() -> int:
     torch.set_grad_enabled(False)
     only_fused = "--only-fused" in sys.argv  # just the fused-vs-unfused rows (a short device run)
@@ -136,7 +151,8 @@ def main() -> int:
     ref = Runner(cpu, CacheOptions(capacity=128)).step(ids)[0]
     only_bf16 = "--only-bf16" in sys.argv  # the bf16 model alone (the engine's 16-bit kernels), no f32 rows
     # the engine's own path alone (plain decoding, drafts chained on the device in one graph): a short device run
-    only_chained = "--only-chained" in sys.argv
+    only_pdl = "--only-pdl" in sys.argv  # the logits rows and the PDL row alone (about a minute on the device)
+    only_chained = "--only-chained" in sys.argv or only_pdl
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2))[1 if only_bf16 else 0:]:
         gpu = build("cuda", dtype)
         got = Runner(gpu, CacheOptions(capacity=128, kv_type="bf16" if dtype == torch.bfloat16 else "f32")
@@ -151,6 +167,9 @@ def main() -> int:
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
+        if only_pdl:
+            pdl_rows(gpu, prompt, plain, kv, name, tie)
+            continue
         for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
             f = Engine(gpu, EngineOptions(**opts)).generate(prompt, 24)
@@ -196,18 +215,7 @@ def main() -> int:
                    f"replayed rounds {'equal' if early.rounds_log == after.rounds_log else 'differ'}, tokens "
                    f"{'equal' if early.tokens == after.tokens else 'differ'}; greedy {why_g}, "
                    f"graphs {g.graphs['replays']} replays")
-            # programmatic dependent launch (opt-in): the same kernels, each waiting on the GPU for the one before it,
-            # so the logits must be those of the default launches bit for bit (a missing wait would race), and
-            # greedy MTP5 through it plain decoding's tokens
-            pdl_plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True,
-                                                  pdl=True)).generate(prompt, 48)
-            same = len(pdl_plain.logits) == len(plain.logits) and all(
-                torch.equal(a, b) for a, b in zip(pdl_plain.logits, plain.logits, strict=True))
-            g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, pdl=True)).generate(prompt, 48)
-            ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
-            report(f"PDL launches == default launches, cuda {name}", same and pdl_plain.tokens == plain.tokens and ok_g,
-                   f"plain logits {'identical' if same else 'DIFFER'} over {len(plain.logits)} steps; greedy MTP5 "
-                   f"{why_g}; inductor PDL {'on' if fuse.inductor_has_pdl() else 'not in this torch'}")
+            pdl_rows(gpu, prompt, plain, kv, name, tie)
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)
