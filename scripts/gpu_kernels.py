@@ -668,21 +668,23 @@ def graph_per_call(fn: Callable[[int], object], repeat: int = 24) -> float:
     return float(triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3 / repeat
 
 
+def weight_copies(n_bytes: int, most: int = 24) -> int:
+    """How many copies of an n_bytes matrix a timed graph cycles through so that its calls read HBM, not the 50 MB
+    L2: at least 160 MB of them, at most `most` (one call each), at least one."""
+    return max(1, min(most, -(-(160 << 20) // n_bytes)))
+
+
 def pdl_ab(R: Runner, repeat: int = 24, rounds: int = 3) -> None:
     """Programmatic dependent launch against the default launch, in one process: step-sized kernels as CUDA graphs of
     `repeat` back-to-back calls (weights and caches cycled through copies that exceed the 50 MB L2), each timed with
     PDL off and on, alternated `rounds` times (medians). The outputs must be identical: PDL changes when a kernel is
     scheduled, not what it computes."""
     bf = torch.bfloat16
-
-    def copies_of(n_bytes: int) -> int:
-        return max(1, min(repeat, -(-(160 << 20) // n_bytes)))
-
     cases: list[tuple[str, Callable[[int], torch.Tensor]]] = []
     shapes = (("gemv 1 x 2560x6144 (GDN/QSA out)", 1, 2560, 6144), ("gemv 1 x 1800x2560 (router)", 1, 1800, 2560),
               ("few rows 6 x 2560x6144", 6, 2560, 6144))
     for name, M, N, K in shapes:
-        c = copies_of(N * K * 2)
+        c = weight_copies(N * K * 2, repeat)
         Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(bf) for _ in range(c)]
         x = torch.randn(M, K, device="cuda").to(bf)
         kern = gemv_triton if M == 1 else gemm_few_triton
@@ -780,7 +782,7 @@ def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24, only:
 def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...]],
                  per_call: Callable[[Callable[[int], object]], float], M: int = 1,
                  kernel: Callable[..., torch.Tensor] = gemv_triton) -> None:
-    copies = max(1, min(24, -(-(160 << 20) // (N * K * 2))))  # >= 160 MB of weights, or one matrix
+    copies = weight_copies(N * K * 2)
     Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
     ref = x.double() @ Ws[0].double().t()
