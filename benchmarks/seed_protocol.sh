@@ -50,9 +50,10 @@ ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
     #      session) against after it (late), same run, each twice
     h200-fn8-early) bench merge "${fn8[@]}" --arms "ours-late:from=ours,early=0,ours,ours-late-again:from=ours,\
 early=0,ours-again:from=ours" ;;
-    # (d4) programmatic dependent launch (opt-in, Hopper) against the default launches, plain decoding and MTP5
-    h200-fn8-pdl) bench merge "${fn8[@]}" --arms "nospec,nospec-pdl:from=nospec,pdl=1,ours,ours-pdl:from=ours,pdl=1,\
-ours-again:from=ours" ;;
+    # (d4) programmatic dependent launch (Hopper; the default since the fourteenth session) against launches that wait
+    #      for the kernel before, plain decoding and MTP5
+    h200-fn8-pdl) bench merge "${fn8[@]}" --arms "nospec-nopdl:from=nospec,pdl=0,nospec,ours-nopdl:from=ours,pdl=0,\
+ours,ours-nopdl-again:from=ours,pdl=0" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

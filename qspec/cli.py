@@ -384,10 +384,12 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                     "(the default)")
     db.add_argument("--no-draft-before-readback", dest="draft_before_readback", action="store_const", const=False,
                     help="queue each round's draft chain after the host has read the round")
-    r.add_argument("--pdl", action="store_true",
-                   help="launch the Triton and compiled kernels with programmatic dependent launch (Hopper and later: "
-                        "each kernel is scheduled while the one before it runs); opt-in until its engine-level gain "
-                        "is measured")
+    pd = r.add_mutually_exclusive_group()
+    pd.add_argument("--pdl", dest="pdl", action="store_const", const=True, default=True,
+                    help="launch the Triton and compiled kernels with programmatic dependent launch where the GPU has "
+                         "it (Hopper and later: each kernel is scheduled while the one before it runs; the default)")
+    pd.add_argument("--no-pdl", dest="pdl", action="store_const", const=False,
+                    help="launch every kernel only after the one before it has finished")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

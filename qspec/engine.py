@@ -50,10 +50,11 @@ class EngineOptions:
     # depends on the accepted count, stays on the device), so the GPU does not wait for the read-back to get it
     # (H200, MTP5: 929.83 against 908.72 tok/s in one process, benchmarks/results/h200-fn8-early-s13.md)
     draft_before_readback: bool = True
-    # programmatic dependent launch for the Triton kernels and inductor's (Hopper+; kernels/triton_common.py): each
-    # kernel is scheduled while the one before it runs and waits for it on the GPU. Opt-in: per kernel 0.2-1.3 µs
-    # shorter on the H200 (benchmarks/results/gpu_kernels_pdl_ab_h200_s13.txt); the engine-level A/B is not measured
-    pdl: bool = False
+    # programmatic dependent launch for the Triton kernels and inductor's (Hopper+, a no-op elsewhere;
+    # kernels/triton_common.py): each kernel is scheduled while the one before it runs and waits for it on the GPU,
+    # which hides most of a graph node's launch gap (H200: MTP5 998.52 against 947.11 tok/s, plain decoding 748.48
+    # against 701.79, one process, benchmarks/results/h200-fn8-pdl-s14.md)
+    pdl: bool = True
     prefill_chunk: int = 512
     draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)

@@ -1231,8 +1231,8 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
     ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
-    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against the default "
-                    "launch for step-sized kernels, timed in one process (CUDA, Hopper)")
+    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against launches "
+                    "without it for step-sized kernels, timed in one process (CUDA, Hopper)")
     ap.add_argument("--pdl", action="store_true", help="launch every kernel with programmatic dependent launch "
                     "(Hopper): the checks then cover the PDL variants, and graph timings show what it saves")
     args = ap.parse_args()

@@ -141,9 +141,9 @@ def test_arm_specs() -> None:
     assert e.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
     assert "after the read-back" in e.describe() and o.draft_before_readback is True  # the engine's default
     assert "read-back" not in BUILTIN["ours"].describe()
-    pa = parse_arms("p:from=ours,pdl=1")[0]
-    assert pa.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).pdl is True
-    assert "PDL" in pa.describe() and o.pdl is False and "PDL" not in BUILTIN["ours"].describe()
+    pa = parse_arms("p:from=ours,pdl=0")[0]
+    assert pa.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).pdl is False
+    assert "no PDL" in pa.describe() and o.pdl is True and "PDL" not in BUILTIN["ours"].describe()
     ne = parse_arms("n:from=nospec,early=1")[0]  # no rounds, no chain: the switch does not apply to plain decoding
     assert ne.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
     assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (opt-in, `EngineOptions.pdl`): off where the GPU lacks it, every kernel waits for the
-one before it before touching memory, and the PDL variant compiles for Hopper with that wait first."""
+"""Programmatic dependent launch (`EngineOptions.pdl`, on by default): off where the GPU lacks it, every kernel waits
+for the one before it before touching memory, and the PDL variant compiles for Hopper with that wait first."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Tri
 mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
 cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv
 kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
-default), pdl (programmatic dependent launch for the Triton and compiled kernels, off by default)
+default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
+default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -47,7 +48,7 @@ class Arm:
     kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
     gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
     early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
-    pdl: bool = False  # programmatic dependent launch for the Triton and compiled kernels (--pdl)
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (the default; off: --no-pdl)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -87,8 +88,8 @@ class Arm:
             parts.append("cuBLAS one-row products")
         if not self.early and self.draft:
             parts.append("draft chain after the read-back")
-        if self.pdl:
-            parts.append("PDL launches")
+        if not self.pdl:
+            parts.append("no PDL")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
