@@ -48,7 +48,7 @@ from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapsho
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
-from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
+from qspec.kernels.triton_gemv import TUNED_FEW, gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
 from qspec.kernels.triton_kv_write import write_q8_0_triton
 from qspec.kernels.triton_masked_attention import masked_attention_triton
@@ -779,6 +779,40 @@ def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24, only:
             _sweep_shape(R, name, N, K, grid, lambda fn: graph_per_call(fn, repeat), M=M, kernel=gemm_few_triton)
 
 
+def few_ab(R: Runner, M: int = 6, repeat: int = 24) -> None:
+    """The few-row products still on cuBLAS (GEMV_SHAPES not in TUNED_FEW) against the tensor-core kernel launched
+    with PDL, which shortens the kernel's graph-node gap where cuBLAS keeps its own: cuBLAS, the kernel's default
+    config with PDL off and on, and a short grid with PDL on, each a graph of `repeat` calls over weight copies that
+    exceed the L2. Each config is checked against f64 first."""
+    grid = [(bn, bk, 4, 4, ps) for bn in (16, 32, 64) for bk in (64, 128) for ps in (1, 2)]
+    print(f"\nfew rows on cuBLAS vs the kernel with PDL: us per call in a graph of {repeat} calls (M={M}, bf16)")
+    for name, N, K in GEMV_SHAPES:
+        if (N, K) in TUNED_FEW:
+            continue
+        copies = weight_copies(N * K * 2)
+        Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        ref = x.double() @ Ws[0].double().t()
+        t_cublas = graph_per_call(lambda i, x=x, Ws=Ws, c=copies: F.linear(x, Ws[i % c]), repeat)
+        t_pdl: dict[bool, float] = {}
+        for on in (False, True):
+            with pdl_mode(on):
+                t_pdl[on] = graph_per_call(lambda i, x=x, Ws=Ws, c=copies: gemm_few_triton(x, Ws[i % c]), repeat)
+        best, t_best, bad = None, float("inf"), 0
+        with pdl_mode(True):
+            for cfg in grid:
+                if rel_err(gemm_few_triton(x, Ws[0], cfg), ref) >= TOL[torch.bfloat16]:
+                    bad += 1
+                    continue
+                t = graph_per_call(lambda i, x=x, Ws=Ws, c=copies, cfg=cfg: gemm_few_triton(x, Ws[i % c], cfg), repeat)
+                if t < t_best:
+                    best, t_best = cfg, t
+        R.add(Row(f"few-rows A/B M={M} {name} {N}x{K}", bad == 0,
+                  f"cuBLAS {t_cublas:.2f}, kernel default {t_pdl[False]:.2f} (PDL {t_pdl[True]:.2f}), best with PDL "
+                  f"{t_best:.2f} us cfg={best}, best/cuBLAS x{t_best / t_cublas:.3f}; {bad} configs wrong"),
+              variant=True)
+
+
 def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...]],
                  per_call: Callable[[Callable[[int], object]], float], M: int = 1,
                  kernel: Callable[..., torch.Tensor] = gemv_triton) -> None:
@@ -1233,6 +1267,8 @@ def main() -> int:
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
     ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against launches "
                     "without it for step-sized kernels, timed in one process (CUDA, Hopper)")
+    ap.add_argument("--few-ab", action="store_true", help="only the few-row products still on cuBLAS against the "
+                    "tensor-core kernel with PDL (CUDA, Hopper)")
     ap.add_argument("--pdl", action="store_true", help="launch every kernel with programmatic dependent launch "
                     "(Hopper): the checks then cover the PDL variants, and graph timings show what it saves")
     args = ap.parse_args()
@@ -1264,7 +1300,7 @@ def main() -> int:
 
 def _run(args: argparse.Namespace, R: Runner) -> int:
     sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep,
-              "attention_sweep": attention_sweep, "pdl_ab": pdl_ab}
+              "attention_sweep": attention_sweep, "pdl_ab": pdl_ab, "few_ab": few_ab}
     chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
     if chosen:
         for fn in chosen:
