@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qspec.kernels import triton_common
+from qspec.model.model import Model
 
 KERNELS = sorted((Path(__file__).parent.parent / "qspec" / "kernels").glob("triton_*.py"))
 
@@ -75,3 +76,16 @@ def test_pdl_variant_compiles_for_hopper_with_the_wait_first() -> None:
     wait = on.find("griddepcontrol.wait")
     assert first_mem is not None and 0 <= wait < first_mem.start()
     assert "griddepcontrol.launch_dependents" in on
+
+
+def test_engine_leaves_pdl_off_where_the_gpu_lacks_it(tiny_model: Model) -> None:
+    """`pdl` is on by default; on the CPU neither the PDL launches nor the shapes routed for them switch on."""
+    from qspec.engine import Engine, EngineOptions
+    from qspec.kernels import gemv
+
+    seen: list[tuple[bool, bool]] = []
+    opts = EngineOptions(draft=2, capacity=64, after_round=lambda run, k: seen.append(
+        (triton_common._PDL, gemv._PDL_SHAPES)))
+    assert opts.pdl
+    Engine(tiny_model, opts).generate([1, 2, 3, 4], 6)
+    assert seen and set(seen) == {(False, False)}

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.triton_common import module_flag, triton_enabled, use_triton
-from qspec.kernels.triton_gemv import TUNED, TUNED_FEW
+from qspec.kernels.triton_gemv import TUNED, TUNED_FEW, TUNED_FEW_PDL
 
 # One row goes to the mat-vec kernel; 2..8 rows (verify and extend steps) to the tensor-core kernel, on the
 # shapes where it beat cuBLAS (triton_gemv.TUNED_FEW). The mat-vec's own 2..8-row path lost to cuBLAS (gdn in,
@@ -29,6 +29,16 @@ _ON = triton_enabled()
 def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Route eligible products to the mat-vec (on) or leave them all to cuBLAS (off) inside the block."""
     return module_flag(__name__, "_ON", on and triton_enabled())
+
+
+# Whether the few-row products launch with PDL (the engine's `pdl` option on a GPU that has it): TUNED_FEW_PDL's
+# shapes then go to the kernel too. A module flag, as _ON.
+_PDL_SHAPES = False
+
+
+def pdl_shapes_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, also route TUNED_FEW_PDL's shapes to the few-rows kernel (its launches use PDL there)."""
+    return module_flag(__name__, "_PDL_SHAPES", on)
 
 
 # Checks only (scripts/gpu_check.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
@@ -65,14 +75,19 @@ SMALL_ELEMENTS = 8 << 20
 WIDE_ROWS = 1 << 16
 
 
+def few_rows_routed(shape: tuple[int, int]) -> bool:
+    """Whether a 2..MAX_ROWS-row product with a weight of this (N, K) goes to the few-rows kernel (on CUDA)."""
+    return _FEW_EVERYWHERE or shape in TUNED_FEW or (_PDL_SHAPES and shape in TUNED_FEW_PDL)
+
+
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
     """Whether ops.linear sends x [rows, K] @ w^T to the custom op: switched on, CUDA, a shape the kernel takes,
     and a matrix it is faster on than cuBLAS (small, as wide as an LM head, or a shape whose tuned config
-    beat cuBLAS in the sweep: triton_gemv.TUNED)."""
+    beat cuBLAS in the sweep: triton_gemv.TUNED, TUNED_FEW, and TUNED_FEW_PDL where the launches use PDL)."""
     if not (_ON and x.is_cuda and _fits(x, w, rows)):
         return False
     if rows > 1:
-        return _FEW_EVERYWHERE or (w.shape[0], w.shape[1]) in TUNED_FEW
+        return few_rows_routed((w.shape[0], w.shape[1]))
     return w.numel() <= SMALL_ELEMENTS or w.shape[0] >= WIDE_ROWS or (w.shape[0], w.shape[1]) in TUNED
 
 

@@ -62,12 +62,17 @@ def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_PDL", on)
 
 
+def pdl_supported(dev: torch.device) -> bool:
+    """Whether kernels launched on `dev` can use PDL: a CUDA device of compute capability 9 or more, not the
+    interpreter."""
+    return (dev.type == "cuda" and not INTERPRET and torch.version.hip is None
+            and torch.cuda.get_device_capability(dev)[0] >= 9)
+
+
 def pdl_on(t: torch.Tensor) -> bool:
-    """Whether a kernel launched for tensors on t's device now uses PDL: switched on, a CUDA device of compute
-    capability 9 or more, not the interpreter, and not while dynamo traces (its kernel wrapper takes no launch
-    options)."""
-    return (_PDL and t.is_cuda and not INTERPRET and torch.version.hip is None
-            and torch.cuda.get_device_capability(t.device)[0] >= 9 and not torch.compiler.is_compiling())
+    """Whether a kernel launched for tensors on t's device now uses PDL: switched on, a device that has it, and not
+    while dynamo traces (its kernel wrapper takes no launch options)."""
+    return _PDL and pdl_supported(t.device) and not torch.compiler.is_compiling()
 
 
 def pdl_launch(t: torch.Tensor) -> dict[str, bool]:

@@ -57,6 +57,16 @@ TUNED_FEW: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (10240, 320): (64, 64, 4, 4, 1),  # mixer up: 4.83 -> 4.52
     (248320, 2560): (64, 128, 4, 3, 1),  # LM head: 298.24 -> 282.65
 }
+# Shapes where the kernel beats cuBLAS only when launched with PDL (the engine's default on Hopper): PDL shortens the
+# kernel's graph-node gap and leaves cuBLAS's as it was. µs per call at 6 / 4 / 2 rows, cuBLAS -> this kernel with
+# PDL (scripts/gpu_kernels.py --few-ab -> benchmarks/results/gpu_kernels_few_ab_h200_s14.txt); without PDL the
+# kernel loses (router: 7.07 -> 7.67 at 6 rows). The hyper-connection mixers' 328 x 10240 stays on cuBLAS (it won at
+# 6 and 4 rows).
+TUNED_FEW_PDL: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (1800, 2560): (64, 128, 4, 4, 1),  # router + shared expert in: 7.07 -> 6.38, 7.05 -> 6.43, 7.03 -> 6.36
+    (2560, 640): (16, 128, 4, 4, 1),  # shared expert down: 4.63 -> 3.94, 4.62 -> 3.94, 4.63 -> 3.94
+    (320, 10240): (32, 128, 4, 4, 1),  # output mixer in: 8.15 -> 7.88, 8.14 -> 7.98, 8.04 -> 7.71
+}
 
 if HAS_TRITON:
     import triton
@@ -191,12 +201,12 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
 def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
                     config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (2 <= M <= 8 in practice) @ w [N, K]^T -> [M, N] in x.dtype through tensor cores (a verify step's
-    rows). config: (BN, BK, warps, pipeline stages, programs per SM); default: TUNED_FEW for (N, K), else
-    DEFAULT_FEW_CONFIG."""
+    rows). config: (BN, BK, warps, pipeline stages, programs per SM); default: TUNED_FEW or TUNED_FEW_PDL for
+    (N, K), else DEFAULT_FEW_CONFIG."""
     _check(x, w)
     M, K = x.shape
     N = w.shape[0]
-    bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K), DEFAULT_FEW_CONFIG)
+    bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K)) or TUNED_FEW_PDL.get((N, K), DEFAULT_FEW_CONFIG)
     bk, split, k_split = plan_k(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
 
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
