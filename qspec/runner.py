@@ -236,26 +236,29 @@ class Runner:
         bounds it (the capacity check and the KV buckets use `start`; the causal mask hides cells past a row).
 
         The same steps as n calls of `mtp_step` each followed by an argmax, captured as one CUDA graph per chain
-        length and KV buckets: the draft chain of a round is one replay instead of n replays with their input
-        copies and argmax launches between them (issue 6: the MTP draft chain captured once per shape)."""
+        length and KV bucket: the draft chain of a round is one replay instead of n replays with their input
+        copies and argmax launches between them (issue 6: the MTP draft chain captured once per shape). Every step
+        attends over the last step's bucket (the causal mask hides the extra cells of the earlier ones): a chain
+        that straddles a bucket boundary then needs no graph of its own, so crossing into a new bucket captures
+        one chain graph, not one per straddling position."""
         if n < 1:
             raise ValueError(f"a draft chain needs at least one step, got {n}")
         if start + n > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + n} beyond the capacity {self.opts.capacity}")
-        kv_lens = tuple(self.kv_len(start + i + 1) for i in range(n))
+        kv_len = self.kv_len(start + n)
         dev = self.device
 
         def fwd(t: torch.Tensor, h: torch.Tensor, p0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             toks = []
             for i in range(n):
-                logits, h = self.model.mtp_forward(t, h, p0 + i, self.cache, lm_head, kv_lens[i], None)
+                logits, h = self.model.mtp_forward(t, h, p0 + i, self.cache, lm_head, kv_len, None)
                 t = argmax_rows(logits[-1:])
                 toks.append(t)
             return torch.cat(toks), h
 
         inputs = [tok.to(dev).view(1), H, upload([start], dev) if at is None else at.to(dev).view(1)]
         if self.use_graphs:
-            return self._run(("chain", n, kv_lens, lm_head is not None), fwd, inputs)
+            return self._run(("chain", n, kv_len, lm_head is not None), fwd, inputs)
         return fwd(*inputs)
 
     def kv_len(self, end: int) -> int:

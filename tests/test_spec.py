@@ -281,6 +281,37 @@ def test_draft_chain_equals_its_steps(tiny_model: Model) -> None:
         run.mtp_chain(tok, H, 4, 0)
 
 
+def test_draft_chain_straddling_a_bucket_is_one_graph(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain whose steps cross a KV bucket boundary attends over its last step's bucket: one graph key, the
+    bucket above the boundary, and the tokens of the steps run one by one (each over its own bucket)."""
+    from qspec.runner import KV_BUCKET
+
+    run = Runner(tiny_model, EngineOptions(draft=5, capacity=2 * KV_BUCKET).cache_options())
+    keys: list[tuple] = []
+
+    def record(key: tuple, fn, inputs):  # type: ignore[no-untyped-def]
+        keys.append(key)
+        return fn(*inputs)
+
+    monkeypatch.setattr(run, "_run", record)
+    run.use_graphs = True
+    L = KV_BUCKET - 2  # steps at positions L .. L + 3 end at L + 1 .. L + 4: two in each bucket
+    _, X = run.step(torch.randint(0, 500, (L,), generator=torch.Generator().manual_seed(1)))
+    run.keep(L, rollback=False)
+    run.mtp_step(torch.randint(0, 500, (L - 1,), generator=torch.Generator().manual_seed(2)), X[:L - 1], 1)
+    keys.clear()
+    tok, H = torch.tensor([11]), X[L - 1:]
+    toks, _ = run.mtp_chain(tok, H, L, 4)
+    assert keys == [("chain", 4, 2 * KV_BUCKET, False)]
+    want = []
+    for i in range(4):
+        logits, H = run.mtp_step(tok, H, L + i)
+        tok = logits[-1:].argmax(-1)
+        want.append(int(tok))
+    assert [k[2] for k in keys[1:]] == [KV_BUCKET, KV_BUCKET, 2 * KV_BUCKET, 2 * KV_BUCKET]
+    assert toks.tolist() == want
+
+
 def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shape's second use runs the real step and then the capture on the same input buffers, so the compiled
     functions see identical tensors in both (a different storage offset would recompile, and inductor's
