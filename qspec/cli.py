@@ -1,5 +1,6 @@
 """The `qspec` command: `run` (generate, streaming), `serve` (an HTTP completions API), `make-model` (random-weight
-models), `logits` (one prefill forward, full-vocabulary logits), and `bench` when `qspec.bench.cli` provides it.
+models), `logits` (one prefill forward, full-vocabulary logits), `draft-vocab` (the token ids the draft head may
+propose, counted over text), and `bench` when `qspec.bench.cli` provides it.
 
 Every user error (missing or bad model file, prompt too long, bad numbers) prints one line
 `qspec: error: ...` on stderr and returns 2; only bugs show a traceback.
@@ -37,6 +38,7 @@ from qspec.model import ops
 from qspec.model.model import CacheOptions
 from qspec.runner import ContextError, Runner
 from qspec.spec.accept import Sampler
+from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
 from qspec.tokenizer import Tokenizer
 from qspec.weights import WeightsError
 
@@ -96,6 +98,19 @@ def _check_engine_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {a.draft}")
     if a.ctx < 4 or a.ctx % 4:
         raise UsageError(f"--ctx must be a positive multiple of 4, got {a.ctx}")
+    if a.draft_vocab is not None and not a.draft:
+        raise UsageError("--draft-vocab restricts the drafts: it needs --draft N (N >= 1)")
+
+
+def _draft_vocab(spec: str, vocab: int, tok: Tokenizer) -> list[int]:
+    """--draft-vocab N: the first N ids and the stop tokens; --draft-vocab FILE: the ids of a `qspec draft-vocab`
+    file (one per line)."""
+    try:
+        if spec.isdigit():
+            return first_ids(int(spec), vocab, keep=[t for t in tok.stop_ids if t < vocab])
+        return read_ids(spec, vocab)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--draft-vocab {spec}: {e}") from None
 
 
 def _check_run_args(a: argparse.Namespace) -> None:
@@ -200,6 +215,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
     if a.draft and model.mtp is None:
         raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
                          "or a model with blk.N.nextn.* / mtp.* tensors)")
+    draft_vocab = _draft_vocab(a.draft_vocab, model.cfg.vocab_size, tok) if a.draft_vocab is not None else None
     opts = EngineOptions(
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
@@ -208,6 +224,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
         draft_before_readback=a.draft_before_readback, pdl=a.pdl,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
+        draft_vocab=draft_vocab,
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
@@ -340,6 +357,30 @@ def cmd_logits(a: argparse.Namespace) -> int:
     return 0
 
 
+# ---- qspec draft-vocab -----------------------------------------------------------------------------------------------
+def cmd_draft_vocab(a: argparse.Namespace) -> int:
+    if a.size < 1:
+        raise UsageError(f"--size must be >= 1, got {a.size}")
+    path = _model_path(a.model)
+    tok = load_tokenizer(path)
+    texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in a.corpus]
+    counted = tok.encode_batch(texts)
+    n_tokens = sum(map(len, counted))
+    if not n_tokens:
+        raise UsageError("the corpus encodes to no tokens")
+    vocab = tok.padded_vocab_size
+    try:
+        ids = frequent_ids(counted, min(a.size, vocab), vocab, keep=tok.stop_ids)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    write_ids(a.out, ids, f"qspec draft-vocab: the most frequent (up to {a.size}) of {n_tokens} tokens in "
+              f"{len(texts)} file(s), tokenizer of {path.name}, plus the stop tokens")
+    keep = set(ids)
+    covered = sum(t in keep for x in counted for t in x)
+    _say(f"qspec: wrote {a.out}: {len(ids)} ids, {covered / n_tokens:.1%} of the corpus's {n_tokens} tokens")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------------------------------
 def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None:
     p.add_argument(flag, dest=dest, action="store_false", help=help)
@@ -356,6 +397,10 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
     r.add_argument("--exact", action="store_true",
                    help="row-exact products: verify rows equal decode rows bit for bit (slow; for tests)")
+    r.add_argument("--draft-vocab", metavar="N|FILE",
+                   help="let the draft propose only these token ids, so its head reads only their rows: N, the "
+                        "first N ids (BPE order, a rough frequency rank) and the stop tokens, or FILE from `qspec "
+                        "draft-vocab`; the output is unchanged, the acceptance may drop")
     r.add_argument("--draft-head", choices=("full", "q4"), default="full",
                    help="LM head the drafts use (q4: Q4_0-rounded copy; the target always verifies with its own)")
     _on_off(r, "--no-preserve-pooled", "preserve_pooled", "rebuild pooled indexer keys after every rollback")
@@ -453,6 +498,14 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     lg.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     lg.add_argument("--dtype", choices=tuple(DTYPES))
     lg.set_defaults(func=cmd_logits)
+
+    dv = sub.add_parser("draft-vocab", help="count the tokens of text files and write the most frequent ids as a "
+                        "draft vocabulary (for run/serve --draft-vocab FILE)")
+    dv.add_argument("corpus", nargs="+", metavar="TEXT", help="text files like the requests to expect")
+    dv.add_argument("--size", type=int, required=True, help="how many ids (32768: EAGLE-3's and FR-Spec's choice)")
+    dv.add_argument("--out", "-o", required=True, metavar="FILE")
+    dv.add_argument("--model", help="whose tokenizer counts (default: the embedded model's)")
+    dv.set_defaults(func=cmd_draft_vocab)
 
     # `qspec bench` belongs to qspec.bench.cli: add_parser(subparsers) registers it and sets `func`.
     if with_bench and importlib.util.find_spec("qspec.bench.cli") is not None:

@@ -15,7 +15,7 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,8 +25,10 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, ops
 from qspec.model.model import CacheOptions, Model
+from qspec.model.mtp import DraftHead
 from qspec.runner import ContextError, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
+from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
 
@@ -56,8 +58,10 @@ class EngineOptions:
     # against 701.79, one process, benchmarks/results/h200-fn8-pdl-s14.md)
     pdl: bool = True
     prefill_chunk: int = 512
-    draft_lm_head: torch.Tensor | Q4Weight | None = None  # explicit LM head for drafting only
+    draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
+    # the token ids the draft may propose (spec/draft_vocab.py): its head then reads only their rows; None: all
+    draft_vocab: Sequence[int] | torch.Tensor | None = None
     accept_hook: AcceptHook | None = None
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
@@ -133,6 +137,11 @@ class Engine:
             q4 = Q4Weight.from_dense(model.lm_head)
             # CUDA: the packed head and a 4-bit mat-vec kernel; CPU: the same values, unpacked once
             self.opts.draft_lm_head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
+        if self.opts.draft and self.opts.draft_vocab is not None and not isinstance(self.opts.draft_lm_head, DraftHead):
+            # drafts only from these ids: the head reads their rows alone (verification keeps the full head)
+            ids = ids_tensor(self.opts.draft_vocab, model.cfg.vocab_size, model.device)
+            head = model.lm_head if self.opts.draft_lm_head is None else self.opts.draft_lm_head
+            self.opts.draft_lm_head = DraftHead.rows_of(head, ids)
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs)

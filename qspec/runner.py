@@ -20,6 +20,7 @@ from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import ops
 from qspec.model.model import CacheOptions, Model, ModelCache
+from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
@@ -204,7 +205,7 @@ class Runner:
             self.history.extend(kept.tolist())
 
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
-                 lm_head: torch.Tensor | Q4Weight | None = None, row: int | torch.Tensor | None = None
+                 lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, row: int | torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft-head rows at positions start..; with `row` (an int, or a [1] index on the device that the host
         has not read), the logits and residual of that row only."""
@@ -228,7 +229,7 @@ class Runner:
         return fwd(*inputs)
 
     def mtp_chain(self, tok: torch.Tensor, H: torch.Tensor, start: int, n: int,
-                  lm_head: torch.Tensor | Q4Weight | None = None, at: torch.Tensor | None = None
+                  lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, at: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """n greedy draft-head steps in one go: step i runs at position start + i on the previous step's argmax
         (step 0 on `tok` [1]) and residual (step 0 on H [1, D]) -> (the n argmax tokens [n], the last residual).

@@ -144,6 +144,11 @@ def test_arm_specs() -> None:
     pa = parse_arms("p:from=ours,pdl=0")[0]
     assert pa.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).pdl is False
     assert "no PDL" in pa.describe() and o.pdl is True and "PDL" not in BUILTIN["ours"].describe()
+    dv = parse_arms("d:from=ours,dvocab=32768")[0]
+    assert dv.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_vocab == range(32768)
+    assert "first 32768 ids" in dv.describe() and o.draft_vocab is None and "ids" not in BUILTIN["ours"].describe()
+    with pytest.raises(ValueError, match="dvocab='many' is not a token count"):
+        parse_arms("d:from=ours,dvocab=many")
     ne = parse_arms("n:from=nospec,early=1")[0]  # no rounds, no chain: the switch does not apply to plain decoding
     assert ne.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
     assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults

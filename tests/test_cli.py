@@ -14,6 +14,7 @@ import torch
 from qspec.cli import main
 from qspec.kernels.q4 import Q4Weight
 from qspec.loader import default_model_path, load_tokenizer, q4_draft_head
+from qspec.spec.draft_vocab import read_ids
 from qspec.tokenizer import Tokenizer
 
 PROMPT = "fn main() {"
@@ -249,6 +250,14 @@ def _not_gguf(models: dict[str, Path]) -> Path:
      "not allowed with argument"),
     ("chain before and after the read", ["run", "x", "--model", "{gguf}", "--draft-before-readback",
                                          "--no-draft-before-readback"], "not allowed with argument"),
+    ("draft vocabulary without drafting", ["run", "x", "--model", "{gguf}", "--draft-vocab", "64"],
+     "needs --draft N"),
+    ("draft vocabulary of zero", ["run", "x", "--model", "{gguf}", "--draft", "2", "--draft-vocab", "0"],
+     "expected 1..512"),
+    ("draft vocabulary file missing", ["run", "x", "--model", "{gguf}", "--draft", "2", "--draft-vocab",
+                                       "{dir}/none.txt"], "none.txt"),
+    ("draft-vocab size zero", ["draft-vocab", "{dir}/none.txt", "--size", "0", "-o", "{dir}/d.txt"],
+     "--size must be >= 1"),
     ("no command", [], "required"),
     ("logits ids out of vocab", ["logits", "{gguf}", "--ids", "1,512", "--out", "{dir}/o.npy"], "[0, 512)"),
     ("logits bad ids", ["logits", "{gguf}", "--ids", "1,a", "--out", "{dir}/o.npy"], "comma-separated"),
@@ -264,6 +273,31 @@ def test_bad_input_exits_2_with_one_line(models: dict[str, Path], capsys: pytest
     lines = [ln for ln in err.splitlines() if ln.startswith("qspec: error:")]
     assert len(lines) == 1 and needle in lines[0], (case, err)
     assert "Traceback" not in err and out == ""
+
+
+def test_draft_vocab_counts_text_and_leaves_the_output(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    """`qspec draft-vocab` writes the most frequent ids of a text; `run --draft-vocab FILE` (or N) drafts from them
+    alone and prints plain decoding's text."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("fn main() { let x = 1; }\n" * 20 + "struct Point { x: i32, y: i32 }\n" * 5, encoding="utf-8")
+    ids_file = tmp_path / "ids.txt"
+    rc, _, err = run(capsys, "draft-vocab", str(corpus), "--model", str(models["gguf"]), "--size", "8",
+                     "-o", str(ids_file))
+    assert rc == 0, err
+    tok = load_tokenizer(models["gguf"])
+    counts: dict[int, int] = {}
+    for t in tok.encode(corpus.read_text(encoding="utf-8")):
+        counts[t] = counts.get(t, 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:8]
+    assert read_ids(ids_file, 512) == sorted(set(top) | set(tok.stop_ids))
+    assert f"wrote {ids_file}" in err and "of the corpus's" in err
+    base = ["run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "12", *FAST]
+    rc, plain, err = run(capsys, *base)
+    assert rc == 0, err
+    for vocab in (str(ids_file), "100"):
+        rc, out, err = run(capsys, *base, "--draft", "3", "--draft-vocab", vocab)
+        assert rc == 0 and out == plain, err
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,7 +25,7 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
     # between them every fused function runs (the compiled q8_0 quantizer only without the KV write kernel)
     for draft, sparse, kv_kernel in ((0, False, True), (3, True, False)):
         kw = dict(draft=draft, capacity=256, kv_type="q8_0", record_logits=True, sparse_attention=sparse,
-                  kv_write_kernel=kv_kernel)
+                  kv_write_kernel=kv_kernel, draft_vocab=range(0, 512, 3) if draft else None)
         ref = Engine(model, EngineOptions(**kw)).generate(prompt, 10)
         got = Engine(model, EngineOptions(compile_backend=backend, **kw)).generate(prompt, 10)
         assert got.tokens == ref.tokens
@@ -63,7 +63,7 @@ def test_inductor_compiles_every_fused_function(model) -> None:  # type: ignore[
     prompt = list(range(3, 45))
     for draft, sparse, kv_kernel in ((0, False, True), (3, True, False)):  # as test_fused_steps_equal_eager
         kw = dict(draft=draft, capacity=256, kv_type="q8_0", record_logits=True, sparse_attention=sparse,
-                  kv_write_kernel=kv_kernel)
+                  kv_write_kernel=kv_kernel, draft_vocab=range(0, 512, 3) if draft else None)
         ref = Engine(model, EngineOptions(**kw)).generate(prompt, 8)
         got = Engine(model, EngineOptions(compile_backend=compile_fx, **kw)).generate(prompt, 8)
         assert got.tokens == ref.tokens and len(got.logits) == len(ref.logits) > 0

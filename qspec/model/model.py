@@ -18,7 +18,7 @@ from qspec.model import fuse
 from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
-from qspec.model.mtp import MTPHead
+from qspec.model.mtp import DraftHead, MTPHead, spread_logits
 from qspec.model.ops import linear, rope_tables
 from qspec.model.ple import PLE, DeviceRowTable, RowTable
 from qspec.model.qsa import PooledUpdate, QSAAttention
@@ -191,17 +191,24 @@ class Model(torch.nn.Module):
         return linear(out, self.lm_head), X
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                    lm_head: torch.Tensor | Q4Weight | None = None, kv_len: int | None = None,
+                    lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
                     row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X).
 
-        row (a device index [1]): logits and residual of that row only (the draft extend needs the accepted
-        row's; the other rows stop after writing their K/V cells, see MTPHead.forward)."""
+        lm_head: the draft's head (None: the model's own); a DraftHead reads only its rows and gives -inf logits
+        at every other id. row (a device index [1]): logits and residual of that row only (the draft extend needs
+        the accepted row's; the other rows stop after writing their K/V cells, see MTPHead.forward)."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
         with fuse.step_rows(tokens.shape[0]):
             cos, sin = self.rope(pos)
             out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len, row)
-        if isinstance(lm_head, Q4Weight):
-            return q4_matvec(out, lm_head), X  # reads a quarter of the bf16 head's bytes
-        return linear(out, self.lm_head if lm_head is None else lm_head), X
+            if isinstance(lm_head, DraftHead):
+                return spread_logits(_head(out, lm_head.weight), lm_head.ids, lm_head.vocab), X
+        return _head(out, self.lm_head if lm_head is None else lm_head), X
+
+
+def _head(out: torch.Tensor, head: torch.Tensor | Q4Weight) -> torch.Tensor:
+    if isinstance(head, Q4Weight):
+        return q4_matvec(out, head)  # reads a quarter of the bf16 head's bytes
+    return linear(out, head)

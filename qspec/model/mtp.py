@@ -7,15 +7,46 @@ head's own mixer; the shared LM head. Its output residual X feeds the next chain
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels.q4 import Q4Weight
 from qspec.model.fuse import fused
 from qspec.model.hyper import HyperMixer
 from qspec.model.moe import MoE
 from qspec.model.ops import linear, rms_norm
 from qspec.model.qsa import QSAAttention
 from qspec.state.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class DraftHead:
+    """An LM head over part of the vocabulary, for drafting (spec/draft_vocab.py): `weight` holds the rows of `ids`
+    only, so a draft step reads len(ids) / vocab of the full head's bytes. Its logits are spread back over the whole
+    vocabulary with -inf elsewhere: argmax, sampling and speculative acceptance then see ordinary [T, vocab] logits,
+    whose drafts lie in `ids`."""
+
+    weight: torch.Tensor | Q4Weight
+    ids: torch.Tensor  # [n] int64, sorted, once each, on the head's device
+    vocab: int
+
+    @classmethod
+    def rows_of(cls, head: torch.Tensor | Q4Weight, ids: torch.Tensor) -> DraftHead:
+        """The rows `ids` of a full head (a Q4_0 head's rows are quantized independently: the same as quantizing
+        the rows alone)."""
+        if isinstance(head, Q4Weight):
+            weight: torch.Tensor | Q4Weight = Q4Weight(head.packed[ids].contiguous(), head.scales[ids].contiguous())
+        else:
+            weight = head[ids].contiguous()
+        return cls(weight, ids, head.shape[0])
+
+
+@fused
+def spread_logits(sub: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits of the rows `ids` [T, n] -> [T, vocab] with -inf at every other id."""
+    return sub.new_full((sub.shape[0], vocab), float("-inf")).index_copy(1, ids, sub)
 
 
 @fused
