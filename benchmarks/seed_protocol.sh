@@ -9,7 +9,7 @@ set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
-h200-fn8-early h200-fn8-pdl h200-fn8-depth h200-fn8-seed}"
+h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -54,6 +54,11 @@ early=0,ours-again:from=ours" ;;
     #      for the kernel before, plain decoding and MTP5
     h200-fn8-pdl) bench merge "${fn8[@]}" --arms "nospec-nopdl:from=nospec,pdl=0,nospec,ours-nopdl:from=ours,pdl=0,\
 ours,ours-nopdl-again:from=ours,pdl=0" ;;
+    # (d5) a draft vocabulary (the draft head reads only the rows of the first 32,768 / 16,384 ids) against the whole
+    #      vocabulary, MTP5 and MTP3. Replayed acceptance: this measures the head's cost only; what the vocabulary
+    #      costs in acceptance is the real model's (scripts/draft_vocab_demo.py measures it for the demo model)
+    h200-fn8-dvocab) bench merge "${fn8[@]}" --arms "ours,ours-dv32k:from=ours,dvocab=32768,\
+ours-dv16k:from=ours,dvocab=16384,ours-mtp3:from=ours,draft=3,ours-mtp3-dv32k:from=ours,draft=3,dvocab=32768" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -15,7 +15,8 @@
 Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPATH=. python scripts/gpu_check.py
 (`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows
 only; `--only-chained`: the logits rows, plain decoding and the device-chained greedy rows, the engine's own path;
-`--only-pdl`: the logits rows and the programmatic-dependent-launch row; the flags combine).
+`--only-pdl`: the logits rows and the programmatic-dependent-launch row; `--only-draft-vocab`: the logits rows and
+the draft-vocabulary row; the flags combine).
 """
 
 from __future__ import annotations
@@ -143,6 +144,22 @@ def pdl_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: st
            f"{why_g}; inductor PDL {'on' if fuse.inductor_has_pdl() else 'not in this torch'}")
 
 
+def draft_vocab_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float) -> None:
+    """A draft vocabulary (every third id) on the GPU path: the Q4 head's rows alone through the 4-bit kernel, their
+    logits spread to -inf elsewhere inside the graphs. Greedy MTP5 must give plain decoding's tokens, and every
+    recorded draft row must be -inf off the set."""
+    ids = range(0, gpu.cfg.vocab_size, 3)
+    off = torch.ones(gpu.cfg.vocab_size, dtype=torch.bool)
+    off[list(ids)] = False
+    g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, draft_head="q4", draft_vocab=ids,
+                                  record_logits=True)).generate(prompt, 48)
+    ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
+    hidden = all(bool(torch.isneginf(d[:, off]).all()) for d in g.draft_logits)
+    report(f"draft vocabulary, greedy MTP5 == plain, cuda {name}", ok_g and hidden and len(g.draft_logits) > 0,
+           f"tokens {why_g}; {len(g.draft_logits)} draft rows, -inf off the set: {hidden}; "
+           f"graphs {g.graphs['replays']} replays")
+
+
 def main() -> int:
     torch.set_grad_enabled(False)
     only_fused = "--only-fused" in sys.argv  # just the fused-vs-unfused rows (a short device run)
@@ -153,7 +170,8 @@ def main() -> int:
     # the engine's own path alone (plain decoding, drafts chained on the device in one graph): a short device run
     # the logits rows and the PDL row alone (~4 minutes on the device: it compiles both builds)
     only_pdl = "--only-pdl" in sys.argv
-    only_chained = "--only-chained" in sys.argv or only_pdl
+    only_draft_vocab = "--only-draft-vocab" in sys.argv  # the logits rows and the draft-vocabulary row
+    only_chained = "--only-chained" in sys.argv or only_pdl or only_draft_vocab
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2))[1 if only_bf16 else 0:]:
         gpu = build("cuda", dtype)
         got = Runner(gpu, CacheOptions(capacity=128, kv_type="bf16" if dtype == torch.bfloat16 else "f32")
@@ -168,8 +186,11 @@ def main() -> int:
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
-        if only_pdl:
-            pdl_rows(gpu, prompt, plain, kv, name, tie)
+        if only_pdl or only_draft_vocab:
+            if only_pdl:
+                pdl_rows(gpu, prompt, plain, kv, name, tie)
+            if only_draft_vocab:
+                draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
             continue
         for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
@@ -217,6 +238,7 @@ def main() -> int:
                    f"{'equal' if early.tokens == after.tokens else 'differ'}; greedy {why_g}, "
                    f"graphs {g.graphs['replays']} replays")
             pdl_rows(gpu, prompt, plain, kv, name, tie)
+            draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)
