@@ -79,11 +79,40 @@ class MoE(torch.nn.Module):
         return torch.cat(rows)
 
     def _grouped(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(h)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            x = h[tok]
-            y = F.linear(F.silu(F.linear(x, self.gate[e])) * F.linear(x, self.up[e]), self.down[e])
-            out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
+        """Prefill-sized steps: each chosen expert once, over all the tokens that chose it. The (token, slot) pairs
+        are sorted by expert on the device, so the step waits for the host once (the per-expert counts), not once
+        per expert; each token's expert outputs are then added in ascending expert order, the products and the
+        rounding after each addition those of `grouped_moe_reference`."""
+        T, k = top_i.shape
+        flat = top_i.flatten()
+        order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one (as torch.where gives them)
+        counts = torch.bincount(flat, minlength=self.gate.shape[0]).tolist()  # the one host sync
+        x = h[order // k]
+        ys, o = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                xe = x[o:o + n]
+                ys.append(F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.down[e]))
+                o += n
+        y = torch.cat(ys)
+        y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)
+        weighted = y * top_w[..., None]
+        by_expert = top_i.argsort(dim=1)  # each token's slots in ascending expert order
+        weighted = weighted.gather(1, by_expert[..., None].expand_as(weighted))
+        out = weighted[:, 0].to(h.dtype)
+        for j in range(1, k):
+            out = (out + weighted[:, j]).to(h.dtype)
         return out
+
+
+def grouped_moe_reference(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate: torch.Tensor,
+                          up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """MoE._grouped's definition, one expert at a time with a host round trip each (the tests' reference)."""
+    out = torch.zeros_like(h)
+    for e in torch.unique(top_i).tolist():
+        tok, slot = torch.where(top_i == e)
+        x = h[tok]
+        y = F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e])
+        out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
+    return out
 
