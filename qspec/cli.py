@@ -224,7 +224,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
         kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
         draft_before_readback=a.draft_before_readback, pdl=a.pdl,
         draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
-        draft_vocab=draft_vocab,
+        draft_vocab=draft_vocab, grouped_mm=a.grouped_mm,
         accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
     engine = Engine(model, opts)
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
@@ -435,6 +435,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                          "it (Hopper and later: each kernel is scheduled while the one before it runs; the default)")
     pd.add_argument("--no-pdl", dest="pdl", action="store_const", const=False,
                     help="launch every kernel only after the one before it has finished")
+    r.add_argument("--grouped-mm", action="store_true",
+                   help="prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16) instead "
+                        "of a loop over the experts; opt-in until measured on the GPU")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

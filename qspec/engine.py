@@ -23,7 +23,7 @@ import torch
 from qspec.kernels import gdn_conv, gemv, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
-from qspec.model import fuse, ops
+from qspec.model import fuse, moe, ops
 from qspec.model.model import CacheOptions, Model
 from qspec.model.mtp import DraftHead
 from qspec.runner import ContextError, Readback, Runner, upload
@@ -58,6 +58,9 @@ class EngineOptions:
     # against 701.79, one process, benchmarks/results/h200-fn8-pdl-s14.md)
     pdl: bool = True
     prefill_chunk: int = 512
+    # prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16; model/moe.py) instead of a
+    # loop over the experts. Opt-in: not yet measured on the GPU
+    grouped_mm: bool = False
     draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
     # the token ids the draft may propose (spec/draft_vocab.py): its head then reads only their rows; None: all
@@ -176,7 +179,8 @@ class Engine:
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
         pdl = o.pdl and triton_common.pdl_supported(self.model.device)
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
-                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), gemv.pdl_shapes_mode(pdl):
+                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), gemv.pdl_shapes_mode(pdl), \
+                moe.grouped_mm_mode(o.grouped_mm):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

@@ -16,7 +16,7 @@ Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPA
 (`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows
 only; `--only-chained`: the logits rows, plain decoding and the device-chained greedy rows, the engine's own path;
 `--only-pdl`: the logits rows and the programmatic-dependent-launch row; `--only-draft-vocab`: the logits rows and
-the draft-vocabulary row; the flags combine).
+the draft-vocabulary row; `--only-grouped-mm`: the logits rows and the grouped-GEMM prefill row; the flags combine).
 """
 
 from __future__ import annotations
@@ -160,6 +160,20 @@ def draft_vocab_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, 
            f"graphs {g.graphs['replays']} replays")
 
 
+def grouped_mm_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float,
+                    tol: float) -> None:
+    """Prefill's routed experts as grouped GEMMs (opt-in; bf16 only, so the f32 model keeps its loop): the decode
+    logits after that prefill within the dtype's tolerance of plain decoding's, and the tokens equal up to a near
+    tie; greedy MTP5 through it too."""
+    g = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=True)).generate(
+        prompt, 48)
+    ok, why, rel = plain_against(g, plain, tie)
+    s = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, grouped_mm=True)).generate(prompt, 48)
+    ok_s, why_s = same_or_tie(s.tokens, plain, 0, tie)
+    report(f"grouped-GEMM prefill experts, cuda {name}", ok and rel < tol and ok_s,
+           f"{why}; greedy MTP5 {why_s}; {'used' if gpu.dtype == torch.bfloat16 else 'not used (not bf16)'}")
+
+
 def main() -> int:
     torch.set_grad_enabled(False)
     only_fused = "--only-fused" in sys.argv  # just the fused-vs-unfused rows (a short device run)
@@ -171,7 +185,8 @@ def main() -> int:
     # the logits rows and the PDL row alone (~4 minutes on the device: it compiles both builds)
     only_pdl = "--only-pdl" in sys.argv
     only_draft_vocab = "--only-draft-vocab" in sys.argv  # the logits rows and the draft-vocabulary row
-    only_chained = "--only-chained" in sys.argv or only_pdl or only_draft_vocab
+    only_grouped_mm = "--only-grouped-mm" in sys.argv  # the logits rows and the grouped-GEMM prefill row
+    only_chained = "--only-chained" in sys.argv or only_pdl or only_draft_vocab or only_grouped_mm
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2))[1 if only_bf16 else 0:]:
         gpu = build("cuda", dtype)
         got = Runner(gpu, CacheOptions(capacity=128, kv_type="bf16" if dtype == torch.bfloat16 else "f32")
@@ -186,11 +201,13 @@ def main() -> int:
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
-        if only_pdl or only_draft_vocab:
+        if only_pdl or only_draft_vocab or only_grouped_mm:
             if only_pdl:
                 pdl_rows(gpu, prompt, plain, kv, name, tie)
             if only_draft_vocab:
                 draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
+            if only_grouped_mm:
+                grouped_mm_rows(gpu, prompt, plain, kv, name, tie, tol)
             continue
         for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
@@ -239,6 +256,7 @@ def main() -> int:
                    f"graphs {g.graphs['replays']} replays")
             pdl_rows(gpu, prompt, plain, kv, name, tie)
             draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
+            grouped_mm_rows(gpu, prompt, plain, kv, name, tie, tol)
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)

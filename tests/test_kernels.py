@@ -25,6 +25,7 @@ from qspec.kernels.sparse_attention import sparse_attention, sparse_attention_to
 from qspec.kernels.triton_common import HAS_TRITON
 from qspec.kernels.triton_conv_snapshot import conv_snapshot, conv_snapshot_torch
 from qspec.kernels.triton_gdn import gdn_recurrent_planes, gdn_recurrent_planes_torch
+from qspec.model.model import Model
 from qspec.model.moe import MoE, grouped_moe_reference
 from qspec.model.ops import rope_tables
 from qspec.model.qsa import PooledUpdate, materialize_pooled
@@ -304,6 +305,32 @@ def test_grouped_moe_sorted_equals_one_expert_at_a_time(dtype: torch.dtype) -> N
     ref = grouped_moe_reference(h, top_w, top_i, moe.gate, moe.up, moe.down)
     got = moe._grouped(h, top_w, top_i)
     assert got.dtype == h.dtype and torch.equal(got, ref), (unused, (got.float() - ref.float()).abs().max())
+
+
+def test_grouped_mm_prefill_experts_match_the_loop(tiny_model: Model) -> None:
+    """grouped_mm_mode: bf16 prefill experts as three grouped GEMMs (torch._grouped_mm; on the CPU torch's loop over
+    the groups) give the per-expert loop's result up to bf16 rounding; other dtypes keep the loop; the engine
+    switches it for its requests only."""
+    from qspec.engine import Engine, EngineOptions
+    from qspec.model import moe as moe_mod
+
+    moe = tiny_moe(torch.bfloat16, E=16, k=4, seed=9)
+    h = torch.randn(120, 32, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    top_w, top_i = moe.route(h)
+    top_i[:, 0] = torch.where((top_i == 15).any(1), top_i[:, 0], 15)  # expert 15 in every token, some experts idle
+    loop = moe._grouped(h, top_w, top_i)
+    with moe_mod.grouped_mm_mode(True):
+        assert moe_mod._GROUPED_MM
+        got = moe._grouped(h, top_w, top_i)
+        f32 = tiny_moe(torch.float32, E=16, k=4, seed=9)
+        assert torch.equal(f32._grouped(h.float(), top_w, top_i),
+                           grouped_moe_reference(h.float(), top_w, top_i, f32.gate, f32.up, f32.down))
+    assert not moe_mod._GROUPED_MM and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), loop.float(), rtol=2e-2, atol=2e-2)
+    seen: list[bool] = []
+    Engine(tiny_model, EngineOptions(draft=1, capacity=64, grouped_mm=True,
+                                after_round=lambda run, k: seen.append(moe_mod._GROUPED_MM))).generate([1, 2, 3], 3)
+    assert seen and all(seen) and not moe_mod._GROUPED_MM
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,7 +11,8 @@ mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked atte
 cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv
 kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
 default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
-default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default)
+default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
+gmm (prefill's routed experts as grouped GEMMs, off by default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -50,6 +51,7 @@ class Arm:
     early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
     pdl: bool = True  # programmatic dependent launch where the GPU has it (the default; off: --no-pdl)
     dvocab: int = 0  # drafts only from the first dvocab ids (--draft-vocab N; 0: the whole vocabulary)
+    gmm: bool = False  # prefill's routed experts as grouped GEMMs (--grouped-mm)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -62,7 +64,8 @@ class Arm:
                              sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn,
                              kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv,
                              draft_before_readback=self.early and bool(self.draft), pdl=self.pdl,
-                             draft_vocab=range(self.dvocab) if self.dvocab and self.draft else None)
+                             draft_vocab=range(self.dvocab) if self.dvocab and self.draft else None,
+                             grouped_mm=self.gmm)
 
     def describe(self) -> str:
         if not self.draft:
@@ -94,6 +97,8 @@ class Arm:
             parts.append("no PDL")
         if self.dvocab and self.draft:
             parts.append(f"drafts from the first {self.dvocab} ids")
+        if self.gmm:
+            parts.append("grouped-GEMM prefill experts")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -154,7 +159,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
         elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
-                   "gconv", "early", "pdl"):
+                   "gconv", "early", "pdl", "gmm"):
             fields[k] = _bool(k, v, spec)
         elif k == "dvocab":
             if not v.isdigit():
@@ -163,7 +168,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
                              "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "early, pdl, dvocab, from)")
+                             "early, pdl, dvocab, gmm, from)")
     return replace(base, **fields)
 
 

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from qspec.kernels.moe_few import moe_slots, sum_slots
 from qspec.kernels.route import route_top_k
+from qspec.kernels.triton_common import module_flag
 from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
 FEW_TOKENS = 16
+
+# Prefill's routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS kernels on Hopper for bf16, a loop
+# over the groups elsewhere): three launches per layer and no host sync, instead of five launches per expert.
+# Opt-in (EngineOptions.grouped_mm) until it is measured on the GPU. A module flag, as kernels/gemv.py's.
+_GROUPED_MM = False
+
+
+def grouped_mm_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, bf16 prefill steps run their routed experts as three grouped GEMMs (where torch has them)."""
+    return module_flag(__name__, "_GROUPED_MM", on and hasattr(torch, "_grouped_mm"))
+
+
+def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+                    ) -> torch.Tensor:
+    """x [n, D]: rows sorted by expert, expert e's rows ending at ends[e] (int32, cumulative) -> each row through its
+    expert, down(silu(gate x) * up x) [n, D]; the weights are [E, out, in] as stored."""
+    g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=ends)
+    u = torch._grouped_mm(x, up.transpose(-2, -1), offs=ends)
+    return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=ends)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,19 +104,23 @@ class MoE(torch.nn.Module):
         """Prefill-sized steps: each chosen expert once, over all the tokens that chose it. The (token, slot) pairs
         are sorted by expert on the device, so the step waits for the host once (the per-expert counts), not once
         per expert; each token's expert outputs are then added in ascending expert order, the products and the
-        rounding after each addition those of `grouped_moe_reference`."""
+        rounding after each addition those of `grouped_moe_reference`. With `grouped_mm_mode` (bf16) the experts'
+        products are three grouped GEMMs instead, with no host sync (the same rows, other kernels)."""
         T, k = top_i.shape
         flat = top_i.flatten()
         order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one (as torch.where gives them)
-        counts = torch.bincount(flat, minlength=self.gate.shape[0]).tolist()  # the one host sync
+        counts = torch.bincount(flat, minlength=self.gate.shape[0])
         x = h[order // k]
-        ys, o = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                xe = x[o:o + n]
-                ys.append(F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.down[e]))
-                o += n
-        y = torch.cat(ys)
+        if _GROUPED_MM and x.dtype == torch.bfloat16:
+            y = grouped_experts(x, counts.cumsum(0).to(torch.int32), self.gate, self.up, self.down)
+        else:
+            ys, o = [], 0
+            for e, n in enumerate(counts.tolist()):  # the one host sync
+                if n:
+                    xe = x[o:o + n]
+                    ys.append(F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.down[e]))
+                    o += n
+            y = torch.cat(ys)
         y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)
         weighted = y * top_w[..., None]
         by_expert = top_i.argsort(dim=1)  # each token's slots in ascending expert order
