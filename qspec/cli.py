@@ -386,6 +386,14 @@ def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None
     p.add_argument(flag, dest=dest, action="store_false", help=help)
 
 
+def _switch(p: argparse.ArgumentParser, flag: str, default: bool | None, on: str, off: str) -> None:
+    """--FLAG and --no-FLAG, mutually exclusive: True or False, `default` when neither is given."""
+    g = p.add_mutually_exclusive_group()
+    dest = flag.replace("-", "_")
+    g.add_argument(f"--{flag}", dest=dest, action="store_const", const=True, default=default, help=on)
+    g.add_argument(f"--no-{flag}", dest=dest, action="store_const", const=False, help=off)
+
+
 def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share."""
     r.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
@@ -412,29 +420,19 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--sparse-attention", action="store_true",
                    help="QSA reads only the indexer's chosen blocks and the tail (a Triton kernel on CUDA) instead of "
                         "masking every cell of a KV bucket")
-    fa = r.add_mutually_exclusive_group()
-    fa.add_argument("--fused-attention", dest="fused_attention", action="store_const", const=True, default=None,
-                    help="masked attention (QSA's dense path, the MTP head) in one pass over the KV cache, q8_0 "
-                         "dequantized in registers (default on CUDA; on the CPU this runs its torch reference)")
-    fa.add_argument("--no-fused-attention", dest="fused_attention", action="store_const", const=False,
-                    help="masked attention through a dequantized copy of the cache, batched products and a softmax")
+    _switch(r, "fused-attention", None, "masked attention (QSA's dense path, the MTP head) in one pass over the KV "
+            "cache, q8_0 dequantized in registers (default on CUDA; on the CPU this runs its torch reference)",
+            "masked attention through a dequantized copy of the cache, batched products and a softmax")
     _on_off(r, "--no-kv-write-kernel", "kv_write_kernel", "write a q8_0 KV cache with the compiled quantization and "
             "four index copies instead of one Triton launch per layer and step (CUDA)")
     _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "
             "instead of in one Triton launch per layer (CUDA)")
-    db = r.add_mutually_exclusive_group()
-    db.add_argument("--draft-before-readback", dest="draft_before_readback", action="store_const", const=True,
-                    default=True, help="greedy speculation: queue each round's next draft chain before the host reads "
-                    "the round (its first position computed on the device), so the GPU does not wait for the read-back "
-                    "(the default)")
-    db.add_argument("--no-draft-before-readback", dest="draft_before_readback", action="store_const", const=False,
-                    help="queue each round's draft chain after the host has read the round")
-    pd = r.add_mutually_exclusive_group()
-    pd.add_argument("--pdl", dest="pdl", action="store_const", const=True, default=True,
-                    help="launch the Triton and compiled kernels with programmatic dependent launch where the GPU has "
-                         "it (Hopper and later: each kernel is scheduled while the one before it runs; the default)")
-    pd.add_argument("--no-pdl", dest="pdl", action="store_const", const=False,
-                    help="launch every kernel only after the one before it has finished")
+    _switch(r, "draft-before-readback", True, "greedy speculation: queue each round's next draft chain before the "
+            "host reads the round (its first position computed on the device), so the GPU does not wait for the "
+            "read-back (the default)", "queue each round's draft chain after the host has read the round")
+    _switch(r, "pdl", True, "launch the Triton and compiled kernels with programmatic dependent launch where the GPU "
+            "has it (Hopper and later: each kernel is scheduled while the one before it runs; the default)",
+            "launch every kernel only after the one before it has finished")
     r.add_argument("--grouped-mm", action="store_true",
                    help="prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16) instead "
                         "of a loop over the experts; opt-in until measured on the GPU")
