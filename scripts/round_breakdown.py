@@ -31,6 +31,7 @@ ARMS = {
     "mtp5-on": dict(draft=5),
     "ours": dict(draft=5, draft_head="q4"),
     "ours-late": dict(draft=5, draft_head="q4", draft_before_readback=False),  # the chain after the read-back
+    "ours-dv32k": dict(draft=5, draft_head="q4", draft_vocab=range(32768)),  # drafts from the first 32,768 ids
 }
 
 
@@ -52,15 +53,17 @@ def distinct_experts(cfg: ModelConfig, rows: int) -> float:
     return E * (1 - (1 - k / E) ** rows)
 
 
-def bound(cfg: ModelConfig, draft: int, q4: bool, p: float) -> dict[str, float]:
-    """Weight-bandwidth limit in tok/s: bytes per round / HBM, with E[tokens/round] at acceptance p."""
+def bound(cfg: ModelConfig, draft: int, q4: bool, p: float, draft_rows: int | None = None) -> dict[str, float]:
+    """Weight-bandwidth limit in tok/s: bytes per round / HBM, with E[tokens/round] at acceptance p. draft_rows: the
+    draft head's rows (a draft vocabulary; default the whole vocabulary)."""
     head = cfg.vocab_size * cfg.hidden * 2
     if draft == 0:
         b = sum(layer_bytes(cfg, cfg.n_experts_used, r) for r in cfg.layer_recurrent) + head
         return {"bytes_per_token_gb": b / 1e9, "limit_tok_s": HBM / b}
     rows = draft + 1
     verify = sum(layer_bytes(cfg, distinct_experts(cfg, rows), r) for r in cfg.layer_recurrent) + head
-    dhead = head / 4 * 1.125 if q4 else head  # Q4_0: 4.5 bits per weight
+    dhead = (draft_rows or cfg.vocab_size) * cfg.hidden * 2
+    dhead = dhead / 4 * 1.125 if q4 else dhead  # Q4_0: 4.5 bits per weight
     mtp_block = layer_bytes(cfg, cfg.n_experts_used, False) + 3 * cfg.hidden * cfg.hidden * 2
     # the extend's rows all write their K/V cells, but only the accepted row goes through the MoE and the head (since
     # commit 79fc7cb; before, its MoE ran all rows: layer_bytes(cfg, distinct_experts(cfg, rows), False))
@@ -101,7 +104,8 @@ def main() -> int:
         t = eng.generate(prompt, a.gen)
         rounds = max(t.spec.rounds, 1) if kw.get("draft") else len(t.tokens)
         pooled = next(iter(g.pooled.values()), {})
-        b = bound(cfg, kw.get("draft", 0), kw.get("draft_head") == "q4", a.p)
+        vocab = kw.get("draft_vocab")
+        b = bound(cfg, kw.get("draft", 0), kw.get("draft_head") == "q4", a.p, None if vocab is None else len(vocab))
         res[name] = {"decode_tok_s": round(g.decode_tps, 2), "prefill_tok_s": round(g.prefill_tps, 1),
                      "ms_per_round": {k: round(v / rounds * 1e3, 3) for k, v in t.phases.items()},
                      "rounds": g.spec.rounds, "tokens_per_round": round(g.spec.tokens_per_round, 3),
