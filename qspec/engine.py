@@ -223,10 +223,11 @@ class Engine:
                                  torch.zeros(0, dtype=torch.long, device=dev))
             run.keep(len(chunk), rollback=False)
             if o.draft:
-                # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j)
+                # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
+                # kept, so one row goes on through the head's MoE and LM head (its output is not used either)
                 nxt = ids[s + 1:s + 1 + len(chunk)]
                 if len(nxt):
-                    run.mtp_step(nxt, X[:len(nxt)], s + 1)
+                    run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
                 H = X[-1:]
         return logits, H
 
