@@ -9,7 +9,7 @@ set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
-h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-depth h200-fn8-seed}"
+h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -62,6 +62,10 @@ ours-dv16k:from=ours,dvocab=16384,ours-mtp3:from=ours,draft=3,ours-mtp3-dv32k:fr
     # (d6) prefill's routed experts as three grouped GEMMs per layer (opt-in) against the loop over the experts: the
     #      report's prefill column (and the decode speed, which must not change)
     h200-fn8-prefill) bench merge "${fn8[@]}" --arms "nospec,nospec-gmm:from=nospec,gmm=1,ours,ours-gmm:from=ours,gmm=1" ;;
+    # (d7) the hyper-connection mixers of verify and extend steps (6 rows) on the Triton kernels against compiled
+    #      (the tenth session found no clear gain without PDL; PDL favours the Triton kernels over cuBLAS's)
+    h200-fn8-mixers) bench merge "${fn8[@]}" --arms "ours,ours-hc6:from=ours,hcrows=6,ours-again:from=ours,\
+ours-hc6-again:from=ours,hcrows=6" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

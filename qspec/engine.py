@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qspec.kernels import gdn_conv, gemv, triton_common
+from qspec.kernels import gdn_conv, gemv, hc_mix, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, moe, ops
@@ -74,6 +74,9 @@ class EngineOptions:
     # one-row 16-bit products through the Triton mat-vec (kernels/gemv.py) and one-row hyper-connection mixers through
     # their Triton kernels (kernels/hc_mix.py), on CUDA; off: cuBLAS and the compiled mixers
     gemv: bool = True
+    # the most rows of a step whose hyper-connection mixers take the Triton kernels (kernels/hc_mix.py): 1 (decode and
+    # draft steps) is the measured default; 6 also sends MTP5's verify and extend, for an A/B with PDL on
+    mixer_step_rows: int = 1
     compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     # keep every verify/decode step's logits in Generation.logits, and each round's first draft logits
@@ -132,6 +135,8 @@ class Engine:
             raise ValueError(f"draft depth must be in [0, 8], got {self.opts.draft}")
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
+        if not 1 <= self.opts.mixer_step_rows <= hc_mix.MAX_ROWS:
+            raise ValueError(f"mixer_step_rows must be in 1..{hc_mix.MAX_ROWS}, got {self.opts.mixer_step_rows}")
         if self.opts.draft_head not in ("full", "q4"):
             raise ValueError(f"draft head must be 'full' or 'q4', got {self.opts.draft_head!r}")
         if self.opts.draft_head == "q4" and self.opts.draft_lm_head is None and self.opts.draft:
@@ -180,7 +185,7 @@ class Engine:
         pdl = o.pdl and triton_common.pdl_supported(self.model.device)
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
                 gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), gemv.pdl_shapes_mode(pdl), \
-                moe.grouped_mm_mode(o.grouped_mm):
+                moe.grouped_mm_mode(o.grouped_mm), hc_mix.step_rows_mode(o.mixer_step_rows):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

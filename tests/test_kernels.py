@@ -842,3 +842,16 @@ def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     assert q.shape == k.shape == (T, Hk, d) and v.shape == (T, Hv, d)
     assert torch.allclose(k.norm(dim=-1), torch.ones(T, Hk), atol=1e-4)
     assert torch.allclose(q.norm(dim=-1), torch.full((T, Hk), d ** -0.5), atol=1e-4)
+
+
+def test_engine_sets_the_mixer_rows_for_its_requests(tiny_model: Model) -> None:
+    """The engine's mixer_step_rows applies to its requests only, and a value the kernels cannot take is refused."""
+    from qspec.engine import Engine, EngineOptions
+    from qspec.kernels import hc_mix
+
+    seen: list[int] = []
+    Engine(tiny_model, EngineOptions(draft=2, capacity=64, mixer_step_rows=6, after_round=lambda run, k: seen.append(
+        hc_mix._STEP_ROWS))).generate([1, 2, 3, 4], 4)
+    assert seen and set(seen) == {6} and hc_mix._STEP_ROWS == 1
+    with pytest.raises(ValueError, match="mixer_step_rows must be in 1..8, got 0"):
+        Engine(tiny_model, EngineOptions(draft=2, capacity=64, mixer_step_rows=0))

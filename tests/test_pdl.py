@@ -89,3 +89,4 @@ def test_engine_leaves_pdl_off_where_the_gpu_lacks_it(tiny_model: Model) -> None
     assert opts.pdl
     Engine(tiny_model, opts).generate([1, 2, 3, 4], 6)
     assert seen and set(seen) == {(False, False)}
+

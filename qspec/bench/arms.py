@@ -12,7 +12,8 @@ cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by defau
 kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
 default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
 default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
-gmm (prefill's routed experts as grouped GEMMs, off by default)
+gmm (prefill's routed experts as grouped GEMMs, off by default), hcrows (the most rows of a step whose mixers take
+the Triton kernels, 1 by default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -52,6 +53,7 @@ class Arm:
     pdl: bool = True  # programmatic dependent launch where the GPU has it (the default; off: --no-pdl)
     dvocab: int = 0  # drafts only from the first dvocab ids (--draft-vocab N; 0: the whole vocabulary)
     gmm: bool = False  # prefill's routed experts as grouped GEMMs (--grouped-mm)
+    hcrows: int = 1  # the most rows of a step whose mixers take the Triton kernels (EngineOptions.mixer_step_rows)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -65,7 +67,7 @@ class Arm:
                              kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv,
                              draft_before_readback=self.early and bool(self.draft), pdl=self.pdl,
                              draft_vocab=range(self.dvocab) if self.dvocab and self.draft else None,
-                             grouped_mm=self.gmm)
+                             grouped_mm=self.gmm, mixer_step_rows=self.hcrows)
 
     def describe(self) -> str:
         if not self.draft:
@@ -99,6 +101,8 @@ class Arm:
             parts.append(f"drafts from the first {self.dvocab} ids")
         if self.gmm:
             parts.append("grouped-GEMM prefill experts")
+        if self.hcrows != 1:
+            parts.append(f"mixer kernels up to {self.hcrows} rows")
         return ", ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
@@ -161,6 +165,10 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
                    "gconv", "early", "pdl", "gmm"):
             fields[k] = _bool(k, v, spec)
+        elif k == "hcrows":
+            if v not in {str(n) for n in range(1, 9)}:
+                raise ValueError(f"arm {spec!r}: hcrows={v!r}: expected 1..8")
+            fields[k] = int(v)
         elif k == "dvocab":
             if not v.isdigit():
                 raise ValueError(f"arm {spec!r}: dvocab={v!r} is not a token count (0 = the whole vocabulary)")
@@ -168,7 +176,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
                              "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "early, pdl, dvocab, gmm, from)")
+                             "early, pdl, dvocab, gmm, hcrows, from)")
     return replace(base, **fields)
 
 
