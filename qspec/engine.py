@@ -184,7 +184,7 @@ class Engine:
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
         pdl = o.pdl and triton_common.pdl_supported(self.model.device)
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
-                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), gemv.pdl_shapes_mode(pdl), \
+                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), \
                 moe.grouped_mm_mode(o.grouped_mm), hc_mix.step_rows_mode(o.mixer_step_rows):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 

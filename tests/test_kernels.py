@@ -448,14 +448,14 @@ def test_gemv_switch() -> None:
 
 
 def test_few_rows_pdl_shapes_need_pdl() -> None:
-    """TUNED_FEW_PDL's shapes beat cuBLAS only with PDL launches: routed inside pdl_shapes_mode alone."""
-    from qspec.kernels import gemv
+    """TUNED_FEW_PDL's shapes beat cuBLAS only with PDL launches: routed inside pdl_mode alone."""
+    from qspec.kernels import gemv, triton_common
     from qspec.kernels.triton_gemv import TUNED_FEW, TUNED_FEW_PDL
 
     assert TUNED_FEW_PDL and not set(TUNED_FEW) & set(TUNED_FEW_PDL)
     shape = next(iter(TUNED_FEW_PDL))
     assert not gemv.few_rows_routed(shape) and gemv.few_rows_routed(next(iter(TUNED_FEW)))
-    with gemv.pdl_shapes_mode(True):
+    with triton_common.pdl_mode(True):
         assert gemv.few_rows_routed(shape)
     assert not gemv.few_rows_routed(shape) and not gemv.few_rows_routed((7, 8))
 

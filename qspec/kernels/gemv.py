@@ -13,6 +13,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels import triton_common
 from qspec.kernels.triton_common import module_flag, triton_enabled, use_triton
 from qspec.kernels.triton_gemv import TUNED, TUNED_FEW, TUNED_FEW_PDL
 
@@ -29,16 +30,6 @@ _ON = triton_enabled()
 def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Route eligible products to the mat-vec (on) or leave them all to cuBLAS (off) inside the block."""
     return module_flag(__name__, "_ON", on and triton_enabled())
-
-
-# Whether the few-row products launch with PDL (the engine's `pdl` option on a GPU that has it): TUNED_FEW_PDL's
-# shapes then go to the kernel too. A module flag, as _ON.
-_PDL_SHAPES = False
-
-
-def pdl_shapes_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, also route TUNED_FEW_PDL's shapes to the few-rows kernel (its launches use PDL there)."""
-    return module_flag(__name__, "_PDL_SHAPES", on)
 
 
 # Checks only (scripts/gpu_check.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
@@ -76,8 +67,10 @@ WIDE_ROWS = 1 << 16
 
 
 def few_rows_routed(shape: tuple[int, int]) -> bool:
-    """Whether a 2..MAX_ROWS-row product with a weight of this (N, K) goes to the few-rows kernel (on CUDA)."""
-    return _FEW_EVERYWHERE or shape in TUNED_FEW or (_PDL_SHAPES and shape in TUNED_FEW_PDL)
+    """Whether a 2..MAX_ROWS-row product with a weight of this (N, K) goes to the few-rows kernel (on CUDA):
+    TUNED_FEW's shapes, and TUNED_FEW_PDL's inside triton_common.pdl_mode (the engine enters it only on a GPU that
+    has PDL)."""
+    return _FEW_EVERYWHERE or shape in TUNED_FEW or (triton_common._PDL and shape in TUNED_FEW_PDL)
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
