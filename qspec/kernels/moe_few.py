@@ -30,14 +30,20 @@ def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torc
         raise ValueError(f"routing: top_i {tuple(top_i.shape)} {top_i.dtype}, top_w {tuple(top_w.shape)}")
 
 
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One expert over the rows x: down(silu(gate x) * up x), its matrices [out, in] as stored."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
 def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
                   up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """Reference: each (token, expert) pair as its own product, slot outputs weighted and summed (as MoE._per_token)."""
+    """Reference (and MoE._per_token, row-exact mode): each (token, expert) pair as its own product, slot outputs
+    weighted and summed."""
     _check(h, top_i, top_w, gate, up, down)
     rows = []
     for t, experts in enumerate(top_i.tolist()):
         x = h[t:t + 1]
-        ys = [F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e]) for e in experts]
+        ys = [expert_ffn(x, gate[e], up[e], down[e]) for e in experts]
         rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
     return torch.cat(rows)
 

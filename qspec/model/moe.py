@@ -7,7 +7,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from qspec.kernels.moe_few import moe_slots, sum_slots
+from qspec.kernels.moe_few import expert_ffn, moe_few_torch, moe_slots, sum_slots
 from qspec.kernels.route import route_top_k
 from qspec.kernels.triton_common import module_flag
 from qspec.model.fuse import fused
@@ -93,12 +93,7 @@ class MoE(torch.nn.Module):
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
-        rows = []
-        for t, experts in enumerate(top_i.tolist()):
-            x = h[t:t + 1]
-            ys = [F.linear(F.silu(F.linear(x, self.gate[e])) * F.linear(x, self.up[e]), self.down[e]) for e in experts]
-            rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
-        return torch.cat(rows)
+        return moe_few_torch(h, top_i, top_w, self.gate, self.up, self.down)
 
     def _grouped(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Prefill-sized steps: each chosen expert once, over all the tokens that chose it. The (token, slot) pairs
@@ -118,7 +113,7 @@ class MoE(torch.nn.Module):
             for e, n in enumerate(counts.tolist()):  # the one host sync
                 if n:
                     xe = x[o:o + n]
-                    ys.append(F.linear(F.silu(F.linear(xe, self.gate[e])) * F.linear(xe, self.up[e]), self.down[e]))
+                    ys.append(expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
                     o += n
             y = torch.cat(ys)
         y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)
@@ -138,7 +133,7 @@ def grouped_moe_reference(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Ten
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
         x = h[tok]
-        y = F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e])
+        y = expert_ffn(x, gate[e], up[e], down[e])
         out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
     return out
 
