@@ -6,6 +6,7 @@ kernels on CPU tensors through Triton's interpreter, which is how the CPU tests 
 """
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -65,8 +66,13 @@ def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
 def pdl_supported(dev: torch.device) -> bool:
     """Whether kernels launched on `dev` can use PDL: a CUDA device of compute capability 9 or more, not the
     interpreter."""
-    return (dev.type == "cuda" and not INTERPRET and torch.version.hip is None
-            and torch.cuda.get_device_capability(dev)[0] >= 9)
+    return dev.type == "cuda" and not INTERPRET and torch.version.hip is None and _has_pdl_capability(dev.index)
+
+
+@functools.cache
+def _has_pdl_capability(index: int | None) -> bool:
+    # pdl_on asks at every Triton launch of an eager step: the device's answer does not change
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_on(t: torch.Tensor) -> bool:
