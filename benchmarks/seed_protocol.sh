@@ -59,13 +59,13 @@ ours,ours-nopdl-again:from=ours,pdl=0" ;;
     #      costs in acceptance is the real model's (scripts/draft_vocab_demo.py measures it for the demo model)
     h200-fn8-dvocab) bench merge "${fn8[@]}" --arms "ours,ours-dv32k:from=ours,dvocab=32768,\
 ours-dv16k:from=ours,dvocab=16384,ours-mtp3:from=ours,draft=3,ours-mtp3-dv32k:from=ours,draft=3,dvocab=32768" ;;
-    # (d6) prefill's routed experts as three grouped GEMMs per layer (opt-in) against the loop over the experts: the
-    #      report's prefill column (and the decode speed, which must not change)
-    h200-fn8-prefill) bench merge "${fn8[@]}" --arms "nospec,nospec-gmm:from=nospec,gmm=1,ours,ours-gmm:from=ours,gmm=1" ;;
-    # (d7) the hyper-connection mixers of verify and extend steps (6 rows) on the Triton kernels against compiled
-    #      (the tenth session found no clear gain without PDL; PDL favours the Triton kernels over cuBLAS's)
-    h200-fn8-mixers) bench merge "${fn8[@]}" --arms "ours,ours-hc6:from=ours,hcrows=6,ours-again:from=ours,\
-ours-hc6-again:from=ours,hcrows=6" ;;
+    # (d6) prefill's routed experts as three grouped GEMMs per layer (the default on Hopper since the fifteenth session)
+    #      against the loop over the experts: the report's prefill column (and the decode speed, which must not change)
+    h200-fn8-prefill) bench merge "${fn8[@]}" --arms "nospec-loop:from=nospec,gmm=0,nospec,ours-loop:from=ours,gmm=0,ours" ;;
+    # (d7) the hyper-connection mixers of verify and extend steps (6 rows) on the Triton kernels (the default since the
+    #      fifteenth session) against compiled mixers for every step above one row
+    h200-fn8-mixers) bench merge "${fn8[@]}" --arms "ours-hc1:from=ours,hcrows=1,ours,ours-hc1-again:from=ours,\
+hcrows=1,ours-again:from=ours" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together

@@ -433,9 +433,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     _switch(r, "pdl", True, "launch the Triton and compiled kernels with programmatic dependent launch where the GPU "
             "has it (Hopper and later: each kernel is scheduled while the one before it runs; the default)",
             "launch every kernel only after the one before it has finished")
-    r.add_argument("--grouped-mm", action="store_true",
-                   help="prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16) instead "
-                        "of a loop over the experts; opt-in until measured on the GPU")
+    _switch(r, "grouped-mm", True, "prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, "
+            "bf16) on a GPU with Hopper's kernels (the default)", "prefill's routed experts in a loop over the experts")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -59,8 +59,9 @@ class EngineOptions:
     pdl: bool = True
     prefill_chunk: int = 512
     # prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16; model/moe.py) instead of a
-    # loop over the experts. Opt-in: not yet measured on the GPU
-    grouped_mm: bool = False
+    # loop over the experts, where the GPU has Hopper's kernels (H200: 4K-token prefill x9.6, decode unchanged,
+    # benchmarks/results/h200-fn8-prefill-s15.md)
+    grouped_mm: bool = True
     draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None  # explicit LM head for drafting only
     draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
     # the token ids the draft may propose (spec/draft_vocab.py): its head then reads only their rows; None: all
@@ -74,9 +75,10 @@ class EngineOptions:
     # one-row 16-bit products through the Triton mat-vec (kernels/gemv.py) and one-row hyper-connection mixers through
     # their Triton kernels (kernels/hc_mix.py), on CUDA; off: cuBLAS and the compiled mixers
     gemv: bool = True
-    # the most rows of a step whose hyper-connection mixers take the Triton kernels (kernels/hc_mix.py): 1 (decode and
-    # draft steps) is the measured default; 6 also sends MTP5's verify and extend, for an A/B with PDL on
-    mixer_step_rows: int = 1
+    # the most rows of a step whose hyper-connection mixers take the Triton kernels (kernels/hc_mix.py; larger steps
+    # keep the compiled mixers): 6 also sends MTP5's verify and extend steps there (H200, PDL on: MTP5 988.60 against
+    # 972.54 tok/s with 1, benchmarks/results/h200-fn8-mixers-s15.md)
+    mixer_step_rows: int = 6
     compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     # keep every verify/decode step's logits in Generation.logits, and each round's first draft logits
@@ -183,9 +185,10 @@ class Engine:
         o = self.opts
         fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
         pdl = o.pdl and triton_common.pdl_supported(self.model.device)
+        grouped_mm = o.grouped_mm and moe.grouped_mm_supported(self.model.device)
         with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
                 gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), \
-                moe.grouped_mm_mode(o.grouped_mm), hc_mix.step_rows_mode(o.mixer_step_rows):
+                moe.grouped_mm_mode(grouped_mm), hc_mix.step_rows_mode(o.mixer_step_rows):
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],

@@ -162,16 +162,34 @@ def draft_vocab_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, 
 
 def grouped_mm_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float,
                     tol: float) -> None:
-    """Prefill's routed experts as grouped GEMMs (opt-in; bf16 only, so the f32 model keeps its loop): the decode
-    logits after that prefill within the dtype's tolerance of plain decoding's, and the tokens equal up to a near
-    tie; greedy MTP5 through it too."""
-    g = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=True)).generate(
+    """Prefill's routed experts as grouped GEMMs (the default on Hopper; bf16 only, so the f32 model keeps its loop)
+    against the loop over the experts: the decode logits after either prefill within the dtype's tolerance, the
+    tokens equal up to a near tie; greedy MTP5 through the loop too."""
+    g = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=False)).generate(
         prompt, 48)
-    ok, why, rel = plain_against(g, plain, tie)
-    s = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, grouped_mm=True)).generate(prompt, 48)
-    ok_s, why_s = same_or_tie(s.tokens, plain, 0, tie)
-    report(f"grouped-GEMM prefill experts, cuda {name}", ok and rel < tol and ok_s,
-           f"{why}; greedy MTP5 {why_s}; {'used' if gpu.dtype == torch.bfloat16 else 'not used (not bf16)'}")
+    ok, why, rel = plain_against(plain, g, tie)
+    s = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, grouped_mm=False)).generate(prompt, 48)
+    ok_s, why_s = same_or_tie(s.tokens, g, 0, tie)
+    report(f"grouped-GEMM prefill experts == the loop, cuda {name}", ok and rel < tol and ok_s,
+           f"{why}; greedy MTP5 through the loop {why_s}; "
+           f"{'used' if gpu.dtype == torch.bfloat16 else 'not used (not bf16)'}")
+
+
+def mixer_rows_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float,
+                    tol: float) -> None:
+    """The hyper-connection mixers of verify and extend steps on the Triton kernels (mixer_step_rows 6, the default)
+    against compiled mixers above one row (1): greedy MTP5 with oracle drafts (every acceptance length) must give
+    plain decoding's tokens with either, and the first round's verify logits (the same inputs) must agree."""
+    got = {}
+    for rows in (6, 1):
+        got[rows] = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, mixer_step_rows=rows,
+                                              record_logits=True, draft_hook=oracle(plain.tokens, random.Random(5)))
+                           ).generate(prompt, 48)
+    oks = [same_or_tie(g.tokens, plain, 0, tie) for g in got.values()]
+    rel = rel_diff(got[6].logits[0], got[1].logits[0])
+    report(f"verify mixers on the kernels (6 rows) == compiled, cuda {name}", all(ok for ok, _ in oks) and rel < tol,
+           f"tokens {oks[0][1]} / {oks[1][1]}; first verify logits rel diff {rel:.2e}; accepted "
+           f"{got[6].spec.accepted}/{got[6].spec.drafted}")
 
 
 def main() -> int:
@@ -186,7 +204,9 @@ def main() -> int:
     only_pdl = "--only-pdl" in sys.argv
     only_draft_vocab = "--only-draft-vocab" in sys.argv  # the logits rows and the draft-vocabulary row
     only_grouped_mm = "--only-grouped-mm" in sys.argv  # the logits rows and the grouped-GEMM prefill row
-    only_chained = "--only-chained" in sys.argv or only_pdl or only_draft_vocab or only_grouped_mm
+    only_mixers = "--only-mixers" in sys.argv  # the logits rows and the verify-mixer row
+    only_rows = only_pdl or only_draft_vocab or only_grouped_mm or only_mixers
+    only_chained = "--only-chained" in sys.argv or only_rows
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2))[1 if only_bf16 else 0:]:
         gpu = build("cuda", dtype)
         got = Runner(gpu, CacheOptions(capacity=128, kv_type="bf16" if dtype == torch.bfloat16 else "f32")
@@ -201,13 +221,15 @@ def main() -> int:
         plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
-        if only_pdl or only_draft_vocab or only_grouped_mm:
+        if only_rows:
             if only_pdl:
                 pdl_rows(gpu, prompt, plain, kv, name, tie)
             if only_draft_vocab:
                 draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
             if only_grouped_mm:
                 grouped_mm_rows(gpu, prompt, plain, kv, name, tie, tol)
+            if only_mixers:
+                mixer_rows_rows(gpu, prompt, plain, kv, name, tie, tol)
             continue
         for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
@@ -257,6 +279,7 @@ def main() -> int:
             pdl_rows(gpu, prompt, plain, kv, name, tie)
             draft_vocab_rows(gpu, prompt, plain, kv, name, tie)
             grouped_mm_rows(gpu, prompt, plain, kv, name, tie, tol)
+            mixer_rows_rows(gpu, prompt, plain, kv, name, tie, tol)
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)

@@ -147,14 +147,16 @@ def test_arm_specs() -> None:
     dv = parse_arms("d:from=ours,dvocab=32768")[0]
     assert dv.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_vocab == range(32768)
     assert "first 32768 ids" in dv.describe() and o.draft_vocab is None and "ids" not in BUILTIN["ours"].describe()
-    hc = parse_arms("h:from=ours,hcrows=6")[0]
-    assert hc.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).mixer_step_rows == 6
-    assert "mixer kernels up to 6 rows" in hc.describe() and o.mixer_step_rows == 1
+    hc = parse_arms("h:from=ours,hcrows=1")[0]
+    assert hc.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).mixer_step_rows == 1
+    assert "mixer kernels up to 1 rows" in hc.describe() and o.mixer_step_rows == 6
+    assert "mixer" not in BUILTIN["ours"].describe()
     with pytest.raises(ValueError, match="hcrows='9': expected 1..8"):
         parse_arms("h:from=ours,hcrows=9")
-    gm = parse_arms("g:from=nospec,gmm=1")[0]
-    assert gm.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).grouped_mm is True
-    assert "grouped-GEMM" in gm.describe() and o.grouped_mm is False
+    gm = parse_arms("g:from=nospec,gmm=0")[0]
+    assert gm.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).grouped_mm is False
+    assert "prefill experts in a loop" in gm.describe() and o.grouped_mm is True
+    assert "prefill" not in BUILTIN["ours"].describe()
     with pytest.raises(ValueError, match="dvocab='many' is not a token count"):
         parse_arms("d:from=ours,dvocab=many")
     ne = parse_arms("n:from=nospec,early=1")[0]  # no rounds, no chain: the switch does not apply to plain decoding

@@ -97,7 +97,7 @@ def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path
                        "--no-gdn-conv-kernel", "--fused-attention")
     assert rc == 0 and off == plain, err
     rc, off, err = run(capsys, *base, "--model", str(models["gguf"]), "--draft", "2", "--no-fused-attention",
-                       "--no-draft-before-readback", "--no-pdl", "--grouped-mm")
+                       "--no-draft-before-readback", "--no-pdl", "--no-grouped-mm")
     assert rc == 0 and off == plain, err
 
 

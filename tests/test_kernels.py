@@ -309,9 +309,7 @@ def test_grouped_moe_sorted_equals_one_expert_at_a_time(dtype: torch.dtype) -> N
 
 def test_grouped_mm_prefill_experts_match_the_loop(tiny_model: Model) -> None:
     """grouped_mm_mode: bf16 prefill experts as three grouped GEMMs (torch._grouped_mm; on the CPU torch's loop over
-    the groups) give the per-expert loop's result up to bf16 rounding; other dtypes keep the loop; the engine
-    switches it for its requests only."""
-    from qspec.engine import Engine, EngineOptions
+    the groups) give the per-expert loop's result up to bf16 rounding; other dtypes keep the loop."""
     from qspec.model import moe as moe_mod
 
     moe = tiny_moe(torch.bfloat16, E=16, k=4, seed=9)
@@ -327,10 +325,28 @@ def test_grouped_mm_prefill_experts_match_the_loop(tiny_model: Model) -> None:
                            grouped_moe_reference(h.float(), top_w, top_i, f32.gate, f32.up, f32.down))
     assert not moe_mod._GROUPED_MM and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), loop.float(), rtol=2e-2, atol=2e-2)
-    seen: list[bool] = []
-    Engine(tiny_model, EngineOptions(draft=1, capacity=64, grouped_mm=True,
-                                after_round=lambda run, k: seen.append(moe_mod._GROUPED_MM))).generate([1, 2, 3], 3)
-    assert seen and all(seen) and not moe_mod._GROUPED_MM
+
+
+def test_engine_grouped_mm_only_where_the_gpu_has_it(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's grouped_mm (on by default) switches the grouped GEMMs on for its requests only, and only on a
+    device with Hopper's kernels: the CPU keeps the loop over the experts."""
+    from qspec.engine import Engine, EngineOptions
+    from qspec.model import moe as moe_mod
+
+    assert EngineOptions().grouped_mm and not moe_mod.grouped_mm_supported(torch.device("cpu"))
+
+    def seen_in_rounds(**opts: bool) -> list[bool]:
+        seen: list[bool] = []
+        Engine(tiny_model, EngineOptions(draft=1, capacity=64, **opts,
+                                         after_round=lambda run, k: seen.append(moe_mod._GROUPED_MM))).generate(
+            [1, 2, 3], 3)
+        assert seen and not moe_mod._GROUPED_MM
+        return seen
+
+    assert not any(seen_in_rounds())  # the CPU: off
+    monkeypatch.setattr(moe_mod, "grouped_mm_supported", lambda dev: True)
+    assert all(seen_in_rounds())
+    assert not any(seen_in_rounds(grouped_mm=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,8 +12,8 @@ cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by defau
 kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
 default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
 default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
-gmm (prefill's routed experts as grouped GEMMs, off by default), hcrows (the most rows of a step whose mixers take
-the Triton kernels, 1 by default)
+gmm (prefill's routed experts as grouped GEMMs where the GPU has Hopper's kernels, on by default), hcrows (the most
+rows of a step whose mixers take the Triton kernels, 6 by default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -52,8 +52,8 @@ class Arm:
     early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
     pdl: bool = True  # programmatic dependent launch where the GPU has it (the default; off: --no-pdl)
     dvocab: int = 0  # drafts only from the first dvocab ids (--draft-vocab N; 0: the whole vocabulary)
-    gmm: bool = False  # prefill's routed experts as grouped GEMMs (--grouped-mm)
-    hcrows: int = 1  # the most rows of a step whose mixers take the Triton kernels (EngineOptions.mixer_step_rows)
+    gmm: bool = True  # prefill's routed experts as grouped GEMMs (the default; off: --no-grouped-mm)
+    hcrows: int = 6  # the most rows of a step whose mixers take the Triton kernels (EngineOptions.mixer_step_rows)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
@@ -99,9 +99,9 @@ class Arm:
             parts.append("no PDL")
         if self.dvocab and self.draft:
             parts.append(f"drafts from the first {self.dvocab} ids")
-        if self.gmm:
-            parts.append("grouped-GEMM prefill experts")
-        if self.hcrows != 1:
+        if not self.gmm:
+            parts.append("prefill experts in a loop")
+        if self.hcrows != 6:
             parts.append(f"mixer kernels up to {self.hcrows} rows")
         return ", ".join(parts)
 

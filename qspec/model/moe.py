@@ -17,9 +17,16 @@ from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, st
 FEW_TOKENS = 16
 
 # Prefill's routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS kernels on Hopper for bf16, a loop
-# over the groups elsewhere): three launches per layer and no host sync, instead of five launches per expert.
-# Opt-in (EngineOptions.grouped_mm) until it is measured on the GPU. A module flag, as kernels/gemv.py's.
+# over the groups elsewhere): three launches per layer and no host sync, instead of five launches per expert. The
+# engine's default on a GPU that has the CUTLASS kernels (H200, flash-next 8 layers, 4K prompt: prefill 16,953 against
+# 1,770 tok/s, decode unchanged; benchmarks/results/h200-fn8-prefill-s15.md). A module flag, as kernels/gemv.py's.
 _GROUPED_MM = False
+
+
+def grouped_mm_supported(dev: torch.device) -> bool:
+    """Whether torch has grouped GEMMs with Hopper's CUTLASS kernels for `dev`: CUDA, compute capability 9 or more."""
+    return (hasattr(torch, "_grouped_mm") and dev.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(dev)[0] >= 9)
 
 
 def grouped_mm_mode(on: bool) -> contextlib.AbstractContextManager[None]:
