@@ -434,7 +434,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
             "has it (Hopper and later: each kernel is scheduled while the one before it runs; the default)",
             "launch every kernel only after the one before it has finished")
     _switch(r, "grouped-mm", True, "prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, "
-            "bf16) on a GPU with Hopper's kernels (the default)", "prefill's routed experts in a loop over the experts")
+            "bf16) on GPUs with torch's CUTLASS kernels, Hopper and Blackwell (the default)",
+            "prefill's routed experts in a loop over the experts")
     _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
             "(skips its warmup on the first steps)")
     r.add_argument("--draft-model", metavar="GGUF",

@@ -59,7 +59,7 @@ class EngineOptions:
     pdl: bool = True
     prefill_chunk: int = 512
     # prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16; model/moe.py) instead of a
-    # loop over the experts, where the GPU has Hopper's kernels (H200: 4K-token prefill x9.6, decode unchanged,
+    # loop over the experts, where torch has CUTLASS kernels for the GPU (H200: 4K-token prefill x9.6, decode unchanged,
     # benchmarks/results/h200-fn8-prefill-s15.md)
     grouped_mm: bool = True
     draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None  # explicit LM head for drafting only

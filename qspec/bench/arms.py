@@ -12,8 +12,8 @@ cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by defau
 kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
 default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
 default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
-gmm (prefill's routed experts as grouped GEMMs where the GPU has Hopper's kernels, on by default), hcrows (the most
-rows of a step whose mixers take the Triton kernels, 6 by default)
+gmm (prefill's routed experts as grouped GEMMs where torch has CUTLASS kernels for the GPU, on by default),
+hcrows (the most rows of a step whose mixers take the Triton kernels, 6 by default)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.

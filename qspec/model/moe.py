@@ -24,9 +24,10 @@ _GROUPED_MM = False
 
 
 def grouped_mm_supported(dev: torch.device) -> bool:
-    """Whether torch has grouped GEMMs with Hopper's CUTLASS kernels for `dev`: CUDA, compute capability 9 or more."""
+    """Whether torch has CUTLASS grouped GEMMs for `dev`: compute capability 9.x or 10.x (torch builds them for sm_90
+    and sm_100; other GPUs get a slower fallback, if any). Measured on the H200 only."""
     return (hasattr(torch, "_grouped_mm") and dev.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(dev)[0] >= 9)
+            and torch.cuda.get_device_capability(dev)[0] in (9, 10))
 
 
 def grouped_mm_mode(on: bool) -> contextlib.AbstractContextManager[None]:
