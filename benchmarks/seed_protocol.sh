@@ -8,7 +8,7 @@
 set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
-h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
+h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
@@ -37,6 +37,9 @@ case "$step" in
     h200-fn8-merge) bench merge "${fn8[@]}" ;;
     h200-fn8-sweep-a) bench sweep "${fn8[@]}" --contexts 512,1024,2048 ;;
     h200-fn8-sweep-b) bench sweep "${fn8[@]}" --contexts 4096,6144 ;;
+    #     since prefill's experts run as grouped GEMMs (fifteenth session) a prompt prefills in well under a second, so
+    #     the whole sweep may fit one process on a warm machine (its JSON is rewritten after every run, if not)
+    h200-fn8-sweep) bench sweep "${fn8[@]}" --contexts 512,1024,2048,4096,6144 ;;
     # (d) what qspec's own GPU work buys, as ratios within one process: torch.compile-fused step math on/off,
     #     the Triton one-row mat-vec vs cuBLAS, sparse QSA attention on/off (not part of the seed's protocol)
     h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,\
