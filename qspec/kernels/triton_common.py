@@ -64,15 +64,20 @@ def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def pdl_supported(dev: torch.device) -> bool:
-    """Whether kernels launched on `dev` can use PDL: a CUDA device of compute capability 9 or more, not the
+    """Whether kernels launched on `dev` can use PDL: an NVIDIA device of compute capability 9 or more, not the
     interpreter."""
-    return dev.type == "cuda" and not INTERPRET and torch.version.hip is None and _has_pdl_capability(dev.index)
+    return not INTERPRET and nvidia_major(dev) >= 9
+
+
+def nvidia_major(dev: torch.device) -> int:
+    """The compute capability's major version of an NVIDIA GPU (9: Hopper, 10: Blackwell); 0 for any other device."""
+    return _nvidia_major(dev.index) if dev.type == "cuda" and torch.version.hip is None else 0
 
 
 @functools.cache
-def _has_pdl_capability(index: int | None) -> bool:
+def _nvidia_major(index: int | None) -> int:
     # pdl_on asks at every Triton launch of an eager step: the device's answer does not change
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def pdl_on(t: torch.Tensor) -> bool:

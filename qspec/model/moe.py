@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from qspec.kernels.moe_few import expert_ffn, moe_few_torch, moe_slots, sum_slots
 from qspec.kernels.route import route_top_k
-from qspec.kernels.triton_common import module_flag
+from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
 
@@ -26,8 +26,7 @@ _GROUPED_MM = False
 def grouped_mm_supported(dev: torch.device) -> bool:
     """Whether torch has CUTLASS grouped GEMMs for `dev`: compute capability 9.x or 10.x (torch builds them for sm_90
     and sm_100; other GPUs get a slower fallback, if any). Measured on the H200 only."""
-    return (hasattr(torch, "_grouped_mm") and dev.type == "cuda" and torch.version.hip is None
-            and torch.cuda.get_device_capability(dev)[0] in (9, 10))
+    return hasattr(torch, "_grouped_mm") and nvidia_major(dev) in (9, 10)
 
 
 def grouped_mm_mode(on: bool) -> contextlib.AbstractContextManager[None]:
