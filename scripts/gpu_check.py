@@ -16,7 +16,8 @@ Prints a table and exits non-zero on a failure. Run from the repo root: PYTHONPA
 (`--only-fused`: the CPU logits rows and the fused-vs-unfused rows only; `--only-bf16`: the bf16 model's rows
 only; `--only-chained`: the logits rows, plain decoding and the device-chained greedy rows, the engine's own path;
 `--only-pdl`: the logits rows and the programmatic-dependent-launch row; `--only-draft-vocab`: the logits rows and
-the draft-vocabulary row; `--only-grouped-mm`: the logits rows and the grouped-GEMM prefill row; the flags combine).
+the draft-vocabulary row; `--only-grouped-mm`: the logits rows and the grouped-GEMM prefill row; `--only-mixers`: the
+logits rows and the verify-mixer row; the flags combine).
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ def draft_vocab_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, 
 
 def grouped_mm_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: str, tie: float,
                     tol: float) -> None:
-    """Prefill's routed experts as grouped GEMMs (the default on Hopper; bf16 only, so the f32 model keeps its loop)
-    against the loop over the experts: the decode logits after either prefill within the dtype's tolerance, the
-    tokens equal up to a near tie; greedy MTP5 through the loop too."""
+    """Prefill's routed experts as grouped GEMMs (the default on sm_90/sm_100; bf16 only, so the f32 model keeps its
+    loop) against the loop over the experts: the decode logits after either prefill within the dtype's tolerance,
+    the tokens equal up to a near tie; greedy MTP5 through the loop too."""
     g = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=False)).generate(
         prompt, 48)
     ok, why, rel = plain_against(plain, g, tie)

@@ -329,7 +329,7 @@ def test_grouped_mm_prefill_experts_match_the_loop(tiny_model: Model) -> None:
 
 def test_engine_grouped_mm_only_where_the_gpu_has_it(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's grouped_mm (on by default) switches the grouped GEMMs on for its requests only, and only on a
-    device with Hopper's kernels: the CPU keeps the loop over the experts."""
+    device where torch has CUTLASS kernels for them (sm_90, sm_100): the CPU keeps the loop over the experts."""
     from qspec.engine import Engine, EngineOptions
     from qspec.model import moe as moe_mod
 
