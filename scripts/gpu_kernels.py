@@ -1062,6 +1062,20 @@ def gdn_conv_checks(R: Runner, small: bool) -> None:
         check_gdn_conv(R, 4, 3, 6, 96)
 
 
+def hc_mix_checks(R: Runner, small: bool) -> None:
+    """The hyper-connection mixer kernels at every row count a step sends them (1: decode and draft steps; up to 6:
+    MTP5's verify and extend, the engine's mixer_step_rows), with and without the pending combine, timed against
+    the torch path at the real geometry."""
+    if small:
+        for M in (1, 2, 6):
+            check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True, M=M)
+        check_hc_mix(R, 64, 4, 16, 20, torch.bfloat16, pending=False, M=6)
+        return
+    for M in (1, 2, 4, 6):
+        for pending in (True, False):
+            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=pending, timed=True, M=M)
+
+
 def masked_attention_checks(R: Runner, small: bool) -> None:
     """Masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
     (~half the cells), then small and ragged shapes and every cache type."""
@@ -1265,6 +1279,8 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
     ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
     ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
+    ap.add_argument("--hc-mix", action="store_true", help="only the hyper-connection mixer rows at 1-6 rows (a short "
+                    "device run)")
     ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against launches "
                     "without it for step-sized kernels, timed in one process (CUDA, Hopper)")
     ap.add_argument("--few-ab", action="store_true", help="only the few-row products still on cuBLAS against the "
@@ -1311,7 +1327,9 @@ def _run(args: argparse.Namespace, R: Runner) -> int:
         print_table("variants", R.variants)
         bad = [r.name for r in R.variants if not r.ok]
         return 1 if bad else 0
-    if args.argmax or args.attention or args.gdn_conv:
+    if args.argmax or args.attention or args.gdn_conv or args.hc_mix:
+        if args.hc_mix:
+            hc_mix_checks(R, small=args.interpret)
         if args.argmax:
             argmax_checks(R, small=args.interpret)
         if args.attention:
