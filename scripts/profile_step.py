@@ -60,9 +60,10 @@ def main() -> int:
     ap.add_argument("--gdn-conv-ab", action="store_true",
                     help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms compiled "
                          "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
-    ap.add_argument("--mixer-rows", type=int, default=1, metavar="N",
-                    help="mixers of steps with up to N rows take the Triton kernels (default 1: decode and draft "
-                         "steps; 6 puts MTP5's verify and extend on them, for --mixer-ab on the verify kind)")
+    ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
+                    help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
+                         f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only decode "
+                         "and draft steps)")
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="after the decode kind: plain greedy decoding of N tokens through the engine (graphs, the "
                          "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
