@@ -62,8 +62,8 @@ def main() -> int:
                          "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
     ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
-                         f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only decode "
-                         "and draft steps)")
+                         f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only "
+                         "decode and draft steps)")
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="after the decode kind: plain greedy decoding of N tokens through the engine (graphs, the "
                          "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
@@ -215,11 +215,43 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
     per_unit = gen.spec.rounds if eng.opts.draft else n
     lines.append(f"profiled: {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} (profiler overhead included)")
     lines.append(kernel_table(prof, per_unit, top).replace("per step", f"per {unit}"))
+    lines.append(gap_table(prof, per_unit, top, unit))
     cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
     cpu.sort(key=lambda e: -e.self_cpu_time_total)
     lines.append(f"  host calls by self time per {unit}:")
     lines += [f"  {e.self_cpu_time_total / per_unit:9.1f} us  x{e.count / per_unit:6.1f}  {e.key[:100]}"
               for e in cpu[:top]]
+    return "\n".join(lines)
+
+
+def gap_table(prof: profile, per_unit: int, top: int, unit: str) -> str:
+    """Where the GPU idles: the union of the kernels' intervals (with PDL a kernel starts before the one ahead of it
+    ends, so summed kernel times overcount), and the gaps between one kernel's end and the next start, summed by the
+    pair of kernel names around them: a gap before a graph's first kernel is the host's launch arriving late, gaps
+    between small eager kernels are their launches."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    if not ev:
+        return "  no GPU events"
+    gaps: dict[tuple[str, str], list[float]] = {}
+    busy = idle = 0.0
+    end, last = ev[0].time_range.start, ev[0].name
+    for e in ev:
+        t0, t1 = e.time_range.start, e.time_range.end
+        if t0 > end:
+            idle += t0 - end
+            gaps.setdefault((last[:40], e.name[:40]), []).append(t0 - end)
+            busy += t1 - t0
+        else:
+            busy += max(0.0, t1 - end)
+        if t1 >= end:
+            end, last = t1, e.name
+    lines = [f"  GPU busy (union of kernel intervals) {busy / per_unit / 1e3:.3f} ms per {unit}, idle between kernels "
+             f"{idle / per_unit / 1e3:.3f} ms per {unit} (first kernel to last)", "  largest gaps (us per "
+             f"{unit}, count per {unit}, median us: kernel before -> kernel after):"]
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        g.sort()
+        lines.append(f"  {sum(g) / per_unit:9.1f} us  x{len(g) / per_unit:5.1f}  {g[len(g) // 2]:7.1f}  {a} -> {b}")
     return "\n".join(lines)
 
 
