@@ -63,11 +63,10 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
     16-bit, CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0`
     measures the compiled path), not row-exact mode.
 
-    The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8), but only the one-row
-    step has measured faster than the compiled functions on the H200 (decode step 1.587 vs 1.633 ms in one process,
-    BENCHMARKS.md §3b). For a 6-row verify step the tensor-core output kernel measured 2.913 ms against 2.880 ms
-    compiled in one process, and its replays alone 2.632 against 2.579 ms (the same run's end-to-end replays had the
-    opposite sign): no clear gain, so verify and extend stay compiled."""
+    The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8). Without PDL only the
+    one-row step measured faster than the compiled functions on the H200 (BENCHMARKS.md §3b); with PDL (the default
+    on Hopper) MTP5 with its 6-row verify and extend steps on the kernels ran x1.0135-1.0165 faster end to end
+    (benchmarks/results/h200-fn8-mixers-s15.md), so the engine's mixer_step_rows is 6."""
     return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 
