@@ -1,0 +1,48 @@
+"""scripts/profile_step.py's idle-time table: the GPU's busy time is the union of kernel intervals (with PDL a kernel
+starts before the one ahead of it ends) and the gaps are attributed to the kernels around them."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _profile_step():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
+    return SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, name=name,
+                           time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_gap_table_busy_is_the_union_and_gaps_name_their_kernels() -> None:
+    ps = _profile_step()
+    host = SimpleNamespace(device_type=torch.autograd.DeviceType.CPU, name="cudaGraphLaunch",
+                           time_range=SimpleNamespace(start=0.0, end=1000.0))
+    # µs: a and b overlap (PDL), c inside b's shadow adds nothing, then two gaps of 5 and 10 and one of 5
+    events = [_kernel("b", 800.0, 2000.0), host, _kernel("a", 0.0, 1000.0), _kernel("c", 1500.0, 1900.0),
+              _kernel("d", 7000.0, 9000.0), _kernel("e", 2005.0, 3000.0), _kernel("a", 14000.0, 15000.0)]
+    prof = SimpleNamespace(events=lambda: events)
+    out = ps.gap_table(prof, 2, 10, "round")  # two rounds
+    # busy: [0, 2000] + [2005, 3000] + [7000, 9000] + [14000, 15000] = 5995 µs -> 2.998 ms per round (summed kernel
+    # times would give 6.6 ms); idle 5 + 4000 + 5000 µs -> 4.503 ms per round
+    assert "GPU busy (union of kernel intervals) 2.998 ms per round" in out
+    assert "idle between kernels 4.503 ms per round" in out
+    rows = out.splitlines()[2:]
+    assert rows[0].split()[-3:] == ["d", "->", "a"] and rows[0].split()[0] == "2500.0"
+    assert rows[1].split()[-3:] == ["e", "->", "d"] and rows[1].split()[0] == "2000.0"
+    assert rows[2].split()[-3:] == ["b", "->", "e"] and rows[2].split()[0] == "2.5"
+    assert len(rows) == 3
+
+
+def test_gap_table_without_gpu_events() -> None:
+    assert _profile_step().gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
