@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -20,6 +24,14 @@ def tiny_config(**kw: object) -> ModelConfig:
 def build_model(cfg: ModelConfig, seed: int = 0) -> Model:
     w = dict(random_weights(cfg, seed=seed))
     return Model(cfg, w)
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module (the scripts are not a package), for tests of their rules."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
 
 
 @pytest.fixture(scope="session")

@@ -3,20 +3,10 @@ near tie of the reference run's logits, found through the step and verify row th
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _gpu_check():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+from conftest import load_script
 
 
 def _row(*values: float) -> torch.Tensor:
@@ -24,7 +14,7 @@ def _row(*values: float) -> torch.Tensor:
 
 
 def test_plain_decoding_difference_at_a_near_tie_only() -> None:
-    gc = _gpu_check()
+    gc = load_script("gpu_check")
     # plain decoding: logits[i] predicted token i + 1; token 2 was a near tie (0.57%), token 1 was not
     logits = [_row(1.0, 0.5, 0.1), _row(1.36, 1.3522, 0.1), _row(1.0, 0.2, 0.1)]
     ref = SimpleNamespace(tokens=[5, 0, 1, 0], logits=logits, rounds_log=[])
@@ -38,7 +28,7 @@ def test_plain_decoding_difference_at_a_near_tie_only() -> None:
 
 
 def test_rows_of_speculative_rounds() -> None:
-    gc = _gpu_check()
+    gc = load_script("gpu_check")
     # round 0 accepted 1 draft: its verify rows 0 and 1 predicted tokens 1 and 2; round 1's row 0 token 3
     r0 = torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.01, 0.0], [0.0, 0.0, 1.0]])
     r1 = torch.tensor([[1.0, 0.0, 0.0]])

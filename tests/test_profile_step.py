@@ -3,20 +3,10 @@ starts before the one ahead of it ends) and the gaps are attributed to the kerne
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _profile_step():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+from conftest import load_script
 
 
 def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
@@ -25,7 +15,7 @@ def _kernel(name: str, start: float, end: float) -> SimpleNamespace:
 
 
 def test_gap_table_busy_is_the_union_and_gaps_name_their_kernels() -> None:
-    ps = _profile_step()
+    ps = load_script("profile_step")
     host = SimpleNamespace(device_type=torch.autograd.DeviceType.CPU, name="cudaGraphLaunch",
                            time_range=SimpleNamespace(start=0.0, end=1000.0))
     # µs: a and b overlap (PDL), c inside b's shadow adds nothing, then two gaps of 5 and 10 and one of 5
@@ -45,4 +35,4 @@ def test_gap_table_busy_is_the_union_and_gaps_name_their_kernels() -> None:
 
 
 def test_gap_table_without_gpu_events() -> None:
-    assert _profile_step().gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
+    assert load_script("profile_step").gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
