@@ -97,8 +97,8 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
 def q4_sweep(R: Runner, N: int = 248320, K: int = 2560, repeat: int = 8) -> None:
     """The draft's Q4_0 LM head at the real geometry, one bf16 row, over a grid of configs: each checked against
     its reference and timed (with the x quantize kernel) as a CUDA graph of `repeat` calls (the 357 MB head far
-    exceeds the 50 MB L2, so every call reads it from HBM). The seventh session's f32-FMA designs were swept
-    beside this one in benchmarks/results/gpu_kernels_q4_sweep_s8*.txt."""
+    exceeds the 50 MB L2, so every call reads it from HBM). Earlier f32-FMA and tensor-core designs were swept
+    beside it: benchmarks/results/gpu_kernels_q4_sweep_s8.txt and gpu_kernels_q4_sweep_s8b.txt."""
     W = Q4Weight.from_dense(0.02 * torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
     ref = q4_q8_matvec_torch(x, W)
