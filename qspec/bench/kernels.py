@@ -29,6 +29,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -999,11 +1000,17 @@ def print_table(title: str, rows: list[Row]) -> None:
               f"{fmt(speed, '.2f'):>7} | {fmt(gbs, '.0f'):>7} | {fmt(pct, '.1f'):>9}")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, as the qspec command reports a bad option
+        print(f"qspec: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from qspec.bench.kernel_sweeps import SWEEPS
 
-    ap = argparse.ArgumentParser(prog="python -m qspec.bench.kernels", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(prog="python -m qspec.bench.kernels", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter (TRITON_INTERPRET=1 in the "
                     "environment), small shapes, no timing")
     ap.add_argument("--only", metavar="GROUPS", help=f"comma-separated check groups: {', '.join(CHECKS)}")
@@ -1025,6 +1032,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sweeps = [name for name in SWEEPS if getattr(args, name)]
     if args.shapes is not None and not {"gemv_sweep", "few_sweep"} & set(args.sweeps):
         ap.error("--shapes selects the shapes of --gemv-sweep and --few-sweep; give one of them")
+    if args.shapes is not None and not any(args.shapes in name for name, _, _ in GEMV_SHAPES):
+        ap.error(f"--shapes {args.shapes!r} matches none of: {', '.join(name for name, _, _ in GEMV_SHAPES)}")
     if args.interpret and not INTERPRET:
         ap.error("--interpret needs TRITON_INTERPRET=1 in the environment (Triton reads it when a kernel is defined)")
     if args.interpret and args.sweeps:
