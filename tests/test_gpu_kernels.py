@@ -163,3 +163,26 @@ def test_row_independence(target: str, request: pytest.FixtureRequest) -> None:
 def test_every_group_has_a_test() -> None:
     tested = {name.removeprefix("test_") for name in globals() if name.startswith("test_")}
     assert set(CHECKS) <= tested, sorted(set(CHECKS) - tested)
+
+
+def test_a_check_fails_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks' own rule, on the CPU without Triton: a kernel that returns the reference passes, one that is off by
+    one index fails (the argmax check stands in for all of them: each compares a kernel's output to its reference)."""
+    import qspec.bench.kernels as kb
+    from qspec.kernels.argmax import argmax_rows_torch
+
+    R = Runner("cpu", timing=False)
+    monkeypatch.setattr(kb, "argmax_rows_triton", lambda x, **kw: argmax_rows_torch(x))
+    kb.check_argmax(R, 3, 500, torch.float32, ties=True)
+    monkeypatch.setattr(kb, "argmax_rows_triton", lambda x, **kw: (argmax_rows_torch(x) + 1) % x.shape[-1])
+    kb.check_argmax(R, 3, 500, torch.float32)
+    assert [r.ok for r in R.log] == [True, False]
+
+
+def test_a_raising_group_fails_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(R: Runner, small: bool) -> None:
+        raise RuntimeError("the kernel did not compile")
+
+    monkeypatch.setitem(CHECKS, "broken", broken)
+    rows = run_group(Runner("cpu", timing=False), "broken", small=True)
+    assert len(rows) == 1 and not rows[0].ok and not rows[0].info and "did not compile" in rows[0].detail
