@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One arm from two trees of qspec, in alternating processes on one machine: what a range of commits changed, where no
-# in-process switch exists for an A/B (e.g. two sessions' builds measured on different machine starts).
+# in-process switch exists for an A/B (e.g. two builds measured on different machine starts).
 #
 # Usage: benchmarks/ab_trees.sh OLD_TREE OLD_ARM NEW_ARM [ROUNDS] [OUTDIR]
 #   OLD_TREE  a directory holding the old tree (e.g. `mkdir .old && git archive 36842cf | tar -x -C .old`, with /.old/
-#             in .git/info/exclude so that a device call can carry it); the new tree is the working directory
+#             in .git/info/exclude so that a copy of the working tree carries it); the new tree is the working directory
 #   OLD_ARM   the old tree's arm spec, named apart from the new one's (e.g. `old-ours:from=ours,pdl=1`)
 #   NEW_ARM   the new tree's (e.g. `new-ours:from=ours`)
 #   ROUNDS    old, new, old, new, ... processes of `--reps 2` each (default 2 rounds: four processes)

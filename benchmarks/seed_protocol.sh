@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The seed's benchmarks (Rust merge task, context sweep) as named steps, each one process that fits a
-# 10-minute device command. Usage: benchmarks/seed_protocol.sh STEP [OUTDIR]   (OUTDIR defaults to $OUT, then
+# 10-minute limit per command. Usage: benchmarks/seed_protocol.sh STEP [OUTDIR]   (OUTDIR defaults to $OUT, then
 # benchmarks/results/local). Results: OUTDIR/STEP.json and .md (and .png where matplotlib is installed);
 # combine split sweeps afterwards with `python -m qspec.bench report A.json B.json --json ... --markdown ...
 # --plot ...`. Run from the repository root. Extra options for every step: BENCH_ARGS="--reps 1 --gen-tokens 64".
@@ -37,23 +37,23 @@ case "$step" in
     h200-fn8-merge) bench merge "${fn8[@]}" ;;
     h200-fn8-sweep-a) bench sweep "${fn8[@]}" --contexts 512,1024,2048 ;;
     h200-fn8-sweep-b) bench sweep "${fn8[@]}" --contexts 4096,6144 ;;
-    #     since prefill's experts run as grouped GEMMs (fifteenth session) a prompt prefills in well under a second, so
-    #     the whole sweep may fit one process on a warm machine (its JSON is rewritten after every run, if not)
+    #     with prefill's experts as grouped GEMMs a prompt prefills in well under a second, and the whole sweep fits one
+    #     process (89.6 s at 6f7f8ee; its JSON is rewritten after every run, in case a limit cuts it)
     h200-fn8-sweep) bench sweep "${fn8[@]}" --contexts 512,1024,2048,4096,6144 ;;
     # (d) what qspec's own GPU work buys, as ratios within one process: torch.compile-fused step math on/off,
     #     the Triton one-row mat-vec vs cuBLAS, sparse QSA attention on/off (not part of the seed's protocol)
     h200-fn8-ab) bench merge "${fn8[@]}" --arms "nospec,nospec-unfused:from=nospec,compile=0,\
 nospec-cublas:from=nospec,gemv=0,ours,ours-unfused:from=ours,compile=0,ours-cublas:from=ours,gemv=0,\
 ours-sparse:from=ours,sparse=1" ;;
-    # (d2) masked attention in one Triton pass over the cache (the default on CUDA since the twelfth session) against
+    # (d2) masked attention in one Triton pass over the cache (the default on CUDA since 380c29e) against
     #     the dequantized read (fattn=0), same run; ours twice (first and last) to show the spread of one build
     h200-fn8-attn) bench merge "${fn8[@]}" --arms "nospec,nospec-dqread:from=nospec,fattn=0,ours,\
 ours-dqread:from=ours,fattn=0,ours-again:from=ours" ;;
-    # (d3) the next round's draft chain queued before the round's read-back (early, the default since the thirteenth
-    #      session) against after it (late), same run, each twice
+    # (d3) the next round's draft chain queued before the round's read-back (early, the default since
+    #      ac3dd2c) against after it (late), same run, each twice
     h200-fn8-early) bench merge "${fn8[@]}" --arms "ours-late:from=ours,early=0,ours,ours-late-again:from=ours,\
 early=0,ours-again:from=ours" ;;
-    # (d4) programmatic dependent launch (Hopper; the default since the fourteenth session) against launches that wait
+    # (d4) programmatic dependent launch (Hopper; the default since the commit after 36842cf) against launches that wait
     #      for the kernel before, plain decoding and MTP5
     h200-fn8-pdl) bench merge "${fn8[@]}" --arms "nospec-nopdl:from=nospec,pdl=0,nospec,ours-nopdl:from=ours,pdl=0,\
 ours,ours-nopdl-again:from=ours,pdl=0" ;;
@@ -62,11 +62,11 @@ ours,ours-nopdl-again:from=ours,pdl=0" ;;
     #      costs in acceptance is the real model's (scripts/draft_vocab_demo.py measures it for the demo model)
     h200-fn8-dvocab) bench merge "${fn8[@]}" --arms "ours,ours-dv32k:from=ours,dvocab=32768,\
 ours-dv16k:from=ours,dvocab=16384,ours-mtp3:from=ours,draft=3,ours-mtp3-dv32k:from=ours,draft=3,dvocab=32768" ;;
-    # (d6) prefill's routed experts as three grouped GEMMs per layer (the default on Hopper since the fifteenth session)
+    # (d6) prefill's routed experts as three grouped GEMMs per layer (the default on sm_90/sm_100 since 8db82fe)
     #      against the loop over the experts: the report's prefill column (and the decode speed, which must not change)
     h200-fn8-prefill) bench merge "${fn8[@]}" --arms "nospec-loop:from=nospec,gmm=0,nospec,ours-loop:from=ours,gmm=0,ours" ;;
-    # (d7) the hyper-connection mixers of verify and extend steps (6 rows) on the Triton kernels (the default since the
-    #      fifteenth session) against compiled mixers for every step above one row
+    # (d7) the hyper-connection mixers of verify and extend steps (6 rows) on the Triton kernels (the default since
+    #      8db82fe) against compiled mixers for every step above one row
     h200-fn8-mixers) bench merge "${fn8[@]}" --arms "ours-hc1:from=ours,hcrows=1,ours,ours-hc1-again:from=ours,\
 hcrows=1,ours-again:from=ours" ;;
     # (e) draft depth with every optimization on: does MTP5 beat MTP3 on this engine (the seed's claim)?

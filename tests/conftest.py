@@ -16,6 +16,16 @@ from qspec.weights.random_model import random_weights
 torch.set_grad_enabled(False)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are collected everywhere (so `-m cuda` selects them) and skipped without a GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 def tiny_config(**kw: object) -> ModelConfig:
     """The tiny preset with a 512-token vocabulary (EOS = 511) so CPU tests run in seconds."""
     return preset("tiny", vocab_size=512, **kw)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
         assert len(got.logits) == len(ref.logits) > 0
         for a, b in zip(got.logits, ref.logits, strict=True):
             assert torch.equal(a, b)
-        # each round's first draft step (scripts/gpu_check.py compares these between builds on the GPU)
+        # each round's first draft step (tests/test_gpu_engine.py compares these between builds on the GPU)
         assert len(got.draft_logits) == len(ref.draft_logits) == (len(ref.logits) if draft else 0)
         for a, b in zip(got.draft_logits, ref.draft_logits, strict=True):
             assert a.shape == (1, model.cfg.vocab_size) and torch.equal(a, b)

@@ -4,9 +4,6 @@ and, where CUDA is present, the compiled Triton paths against their references."
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -655,19 +652,9 @@ def test_masked_attention_compiles_once_for_every_kv_bucket(monkeypatch: pytest.
         assert len(keys) == 2, (T, sorted(keys))
 
 
-# ---- the Triton kernels through Triton's interpreter (CPU) -----------------------------------------------------
+# ---- compiled Triton paths (CUDA only; tests/test_gpu_kernels.py covers them at the real geometry) ----------
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_triton_kernels_interpreted() -> None:
-    """scripts/gpu_kernels.py --interpret: every kernel, small shapes, on CPU tensors via TRITON_INTERPRET=1."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_kernels.py"), "--interpret"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-
-
-# ---- compiled Triton paths (CUDA only; scripts/gpu_kernels.py covers them at the real geometry) ---------------
-
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_conv_snapshot() -> None:
     g = torch.Generator().manual_seed(1)
@@ -680,6 +667,7 @@ def test_cuda_conv_snapshot() -> None:
         assert same_bits(X, X_ref) and same_bits(p_tri, p_ref)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_gdn() -> None:
     q, k, v, g, beta, ssm = (t.cuda() for t in gdn_inputs(6, 16, 48, 128, 128, 12, seed=5))
@@ -691,6 +679,7 @@ def test_cuda_gdn() -> None:
     torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_pooled_q4_moe() -> None:
     dev = "cuda"
@@ -725,6 +714,7 @@ def test_cuda_pooled_q4_moe() -> None:
     assert torch.equal(i, i_ref) and (w.float() - w_ref.float()).abs().max() <= 8e-3
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_top_blocks_dequant() -> None:
     from qspec.kernels.dequant import dequant_kv
@@ -746,7 +736,7 @@ def test_cuda_top_blocks_dequant() -> None:
 def test_hc_mix_step_dispatch() -> None:
     """On the CPU (no interpreter) mix_step is the references composed; the kernels never take several rows (unless
     step_rows_mode allows them), f32, row-exact mode or a switched-off run (the kernels themselves:
-    scripts/gpu_kernels.py --interpret)."""
+    tests/test_gpu_kernels.py)."""
     from qspec.kernels import hc_mix
     from qspec.model import ops
 
@@ -790,7 +780,7 @@ def test_hc_mix_step_rows_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- greedy token choice -----------------------------------------------------------------------------------------
 
 def test_argmax_rows_dispatch() -> None:
-    """On the CPU argmax_rows is torch's argmax (the kernels: scripts/gpu_kernels.py --interpret, ties and NaN
+    """On the CPU argmax_rows is torch's argmax (the kernels: tests/test_gpu_kernels.py, ties and NaN
     included); a tensor that is not a non-empty matrix is refused by name."""
     from qspec.kernels.argmax import argmax_rows
 
@@ -807,7 +797,7 @@ def test_argmax_rows_dispatch() -> None:
 def test_kv_write_q8_0_dispatch() -> None:
     """On the CPU write_q8_0 is the reference: each row's values and scales at its cell (the rows quantized as the
     cache's own quantize_q8_0), every other cell untouched; bad shapes are refused by name (the kernel:
-    scripts/gpu_kernels.py --interpret, bit-identical)."""
+    tests/test_gpu_kernels.py, bit-identical)."""
     from qspec.kernels.kv_write import quantize_q8_0_torch, write_q8_0
 
     g = torch.Generator().manual_seed(5)
@@ -835,8 +825,7 @@ def test_kv_write_q8_0_dispatch() -> None:
 
 def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GDN conv kernel runs only while switched on (the default), for f32 windows of the model's shape and not in
-    row-exact mode; the layer's result on the CPU is the reference's (the kernel itself: scripts/gpu_kernels.py
-    --interpret)."""
+    row-exact mode; the layer's result on the CPU is the reference's (the kernel itself: tests/test_gpu_kernels.py)."""
     from qspec.kernels import gdn_conv
     from qspec.model import ops
 

@@ -1,9 +1,15 @@
-"""Check every Triton kernel against its torch reference, and time both at the real geometry.
+"""Every Triton kernel against its torch reference, and both timed at the real geometry.
 
-    PYTHONPATH=. python scripts/gpu_kernels.py               # CUDA: checks, timings, block-size variants
-    PYTHONPATH=. python scripts/gpu_kernels.py --no-sweep    # CUDA: skip the variants
-    PYTHONPATH=. python scripts/gpu_kernels.py --interpret   # CPU: checks only, small shapes, Triton interpreter
-    PYTHONPATH=. python scripts/gpu_kernels.py --graph       # CUDA: time each call replayed from a CUDA graph
+The checks are the tests in `tests/test_gpu_kernels.py` (one per kernel: small shapes through Triton's interpreter on
+the CPU, the real geometry with `-m cuda` on a GPU). This module holds them as groups (`CHECKS`), and its command
+times them and sweeps the kernels' configurations:
+
+    python -m qspec.bench.kernels                     # CUDA: checks with timings, block-size variants
+    python -m qspec.bench.kernels --no-sweep          # CUDA: skip the variants
+    python -m qspec.bench.kernels --only gdn,moe      # CUDA: some groups only
+    TRITON_INTERPRET=1 python -m qspec.bench.kernels --interpret   # CPU: checks only, small shapes
+    python -m qspec.bench.kernels --graph             # CUDA: time each call replayed from a CUDA graph
+    python -m qspec.bench.kernels --gemv-sweep        # one sweep (see --help; qspec/bench/kernel_sweeps.py)
 
 Every check draws fresh random inputs and fills the outputs with NaN first, so an element the kernel
 never writes shows up as a mismatch. Conv snapshots must be bit-identical to `write_snapshots`
@@ -14,17 +20,16 @@ GB/s counts the bytes the kernel must move, against the H200's ~4.2 TB/s achieva
 By default a timed call is one eager launch, Python launch overhead included, which hides the GPU time of
 kernels shorter than their launch (~20-50 µs for a few launches). `--graph` captures each call in a CUDA graph
 and times its replay, as the engine's steps run; a call that cannot be captured (a host sync in a torch
-reference) is timed eagerly, and the run says how many were. `--graph` has not run on a GPU yet.
+reference) is timed eagerly, and the run says how many were (benchmarks/results/gpu_kernels_h200_s4_graph.txt).
 """
 
 import argparse
-import os
+import json
 import sys
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-
-if "--interpret" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton.jit decorates, so before qspec.kernels loads
+from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +48,13 @@ from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
 from qspec.kernels.triton_argmax import argmax_rows_triton
-from qspec.kernels.triton_common import HAS_TRITON, pdl_mode, pdl_on, torch_references, use_triton
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_mode, pdl_on, torch_references, use_triton
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
 from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
-from qspec.kernels.triton_gemv import TUNED_FEW, gemm_few_triton, gemv_triton
-from qspec.kernels.triton_hc_mix import hc_mix_step_triton, hc_out_triton
+from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
+from qspec.kernels.triton_hc_mix import hc_mix_step_triton
 from qspec.kernels.triton_kv_write import write_q8_0_triton
 from qspec.kernels.triton_masked_attention import masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
@@ -85,6 +90,7 @@ class Runner:
         self.device, self.timing, self.graph = device, timing, graph
         self.rows: list[Row] = []
         self.variants: list[Row] = []
+        self.log: list[Row] = []  # every row in the order added (run_group's slice of it)
         self.eager_fallbacks = 0
 
     def bench(self, fn: Callable[[], object]) -> float | None:
@@ -119,6 +125,7 @@ class Runner:
 
     def add(self, row: Row, variant: bool = False) -> None:
         (self.variants if variant else self.rows).append(row)
+        self.log.append(row)
         flag = "ok  " if row.ok else ("info" if row.info else "FAIL")
         print(f"[{flag}] {row.name}: {row.detail}", flush=True)
 
@@ -381,46 +388,6 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
     R.add(row)
 
 
-def attention_sweep(R: Runner, copies: int = 12) -> None:
-    """The masked attention kernel at the real geometry (24/2 heads of 256, a 4,608-cell q8_0 bucket) over a grid of
-    configs (rows per program, cells per step, warps, stages, programs), for a draft step's causal row, a decode's
-    QSA row and a verify's six QSA rows: each checked against the f32 reference and timed in a CUDA graph over
-    `copies` caches (58 MB, more than the 50 MB L2), beside the model's default path on the same inputs."""
-    from qspec.kernels.triton_masked_attention import FEW_ROWS_CONFIG, ONE_ROW_CONFIG
-
-    print(f"\nmasked attention sweep: us per call in a graph over {copies} caches (bf16 q, q8_0 cells)")
-    for T, keep in ((1, 1.0), (1, 0.45), (6, 0.45)):
-        sets = [masked_attn_inputs(T, 24, 2, 256, 4608, "q8_0", torch.bfloat16, keep, "cuda") for _ in range(copies)]
-        ref = masked_attention_torch(*sets[0])
-        t_path = graph_per_call(lambda i, s=sets: dense_attention_path(*s[i % copies]), copies)
-        # fewer programs than the SM count too: a one-row program over a 64-cell chunk is mostly fixed cost (q load,
-        # partials store), and longer chunks trade it against the GPU's width
-        grid = [(rp, bn, w, st, tg) for rp in (1, 2, 4) if rp <= T for bn in (32, 64) for w in (4, 8)
-                for st in (1, 3) for tg in (33, 66, 132, 264, 528)]
-        times, bad = [], []
-        for cfg in grid:
-            try:
-                e = rel_err(masked_attention_triton(*sets[0], config=cfg), ref)
-            except Exception as exc:  # a config the compiler rejects (registers, shared memory)
-                bad.append((cfg, type(exc).__name__))
-                continue
-            if e >= TOL[torch.bfloat16]:
-                bad.append((cfg, f"{e:.1e}"))
-                continue
-            times.append((graph_per_call(lambda i, c=cfg, s=sets: masked_attention_triton(*s[i % copies], config=c),
-                                         copies), cfg))
-        times.sort()
-        chosen = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
-        dflt = next((t for t, c in times if c == chosen), None)
-        print(f"  T={T} keep={keep}: default path {t_path:.1f} us; kernel's config {chosen} "
-              f"{'-' if dflt is None else f'{dflt:.1f}'} us; best: "
-              + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]) + (f"; failed: {bad}" if bad else ""), flush=True)
-        best = times[0] if times else None
-        R.add(Row(f"masked attention sweep T={T} keep={keep}", best is not None and not bad,
-                  f"default path {t_path:.1f} us, default config {dflt} us, best {best}; {len(grid)} configs, "
-                  f"failed: {bad}"), variant=True)
-
-
 # ---- 4. Q4 LM head ---------------------------------------------------------------------------------------------
 
 def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = False,
@@ -451,40 +418,6 @@ def check_q4(R: Runner, N: int, K: int, M: int, xdt: torch.dtype, timed: bool = 
         row.nbytes = N * K // 2 + N * K // 32 * 2 + M * K * x.element_size() + M * N * x.element_size()
     R.add(row)
     return W
-
-
-def q4_sweep(R: Runner, N: int = 248320, K: int = 2560, repeat: int = 8) -> None:
-    """The draft's Q4_0 LM head at the real geometry, one bf16 row, over a grid of configs: each checked against
-    its reference and timed (with the x quantize kernel) as a CUDA graph of `repeat` calls (the 357 MB head far
-    exceeds the 50 MB L2, so every call reads it from HBM). The seventh session's f32-FMA designs were swept
-    beside this one in benchmarks/results/gpu_kernels_q4_sweep_s8*.txt."""
-    W = Q4Weight.from_dense(0.02 * torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
-    x = torch.randn(1, K, device="cuda").to(torch.bfloat16)
-    ref = q4_q8_matvec_torch(x, W)
-    out = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
-    nbytes = N * K // 2 + N * K // 32 * 2
-    grid = [(bn, nb, w, st) for bn in (16, 32, 64) for nb in (8, 16) for w in (1, 2, 4) for st in (1, 2, 3)]
-    print(f"\nq4 head sweep: us per call in a graph of {repeat} calls (M=1, bf16, {nbytes / 1e6:.0f} MB)")
-    best, t_best, bad = None, float("inf"), []
-    for cfg in grid:
-        def call(_: int, cfg: tuple[int, int, int, int] = cfg) -> None:
-            q4_q8_matvec_triton(x, W.packed, W.scales, config=cfg, out=out)
-        try:
-            call(0)
-        except Exception as exc:  # a config the compiler rejects (registers, shared memory)
-            bad.append((cfg, type(exc).__name__))
-            continue
-        e = rel_err(out, ref)
-        if e >= 8e-3:
-            bad.append((cfg, f"{e:.1e}"))
-            continue
-        t = graph_per_call(call, repeat)
-        print(f"  {cfg}: {t:.1f} us ({nbytes / t / 1e6:.2f} TB/s)", flush=True)
-        if t < t_best:
-            best, t_best = cfg, t
-    R.add(Row(f"q4 head sweep N={N} K={K}", best is not None,
-              f"best {t_best:.1f} us ({nbytes / t_best / 1e6:.2f} TB/s) cfg={best}; {len(grid)} configs, "
-              f"failed: {bad}"), variant=True)
 
 
 # ---- 5. MoE for a few tokens -----------------------------------------------------------------------------------
@@ -528,36 +461,6 @@ def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtyp
         row.nbytes = int(torch.unique(top_i).numel()) * 3 * Fd * D * gate.element_size()
     R.add(row, variant=config is not None)
     return inputs
-
-
-def moe_sweep(R: Runner, repeat: int = 8) -> None:
-    """Routed experts at the real geometry (E=512, D=2560, F=640, k=10, bf16) for a verify's 6 and 4 rows and a
-    decode's 1: the per-pair kernels against the grouped ones (each distinct expert read once), default configs
-    and a grid, each timed as a CUDA graph of `repeat` calls (the ~60 chosen experts, ~390 MB, exceed the L2)."""
-    grid = [(bf1, bd1, bd2, bf2, w, st) for bf1, bd1 in ((32, 128), (64, 64), (16, 256), (64, 128))
-            for bd2, bf2 in ((64, 128), (32, 128), (128, 64)) for w in (4, 8) for st in (3, 4)]
-    inputs_all = moe_inputs(16, 2560, 640, 512, 10, torch.bfloat16, "cuda")
-    print(f"\nMoE sweep: us per call in a graph of {repeat} calls (E=512, bf16)")
-    for M in (6, 4, 1):
-        h, top_i, top_w, gate, up, down = inputs_all
-        inputs = (h[:M].contiguous(), top_i[:M].contiguous(), top_w[:M].contiguous(), gate, up, down)
-        ref = moe_few_torch(*inputs)
-        nbytes = int(torch.unique(inputs[1]).numel()) * 3 * 640 * 2560 * 2
-        t_pair = graph_per_call(lambda i, a=inputs: moe_slots_triton(*a), repeat)
-        t_group = graph_per_call(lambda i, a=inputs: moe_slots_grouped_triton(*a), repeat)
-        best, t_best, bad = None, float("inf"), []
-        for cfg in grid:
-            e = rel_err(sum_slots(moe_slots_grouped_triton(*inputs, config=cfg)), ref)
-            if e >= TOL[torch.bfloat16]:
-                bad.append((cfg, e))
-                continue
-            t = graph_per_call(lambda i, a=inputs, cfg=cfg: moe_slots_grouped_triton(*a, config=cfg), repeat)
-            if t < t_best:
-                best, t_best = cfg, t
-        R.add(Row(f"moe sweep M={M}", not bad,
-                  f"per pair {t_pair:.1f} us ({nbytes / t_pair / 1e6:.2f} TB/s of distinct experts), grouped default "
-                  f"{t_group:.1f}, best {t_best:.1f} us ({nbytes / t_best / 1e6:.2f} TB/s) cfg={best}; "
-                  f"{len(grid)} configs, wrong: {bad}"), variant=True)
 
 
 # ---- 6. MoE routing ----------------------------------------------------------------------------------------------
@@ -652,188 +555,6 @@ def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, 
                                                            S, 1e-6, out_config=out_config))
         row.nbytes = (w_in.numel() + up.numel()) * w_in.element_size()
     R.add(row, variant=out_config is not None)
-
-
-def graph_per_call(fn: Callable[[int], object], repeat: int = 24) -> float:
-    """µs per call of fn(i), i = 0..repeat-1 recorded back to back in one CUDA graph (the kernel plus its node
-    latency, as inside a step's graph)."""
-    import triton.testing
-
-    g = torch.cuda.CUDAGraph()
-    fn(0)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for i in range(repeat):
-            fn(i)
-    return float(triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3 / repeat
-
-
-def weight_copies(n_bytes: int, most: int = 24) -> int:
-    """How many copies of an n_bytes matrix a timed graph cycles through so that its calls read HBM, not the 50 MB
-    L2: at least 160 MB of them, at most `most` (one call each), at least one."""
-    return max(1, min(most, -(-(160 << 20) // n_bytes)))
-
-
-def pdl_ab(R: Runner, repeat: int = 24, rounds: int = 3) -> None:
-    """Programmatic dependent launch against the default launch, in one process: step-sized kernels as CUDA graphs of
-    `repeat` back-to-back calls (weights and caches cycled through copies that exceed the 50 MB L2), each timed with
-    PDL off and on, alternated `rounds` times (medians). The outputs must be identical: PDL changes when a kernel is
-    scheduled, not what it computes."""
-    bf = torch.bfloat16
-    cases: list[tuple[str, Callable[[int], torch.Tensor]]] = []
-    shapes = (("gemv 1 x 2560x6144 (GDN/QSA out)", 1, 2560, 6144), ("gemv 1 x 1800x2560 (router)", 1, 1800, 2560),
-              ("few rows 6 x 2560x6144", 6, 2560, 6144))
-    for name, M, N, K in shapes:
-        c = weight_copies(N * K * 2, repeat)
-        Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(bf) for _ in range(c)]
-        x = torch.randn(M, K, device="cuda").to(bf)
-        kern = gemv_triton if M == 1 else gemm_few_triton
-        cases.append((name, lambda i, Ws=Ws, x=x, kern=kern, c=c: kern(x, Ws[i % c])))
-    for T in (1, 6):
-        sets = [masked_attn_inputs(T, 24, 2, 256, 4608, "q8_0", bf, 1.0 if T == 1 else 0.45, "cuda") for _ in range(12)]
-        cases.append((f"masked attention {T} row(s), 4608 q8_0 cells",
-                      lambda i, s=sets: masked_attention_triton(*s[i % len(s)])))
-    logits = [torch.randn(1, 248320, device="cuda").to(bf) for _ in range(4)]
-    cases.append(("argmax 1 x 248320", lambda i: argmax_rows_triton(logits[i % 4])))
-    print(f"\nPDL A/B: us per call in a graph of {repeat} calls, off / on, median of {rounds} alternations")
-    for name, fn in cases:
-        with pdl_mode(False):
-            ref = fn(0).clone()
-        with pdl_mode(True):
-            same = torch.equal(fn(0), ref)
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(rounds):
-            for on in (False, True):
-                with pdl_mode(on):
-                    times[on].append(graph_per_call(fn, repeat))
-        off, on = (sorted(times[b])[len(times[b]) // 2] for b in (False, True))
-        R.add(Row(f"PDL A/B {name}", same, f"off {off:.2f} us, on {on:.2f} us, on/off x{on / off:.3f}; outputs "
-                                           f"{'identical' if same else 'DIFFER'}"), variant=True)
-
-
-def hc_out_sweep(R: Runner, D: int = 2560, S: int = 4, rank: int = 320, N: int = 328) -> None:
-    """The mixer's output kernel alone at the real geometry, for 1 and 6 rows: every config checked against the
-    same inputs through the output math in f64, and timed in a CUDA graph of 24 calls over copies of `up` that
-    exceed the 50 MB L2, beside the plain `up` mat-vec (the same bytes, no epilogue) for one row."""
-    copies = 24
-    ups = [(torch.randn(S * D, rank, device="cuda") / rank ** 0.5).to(torch.bfloat16) for _ in range(copies)]
-    print("\nmixer output kernel: us per call in a graph of 24 calls (bf16)")
-    for M in (1, 6):
-        Xn = torch.randn(M, S * D, device="cuda").to(torch.bfloat16)
-        y = torch.randn(M, N, device="cuda").to(torch.bfloat16)
-        # the same inputs through the mixer's output math in f64
-        gate = torch.sigmoid(F.silu(y[:, :rank].double() / S) @ ups[0].double().t()).unflatten(-1, (S, D))
-        ref = (gate * Xn.double().unflatten(-1, (S, D))).sum(-2) / S
-        if M == 1:
-            a = F.silu(y[:, :rank] / S)
-            t = graph_per_call(lambda i, a=a: gemv_triton(a, ups[i % copies]))
-            R.add(Row(f"hc out floor: the up mat-vec alone M=1 {S * D}x{rank}", True, f"{t:.2f} us"), variant=True)
-        grid = [(bd, bk, w) for bd in (2, 4, 8, 16) for bk in (32, 64, 128) for w in (4, 8)]
-        best, t_best, bad = None, float("inf"), []
-        for cfg in grid:
-            e = rel_err(hc_out_triton(y, Xn, ups[0], rank, D, S, cfg), ref)
-            if e >= TOL[torch.bfloat16]:
-                bad.append((cfg, e))
-                continue
-            t = graph_per_call(lambda i, y=y, Xn=Xn, cfg=cfg: hc_out_triton(y, Xn, ups[i % copies], rank, D, S, cfg))
-            if t < t_best:
-                best, t_best = cfg, t
-        t_default = graph_per_call(lambda i, y=y, Xn=Xn: hc_out_triton(y, Xn, ups[i % copies], rank, D, S))
-        gb = S * D * rank * 2 / 1e3
-        R.add(Row(f"hc out sweep M={M} D={D} S={S} rank={rank}", not bad,
-                  f"default {t_default:.2f} us, best {t_best:.2f} us ({gb / t_best:.0f} GB/s) cfg={best}; "
-                  f"{len(grid)} configs, wrong: {bad}"), variant=True)
-
-
-def _shapes(only: str | None) -> tuple[tuple[str, int, int], ...]:
-    """GEMV_SHAPES whose name contains `only` (all without it)."""
-    picked = tuple(s for s in GEMV_SHAPES if only is None or only in s[0])
-    if not picked:
-        raise SystemExit(f"--shapes {only!r} matches none of: {', '.join(s[0] for s in GEMV_SHAPES)}")
-    return picked
-
-
-def gemv_sweep(R: Runner, repeat: int = 24, only: str | None = None) -> None:
-    """One-row products of the model's shapes: cuBLAS, the default plan and a grid of configs, each timed as a CUDA
-    graph of `repeat` back-to-back calls (per call: the kernel plus its node latency, as inside a step's graph).
-    The calls cycle through copies of the matrix that together exceed the 50 MB L2, so every call reads its
-    weights from HBM as in a real step. Prints the best config per shape; each config is checked against f64."""
-    def per_call(fn: Callable[[int], object]) -> float:
-        return graph_per_call(fn, repeat)
-
-    grid = [(bn, tile, w, ps) for bn, tile in ((32, 8192), (32, 4096), (16, 16384), (8, 8192), (4, 16384), (1, 16384),
-                                                (1, 8192)) for w in (4, 8) for ps in (2, 4, 8)]
-    print(f"\ngemv sweep: us per call in a graph of {repeat} calls (M=1, bf16)")
-    for name, N, K in _shapes(only):
-        _sweep_shape(R, name, N, K, grid, per_call)
-
-
-def few_sweep(R: Runner, rows: tuple[int, ...] = (6, 4), repeat: int = 24, only: str | None = None) -> None:
-    """The few-rows tensor-core kernel on the model's shapes for a verify step's rows (MTP5: 6, MTP3: 4): cuBLAS,
-    the default config and a grid, timed as gemv_sweep times them."""
-    grid = [(bn, bk, w, st, ps) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)
-            for st in (3, 4) for ps in (1, 2, 4) if bn * bk <= 16384]
-    for M in rows:
-        print(f"\nfew-rows sweep: us per call in a graph of {repeat} calls (M={M}, bf16)")
-        for name, N, K in _shapes(only):
-            _sweep_shape(R, name, N, K, grid, lambda fn: graph_per_call(fn, repeat), M=M, kernel=gemm_few_triton)
-
-
-def few_ab(R: Runner, M: int = 6, repeat: int = 24) -> None:
-    """The few-row products still on cuBLAS (GEMV_SHAPES not in TUNED_FEW) against the tensor-core kernel launched
-    with PDL, which shortens the kernel's graph-node gap where cuBLAS keeps its own: cuBLAS, the kernel's default
-    config with PDL off and on, and a short grid with PDL on, each a graph of `repeat` calls over weight copies that
-    exceed the L2. Each config is checked against f64 first."""
-    grid = [(bn, bk, 4, 4, ps) for bn in (16, 32, 64) for bk in (64, 128) for ps in (1, 2)]
-    print(f"\nfew rows on cuBLAS vs the kernel with PDL: us per call in a graph of {repeat} calls (M={M}, bf16)")
-    for name, N, K in GEMV_SHAPES:
-        if (N, K) in TUNED_FEW:
-            continue
-        copies = weight_copies(N * K * 2)
-        Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        ref = x.double() @ Ws[0].double().t()
-        t_cublas = graph_per_call(lambda i, x=x, Ws=Ws, c=copies: F.linear(x, Ws[i % c]), repeat)
-        t_pdl: dict[bool, float] = {}
-        for on in (False, True):
-            with pdl_mode(on):
-                t_pdl[on] = graph_per_call(lambda i, x=x, Ws=Ws, c=copies: gemm_few_triton(x, Ws[i % c]), repeat)
-        best, t_best, bad = None, float("inf"), 0
-        with pdl_mode(True):
-            for cfg in grid:
-                if rel_err(gemm_few_triton(x, Ws[0], cfg), ref) >= TOL[torch.bfloat16]:
-                    bad += 1
-                    continue
-                t = graph_per_call(lambda i, x=x, Ws=Ws, c=copies, cfg=cfg: gemm_few_triton(x, Ws[i % c], cfg), repeat)
-                if t < t_best:
-                    best, t_best = cfg, t
-        R.add(Row(f"few-rows A/B M={M} {name} {N}x{K}", bad == 0,
-                  f"cuBLAS {t_cublas:.2f}, kernel default {t_pdl[False]:.2f} (PDL {t_pdl[True]:.2f}), best with PDL "
-                  f"{t_best:.2f} us cfg={best}, best/cuBLAS x{t_best / t_cublas:.3f}; {bad} configs wrong"),
-              variant=True)
-
-
-def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...]],
-                 per_call: Callable[[Callable[[int], object]], float], M: int = 1,
-                 kernel: Callable[..., torch.Tensor] = gemv_triton) -> None:
-    copies = weight_copies(N * K * 2)
-    Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-    ref = x.double() @ Ws[0].double().t()
-    t_cublas = per_call(lambda i: F.linear(x, Ws[i % copies]))
-    t_default = per_call(lambda i: kernel(x, Ws[i % copies]))
-    best, t_best, bad = None, float("inf"), 0
-    for cfg in grid:
-        if rel_err(kernel(x, Ws[0], cfg), ref) >= TOL[torch.bfloat16]:
-            bad += 1
-            continue
-        t = per_call(lambda i, cfg=cfg: kernel(x, Ws[i % copies], cfg))
-        if t < t_best:
-            best, t_best = cfg, t
-    gb = N * K * 2 / 1e3
-    R.add(Row(f"{kernel.__name__} sweep M={M} {name} {N}x{K}", bad == 0,
-              f"cuBLAS {t_cublas:.2f} ({gb / t_cublas:.0f} GB/s), default {t_default:.2f}, best {t_best:.2f} us "
-              f"({gb / t_best:.0f} GB/s) cfg={best}; {copies} copies; {bad} configs wrong"), variant=True)
 
 
 # ---- 8. KV q8_0 dequantisation and the indexer's block choice ------------------------------------------------
@@ -936,69 +657,6 @@ def check_row_independence(R: Runner, small: bool) -> None:
     R.add(Row("rows: q4_head 1 row at a time vs 5 rows", ok, "bit-identical" if ok else "BITS DIFFER", info=True))
 
 
-# ---- driver ----------------------------------------------------------------------------------------------------
-
-def run_checks(R: Runner, small: bool, sweep: bool) -> None:
-    # conv snapshots: the real GDN (s=3) and PLE (s=9) geometries, then edge shapes
-    for s, n, k in ((3, 6, 6), (9, 6, 6)):
-        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, timed=True)
-        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, timed=True, from_live=True)
-    for s, n, k in ((3, 1, 1), (3, 2, 2), (3, 5, 3), (9, 7, 7), (9, 1, 1), (1, 8, 8), (8, 8, 5), (15, 1, 1)):
-        check_conv(R, 257, s, n, k, scalar_dest=True)
-        check_conv(R, 130, s, n, k, scalar_dest=False)
-    for s, n in ((3, 1), (9, 1), (3, 6), (9, 6)):
-        for fused in (True, False):
-            check_write_snapshots(R, 300 if small else 10240, s, n, fused)
-    for s, n, k in ((3, 6, 6), (3, 1, 1), (9, 5, 3)):  # bf16 activations (the GDN projection's own dtype)
-        check_conv(R, 300 if small else 10240, s, n, k, scalar_dest=True, from_live=True, t_dtype=torch.bfloat16)
-        check_conv(R, 257, s, n, k, scalar_dest=False, t_dtype=torch.float16)
-
-    # gated delta rule: real geometry (Hv=48, dk=dv=128, T=6), with and without pre-expanded key heads
-    if small:
-        check_gdn(R, 6, 2, 4, 128, 128, 6)
-        check_gdn(R, 3, 4, 4, 32, 64, 4)
-        check_gdn(R, 1, 1, 2, 48, 40, 1)
-        check_gdn(R, 3, 2, 4, 64, 64, 3, alias=True)
-        check_gdn(R, 4, 2, 4, 32, 32, 4, gates=True)
-    else:
-        check_gdn(R, 6, 48, 48, 128, 128, 6, timed=True)
-        check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True)
-        for T in (1, 2, 16):
-            check_gdn(R, T, 16, 48, 128, 128, max(T, 6))
-        check_gdn(R, 4, 3, 6, 96, 80, 4)  # non-power-of-2 head dims (masks)
-        check_gdn(R, 6, 16, 48, 128, 128, 6, alias=True)
-        check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True, gates=True)  # the model's call
-        check_gdn(R, 1, 16, 48, 128, 128, 6, gates=True)
-        if sweep:
-            for bv in (16, 32, 64):
-                for w in (2, 4, 8):
-                    check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True, block_v=bv, warps=w)
-
-    # pooled keys: real geometry (C=8, r=4, d=128, cap=8192, rope 64) in bf16, then the other cache types
-    check_pooled(R, torch.bfloat16, 512 if small else 8192, 128, 4, 8, 64, timed=True)
-    check_pooled(R, torch.float16, 512, 128, 4, 16, 64)
-    check_pooled(R, torch.float32, 512, 128, 4, 8, 64)
-    check_pooled(R, torch.bfloat16, 384, 96, 3, 5, 32)  # non-power-of-2 head, odd ratio
-
-    # sparse QSA attention: real geometry (24 query / 2 kv heads of 256, r=4, 512 blocks = the 2,048-token
-    # budget) at 4K and 32K contexts, then small shapes and every cache type
-    if small:
-        check_sparse_attn(R, 1, 4, 2, 32, 4, 3, 64, "f32")
-        check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "q8_0")
-        check_sparse_attn(R, 6, 8, 2, 48, 2, 4, 96, "bf16")  # head dim not a power of 2
-    else:
-        for T in (1, 6):
-            for ctx in (4096, 32768):
-                check_sparse_attn(R, T, 24, 2, 256, 4, 512, ctx, "q8_0", timed=True)
-        check_sparse_attn(R, 6, 24, 2, 256, 4, 512, 4096, "bf16")
-        check_sparse_attn(R, 512, 24, 2, 256, 4, 512, 4096, "q8_0")  # a prefill chunk
-        check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
-
-    masked_attention_checks(R, small)
-    gdn_conv_checks(R, small)
-    q4_and_rest_checks(R, small, sweep)
-
-
 def check_kv_write(R: Runner, T: int, Hkv: int, d: int, cells: int, dt: torch.dtype, timed: bool = False) -> None:
     """The q8_0 KV write must leave the cache bit-identical to the reference's: random rows at scattered cells, one
     all-zero block (scale 0), and a block of exact halves (amax 127, so x * inv = x: 0.5, 1.5, 2.5 round to even).
@@ -1062,68 +720,121 @@ def gdn_conv_checks(R: Runner, small: bool) -> None:
         check_gdn_conv(R, 4, 3, 6, 96)
 
 
-def hc_mix_checks(R: Runner, small: bool) -> None:
-    """The hyper-connection mixer kernels at every row count a step sends them (1: decode and draft steps; up to 6:
-    MTP5's verify and extend, the engine's mixer_step_rows), with and without the pending combine, timed against
-    the torch path at the real geometry."""
+# ---- the groups: one per kernel (tests/test_gpu_kernels.py runs each as one test) ------------------------------
+
+def conv_snapshot_checks(R: Runner, small: bool) -> None:
+    """Conv snapshots: the real GDN (s=3) and PLE (s=9) geometries, then edge shapes, the model's in-place call and
+    16-bit activations."""
+    C = 300 if small else 10240
+    for s, n, k in ((3, 6, 6), (9, 6, 6)):
+        check_conv(R, C, s, n, k, scalar_dest=True, timed=True)
+        check_conv(R, C, s, n, k, scalar_dest=True, timed=True, from_live=True)
+    for s, n, k in ((3, 1, 1), (3, 2, 2), (3, 5, 3), (9, 7, 7), (9, 1, 1), (1, 8, 8), (8, 8, 5), (15, 1, 1)):
+        check_conv(R, 257, s, n, k, scalar_dest=True)
+        check_conv(R, 130, s, n, k, scalar_dest=False)
+    for s, n in ((3, 1), (9, 1), (3, 6), (9, 6)):
+        for fused in (True, False):
+            check_write_snapshots(R, C, s, n, fused)
+    for s, n, k in ((3, 6, 6), (3, 1, 1), (9, 5, 3)):  # bf16 activations (the GDN projection's own dtype)
+        check_conv(R, C, s, n, k, scalar_dest=True, from_live=True, t_dtype=torch.bfloat16)
+        check_conv(R, 257, s, n, k, scalar_dest=False, t_dtype=torch.float16)
+
+
+def gdn_checks(R: Runner, small: bool) -> None:
+    """The gated delta rule: the real geometry (Hv=48, dk=dv=128, T=6), with and without pre-expanded key heads."""
     if small:
-        for M in (1, 2, 6):
-            check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True, M=M)
-        check_hc_mix(R, 64, 4, 16, 20, torch.bfloat16, pending=False, M=6)
+        check_gdn(R, 6, 2, 4, 128, 128, 6)
+        check_gdn(R, 3, 4, 4, 32, 64, 4)
+        check_gdn(R, 1, 1, 2, 48, 40, 1)
+        check_gdn(R, 3, 2, 4, 64, 64, 3, alias=True)
+        check_gdn(R, 4, 2, 4, 32, 32, 4, gates=True)
         return
-    for M in (1, 2, 4, 6):
-        for pending in (True, False):
-            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=pending, timed=True, M=M)
+    check_gdn(R, 6, 48, 48, 128, 128, 6, timed=True)
+    check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True)
+    for T in (1, 2, 16):
+        check_gdn(R, T, 16, 48, 128, 128, max(T, 6))
+    check_gdn(R, 4, 3, 6, 96, 80, 4)  # non-power-of-2 head dims (masks)
+    check_gdn(R, 6, 16, 48, 128, 128, 6, alias=True)
+    check_gdn(R, 6, 16, 48, 128, 128, 6, timed=True, gates=True)  # the model's call
+    check_gdn(R, 1, 16, 48, 128, 128, 6, gates=True)
+
+
+def pooled_checks(R: Runner, small: bool) -> None:
+    """Pooled keys: the real geometry (C=8, r=4, d=128, cap=8192, rope 64) in bf16, then the other cache types."""
+    check_pooled(R, torch.bfloat16, 512 if small else 8192, 128, 4, 8, 64, timed=True)
+    check_pooled(R, torch.float16, 512, 128, 4, 16, 64)
+    check_pooled(R, torch.float32, 512, 128, 4, 8, 64)
+    check_pooled(R, torch.bfloat16, 384, 96, 3, 5, 32)  # non-power-of-2 head, odd ratio
+
+
+def sparse_attention_checks(R: Runner, small: bool) -> None:
+    """Sparse QSA attention: the real geometry (24 query / 2 kv heads of 256, r=4, 512 blocks = the 2,048-token
+    budget) at 4K and 32K contexts, then small shapes and every cache type."""
+    if small:
+        check_sparse_attn(R, 1, 4, 2, 32, 4, 3, 64, "f32")
+        check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "q8_0")
+        check_sparse_attn(R, 6, 8, 2, 48, 2, 4, 96, "bf16")  # head dim not a power of 2
+        return
+    for T in (1, 6):
+        for ctx in (4096, 32768):
+            check_sparse_attn(R, T, 24, 2, 256, 4, 512, ctx, "q8_0", timed=True)
+    check_sparse_attn(R, 6, 24, 2, 256, 4, 512, 4096, "bf16")
+    check_sparse_attn(R, 512, 24, 2, 256, 4, 512, 4096, "q8_0")  # a prefill chunk
+    check_sparse_attn(R, 3, 12, 2, 64, 4, 5, 128, "f32")
+
+
+def kv_write_checks(R: Runner, small: bool) -> None:
+    """The q8_0 KV write of a decode, a verify and a prefill chunk's rows, then odd shapes."""
+    if small:
+        check_kv_write(R, 1, 2, 64, 40, torch.bfloat16)
+        check_kv_write(R, 6, 2, 96, 50, torch.float32)
+        check_kv_write(R, 3, 3, 32, 9, torch.float16)
+        return
+    for T in (1, 6, 512):
+        check_kv_write(R, T, 2, 256, 8192, torch.bfloat16, timed=True)
+    check_kv_write(R, 5, 3, 96, 100, torch.float32)
 
 
 def masked_attention_checks(R: Runner, small: bool) -> None:
     """Masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
     (~half the cells), then small and ragged shapes and every cache type."""
-    # the q8_0 write of a decode, a verify and a prefill chunk's rows, then odd shapes
-    if small:
-        check_kv_write(R, 1, 2, 64, 40, torch.bfloat16)
-        check_kv_write(R, 6, 2, 96, 50, torch.float32)
-        check_kv_write(R, 3, 3, 32, 9, torch.float16)
-    else:
-        check_kv_write(R, 1, 2, 256, 8192, torch.bfloat16, timed=True)
-        check_kv_write(R, 6, 2, 256, 8192, torch.bfloat16, timed=True)
-        check_kv_write(R, 512, 2, 256, 8192, torch.bfloat16, timed=True)
-        check_kv_write(R, 5, 3, 96, 100, torch.float32)
-    if small:
-        check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
-        check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)
-        check_masked_attn(R, 6, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4)
-        check_masked_attn(R, 2, 2, 1, 48, 5, "bf16", keep=0.5)
-        check_masked_attn(R, 1, 4, 1, 32, 1000, "q8_0", keep=0.3)  # 32 chunks: the combine loops
-        # several rows per program (a ragged last group), other step sizes, warps and pipeline stages
-        check_masked_attn(R, 6, 12, 2, 64, 100, "q8_0", keep=0.5, config=(4, 16, 4, 2, 8))
-        check_masked_attn(R, 5, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4, config=(2, 64, 8, 3, 264))
-        check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5, config=(4, 32, 4, 1, 264))
-    else:
+    if not small:
         for T in (1, 6):
             check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", timed=True)
             check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", keep=0.45, timed=True)
         check_masked_attn(R, 6, 24, 2, 256, 4608, "bf16", keep=0.45)
         check_masked_attn(R, 3, 12, 2, 128, 1000, "f32", dt=torch.float32, keep=0.5)
+        return
+    check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
+    check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)
+    check_masked_attn(R, 6, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4)
+    check_masked_attn(R, 2, 2, 1, 48, 5, "bf16", keep=0.5)
+    check_masked_attn(R, 1, 4, 1, 32, 1000, "q8_0", keep=0.3)  # 32 chunks: the combine loops
+    # several rows per program (a ragged last group), other step sizes, warps and pipeline stages
+    check_masked_attn(R, 6, 12, 2, 64, 100, "q8_0", keep=0.5, config=(4, 16, 4, 2, 8))
+    check_masked_attn(R, 5, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4, config=(2, 64, 8, 3, 264))
+    check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5, config=(4, 32, 4, 1, 264))
 
 
-def q4_and_rest_checks(R: Runner, small: bool, sweep: bool) -> None:
-    """The checks after the attention ones: Q4 head, MoE, products, mixers, routing, dequant, block choice."""
-    # Q4 head: real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes
+def q4_checks(R: Runner, small: bool) -> None:
+    """The Q4 draft head: the real geometry (N=248320, K=2560, M=1), then row counts and ragged shapes."""
     if small:
         check_q4(R, 200, 256, 1, torch.float32)
         check_q4(R, 130, 96, 3, torch.bfloat16)
         check_q4(R, 64, 64, 8, torch.float16)
         check_q4(R, 100, 160, 2, torch.float32, config=(16, 2, 1, 3))  # a pipelined K loop, a ragged last step
-    else:
-        W = check_q4(R, 248320, 2560, 1, torch.bfloat16, timed=True)
-        check_q4(R, 248320, 2560, 1, torch.float32, W=W)
-        del W
-        for M in (2, 6, 8):
-            check_q4(R, 4099, 2560, M, torch.float32)
-        check_q4(R, 1000, 96, 3, torch.bfloat16)
+        return
+    W = check_q4(R, 248320, 2560, 1, torch.bfloat16, timed=True)
+    check_q4(R, 248320, 2560, 1, torch.float32, W=W)
+    del W
+    for M in (2, 6, 8):
+        check_q4(R, 4099, 2560, M, torch.float32)
+    check_q4(R, 1000, 96, 3, torch.bfloat16)
 
-    # MoE: M=6, D=2560, F=640, k=10 (E=64 instead of 512 to save memory), then other row counts
+
+def moe_checks(R: Runner, small: bool) -> None:
+    """Routed experts for a few tokens: M=6, D=2560, F=640, k=10 (E=64 instead of 512 to save memory), then other
+    row counts; the per-pair kernels and the grouped ones (each distinct expert read once)."""
     if small:
         check_moe(R, 3, 64, 48, 8, 3, torch.bfloat16)
         check_moe(R, 2, 96, 40, 6, 2, torch.float32)
@@ -1132,38 +843,20 @@ def q4_and_rest_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_moe(R, 5, 96, 40, 4, 2, torch.float16, grouped=True, config=(16, 32, 32, 16, 4, 2))
         check_moe(R, 1, 64, 48, 8, 3, torch.bfloat16, grouped=True, config=(16, 32, 16, 32, 4, 2))
         check_moe(R, 16, 64, 32, 12, 4, torch.bfloat16, grouped=True, config=(32, 64, 64, 32, 4, 2))
-    else:
-        inputs = check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True)
-        check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, inputs=inputs, grouped=True)
-        check_moe(R, 16, 2560, 640, 12, 10, torch.bfloat16, grouped=True)  # rows share most experts
-        if sweep:
-            for cfg in ((32, 256, 32, 128, 8), (16, 256, 32, 128, 4), (32, 128, 64, 128, 4), (32, 128, 16, 128, 4),
-                        (64, 64, 32, 64, 4), (32, 128, 32, 64, 4), (32, 256, 64, 64, 8)):
-                check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
-        del inputs
-        inputs = check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
-        if sweep:
-            for cfg in ((32, 128, 32, 128, 4), (16, 256, 16, 128, 4), (16, 256, 64, 128, 4), (16, 256, 32, 64, 4),
-                        (16, 256, 16, 256, 4), (16, 256, 64, 64, 8), (16, 256, 128, 64, 8), (16, 256, 32, 256, 8),
-                        (8, 256, 32, 128, 4), (16, 256, 8, 128, 4)):
-                check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True, config=cfg, inputs=inputs)
-        del inputs
-        check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
-        check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
+        return
+    inputs = check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+    check_moe(R, 6, 2560, 640, 64, 10, torch.bfloat16, timed=True, inputs=inputs, grouped=True)
+    del inputs
+    check_moe(R, 16, 2560, 640, 12, 10, torch.bfloat16, grouped=True)  # rows share most experts
+    check_moe(R, 1, 2560, 640, 64, 10, torch.bfloat16, timed=True)
+    check_moe(R, 16, 2560, 640, 64, 10, torch.bfloat16)
+    check_moe(R, 3, 1000, 300, 16, 4, torch.float32)
 
-    # step-sized products: the model's shapes for a decode (M=1) and a verify (M=6) step
-    if small:
-        check_gemv(R, "small", 100, 96, 1, torch.bfloat16)
-        check_gemv(R, "small", 100, 96, 3, torch.float16)
-        # fewer rows than programs and a short K step: K split over programs
-        check_gemv(R, "split", 5, 1000, 1, torch.bfloat16, config=(32, 256, 4, 2))
-        check_gemv(R, "split", 6, 700, 8, torch.bfloat16, config=(32, 256, 4, 2))
-        # the few-rows kernel: every row count, ragged N and K, a K split, both 16-bit types
-        for M in (2, 5, 8):
-            check_gemv(R, "small", 100, 96, M, torch.bfloat16, few=True, config=(16, 32, 4, 2, 1))
-        check_gemv(R, "ragged", 50, 200, 6, torch.float16, few=True, config=(32, 64, 4, 2, 1))
-        check_gemv(R, "split", 20, 1000, 3, torch.bfloat16, few=True, config=(16, 64, 4, 2, 8))
-    else:
+
+def gemv_checks(R: Runner, small: bool) -> None:
+    """Step-sized products: the model's shapes for a decode (M=1) and a verify (M=6) step, one-row and few-row
+    kernels."""
+    if not small:
         for name, N, K in GEMV_SHAPES:
             W = check_gemv(R, name, N, K, 1, torch.bfloat16, timed=True)
             check_gemv(R, name, N, K, 6, torch.bfloat16, W=W)
@@ -1172,62 +865,80 @@ def q4_and_rest_checks(R: Runner, small: bool, sweep: bool) -> None:
         check_gemv(R, "odd", 1001, 2560, 3, torch.float16)
         for M in (2, 3, 8):
             check_gemv(R, "odd", 1001, 2565, M, torch.float16, few=True)
+        return
+    check_gemv(R, "small", 100, 96, 1, torch.bfloat16)
+    check_gemv(R, "small", 100, 96, 3, torch.float16)
+    # fewer rows than programs and a short K step: K split over programs
+    check_gemv(R, "split", 5, 1000, 1, torch.bfloat16, config=(32, 256, 4, 2))
+    check_gemv(R, "split", 6, 700, 8, torch.bfloat16, config=(32, 256, 4, 2))
+    # the few-rows kernel: every row count, ragged N and K, a K split, both 16-bit types
+    for M in (2, 5, 8):
+        check_gemv(R, "small", 100, 96, M, torch.bfloat16, few=True, config=(16, 32, 4, 2, 1))
+    check_gemv(R, "ragged", 50, 200, 6, torch.float16, few=True, config=(32, 64, 4, 2, 1))
+    check_gemv(R, "split", 20, 1000, 3, torch.bfloat16, few=True, config=(16, 64, 4, 2, 8))
 
-    # the hyper-connection mixer of a step: real geometry (D=2560, S=4, rank 320, w_in padded to 328 rows; the
-    # output mixer has no injection rows) for 1, 2, 6 and 8 rows (the engine uses one), then odd sizes
-    if small:
-        check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True)
-        check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True)
-        check_hc_mix(R, 96, 4, 24, 24, torch.float32, pending=False, out_config=(32, 16, 4))
-        check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, out_config=(8, 8, 4))
-        check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, M=5, out_config=(4, 32, 4))
-        check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True, M=6)
-        check_hc_mix(R, 96, 4, 24, 24, torch.bfloat16, pending=True, M=3, out_config=(16, 16, 4))
-        check_hc_mix(R, 64, 4, 16, 20, torch.float32, pending=False, M=8)
-    else:
-        check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=True)
+
+def hc_mix_checks(R: Runner, small: bool) -> None:
+    """The hyper-connection mixer of a step: real geometry (D=2560, S=4, rank 320, w_in padded to 328 rows; the
+    output mixer has no injection rows) at every row count a step sends (1: decode and draft; up to 6: MTP5's
+    verify and extend, the engine's mixer_step_rows; 8: the edge), with and without the pending combine."""
+    if not small:
+        for M in (1, 2, 4, 6, 8):
+            for pending in (True, False):
+                check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=pending, timed=M in (1, 6), M=M)
         check_hc_mix(R, 2560, 4, 320, 320, torch.bfloat16, pending=True, timed=True)
-        check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=False, timed=True)
         check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True)
-        check_hc_mix(R, 1000, 3, 100, 107, torch.float16, pending=True)
-        for M in (6, 2, 8):  # a verify / extend step of MTP5, and the edges
-            check_hc_mix(R, 2560, 4, 320, 328, torch.bfloat16, pending=True, timed=M == 6, M=M)
         check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True, M=6)
-        hc_out_sweep(R)
+        check_hc_mix(R, 1000, 3, 100, 107, torch.float16, pending=True)
+        return
+    for M in (1, 2, 6):
+        check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True, M=M)
+    check_hc_mix(R, 64, 4, 16, 20, torch.bfloat16, pending=False, M=6)
+    check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True)
+    check_hc_mix(R, 96, 4, 24, 24, torch.float32, pending=False, out_config=(32, 16, 4))
+    check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, out_config=(8, 8, 4))
+    check_hc_mix(R, 96, 3, 20, 29, torch.float16, pending=True, M=5, out_config=(4, 32, 4))
+    check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True, M=6)
+    check_hc_mix(R, 96, 4, 24, 24, torch.bfloat16, pending=True, M=3, out_config=(16, 16, 4))
+    check_hc_mix(R, 64, 4, 16, 20, torch.float32, pending=False, M=8)
 
-    # routing: the real 512 experts top-10 for a decode and a verify step, then odd sizes
+
+def route_checks(R: Runner, small: bool) -> None:
+    """Routing: the real 512 experts top-10 for a decode and a verify step, then odd sizes."""
     if small:
         check_route(R, 3, 64, 4, torch.float32)
         check_route(R, 2, 50, 3, torch.bfloat16)
-    else:
-        check_route(R, 1, 512, 10, torch.bfloat16, timed=True)
-        check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
-        check_route(R, 64, 512, 10, torch.float32)
-        check_route(R, 5, 300, 7, torch.float16)
+        return
+    check_route(R, 1, 512, 10, torch.bfloat16, timed=True)
+    check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
+    check_route(R, 64, 512, 10, torch.float32)
+    check_route(R, 5, 300, 7, torch.float16)
 
-    # KV dequantisation: a 4,608-cell bucket of the real geometry (2 kv heads of 256), then other dtypes/shapes
+
+def dequant_checks(R: Runner, small: bool) -> None:
+    """KV dequantisation: a 4,608-cell bucket of the real geometry (2 kv heads of 256), then other dtypes/shapes."""
     if small:
         check_dequant(R, 40, 2, 64, torch.bfloat16)
         check_dequant(R, 33, 3, 32, torch.float32)
-    else:
-        check_dequant(R, 4608, 2, 256, torch.bfloat16, timed=True)
-        check_dequant(R, 4609, 2, 256, torch.float16)
-        check_dequant(R, 4608, 2, 256, torch.float32)
+        return
+    check_dequant(R, 4608, 2, 256, torch.bfloat16, timed=True)
+    check_dequant(R, 4609, 2, 256, torch.float16)
+    check_dequant(R, 4608, 2, 256, torch.float32)
 
-    # indexer block choice: 512 of 1,152 blocks (4,608 cells, r=4) for a decode and a verify step, then ties,
-    # fewer visible blocks than n_top, and the 32K-context row
+
+def top_blocks_checks(R: Runner, small: bool) -> None:
+    """The indexer's block choice: 512 of 1,152 blocks (4,608 cells, r=4) for a decode and a verify step, then ties,
+    fewer visible blocks than n_top, and the 32K-context row."""
     if small:
         check_top_blocks(R, 3, 100, 20, 90)
         check_top_blocks(R, 2, 64, 30, 20)
         check_top_blocks(R, 4, 50, 10, 50, ties=True)
-    else:
-        check_top_blocks(R, 1, 1152, 512, 1100, timed=True)
-        check_top_blocks(R, 6, 1152, 512, 1100, timed=True)
-        check_top_blocks(R, 6, 1152, 512, 400)
-        check_top_blocks(R, 6, 1152, 512, 1100, ties=True)
-        check_top_blocks(R, 2, 8192, 512, 8000, timed=True)
-
-    argmax_checks(R, small)
+        return
+    check_top_blocks(R, 1, 1152, 512, 1100, timed=True)
+    check_top_blocks(R, 6, 1152, 512, 1100, timed=True)
+    check_top_blocks(R, 6, 1152, 512, 400)
+    check_top_blocks(R, 6, 1152, 512, 1100, ties=True)
+    check_top_blocks(R, 2, 8192, 512, 8000, timed=True)
 
 
 def argmax_checks(R: Runner, small: bool) -> None:
@@ -1236,11 +947,36 @@ def argmax_checks(R: Runner, small: bool) -> None:
         check_argmax(R, 3, 5000, torch.bfloat16, chunk=512)
         check_argmax(R, 4, 3001, torch.float32, ties=True, chunk=256)
         check_argmax(R, 2, 7, torch.float16, ties=True, chunk=16)
-    else:
-        check_argmax(R, 1, 248320, torch.bfloat16, timed=True)
-        check_argmax(R, 6, 248320, torch.bfloat16, timed=True)
-        check_argmax(R, 6, 248320, torch.bfloat16, ties=True)
-        check_argmax(R, 4, 248321, torch.float32, ties=True)
+        return
+    check_argmax(R, 1, 248320, torch.bfloat16, timed=True)
+    check_argmax(R, 6, 248320, torch.bfloat16, timed=True)
+    check_argmax(R, 6, 248320, torch.bfloat16, ties=True)
+    check_argmax(R, 4, 248321, torch.float32, ties=True)
+
+
+CHECKS: dict[str, Callable[[Runner, bool], None]] = {
+    "conv_snapshot": conv_snapshot_checks, "gdn": gdn_checks, "gdn_conv": gdn_conv_checks, "pooled": pooled_checks,
+    "sparse_attention": sparse_attention_checks, "kv_write": kv_write_checks,
+    "masked_attention": masked_attention_checks, "q4": q4_checks, "moe": moe_checks, "gemv": gemv_checks,
+    "hc_mix": hc_mix_checks, "route": route_checks, "dequant": dequant_checks, "top_blocks": top_blocks_checks,
+    "argmax": argmax_checks, "row_independence": check_row_independence,
+}
+
+
+def run_group(R: Runner, name: str, small: bool) -> list[Row]:
+    """The rows of check group `name` (small: the interpreter's shapes); an exception becomes a failed row that
+    carries its traceback, so one broken kernel does not hide the others' results."""
+    start = len(R.log)
+    torch.manual_seed(0)
+    try:
+        CHECKS[name](R, small)
+    except Exception:  # a kernel that fails to compile or launch fails its own group only
+        R.add(Row(f"{name}: raised", False, traceback.format_exc(limit=8)))
+    return R.log[start:]
+
+
+# the sweeps a full run (no --no-sweep) adds after their check group
+DEFAULT_SWEEPS = {"gdn_block_sweep": "gdn", "moe_config_sweep": "moe", "hc_out_sweep": "hc_mix"}
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -1264,39 +1000,55 @@ def print_table(title: str, rows: list[Row]) -> None:
               f"{fmt(speed, '.2f'):>7} | {fmt(gbs, '.0f'):>7} | {fmt(pct, '.1f'):>9}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter, small shapes, no timing")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line and exit 2, as the qspec command reports a bad option
+        print(f"qspec: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from qspec.bench.kernel_sweeps import SWEEPS
+
+    ap = _Parser(prog="python -m qspec.bench.kernels", description=__doc__,
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpret", action="store_true", help="CPU, Triton interpreter (TRITON_INTERPRET=1 in the "
+                    "environment), small shapes, no timing")
+    ap.add_argument("--only", metavar="GROUPS", help=f"comma-separated check groups: {', '.join(CHECKS)}")
+    ap.add_argument("--json", metavar="FILE", help="write every row (group, name, ok, info, detail, times) as JSON")
     ap.add_argument("--no-sweep", action="store_true", help="skip the block-size variants")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager launches")
-    ap.add_argument("--gemv-sweep", action="store_true", help="only the one-row mat-vec config sweep (CUDA)")
-    ap.add_argument("--q4-sweep", action="store_true", help="only the Q4 draft head's kernel and config sweep (CUDA)")
-    ap.add_argument("--few-sweep", action="store_true", help="only the few-rows (verify) product sweep (CUDA)")
-    ap.add_argument("--shapes", metavar="NAME", help="the gemv and few-rows sweeps: only shapes whose name has NAME")
-    ap.add_argument("--moe-sweep", action="store_true", help="only the routed experts' kernels and configs (CUDA)")
-    ap.add_argument("--argmax", action="store_true", help="only the greedy token choice's rows (a short device run)")
-    ap.add_argument("--attention", action="store_true", help="only the masked attention rows (a short device run)")
-    ap.add_argument("--attention-sweep", action="store_true", help="only the masked attention kernel's config sweep")
-    ap.add_argument("--gdn-conv", action="store_true", help="only the GDN step conv rows (a short device run)")
-    ap.add_argument("--hc-mix", action="store_true", help="only the hyper-connection mixer rows at 1-6 rows (a short "
-                    "device run)")
-    ap.add_argument("--pdl-ab", action="store_true", help="only programmatic dependent launch against launches "
-                    "without it for step-sized kernels, timed in one process (CUDA, Hopper)")
-    ap.add_argument("--few-ab", action="store_true", help="only the few-row products still on cuBLAS against the "
-                    "tensor-core kernel with PDL (CUDA, Hopper)")
     ap.add_argument("--pdl", action="store_true", help="launch every kernel with programmatic dependent launch "
                     "(Hopper): the checks then cover the PDL variants, and graph timings show what it saves")
-    args = ap.parse_args()
-    if args.shapes is not None and not (args.gemv_sweep or args.few_sweep):
+    ap.add_argument("--shapes", metavar="NAME", help="the gemv and few-rows sweeps: only shapes whose name has NAME")
+    for name, (_, help_) in SWEEPS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=f"only this sweep: {help_}")
+    args = ap.parse_args(argv)
+    groups = [] if args.only is None else [g for g in args.only.split(",") if g]
+    unknown = [g for g in groups if g not in CHECKS]
+    if unknown or (args.only is not None and not groups):
+        ap.error(f"--only: unknown group(s) {', '.join(unknown) or repr(args.only)}; groups: {', '.join(CHECKS)}")
+    args.groups = groups or list(CHECKS)
+    args.sweeps = [name for name in SWEEPS if getattr(args, name)]
+    if args.shapes is not None and not {"gemv_sweep", "few_sweep"} & set(args.sweeps):
         ap.error("--shapes selects the shapes of --gemv-sweep and --few-sweep; give one of them")
-    if args.shapes is not None:
-        _shapes(args.shapes)  # an unknown name fails here, before any device work
+    if args.shapes is not None and not any(args.shapes in name for name, _, _ in GEMV_SHAPES):
+        ap.error(f"--shapes {args.shapes!r} matches none of: {', '.join(name for name, _, _ in GEMV_SHAPES)}")
+    if args.interpret and not INTERPRET:
+        ap.error("--interpret needs TRITON_INTERPRET=1 in the environment (Triton reads it when a kernel is defined)")
+    if args.interpret and args.sweeps:
+        ap.error("the sweeps time compiled kernels: they need CUDA, not --interpret")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not HAS_TRITON:
-        print("triton is not installed")
+        print("qspec: error: triton is not installed", file=sys.stderr)
         return 2
     if not args.interpret and not torch.cuda.is_available():
-        print("no CUDA device: run with --interpret for the CPU interpreter checks")
+        print("qspec: error: no CUDA device (TRITON_INTERPRET=1 ... --interpret runs the checks on the CPU)",
+              file=sys.stderr)
         return 2
     torch.manual_seed(args.seed)
     torch.set_grad_enabled(False)
@@ -1315,34 +1067,26 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, R: Runner) -> int:
-    sweeps = {"gemv_sweep": gemv_sweep, "q4_sweep": q4_sweep, "few_sweep": few_sweep, "moe_sweep": moe_sweep,
-              "attention_sweep": attention_sweep, "pdl_ab": pdl_ab, "few_ab": few_ab}
-    chosen = [fn for name, fn in sweeps.items() if getattr(args, name)]
-    if chosen:
-        for fn in chosen:
-            if fn in (gemv_sweep, few_sweep):
-                fn(R, only=args.shapes)
-            else:
-                fn(R)
-        print_table("variants", R.variants)
-        bad = [r.name for r in R.variants if not r.ok]
-        return 1 if bad else 0
-    if args.argmax or args.attention or args.gdn_conv or args.hc_mix:
-        if args.hc_mix:
-            hc_mix_checks(R, small=args.interpret)
-        if args.argmax:
-            argmax_checks(R, small=args.interpret)
-        if args.attention:
-            masked_attention_checks(R, small=args.interpret)
-        if args.gdn_conv:
-            gdn_conv_checks(R, small=args.interpret)
+    from qspec.bench.kernel_sweeps import SWEEPS, run_sweep
+
+    by_group: dict[str, list[Row]] = {}
+    if args.sweeps:
+        for name in args.sweeps:
+            run_sweep(R, name, args.shapes)
     else:
-        run_checks(R, small=args.interpret, sweep=not args.interpret and not args.no_sweep)
-        check_row_independence(R, small=args.interpret)
+        for name in args.groups:
+            by_group[name] = run_group(R, name, small=args.interpret)
+        if not (args.interpret or args.no_sweep):
+            for name, group in DEFAULT_SWEEPS.items():
+                if group in args.groups and name in SWEEPS:
+                    run_sweep(R, name, None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({g: [asdict(r) for r in rows] for g, rows in by_group.items()}, f, indent=1)
     if R.graph:
         print(f"\ntimes are CUDA-graph replays; {R.eager_fallbacks} timed calls could not be captured and ran eagerly")
     print_table("kernels", R.rows)
-    print_table("variants (block sizes; torch column blank)", R.variants)
+    print_table("variants (block sizes and sweeps)", R.variants)
     bad = [r.name for r in R.rows + R.variants if not r.ok and not r.info]
     differ = [r.name for r in R.rows if not r.ok and r.info]
     print(f"\n{len(R.rows) + len(R.variants) - len(bad) - len(differ)} checks passed, {len(bad)} failed"
