@@ -1,0 +1,269 @@
+"""Triton kernels that read GGUF blocks in place: y = x @ W^T for a few rows, the routed experts of a few-token step,
+and block-to-16-bit expansion for the many-row products.
+
+Every kernel walks K in steps of 256 weights (one K-quant super-block, or eight 32-weight blocks of the Q*_0/Q4_1
+types). `_tile` decodes one step of BN rows into f32 weights [BN, G, L] in natural element order (G sub-blocks of L
+weights: 16 x 16 for Q6_K, whose scales cover 16 weights, 8 x 32 for the others), unpacking nibbles, high bits and
+6-/8-bit scales in registers with the same f32 operations, in the same order, as weights/dequant.py (so a tile
+equals the reference's expansion up to FMA contraction). The type is a constexpr: one compiled kernel per type.
+
+Mat-vec (`_qmv_kernel`, grid over N only): a program owns BN output rows and streams their blocks along K once for
+all M <= 8 rows of x. For one row it keeps a [BN, G, L] f32 accumulator of products (no reduction inside the loop,
+as triton_gemv's mat-vec), for several rows it reduces each row's products per step. f16 scales are read through an
+f16 view of the same bytes (every block type's size is even, so they are 2-byte aligned).
+
+Routed experts (`_qmoe_gate_up_kernel`, `_qmoe_down_kernel`): one program per (row block, token-slot pair) reads the
+chosen expert's rows in place (expert stride, nothing gathered); the intermediate silu(g) * u stays f32 in a
+[pairs, F] scratch. Pairs that chose the same expert read its blocks separately (the second read usually hits the
+L2); a decode step's single token reads each chosen expert once.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.kernels.triton_common import HAS_TRITON, pdl_launch, tl_dtype
+
+T = GGMLQuantizationType
+# The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
+STEP = 256
+KERNEL_QTYPES: dict[GGMLQuantizationType, tuple[int, int, int]] = {
+    T.Q4_0: (8, 32, 8 * 18), T.Q4_1: (8, 32, 8 * 20), T.Q5_0: (8, 32, 8 * 22), T.Q8_0: (8, 32, 8 * 34),
+    T.Q4_K: (8, 32, 144), T.Q5_K: (8, 32, 176), T.Q6_K: (16, 16, 210),
+}
+MAX_ROWS = 8
+# (rows per program, warps) of the mat-vec by row count; the GPU benchmark (qspec/bench/qkernels.py) measures them.
+MV_CONFIG = {1: (4, 4), 8: (4, 4)}
+MOE_CONFIG = (4, 4)  # the experts' kernels: (rows per program, warps)
+DEQ_CONFIG = (16, 4)  # block expansion: (rows per program, warps)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import pdl_start, round_to
+
+    @triton.jit
+    def _f16_at(wh_ptr, byte_off, mask):
+        """The f16 at an even byte offset (through the f16 view of the bytes), as f32."""
+        return tl.load(wh_ptr + byte_off // 2, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _u8(wb_ptr, byte_off, mask):
+        return tl.load(wb_ptr + byte_off, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+        """Step kb (weights kb*256 ..) of the rows at byte offsets rowb [BN] -> (f32 weights [BN, G, L], their
+        element offsets in K [G, L], which exist [G, L])."""
+        g2 = tl.arange(0, G)[:, None]
+        gr = tl.arange(0, G)[None, :]
+        l2 = tl.arange(0, L)[None, :]
+        g = g2[None, :, :]
+        lo = l2[None, :, :]
+        koff = kb * 256 + g2 * L + l2
+        kmask = koff < K
+        m2 = nmask[:, None]
+        m3 = nmask[:, None, None] & kmask[None, :, :]
+        r2 = rowb[:, None]
+        r3 = rowb[:, None, None]
+        if QT == 12 or QT == 13:  # Q4_K (144 bytes) / Q5_K (176): d, dmin, 12 bytes of 6-bit scales and mins, ...
+            sb = 144 if QT == 12 else 176
+            base = kb * sb
+            qs_at = 16 if QT == 12 else 48
+            q = (_u8(wb_ptr, r3 + base + qs_at + (g // 2) * 32 + lo, m3) >> ((g % 2) * 4)) & 15
+            if QT == 13:  # bit j of qh[l] is the 5th bit of sub-block j's element l
+                q = q | (((_u8(wb_ptr, r3 + base + 16 + lo, m3) >> g) & 1) << 4)
+            d = _f16_at(wh_ptr, rowb + base, nmask)
+            dmin = _f16_at(wh_ptr, rowb + base + 2, nmask)
+            j4 = gr % 4
+            a = _u8(wb_ptr, r2 + base + 4 + j4, m2)
+            b = _u8(wb_ptr, r2 + base + 8 + j4, m2)
+            c = _u8(wb_ptr, r2 + base + 12 + j4, m2)
+            first = gr < 4
+            sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+            mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+            ds = d[:, None] * sc
+            dm = dmin[:, None] * mn
+            w = ds[:, :, None] * q.to(tl.float32) - dm[:, :, None]
+        elif QT == 14:  # Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d; element g*16 + l
+            base = kb * 210
+            h = g // 8
+            ql = _u8(wb_ptr, r3 + base + h * 64 + (g % 4) * 16 + lo, m3)
+            qh = _u8(wb_ptr, r3 + base + 128 + h * 32 + (g % 2) * 16 + lo, m3)
+            q = ((ql >> (((g % 8) // 4) * 4)) & 15) | (((qh >> (((g % 8) // 2) * 2)) & 3) << 4)
+            s = _u8(wb_ptr, r2 + base + 192 + gr, m2)
+            s = s - ((s >> 7) << 8)  # int8
+            d = _f16_at(wh_ptr, rowb + base + 208, nmask)
+            ds = d[:, None] * s.to(tl.float32)
+            w = ds[:, :, None] * (q - 32).to(tl.float32)
+        else:  # 32-weight blocks: step kb holds blocks kb*8 + g
+            bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else 34))
+            blk = (kb * 8 + gr) * bs  # [1, G]
+            bmask = m2 & (kb * 256 + gr * 32 < K)
+            d = _f16_at(wh_ptr, r2 + blk, bmask)  # [BN, G]
+            b3 = r3 + blk[:, :, None]
+            if QT == 8:  # Q8_0: d, 32 int8
+                q = _u8(wb_ptr, b3 + 2 + lo, m3)
+                w = d[:, :, None] * (q - ((q >> 7) << 8)).to(tl.float32)
+            elif QT == 3:  # Q4_1: d, m, 16 bytes: weight l is nibble l // 16 of byte l % 16
+                q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
+                w = d[:, :, None] * q.to(tl.float32) + mn[:, :, None]
+            else:
+                qs_at = 2 if QT == 2 else 6
+                q = (_u8(wb_ptr, b3 + qs_at + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                if QT == 6:  # Q5_0: d, qh (32 bits, little-endian), 16 bytes
+                    q = q | (((_u8(wb_ptr, b3 + 2 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
+                    w = d[:, :, None] * (q - 16).to(tl.float32)
+                else:
+                    w = d[:, :, None] * (q - 8).to(tl.float32)
+        return w, koff, kmask
+
+    @triton.jit
+    def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+              QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+        """[MP, BN] f32: rows 0..M-1 of x (stride x_m) times the BN weight rows at byte offsets rowb."""
+        im = tl.arange(0, MP)
+        if M == 1:
+            prod = tl.zeros([BN, G, L], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                x = tl.load(x_ptr + koff, mask=kmask, other=0.0).to(tl.float32)
+                prod += w * x[None, :, :]
+            acc = tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
+        else:
+            acc = tl.zeros([MP, BN], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                for m in tl.static_range(M):
+                    x = tl.load(x_ptr + m * x_m + koff, mask=kmask, other=0.0).to(tl.float32)
+                    p = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+                    acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
+        return acc
+
+    @triton.jit
+    def _qmv_kernel(x_ptr, wb_ptr, wh_ptr, y_ptr, N, K, x_m, w_n, y_m,
+                    M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr,
+                    L: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        acc = _qdot(x_ptr, x_m, wb_ptr, wh_ptr, n.to(tl.int64) * w_n, nmask, K, M, MP, BN, QT, G, L)
+        im = tl.arange(0, MP)
+        out = y_ptr + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _qmoe_gate_up_kernel(h_ptr, ti_ptr, gb_ptr, gh_ptr, ub_ptr, uh_ptr, act_ptr, D, F, KS, h_m, ti_m,
+                             g_e, g_f, u_e, u_f, BN: tl.constexpr, QG: tl.constexpr, GG: tl.constexpr,
+                             LG: tl.constexpr, QU: tl.constexpr, GU: tl.constexpr, LU: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32, pair = t * KS + j, e = top_i[t, j]."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
+        f = tl.program_id(0) * BN + tl.arange(0, BN)
+        fmask = f < F
+        xp = h_ptr + t * h_m
+        g = _qdot(xp, 0, gb_ptr, gh_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 1, 1, BN, QG, GG, LG)
+        u = _qdot(xp, 0, ub_ptr, uh_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 1, 1, BN, QU, GU, LU)
+        a = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+
+    @triton.jit
+    def _qmoe_down_kernel(act_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, y_ptr, D, F, KS, ti_m, tw_m, d_e, d_d,
+                          BN: tl.constexpr, QD: tl.constexpr, GD: tl.constexpr, LD: tl.constexpr,
+                          OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] for BN output features, rounded once to y's dtype."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
+        dd = tl.program_id(0) * BN + tl.arange(0, BN)
+        dmask = dd < D
+        acc = _qdot(act_ptr + pair * F, 0, db_ptr, dh_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 1, 1, BN,
+                    QD, GD, LD)
+        tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
+                 mask=dmask[None, :])
+
+    @triton.jit
+    def _dequant_kernel(wb_ptr, wh_ptr, y_ptr, N, K, w_n, y_n, BN: tl.constexpr, QT: tl.constexpr,
+                        G: tl.constexpr, L: tl.constexpr, PDL: tl.constexpr = False):
+        """y[n, k] = the weight, for BN rows and one 256-weight step (program (row block, step))."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        w, koff, kmask = _tile(wb_ptr, wh_ptr, n.to(tl.int64) * w_n, nmask, tl.program_id(1), K, QT, G, L)
+        out = y_ptr + n.to(tl.int64)[:, None, None] * y_n + koff[None, :, :]
+        tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None, None] & kmask[None, :, :])
+
+
+def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes and their f16 view (same storage)."""
+    return raw, raw.view(torch.float16)
+
+
+def _geom(qtype: int) -> tuple[int, int]:
+    g, length, _ = KERNEL_QTYPES[T(qtype)]
+    return g, length
+
+
+def qmatvec_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+                   config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8, last dim contiguous) @ W^T, W's blocks raw [N, row_bytes] (rows contiguous) -> [M, N] in
+    x.dtype. config: (rows per program, warps)."""
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"qmatvec: x {tuple(x.shape)} stride {x.stride()}, raw {tuple(raw.shape)}, N {n}")
+    bn, warps = config or next(c for rows, c in sorted(MV_CONFIG.items()) if M <= rows)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    wb, wh = _views(raw)
+    g, length = _geom(qtype)
+    mp = 1 if M == 1 else triton.next_power_of_2(M)
+    _qmv_kernel[(triton.cdiv(n, bn),)](x, wb, wh, y, n, K, x.stride(0), raw.stride(0), y.stride(0), M=M, MP=mp,
+                                       BN=bn, QT=int(qtype), G=g, L=length, OUT_DT=tl_dtype(x.dtype),
+                                       num_warps=warps, **pdl_launch(x))
+    return y
+
+
+def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once)."""
+    n = raw.shape[0]
+    y = torch.empty(n, k, dtype=dtype, device=raw.device)
+    wb, wh = _views(raw)
+    g, length = _geom(qtype)
+    bn, warps = DEQ_CONFIG
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, y, n, k, raw.stride(0), y.stride(0), BN=bn,
+                                                                QT=int(qtype), G=g, L=length, num_warps=warps)
+    return y
+
+
+def qmoe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
+                    up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
+                    config: tuple[int, int] | None = None) -> torch.Tensor:
+    """Weighted slot outputs [T, k, D] in h.dtype; gate/up/down as (raw [E, rows, row_bytes], qtype)."""
+    (gr, gq), (ur, uq), (dr, dq) = gate, up, down
+    T_, D = h.shape
+    k = top_i.shape[1]
+    F = gr.shape[1]
+    bn, warps = config or MOE_CONFIG
+    h = h if h.stride(1) == 1 else h.contiguous()
+    act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
+    y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
+    gb, gh = _views(gr)
+    ub, uh = _views(ur)
+    db, dh = _views(dr)
+    (gg, lg), (gu, lu), (gd, ld) = _geom(gq), _geom(uq), _geom(dq)
+    _qmoe_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
+        h, top_i, gb, gh, ub, uh, act, D, F, k, h.stride(0), top_i.stride(0), gr.stride(0), gr.stride(1),
+        ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), GG=gg, LG=lg, QU=int(uq), GU=gu, LU=lu, num_warps=warps,
+        **pdl_launch(h))
+    _qmoe_down_kernel[(triton.cdiv(D, bn), T_ * k)](
+        act, top_i, top_w, db, dh, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1),
+        BN=bn, QD=int(dq), GD=gd, LD=ld, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
+    return y
