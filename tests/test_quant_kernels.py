@@ -46,8 +46,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def qweight(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> QuantWeight:
-    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-    return QuantWeight.from_blocks(quantize(w, qt), qt, shape).to(device)
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    return QuantWeight.from_blocks(quantize(w, qt), qt, shape)
 
 
 def row_len(qt: GGMLQuantizationType) -> int:
@@ -212,7 +212,7 @@ def test_cuda_qmatvec_real_shapes(qt: GGMLQuantizationType) -> None:
 def test_cuda_qmoe_real_shapes() -> None:
     E, Fd, D, k = 64, 640, 2560, 10
     gate, up = qweight(T.Q4_K, (E, Fd, D), 50, "cuda"), qweight(T.Q4_K, (E, Fd, D), 51, "cuda")
-    down = QuantWeight.from_blocks(quantize(torch.randn(E, D, Fd), T.Q8_0), T.Q8_0, (E, D, Fd)).to("cuda")
+    down = qweight(T.Q8_0, (E, D, Fd), 53, "cuda")
     for T_ in (1, 6):
         h = torch.randn(T_, D, device="cuda").bfloat16()
         top_i, top_w = routing(T_, E, k, seed=52, device="cuda")
