@@ -88,9 +88,11 @@ def _copies(nbytes: int) -> int:
 
 
 def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: int, bf_us: float,
-         bf_bytes: int) -> None:
+         bf_bytes: int, quiet: bool = False) -> None:
     rows.append((name, qt, shape, us, nbytes / us / 1e3, bf_us, bf_bytes / bf_us / 1e3))
     r = rows[-1]
+    if quiet:
+        return
     print(f"{r[0]:<12} {r[1]:<6} {r[2]:<22} {r[3]:>9.2f} {r[4]:>8.0f} {r[5]:>9.2f} {r[6]:>8.0f} {r[5] / r[3]:>6.2f}x",
           flush=True)
 
@@ -98,7 +100,7 @@ def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: i
 def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> None:
     """The mat-vec (decode, draft: m = 1; verify, extend: m = 2..8) against the bf16 one (qspec::gemv)."""
     from qspec.kernels.gemv import gemv
-    from qspec.kernels.triton_qmatmul import qmatvec_triton
+    from qspec.kernels.qmatmul import qmatmul_op
 
     for name in shapes:
         n, k = SHAPES[name]
@@ -109,12 +111,12 @@ def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> 
         del wb
         for qt in types:
             raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
-            us = graph_us([partial(qmatvec_triton, x, r, int(qt), n) for r in raws])
+            us = graph_us([partial(qmatmul_op, x, r, int(qt), n, k) for r in raws])
             _row(rows, f"matvec m={m}", qt.name, f"{n}x{k}", us, raws[0].numel() + m * (k + n) * 2, bf_us, bf_bytes)
             del raws
 
 
-def bench_moe(rows: list[tuple], types: tuple, t: int) -> None:
+def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False) -> None:
     """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots; bytes: the distinct chosen
     experts' three matrices."""
     from qspec.kernels.moe_few import moe_slots
@@ -140,7 +142,7 @@ def bench_moe(rows: list[tuple], types: tuple, t: int) -> None:
                        for ti, tw in routes])
         nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
         label = qt.name if dq == qt else f"{qt.name}/{dq.name}"
-        _row(rows, f"moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes)
+        _row(rows, f"moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes, quiet)
         del gate, up, down
 
 
@@ -160,9 +162,56 @@ def bench_prefill(rows: list[tuple], types: tuple, m: int = 4096) -> None:
         _row(rows, f"prefill m={m}", qt.name, f"{n}x{k}", us, raw.numel(), bf_us, n * k * 2)
 
 
+def moe_sweep(rows: list[tuple]) -> None:
+    """Configs of the experts' kernels (rows per program, warps), Q4_K gate/up with Q5_0 down."""
+    from qspec.kernels import triton_qmatmul
+
+    for cfg in ((4, 4), (8, 4), (16, 4), (8, 2), (4, 2)):
+        old = triton_qmatmul.MOE_CONFIG
+        triton_qmatmul.MOE_CONFIG = cfg
+        for t in (1, 6):
+            r: list[tuple] = []
+            bench_moe(r, (T.Q4_K,), t, quiet=True)
+            rows.append(r[0])
+            print(f"moe {cfg} t={t}: {r[0][3]:.2f} µs, {r[0][4]:.0f} GB/s (bf16 {r[0][5]:.2f} µs)", flush=True)
+        triton_qmatmul.MOE_CONFIG = old
+
+
+def sweep(rows: list[tuple]) -> None:
+    """Configs of the tensor-core kernel (rows per program, warps, programs per SM) and the CUDA-core mat-vec."""
+    from qspec.kernels.gemv import gemv
+    from qspec.kernels.triton_qmatmul import dequant_triton, qmatvec_triton, qmm_triton
+
+    n, k = SHAPES["gdn_in"]
+    for qt in TYPES:
+        raws = [_quantized(qt, n, k, seed=i) for i in range(4)]
+        us = graph_us([partial(dequant_triton, r, int(qt), k, torch.bfloat16) for r in raws])
+        _row(rows, "expand", qt.name, f"{n}x{k}", us, raws[0].numel() + n * k * 2, 1.0, 0)
+    moe_sweep(rows)
+
+    for name in QUICK_SHAPES:
+        n, k = SHAPES[name]
+        for m in (1, 6):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+            bf_us = graph_us([partial(gemv, x, w) for w in wb])
+            del wb
+            for qt in (T.Q4_K, T.Q6_K, T.Q8_0):
+                raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+                nbytes = raws[0].numel() + m * (k + n) * 2
+                us = graph_us([partial(qmatvec_triton, x, r, int(qt), n) for r in raws])
+                _row(rows, f"cc m={m}", qt.name, f"{n}x{k}", us, nbytes, bf_us, n * k * 2)
+                for cfg in ((32, 4, 2), (64, 4, 1), (64, 4, 2)):
+                    us = graph_us([partial(qmm_triton, x, r, int(qt), n, cfg) for r in raws])
+                    _row(rows, f"tc{cfg[0]}/{cfg[1]}/{cfg[2]}", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us,
+                         n * k * 2)
+                del raws
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qspec.bench.qkernels", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
+    ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
@@ -175,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     for q in types))
     print(f"{'kernel':<12} {'type':<6} {'shape':<22} {'µs':>9} {'GB/s':>8} {'bf16 µs':>9} {'bf16GB/s':>8} {'speed':>7}")
     rows: list[tuple] = []
+    if args.sweep:
+        sweep(rows)
+        return 0
     bench_matvec(rows, shapes, types, 1)
     bench_matvec(rows, shapes[:3] if not args.quick else shapes, types, 6)
     bench_moe(rows, types, 1)

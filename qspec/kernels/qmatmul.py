@@ -66,9 +66,12 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
     if use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and _kernel_takes(qtype):
-        from qspec.kernels.triton_qmatmul import qmatvec_triton
+        from qspec.kernels.triton_qmatmul import qmatvec_triton, qmm_triton, tensor_cores_for
 
-        return qmatvec_triton(x if x.stride(1) == 1 else x.contiguous(), raw.contiguous(), qtype, n)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if tensor_cores_for(x, n):
+            return qmm_triton(x, raw.contiguous(), qtype, n)
+        return qmatvec_triton(x, raw.contiguous(), qtype, n)
     return _chunked(x, raw, qtype, n, k)
 
 

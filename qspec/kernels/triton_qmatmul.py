@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.triton_common import HAS_TRITON, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch, tl_dtype
 
 T = GGMLQuantizationType
 # The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
@@ -35,19 +35,27 @@ KERNEL_QTYPES: dict[GGMLQuantizationType, tuple[int, int, int]] = {
 MAX_ROWS = 8
 # (rows per program, warps) of the mat-vec by row count; the GPU benchmark (qspec/bench/qkernels.py) measures them.
 MV_CONFIG = {1: (4, 4), 8: (4, 4)}
+MM_CONFIG = (64, 4, 2)  # the tensor-core kernel: (rows per program, warps, programs wanted per SM)
+TC_MIN_ROWS = 4096  # one row of a narrower matrix goes to the CUDA-core mat-vec (tensor_cores_for)
 MOE_CONFIG = (4, 4)  # the experts' kernels: (rows per program, warps)
-DEQ_CONFIG = (16, 4)  # block expansion: (rows per program, warps)
+DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
         """The f16 at an even byte offset (through the f16 view of the bytes), as f32."""
         return tl.load(wh_ptr + byte_off // 2, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _i2f(q):
+        """int32 0 <= q < 2^23 -> f32 exactly, by the exponent trick (an OR and a subtraction on the FP32 pipe; the
+        int-to-float conversion unit has a quarter of its throughput)."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
     def _u8(wb_ptr, byte_off, mask):
@@ -86,7 +94,7 @@ if HAS_TRITON:
             mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
             ds = d[:, None] * sc
             dm = dmin[:, None] * mn
-            w = ds[:, :, None] * q.to(tl.float32) - dm[:, :, None]
+            w = ds[:, :, None] * _i2f(q) - dm[:, :, None]
         elif QT == 14:  # Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d; element g*16 + l
             base = kb * 210
             h = g // 8
@@ -97,7 +105,7 @@ if HAS_TRITON:
             s = s - ((s >> 7) << 8)  # int8
             d = _f16_at(wh_ptr, rowb + base + 208, nmask)
             ds = d[:, None] * s.to(tl.float32)
-            w = ds[:, :, None] * (q - 32).to(tl.float32)
+            w = ds[:, :, None] * (_i2f(q) - 32.0)
         else:  # 32-weight blocks: step kb holds blocks kb*8 + g
             bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else 34))
             blk = (kb * 8 + gr) * bs  # [1, G]
@@ -106,20 +114,88 @@ if HAS_TRITON:
             b3 = r3 + blk[:, :, None]
             if QT == 8:  # Q8_0: d, 32 int8
                 q = _u8(wb_ptr, b3 + 2 + lo, m3)
-                w = d[:, :, None] * (q - ((q >> 7) << 8)).to(tl.float32)
+                w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
             elif QT == 3:  # Q4_1: d, m, 16 bytes: weight l is nibble l // 16 of byte l % 16
                 q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
                 mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
-                w = d[:, :, None] * q.to(tl.float32) + mn[:, :, None]
+                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
             else:
                 qs_at = 2 if QT == 2 else 6
                 q = (_u8(wb_ptr, b3 + qs_at + lo % 16, m3) >> ((lo // 16) * 4)) & 15
                 if QT == 6:  # Q5_0: d, qh (32 bits, little-endian), 16 bytes
                     q = q | (((_u8(wb_ptr, b3 + 2 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
-                    w = d[:, :, None] * (q - 16).to(tl.float32)
+                    w = d[:, :, None] * (_i2f(q) - 16.0)
                 else:
-                    w = d[:, :, None] * (q - 8).to(tl.float32)
+                    w = d[:, :, None] * (_i2f(q) - 8.0)
         return w, koff, kmask
+
+    @triton.jit
+    def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr):
+        """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
+        -> (f32 weights [BN, 256] in the order (c, w, s, i), their element offsets [256]): weight i of word w of
+        chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
+        sb = 144 if QT == 12 else 176
+        qs_at = 16 if QT == 12 else 48
+        c = tl.arange(0, 4)[None, :, None, None, None]
+        w = tl.arange(0, 8)[None, None, :, None, None]
+        s = tl.arange(0, 2)[None, None, None, :, None]
+        i = tl.arange(0, 4)[None, None, None, None, :]
+        m5 = nmask[:, None, None, None, None]
+        base = rowb + kb * sb  # [BN] byte offsets of the super-block
+        word = tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5, other=0)
+        q = (word >> (8 * i + 4 * s)) & 15
+        if QT == 13:  # bit 2c + s of qh byte w*4 + i
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
+            q = q | (((qh >> (8 * i + 2 * c + s)) & 1) << 4)
+        # the 6-bit scale and min of sub-block j = 2c + s, as in _tile
+        c3 = tl.arange(0, 4)[None, :, None]
+        s3 = tl.arange(0, 2)[None, None, :]
+        j = 2 * c3 + s3
+        j4 = j % 4
+        m3 = nmask[:, None, None]
+        b3 = base[:, None, None]
+        a = _u8(wb_ptr, b3 + 4 + j4, m3)
+        b = _u8(wb_ptr, b3 + 8 + j4, m3)
+        e = _u8(wb_ptr, b3 + 12 + j4, m3)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = _f16_at(wh_ptr, base, nmask)[:, None, None]
+        dmin = _f16_at(wh_ptr, base + 2, nmask)[:, None, None]
+        ds = (d * sc)[:, :, None, :, None]
+        dm = (dmin * mn)[:, :, None, :, None]
+        wt = ds * _i2f(q) - dm
+        offs = kb * 256 + c * 64 + s * 32 + w * 4 + i
+        return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
+                    M: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+                    OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        """16-bit x, 1..16 rows: each step's weights expanded to x's dtype in registers and multiplied on tensor
+        cores with x^T padded to 16 columns ([BN, 256] @ [256, 16]), no per-row reductions. Program (row block,
+        split) takes steps split*STEPS .. of K and writes f32 partial sums (y_s: the split's stride) or the output."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        rowb = n.to(tl.int64) * w_n
+        im = tl.arange(0, 16)
+        acc = tl.zeros([BN, 16], dtype=tl.float32)
+        k_lo = tl.program_id(1) * STEPS
+        k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+        for kb in range(k_lo, k_hi):
+            if QT == 12 or QT == 13:
+                w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN)
+                kmask = offs < K
+            else:
+                w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                w = tl.reshape(w3, [BN, 256])
+                offs = tl.reshape(koff, [256])
+                kmask = tl.reshape(kmask3, [256])
+            xt = tl.load(x_ptr + im[None, :] * x_m + offs[:, None], mask=(im[None, :] < M) & kmask[:, None],
+                         other=0.0)
+            acc = dot_acc(w.to(x_ptr.dtype.element_ty), xt, acc, UPCAST)
+        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 
     @triton.jit
     def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
@@ -192,15 +268,24 @@ if HAS_TRITON:
                  mask=dmask[None, :])
 
     @triton.jit
-    def _dequant_kernel(wb_ptr, wh_ptr, y_ptr, N, K, w_n, y_n, BN: tl.constexpr, QT: tl.constexpr,
+    def _dequant_kernel(wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, w_n, y_n, BN: tl.constexpr, QT: tl.constexpr,
                         G: tl.constexpr, L: tl.constexpr, PDL: tl.constexpr = False):
         """y[n, k] = the weight, for BN rows and one 256-weight step (program (row block, step))."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
-        w, koff, kmask = _tile(wb_ptr, wh_ptr, n.to(tl.int64) * w_n, nmask, tl.program_id(1), K, QT, G, L)
-        out = y_ptr + n.to(tl.int64)[:, None, None] * y_n + koff[None, :, :]
-        tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None, None] & kmask[None, :, :])
+        rowb = n.to(tl.int64) * w_n
+        kb = tl.program_id(1)
+        if QT == 12 or QT == 13:
+            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN)
+            kmask = offs < K
+        else:
+            w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+            w = tl.reshape(w3, [BN, 256])
+            offs = tl.reshape(koff, [256])
+            kmask = tl.reshape(kmask3, [256])
+        out = y_ptr + n.to(tl.int64)[:, None] * y_n + offs[None, :]
+        tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
 
 def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,15 +316,59 @@ def qmatvec_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     return y
 
 
+def tensor_cores_for(x: torch.Tensor, n: int) -> bool:
+    """Whether x [M, K] @ W^T (N = n rows) goes to the tensor-core kernel rather than the CUDA-core mat-vec: 16-bit
+    x (f32 keeps f32 products), and either several rows or enough weight rows to fill the GPU with 64-row blocks;
+    on the H200 the mat-vec won only on one row of the narrow matrices (benchmarks/results/qkernels_sweep_h200_v3.txt:
+    Q4_K 2560 x 6144, 19.0 against 21.9 µs)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and (x.shape[0] > 1 or n >= TC_MIN_ROWS)
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+
+
+def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+               config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/f16, M <= 16, last dim contiguous) @ W^T -> [M, N] in x.dtype through tensor cores, W's
+    blocks raw [N, row_bytes]. config: (rows per program, warps, programs wanted per SM); K splits into shares
+    (f32 partial sums added in order) when the row blocks alone leave SMs idle."""
+    M, K = x.shape
+    if not 0 < M <= 16 or x.dtype not in (torch.bfloat16, torch.float16) or raw.shape[0] != n or x.stride(1) != 1:
+        raise ValueError(f"qmm: x {tuple(x.shape)} {x.dtype} stride {x.stride()}, raw {tuple(raw.shape)}, N {n}")
+    bn, warps, per_sm = config or MM_CONFIG
+    steps = triton.cdiv(K, STEP)
+    blocks = triton.cdiv(n, bn)
+    want = per_sm * _sm_count(x)
+    split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
+    share = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, share)
+    wb, wh = _views(raw)
+    ww = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else wh
+    g, length = _geom(qtype)
+    dt = tl_dtype(x.dtype)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+    _qmm_kernel[(blocks, split)](x, wb, wh, ww, out, n, K, share, x.stride(0), raw.stride(0),
+                                 out.stride(0) if split > 1 else 0, out.stride(-2), M=M, BN=bn, QT=int(qtype), G=g,
+                                 L=length, OUT_DT=dt if split == 1 else tl.float32, UPCAST=INTERPRET,
+                                 num_warps=warps, **pdl_launch(x))
+    if split > 1:
+        y.copy_(out.sum(0))
+    return y
+
+
 def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once)."""
     n = raw.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=raw.device)
     wb, wh = _views(raw)
+    ww = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else wh
     g, length = _geom(qtype)
     bn, warps = DEQ_CONFIG
-    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, y, n, k, raw.stride(0), y.stride(0), BN=bn,
-                                                                QT=int(qtype), G=g, L=length, num_warps=warps)
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
+                                                                BN=bn, QT=int(qtype), G=g, L=length,
+                                                                num_warps=warps)
     return y
 
 
