@@ -22,9 +22,9 @@ from qspec.weights.qweight import QuantWeight
 
 MAX_ROWS = 8  # the mat-vec takes up to this many rows; more rows expand the weights by chunks
 MOE_MAX_ROWS = 16  # tokens per qmoe_few call that go to the per-pair kernels (moe_few.MAX_ROWS)
-# Weights expanded at once for the many-row products: 32 Mi elements (64 MiB in bf16) bounds the scratch while
-# keeping each chunk's matmul large enough to run near the GPU's peak.
-SCRATCH_ELEMENTS = 32 << 20
+# Weights expanded at once for the many-row products: 64 Mi elements (128 MiB in bf16) bounds the scratch while
+# keeping each chunk's matmul large enough to run near the GPU's peak (every step matrix but the LM head is one chunk).
+SCRATCH_ELEMENTS = 64 << 20
 
 
 def _kernel_takes(qtype: int) -> bool:
@@ -54,8 +54,11 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
     into f32 (the reference's arithmetic)."""
     dt = x.dtype if x.is_cuda else torch.float32
     xs = x.to(dt)
+    # whole multiples of 256 rows: an odd chunk width sends cuBLAS to a slow unaligned kernel
+    step = max(256, SCRATCH_ELEMENTS // k // 256 * 256)
+    if n <= step:
+        return (xs @ _expand(raw, qtype, k, dt).t()).to(x.dtype)
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    step = max(1, SCRATCH_ELEMENTS // k)
     for r in range(0, n, step):
         w = _expand(raw[r:r + step], qtype, k, dt)
         y[:, r:r + w.shape[0]] = (xs @ w.t()).to(x.dtype)

@@ -29,7 +29,8 @@ T = GGMLQuantizationType
 # The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
 STEP = 256
 KERNEL_QTYPES: dict[GGMLQuantizationType, tuple[int, int, int]] = {
-    T.Q4_0: (8, 32, 8 * 18), T.Q4_1: (8, 32, 8 * 20), T.Q5_0: (8, 32, 8 * 22), T.Q8_0: (8, 32, 8 * 34),
+    T.Q4_0: (8, 32, 8 * 18), T.Q4_1: (8, 32, 8 * 20), T.Q5_0: (8, 32, 8 * 22), T.Q5_1: (8, 32, 8 * 24),
+    T.Q8_0: (8, 32, 8 * 34),
     T.Q4_K: (8, 32, 144), T.Q5_K: (8, 32, 176), T.Q6_K: (16, 16, 210),
 }
 MAX_ROWS = 8
@@ -37,7 +38,9 @@ MAX_ROWS = 8
 MV_CONFIG = {1: (4, 4), 8: (4, 4)}
 MM_CONFIG = (64, 4, 2)  # the tensor-core kernel: (rows per program, warps, programs wanted per SM)
 TC_MIN_ROWS = 4096  # one row of a narrower matrix goes to the CUDA-core mat-vec (tensor_cores_for)
-MOE_CONFIG = (4, 4)  # the experts' kernels: (rows per program, warps)
+# the experts' kernels: (rows per program, warps); on the H200 (4, 2) against (4, 4): 52.6 against 69.4 µs at one
+# token, 238 against 333 at six (Q4_K gate/up, Q5_0 down, E=512, top-10)
+MOE_CONFIG = (4, 2)
 DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
 
 if HAS_TRITON:
@@ -107,7 +110,7 @@ if HAS_TRITON:
             ds = d[:, None] * s.to(tl.float32)
             w = ds[:, :, None] * (_i2f(q) - 32.0)
         else:  # 32-weight blocks: step kb holds blocks kb*8 + g
-            bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else 34))
+            bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else (24 if QT == 7 else 34)))
             blk = (kb * 8 + gr) * bs  # [1, G]
             bmask = m2 & (kb * 256 + gr * 32 < K)
             d = _f16_at(wh_ptr, r2 + blk, bmask)  # [BN, G]
@@ -117,6 +120,11 @@ if HAS_TRITON:
                 w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
             elif QT == 3:  # Q4_1: d, m, 16 bytes: weight l is nibble l // 16 of byte l % 16
                 q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
+                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
+            elif QT == 7:  # Q5_1: d, m, qh (32 bits), 16 bytes
+                q = (_u8(wb_ptr, b3 + 8 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                q = q | (((_u8(wb_ptr, b3 + 4 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
                 mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
                 w = d[:, :, None] * _i2f(q) + mn[:, :, None]
             else:

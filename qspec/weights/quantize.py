@@ -1,10 +1,10 @@
 """Block quantizers for the GGUF types qspec keeps packed: `quantize(x, qtype)` -> ggml's bytes.
 
-Q8_0 and Q4_0 are dequant.py's (bit-exact with ggml). Q4_K, Q5_K and Q6_K are written here: the gguf package
-quantizes only the 32-element types, and qspec needs K-quant files of the full geometry for its tests and
-benchmarks. The bytes follow llama.cpp's block structs (block_q4_K, block_q5_K, block_q6_K in ggml-common.h), so
-the gguf package's dequantizer, dequant.dequantize and llama.cpp all read them back alike; the tests check the
-first two bit for bit.
+Q8_0 and Q4_0 are dequant.py's (bit-exact with ggml); Q4_1, Q5_0 and Q5_1 the gguf package's. Q4_K, Q5_K and
+Q6_K are written here: the gguf package quantizes only the 32-element types, and qspec needs K-quant files of the
+full geometry for its tests and benchmarks. The bytes follow llama.cpp's block structs (block_q4_K, block_q5_K,
+block_q6_K in ggml-common.h), so the gguf package's dequantizer, dequant.dequantize and llama.cpp all read them back
+alike; the tests check the first two bit for bit.
 
 The K-quant search is simpler than llama.cpp's make_qkx2_quants / make_qx_quants (which try many scales per
 sub-block): per 32-element sub-block of Q4_K/Q5_K, min/max, one least-squares refit of (scale, min) to the rounded
@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gq
 
 from qspec.weights.dequant import QK_K, WeightsError, _roundf, quantize_q4_0, quantize_q8_0
 
@@ -126,7 +128,9 @@ _K_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = 
     GGMLQuantizationType.Q5_K: _q5_k_blocks,
     GGMLQuantizationType.Q6_K: _q6_k_blocks,
 }
-QUANTIZERS: frozenset[GGMLQuantizationType] = frozenset(_K_BLOCKS) | {
+# The other 32-weight types through the gguf package's numpy quantizers (on the CPU; the result moves to x's device).
+_GGUF_QUANTIZED = frozenset({GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1})
+QUANTIZERS: frozenset[GGMLQuantizationType] = frozenset(_K_BLOCKS) | _GGUF_QUANTIZED | {
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0}
 
 
@@ -139,6 +143,8 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.
         return quantize_q8_0(x)
     if qt == GGMLQuantizationType.Q4_0:
         return quantize_q4_0(x)
+    if qt in _GGUF_QUANTIZED:
+        return _gguf_quantize(x, qt)
     if qt not in _K_BLOCKS:
         raise WeightsError(f"no quantizer for {qt.name} (quantizers: {', '.join(sorted(q.name for q in QUANTIZERS))})")
     block, size = GGML_QUANT_SIZES[qt]
@@ -152,6 +158,14 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.
     for i in range(0, b.shape[0], _CHUNK_SUPER):
         out[i:i + _CHUNK_SUPER] = fn(b[i:i + _CHUNK_SUPER].float())
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * size)
+
+
+def _gguf_quantize(x: torch.Tensor, qt: GGMLQuantizationType) -> torch.Tensor:
+    block, size = GGML_QUANT_SIZES[qt]
+    if x.dim() == 0 or x.shape[-1] % block:
+        raise WeightsError(f"{qt.name}: row length {tuple(x.shape)[-1:]} is not a multiple of the block size {block}")
+    raw = gq.quantize(np.ascontiguousarray(x.detach().float().cpu().numpy()), qt)
+    return torch.from_numpy(raw).to(x.device).reshape(*x.shape[:-1], x.shape[-1] // block * size)
 
 
 def _qtype(qtype: GGMLQuantizationType | int | str) -> GGMLQuantizationType:
