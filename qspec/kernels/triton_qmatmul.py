@@ -138,10 +138,10 @@ if HAS_TRITON:
         return w, koff, kmask
 
     @triton.jit
-    def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr):
+    def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
         """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
-        -> (f32 weights [BN, 256] in the order (c, w, s, i), their element offsets [256]): weight i of word w of
-        chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
+        -> (weights [BN, 256] in dtype DT, in the order (c, w, s, i), their element offsets [256]): weight i of word
+        w of chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
         sb = 144 if QT == 12 else 176
         qs_at = 16 if QT == 12 else 48
         c = tl.arange(0, 4)[None, :, None, None, None]
@@ -173,7 +173,8 @@ if HAS_TRITON:
         dm = (dmin * mn)[:, :, None, :, None]
         wt = ds * _i2f(q) - dm
         offs = kb * 256 + c * 64 + s * 32 + w * 4 + i
-        return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
+        # cast before the reshape: the reshape may move the tile through shared memory, half the bytes in 16 bits
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
     def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
@@ -192,16 +193,16 @@ if HAS_TRITON:
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         for kb in range(k_lo, k_hi):
             if QT == 12 or QT == 13:
-                w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN)
+                w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, x_ptr.dtype.element_ty)
                 kmask = offs < K
             else:
                 w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
-                w = tl.reshape(w3, [BN, 256])
+                w = tl.reshape(w3.to(x_ptr.dtype.element_ty), [BN, 256])
                 offs = tl.reshape(koff, [256])
                 kmask = tl.reshape(kmask3, [256])
             xt = tl.load(x_ptr + im[None, :] * x_m + offs[:, None], mask=(im[None, :] < M) & kmask[:, None],
                          other=0.0)
-            acc = dot_acc(w.to(x_ptr.dtype.element_ty), xt, acc, UPCAST)
+            acc = dot_acc(w, xt, acc, UPCAST)
         out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 
@@ -285,11 +286,11 @@ if HAS_TRITON:
         rowb = n.to(tl.int64) * w_n
         kb = tl.program_id(1)
         if QT == 12 or QT == 13:
-            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN)
+            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, y_ptr.dtype.element_ty)
             kmask = offs < K
         else:
             w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
-            w = tl.reshape(w3, [BN, 256])
+            w = tl.reshape(w3.to(y_ptr.dtype.element_ty), [BN, 256])
             offs = tl.reshape(koff, [256])
             kmask = tl.reshape(kmask3, [256])
         out = y_ptr + n.to(tl.int64)[:, None] * y_n + offs[None, :]
