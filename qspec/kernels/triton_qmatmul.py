@@ -177,6 +177,36 @@ if HAS_TRITON:
         return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
+    def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN: tl.constexpr, DT: tl.constexpr):
+        """Q6_K step kb of BN rows, its low nibbles and high bit pairs read as 16-bit words through the f16 view
+        (every block is 2-byte aligned) -> (weights [BN, 256] in dtype DT, their element offsets [256]).
+        Axes (h, s, g, p, b): byte b of word g*8 + p of half h's ql holds, in nibble s, element
+        h*128 + s*64 + (g*8 + p)*2 + b (of sub-block h*8 + s*4 + g); its two high bits sit in qh byte
+        h*32 + ((g % 2)*8 + p)*2 + b at bit 4s + 2*(g // 2)."""
+        h = tl.arange(0, 2)[None, :, None, None, None, None]
+        s = tl.arange(0, 2)[None, None, :, None, None, None]
+        g = tl.arange(0, 4)[None, None, None, :, None, None]
+        p = tl.arange(0, 8)[None, None, None, None, :, None]
+        b = tl.arange(0, 2)[None, None, None, None, None, :]
+        m6 = nmask[:, None, None, None, None, None]
+        base = rowb + kb * 210
+        hb = (base // 2)[:, None, None, None, None, None]
+        ql = tl.load(wh_ptr + hb + h * 32 + g * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+        qh = tl.load(wh_ptr + hb + 64 + h * 16 + (g % 2) * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True)
+        qh = qh.to(tl.int32)
+        q = ((ql >> (8 * b + 4 * s)) & 15) | (((qh >> (8 * b + 4 * s + 2 * (g // 2))) & 3) << 4)
+        h4 = tl.arange(0, 2)[None, :, None, None]
+        s4 = tl.arange(0, 2)[None, None, :, None]
+        g4 = tl.arange(0, 4)[None, None, None, :]
+        sc = _u8(wb_ptr, base[:, None, None, None] + 192 + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
+        sc = sc - ((sc >> 7) << 8)  # int8
+        d = _f16_at(wh_ptr, base + 208, nmask)[:, None, None, None]
+        ds = (d * sc.to(tl.float32))[:, :, :, :, None, None]
+        wt = ds * (_i2f(q) - 32.0)
+        offs = kb * 256 + h * 128 + s * 64 + (g * 8 + p) * 2 + b
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
     def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
                     M: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
                     OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
@@ -194,6 +224,9 @@ if HAS_TRITON:
         for kb in range(k_lo, k_hi):
             if QT == 12 or QT == 13:
                 w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, x_ptr.dtype.element_ty)
+                kmask = offs < K
+            elif QT == 14:
+                w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, x_ptr.dtype.element_ty)
                 kmask = offs < K
             else:
                 w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
@@ -287,6 +320,9 @@ if HAS_TRITON:
         kb = tl.program_id(1)
         if QT == 12 or QT == 13:
             w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, y_ptr.dtype.element_ty)
+            kmask = offs < K
+        elif QT == 14:
+            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, y_ptr.dtype.element_ty)
             kmask = offs < K
         else:
             w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
