@@ -132,10 +132,13 @@ def test_interp_qmatvec(qt: GGMLQuantizationType, M: int) -> None:
 
 
 @interp
-@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
-def test_interp_qmatvec_16bit(dt: torch.dtype) -> None:
-    w = qweight(T.Q4_K, (11, 512), seed=3)
-    x = torch.randn(3, 512).to(dt)
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0])
+@pytest.mark.parametrize("dt,M", [(torch.bfloat16, 3), (torch.float16, 16)])
+def test_interp_tensor_core_16bit(qt: GGMLQuantizationType, dt: torch.dtype, M: int) -> None:
+    """16-bit rows take the tensor-core kernel (each tile decoder: K-quant words, Q6_K words, the byte decoder):
+    the weights are rounded to x's dtype there, so the tolerance is that dtype's."""
+    w = qweight(qt, (17, row_len(qt)), seed=3)
+    x = torch.randn(M, w.shape[1]).to(dt)
     y = qmatmul(x, w)
     assert y.dtype == dt and rel_err(y, qmatmul_torch(x, w)) <= TOL[dt]
 

@@ -2,10 +2,11 @@
 
 `qmatmul_torch` is the reference (expand the blocks to f32, multiply in f32, return x.dtype). `qmatmul` is what the
 model calls: the custom op `qspec::qmatmul` (opaque to torch.compile, as `qspec::gemv` is), which on CUDA runs the
-Triton mat-vec of triton_qmatmul.py for 1..MAX_ROWS rows (weights read once for all rows, f32 accumulation), and
-for more rows (prefill) expands the weights SCRATCH_ELEMENTS at a time into x.dtype and multiplies them with
-torch.matmul, so no 16-bit copy of a whole matrix ever exists. Elsewhere (CPU) it computes the reference by the same
-bounded chunks.
+Triton kernels of triton_qmatmul.py for a few rows (16-bit x, up to TC_MAX_ROWS: the tensor-core kernel, or the
+CUDA-core mat-vec for one row of a narrow matrix; f32 x, up to MAX_ROWS: the mat-vec; the weights read once for all
+rows, f32 accumulation), and for more rows (prefill) expands the weights SCRATCH_ELEMENTS at a time into x.dtype and
+multiplies them with torch.matmul, so no 16-bit copy of a whole matrix ever exists. Elsewhere (CPU) it computes the
+reference by the same bounded chunks.
 
 The routed experts: `qmoe_few` (the few-token step, `qspec::qmoe_few`: two Triton launches over all (token, slot)
 pairs on CUDA, mirroring moe_few.moe_slots) and `qexpert_ffn` (one expert over many rows, prefill's loop).
@@ -20,7 +21,8 @@ from qspec.kernels.triton_common import use_triton
 from qspec.weights.dequant import dequantize
 from qspec.weights.qweight import QuantWeight
 
-MAX_ROWS = 8  # the mat-vec takes up to this many rows; more rows expand the weights by chunks
+MAX_ROWS = 8  # the f32 mat-vec takes up to this many rows
+TC_MAX_ROWS = 16  # the 16-bit tensor-core kernel up to this many; more rows expand the weights by chunks
 MOE_MAX_ROWS = 16  # tokens per qmoe_few call that go to the per-pair kernels (moe_few.MAX_ROWS)
 # Weights expanded at once for the many-row products: 64 Mi elements (128 MiB in bf16) bounds the scratch while
 # keeping each chunk's matmul large enough to run near the GPU's peak (every step matrix but the LM head is one chunk).
@@ -68,13 +70,15 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 @torch.library.custom_op("qspec::qmatmul", mutates_args=())
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
-    if use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and _kernel_takes(qtype):
+    M = x.shape[0]
+    if use_triton(x) and 0 < M <= TC_MAX_ROWS and _kernel_takes(qtype):
         from qspec.kernels.triton_qmatmul import qmatvec_triton, qmm_triton, tensor_cores_for
 
         x = x if x.stride(1) == 1 else x.contiguous()
         if tensor_cores_for(x, n):
             return qmm_triton(x, raw.contiguous(), qtype, n)
-        return qmatvec_triton(x, raw.contiguous(), qtype, n)
+        if M <= MAX_ROWS:
+            return qmatvec_triton(x, raw.contiguous(), qtype, n)
     return _chunked(x, raw, qtype, n, k)
 
 

@@ -1,21 +1,34 @@
 """Triton kernels that read GGUF blocks in place: y = x @ W^T for a few rows, the routed experts of a few-token step,
 and block-to-16-bit expansion for the many-row products.
 
-Every kernel walks K in steps of 256 weights (one K-quant super-block, or eight 32-weight blocks of the Q*_0/Q4_1
-types). `_tile` decodes one step of BN rows into f32 weights [BN, G, L] in natural element order (G sub-blocks of L
-weights: 16 x 16 for Q6_K, whose scales cover 16 weights, 8 x 32 for the others), unpacking nibbles, high bits and
-6-/8-bit scales in registers with the same f32 operations, in the same order, as weights/dequant.py (so a tile
-equals the reference's expansion up to FMA contraction). The type is a constexpr: one compiled kernel per type.
+Every kernel walks K in steps of 256 weights (one K-quant super-block, or eight 32-weight blocks of the Q*_0/Q*_1
+types) and expands a step of BN rows in registers with the f32 operations of weights/dequant.py, in the same order
+(so a tile equals the reference's expansion up to FMA contraction); the type is a constexpr, one compiled kernel per
+type. `_tile` is the general decoder (byte loads, natural element order [BN, G, L]: 16 x 16 for Q6_K, whose scales
+cover 16 weights, 8 x 32 for the others); `_tile_k_words` (Q4_K, Q5_K: 32-bit words, 8 nibbles a load) and
+`_tile_q6_words` (Q6_K: 16-bit words) load fewer, wider words and return the step in a permuted order with the
+matching element offsets, so x is gathered in the same order. f16 scales are read through an f16 view of the bytes
+(every block type's size is even, so they are 2-byte aligned). Small integers become f32 by the exponent trick
+(`_i2f`), which keeps the conversion off the slower int-to-float unit.
 
-Mat-vec (`_qmv_kernel`, grid over N only): a program owns BN output rows and streams their blocks along K once for
-all M <= 8 rows of x. For one row it keeps a [BN, G, L] f32 accumulator of products (no reduction inside the loop,
-as triton_gemv's mat-vec), for several rows it reduces each row's products per step. f16 scales are read through an
-f16 view of the same bytes (every block type's size is even, so they are 2-byte aligned).
+Tensor-core product (`_qmm_kernel`, 16-bit x, 1..16 rows; what the dispatch uses except for one row of a narrow
+matrix): each step's [BN, 256] tile, cast to x's dtype, times x^T padded to 16 columns on tensor cores; K splits
+into f32 partial sums when the row blocks alone leave SMs idle. Its rounding is that of a bf16 product with the
+expanded weights (the weights rounded to x's dtype, f32 accumulation).
+
+CUDA-core mat-vec (`_qmv_kernel`, f32 x, or one row of a matrix narrower than TC_MIN_ROWS): a program owns BN output
+rows and streams their blocks along K once for all M <= 8 rows. For one row it keeps a [BN, G, L] f32 accumulator of
+products (no reduction inside the loop, as triton_gemv's mat-vec), for several rows it reduces each row's products
+per step; f32 weights, f32 products.
 
 Routed experts (`_qmoe_gate_up_kernel`, `_qmoe_down_kernel`): one program per (row block, token-slot pair) reads the
 chosen expert's rows in place (expert stride, nothing gathered); the intermediate silu(g) * u stays f32 in a
 [pairs, F] scratch. Pairs that chose the same expert read its blocks separately (the second read usually hits the
 L2); a decode step's single token reads each chosen expert once.
+
+Measured on the H200 (benchmarks/results/qkernels_h200_v7.txt, `python -m qspec.bench.qkernels`): these kernels are
+ALU-bound in the expansion, not yet at the bf16 mat-vec's bytes per second (Q4_K LM head, one row: 379 µs, 944 GB/s,
+against bf16's 287 µs at 4.4 TB/s).
 """
 
 from __future__ import annotations
