@@ -152,9 +152,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
+        """_k_words5's step as [BN, 256] in dtype DT (cast before the reshape: the reshape may move the tile through
+        shared memory, half the bytes in 16 bits) and its offsets [256]."""
+        wt, offs = _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT)
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr):
         """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
-        -> (weights [BN, 256] in dtype DT, in the order (c, w, s, i), their element offsets [256]): weight i of word
-        w of chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
+        -> (f32 weights [BN, 4, 8, 2, 4] on the axes (c, w, s, i), their element offsets): weight i of word w of
+        chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
         sb = 144 if QT == 12 else 176
         qs_at = 16 if QT == 12 else 48
         c = tl.arange(0, 4)[None, :, None, None, None]
@@ -186,13 +193,18 @@ if HAS_TRITON:
         dm = (dmin * mn)[:, :, None, :, None]
         wt = ds * _i2f(q) - dm
         offs = kb * 256 + c * 64 + s * 32 + w * 4 + i
-        # cast before the reshape: the reshape may move the tile through shared memory, half the bytes in 16 bits
-        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+        return wt, offs
 
     @triton.jit
     def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN: tl.constexpr, DT: tl.constexpr):
+        """_q6_words6's step as [BN, 256] in dtype DT and its offsets [256]."""
+        wt, offs = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb):
         """Q6_K step kb of BN rows, its low nibbles and high bit pairs read as 16-bit words through the f16 view
-        (every block is 2-byte aligned) -> (weights [BN, 256] in dtype DT, their element offsets [256]).
+        (every block is 2-byte aligned) -> (f32 weights [BN, 2, 2, 4, 8, 2], their element offsets).
         Axes (h, s, g, p, b): byte b of word g*8 + p of half h's ql holds, in nibble s, element
         h*128 + s*64 + (g*8 + p)*2 + b (of sub-block h*8 + s*4 + g); its two high bits sit in qh byte
         h*32 + ((g % 2)*8 + p)*2 + b at bit 4s + 2*(g // 2)."""
@@ -217,7 +229,7 @@ if HAS_TRITON:
         ds = (d * sc.to(tl.float32))[:, :, :, :, None, None]
         wt = ds * (_i2f(q) - 32.0)
         offs = kb * 256 + h * 128 + s * 64 + (g * 8 + p) * 2 + b
-        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+        return wt, offs
 
     @triton.jit
     def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
@@ -253,11 +265,21 @@ if HAS_TRITON:
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 
     @triton.jit
-    def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
-              QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
-        """[MP, BN] f32: rows 0..M-1 of x (stride x_m) times the BN weight rows at byte offsets rowb."""
+    def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, ww_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr,
+              BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+        """[MP, BN] f32: rows 0..M-1 of x (stride x_m) times the BN weight rows at byte offsets rowb. One row of
+        Q6_K keeps the 16-bit-word decoder's tile in its own shape (no reshape, nothing through shared memory): on
+        the H200 that beat the byte decoder (Q6_K 1800 x 2560: 13.2 -> 11.0 µs; experts with Q6_K gate/up at one
+        token: 87 -> 65 µs), while the 32-bit-word decoder lost to it for Q4_K/Q5_K here (2560 x 6144: 18.9 ->
+        29.1 µs), so those keep `_tile` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
         im = tl.arange(0, MP)
-        if M == 1:
+        if M == 1 and QT == 14:
+            prod6 = tl.zeros([BN, 2, 2, 4, 8, 2], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w6, o6 = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+                prod6 += w6 * tl.load(x_ptr + o6).to(tl.float32)
+            acc = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(prod6, axis=5), axis=4), axis=3), axis=2), axis=1)[None, :]
+        elif M == 1:
             prod = tl.zeros([BN, G, L], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, 256)):
                 w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
@@ -275,19 +297,20 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _qmv_kernel(x_ptr, wb_ptr, wh_ptr, y_ptr, N, K, x_m, w_n, y_m,
+    def _qmv_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, x_m, w_n, y_m,
                     M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr,
                     L: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
-        acc = _qdot(x_ptr, x_m, wb_ptr, wh_ptr, n.to(tl.int64) * w_n, nmask, K, M, MP, BN, QT, G, L)
+        acc = _qdot(x_ptr, x_m, wb_ptr, wh_ptr, ww_ptr, n.to(tl.int64) * w_n, nmask, K, M, MP, BN, QT, G, L)
         im = tl.arange(0, MP)
         out = y_ptr + im[:, None] * y_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
-    def _qmoe_gate_up_kernel(h_ptr, ti_ptr, gb_ptr, gh_ptr, ub_ptr, uh_ptr, act_ptr, D, F, KS, h_m, ti_m,
+    def _qmoe_gate_up_kernel(h_ptr, ti_ptr, gb_ptr, gh_ptr, gw_ptr, ub_ptr, uh_ptr, uw_ptr, act_ptr, D, F, KS, h_m,
+                             ti_m,
                              g_e, g_f, u_e, u_f, BN: tl.constexpr, QG: tl.constexpr, GG: tl.constexpr,
                              LG: tl.constexpr, QU: tl.constexpr, GU: tl.constexpr, LU: tl.constexpr,
                              PDL: tl.constexpr = False):
@@ -299,13 +322,13 @@ if HAS_TRITON:
         f = tl.program_id(0) * BN + tl.arange(0, BN)
         fmask = f < F
         xp = h_ptr + t * h_m
-        g = _qdot(xp, 0, gb_ptr, gh_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 1, 1, BN, QG, GG, LG)
-        u = _qdot(xp, 0, ub_ptr, uh_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 1, 1, BN, QU, GU, LU)
+        g = _qdot(xp, 0, gb_ptr, gh_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 1, 1, BN, QG, GG, LG)
+        u = _qdot(xp, 0, ub_ptr, uh_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 1, 1, BN, QU, GU, LU)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
     @triton.jit
-    def _qmoe_down_kernel(act_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, y_ptr, D, F, KS, ti_m, tw_m, d_e, d_d,
+    def _qmoe_down_kernel(act_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, dw_ptr, y_ptr, D, F, KS, ti_m, tw_m, d_e, d_d,
                           BN: tl.constexpr, QD: tl.constexpr, GD: tl.constexpr, LD: tl.constexpr,
                           OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] for BN output features, rounded once to y's dtype."""
@@ -317,8 +340,8 @@ if HAS_TRITON:
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         dd = tl.program_id(0) * BN + tl.arange(0, BN)
         dmask = dd < D
-        acc = _qdot(act_ptr + pair * F, 0, db_ptr, dh_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 1, 1, BN,
-                    QD, GD, LD)
+        acc = _qdot(act_ptr + pair * F, 0, db_ptr, dh_ptr, dw_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 1, 1,
+                    BN, QD, GD, LD)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
                  mask=dmask[None, :])
 
@@ -346,9 +369,10 @@ if HAS_TRITON:
         tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
 
-def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bytes and their f16 view (same storage)."""
-    return raw, raw.view(torch.float16)
+def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bytes, their f16 view and (rows of whole 32-bit words: Q4_K, Q5_K) their int32 view, one storage."""
+    wh = raw.view(torch.float16)
+    return raw, wh, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wh
 
 
 def _geom(qtype: int) -> tuple[int, int]:
@@ -365,10 +389,10 @@ def qmatvec_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
         raise ValueError(f"qmatvec: x {tuple(x.shape)} stride {x.stride()}, raw {tuple(raw.shape)}, N {n}")
     bn, warps = config or next(c for rows, c in sorted(MV_CONFIG.items()) if M <= rows)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    wb, wh = _views(raw)
+    wb, wh, ww = _views(raw)
     g, length = _geom(qtype)
     mp = 1 if M == 1 else triton.next_power_of_2(M)
-    _qmv_kernel[(triton.cdiv(n, bn),)](x, wb, wh, y, n, K, x.stride(0), raw.stride(0), y.stride(0), M=M, MP=mp,
+    _qmv_kernel[(triton.cdiv(n, bn),)](x, wb, wh, ww, y, n, K, x.stride(0), raw.stride(0), y.stride(0), M=M, MP=mp,
                                        BN=bn, QT=int(qtype), G=g, L=length, OUT_DT=tl_dtype(x.dtype),
                                        num_warps=warps, **pdl_launch(x))
     return y
@@ -401,8 +425,7 @@ def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
     share = triton.cdiv(steps, split)
     split = triton.cdiv(steps, share)
-    wb, wh = _views(raw)
-    ww = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else wh
+    wb, wh, ww = _views(raw)
     g, length = _geom(qtype)
     dt = tl_dtype(x.dtype)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
@@ -420,8 +443,7 @@ def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) ->
     """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once)."""
     n = raw.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=raw.device)
-    wb, wh = _views(raw)
-    ww = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else wh
+    wb, wh, ww = _views(raw)
     g, length = _geom(qtype)
     bn, warps = DEQ_CONFIG
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
@@ -442,15 +464,15 @@ def qmoe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g
     h = h if h.stride(1) == 1 else h.contiguous()
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
-    gb, gh = _views(gr)
-    ub, uh = _views(ur)
-    db, dh = _views(dr)
+    gb, gh, gw = _views(gr)
+    ub, uh, uw = _views(ur)
+    db, dh, dw = _views(dr)
     (gg, lg), (gu, lu), (gd, ld) = _geom(gq), _geom(uq), _geom(dq)
     _qmoe_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
-        h, top_i, gb, gh, ub, uh, act, D, F, k, h.stride(0), top_i.stride(0), gr.stride(0), gr.stride(1),
+        h, top_i, gb, gh, gw, ub, uh, uw, act, D, F, k, h.stride(0), top_i.stride(0), gr.stride(0), gr.stride(1),
         ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), GG=gg, LG=lg, QU=int(uq), GU=gu, LU=lu, num_warps=warps,
         **pdl_launch(h))
     _qmoe_down_kernel[(triton.cdiv(D, bn), T_ * k)](
-        act, top_i, top_w, db, dh, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1),
+        act, top_i, top_w, db, dh, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1),
         BN=bn, QD=int(dq), GD=gd, LD=ld, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
     return y
