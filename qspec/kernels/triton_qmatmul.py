@@ -462,6 +462,7 @@ def qmoe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g
     F = gr.shape[1]
     bn, warps = config or MOE_CONFIG
     h = h if h.stride(1) == 1 else h.contiguous()
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()  # the kernels index slot j at + j
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     gb, gh, gw = _views(gr)
