@@ -1,15 +1,38 @@
 """Products with GGUF-quantized weights read as their blocks: y = x @ W^T for W a `QuantWeight`.
 
 `qmatmul_torch` is the reference (expand the blocks to f32, multiply in f32, return x.dtype). `qmatmul` is what the
-model calls; on CUDA it runs the Triton kernels of triton_qmatmul.py where they take the type and the row count,
-and the reference elsewhere.
+model calls: the custom op `qspec::qmatmul` (opaque to torch.compile, as `qspec::gemv` is), which on CUDA runs the
+Triton kernels of triton_qmatmul.py for a few rows (16-bit x, up to TC_MAX_ROWS: the tensor-core kernel, or the
+CUDA-core mat-vec for one row of a narrow matrix; f32 x, up to MAX_ROWS: the mat-vec; the weights read once for all
+rows, f32 accumulation), and for more rows (prefill) expands the weights SCRATCH_ELEMENTS at a time into x.dtype and
+multiplies them with torch.matmul, so no 16-bit copy of a whole matrix ever exists. Elsewhere (CPU) it computes the
+reference by the same bounded chunks.
+
+The routed experts: `qmoe_few` (the few-token step, `qspec::qmoe_few`: two Triton launches over all (token, slot)
+pairs on CUDA, mirroring moe_few.moe_slots) and `qexpert_ffn` (one expert over many rows, prefill's loop).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from qspec.kernels.triton_common import use_triton
+from qspec.weights.dequant import dequantize
 from qspec.weights.qweight import QuantWeight
+
+MAX_ROWS = 8  # the f32 mat-vec takes up to this many rows
+TC_MAX_ROWS = 16  # the 16-bit tensor-core kernel up to this many; more rows expand the weights by chunks
+MOE_MAX_ROWS = 16  # tokens per qmoe_few call that go to the per-pair kernels (moe_few.MAX_ROWS)
+# Weights expanded at once for the many-row products: 64 Mi elements (128 MiB in bf16) bounds the scratch while
+# keeping each chunk's matmul large enough to run near the GPU's peak (every step matrix but the LM head is one chunk).
+SCRATCH_ELEMENTS = 64 << 20
+
+
+def _kernel_takes(qtype: int) -> bool:
+    from qspec.kernels.triton_qmatmul import KERNEL_QTYPES
+
+    return qtype in {int(q) for q in KERNEL_QTYPES}
 
 
 def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -19,6 +42,141 @@ def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return (x.float() @ w.dequantize(torch.float32).t()).to(x.dtype)
 
 
+def _expand(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of blocks raw [n, row_bytes] -> [n, k] in dtype (the Triton expansion where it runs)."""
+    if use_triton(raw) and _kernel_takes(qtype):
+        from qspec.kernels.triton_qmatmul import dequant_triton
+
+        return dequant_triton(raw, qtype, k, dtype)
+    return dequantize(raw, qtype, (raw.shape[0], k), torch.float32).to(dtype)
+
+
+def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """x [M, K] @ W^T with W expanded SCRATCH_ELEMENTS at a time: on CUDA into x.dtype (tensor cores), elsewhere
+    into f32 (the reference's arithmetic)."""
+    dt = x.dtype if x.is_cuda else torch.float32
+    xs = x.to(dt)
+    # whole multiples of 256 rows: an odd chunk width sends cuBLAS to a slow unaligned kernel
+    step = max(256, SCRATCH_ELEMENTS // k // 256 * 256)
+    if n <= step:
+        return (xs @ _expand(raw, qtype, k, dt).t()).to(x.dtype)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r in range(0, n, step):
+        w = _expand(raw[r:r + step], qtype, k, dt)
+        y[:, r:r + w.shape[0]] = (xs @ w.t()).to(x.dtype)
+    return y
+
+
+@torch.library.custom_op("qspec::qmatmul", mutates_args=())
+def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
+    M = x.shape[0]
+    if use_triton(x) and 0 < M <= TC_MAX_ROWS and _kernel_takes(qtype):
+        from qspec.kernels.triton_qmatmul import qmatvec_triton, qmm_triton, tensor_cores_for
+
+        x = x if x.stride(1) == 1 else x.contiguous()
+        if tensor_cores_for(x, n):
+            return qmm_triton(x, raw.contiguous(), qtype, n)
+        if M <= MAX_ROWS:
+            return qmatvec_triton(x, raw.contiguous(), qtype, n)
+    return _chunked(x, raw, qtype, n, k)
+
+
+@qmatmul_op.register_fake
+def _qmatmul_shape(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
 def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w^T in x.dtype."""
-    return qmatmul_torch(x, w)
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"qmatmul: x {tuple(x.shape)} @ {w!r}^T")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.qspec.qmatmul(x2, w.raw, int(w.qtype), w.shape[0], w.shape[1])
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+# ---- routed experts --------------------------------------------------------------------------------------------
+
+def _check_experts(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,
+                   down: QuantWeight) -> None:
+    M, D = h.shape
+    E, Fd, D2 = gate.shape
+    if gate.dim() != 3 or D2 != D or up.shape != gate.shape or down.shape != (E, D, Fd):
+        raise ValueError(f"expert shapes: h {tuple(h.shape)} gate {gate!r} up {up!r} down {down!r}")
+    if top_i.dim() != 2 or top_i.shape[0] != M or top_w.shape != top_i.shape or top_i.dtype != torch.int64:
+        raise ValueError(f"routing: top_i {tuple(top_i.shape)} {top_i.dtype}, top_w {tuple(top_w.shape)}")
+
+
+def qexpert_ffn_torch(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+    """Reference: down(silu(gate x) * up x) with the expanded weights, in f32, returned in x.dtype."""
+    xf = x.float()
+    act = F.silu(xf @ gate.dequantize().t()) * (xf @ up.dequantize().t())
+    return (act @ down.dequantize().t()).to(x.dtype)
+
+
+def qexpert_ffn(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+    """One expert over the rows x [n, D]: down(silu(gate x) * up x) -> [n, D] in x.dtype, gate/up [F, D], down
+    [D, F]. Each product is a `qmatmul` (few rows: the mat-vec; many: the weights expanded by bounded chunks), each
+    rounded to x.dtype as moe_few.expert_ffn rounds its bf16 products."""
+    return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
+
+
+def qmoe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,
+                   down: QuantWeight) -> torch.Tensor:
+    """Reference: each (token, slot) pair's expert expanded and applied in f32, times its weight -> [T, k, D] in
+    h.dtype."""
+    _check_experts(h, top_i, top_w, gate, up, down)
+    out = torch.empty(*top_i.shape, h.shape[1], dtype=h.dtype, device=h.device)
+    for t, experts in enumerate(top_i.tolist()):
+        for j, e in enumerate(experts):
+            y = qexpert_ffn_torch(h[t:t + 1].float(), gate[e], up[e], down[e])
+            out[t, j] = (y[0] * top_w[t, j].float()).to(h.dtype)
+    return out
+
+
+def _gathered(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g: tuple[torch.Tensor, int],
+              u: tuple[torch.Tensor, int], d: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """The fallback without host syncs: the chosen experts' blocks gathered and expanded to f32, batched products."""
+    T_, k = top_i.shape
+    idx = top_i.reshape(-1)
+
+    def expand(raw: torch.Tensor, qtype: int, k_in: int) -> torch.Tensor:
+        sel = raw[idx]
+        return dequantize(sel, qtype, (*sel.shape[:2], k_in), torch.float32)
+
+    D = h.shape[1]
+    Fd = g[0].shape[1]
+    x = h.float().repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
+    act = F.silu(torch.bmm(x, expand(*g, D).transpose(1, 2))) * torch.bmm(x, expand(*u, D).transpose(1, 2))
+    y = torch.bmm(act, expand(*d, Fd).transpose(1, 2)).view(T_, k, D)
+    return (y * top_w.float().unsqueeze(-1)).to(h.dtype)
+
+
+@torch.library.custom_op("qspec::qmoe_few", mutates_args=())
+def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw: torch.Tensor, g_qt: int,
+                u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
+    """Weighted slot outputs [T, k, D] of the routed experts whose blocks are g_raw/u_raw [E, F, row_bytes] and
+    d_raw [E, D, row_bytes]."""
+    if (use_triton(h) and h.shape[0] <= MOE_MAX_ROWS and all(_kernel_takes(q) for q in (g_qt, u_qt, d_qt))):
+        from qspec.kernels.triton_qmatmul import qmoe_few_triton
+
+        return qmoe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))
+    return _gathered(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))
+
+
+@qmoe_few_op.register_fake
+def _qmoe_few_shape(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw: torch.Tensor, g_qt: int,
+                    u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
+    return h.new_empty(top_i.shape[0], top_i.shape[1], h.shape[1])
+
+
+def qmoe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,
+             down: QuantWeight) -> torch.Tensor:
+    """top_w[t, j] * down_e(silu(gate_e h_t) * up_e h_t), e = top_i[t, j]: the weighted slot outputs [T, k, D] in
+    h.dtype, as moe_few.moe_slots returns them for 16-bit weights (sum them with moe_few.sum_slots). h [T, D];
+    top_i [T, k] int64; top_w [T, k]; gate/up [E, F, D], down [E, D, F] as QuantWeights. Computed in f32 and rounded
+    once (the intermediate silu(g) * u stays f32), so it matches `qmoe_few_torch` up to f32 summation order."""
+    _check_experts(h, top_i, top_w, gate, up, down)
+    return torch.ops.qspec.qmoe_few(h, top_i, top_w, gate.raw, int(gate.qtype), up.raw, int(up.qtype), down.raw,
+                                    int(down.qtype))

@@ -53,6 +53,13 @@ def _deq_q5_0(b: torch.Tensor) -> torch.Tensor:
     return _f16(b[:, :2]) * (q.float() - 16.0)
 
 
+def _deq_q5_1(b: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    qh = ((b[:, 4:8, None] >> shifts) & 1).reshape(-1, 32)  # as Q5_0's, after the f16 scale and min
+    q = nibbles(b[:, 8:]) | (qh << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
+
+
 def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpack the 12-byte field of Q4_K/Q5_K into eight 6-bit scales and eight 6-bit mins."""
     d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
@@ -100,6 +107,7 @@ _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.Q4_0: _deq_q4_0,
     GGMLQuantizationType.Q4_1: _deq_q4_1,
     GGMLQuantizationType.Q5_0: _deq_q5_0,
+    GGMLQuantizationType.Q5_1: _deq_q5_1,
     GGMLQuantizationType.Q4_K: _deq_q4_k,
     GGMLQuantizationType.Q5_K: _deq_q5_k,
     GGMLQuantizationType.Q6_K: _deq_q6_k,

@@ -16,11 +16,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qspec.weights.dequant import WeightsError, dequantize
 
-# The block types kept packed on the device (llama.cpp's Q4_K_M, Q5_K_M, Q6_K and Q8_0 files hold these);
-# any other type is expanded to 16 bits at load.
+# The block types kept packed on the device (llama.cpp's Q4_K_M, Q5_K_M, Q6_K and Q8_0 files hold these; llama.cpp
+# stores a K-quant tensor whose rows are not whole 256-weight super-blocks, such as the experts' 640-wide down
+# projections, as Q5_0 / Q5_1 / Q8_0 instead, and older files use Q4_1); any other type is expanded to 16 bits at load.
 PACKED_QTYPES: frozenset[GGMLQuantizationType] = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 
 

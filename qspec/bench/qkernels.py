@@ -1,0 +1,239 @@
+"""GPU micro-benchmark of the kernels that read GGUF blocks, against the bf16 products on the same shapes.
+
+    python -m qspec.bench.qkernels            # one table, ~1-2 minutes on an H200
+    python -m qspec.bench.qkernels --quick    # fewer shapes and types
+
+Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
+weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
+weights in their stored type, x, and the output written); "bf16 GB/s" is the bf16 product's on the same shape (the
+mat-vec of kernels/gemv.py for 1..8 rows, moe_few.moe_slots for the experts, torch.matmul for prefill), so a
+quantized kernel at the same GB/s takes time in proportion to its bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from qspec.weights.quantize import quantize
+
+T = GGMLQuantizationType
+# The flash-next step's matrices (N, K): hidden 2560, 48 GDN value heads of 128, 24 query heads of 256, 512 experts
+# of 640, the 248,320-row LM head (names as in kernels/triton_gemv.TUNED).
+SHAPES = {
+    "gdn_in": (16480, 2560), "gdn_out": (2560, 6144), "qsa_in": (13952, 2560), "router_shared": (1800, 2560),
+    "ple_kv": (12800, 2560), "lm_head": (248320, 2560),
+}
+QUICK_SHAPES = ("gdn_in", "gdn_out", "lm_head")
+TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0)
+EXPERTS, EXPERT_FF, HIDDEN, TOP_K = 512, 640, 2560, 10
+ROUTINGS = 8
+L2_BYTES = 256 << 20  # copies of the weights per timed graph: at least this many bytes (the H200's L2 is 60 MB)
+
+
+def _down_type(qt: GGMLQuantizationType) -> GGMLQuantizationType:
+    """The experts' down projection has 640-weight rows, not whole 256-weight super-blocks: llama.cpp stores the
+    K-quants' there as Q5_0 (Q4_K, Q5_K) or Q8_0 (Q6_K)."""
+    return {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_0, T.Q6_K: T.Q8_0}.get(qt, qt)
+
+
+def _quantized(qt: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
+    """Raw blocks [n, row_bytes] on the GPU: 64 quantized random rows tiled (timing does not depend on values)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    src = torch.randn(min(n, 64), k, device="cuda", generator=g) * k ** -0.5
+    if qt in (T.Q5_0, T.Q4_1):
+        from gguf import quants as gq
+
+        raw = torch.from_numpy(gq.quantize(src.cpu().numpy(), qt)).cuda()
+    else:
+        raw = quantize(src, qt)
+    return raw.repeat(-(-n // raw.shape[0]), 1)[:n].contiguous()
+
+
+def graph_us(calls: list[Callable[[], object]], reps: int = 20) -> float:
+    """Median µs per call of `calls` captured into one CUDA graph and replayed."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(32, -(-L2_BYTES // max(nbytes, 1))))
+
+
+def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: int, bf_us: float,
+         bf_bytes: int, quiet: bool = False) -> None:
+    rows.append((name, qt, shape, us, nbytes / us / 1e3, bf_us, bf_bytes / bf_us / 1e3))
+    r = rows[-1]
+    if quiet:
+        return
+    print(f"{r[0]:<12} {r[1]:<6} {r[2]:<22} {r[3]:>9.2f} {r[4]:>8.0f} {r[5]:>9.2f} {r[6]:>8.0f} {r[5] / r[3]:>6.2f}x",
+          flush=True)
+
+
+def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> None:
+    """The mat-vec (decode, draft: m = 1; verify, extend: m = 2..8) against the bf16 one (qspec::gemv)."""
+    from qspec.kernels.gemv import gemv
+    from qspec.kernels.qmatmul import qmatmul_op
+
+    for name in shapes:
+        n, k = SHAPES[name]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+        bf_us = graph_us([partial(gemv, x, w) for w in wb])
+        bf_bytes = n * k * 2 + m * (k + n) * 2
+        del wb
+        for qt in types:
+            raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+            us = graph_us([partial(qmatmul_op, x, r, int(qt), n, k) for r in raws])
+            _row(rows, f"matvec m={m}", qt.name, f"{n}x{k}", us, raws[0].numel() + m * (k + n) * 2, bf_us, bf_bytes)
+            del raws
+
+
+def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False) -> None:
+    """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots; bytes: the distinct chosen
+    experts' three matrices."""
+    from qspec.kernels.moe_few import moe_slots
+    from qspec.kernels.triton_qmatmul import qmoe_few_triton
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    # a different routing per call (ROUTINGS of them in a graph), so the chosen experts come from HBM, not the L2
+    routes = [(torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K] for _ in range(t)]),
+               torch.rand(t, TOP_K, device="cuda", generator=g).bfloat16()) for _ in range(ROUTINGS)]
+    h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    distinct = sum(int(ti.unique().numel()) for ti, _ in routes) / ROUTINGS
+    bf = [torch.randn(EXPERTS, EXPERT_FF, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+    bf[2] = bf[2].transpose(1, 2).contiguous()
+    bf_us = graph_us([partial(moe_slots, h, ti, tw, *bf) for ti, tw in routes])
+    bf_bytes = int(distinct * 3 * EXPERT_FF * HIDDEN * 2)
+    del bf
+    for qt in types:
+        dq = _down_type(qt)
+        gate = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 1).view(EXPERTS, EXPERT_FF, -1)
+        up = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 2).view(EXPERTS, EXPERT_FF, -1)
+        down = _quantized(dq, EXPERTS * HIDDEN, EXPERT_FF, 3).view(EXPERTS, HIDDEN, -1)
+        us = graph_us([partial(qmoe_few_triton, h, ti, tw, (gate, int(qt)), (up, int(qt)), (down, int(dq)))
+                       for ti, tw in routes])
+        nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
+        label = qt.name if dq == qt else f"{qt.name}/{dq.name}"
+        _row(rows, f"moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes, quiet)
+        del gate, up, down
+
+
+def bench_prefill(rows: list[tuple], types: tuple, m: int = 4096) -> None:
+    """Many rows (prefill): the weights expanded by bounded chunks + torch.matmul, against bf16 torch.matmul; GB/s
+    here is only the weights' bytes over the time (the product is compute-bound)."""
+    from qspec.kernels.qmatmul import qmatmul_op
+
+    n, k = SHAPES["gdn_in"]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bf_us = graph_us([partial(torch.matmul, x, w.t())], reps=10)
+    del w
+    for qt in types:
+        raw = _quantized(qt, n, k, 4)
+        us = graph_us([partial(qmatmul_op, x, raw, int(qt), n, k)], reps=10)
+        _row(rows, f"prefill m={m}", qt.name, f"{n}x{k}", us, raw.numel(), bf_us, n * k * 2)
+
+
+def moe_sweep(rows: list[tuple]) -> None:
+    """Configs of the experts' kernels (rows per program, warps), Q4_K gate/up with Q5_0 down."""
+    from qspec.kernels import triton_qmatmul
+
+    for cfg in ((4, 4), (8, 4), (16, 4), (8, 2), (4, 2)):
+        old = triton_qmatmul.MOE_CONFIG
+        triton_qmatmul.MOE_CONFIG = cfg
+        for t in (1, 6):
+            r: list[tuple] = []
+            bench_moe(r, (T.Q4_K,), t, quiet=True)
+            rows.append(r[0])
+            print(f"moe {cfg} t={t}: {r[0][3]:.2f} µs, {r[0][4]:.0f} GB/s (bf16 {r[0][5]:.2f} µs)", flush=True)
+        triton_qmatmul.MOE_CONFIG = old
+
+
+def sweep(rows: list[tuple]) -> None:
+    """Configs of the tensor-core kernel (rows per program, warps, programs per SM) and the CUDA-core mat-vec."""
+    from qspec.kernels.gemv import gemv
+    from qspec.kernels.triton_qmatmul import dequant_triton, qmatvec_triton, qmm_triton
+
+    n, k = SHAPES["gdn_in"]
+    for qt in TYPES:
+        raws = [_quantized(qt, n, k, seed=i) for i in range(4)]
+        us = graph_us([partial(dequant_triton, r, int(qt), k, torch.bfloat16) for r in raws])
+        _row(rows, "expand", qt.name, f"{n}x{k}", us, raws[0].numel() + n * k * 2, 1.0, 0)
+    moe_sweep(rows)
+
+    for name in QUICK_SHAPES:
+        n, k = SHAPES[name]
+        for m in (1, 6):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+            bf_us = graph_us([partial(gemv, x, w) for w in wb])
+            del wb
+            for qt in (T.Q4_K, T.Q6_K, T.Q8_0):
+                raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+                nbytes = raws[0].numel() + m * (k + n) * 2
+                us = graph_us([partial(qmatvec_triton, x, r, int(qt), n) for r in raws])
+                _row(rows, f"cc m={m}", qt.name, f"{n}x{k}", us, nbytes, bf_us, n * k * 2)
+                for cfg in ((32, 4, 2), (64, 4, 1), (64, 4, 2)):
+                    us = graph_us([partial(qmm_triton, x, r, int(qt), n, cfg) for r in raws])
+                    _row(rows, f"tc{cfg[0]}/{cfg[1]}/{cfg[2]}", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us,
+                         n * k * 2)
+                del raws
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qspec.bench.qkernels", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
+    ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    shapes = list(QUICK_SHAPES if args.quick else SHAPES)
+    types = (T.Q4_K, T.Q8_0) if args.quick else TYPES
+    print(f"# {torch.cuda.get_device_name()}; µs per call (CUDA-graph replay, weights from HBM); GB/s = bytes read "
+          f"/ time; bytes per weight: " + ", ".join(f"{q.name} {GGML_QUANT_SIZES[q][1] / GGML_QUANT_SIZES[q][0]:.3f}"
+                                                    for q in types))
+    print(f"{'kernel':<12} {'type':<6} {'shape':<22} {'µs':>9} {'GB/s':>8} {'bf16 µs':>9} {'bf16GB/s':>8} {'speed':>7}")
+    rows: list[tuple] = []
+    if args.sweep:
+        sweep(rows)
+        return 0
+    bench_matvec(rows, shapes, types, 1)
+    bench_matvec(rows, shapes[:3] if not args.quick else shapes, types, 6)
+    bench_moe(rows, types, 1)
+    bench_moe(rows, types, 6)
+    bench_prefill(rows, types)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

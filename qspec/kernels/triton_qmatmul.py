@@ -1,0 +1,479 @@
+"""Triton kernels that read GGUF blocks in place: y = x @ W^T for a few rows, the routed experts of a few-token step,
+and block-to-16-bit expansion for the many-row products.
+
+Every kernel walks K in steps of 256 weights (one K-quant super-block, or eight 32-weight blocks of the Q*_0/Q*_1
+types) and expands a step of BN rows in registers with the f32 operations of weights/dequant.py, in the same order
+(so a tile equals the reference's expansion up to FMA contraction); the type is a constexpr, one compiled kernel per
+type. `_tile` is the general decoder (byte loads, natural element order [BN, G, L]: 16 x 16 for Q6_K, whose scales
+cover 16 weights, 8 x 32 for the others); `_tile_k_words` (Q4_K, Q5_K: 32-bit words, 8 nibbles a load) and
+`_tile_q6_words` (Q6_K: 16-bit words) load fewer, wider words and return the step in a permuted order with the
+matching element offsets, so x is gathered in the same order. f16 scales are read through an f16 view of the bytes
+(every block type's size is even, so they are 2-byte aligned). Small integers become f32 by the exponent trick
+(`_i2f`), which keeps the conversion off the slower int-to-float unit.
+
+Tensor-core product (`_qmm_kernel`, 16-bit x, 1..16 rows; what the dispatch uses except for one row of a narrow
+matrix): each step's [BN, 256] tile, cast to x's dtype, times x^T padded to 16 columns on tensor cores; K splits
+into f32 partial sums when the row blocks alone leave SMs idle. Its rounding is that of a bf16 product with the
+expanded weights (the weights rounded to x's dtype, f32 accumulation).
+
+CUDA-core mat-vec (`_qmv_kernel`, f32 x, or one row of a matrix narrower than TC_MIN_ROWS): a program owns BN output
+rows and streams their blocks along K once for all M <= 8 rows. For one row it keeps a [BN, G, L] f32 accumulator of
+products (no reduction inside the loop, as triton_gemv's mat-vec), for several rows it reduces each row's products
+per step; f32 weights, f32 products.
+
+Routed experts (`_qmoe_gate_up_kernel`, `_qmoe_down_kernel`): one program per (row block, token-slot pair) reads the
+chosen expert's rows in place (expert stride, nothing gathered); the intermediate silu(g) * u stays f32 in a
+[pairs, F] scratch. Pairs that chose the same expert read its blocks separately (the second read usually hits the
+L2); a decode step's single token reads each chosen expert once.
+
+Measured on the H200 (benchmarks/results/qkernels_h200_v7.txt, `python -m qspec.bench.qkernels`): these kernels are
+ALU-bound in the expansion, not yet at the bf16 mat-vec's bytes per second (Q4_K LM head, one row: 379 µs, 944 GB/s,
+against bf16's 287 µs at 4.4 TB/s).
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch, tl_dtype
+
+T = GGMLQuantizationType
+# The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
+STEP = 256
+KERNEL_QTYPES: dict[GGMLQuantizationType, tuple[int, int, int]] = {
+    T.Q4_0: (8, 32, 8 * 18), T.Q4_1: (8, 32, 8 * 20), T.Q5_0: (8, 32, 8 * 22), T.Q5_1: (8, 32, 8 * 24),
+    T.Q8_0: (8, 32, 8 * 34),
+    T.Q4_K: (8, 32, 144), T.Q5_K: (8, 32, 176), T.Q6_K: (16, 16, 210),
+}
+MAX_ROWS = 8
+# (rows per program, warps) of the mat-vec by row count; the GPU benchmark (qspec/bench/qkernels.py) measures them.
+MV_CONFIG = {1: (4, 4), 8: (4, 4)}
+MM_CONFIG = (64, 4, 2)  # the tensor-core kernel: (rows per program, warps, programs wanted per SM)
+TC_MIN_ROWS = 4096  # one row of a narrower matrix goes to the CUDA-core mat-vec (tensor_cores_for)
+# the experts' kernels: (rows per program, warps); on the H200 (4, 2) against (4, 4): 52.6 against 69.4 µs at one
+# token, 238 against 333 at six (Q4_K gate/up, Q5_0 down, E=512, top-10)
+MOE_CONFIG = (4, 2)
+DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
+
+    @triton.jit
+    def _f16_at(wh_ptr, byte_off, mask):
+        """The f16 at an even byte offset (through the f16 view of the bytes), as f32."""
+        return tl.load(wh_ptr + byte_off // 2, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _i2f(q):
+        """int32 0 <= q < 2^23 -> f32 exactly, by the exponent trick (an OR and a subtraction on the FP32 pipe; the
+        int-to-float conversion unit has a quarter of its throughput)."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _u8(wb_ptr, byte_off, mask):
+        return tl.load(wb_ptr + byte_off, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+        """Step kb (weights kb*256 ..) of the rows at byte offsets rowb [BN] -> (f32 weights [BN, G, L], their
+        element offsets in K [G, L], which exist [G, L])."""
+        g2 = tl.arange(0, G)[:, None]
+        gr = tl.arange(0, G)[None, :]
+        l2 = tl.arange(0, L)[None, :]
+        g = g2[None, :, :]
+        lo = l2[None, :, :]
+        koff = kb * 256 + g2 * L + l2
+        kmask = koff < K
+        m2 = nmask[:, None]
+        m3 = nmask[:, None, None] & kmask[None, :, :]
+        r2 = rowb[:, None]
+        r3 = rowb[:, None, None]
+        if QT == 12 or QT == 13:  # Q4_K (144 bytes) / Q5_K (176): d, dmin, 12 bytes of 6-bit scales and mins, ...
+            sb = 144 if QT == 12 else 176
+            base = kb * sb
+            qs_at = 16 if QT == 12 else 48
+            q = (_u8(wb_ptr, r3 + base + qs_at + (g // 2) * 32 + lo, m3) >> ((g % 2) * 4)) & 15
+            if QT == 13:  # bit j of qh[l] is the 5th bit of sub-block j's element l
+                q = q | (((_u8(wb_ptr, r3 + base + 16 + lo, m3) >> g) & 1) << 4)
+            d = _f16_at(wh_ptr, rowb + base, nmask)
+            dmin = _f16_at(wh_ptr, rowb + base + 2, nmask)
+            j4 = gr % 4
+            a = _u8(wb_ptr, r2 + base + 4 + j4, m2)
+            b = _u8(wb_ptr, r2 + base + 8 + j4, m2)
+            c = _u8(wb_ptr, r2 + base + 12 + j4, m2)
+            first = gr < 4
+            sc = tl.where(first, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+            mn = tl.where(first, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+            ds = d[:, None] * sc
+            dm = dmin[:, None] * mn
+            w = ds[:, :, None] * _i2f(q) - dm[:, :, None]
+        elif QT == 14:  # Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d; element g*16 + l
+            base = kb * 210
+            h = g // 8
+            ql = _u8(wb_ptr, r3 + base + h * 64 + (g % 4) * 16 + lo, m3)
+            qh = _u8(wb_ptr, r3 + base + 128 + h * 32 + (g % 2) * 16 + lo, m3)
+            q = ((ql >> (((g % 8) // 4) * 4)) & 15) | (((qh >> (((g % 8) // 2) * 2)) & 3) << 4)
+            s = _u8(wb_ptr, r2 + base + 192 + gr, m2)
+            s = s - ((s >> 7) << 8)  # int8
+            d = _f16_at(wh_ptr, rowb + base + 208, nmask)
+            ds = d[:, None] * s.to(tl.float32)
+            w = ds[:, :, None] * (_i2f(q) - 32.0)
+        else:  # 32-weight blocks: step kb holds blocks kb*8 + g
+            bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else (24 if QT == 7 else 34)))
+            blk = (kb * 8 + gr) * bs  # [1, G]
+            bmask = m2 & (kb * 256 + gr * 32 < K)
+            d = _f16_at(wh_ptr, r2 + blk, bmask)  # [BN, G]
+            b3 = r3 + blk[:, :, None]
+            if QT == 8:  # Q8_0: d, 32 int8
+                q = _u8(wb_ptr, b3 + 2 + lo, m3)
+                w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
+            elif QT == 3:  # Q4_1: d, m, 16 bytes: weight l is nibble l // 16 of byte l % 16
+                q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
+                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
+            elif QT == 7:  # Q5_1: d, m, qh (32 bits), 16 bytes
+                q = (_u8(wb_ptr, b3 + 8 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                q = q | (((_u8(wb_ptr, b3 + 4 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
+                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
+                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
+            else:
+                qs_at = 2 if QT == 2 else 6
+                q = (_u8(wb_ptr, b3 + qs_at + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+                if QT == 6:  # Q5_0: d, qh (32 bits, little-endian), 16 bytes
+                    q = q | (((_u8(wb_ptr, b3 + 2 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
+                    w = d[:, :, None] * (_i2f(q) - 16.0)
+                else:
+                    w = d[:, :, None] * (_i2f(q) - 8.0)
+        return w, koff, kmask
+
+    @triton.jit
+    def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
+        """_k_words5's step as [BN, 256] in dtype DT (cast before the reshape: the reshape may move the tile through
+        shared memory, half the bytes in 16 bits) and its offsets [256]."""
+        wt, offs = _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT)
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr):
+        """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
+        -> (f32 weights [BN, 4, 8, 2, 4] on the axes (c, w, s, i), their element offsets): weight i of word w of
+        chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
+        sb = 144 if QT == 12 else 176
+        qs_at = 16 if QT == 12 else 48
+        c = tl.arange(0, 4)[None, :, None, None, None]
+        w = tl.arange(0, 8)[None, None, :, None, None]
+        s = tl.arange(0, 2)[None, None, None, :, None]
+        i = tl.arange(0, 4)[None, None, None, None, :]
+        m5 = nmask[:, None, None, None, None]
+        base = rowb + kb * sb  # [BN] byte offsets of the super-block
+        word = tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5, other=0)
+        q = (word >> (8 * i + 4 * s)) & 15
+        if QT == 13:  # bit 2c + s of qh byte w*4 + i
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
+            q = q | (((qh >> (8 * i + 2 * c + s)) & 1) << 4)
+        # the 6-bit scale and min of sub-block j = 2c + s, as in _tile
+        c3 = tl.arange(0, 4)[None, :, None]
+        s3 = tl.arange(0, 2)[None, None, :]
+        j = 2 * c3 + s3
+        j4 = j % 4
+        m3 = nmask[:, None, None]
+        b3 = base[:, None, None]
+        a = _u8(wb_ptr, b3 + 4 + j4, m3)
+        b = _u8(wb_ptr, b3 + 8 + j4, m3)
+        e = _u8(wb_ptr, b3 + 12 + j4, m3)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = _f16_at(wh_ptr, base, nmask)[:, None, None]
+        dmin = _f16_at(wh_ptr, base + 2, nmask)[:, None, None]
+        ds = (d * sc)[:, :, None, :, None]
+        dm = (dmin * mn)[:, :, None, :, None]
+        wt = ds * _i2f(q) - dm
+        offs = kb * 256 + c * 64 + s * 32 + w * 4 + i
+        return wt, offs
+
+    @triton.jit
+    def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN: tl.constexpr, DT: tl.constexpr):
+        """_q6_words6's step as [BN, 256] in dtype DT and its offsets [256]."""
+        wt, offs = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+        return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb):
+        """Q6_K step kb of BN rows, its low nibbles and high bit pairs read as 16-bit words through the f16 view
+        (every block is 2-byte aligned) -> (f32 weights [BN, 2, 2, 4, 8, 2], their element offsets).
+        Axes (h, s, g, p, b): byte b of word g*8 + p of half h's ql holds, in nibble s, element
+        h*128 + s*64 + (g*8 + p)*2 + b (of sub-block h*8 + s*4 + g); its two high bits sit in qh byte
+        h*32 + ((g % 2)*8 + p)*2 + b at bit 4s + 2*(g // 2)."""
+        h = tl.arange(0, 2)[None, :, None, None, None, None]
+        s = tl.arange(0, 2)[None, None, :, None, None, None]
+        g = tl.arange(0, 4)[None, None, None, :, None, None]
+        p = tl.arange(0, 8)[None, None, None, None, :, None]
+        b = tl.arange(0, 2)[None, None, None, None, None, :]
+        m6 = nmask[:, None, None, None, None, None]
+        base = rowb + kb * 210
+        hb = (base // 2)[:, None, None, None, None, None]
+        ql = tl.load(wh_ptr + hb + h * 32 + g * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+        qh = tl.load(wh_ptr + hb + 64 + h * 16 + (g % 2) * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True)
+        qh = qh.to(tl.int32)
+        q = ((ql >> (8 * b + 4 * s)) & 15) | (((qh >> (8 * b + 4 * s + 2 * (g // 2))) & 3) << 4)
+        h4 = tl.arange(0, 2)[None, :, None, None]
+        s4 = tl.arange(0, 2)[None, None, :, None]
+        g4 = tl.arange(0, 4)[None, None, None, :]
+        sc = _u8(wb_ptr, base[:, None, None, None] + 192 + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
+        sc = sc - ((sc >> 7) << 8)  # int8
+        d = _f16_at(wh_ptr, base + 208, nmask)[:, None, None, None]
+        ds = (d * sc.to(tl.float32))[:, :, :, :, None, None]
+        wt = ds * (_i2f(q) - 32.0)
+        offs = kb * 256 + h * 128 + s * 64 + (g * 8 + p) * 2 + b
+        return wt, offs
+
+    @triton.jit
+    def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
+                    M: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+                    OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+        """16-bit x, 1..16 rows: each step's weights expanded to x's dtype in registers and multiplied on tensor
+        cores with x^T padded to 16 columns ([BN, 256] @ [256, 16]), no per-row reductions. Program (row block,
+        split) takes steps split*STEPS .. of K and writes f32 partial sums (y_s: the split's stride) or the output."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        rowb = n.to(tl.int64) * w_n
+        im = tl.arange(0, 16)
+        acc = tl.zeros([BN, 16], dtype=tl.float32)
+        k_lo = tl.program_id(1) * STEPS
+        k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+        for kb in range(k_lo, k_hi):
+            if QT == 12 or QT == 13:
+                w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, x_ptr.dtype.element_ty)
+                kmask = offs < K
+            elif QT == 14:
+                w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, x_ptr.dtype.element_ty)
+                kmask = offs < K
+            else:
+                w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                w = tl.reshape(w3.to(x_ptr.dtype.element_ty), [BN, 256])
+                offs = tl.reshape(koff, [256])
+                kmask = tl.reshape(kmask3, [256])
+            xt = tl.load(x_ptr + im[None, :] * x_m + offs[:, None], mask=(im[None, :] < M) & kmask[:, None],
+                         other=0.0)
+            acc = dot_acc(w, xt, acc, UPCAST)
+        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
+
+    @triton.jit
+    def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, ww_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr,
+              BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+        """[MP, BN] f32: rows 0..M-1 of x (stride x_m) times the BN weight rows at byte offsets rowb. One row of
+        Q6_K keeps the 16-bit-word decoder's tile in its own shape (no reshape, nothing through shared memory): on
+        the H200 that beat the byte decoder (Q6_K 1800 x 2560: 13.2 -> 11.0 µs; experts with Q6_K gate/up at one
+        token: 87 -> 65 µs), while the 32-bit-word decoder lost to it for Q4_K/Q5_K here (2560 x 6144: 18.9 ->
+        29.1 µs), so those keep `_tile` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
+        im = tl.arange(0, MP)
+        if M == 1 and QT == 14:
+            prod6 = tl.zeros([BN, 2, 2, 4, 8, 2], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w6, o6 = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+                prod6 += w6 * tl.load(x_ptr + o6).to(tl.float32)
+            acc = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(prod6, axis=5), axis=4), axis=3), axis=2), axis=1)[None, :]
+        elif M == 1:
+            prod = tl.zeros([BN, G, L], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                x = tl.load(x_ptr + koff, mask=kmask, other=0.0).to(tl.float32)
+                prod += w * x[None, :, :]
+            acc = tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
+        else:
+            acc = tl.zeros([MP, BN], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(K, 256)):
+                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                for m in tl.static_range(M):
+                    x = tl.load(x_ptr + m * x_m + koff, mask=kmask, other=0.0).to(tl.float32)
+                    p = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+                    acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
+        return acc
+
+    @triton.jit
+    def _qmv_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, x_m, w_n, y_m,
+                    M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr,
+                    L: tl.constexpr, OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        acc = _qdot(x_ptr, x_m, wb_ptr, wh_ptr, ww_ptr, n.to(tl.int64) * w_n, nmask, K, M, MP, BN, QT, G, L)
+        im = tl.arange(0, MP)
+        out = y_ptr + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _qmoe_gate_up_kernel(h_ptr, ti_ptr, gb_ptr, gh_ptr, gw_ptr, ub_ptr, uh_ptr, uw_ptr, act_ptr, D, F, KS, h_m,
+                             ti_m,
+                             g_e, g_f, u_e, u_f, BN: tl.constexpr, QG: tl.constexpr, GG: tl.constexpr,
+                             LG: tl.constexpr, QU: tl.constexpr, GU: tl.constexpr, LU: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32, pair = t * KS + j, e = top_i[t, j]."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
+        f = tl.program_id(0) * BN + tl.arange(0, BN)
+        fmask = f < F
+        xp = h_ptr + t * h_m
+        g = _qdot(xp, 0, gb_ptr, gh_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 1, 1, BN, QG, GG, LG)
+        u = _qdot(xp, 0, ub_ptr, uh_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 1, 1, BN, QU, GU, LU)
+        a = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+
+    @triton.jit
+    def _qmoe_down_kernel(act_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, dw_ptr, y_ptr, D, F, KS, ti_m, tw_m, d_e, d_d,
+                          BN: tl.constexpr, QD: tl.constexpr, GD: tl.constexpr, LD: tl.constexpr,
+                          OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] for BN output features, rounded once to y's dtype."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
+        dd = tl.program_id(0) * BN + tl.arange(0, BN)
+        dmask = dd < D
+        acc = _qdot(act_ptr + pair * F, 0, db_ptr, dh_ptr, dw_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 1, 1,
+                    BN, QD, GD, LD)
+        tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
+                 mask=dmask[None, :])
+
+    @triton.jit
+    def _dequant_kernel(wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, w_n, y_n, BN: tl.constexpr, QT: tl.constexpr,
+                        G: tl.constexpr, L: tl.constexpr, PDL: tl.constexpr = False):
+        """y[n, k] = the weight, for BN rows and one 256-weight step (program (row block, step))."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        rowb = n.to(tl.int64) * w_n
+        kb = tl.program_id(1)
+        if QT == 12 or QT == 13:
+            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, y_ptr.dtype.element_ty)
+            kmask = offs < K
+        elif QT == 14:
+            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, y_ptr.dtype.element_ty)
+            kmask = offs < K
+        else:
+            w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+            w = tl.reshape(w3.to(y_ptr.dtype.element_ty), [BN, 256])
+            offs = tl.reshape(koff, [256])
+            kmask = tl.reshape(kmask3, [256])
+        out = y_ptr + n.to(tl.int64)[:, None] * y_n + offs[None, :]
+        tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
+
+
+def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bytes, their f16 view and (rows of whole 32-bit words: Q4_K, Q5_K) their int32 view, one storage."""
+    wh = raw.view(torch.float16)
+    return raw, wh, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wh
+
+
+def _geom(qtype: int) -> tuple[int, int]:
+    g, length, _ = KERNEL_QTYPES[T(qtype)]
+    return g, length
+
+
+def qmatvec_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+                   config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8, last dim contiguous) @ W^T, W's blocks raw [N, row_bytes] (rows contiguous) -> [M, N] in
+    x.dtype. config: (rows per program, warps)."""
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"qmatvec: x {tuple(x.shape)} stride {x.stride()}, raw {tuple(raw.shape)}, N {n}")
+    bn, warps = config or next(c for rows, c in sorted(MV_CONFIG.items()) if M <= rows)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    wb, wh, ww = _views(raw)
+    g, length = _geom(qtype)
+    mp = 1 if M == 1 else triton.next_power_of_2(M)
+    _qmv_kernel[(triton.cdiv(n, bn),)](x, wb, wh, ww, y, n, K, x.stride(0), raw.stride(0), y.stride(0), M=M, MP=mp,
+                                       BN=bn, QT=int(qtype), G=g, L=length, OUT_DT=tl_dtype(x.dtype),
+                                       num_warps=warps, **pdl_launch(x))
+    return y
+
+
+def tensor_cores_for(x: torch.Tensor, n: int) -> bool:
+    """Whether x [M, K] @ W^T (N = n rows) goes to the tensor-core kernel rather than the CUDA-core mat-vec: 16-bit
+    x (f32 keeps f32 products), and either several rows or enough weight rows to fill the GPU with 64-row blocks;
+    on the H200 the mat-vec won only on one row of the narrow matrices (benchmarks/results/qkernels_sweep_h200_v3.txt:
+    Q4_K 2560 x 6144, 19.0 against 21.9 µs)."""
+    return x.dtype in (torch.bfloat16, torch.float16) and (x.shape[0] > 1 or n >= TC_MIN_ROWS)
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+
+
+def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+               config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/f16, M <= 16, last dim contiguous) @ W^T -> [M, N] in x.dtype through tensor cores, W's
+    blocks raw [N, row_bytes]. config: (rows per program, warps, programs wanted per SM); K splits into shares
+    (f32 partial sums added in order) when the row blocks alone leave SMs idle."""
+    M, K = x.shape
+    if not 0 < M <= 16 or x.dtype not in (torch.bfloat16, torch.float16) or raw.shape[0] != n or x.stride(1) != 1:
+        raise ValueError(f"qmm: x {tuple(x.shape)} {x.dtype} stride {x.stride()}, raw {tuple(raw.shape)}, N {n}")
+    bn, warps, per_sm = config or MM_CONFIG
+    steps = triton.cdiv(K, STEP)
+    blocks = triton.cdiv(n, bn)
+    want = per_sm * _sm_count(x)
+    split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
+    share = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, share)
+    wb, wh, ww = _views(raw)
+    g, length = _geom(qtype)
+    dt = tl_dtype(x.dtype)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+    _qmm_kernel[(blocks, split)](x, wb, wh, ww, out, n, K, share, x.stride(0), raw.stride(0),
+                                 out.stride(0) if split > 1 else 0, out.stride(-2), M=M, BN=bn, QT=int(qtype), G=g,
+                                 L=length, OUT_DT=dt if split == 1 else tl.float32, UPCAST=INTERPRET,
+                                 num_warps=warps, **pdl_launch(x))
+    if split > 1:
+        y.copy_(out.sum(0))
+    return y
+
+
+def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once)."""
+    n = raw.shape[0]
+    y = torch.empty(n, k, dtype=dtype, device=raw.device)
+    wb, wh, ww = _views(raw)
+    g, length = _geom(qtype)
+    bn, warps = DEQ_CONFIG
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
+                                                                BN=bn, QT=int(qtype), G=g, L=length,
+                                                                num_warps=warps)
+    return y
+
+
+def qmoe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
+                    up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
+                    config: tuple[int, int] | None = None) -> torch.Tensor:
+    """Weighted slot outputs [T, k, D] in h.dtype; gate/up/down as (raw [E, rows, row_bytes], qtype)."""
+    (gr, gq), (ur, uq), (dr, dq) = gate, up, down
+    T_, D = h.shape
+    k = top_i.shape[1]
+    F = gr.shape[1]
+    bn, warps = config or MOE_CONFIG
+    h = h if h.stride(1) == 1 else h.contiguous()
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()  # the kernels index slot j at + j
+    act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
+    y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
+    gb, gh, gw = _views(gr)
+    ub, uh, uw = _views(ur)
+    db, dh, dw = _views(dr)
+    (gg, lg), (gu, lu), (gd, ld) = _geom(gq), _geom(uq), _geom(dq)
+    _qmoe_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
+        h, top_i, gb, gh, gw, ub, uh, uw, act, D, F, k, h.stride(0), top_i.stride(0), gr.stride(0), gr.stride(1),
+        ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), GG=gg, LG=lg, QU=int(uq), GU=gu, LU=lu, num_warps=warps,
+        **pdl_launch(h))
+    _qmoe_down_kernel[(triton.cdiv(D, bn), T_ * k)](
+        act, top_i, top_w, db, dh, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1),
+        BN=bn, QD=int(dq), GD=gd, LD=ld, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
+    return y

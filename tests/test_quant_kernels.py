@@ -1,0 +1,224 @@
+"""The products that read GGUF blocks (kernels/qmatmul.py, kernels/triton_qmatmul.py) against their references.
+
+The Triton kernels run on the CPU through Triton's interpreter: `test_interpreted` runs this file's `interp` tests
+in a subprocess with TRITON_INTERPRET=1 (read when the kernels are decorated, so it cannot be switched on inside
+this process). Tolerances: max |got - ref| / max |ref| <= 1e-5 for f32 activations (the kernels and the reference
+both accumulate in f32, in different orders); 16-bit activations round the output once, so they get that dtype's
+few ulps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.kernels.moe_few import sum_slots
+from qspec.kernels.qmatmul import (
+    qexpert_ffn,
+    qexpert_ffn_torch,
+    qmatmul,
+    qmatmul_op,
+    qmatmul_torch,
+    qmoe_few,
+    qmoe_few_torch,
+)
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
+from qspec.weights.dequant import dequantize, quantize_q4_0
+from qspec.weights.quantize import quantize
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
+
+T = GGMLQuantizationType
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available() and HAS_TRITON
+TYPES = sorted(PACKED_QTYPES, key=lambda q: q.name)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def qweight(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> QuantWeight:
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    return QuantWeight.from_blocks(quantize(w, qt), qt, shape)
+
+
+def row_len(qt: GGMLQuantizationType) -> int:
+    """A short row with a partial 256-weight step where the type allows one (32-weight blocks)."""
+    return 512 if qt.name.endswith("_K") else 352
+
+
+def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)])
+    if T_ > 1:
+        top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
+    return top_i.to(device), torch.rand(T_, k, generator=g).to(device)
+
+
+# ---- in this process: the references, the chunked many-row path, the op registration ---------------------------
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_chunked_many_rows_equal_reference(qt: GGMLQuantizationType, monkeypatch: pytest.MonkeyPatch) -> None:
+    import qspec.kernels.qmatmul as qm
+
+    w = qweight(qt, (37, row_len(qt)), seed=1)
+    x = torch.randn(2, 11, w.shape[1])
+    monkeypatch.setattr(qm, "SCRATCH_ELEMENTS", 5 * w.shape[1])  # 5 rows at a time: 8 chunks, the last short
+    y = qmatmul(x, w)
+    assert y.shape == (2, 11, 37)
+    assert rel_err(y, qmatmul_torch(x, w)) <= TOL[torch.float32]
+
+
+def test_qmoe_and_expert_references_agree() -> None:
+    """The gathered fallback of qmoe_few and the per-pair reference; qexpert_ffn against its f32 reference; the slot
+    sum against the expanded experts applied token by token."""
+    E, Fd, D, k = 6, 64, 256, 3
+    gate, up = qweight(T.Q4_K, (E, Fd, D), 2), qweight(T.Q5_K, (E, Fd, D), 3)
+    down = QuantWeight.from_blocks(quantize_q4_0(torch.randn(E, D, Fd)), T.Q4_0, (E, D, Fd))
+    h = torch.randn(4, D)
+    top_i, top_w = routing(4, E, k, seed=4)
+    ref = qmoe_few_torch(h, top_i, top_w, gate, up, down)
+    assert rel_err(qmoe_few(h, top_i, top_w, gate, up, down), ref) <= TOL[torch.float32]
+    g, u, d = gate.dequantize(), up.dequantize(), down.dequantize()
+    for t in range(4):
+        want = sum(top_w[t, j] * (torch.nn.functional.silu(g[e] @ h[t]) * (u[e] @ h[t])) @ d[e].t()
+                   for j, e in enumerate(top_i[t].tolist()))
+        assert rel_err(sum_slots(ref)[t], want) <= TOL[torch.float32]
+    x = torch.randn(20, D)
+    assert rel_err(qexpert_ffn(x, gate[1], up[1], down[1]), qexpert_ffn_torch(x, gate[1], up[1], down[1])) <= 1e-5
+
+
+def test_errors_name_the_problem() -> None:
+    w = qweight(T.Q8_0, (8, 64), 5)
+    with pytest.raises(ValueError, match=r"qmatmul: x \(2, 32\)"):
+        qmatmul(torch.randn(2, 32), w)
+    e = qweight(T.Q8_0, (2, 8, 64), 6)
+    with pytest.raises(ValueError, match="expert shapes"):
+        qmoe_few(torch.randn(1, 64), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), e, e, e)
+
+
+def test_qmatmul_op_registration() -> None:
+    """The custom op's fake implementation agrees with the real one (shapes, dtypes), as torch.compile needs."""
+    w = qweight(T.Q6_K, (9, 256), 7)
+    torch.library.opcheck(qmatmul_op, (torch.randn(3, 256), w.raw, int(w.qtype), 9, 256),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- the Triton kernels through the interpreter (subprocess) ----------------------------------------------------
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
+def test_interpreted() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
+                        str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@interp
+@pytest.mark.parametrize("qt", TYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+def test_interp_qmatvec(qt: GGMLQuantizationType, M: int) -> None:
+    w = qweight(qt, (13, row_len(qt)), seed=10 * M + int(qt))
+    x = torch.randn(M, w.shape[1])
+    assert rel_err(qmatmul(x, w), qmatmul_torch(x, w)) <= TOL[torch.float32]
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0])
+@pytest.mark.parametrize("dt,M", [(torch.bfloat16, 3), (torch.float16, 16)])
+def test_interp_tensor_core_16bit(qt: GGMLQuantizationType, dt: torch.dtype, M: int) -> None:
+    """16-bit rows take the tensor-core kernel (each tile decoder: K-quant words, Q6_K words, the byte decoder):
+    the weights are rounded to x's dtype there, so the tolerance is that dtype's."""
+    w = qweight(qt, (17, row_len(qt)), seed=3)
+    x = torch.randn(M, w.shape[1]).to(dt)
+    y = qmatmul(x, w)
+    assert y.dtype == dt and rel_err(y, qmatmul_torch(x, w)) <= TOL[dt]
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q5_0, T.Q4_1])
+def test_interp_other_32_blocks(qt: GGMLQuantizationType) -> None:
+    """Q5_0 and Q4_1 (what llama.cpp falls back to for rows that are not whole 256-weight super-blocks, such as the
+    experts' 640-wide down projections), through the kernel directly: the gguf package quantizes them."""
+    from gguf import quants as gq
+
+    from qspec.kernels.triton_qmatmul import dequant_triton, qmatvec_triton
+
+    w = torch.randn(7, 640)
+    raw = torch.from_numpy(gq.quantize(w.numpy(), qt))
+    ref_w = dequantize(raw, qt, w.shape)
+    x = torch.randn(2, 640)
+    assert rel_err(qmatvec_triton(x, raw, int(qt), 7), x @ ref_w.t()) <= TOL[torch.float32]
+    assert torch.equal(dequant_triton(raw, int(qt), 640, torch.float32), ref_w)
+
+
+@interp
+@pytest.mark.parametrize("qt", TYPES)
+def test_interp_expansion_is_the_reference(qt: GGMLQuantizationType) -> None:
+    """The kernels' block decoding equals dequant.dequantize bit for bit (the interpreter does not contract FMAs),
+    and the many-row product that uses it stays within f32 accumulation error."""
+    from qspec.kernels.triton_qmatmul import dequant_triton
+
+    w = qweight(qt, (19, row_len(qt)), seed=20 + int(qt))
+    assert torch.equal(dequant_triton(w.raw, int(qt), w.shape[1], torch.float32), w.dequantize())
+    x = torch.randn(12, w.shape[1])
+    assert rel_err(qmatmul(x, w), qmatmul_torch(x, w)) <= TOL[torch.float32]
+
+
+@interp
+@pytest.mark.parametrize("T_", [1, 2])
+def test_interp_qmoe_few(T_: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qspec.kernels import triton_qmatmul
+
+    monkeypatch.setattr(triton_qmatmul, "MOE_CONFIG", (32, 4))  # fewer programs: the interpreter runs each in turn
+    E, Fd, D, k = 5, 32, 256, 2
+    gate, up = qweight(T.Q4_K, (E, Fd, D), 30), qweight(T.Q4_K, (E, Fd, D), 31)
+    down = qweight(T.Q8_0, (E, D, Fd), 32)
+    h = torch.randn(T_, D)
+    top_i, top_w = routing(T_, E, k, seed=33)
+    got = qmoe_few(h, top_i, top_w, gate, up, down)
+    assert got.shape == (T_, k, D)
+    assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= TOL[torch.float32]
+
+
+@interp
+def test_interp_qexpert_ffn() -> None:
+    gate, up, down = qweight(T.Q6_K, (32, 256), 40), qweight(T.Q6_K, (32, 256), 41), qweight(T.Q8_0, (256, 32), 42)
+    for n in (3, 11):  # the mat-vec, then the expanded weights
+        x = torch.randn(n, 256)
+        assert rel_err(qexpert_ffn(x, gate, up, down), qexpert_ffn_torch(x, gate, up, down)) <= TOL[torch.float32]
+
+
+# ---- CUDA: the compiled kernels at the real geometry (hidden 2560, experts 640 x 2560, LM head rows) -------------
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("qt", TYPES)
+def test_cuda_qmatvec_real_shapes(qt: GGMLQuantizationType) -> None:
+    for N, K in ((2560, 6144), (16480, 2560), (1800, 2560)):
+        w = qweight(qt, (N, K), seed=N, device="cuda")
+        for M in (1, 2, 6, 8, 64):
+            x = torch.randn(M, K, device="cuda")
+            assert rel_err(qmatmul(x, w), qmatmul_torch(x, w)) <= (1e-5 if M <= 8 else 1e-3), (N, K, M)
+            xb = x.bfloat16()
+            assert rel_err(qmatmul(xb, w), qmatmul_torch(xb, w)) <= TOL[torch.bfloat16], (N, K, M)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+def test_cuda_qmoe_real_shapes() -> None:
+    E, Fd, D, k = 64, 640, 2560, 10
+    gate, up = qweight(T.Q4_K, (E, Fd, D), 50, "cuda"), qweight(T.Q4_K, (E, Fd, D), 51, "cuda")
+    down = qweight(T.Q8_0, (E, D, Fd), 53, "cuda")
+    for T_ in (1, 6):
+        h = torch.randn(T_, D, device="cuda").bfloat16()
+        top_i, top_w = routing(T_, E, k, seed=52, device="cuda")
+        got = qmoe_few(h, top_i, top_w.bfloat16(), gate, up, down)
+        ref = qmoe_few_torch(h, top_i, top_w.bfloat16(), gate, up, down)
+        assert rel_err(got, ref) <= TOL[torch.bfloat16]
