@@ -33,9 +33,13 @@ def top_blocks_mask_torch(s: torch.Tensor, n_top: int) -> torch.Tensor:
     """s [T, nb] f32 scores (-inf for blocks a row must not choose) -> bool [T, nb]: per row, the blocks
     torch.topk(choosable, min(n_top, m)) picks from the row's m choosable scores, taken in block order.
 
-    Rows with the same m share one batched torch.topk (it treats every row as its own 1-D vector)."""
+    Rows with the same m share one batched torch.topk (it treats every row as its own 1-D vector). On CUDA,
+    where torch.topk keeps ties in block order and -inf padding cannot change which, it is one call with no
+    host sync, so the fallback for rows beyond MAX_BLOCKS stays inside a CUDA graph."""
     out = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
     ok = s > float("-inf")
+    if s.is_cuda:
+        return out.scatter_(1, torch.topk(s, n_top, dim=-1).indices, True) & ok
     m = ok.sum(1)
     for mv in m.unique().tolist():
         if mv == 0 or n_top == 0:
