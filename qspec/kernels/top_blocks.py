@@ -1,16 +1,18 @@
 """The indexer's block choice as a mask: which n_top of a row's block scores are the largest.
 
 The rule is transformers' (`Qwen4ExpTextQSAIndexer`): `torch.topk(scores, min(n_top, m))` over the 1-D
-vector of the m blocks the row may choose, in block order; -inf marks the others and they are never
-chosen. Exact ties are common (a block scores exactly 0, +0 or -0, when relu(q.K) is 0 for every
-indexer head) and torch.topk has no tie rule of its own: on the CPU it returns what libstdc++'s
-`nth_element` (or `partial_sort`, when 64 n_top <= m) leaves in front, which depends on the vector's
-length and contents (of [0, -0, 0, 0] it keeps blocks 2 and 3); on CUDA its radix select gathers the
-ties at the threshold in block order (the lower block ids win). So the choice among tied blocks is
-torch.topk's on the device the scores live on, and it is reproduced only by calling torch.topk on the
-very same vector: a row padded with -inf blocks (its future, or the bucket past its blocks) is a
-different vector and can keep different ties. `top_blocks_mask_torch` therefore runs torch.topk on
-each row's choosable blocks alone.
+vector of the m blocks the row may choose, in block order; -inf marks the others, never chosen; +0 and -0
+are one score. Exact ties are common (a block scores exactly 0 when relu(q.K) is 0 for every indexer head)
+and torch.topk has no tie rule of its own:
+- on the CPU it returns what libstdc++'s `nth_element` (or `partial_sort`, when 64 n_top <= m) leaves in
+  front, which depends on the vector's length and contents (of [0, -0, 0, 0] it keeps blocks 2 and 3);
+- on CUDA its radix select gathers the ties at the threshold in block order, so the lower block ids win
+  (seen on an H200, torch 2.11, rows of 7 to 70,000 blocks). It ranks -0 below +0, which never matters
+  in transformers there (relu on CUDA turns -0 into +0); on the CPU -0 and +0 compare equal.
+So the tied blocks kept are torch.topk's on the device the scores live on, and on the CPU only a call on
+the very same vector reproduces them: a row padded with -inf blocks (its future, the bucket past its
+blocks) is another vector and can keep other ties. `top_blocks_mask_torch` therefore runs torch.topk on
+each row's choosable blocks alone on the CPU; on CUDA the padding cannot change the choice.
 
 On CUDA the custom op `qspec::top_blocks_mask` runs one Triton program per row (triton_top_blocks.py): a
 radix select finds the n_top-th largest score in 32 counting passes over the row held in registers, and
@@ -38,8 +40,9 @@ def top_blocks_mask_torch(s: torch.Tensor, n_top: int) -> torch.Tensor:
     host sync, so the fallback for rows beyond MAX_BLOCKS stays inside a CUDA graph."""
     out = torch.zeros(s.shape, dtype=torch.bool, device=s.device)
     ok = s > float("-inf")
-    if s.is_cuda:
-        return out.scatter_(1, torch.topk(s, n_top, dim=-1).indices, True) & ok
+    if s.is_cuda:  # its radix order puts -0 below +0: make every zero +0, as relu's on CUDA are in transformers
+        top = torch.topk(torch.where(s == 0, 0.0, s), n_top, dim=-1).indices
+        return out.scatter_(1, top, True) & ok
     m = ok.sum(1)
     for mv in m.unique().tolist():
         if mv == 0 or n_top == 0:
