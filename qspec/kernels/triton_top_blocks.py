@@ -4,7 +4,8 @@ Scores map to order-preserving unsigned 32-bit keys (held in int64; +0 and -0 me
 lanes -1, below every key). A radix select builds the n_top-th largest key bit by bit from the top:
 keep bit b if at least n_top keys are >= the threshold with it set (32 counting passes over registers).
 Keys above the threshold are chosen; of the keys equal to it, as many as are still needed, in order of
-block id (a prefix count). Exactly n_top lanes are set, the set `torch.topk` picks when no scores tie.
+block id (a prefix count): the set torch.topk picks on CUDA, ties included. Lanes scoring -inf are never
+set, so a row with m < n_top choosable blocks gets those m (top_blocks.py: torch.topk over the choosable ones).
 """
 
 import torch
@@ -36,7 +37,7 @@ if HAS_TRITON:
         need = n_top - tl.sum(above.to(tl.int32), axis=0)
         tie = key == thr
         rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based among the ties, in block order
-        chosen = above | (tie & (rank <= need))
+        chosen = (above | (tie & (rank <= need))) & (x > float("-inf"))  # -inf: a block the row may not choose
         tl.store(o_ptr + t * o_t + i, chosen, mask=valid)
 
 

@@ -4,6 +4,9 @@ Indexer (transformers semantics): each token's raw key is cached; a pooled block
 of r raw keys (f32, rounded to the raw-key dtype), RMS-normed, roped at the block start. A query
 scores every complete block visible to it (sum over heads of relu(q.K) / sqrt(d)), keeps the top
 budget/r blocks and always the incomplete tail. Up to budget + r - 1 tokens it is exactly dense.
+Tied scores (exact zeros are common) are broken as transformers breaks them: torch.topk over the row's
+visible blocks alone (kernels/top_blocks.py says why that is the only way to match it); the masked and
+the sparse paths, prefill and decode, all take their blocks from that one mask.
 """
 
 from __future__ import annotations
@@ -166,8 +169,19 @@ def select_blocks(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
     """The same selection as block ids [T, n_top] (-1 where fewer blocks are visible) and each row's first
     tail cell [T]."""
     s, vis, nb_vis = _block_scores(qi, pos, cos, sin, iq_norm, Kb, r, heads, eps)
-    top = torch.topk(s, n_top, dim=-1).indices
-    return torch.where(vis.gather(1, top), top, torch.full_like(top, -1)), nb_vis * r
+    return mask_to_ids(top_blocks_mask(s, n_top) & vis, n_top), nb_vis * r
+
+
+def mask_to_ids(chosen: torch.Tensor, n_top: int) -> torch.Tensor:
+    """bool [T, nb] with at most n_top True per row -> their block ids in increasing order [T, n_top], -1 after.
+
+    The sparse path takes its blocks from the mask (not from a second top-k) so both paths keep the same tied
+    blocks; a prefix count places each chosen block, the unchosen ones land in a dropped extra column."""
+    T, nb = chosen.shape
+    slot = torch.where(chosen, chosen.long().cumsum(1) - 1, n_top)
+    ids = torch.arange(nb, device=chosen.device).expand(T, nb)
+    out = torch.full((T, n_top + 1), -1, dtype=torch.long, device=chosen.device)
+    return out.scatter(1, slot, torch.where(chosen, ids, -1))[:, :n_top]
 
 
 @fused
