@@ -233,8 +233,9 @@ class _Key:
     derives it in code (`_hf_*` / `_gguf_*` below).
 
     `default` is transformers' value when config.json lacks the key (`...`: required). llama.cpp's loader requires
-    its key unless `gguf_optional`, which then takes the same default. `zero_absent`: 0 means "none", written as
-    null in config.json and left out of the GGUF metadata."""
+    its key unless `gguf_optional`, which then takes the same default. `hf_zero_null`: 0 means "none", written as
+    null in config.json. `gguf_if`: a ModelConfig attribute; the GGUF key is written only where it is true (the
+    llama.cpp converter writes the indexer, PLE and MTP keys only for models that have them)."""
 
     field: str
     hf: str | None
@@ -242,7 +243,8 @@ class _Key:
     default: Any = ...
     kind: type = int
     gguf_optional: bool = False
-    zero_absent: bool = False
+    hf_zero_null: bool = False
+    gguf_if: str = ""
 
 
 _KEYS = (
@@ -266,16 +268,17 @@ _KEYS = (
     _Key("hc_count", "hc_count", "hyper_connection.count", 4),
     _Key("hc_rank", "hc_lowrank", "hyper_connection.low_rank", 320),
     _Key("indexer_heads", "indexer_n_heads", "attention.indexer.head_count", 0, gguf_optional=True,
-         zero_absent=True),
+         hf_zero_null=True, gguf_if="indexer_heads"),
     _Key("indexer_head_dim", "indexer_head_dim", "attention.indexer.key_length", 0, gguf_optional=True,
-         zero_absent=True),
-    _Key("indexer_budget", "indexer_budget", "attention.indexer.top_k", 0, gguf_optional=True, zero_absent=True),
-    _Key("ngram_size", "ngram_size", "ple.ngram_size", 3, gguf_optional=True),
-    _Key("heads_per_ngram", "heads_per_ngram", "ple.heads_per_ngram", 8, gguf_optional=True),
-    _Key("ple_conv_kernel", "ple_conv_kernel_size", "ple.conv_kernel", 4, gguf_optional=True),
+         hf_zero_null=True, gguf_if="indexer_heads"),
+    _Key("indexer_budget", "indexer_budget", "attention.indexer.top_k", 0, gguf_optional=True, hf_zero_null=True,
+         gguf_if="indexer_heads"),
+    _Key("ngram_size", "ngram_size", "ple.ngram_size", 3, gguf_optional=True, gguf_if="has_ple"),
+    _Key("heads_per_ngram", "heads_per_ngram", "ple.heads_per_ngram", 8, gguf_optional=True, gguf_if="has_ple"),
+    _Key("ple_conv_kernel", "ple_conv_kernel_size", "ple.conv_kernel", 4, gguf_optional=True, gguf_if="has_ple"),
     _Key("rms_eps", "rms_norm_eps", "attention.layer_norm_rms_epsilon", 1e-6, float, gguf_optional=True),
     _Key("context_length", "max_position_embeddings", "context_length", 262144, gguf_optional=True),
-    _Key("n_mtp_layers", "mtp_num_hidden_layers", "nextn_predict_layers", 0, gguf_optional=True),
+    _Key("n_mtp_layers", "mtp_num_hidden_layers", "nextn_predict_layers", 0, gguf_optional=True, gguf_if="has_mtp"),
 )
 _KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
 
@@ -426,7 +429,7 @@ def to_hf_config(c: ModelConfig) -> dict[str, Any]:
     for k in _KEYS:
         if k.hf:
             value = getattr(c, k.field)
-            hf[k.hf] = None if k.zero_absent and not value else value
+            hf[k.hf] = None if k.hf_zero_null and not value else value
     ratio = max(c.compress_ratios, default=0) or (4 if c.indexer_heads else 0)
     return hf | {
         "layer_types": [GDN_LAYER_TYPE if r else "full_attention" for r in c.layer_recurrent],
@@ -515,9 +518,8 @@ def to_gguf_metadata(c: ModelConfig) -> dict[str, Any]:
     p = ARCH + "."
     kv: dict[str, Any] = {"general.architecture": ARCH}
     for k in _KEYS:
-        value = getattr(c, k.field)
-        if k.gguf and not (k.zero_absent and not value):
-            kv[p + k.gguf] = value
+        if k.gguf and (not k.gguf_if or getattr(c, k.gguf_if)):
+            kv[p + k.gguf] = getattr(c, k.field)
     derived: dict[str, Any] = {
         "block_count": c.n_layers + c.n_mtp_layers,
         "attention.value_length": c.head_dim,
@@ -536,26 +538,27 @@ def to_gguf_metadata(c: ModelConfig) -> dict[str, Any]:
 
 
 # ---- presets -------------------------------------------------------------------------------------
+_PRESET_NAMES = ("flash-next", "tiny")
+_PRESET_SIZES = (  # (size, flash-next, tiny); `ratio`: the QSA compress ratio, `ngram_base`: the n-gram vocab base
+    ("vocab_size", 248320, 248320), ("hidden", 2560, 64), ("n_layers", 48, 4), ("n_heads", 24, 4),
+    ("n_kv_heads", 2, 2), ("head_dim", 256, 32), ("rope_dim", 64, 8), ("gdn_k_heads", 16, 2),
+    ("gdn_v_heads", 48, 4), ("gdn_head_dim", 128, 16), ("n_experts", 512, 8), ("n_experts_used", 10, 2),
+    ("expert_ff", 640, 32), ("shared_ff", 640, 32), ("hc_count", 4, 4), ("hc_rank", 320, 16),
+    ("indexer_heads", 4, 8), ("indexer_head_dim", 128, 16), ("indexer_budget", 2048, 16), ("ratio", 4, 4),
+    ("ple_embed_dim", 2560, 64), ("ngram_base", 20_000_000, 1000),
+)
+
+
 def preset(name: str, *, layers: int | None = None, experts: int | None = None,
            ngram_vocab_base: int | None = None, vocab_size: int | None = None, mtp: bool = True,
            **overrides: Any) -> ModelConfig:
     """`tiny` (CPU tests, seconds) or `flash-next` (real geometry), optionally shrunk.
 
     `layers` keeps the 3 GDN : 1 QSA pattern; `ngram_vocab_base` shrinks the n-gram table."""
-    if name == "flash-next":
-        base = dict(vocab_size=248320, hidden=2560, n_layers=48, n_heads=24, n_kv_heads=2, head_dim=256,
-                    rope_dim=64, gdn_k_heads=16, gdn_v_heads=48, gdn_head_dim=128, n_experts=512,
-                    n_experts_used=10, expert_ff=640, shared_ff=640, hc_count=4, hc_rank=320,
-                    indexer_heads=4, indexer_head_dim=128, indexer_budget=2048, ratio=4,
-                    ple_embed_dim=2560, ngram_base=20_000_000)
-    elif name == "tiny":
-        base = dict(vocab_size=248320, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-                    rope_dim=8, gdn_k_heads=2, gdn_v_heads=4, gdn_head_dim=16, n_experts=8,
-                    n_experts_used=2, expert_ff=32, shared_ff=32, hc_count=4, hc_rank=16,
-                    indexer_heads=8, indexer_head_dim=16, indexer_budget=16, ratio=4,
-                    ple_embed_dim=64, ngram_base=1000)
-    else:
+    if name not in _PRESET_NAMES:
         raise ConfigError(f"preset: unknown preset {name!r} (known: tiny, flash-next)")
+    col = _PRESET_NAMES.index(name)
+    base = {key: values[col] for key, *values in _PRESET_SIZES}
     n_layers = layers if layers is not None else base["n_layers"]
     if n_layers <= 0:
         raise ConfigError(f"layers: must be > 0, got {n_layers}")

@@ -65,6 +65,9 @@ def test_gguf_round_trip(name: str) -> None:
     assert to_gguf_metadata(back) == kv
     assert kv[f"{ARCH}.ssm.state_size"] == c.gdn_head_dim
     assert kv[f"{ARCH}.ssm.inner_size"] == c.gdn_v_heads * c.gdn_v_head_dim
+    # like llama.cpp's converter, the PLE and MTP keys only for models that have them
+    assert any(k.startswith(f"{ARCH}.ple.") for k in kv) == c.has_ple
+    assert (f"{ARCH}.nextn_predict_layers" in kv) == c.has_mtp
 
 
 def test_table_names_real_fields_and_every_format_key_once() -> None:
