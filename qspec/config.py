@@ -2,6 +2,9 @@
 
 One frozen dataclass, built from GGUF metadata, from an HF `config.json`, or from a preset.
 Every other module reads shapes from here; `tensor_shapes` is the single list of weights.
+Both file formats go through one table (`_KEYS`: field, config.json key, GGUF key, default); code handles only
+the values one side derives (layer types, rotary, value head size, PLE tables). A value of the wrong type is a
+ConfigError naming its key.
 """
 
 from __future__ import annotations
