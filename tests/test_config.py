@@ -23,7 +23,7 @@ from qspec.config import (
     to_gguf_metadata,
     to_hf_config,
 )
-from qspec.weights import gguf_io, random_weights, write_gguf, write_hf
+from qspec.weights import gguf_io, random_weights, read_hf, write_gguf, write_hf
 
 CONFIGS = {
     "tiny": lambda: preset("tiny", vocab_size=512),
@@ -241,3 +241,12 @@ def test_cli_names_a_wrong_type_in_gguf_metadata(small: tuple[ModelConfig, dict]
     line = _one_error_line(capsys, ["logits", str(tmp_path / "m.gguf"), "--ids", "1,2", "--out",
                                     str(tmp_path / "o.npy")])
     assert "qwen4exp.ssm.state_size: expected an integer, got '16' (str)" in line
+
+
+def test_hf_split_ngram_parts_of_the_wrong_type(tmp_path: Path) -> None:
+    c = preset("tiny", vocab_size=512, mtp=False)
+    write_hf(tmp_path / "hf", c, random_weights(c, seed=2))
+    cfg_path = tmp_path / "hf" / "config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "split_ngram_parts": "4"}))
+    with pytest.raises(ConfigError, match="^split_ngram_parts: expected an integer, got '4'$"):
+        read_hf(tmp_path / "hf")

@@ -405,7 +405,10 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
         table = None
         if cfg.has_ple:
             cfg = _ple_buffers(cfg, keys, ple_base, stack)
-            table = _ple_table(cfg, keys, ple_base, text_cfg.get("split_ngram_parts"))
+            parts = text_cfg.get("split_ngram_parts")
+            if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int)):
+                raise ConfigError(f"split_ngram_parts: expected an integer, got {parts!r}")
+            table = _ple_table(cfg, keys, ple_base, parts)
             used |= {k for k in keys if k.startswith(ple_base)}
         ignored = ("model.visual.", "visual.") + (() if with_mtp else (mtp_prefix,))
         unknown = [k for k in keys if k not in used and not k.startswith(ignored) and "rotary_emb" not in k]
