@@ -2,11 +2,16 @@
 
 One frozen dataclass, built from GGUF metadata, from an HF `config.json`, or from a preset.
 Every other module reads shapes from here; `tensor_shapes` is the single list of weights.
+Both file formats go through one table (`_KEYS`: field, config.json key, GGUF key, default); code handles only
+the values one side derives (layer types, rotary, value head size, PLE tables). A value of the wrong type is a
+ConfigError naming its key.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +43,8 @@ class ModelConfig:
     # Gated DeltaNet
     gdn_k_heads: int
     gdn_v_heads: int
-    gdn_head_dim: int  # key and value head dim (equal in llama.cpp's layout)
+    gdn_head_dim: int  # key head dim (llama.cpp ssm.state_size)
+    gdn_v_head_dim: int  # value head dim (llama.cpp ssm.inner_size / ssm.time_step_rank)
     gdn_conv_kernel: int
     # MoE
     n_experts: int
@@ -81,7 +87,7 @@ class ModelConfig:
 
     @property
     def gdn_value_dim(self) -> int:
-        return self.gdn_v_heads * self.gdn_head_dim
+        return self.gdn_v_heads * self.gdn_v_head_dim
 
     @property
     def gdn_conv_dim(self) -> int:
@@ -150,6 +156,9 @@ class ModelConfig:
         if any(not r for r in self.layer_recurrent):
             need(self.rope_dim <= self.indexer_head_dim, "indexer_head_dim",
                  f"rotary dim {self.rope_dim} must fit the indexer head {self.indexer_head_dim}")
+        if any(self.layer_recurrent):
+            for key in ("gdn_k_heads", "gdn_v_heads", "gdn_head_dim", "gdn_v_head_dim", "gdn_conv_kernel"):
+                need(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
         need(self.gdn_v_heads % max(self.gdn_k_heads, 1) == 0, "linear_num_value_heads",
              f"{self.gdn_v_heads} not a multiple of {self.gdn_k_heads} key heads")
         for i, r in enumerate(self.compress_ratios):
@@ -220,318 +229,339 @@ def _pad_rows(total: int, divisor: int) -> int:
     return -(-total // divisor) * divisor
 
 
+# ---- HF config.json and GGUF metadata: one table ---------------------------------------------------------------
+@dataclass(frozen=True)
+class _Key:
+    """A hyperparameter that config.json and the GGUF metadata store as one value; `hf` / `gguf` None: that side
+    derives it in code (`_hf_*` / `_gguf_*` below).
+
+    `default` is transformers' value when config.json lacks the key (`...`: required). llama.cpp's loader requires
+    its key unless `gguf_optional`, which then takes the same default. `hf_zero_null`: 0 means "none", written as
+    null in config.json. `gguf_if`: a ModelConfig attribute; the GGUF key is written only where it is true (the
+    llama.cpp converter writes the indexer, PLE and MTP keys only for models that have them)."""
+
+    field: str
+    hf: str | None
+    gguf: str | None
+    default: Any = ...
+    kind: type = int
+    gguf_optional: bool = False
+    hf_zero_null: bool = False
+    gguf_if: str = ""
+
+
+_KEYS = (
+    _Key("vocab_size", "vocab_size", None),  # GGUF: rows of token_embd
+    _Key("hidden", "hidden_size", "embedding_length"),
+    _Key("n_layers", "num_hidden_layers", None),  # GGUF: block_count less the MTP blocks
+    _Key("n_heads", "num_attention_heads", "attention.head_count"),
+    _Key("n_kv_heads", "num_key_value_heads", "attention.head_count_kv"),
+    _Key("head_dim", "head_dim", "attention.key_length", 256),
+    _Key("rope_dim", None, "rope.dimension_count"),  # HF: head_dim x partial_rotary_factor
+    _Key("rope_theta", None, "rope.freq_base", 10_000_000.0, float, gguf_optional=True),  # HF: in rope_parameters
+    _Key("gdn_k_heads", "linear_num_key_heads", "ssm.group_count", 16),
+    _Key("gdn_v_heads", "linear_num_value_heads", "ssm.time_step_rank", 32),
+    _Key("gdn_head_dim", "linear_key_head_dim", "ssm.state_size", 128),
+    _Key("gdn_v_head_dim", "linear_value_head_dim", None, 128),  # GGUF: ssm.inner_size / ssm.time_step_rank
+    _Key("gdn_conv_kernel", "linear_conv_kernel_dim", "ssm.conv_kernel", 4),
+    _Key("n_experts", "num_experts", "expert_count", 512),
+    _Key("n_experts_used", "num_experts_per_tok", "expert_used_count", 10),
+    _Key("expert_ff", "moe_intermediate_size", None, 512),  # GGUF: one size, or one per layer
+    _Key("shared_ff", "shared_expert_intermediate_size", "expert_shared_feed_forward_length", 512),
+    _Key("hc_count", "hc_count", "hyper_connection.count", 4),
+    _Key("hc_rank", "hc_lowrank", "hyper_connection.low_rank", 320),
+    _Key("indexer_heads", "indexer_n_heads", "attention.indexer.head_count", 0, gguf_optional=True,
+         hf_zero_null=True, gguf_if="indexer_heads"),
+    _Key("indexer_head_dim", "indexer_head_dim", "attention.indexer.key_length", 0, gguf_optional=True,
+         hf_zero_null=True, gguf_if="indexer_heads"),
+    _Key("indexer_budget", "indexer_budget", "attention.indexer.top_k", 0, gguf_optional=True, hf_zero_null=True,
+         gguf_if="indexer_heads"),
+    _Key("ngram_size", "ngram_size", "ple.ngram_size", 3, gguf_optional=True, gguf_if="has_ple"),
+    _Key("heads_per_ngram", "heads_per_ngram", "ple.heads_per_ngram", 8, gguf_optional=True, gguf_if="has_ple"),
+    _Key("ple_conv_kernel", "ple_conv_kernel_size", "ple.conv_kernel", 4, gguf_optional=True, gguf_if="has_ple"),
+    _Key("rms_eps", "rms_norm_eps", "attention.layer_norm_rms_epsilon", 1e-6, float, gguf_optional=True),
+    _Key("context_length", "max_position_embeddings", "context_length", 262144, gguf_optional=True),
+    _Key("n_mtp_layers", "mtp_num_hidden_layers", "nextn_predict_layers", 0, gguf_optional=True, gguf_if="has_mtp"),
+)
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+
+
+def _show(value: Any) -> str:
+    s = repr(value)
+    return f"{s[:40]}... ({type(value).__name__})" if len(s) > 43 else f"{s} ({type(value).__name__})"
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    """`value` as `kind`, or a ConfigError naming `key` (a string where a number belongs, a list, a bool...)."""
+    if kind is bool:
+        ok = isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1))
+    elif kind is str:
+        ok = isinstance(value, str)
+    elif isinstance(value, bool):  # a JSON true is an int to Python, never a size
+        ok = False
+    elif kind is int:
+        ok = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    else:
+        ok = isinstance(value, numbers.Real)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_KIND_NAMES[kind]}, got {_show(value)}")
+    return kind(value)
+
+
+class _Reader:
+    """Typed look-ups in config.json or GGUF metadata (keys start with `prefix`: "qwen4exp."); errors name the key
+    as `label` + key ("text_config." for the VL wrapper's text model, "rope_parameters." inside that object).
+
+    A key that is absent (or null) takes `default`; without one it is an error."""
+
+    def __init__(self, kv: Mapping[str, Any], prefix: str, where: str, label: str | None = None) -> None:
+        self.kv, self.prefix, self.where = kv, prefix, where
+        self.label = prefix if label is None else label
+
+    def _raw(self, key: str, default: Any) -> tuple[str, Any, bool]:
+        full = self.label + key
+        value = self.kv.get(self.prefix + key)
+        if value is None and default is ...:
+            raise ConfigError(f"{full}: missing from {self.where}")
+        return full, value, value is None
+
+    def get(self, key: str, kind: type = int, default: Any = ...) -> Any:
+        full, value, absent = self._raw(key, default)
+        return default if absent else _typed(full, value, kind)
+
+    def list(self, key: str, kind: type = int, default: Any = ...) -> Any:
+        full, value, absent = self._raw(key, default)
+        if absent:
+            return default
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{full}: expected a list, got {_show(value)}")
+        return [_typed(f"{full}[{i}]", v, kind) for i, v in enumerate(value)]
+
+    def sub(self, key: str) -> _Reader:
+        """The object under `key` ({} when absent)."""
+        full, value, absent = self._raw(key, {})
+        if not absent and not isinstance(value, dict):
+            raise ConfigError(f"{full}: expected a JSON object, got {_show(value)}")
+        return _Reader(value or {}, "", self.where, full + ".")
+
+
+def _interval_layers(src: _Reader, n_layers: int) -> list[bool]:
+    """Recurrent flags from `full_attention_interval` (every interval-th layer is attention)."""
+    interval = src.get("full_attention_interval", int, 4)
+    if interval <= 0:
+        raise ConfigError(f"{src.label}full_attention_interval: must be > 0, got {interval}")
+    return [(i + 1) % interval != 0 for i in range(n_layers)]
+
+
 # ---- HF config.json ------------------------------------------------------------------------------
-def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
-    """Build from an HF config dict (`qwen4_exp_text`, or the VL wrapper holding `text_config`)."""
-    mt = cfg.get("model_type")
+def _hf_reader(cfg: Any) -> _Reader:
+    """The text model's keys: `qwen4_exp_text` itself, or the `text_config` of the `qwen4_exp` VL wrapper."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"config.json: expected a JSON object, got {_show(cfg)}")
+    mt, prefix = cfg.get("model_type"), ""
     if mt == "qwen4_exp" or "text_config" in cfg:
         if mt not in HF_MODEL_TYPES:
             raise ConfigError(f"model_type: unknown architecture {mt!r}, expected one of {HF_MODEL_TYPES}")
-        cfg = {**cfg["text_config"], "_top": cfg}
+        cfg, prefix = cfg.get("text_config"), "text_config."
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"text_config: expected a JSON object, got {_show(cfg)}")
         mt = cfg.get("model_type", HF_TEXT_MODEL_TYPE)
     if mt != HF_TEXT_MODEL_TYPE:
-        raise ConfigError(f"model_type: unknown architecture {mt!r}, expected {HF_TEXT_MODEL_TYPE!r}")
+        raise ConfigError(f"{prefix}model_type: unknown architecture {mt!r}, expected {HF_TEXT_MODEL_TYPE!r}")
+    return _Reader(cfg, "", "config.json", prefix)
 
-    def get(key: str, default: Any = ...) -> Any:
-        if key in cfg and cfg[key] is not None:
-            return cfg[key]
-        if default is ...:
-            raise ConfigError(f"{key}: missing from config.json")
-        return default
 
-    n_layers = int(get("num_hidden_layers"))
-    types = cfg.get("layer_types")
+def _hf_derived(src: _Reader, v: dict[str, Any]) -> dict[str, Any]:
+    """The fields config.json spells differently from ModelConfig: layer types, rotary, QSA ratio, EOS, gate."""
+    types = src.list("layer_types", str, None)
     if types is None:
-        interval = int(get("full_attention_interval", 4))
-        types = [GDN_LAYER_TYPE if (i + 1) % interval else "indexed_attention" for i in range(n_layers)]
+        types = [GDN_LAYER_TYPE if r else "indexed_attention" for r in _interval_layers(src, v["n_layers"])]
     for t in types:
         if t != GDN_LAYER_TYPE and t not in QSA_LAYER_TYPES:
-            raise ConfigError(f"layer_types: unknown layer type {t!r}")
+            raise ConfigError(f"{src.label}layer_types: unknown layer type {t!r}")
     recurrent = tuple(t == GDN_LAYER_TYPE for t in types)
-    rope = get("rope_parameters", None) or {}
-    head_dim = int(get("head_dim", 256))
-    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    sections = list(rope.get("mrope_section", [11, 11, 10]))
-    sections = (sections + [0, 0, 0, 0])[:4]
-    idx_heads = cfg.get("indexer_n_heads")
-    ratio = int(cfg.get("indexer_compress_ratio") or 0) if idx_heads else 0
-    if idx_heads and int(get("indexer_kv_heads", 1)) != 1:
-        raise ConfigError("indexer_kv_heads: qwen4exp QSA requires exactly 1 indexer key head")
-    vocab = int(get("vocab_size"))
-    hidden = int(get("hidden_size"))
-    gate = cfg.get("output_gate_type") or cfg.get("hidden_act", "silu")
+    ratio = src.get("indexer_compress_ratio", int, 0) if v["indexer_heads"] else 0
+    if v["indexer_heads"] and src.get("indexer_kv_heads", int, 1) != 1:
+        raise ConfigError(f"{src.label}indexer_kv_heads: qwen4exp QSA requires exactly 1 indexer key head")
+    rope = src.sub("rope_parameters")
+    partial = rope.get("partial_rotary_factor", float, src.get("partial_rotary_factor", float, 1.0))
+    sections = (rope.list("mrope_section", int, [11, 11, 10]) + [0, 0, 0, 0])[:4]
+    gate = src.get("output_gate_type", str, None) or src.get("hidden_act", str, "silu")
     if gate != "sigmoid":
-        raise ConfigError(f"output_gate_type: qspec implements the sigmoid GDN output gate, got {gate!r}")
-    eos = get("eos_token_id", 248044)
-    eos = int(eos[0] if isinstance(eos, list) else eos)
-    ple_ids = sorted(set(cfg.get("ple_layer_ids") or []))
+        raise ConfigError(f"{src.label}output_gate_type: qspec implements the sigmoid GDN output gate, got {gate!r}")
+    if isinstance(src.kv.get("eos_token_id"), list):
+        eos_ids = src.list("eos_token_id", int)
+        if not eos_ids:
+            raise ConfigError(f"{src.label}eos_token_id: empty list")
+        eos = eos_ids[0]
+    else:
+        eos = src.get("eos_token_id", int, 248044)
+    return dict(layer_recurrent=recurrent, compress_ratios=tuple(0 if r else ratio for r in recurrent),
+                rope_dim=int(v["head_dim"] * partial), rope_theta=rope.get("rope_theta", float,
+                                                                           src.get("rope_theta", float, 1e7)),
+                rope_sections=tuple(sections), eos_token_id=eos)
+
+
+def _hf_ple(src: _Reader, v: dict[str, Any]) -> dict[str, Any]:
+    """PLE layer and the n-gram hash tables, derived from the base vocabulary and seed as transformers does."""
+    ple_ids = sorted(set(src.list("ple_layer_ids", int, [])))
     if len(ple_ids) > 1:
-        raise ConfigError(f"ple_layer_ids: qspec supports one PLE layer, got {ple_ids}")
-    ngram = int(get("ngram_size", 3))
-    hpn = int(get("heads_per_ngram", 8))
-    ple_layer = ple_ids[0] - 1 if ple_ids else -1
-    n_ple_heads = (ngram - 1) * hpn
-    offsets, sizes = ple_head_tables(n_ple_heads, int(get("ngram_vocab_size_base", 20_000_000))) if ple_ids \
-        else ((), ())
-    rows = _pad_rows(sum(sizes), int(get("make_ngram_vocab_size_divisible_by", 128))) if ple_ids else 0
-    mults = ple_multipliers(vocab, ngram, 0, int(get("seed", 1234))) if ple_ids else ()
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden=hidden,
-        n_layers=n_layers,
-        layer_recurrent=recurrent,
-        n_heads=int(get("num_attention_heads")),
-        n_kv_heads=int(get("num_key_value_heads")),
-        head_dim=head_dim,
-        rope_dim=int(head_dim * partial),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10_000_000.0))),
-        rope_sections=tuple(int(s) for s in sections),  # type: ignore[arg-type]
-        gdn_k_heads=int(get("linear_num_key_heads", 16)),
-        gdn_v_heads=int(get("linear_num_value_heads", 32)),
-        gdn_head_dim=int(get("linear_key_head_dim", 128)),
-        gdn_conv_kernel=int(get("linear_conv_kernel_dim", 4)),
-        n_experts=int(get("num_experts", 512)),
-        n_experts_used=int(get("num_experts_per_tok", 10)),
-        expert_ff=int(get("moe_intermediate_size", 512)),
-        shared_ff=int(get("shared_expert_intermediate_size", 512)),
-        hc_count=int(get("hc_count", 4)),
-        hc_rank=int(get("hc_lowrank", 320)),
-        indexer_heads=int(idx_heads or 0),
-        indexer_head_dim=int(cfg.get("indexer_head_dim") or 0),
-        indexer_budget=int(cfg.get("indexer_budget") or 0),
-        compress_ratios=tuple(0 if r else ratio for r in recurrent),
-        ple_layer=ple_layer,
-        ngram_size=ngram,
-        heads_per_ngram=hpn,
-        ple_conv_kernel=int(get("ple_conv_kernel_size", 4)),
-        ple_embed_dim=int(cfg.get("ple_embed_dim") or hidden) if ple_ids else 0,
-        ple_multipliers=mults,
-        ple_head_offsets=offsets,
-        ple_head_vocab=sizes,
-        ple_rows=rows,
-        eos_token_id=eos,
-        rms_eps=float(get("rms_norm_eps", 1e-6)),
-        context_length=int(get("max_position_embeddings", 262144)),
-        n_mtp_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0),
-        extra={"ngram_vocab_size_base": int(get("ngram_vocab_size_base", 20_000_000)),
-               "seed": int(get("seed", 1234))},
-    ).validate()
+        raise ConfigError(f"{src.label}ple_layer_ids: qspec supports one PLE layer, got {ple_ids}")
+    base, seed = src.get("ngram_vocab_size_base", int, 20_000_000), src.get("seed", int, 1234)
+    extra = {"ngram_vocab_size_base": base, "seed": seed}
+    if not ple_ids:
+        return dict(ple_layer=-1, ple_embed_dim=0, ple_multipliers=(), ple_head_offsets=(), ple_head_vocab=(),
+                    ple_rows=0, extra=extra)
+    offsets, sizes = ple_head_tables((v["ngram_size"] - 1) * v["heads_per_ngram"], base)
+    return dict(ple_layer=ple_ids[0] - 1, ple_embed_dim=src.get("ple_embed_dim", int, v["hidden"]),
+                ple_multipliers=ple_multipliers(v["vocab_size"], v["ngram_size"], 0, seed),
+                ple_head_offsets=offsets, ple_head_vocab=sizes,
+                ple_rows=_pad_rows(sum(sizes), src.get("make_ngram_vocab_size_divisible_by", int, 128)), extra=extra)
+
+
+def from_hf_config(cfg: Any) -> ModelConfig:
+    """Build from an HF config dict (`qwen4_exp_text`, or the VL wrapper holding `text_config`)."""
+    src = _hf_reader(cfg)
+    v = {k.field: src.get(k.hf, k.kind, k.default) for k in _KEYS if k.hf}
+    return ModelConfig(**v, **_hf_derived(src, v), **_hf_ple(src, v)).validate()
 
 
 def to_hf_config(c: ModelConfig) -> dict[str, Any]:
     """The `qwen4_exp_text` config.json for this model (what transformers and `from_hf_config` read)."""
+    hf: dict[str, Any] = {"architectures": ["Qwen4ExpForCausalLM"], "model_type": HF_TEXT_MODEL_TYPE}
+    for k in _KEYS:
+        if k.hf:
+            value = getattr(c, k.field)
+            hf[k.hf] = None if k.hf_zero_null and not value else value
     ratio = max(c.compress_ratios, default=0) or (4 if c.indexer_heads else 0)
-    return {
-        "architectures": ["Qwen4ExpForCausalLM"],
-        "model_type": HF_TEXT_MODEL_TYPE,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden,
-        "num_hidden_layers": c.n_layers,
+    return hf | {
         "layer_types": [GDN_LAYER_TYPE if r else "full_attention" for r in c.layer_recurrent],
-        "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads,
-        "head_dim": c.head_dim,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
                             "partial_rotary_factor": c.rope_dim / c.head_dim,
                             "mrope_section": list(c.rope_sections[:3]), "mrope_interleaved": True},
-        "linear_num_key_heads": c.gdn_k_heads,
-        "linear_num_value_heads": c.gdn_v_heads,
-        "linear_key_head_dim": c.gdn_head_dim,
-        "linear_value_head_dim": c.gdn_head_dim,
-        "linear_conv_kernel_dim": c.gdn_conv_kernel,
-        "num_experts": c.n_experts,
-        "num_experts_per_tok": c.n_experts_used,
-        "moe_intermediate_size": c.expert_ff,
-        "shared_expert_intermediate_size": c.shared_ff,
         "norm_topk_prob": True,
-        "hc_count": c.hc_count,
-        "hc_lowrank": c.hc_rank,
-        "indexer_n_heads": c.indexer_heads or None,
         "indexer_kv_heads": 1 if c.indexer_heads else None,
-        "indexer_head_dim": c.indexer_head_dim or None,
-        "indexer_budget": c.indexer_budget or None,
         "indexer_compress_ratio": ratio or None,
         "ple_layer_ids": [c.ple_layer + 1] if c.has_ple else [],
         "ple_embed_dim": c.ple_embed_dim if c.has_ple else None,
-        "ple_conv_kernel_size": c.ple_conv_kernel,
-        "ngram_size": c.ngram_size,
-        "heads_per_ngram": c.heads_per_ngram,
         "ngram_vocab_size_base": c.extra.get("ngram_vocab_size_base", 20_000_000),
         "make_ngram_vocab_size_divisible_by": 128,
         "seed": c.extra.get("seed", 1234),
         "eos_token_id": c.eos_token_id,
-        "rms_norm_eps": c.rms_eps,
-        "max_position_embeddings": c.context_length,
         "output_gate_type": "sigmoid",
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "mtp_num_hidden_layers": c.n_mtp_layers,
         "mtp_use_dedicated_embeddings": False,
         "torch_dtype": "float32",
     }
 
 
 # ---- GGUF metadata -------------------------------------------------------------------------------
-def from_gguf_metadata(kv: dict[str, Any]) -> ModelConfig:
+def _gguf_derived(src: _Reader, kv: Mapping[str, Any], v: dict[str, Any]) -> dict[str, Any]:
+    """The fields llama.cpp stores in another form: trunk layers, layer flags, value head size, FFN size, vocab."""
+    n_all = src.get("block_count")
+    n_layers = n_all - v["n_mtp_layers"]
+    if n_layers <= 0:
+        raise ConfigError(f"{ARCH}.block_count: {n_all} blocks leave no trunk layers after {v['n_mtp_layers']} "
+                          "MTP blocks")
+    rec = src.list("attention.recurrent_layers", bool, None)
+    rec = _interval_layers(src, n_layers) if rec is None else rec
+    ratios = src.list("attention.compress_ratios", int, [0] * n_all)
+    if src.get("attention.value_length", int, v["head_dim"]) != v["head_dim"]:
+        raise ConfigError(f"{ARCH}.attention.value_length: must equal attention.key_length ({v['head_dim']})")
+    # llama.cpp: head_v_dim = ssm.inner_size / ssm.time_step_rank (the key head size is ssm.state_size)
+    inner, v_heads = src.get("ssm.inner_size"), v["gdn_v_heads"]
+    if v_heads <= 0 or inner % v_heads:
+        raise ConfigError(f"{ARCH}.ssm.inner_size: {inner} is not a multiple of time_step_rank {v_heads}")
+    if isinstance(kv.get(f"{ARCH}.expert_feed_forward_length"), (list, tuple)):
+        ffs = src.list("expert_feed_forward_length")
+        if len(set(ffs)) != 1:
+            raise ConfigError(f"{ARCH}.expert_feed_forward_length: per-layer sizes differ: {ffs}")
+        ff = ffs[0]
+    else:
+        ff = src.get("expert_feed_forward_length")
+    sections = src.list("rope.dimension_sections", int, [11, 11, 10, 0])
+    if len(sections) != 4:
+        raise ConfigError(f"{ARCH}.rope.dimension_sections: needs 4 entries, got {sections}")
+    eos = src.get("ple.eos_token_id", int, None)
+    if eos is None:
+        eos = _Reader(kv, "", "GGUF metadata").get("tokenizer.ggml.eos_token_id", int, 248044)
+    return dict(n_layers=n_layers, layer_recurrent=tuple(rec[:n_layers]), compress_ratios=tuple(ratios[:n_layers]),
+                gdn_v_head_dim=inner // v_heads, expert_ff=ff, rope_sections=tuple(sections), eos_token_id=eos,
+                vocab_size=_typed("token_embd.weight rows", kv.get("_vocab_size", 0), int)
+                or src.get("vocab_size", int, 0))
+
+
+def _gguf_ple(src: _Reader, kv: Mapping[str, Any], v: dict[str, Any]) -> dict[str, Any]:
+    ple_layers = src.list("ple.layers", int, [])
+    if len(ple_layers) > 1:
+        raise ConfigError(f"{ARCH}.ple.layers: exactly one PLE layer is supported, got {ple_layers}")
+    if not ple_layers:
+        return dict(ple_layer=-1, ple_embed_dim=0, ple_multipliers=(), ple_head_offsets=(), ple_head_vocab=(),
+                    ple_rows=int(kv.get("_ple_rows", 0)))
+    per_head = src.get("embedding_length_per_layer_input", int, 0)
+    return dict(ple_layer=ple_layers[0], ple_embed_dim=per_head * (v["ngram_size"] - 1) * v["heads_per_ngram"],
+                ple_multipliers=tuple(src.list("ple.layer_multipliers", int, [])),
+                ple_head_offsets=tuple(src.list("ple.head_offsets", int, [])),
+                ple_head_vocab=tuple(src.list("ple.head_vocab_sizes", int, [])), ple_rows=int(kv.get("_ple_rows", 0)))
+
+
+def from_gguf_metadata(kv: Mapping[str, Any]) -> ModelConfig:
     """Build from GGUF key/values (already decoded to Python values)."""
     arch = kv.get("general.architecture")
     if arch != ARCH:
         raise ConfigError(f"general.architecture: unknown architecture {arch!r}, expected {ARCH!r}")
-
-    def get(key: str, default: Any = ...) -> Any:
-        full = f"{ARCH}.{key}"
-        if full in kv:
-            return kv[full]
-        if default is ...:
-            raise ConfigError(f"{full}: missing from GGUF metadata")
-        return default
-
-    n_all = int(get("block_count"))
-    n_mtp = int(get("nextn_predict_layers", 0))
-    n_layers = n_all - n_mtp
-    if n_layers <= 0:
-        raise ConfigError(f"{ARCH}.block_count: {n_all} blocks leave no trunk layers after {n_mtp} MTP blocks")
-    rec = get("attention.recurrent_layers", None)
-    if rec is None:
-        interval = int(get("full_attention_interval", 4))
-        rec = [(i + 1) % interval != 0 for i in range(n_layers)]
-    rec = tuple(bool(x) for x in list(rec)[:n_layers])
-    ratios = list(get("attention.compress_ratios", [0] * n_all))
-    ratios = tuple(int(r) for r in ratios[:n_layers])
-    head_k = int(get("attention.key_length"))
-    if int(get("attention.value_length", head_k)) != head_k:
-        raise ConfigError(f"{ARCH}.attention.value_length: must equal attention.key_length ({head_k})")
-    inner = int(get("ssm.inner_size"))
-    state = int(get("ssm.state_size"))
-    v_heads = int(get("ssm.time_step_rank"))
-    if v_heads * state != inner:
-        raise ConfigError(f"{ARCH}.ssm.inner_size: {inner} != time_step_rank {v_heads} x state_size {state}")
-    ple_layers = list(get("ple.layers", []))
-    if len(ple_layers) > 1:
-        raise ConfigError(f"{ARCH}.ple.layers: exactly one PLE layer is supported, got {ple_layers}")
-    has_ple = bool(ple_layers)
-    ngram = int(get("ple.ngram_size", 3))
-    hpn = int(get("ple.heads_per_ngram", 8))
-    sections = list(get("rope.dimension_sections", [11, 11, 10, 0]))
-    if len(sections) != 4:
-        raise ConfigError(f"{ARCH}.rope.dimension_sections: needs 4 entries, got {sections}")
-    ff = get("expert_feed_forward_length")
-    if isinstance(ff, (list, tuple)):
-        if len(set(int(x) for x in ff)) != 1:
-            raise ConfigError(f"{ARCH}.expert_feed_forward_length: per-layer sizes differ: {ff}")
-        ff = ff[0]
-    hidden = int(get("embedding_length"))
-    return ModelConfig(
-        vocab_size=int(kv.get("_vocab_size", 0)) or int(get("vocab_size", 0)),
-        hidden=hidden,
-        n_layers=n_layers,
-        layer_recurrent=rec,
-        n_heads=int(get("attention.head_count")),
-        n_kv_heads=int(get("attention.head_count_kv")),
-        head_dim=head_k,
-        rope_dim=int(get("rope.dimension_count")),
-        rope_theta=float(get("rope.freq_base", 10_000_000.0)),
-        rope_sections=tuple(int(s) for s in sections),  # type: ignore[arg-type]
-        gdn_k_heads=int(get("ssm.group_count")),
-        gdn_v_heads=v_heads,
-        gdn_head_dim=state,
-        gdn_conv_kernel=int(get("ssm.conv_kernel")),
-        n_experts=int(get("expert_count")),
-        n_experts_used=int(get("expert_used_count")),
-        expert_ff=int(ff),
-        shared_ff=int(get("expert_shared_feed_forward_length")),
-        hc_count=int(get("hyper_connection.count")),
-        hc_rank=int(get("hyper_connection.low_rank")),
-        indexer_heads=int(get("attention.indexer.head_count", 0)),
-        indexer_head_dim=int(get("attention.indexer.key_length", 0)),
-        indexer_budget=int(get("attention.indexer.top_k", 0)),
-        compress_ratios=ratios,
-        ple_layer=int(ple_layers[0]) if has_ple else -1,
-        ngram_size=ngram,
-        heads_per_ngram=hpn,
-        ple_conv_kernel=int(get("ple.conv_kernel", 4)),
-        ple_embed_dim=int(get("embedding_length_per_layer_input", 0)) * (ngram - 1) * hpn if has_ple else 0,
-        ple_multipliers=tuple(int(x) for x in get("ple.layer_multipliers", [])) if has_ple else (),
-        ple_head_offsets=tuple(int(x) for x in get("ple.head_offsets", [])) if has_ple else (),
-        ple_head_vocab=tuple(int(x) for x in get("ple.head_vocab_sizes", [])) if has_ple else (),
-        ple_rows=int(kv.get("_ple_rows", 0)),
-        eos_token_id=int(get("ple.eos_token_id", kv.get("tokenizer.ggml.eos_token_id", 248044))),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        context_length=int(get("context_length", 262144)),
-        n_mtp_layers=n_mtp,
-    )
+    src = _Reader(kv, f"{ARCH}.", "GGUF metadata")
+    v = {k.field: src.get(k.gguf, k.kind, k.default if k.gguf_optional else ...) for k in _KEYS if k.gguf}
+    return ModelConfig(**v, **_gguf_derived(src, kv, v), **_gguf_ple(src, kv, v))
 
 
 def to_gguf_metadata(c: ModelConfig) -> dict[str, Any]:
     """`qwen4exp.*` keys as the llama.cpp converter writes them (values as Python ints/floats/lists)."""
     p = ARCH + "."
-    kv: dict[str, Any] = {
-        "general.architecture": ARCH,
-        p + "block_count": c.n_layers + c.n_mtp_layers,
-        p + "context_length": c.context_length,
-        p + "embedding_length": c.hidden,
-        p + "attention.head_count": c.n_heads,
-        p + "attention.head_count_kv": c.n_kv_heads,
-        p + "attention.key_length": c.head_dim,
-        p + "attention.value_length": c.head_dim,
-        p + "attention.layer_norm_rms_epsilon": c.rms_eps,
-        p + "rope.dimension_count": c.rope_dim,
-        p + "rope.dimension_sections": list(c.rope_sections),
-        p + "rope.freq_base": c.rope_theta,
-        p + "expert_count": c.n_experts,
-        p + "expert_used_count": c.n_experts_used,
-        p + "expert_feed_forward_length": c.expert_ff,
-        p + "expert_shared_feed_forward_length": c.shared_ff,
-        p + "ssm.conv_kernel": c.gdn_conv_kernel,
-        p + "ssm.state_size": c.gdn_head_dim,
-        p + "ssm.group_count": c.gdn_k_heads,
-        p + "ssm.time_step_rank": c.gdn_v_heads,
-        p + "ssm.inner_size": c.gdn_value_dim,
-        p + "attention.recurrent_layers": list(c.layer_recurrent) + [False] * c.n_mtp_layers,
-        p + "hyper_connection.count": c.hc_count,
-        p + "hyper_connection.low_rank": c.hc_rank,
-        p + "attention.compress_ratios": list(c.compress_ratios) + [0] * c.n_mtp_layers,
+    kv: dict[str, Any] = {"general.architecture": ARCH}
+    for k in _KEYS:
+        if k.gguf and (not k.gguf_if or getattr(c, k.gguf_if)):
+            kv[p + k.gguf] = getattr(c, k.field)
+    derived: dict[str, Any] = {
+        "block_count": c.n_layers + c.n_mtp_layers,
+        "attention.value_length": c.head_dim,
+        "rope.dimension_sections": list(c.rope_sections),
+        "expert_feed_forward_length": c.expert_ff,
+        "ssm.inner_size": c.gdn_value_dim,
+        "attention.recurrent_layers": list(c.layer_recurrent) + [False] * c.n_mtp_layers,
+        "attention.compress_ratios": list(c.compress_ratios) + [0] * c.n_mtp_layers,
     }
-    if c.indexer_heads:
-        kv[p + "attention.indexer.head_count"] = c.indexer_heads
-        kv[p + "attention.indexer.key_length"] = c.indexer_head_dim
-        kv[p + "attention.indexer.top_k"] = c.indexer_budget
-    if c.n_mtp_layers:
-        kv[p + "nextn_predict_layers"] = c.n_mtp_layers
     if c.has_ple:
-        kv[p + "ple.layers"] = [c.ple_layer]
-        kv[p + "ple.ngram_size"] = c.ngram_size
-        kv[p + "ple.heads_per_ngram"] = c.heads_per_ngram
-        kv[p + "ple.conv_kernel"] = c.ple_conv_kernel
-        kv[p + "ple.eos_token_id"] = c.eos_token_id
-        kv[p + "ple.layer_multipliers"] = list(c.ple_multipliers)
-        kv[p + "ple.head_offsets"] = list(c.ple_head_offsets)
-        kv[p + "ple.head_vocab_sizes"] = list(c.ple_head_vocab)
-        kv[p + "embedding_length_per_layer_input"] = c.ple_head_dim
-    return kv
+        derived |= {"ple.layers": [c.ple_layer], "ple.eos_token_id": c.eos_token_id,
+                    "ple.layer_multipliers": list(c.ple_multipliers), "ple.head_offsets": list(c.ple_head_offsets),
+                    "ple.head_vocab_sizes": list(c.ple_head_vocab),
+                    "embedding_length_per_layer_input": c.ple_head_dim}
+    return kv | {p + k: value for k, value in derived.items()}
 
 
 # ---- presets -------------------------------------------------------------------------------------
+_PRESET_NAMES = ("flash-next", "tiny")
+_PRESET_SIZES = (  # (size, flash-next, tiny); `ratio`: the QSA compress ratio, `ngram_base`: the n-gram vocab base
+    ("vocab_size", 248320, 248320), ("hidden", 2560, 64), ("n_layers", 48, 4), ("n_heads", 24, 4),
+    ("n_kv_heads", 2, 2), ("head_dim", 256, 32), ("rope_dim", 64, 8), ("gdn_k_heads", 16, 2),
+    ("gdn_v_heads", 48, 4), ("gdn_head_dim", 128, 16), ("n_experts", 512, 8), ("n_experts_used", 10, 2),
+    ("expert_ff", 640, 32), ("shared_ff", 640, 32), ("hc_count", 4, 4), ("hc_rank", 320, 16),
+    ("indexer_heads", 4, 8), ("indexer_head_dim", 128, 16), ("indexer_budget", 2048, 16), ("ratio", 4, 4),
+    ("ple_embed_dim", 2560, 64), ("ngram_base", 20_000_000, 1000),
+)
+
+
 def preset(name: str, *, layers: int | None = None, experts: int | None = None,
            ngram_vocab_base: int | None = None, vocab_size: int | None = None, mtp: bool = True,
            **overrides: Any) -> ModelConfig:
     """`tiny` (CPU tests, seconds) or `flash-next` (real geometry), optionally shrunk.
 
     `layers` keeps the 3 GDN : 1 QSA pattern; `ngram_vocab_base` shrinks the n-gram table."""
-    if name == "flash-next":
-        base = dict(vocab_size=248320, hidden=2560, n_layers=48, n_heads=24, n_kv_heads=2, head_dim=256,
-                    rope_dim=64, gdn_k_heads=16, gdn_v_heads=48, gdn_head_dim=128, n_experts=512,
-                    n_experts_used=10, expert_ff=640, shared_ff=640, hc_count=4, hc_rank=320,
-                    indexer_heads=4, indexer_head_dim=128, indexer_budget=2048, ratio=4,
-                    ple_embed_dim=2560, ngram_base=20_000_000)
-    elif name == "tiny":
-        base = dict(vocab_size=248320, hidden=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-                    rope_dim=8, gdn_k_heads=2, gdn_v_heads=4, gdn_head_dim=16, n_experts=8,
-                    n_experts_used=2, expert_ff=32, shared_ff=32, hc_count=4, hc_rank=16,
-                    indexer_heads=8, indexer_head_dim=16, indexer_budget=16, ratio=4,
-                    ple_embed_dim=64, ngram_base=1000)
-    else:
+    if name not in _PRESET_NAMES:
         raise ConfigError(f"preset: unknown preset {name!r} (known: tiny, flash-next)")
+    col = _PRESET_NAMES.index(name)
+    base = {key: values[col] for key, *values in _PRESET_SIZES}
     n_layers = layers if layers is not None else base["n_layers"]
     if n_layers <= 0:
         raise ConfigError(f"layers: must be > 0, got {n_layers}")
@@ -546,6 +576,7 @@ def preset(name: str, *, layers: int | None = None, experts: int | None = None,
         rope_dim=base["rope_dim"], rope_theta=10_000_000.0,
         rope_sections=(11, 11, 10, 0) if base["rope_dim"] >= 64 else _small_sections(base["rope_dim"]),
         gdn_k_heads=base["gdn_k_heads"], gdn_v_heads=base["gdn_v_heads"], gdn_head_dim=base["gdn_head_dim"],
+        gdn_v_head_dim=base["gdn_head_dim"],
         gdn_conv_kernel=4, n_experts=experts or base["n_experts"],
         n_experts_used=min(base["n_experts_used"], experts or base["n_experts"]),
         expert_ff=base["expert_ff"], shared_ff=base["shared_ff"], hc_count=base["hc_count"],
@@ -560,6 +591,8 @@ def preset(name: str, *, layers: int | None = None, experts: int | None = None,
         n_mtp_layers=1 if mtp else 0,
         extra={"ngram_vocab_size_base": ngram_base, "seed": 1234},
     )
+    if "gdn_head_dim" in overrides:  # the value head size follows the key head size unless given too
+        overrides.setdefault("gdn_v_head_dim", overrides["gdn_head_dim"])
     return cfg.with_(**overrides).validate() if overrides else cfg.validate()
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,10 +13,13 @@ import torch
 from conftest import build_model, tiny_config
 
 from qspec.config import ModelConfig, to_hf_config
+from qspec.kernels.triton_common import HAS_TRITON
 from qspec.model import ops
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
-from qspec.weights import load_model_weights, write_gguf
+from qspec.weights import load_model_weights, read_gguf_metadata, write_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
@@ -162,3 +168,91 @@ def test_sparse_attention_equals_masked_dense(kv_type: str) -> None:
     # and the indexer restricts: attending to every cell changes the logits
     everything = build_model(dataclasses.replace(cfg, indexer_budget=128), seed=6)  # same weights
     assert (our_logits(everything, ids.tolist(), 128) - out[False]).abs().max().item() > 1e-3
+
+
+# ---- GDN value head size != key head size (llama.cpp: ssm.inner_size / ssm.time_step_rank) ------------------------
+VALUE_DIM_CASES = {
+    "values-wider": {"gdn_v_head_dim": 24},  # inner_size 96 != time_step_rank 4 x state_size 16
+    "values-narrower-grouped": {"gdn_k_heads": 1, "gdn_v_heads": 3, "gdn_v_head_dim": 8},
+}
+
+
+def steps_with_rejections(model: Model, ids: torch.Tensor, prefill: int, wrong: int) -> torch.Tensor:
+    """Logits of every position: a chunked prefill, then 3-row verify steps whose last row is a wrong token that is
+    rolled back (so each step keeps 2 rows and the next one starts from a rollback plane)."""
+    run = Runner(model, CacheOptions(capacity=64, n_slots=4))
+    rows = [run.step(ids[:prefill])[0]]
+    run.keep(prefill, rollback=False)
+    pos = prefill
+    while pos < len(ids):
+        chunk = ids[pos:pos + 2]
+        logits, _ = run.step(torch.cat([chunk, torch.tensor([wrong])]))
+        run.keep(len(chunk), rollback=True)
+        rows.append(logits[:len(chunk)])
+        pos += len(chunk)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("case", sorted(VALUE_DIM_CASES))
+def test_gdn_value_head_size_matches_transformers(case: str, tmp_path: Path) -> None:
+    cfg = tiny_config(mtp=False).with_(**VALUE_DIM_CASES[case]).validate()
+    assert cfg.gdn_v_head_dim != cfg.gdn_head_dim
+    ref = hf_reference(cfg, seed=11)
+    assert ref.model.layers[0].linear_attn.head_v_dim == cfg.gdn_v_head_dim
+    ref.save_pretrained(tmp_path / "hf")
+    T = 29
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids[None], use_cache=False).logits[0]
+    cfg_hf, w_hf = load_model_weights(tmp_path / "hf")
+    assert cfg_hf.gdn_v_head_dim == cfg.gdn_v_head_dim
+    write_gguf(tmp_path / "m.gguf", cfg_hf, w_hf)
+    md = read_gguf_metadata(tmp_path / "m.gguf")
+    assert md["qwen4exp.ssm.inner_size"] == cfg.gdn_v_heads * cfg.gdn_v_head_dim
+    assert md["qwen4exp.ssm.state_size"] == cfg.gdn_head_dim
+    cfg_g, w_g = load_model_weights(tmp_path / "m.gguf")
+    assert cfg_g == cfg_hf
+    for name, model in (("hf", Model(cfg_hf, w_hf)), ("gguf", Model(cfg_g, w_g))):
+        whole = our_logits(model, ids.tolist(), 64)
+        stepped = steps_with_rejections(model, ids, prefill=17, wrong=int(ids[0]) ^ 1)
+        for got in (whole, stepped):
+            assert (got - want).abs().max().item() <= 1e-4, name
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), name
+
+
+_INTERPRETED_GDN = """
+import torch
+from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
+from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
+from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
+
+g = torch.Generator().manual_seed(0)
+for T, Hk, Hv, dk, dv in ((3, 2, 4, 16, 24), (2, 1, 3, 16, 8), (1, 2, 4, 32, 20), (4, 2, 2, 8, 40)):
+    C, K = 2 * Hk * dk + Hv * dv, 4
+    X, w = torch.randn(C, T + K - 1, generator=g), torch.randn(C, K, generator=g)
+    assert kernel_takes(X, w, T, Hk, Hv, dk, dv)
+    ref = gdn_conv_qkv_torch(X, w, T, Hk, Hv, dk, dv)
+    got = gdn_conv_qkv_triton(X, w, T, Hk, Hv, dk, dv)
+    for a, b, shape in zip(ref, got, ((T, Hk, dk), (T, Hk, dk), (T, Hv, dv))):
+        assert a.shape == b.shape == shape and (a - b).abs().max().item() < 1e-5, (T, Hk, Hv, dk, dv)
+    q, k, v = ref
+    alpha, beta = torch.randn(T, Hv, generator=g), torch.randn(T, Hv, generator=g)
+    gates = (-(1 + 15 * torch.rand(Hv, generator=g)), torch.rand(Hv, generator=g))
+    ssm = torch.randn(8, Hv, dk, dv, generator=g)
+    live, base = torch.tensor(2), torch.tensor(4)
+    s_ref, s_tri = ssm.clone(), ssm.clone()
+    o_ref = gdn_recurrent_planes_torch(q, k, v, alpha, beta, s_ref, live, base, gates)
+    o_tri = gdn_recurrent_planes_triton(q, k, v, alpha, beta, s_tri, live, base, gates, block_v=16)
+    assert o_tri.shape == (T, Hv, dv) and (o_tri - o_ref).abs().max().item() < 1e-4, (T, Hk, Hv, dk, dv)
+    assert (s_tri - s_ref).abs().max().item() < 1e-4 and torch.equal(s_tri[:4], ssm[:4])
+print("gdn kernels ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_gdn_kernels_interpreted_with_value_head_size_unlike_key() -> None:
+    """The step conv and the per-row recurrence in Triton (interpreter, CPU) at dv != dk against the references."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED_GDN], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "gdn kernels ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]

@@ -336,7 +336,7 @@ def test_hf_sharded_vl_and_split_expert_layouts(cfg: ModelConfig, weights: dict,
 
 def hf_reference(cfg: ModelConfig, w: dict) -> dict[str, torch.Tensor]:
     """Canonical -> HF state dict written out plainly (head loops, no shared code with qspec.weights.hf)."""
-    K, V, hd = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_head_dim
+    K, V, hd = cfg.gdn_k_heads, cfg.gdn_v_heads, cfg.gdn_v_head_dim  # value heads are hd wide
     R = V // K
 
     def hf_heads(x: torch.Tensor, dim: int, start: int, block: int) -> torch.Tensor:
@@ -420,7 +420,7 @@ def hf_reference(cfg: ModelConfig, w: dict) -> dict[str, torch.Tensor]:
     return sd
 
 
-def test_transformers_loads_write_hf_output(cfg: ModelConfig, weights: dict, hf_dir: Path) -> None:
+def assert_transformers_loads(cfg: ModelConfig, weights: dict, hf_dir: Path) -> None:
     transformers = pytest.importorskip("transformers")
     model, info = transformers.Qwen4ExpForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -429,6 +429,25 @@ def test_transformers_loads_write_hf_output(cfg: ModelConfig, weights: dict, hf_
     assert set(sd) == set(ref)
     for k, v in sd.items():
         assert torch.equal(v, ref[k]), k
+
+
+def test_transformers_loads_write_hf_output(cfg: ModelConfig, weights: dict, hf_dir: Path) -> None:
+    assert_transformers_loads(cfg, weights, hf_dir)
+
+
+def test_value_heads_unlike_key_heads_in_both_formats(tmp_path: Path) -> None:
+    """linear_value_head_dim 24 != linear_key_head_dim 16: GGUF ssm.inner_size 96 != 4 x ssm.state_size 16."""
+    c = preset("tiny", vocab_size=512, mtp=False, gdn_v_head_dim=24)
+    w = random_weights(c, seed=4)
+    assert w["blk.0.attn_qkv.weight"].shape == (2 * 2 * 16 + 4 * 24, c.hidden)
+    assert w["blk.0.ssm_norm.weight"].shape == (24,) and w["blk.0.ssm_out.weight"].shape == (c.hidden, 96)
+    write_hf(tmp_path / "hf", c, w)
+    assert_transformers_loads(c, w, tmp_path / "hf")
+    write_gguf(tmp_path / "m.gguf", c, w)
+    for path in (tmp_path / "hf", tmp_path / "m.gguf"):
+        c2, w2 = load_model_weights(path)
+        assert c2 == c and c2.gdn_v_head_dim == 24, path
+        assert_same(w, w2)
 
 
 # ---- bad inputs --------------------------------------------------------------------------------------------------

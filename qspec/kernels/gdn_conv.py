@@ -28,21 +28,25 @@ def conv_kernel_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_ON", on)
 
 
-def gdn_conv_qkv_torch(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal conv + silu over X = [window || rows] [C, s+T] -> L2-normed, scaled q, k [T, Hk, d] and v [T, Hv, d]."""
+def gdn_conv_qkv_torch(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, dk: int,
+                       dv: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal conv + silu over X = [window || rows] [C, s+T] -> L2-normed, scaled q, k [T, Hk, dk] and
+    v [T, Hv, dv] (C = 2 Hk dk + Hv dv; dv defaults to dk)."""
+    dv = dk if dv is None else dv
     conv = silu(causal_taps(X, conv_w, T)).t().contiguous()  # [T, C]
-    kd = Hk * d
-    q, k, v = torch.split(conv, [kd, kd, Hv * d], dim=-1)
-    q = l2_norm(q.reshape(T, Hk, d)) * d ** -0.5
-    k = l2_norm(k.reshape(T, Hk, d))
-    return q, k, v.reshape(T, Hv, d).contiguous()
+    kd = Hk * dk
+    q, k, v = torch.split(conv, [kd, kd, Hv * dv], dim=-1)
+    q = l2_norm(q.reshape(T, Hk, dk)) * dk ** -0.5
+    k = l2_norm(k.reshape(T, Hk, dk))
+    return q, k, v.reshape(T, Hv, dv).contiguous()
 
 
-def kernel_takes(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, d: int) -> bool:
+def kernel_takes(X: torch.Tensor, conv_w: torch.Tensor, T: int, Hk: int, Hv: int, dk: int,
+                 dv: int | None = None) -> bool:
     """Whether `gdn_conv_qkv_triton` runs this call: switched on, CUDA (or the interpreter), f32 window and taps of
     the model's shape, not row-exact mode."""
-    C = (2 * Hk + Hv) * d
+    dv = dk if dv is None else dv
+    C = 2 * Hk * dk + Hv * dv
     return (_ON and use_triton(X) and not row_exact() and X.dtype == torch.float32 and conv_w.dtype == torch.float32
             and X.dim() == 2 and X.shape[0] == C and conv_w.shape[0] == C and X.shape[1] == T + conv_w.shape[1] - 1
             and X.stride(1) == 1 and conv_w.is_contiguous() and T > 0)

@@ -52,19 +52,19 @@ class GatedDeltaNet(torch.nn.Module):
                 stats: SnapshotStats | None) -> torch.Tensor:
         c = self.cfg
         T = h.shape[0]
-        Hk, Hv, d = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim
+        Hk, Hv, dk, dv = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim, c.gdn_v_head_dim
         qkv, z, b_logit, a_logit = gdn_in(h, self.w_in, c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads)
 
         # conv over [live window || new rows]; snapshots of the window after each row
         last_only = T > rc.n_slots
         X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
                             live=rc.live)
-        if kernel_takes(X, self.conv_w, T, Hk, Hv, d):  # one launch (on unless gdn_conv.conv_kernel_mode(False))
+        if kernel_takes(X, self.conv_w, T, Hk, Hv, dk, dv):  # one launch (on unless conv_kernel_mode(False))
             from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 
-            q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, d)
+            q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, dk, dv)
         else:
-            q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, d)
+            q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, dk, dv)
         if h.is_cuda and not last_only:
             # Triton: state tile in registers across the rows, each row's state to its rollback plane; the kernel
             # computes the gates from the raw logits
@@ -99,7 +99,7 @@ gdn_conv_qkv = fused(gdn_conv_qkv_torch)
 
 @fused
 def gdn_out(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
-    """Sigmoid-gated RMSNorm per head (o [T, Hv, d] f32), then the output projection."""
+    """Sigmoid-gated RMSNorm per value head (o [T, Hv, dv] f32), then the output projection."""
     T = o.shape[0]
     o = rms_norm(o, norm, eps) * sigmoid(z.reshape(o.shape).float())
     return linear(o.reshape(T, -1).to(z.dtype), w_out)

@@ -25,7 +25,7 @@ from qspec.config import ModelConfig
 @dataclass
 class GDNState:
     conv: torch.Tensor  # [2S, C, K-1] f32: pre-activation qkv of the last K-1 tokens
-    ssm: torch.Tensor  # [2S, Hv, dk, dv] f32
+    ssm: torch.Tensor  # [2S, Hv, dk, dv] f32 (key and value head sizes)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RecurrentCache:
         for i in cfg.gdn_layers():
             self.gdn[i] = GDNState(
                 conv=torch.zeros(planes, cfg.gdn_conv_dim, cfg.gdn_conv_kernel - 1, device=device, dtype=torch.float32),
-                ssm=torch.zeros(planes, cfg.gdn_v_heads, cfg.gdn_head_dim, cfg.gdn_head_dim, device=device,
+                ssm=torch.zeros(planes, cfg.gdn_v_heads, cfg.gdn_head_dim, cfg.gdn_v_head_dim, device=device,
                                 dtype=torch.float32),
             )
         self.ple: PLEState | None = None

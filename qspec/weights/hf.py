@@ -135,7 +135,7 @@ def _gdn_rules(hf: str, b: str, c: ModelConfig) -> list[_Rule]:
     a = f"{hf}linear_attn."
     perm = v_head_order(c.gdn_k_heads, c.gdn_v_heads)
     inv = torch.argsort(perm)
-    hd, vo = c.gdn_head_dim, 2 * c.gdn_key_dim  # V rows/channels start after q and k
+    hd, vo = c.gdn_v_head_dim, 2 * c.gdn_key_dim  # V rows/channels (value heads) start after q and k
 
     def heads(dim: int, start: int, block: int) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
         return (lambda x: _reorder(x, perm, dim, start, block)), (lambda x: _reorder(x, inv, dim, start, block))
@@ -152,7 +152,7 @@ def _gdn_rules(hf: str, b: str, c: ModelConfig) -> list[_Rule]:
         _one(f"{b}.ssm_dt.bias", f"{a}dt_bias", (c.gdn_v_heads,), *vec),
         _one(f"{b}.ssm_conv1d.weight", f"{a}conv1d.weight", (c.gdn_conv_dim, 1, c.gdn_conv_kernel),
              lambda x: qkv[0](x.squeeze(1)), lambda x: qkv[1](x).unsqueeze(1)),
-        _one(f"{b}.ssm_norm.weight", f"{a}norm.weight", (c.gdn_head_dim,)),  # gated norm: plain gamma, no +1
+        _one(f"{b}.ssm_norm.weight", f"{a}norm.weight", (c.gdn_v_head_dim,)),  # gated norm: plain gamma, no +1
         _one(f"{b}.ssm_out.weight", f"{a}out_proj.weight", (c.hidden, c.gdn_value_dim), *out),
     ]
 
@@ -405,7 +405,10 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
         table = None
         if cfg.has_ple:
             cfg = _ple_buffers(cfg, keys, ple_base, stack)
-            table = _ple_table(cfg, keys, ple_base, text_cfg.get("split_ngram_parts"))
+            parts = text_cfg.get("split_ngram_parts")
+            if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int)):
+                raise ConfigError(f"split_ngram_parts: expected an integer, got {parts!r}")
+            table = _ple_table(cfg, keys, ple_base, parts)
             used |= {k for k in keys if k.startswith(ple_base)}
         ignored = ("model.visual.", "visual.") + (() if with_mtp else (mtp_prefix,))
         unknown = [k for k in keys if k not in used and not k.startswith(ignored) and "rotary_emb" not in k]

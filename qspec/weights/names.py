@@ -62,7 +62,7 @@ def _gdn_block(b: str, c: ModelConfig) -> dict[str, tuple[int, ...]]:
         f"{b}.ssm_a": (c.gdn_v_heads,),
         f"{b}.ssm_beta.weight": (c.gdn_v_heads, c.hidden),
         f"{b}.ssm_alpha.weight": (c.gdn_v_heads, c.hidden),
-        f"{b}.ssm_norm.weight": (c.gdn_head_dim,),
+        f"{b}.ssm_norm.weight": (c.gdn_v_head_dim,),
         f"{b}.ssm_out.weight": (c.hidden, c.gdn_value_dim),
     }
 
