@@ -404,3 +404,18 @@ def test_serve_refuses_a_busy_port_and_an_unknown_host() -> None:
     busy.close()
     with pytest.raises(ServeError, match="--host no-such-host.invalid: cannot resolve"):
         serve(FastAPI(), "no-such-host.invalid", 8000)
+
+
+def test_an_error_mid_stream_is_the_last_event(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    client, engine, _ = served
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(engine, "generate", broken)
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200  # sent before the engine ran
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert err["type"] == "server_error" and "the engine broke" in err["message"]

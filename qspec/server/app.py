@@ -83,7 +83,7 @@ class _Run:
     n_tokens: int = 0
     finish: str = "length"
     cancelled: threading.Event = field(default_factory=threading.Event)  # the client left
-    ended: threading.Event = field(default_factory=threading.Event)  # a stop string or stop token was met
+    ended: threading.Event = field(default_factory=threading.Event)  # a stop string was met
 
     def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
         """Append decoded text -> (the text that may be shown now, whether a stop string ended the request).
@@ -146,8 +146,7 @@ class CompletionServer:
                 return  # the rest of the round that met a stop string
             run.n_tokens += 1
             if t in self.tok.stop_ids:
-                run.finish = "stop"
-                run.ended.set()
+                run.finish = "stop"  # the engine ends on it by itself
             piece, hit = run.add(stream.push(t))
             show(piece)
             if hit:
@@ -159,7 +158,7 @@ class CompletionServer:
                                      stop_ids=_StopIds(set(self.tok.stop_ids), run.ended), on_token=on_token)
         except _Stopped:
             return None
-        if not run.ended.is_set():
+        if not run.ended.is_set():  # after a stop string, the text ends where it began
             piece, hit = run.add(stream.flush(), final=True)
             show(piece)
             if hit:
@@ -367,10 +366,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    """Serve `app` until interrupted. The socket is bound first, so a bad --host or --port is one ServeError
-    rather than uvicorn's log line and exit status 1."""
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning", sock: socket.socket | None = None) -> None:
+    """Serve `app` until interrupted. The socket is bound first (or given: `listen_socket` before loading the model
+    fails fast), so a bad --host or --port is one ServeError rather than uvicorn's log line and exit status 1."""
     import uvicorn
 
-    sock = listen_socket(host, port)
+    sock = sock if sock is not None else listen_socket(host, port)
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

@@ -125,7 +125,8 @@ class CompletionRequest(Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # other keys are ignored: clients send back earlier replies whole (`refusal: null`, `tool_calls: null`, ...)
+    model_config = ConfigDict(extra="ignore")
 
     role: str
     content: Any = None
