@@ -7,6 +7,7 @@ import http.client
 import json
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -370,14 +371,15 @@ def test_health_answers_while_a_prompt_tokenizes(live, monkeypatch: pytest.Monke
 
     port, _, tok = live
     release, started = threading.Event(), threading.Event()
-    real = tok.encode
+    def stuck(real: Callable[..., list]) -> Callable[..., list]:
+        def encode(texts: object, add_special: bool = False) -> list:
+            started.set()
+            release.wait(20)  # a long prompt, tokenizing
+            return real(texts, add_special)
+        return encode
 
-    def stuck(text: str, add_special: bool = False) -> list[int]:
-        started.set()
-        release.wait(20)  # a long prompt, tokenizing
-        return real(text, add_special)
-
-    monkeypatch.setattr(tok, "encode", stuck)
+    for name in ("encode", "encode_batch"):  # whichever the server calls
+        monkeypatch.setattr(tok, name, stuck(getattr(tok, name)))
     answers: list[int] = []
     post = threading.Thread(target=lambda: answers.append(_post(
         http.client.HTTPConnection("127.0.0.1", port, timeout=60), "/v1/completions",

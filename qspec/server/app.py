@@ -113,7 +113,9 @@ class CompletionServer:
         if req.model is not None and req.model != self.model_name:
             raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
                              "model", "model_not_found")
-        ids = prompt if isinstance(prompt, list) else self.tok.encode(prompt, add_special=True)
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a long prompt
+        # tokenizes for seconds that the event loop needs
+        ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
         max_tokens = req.max_tokens
         if max_tokens is None:
             o = self.engine.opts
