@@ -250,13 +250,19 @@ def test_request_body_over_the_limit_is_a_413(served) -> None:  # noqa: ANN001
         assert small.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
 
 
-def test_stop_string_keeps_the_stats(served) -> None:  # noqa: ANN001
+def test_stop_string_keeps_the_stats(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     client, engine, tok = served
     full = _reference(engine, tok, PROMPT, 24)
     stop = full[len(full) // 2:len(full) // 2 + 2]
+    made = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "stop": stop}).json()
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["qspec"]["drafted"] > 0 and body["qspec"]["prefill_s"] > 0
+    # the engine ended within a round of the stop string (the round's other tokens are not shown)
+    assert len(made[0].tokens) <= body["usage"]["completion_tokens"] + engine.opts.draft + 1 < 24
+    monkeypatch.undo()
     _, events = _stream(client, {"prompt": PROMPT, "max_tokens": 24, "stop": stop})
     assert events[-1]["qspec"]["drafted"] > 0
 
