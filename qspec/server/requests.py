@@ -1,0 +1,166 @@
+"""The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
+
+Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
+that this engine cannot honour (`n` > 1, penalties, logit biases, log-probabilities, tools, structured output,
+`echo`) are accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
+of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
+carry) is refused rather than replaced, so the model never sees text the client did not send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+
+# option -> (the values that change nothing, why other values are refused)
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "this server returns one choice per request"),
+    "best_of": ((None, 1), "this server returns one choice per request"),
+    "presence_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
+    "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
+    "logit_bias": ((None, {}), "logit biases are not implemented"),
+    "logprobs": ((None, False), "this server does not return log-probabilities"),
+    "top_logprobs": ((None, 0), "this server does not return log-probabilities"),
+    "echo": ((False,), "the response holds only the completion; the prompt is not echoed back"),
+    "suffix": ((None, ""), "inserting text before a suffix is not supported"),
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none"), "tool calls are not supported"),
+    "functions": ((None, []), "function calls are not supported"),
+    "function_call": ((None, "none"), "function calls are not supported"),
+    "response_format": ((None, {"type": "text"}), 'structured output is not supported (only {"type": "text"})'),
+}
+
+
+def _unsupported(name: str, value: Any) -> Any:
+    neutral, why = _NEUTRAL[name]
+    # compared with their types: False == 0, but `logprobs: 0` asks for log-probabilities
+    if any(type(value) is type(n) and value == n for n in neutral):
+        return value
+    shown = "true" if value is True else "false" if value is False else repr(value)
+    raise PydanticCustomError("unsupported_value", "{error}", {"error": f"{shown} is not supported: {why}"})
+
+
+def valid_unicode(text: str) -> str:
+    """`text`, or ValueError naming the first lone surrogate (the tokenizer cannot encode one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
+                         "(text must be valid Unicode)") from None
+    return text
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+class Sampling(BaseModel):
+    """The options both endpoints share."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None  # the last event carries `usage` whatever it says
+    user: str | None = None  # names the caller in OpenAI's logs; nothing to do here
+    n: Any = 1
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+                     "best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call",
+                     "response_format", check_fields=False)
+    @classmethod
+    def _neutral_only(cls, value: Any, info: Any) -> Any:
+        return _unsupported(info.field_name, value)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, seed: int | None) -> int | None:
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise ValueError(f"must fit in 64 bits ({SEED_MIN} .. {SEED_MAX}), got {seed}")
+        return seed
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if any(not s for s in stop_strings(stop)):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+
+class CompletionRequest(Sampling):
+    prompt: Any = Field(description="text, or a list of token ids")
+    logprobs: Any = None
+    best_of: Any = None
+    echo: Any = False
+    suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> str | list[int]:
+        """One prompt: a string or a list of token ids (a one-element list of either is taken as that prompt)."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return valid_unicode(prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError(f"a batch of {len(prompt)} prompts: this server answers one prompt per request "
+                             "(send them one at a time)")
+        if isinstance(prompt, list):
+            bad = next(t for t in prompt if type(t) is not int)
+            raise ValueError(f"a list prompt must hold token ids (integers), got {bad!r}")
+        raise ValueError(f"must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+class ChatMessage(BaseModel):
+    # other keys are ignored: clients send back earlier replies whole (`refusal: null`, `tool_calls: null`, ...)
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any) -> str | None:
+        """A string, or OpenAI's list of content parts of which only text parts are supported (joined)."""
+        if content is None or isinstance(content, str):
+            return None if content is None else valid_unicode(content)
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            return valid_unicode("".join(str(p.get("text", "")) for p in content))
+        raise ValueError("must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...}); "
+                         "images and other parts are not supported")
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatRequest:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": f"max_tokens ({a}) and max_completion_tokens ({b}) disagree: give one of them"})
+        if a is None:
+            self.max_tokens = b
+        return self
