@@ -22,6 +22,7 @@ logits rows and the verify-mixer row; the flags combine).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -30,7 +31,7 @@ import time
 import torch
 
 from qspec.config import preset
-from qspec.engine import Engine, EngineOptions, Generation
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
 from qspec.kernels import gemv
 from qspec.model import fuse
 from qspec.model.model import CacheOptions, Model
@@ -112,6 +113,15 @@ def _steps_before(g, n: int, cut: int) -> int:  # noqa: ANN001
     return steps
 
 
+_HOOKS = {f.name for f in dataclasses.fields(EngineHooks)}
+
+
+def engine(model: Model, kw: dict) -> Engine:
+    """An engine from its options and hooks in one dict (the checks below set both together)."""
+    return Engine(model, EngineOptions(**{k: v for k, v in kw.items() if k not in _HOOKS}),
+                  EngineHooks(**{k: v for k, v in kw.items() if k in _HOOKS}))
+
+
 def build(device: str, dtype: torch.dtype) -> Model:
     cfg = preset("tiny", vocab_size=512)
     w = {k: (v.to(device=device, dtype=dtype) if isinstance(v, torch.Tensor) else v)
@@ -134,11 +144,11 @@ def pdl_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, name: st
     """Programmatic dependent launch (the default; `plain` ran with it): the same kernels, each waiting on the GPU for
     the one before it, so the logits must be those of launches without it bit for bit (a missing wait would race),
     and greedy MTP5 without it plain decoding's tokens too."""
-    nopdl = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True,
+    nopdl = engine(gpu, dict(draft=0, capacity=256, kv_type=kv, record_logits=True,
                                       pdl=False)).generate(prompt, 48)
     same = len(nopdl.logits) == len(plain.logits) and all(
         torch.equal(a, b) for a, b in zip(nopdl.logits, plain.logits, strict=True))
-    g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, pdl=False)).generate(prompt, 48)
+    g = engine(gpu, dict(draft=5, capacity=256, kv_type=kv, pdl=False)).generate(prompt, 48)
     ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
     report(f"PDL launches == launches without it, cuda {name}", same and nopdl.tokens == plain.tokens and ok_g,
            f"plain logits {'identical' if same else 'DIFFER'} over {len(plain.logits)} steps; greedy MTP5 "
@@ -152,7 +162,7 @@ def draft_vocab_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, 
     ids = range(0, gpu.cfg.vocab_size, 3)
     off = torch.ones(gpu.cfg.vocab_size, dtype=torch.bool)
     off[list(ids)] = False
-    g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, draft_head="q4", draft_vocab=ids,
+    g = engine(gpu, dict(draft=5, capacity=256, kv_type=kv, draft_head="q4", draft_vocab=ids,
                                   record_logits=True)).generate(prompt, 48)
     ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
     hidden = all(bool(torch.isneginf(d[:, off]).all()) for d in g.draft_logits)
@@ -166,10 +176,10 @@ def grouped_mm_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, n
     """Prefill's routed experts as grouped GEMMs (the default on sm_90/sm_100; bf16 only, so the f32 model keeps its
     loop) against the loop over the experts: the decode logits after either prefill within the dtype's tolerance,
     the tokens equal up to a near tie; greedy MTP5 through the loop too."""
-    g = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=False)).generate(
+    g = engine(gpu, dict(draft=0, capacity=256, kv_type=kv, record_logits=True, grouped_mm=False)).generate(
         prompt, 48)
     ok, why, rel = plain_against(plain, g, tie)
-    s = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, grouped_mm=False)).generate(prompt, 48)
+    s = engine(gpu, dict(draft=5, capacity=256, kv_type=kv, grouped_mm=False)).generate(prompt, 48)
     ok_s, why_s = same_or_tie(s.tokens, g, 0, tie)
     report(f"grouped-GEMM prefill experts == the loop, cuda {name}", ok and rel < tol and ok_s,
            f"{why}; greedy MTP5 through the loop {why_s}; "
@@ -183,7 +193,7 @@ def mixer_rows_rows(gpu: Model, prompt: list[int], plain: Generation, kv: str, n
     plain decoding's tokens with either, and the first round's verify logits (the same inputs) must agree."""
     got = {}
     for rows in (6, 1):
-        got[rows] = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, mixer_step_rows=rows,
+        got[rows] = engine(gpu, dict(draft=5, capacity=256, kv_type=kv, mixer_step_rows=rows,
                                               record_logits=True, draft_hook=oracle(plain.tokens, random.Random(5)))
                            ).generate(prompt, 48)
     oks = [same_or_tie(g.tokens, plain, 0, tie) for g in got.values()]
@@ -219,7 +229,7 @@ def main() -> int:
         kv = "bf16" if dtype == torch.bfloat16 else "f32"
         tie = NEAR_TIE if dtype == torch.bfloat16 else 0.0
         name = str(dtype)[6:]
-        plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
+        plain = engine(gpu, dict(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
         if not only_fused:
             report(f"graphs used, plain decode {name}", plain.graphs["replays"] > 0, str(plain.graphs))
         if only_rows:
@@ -234,8 +244,8 @@ def main() -> int:
             continue
         for n in (0, 3) if not only_chained else ():  # torch.compile-fused steps vs the same functions run eagerly
             opts = dict(draft=n, capacity=256, kv_type="q8_0", record_logits=True)
-            f = Engine(gpu, EngineOptions(**opts)).generate(prompt, 24)
-            u = Engine(gpu, EngineOptions(compile=False, **opts)).generate(prompt, 24)
+            f = engine(gpu, dict(**opts)).generate(prompt, 24)
+            u = engine(gpu, dict(compile=False, **opts)).generate(prompt, 24)
             # Rows whose context is the emitted tokens alone: every decode row, row 0 of each verify step and
             # each round's first draft step, in the steps before the first token where the two builds part
             # (bf16: only at a near tie, see same_or_tie). Later verify rows follow the round's drafts, and one
@@ -254,9 +264,9 @@ def main() -> int:
                    f"first draft step {rel_draft:.2e} ({len(drafts)} rounds); all verify rows {rel_all:.2e}")
         if not only_fused:  # no hooks: drafts chained on the device, one read-back per round; a stop token
             for n in (0, 1, 5):  # ends plain decoding with a queued step discarded
-                g = Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48)
+                g = engine(gpu, dict(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48)
                 stop = plain.tokens[20]
-                s = Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48, stop_ids={stop})
+                s = engine(gpu, dict(draft=n, capacity=256, kv_type=kv)).generate(prompt, 48, stop_ids={stop})
                 want = plain.tokens[:plain.tokens.index(stop) + 1]
                 ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
                 ok_s, why_s = (True, "as plain") if s.tokens == want else same_or_tie(s.tokens, plain, 0, tie)
@@ -267,9 +277,9 @@ def main() -> int:
             # replayed acceptance (every length occurs; the output follows the drafts) it must give the tokens and
             # rounds of the chain queued after the read, and without it plain decoding's tokens
             replay = dict(draft=5, capacity=256, kv_type=kv, accept_hook=lambda r, n: (3 * r + 1) % (n + 1))
-            after = Engine(gpu, EngineOptions(draft_before_readback=False, **replay)).generate(prompt, 48)
-            early = Engine(gpu, EngineOptions(draft_before_readback=True, **replay)).generate(prompt, 48)
-            g = Engine(gpu, EngineOptions(draft=5, capacity=256, kv_type=kv, draft_before_readback=True)).generate(
+            after = engine(gpu, dict(draft_before_readback=False, **replay)).generate(prompt, 48)
+            early = engine(gpu, dict(draft_before_readback=True, **replay)).generate(prompt, 48)
+            g = engine(gpu, dict(draft=5, capacity=256, kv_type=kv, draft_before_readback=True)).generate(
                 prompt, 48)
             ok_g, why_g = same_or_tie(g.tokens, plain, 0, tie)
             report(f"draft chain before the read-back, cuda {name}, N=5",
@@ -284,34 +294,34 @@ def main() -> int:
             # masked attention in one Triton pass over the cache (the default on CUDA; q8_0 here, the benchmarks'
             # cache): its logits against the dequantized read's, then greedy speculation against plain decoding
             q8 = dict(capacity=256, kv_type="q8_0", record_logits=True)
-            dflt = Engine(gpu, EngineOptions(draft=0, fused_attention=False, **q8)).generate(prompt, 48)
-            fa_plain = Engine(gpu, EngineOptions(draft=0, fused_attention=True, **q8)).generate(prompt, 48)
+            dflt = engine(gpu, dict(draft=0, fused_attention=False, **q8)).generate(prompt, 48)
+            fa_plain = engine(gpu, dict(draft=0, fused_attention=True, **q8)).generate(prompt, 48)
             ok, why, rel = plain_against(fa_plain, dflt, tie)
             report(f"fused attention == dequantized read, q8_0, cuda {name}", ok and rel < tol, why)
             for n in (1, 5):
-                g = Engine(gpu, EngineOptions(draft=n, fused_attention=True, **q8)).generate(prompt, 48)
+                g = engine(gpu, dict(draft=n, fused_attention=True, **q8)).generate(prompt, 48)
                 ok, why = same_or_tie(g.tokens, fa_plain, 0, tie)
                 report(f"device-chained greedy == plain, fused attention, cuda {name}, N={n}", ok,
                        f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}, graphs {g.graphs['replays']} "
                        f"replays")
             # the default step kernels against the compiled paths they replace: the q8_0 KV write in one launch,
             # GDN's step conv, silu and q/k norms in one launch
-            cw = Engine(gpu, EngineOptions(draft=0, kv_write_kernel=False, fused_attention=False, **q8)).generate(
+            cw = engine(gpu, dict(draft=0, kv_write_kernel=False, fused_attention=False, **q8)).generate(
                 prompt, 48)
             ok, why, rel = plain_against(dflt, cw, tie)
             report(f"KV write kernel == compiled write, q8_0, cuda {name}", ok and rel < tol, why)
-            gc = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True,
+            gc = engine(gpu, dict(draft=0, capacity=256, kv_type=kv, record_logits=True,
                                            gdn_conv_kernel=False)).generate(prompt, 48)
             ok, why, rel = plain_against(plain, gc, tie)
             report(f"GDN conv kernel == compiled conv, cuda {name}", ok and rel < tol, why)
         for exact in (False, True) if not (only_fused or only_chained) else ():
             # row-exact: a verify row is computed as a decode row is, so bf16 must be exact too
-            ref_run = plain if not exact else Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, exact=True,
+            ref_run = plain if not exact else engine(gpu, dict(draft=0, capacity=256, kv_type=kv, exact=True,
                                                                     record_logits=True)).generate(prompt, 48)
             for n in range(1, 9) if not exact else (1, 3, 5):
                 rng = random.Random(n)
                 t0 = time.perf_counter()
-                g = Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type=kv, exact=exact,
+                g = engine(gpu, dict(draft=n, capacity=256, kv_type=kv, exact=exact,
                                               draft_hook=oracle(ref_run.tokens, rng))).generate(prompt, 48)
                 ok, why = same_or_tie(g.tokens, ref_run, 0, 0.0 if exact else tie)
                 report(f"greedy spec == plain{' (row-exact)' if exact else ''}, cuda {name}, N={n}", ok,
@@ -324,8 +334,8 @@ def main() -> int:
             with gemv.few_rows_everywhere():
                 for n in (3, 5):
                     hook = oracle(plain.tokens, random.Random(n))
-                    opts = EngineOptions(draft=n, capacity=256, kv_type=kv, draft_hook=hook)
-                    g = Engine(gpu, opts).generate(prompt, 48)
+                    opts = dict(draft=n, capacity=256, kv_type=kv, draft_hook=hook)
+                    g = engine(gpu, opts).generate(prompt, 48)
                     ok, why = same_or_tie(g.tokens, plain, 0, tie)
                     report(f"greedy spec == plain, few-rows products everywhere, cuda {name}, N={n}", ok,
                            f"accepted {g.spec.accepted}/{g.spec.drafted}, tokens {why}")
@@ -335,7 +345,7 @@ def main() -> int:
     for combo in itertools.product([False, True], repeat=4) if not (only_fused or only_bf16 or only_chained) else ():
         p, inc, pad, fused = combo
         rng = random.Random(5)
-        g = Engine(gpu, EngineOptions(draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
+        g = engine(gpu, dict(draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
                                       pad_target=8 if pad else None, fused_snapshots=fused,
                                       accept_hook=lambda r, n, rng=rng: rng.randint(0, n))).generate(prompt, 40)
         base = base or g.tokens
@@ -382,7 +392,7 @@ def sampling_checks(gpu: Model, prompt: list[int]) -> None:
     for n in (0, 3, 5):
         def run(seed: int, n: int = n) -> object:
             sampler = Sampler(temperature=0.8, top_p=0.95, generator=torch.Generator().manual_seed(seed))
-            return Engine(gpu, EngineOptions(draft=n, capacity=256, kv_type="q8_0")).generate(prompt, 48,
+            return engine(gpu, dict(draft=n, capacity=256, kv_type="q8_0")).generate(prompt, 48,
                                                                                             sampler=sampler)
         a, b, c = run(1), run(1), run(2)
         ok = a.tokens == b.tokens and len(a.tokens) == 48 and a.tokens != c.tokens and a.graphs["replays"] > 0
