@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -48,8 +49,6 @@ class OptionError(ValueError):
 
 
 def _placeholders(text: str) -> list[str]:
-    import string
-
     return [f for _, f, _, _ in string.Formatter().parse(text) if f]
 
 

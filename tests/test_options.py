@@ -18,6 +18,7 @@ from qspec.engine import Engine, EngineHooks, EngineOptions, cells_needed
 from qspec.memory import CacheMemoryError, cache_bytes, check_cache_fits, footprint
 from qspec.model.model import Model
 from qspec.options import (
+    MAX_MIXER_ROWS,
     SEED_MAX,
     KernelOptions,
     OptionError,
@@ -153,7 +154,7 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
             hc_mix._STEP_ROWS) == (d.row_exact, d.fused, d.compile_backend, d.gdn_conv_kernel, d.pdl, d.grouped_mm,
                                    d.mixer_step_rows)
     assert gemv._ON == (d.gemv and triton_common.triton_enabled())
-    assert d.mixer_step_rows == EngineOptions().mixer_step_rows
+    assert d.mixer_step_rows == EngineOptions().mixer_step_rows and MAX_MIXER_ROWS == hc_mix.MAX_ROWS
     assert KernelSwitches.resolve(EngineOptions(), torch.device("cpu")) == d
     on = KernelSwitches(row_exact=True, gemv=False, gdn_conv_kernel=False, mixer_step_rows=2)
     with on.apply():

@@ -44,7 +44,10 @@ class Arm:
     def of(cls, name: str, **values: Any) -> Arm:
         """An arm from option names (or their aliases) and values."""
         keys = arm_keys()
-        return cls(name, tuple(sorted((keys.get(k, k), v) for k, v in values.items())))
+        unknown = set(values) - set(keys)
+        if unknown:
+            raise ValueError(f"arm {name!r}: unknown options {', '.join(sorted(unknown))}")
+        return cls(name, tuple(sorted((keys[k], v) for k, v in values.items())))
 
     def get(self, name: str) -> Any:
         """The arm's value of option `name`."""

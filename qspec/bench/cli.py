@@ -216,7 +216,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "options (the `qspec run` flags without --, e.g. draft=5,preserve_pooled=1,pad_target=8) or "
                         "their short aliases (preserve=1,pad=8,q4=1,...); from=ARM starts from another arm "
                         "(default %(default)s)")
-    r.add_argument("--capacity", "--ctx", dest="ctx", type=int, default=CAPACITY,
+    r.add_argument("--capacity", "--ctx", dest="ctx", type=int, default=CAPACITY, metavar="TOKENS",
                    help="context capacity (default %(default)s)")
     r.add_argument("--warmup", type=int, default=WARMUP_TOKENS,
                    help="warmup tokens per arm and prompt length, 0 to skip (default %(default)s)")
