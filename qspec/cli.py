@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -23,7 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.config import ConfigError, preset
-from qspec.engine import Engine, EngineOptions, Generation, cells_needed
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, cells_needed, context_error
 from qspec.loader import (
     QWEN_VOCAB,
     default_model_file,
@@ -34,9 +35,16 @@ from qspec.loader import (
     tokenizer_for_vocab,
     write_model,
 )
-from qspec.model import ops
 from qspec.model.model import CacheOptions
-from qspec.runner import ContextError, Runner
+from qspec.options import (
+    OptionError,
+    SamplingOptions,
+    add_arguments,
+    flag_name,
+    from_args,
+    prompt_text_error,
+)
+from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
 from qspec.tokenizer import Tokenizer
@@ -44,7 +52,6 @@ from qspec.weights import WeightsError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-MAX_DRAFT = 8
 
 
 class UsageError(Exception):
@@ -92,14 +99,19 @@ def _model_path(arg: str | None) -> Path:
     return default_model_path()
 
 
-# ---- qspec run -------------------------------------------------------------------------------------------------------
-def _check_engine_args(a: argparse.Namespace) -> None:
-    if not 0 <= a.draft <= MAX_DRAFT:
-        raise UsageError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {a.draft}")
-    if a.ctx < 4 or a.ctx % 4:
-        raise UsageError(f"--ctx must be a positive multiple of 4, got {a.ctx}")
-    if a.draft_vocab is not None and not a.draft:
-        raise UsageError("--draft-vocab restricts the drafts: it needs --draft N (N >= 1)")
+# ---- qspec run ---------------------------------------------------------------------------------------------------
+def _checked(make):  # noqa: ANN001, ANN202
+    """make() -> an options object; a bad value becomes one line naming its flag."""
+    try:
+        return make()
+    except OptionError as e:
+        raise UsageError(e.render(flag_name)) from None
+
+
+def _engine_options(a: argparse.Namespace, **overrides: Any) -> EngineOptions:
+    """The engine options of the command line (checked before any model is loaded); `--draft-vocab` stays the raw
+    N|FILE until the tokenizer turns it into ids (overrides)."""
+    return _checked(lambda: from_args(EngineOptions, a, **overrides))
 
 
 def _draft_vocab(spec: str, vocab: int, tok: Tokenizer) -> list[int]:
@@ -113,17 +125,14 @@ def _draft_vocab(spec: str, vocab: int, tok: Tokenizer) -> list[int]:
         raise UsageError(f"--draft-vocab {spec}: {e}") from None
 
 
-def _check_run_args(a: argparse.Namespace) -> None:
-    _check_engine_args(a)
-    if a.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be >= 1, got {a.max_tokens}")
-    if a.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {a.temperature}")
-    if not 0 < a.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
+    return _checked(lambda: from_args(SamplingOptions, a))
 
 
 def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
+    bad_text = prompt_text_error(text)
+    if bad_text is not None:
+        raise UsageError(f"the prompt {bad_text}")
     if chat:
         text = tok.apply_chat_template([{"role": "user", "content": text}])
     ids = tok.encode(text, add_special=True)
@@ -167,7 +176,18 @@ def _print_summary(g: Generation, draft: int) -> None:
                                                    enumerate(s.acceptance_by_position())))
 
 
+# what the --stats counters mean (the pooled-key counters are per pooling ratio r: one key per r tokens)
+_POOLED_HELP = ("updates: steps that rebuilt pooled keys; rows_real: keys materialized because their block is new "
+                "or changed; rows_filler: padding rows that keep every update one shape (--pad-target); "
+                "retained_blocks: blocks kept across rollbacks (--preserve-pooled); invalidations: blocks a rollback "
+                "made stale")
+_SNAP_HELP = ("fused_groups / ordinary_groups: conv rollback snapshots written by the fused kernel / by separate "
+              "copies (--fused-snapshots); dispatches: their launches; source_reads: elements read to write them")
+
+
 def _print_stats(g: Generation, draft: int) -> None:
+    _say(f"pooled keys rN: the pooled indexer keys of pooling ratio N (one key per N tokens); {_POOLED_HELP}")
+    _say(f"conv snapshots: {_SNAP_HELP}")
     for ratio, c in g.pooled.items():
         _say(f"pooled keys {ratio}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
     _say("conv snapshots: " + ", ".join(f"{k}={v}" for k, v in g.snapshots.items()))
@@ -189,19 +209,37 @@ def _print_stats(g: Generation, draft: int) -> None:
              + f" (rounds with k of {draft} drafts accepted)")
 
 
-def _accept_hook(spec: str | None):  # noqa: ANN202
+def _accept_hook(spec: str | None, draft: int):  # noqa: ANN202
+    """The hook of --accept-profile, refused where it could not act as written: without drafting (no rounds) or
+    with a fixed count above the draft depth (it would be clamped)."""
     if not spec:
         return None
     from qspec.bench.accept import AcceptProfile
 
     try:
-        return AcceptProfile.parse(spec).hook()
+        profile = AcceptProfile.parse(spec)
     except (ValueError, OSError) as e:
         raise UsageError(f"--accept-profile: {e}") from None
+    if not draft:
+        raise UsageError("--accept-profile forces the accepted count of speculative rounds: it needs --draft N "
+                         "(N >= 1)")
+    if profile.kind == "fixed" and profile.k > draft:
+        raise UsageError(f"--accept-profile fixed={profile.k} accepts more drafts than --draft {draft} makes")
+    if profile.kind == "trace" and profile.trace and max(profile.trace) > draft:
+        _say(f"qspec: warning: --accept-profile: the trace has counts up to {max(profile.trace)}, above --draft "
+             f"{draft}; those rounds accept {draft}")
+    return profile.hook()
 
 
-def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
-    """The model, its tokenizer and an engine from the options `run` and `serve` share."""
+def _mtp_label(model: Any, draft: int) -> str:
+    if model.mtp is not None:
+        return "MTP"
+    return "MTP head not loaded (--draft 0)" if model.cfg.has_mtp and not draft else "no MTP"
+
+
+def _load(a: argparse.Namespace, opts: EngineOptions) -> tuple[Path, Tokenizer, Engine]:
+    """The model, its tokenizer and an engine from the options `run` and `serve` share (`opts`: checked already)."""
+    hook = _accept_hook(a.accept_profile, opts.draft)
     dev = _device(a.device)
     path = _model_path(a.model)
     t0 = time.perf_counter()
@@ -209,54 +247,48 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
     tok_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
-                       with_mtp=None if a.draft else False, hnorm_per_stream=a.hnorm_per_stream,
-                       draft_path=a.draft_model if a.draft else None)
+                       with_mtp=None if opts.draft else False, hnorm_per_stream=a.hnorm_per_stream,
+                       draft_path=a.draft_model if opts.draft else None)
     load_s = time.perf_counter() - t0
-    if a.draft and model.mtp is None:
-        raise UsageError(f"--draft {a.draft} needs MTP weights and {path} has none (use --draft 0, "
+    if opts.draft and model.mtp is None:
+        raise UsageError(f"--draft {opts.draft} needs MTP weights and {path} has none (use --draft 0, "
                          "or a model with blk.N.nextn.* / mtp.* tensors)")
-    draft_vocab = _draft_vocab(a.draft_vocab, model.cfg.vocab_size, tok) if a.draft_vocab is not None else None
-    opts = EngineOptions(
-        draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
-        incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
-        fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
-        sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
-        kv_write_kernel=a.kv_write_kernel, gdn_conv_kernel=a.gdn_conv_kernel,
-        draft_before_readback=a.draft_before_readback, pdl=a.pdl,
-        draft_head=a.draft_head,  # q4: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
-        draft_vocab=draft_vocab, grouped_mm=a.grouped_mm,
-        accept_hook=_accept_hook(a.accept_profile) if a.draft else None)
-    engine = Engine(model, opts)
+    if opts.draft_vocab is not None:
+        opts = replace(opts, draft_vocab=_draft_vocab(str(opts.draft_vocab), model.cfg.vocab_size, tok))
+    # q4 draft head: packed Q4_0 head + 4-bit kernel on CUDA, its dequantized copy on the CPU
+    engine = Engine(model, opts, EngineHooks(accept_hook=hook))
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
-         f"{'MTP' if model.mtp is not None else 'no MTP'}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
+         f"{_mtp_label(model, opts.draft)}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
          f"loaded in {load_s:.1f} s (tokenizer {tok_s:.1f} s)")
-    if dev.type == "cuda" and a.compile:
+    if dev.type == "cuda" and opts.compile:
         _say("qspec: the first steps compile the fused step kernels (up to a few minutes at the real geometry; "
              "cached on disk for later runs; --no-compile skips it)")
     return path, tok, engine
 
 
+_REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
+
+
 def cmd_run(a: argparse.Namespace) -> int:
-    _check_run_args(a)
-    path, tok, engine = _load(a)
+    opts = _engine_options(a)
+    samp = _sampling_options(a)
+    path, tok, engine = _load(a, opts)
     model = engine.model
     ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
-    need = cells_needed(len(ids), a.max_tokens, a.draft)
-    if need > a.ctx:
-        raise UsageError(f"the prompt ({len(ids)} tokens) + --max-tokens {a.max_tokens} + {a.draft + 1} draft rows "
-                         f"need {need} cells, more than --ctx {a.ctx}")
-    sampler = Sampler(temperature=a.temperature, top_p=a.top_p,
-                      generator=torch.Generator().manual_seed(a.seed))
+    if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
+        raise UsageError(context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity, names=_REQUEST_NAMES))
+    sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
+                      generator=torch.Generator().manual_seed(samp.seed))
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
-    g = engine.generate(ids, a.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids),
+    g = engine.generate(ids, samp.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids),
                         on_token=lambda t: _write_text(out, stream.push(t)))
     _write_text(out, stream.flush() + "\n")
 
-    _print_summary(g, a.draft)
+    _print_summary(g, opts.draft)
     if a.stats:
-        _print_stats(g, a.draft)
+        _print_stats(g, opts.draft)
     if a.json:
         options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path), "device": model.device.type}
         doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
@@ -266,7 +298,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 # ---- qspec serve -----------------------------------------------------------------------------------------------------
 def cmd_serve(a: argparse.Namespace) -> int:
-    _check_engine_args(a)
+    opts = _engine_options(a)
     if not 0 < a.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {a.port}")
     try:
@@ -276,9 +308,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
                          "pip install 'qspec[server]'") from None
-    path, tok, engine = _load(a)
+    path, tok, engine = _load(a, opts)
     ids = tok.encode("Hello", add_special=True) or [0]
-    n = min(8, a.ctx - cells_needed(len(ids), 0, a.draft))
+    n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
     if a.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
         t0 = time.perf_counter()
@@ -347,7 +379,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
     if min(ids) < 0 or max(ids) >= V:
         raise UsageError(f"token ids must be in [0, {V}), got {min(ids)}..{max(ids)}")
     runner = Runner(model, CacheOptions(capacity=-(-len(ids) // 4) * 4))
-    with torch.inference_mode(), ops.row_exact_mode(a.exact):
+    with torch.inference_mode(), KernelSwitches(row_exact=a.exact).apply():
         logits, _ = runner.step(torch.tensor(ids, dtype=torch.long))  # logit_rows=None: every position
     import numpy as np  # only this command writes numpy files
 
@@ -386,67 +418,30 @@ def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None
     p.add_argument(flag, dest=dest, action="store_false", help=help)
 
 
-def _switch(p: argparse.ArgumentParser, flag: str, default: bool | None, on: str, off: str) -> None:
-    """--FLAG and --no-FLAG, mutually exclusive: True or False, `default` when neither is given."""
-    g = p.add_mutually_exclusive_group()
-    dest = flag.replace("-", "_")
-    g.add_argument(f"--{flag}", dest=dest, action="store_const", const=True, default=default, help=on)
-    g.add_argument(f"--no-{flag}", dest=dest, action="store_const", const=False, help=off)
-
-
 def _add_engine_args(r: argparse.ArgumentParser) -> None:
-    """The model and engine options `run` and `serve` share."""
-    r.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
+    """The model and engine options `run` and `serve` share: the model's own flags here, the engine's from their
+    declarations (qspec/options.py)."""
+    m = r.add_argument_group("model")
+    m.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
                                     "qspec; default: the embedded random-weight model)")
-    r.add_argument("--draft", type=int, default=0, metavar="N", help="MTP draft depth 0..8 (0: plain decoding)")
-    r.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (a multiple of 4)")
-    r.add_argument("--kv-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32")
-    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    r.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
-    r.add_argument("--exact", action="store_true",
-                   help="row-exact products: verify rows equal decode rows bit for bit (slow; for tests)")
-    r.add_argument("--draft-vocab", metavar="N|FILE",
-                   help="let the draft propose only these token ids, so its head reads only their rows: N, the "
-                        "first N ids (BPE order, a rough frequency rank) and the stop tokens, or FILE from `qspec "
-                        "draft-vocab`; the output is unchanged, the acceptance may drop")
-    r.add_argument("--draft-head", choices=("full", "q4"), default="full",
-                   help="LM head the drafts use (q4: Q4_0-rounded copy; the target always verifies with its own)")
-    _on_off(r, "--no-preserve-pooled", "preserve_pooled", "rebuild pooled indexer keys after every rollback")
-    _on_off(r, "--no-incremental", "incremental", "recompute every complete pooled block each step")
-    r.add_argument("--no-pad", action="store_true", help="do not pad pooled-key updates to a fixed row count")
-    r.add_argument("--pad-target", type=int, choices=(8, 16), default=8, help="rows pooled-key updates pad to")
-    _on_off(r, "--no-fused-snapshots", "fused_snapshots", "write conv snapshots with separate copies")
-    _on_off(r, "--no-cuda-graphs", "cuda_graphs", "run the CUDA decode/verify/draft steps eagerly")
-    r.add_argument("--sparse-attention", action="store_true",
-                   help="QSA reads only the indexer's chosen blocks and the tail (a Triton kernel on CUDA) instead of "
-                        "masking every cell of a KV bucket")
-    _switch(r, "fused-attention", None, "masked attention (QSA's dense path, the MTP head) in one pass over the KV "
-            "cache, q8_0 dequantized in registers (default on CUDA; on the CPU this runs its torch reference)",
-            "masked attention through a dequantized copy of the cache, batched products and a softmax")
-    _on_off(r, "--no-kv-write-kernel", "kv_write_kernel", "write a q8_0 KV cache with the compiled quantization and "
-            "four index copies instead of one Triton launch per layer and step (CUDA)")
-    _on_off(r, "--no-gdn-conv-kernel", "gdn_conv_kernel", "run GDN steps' causal conv, silu and q/k norms compiled "
-            "instead of in one Triton launch per layer (CUDA)")
-    _switch(r, "draft-before-readback", True, "greedy speculation: queue each round's next draft chain before the "
-            "host reads the round (its first position computed on the device), so the GPU does not wait for the "
-            "read-back (the default)", "queue each round's draft chain after the host has read the round")
-    _switch(r, "pdl", True, "launch the Triton and compiled kernels with programmatic dependent launch where the GPU "
-            "has it (Hopper and later: each kernel is scheduled while the one before it runs; the default)",
-            "launch every kernel only after the one before it has finished")
-    _switch(r, "grouped-mm", True, "prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, "
-            "bf16) on GPUs with torch's CUTLASS kernels, Hopper and Blackwell (the default)",
-            "prefill's routed experts in a loop over the experts")
-    _on_off(r, "--no-compile", "compile", "do not fuse the CUDA steps' small ops with torch.compile "
-            "(skips its warmup on the first steps)")
-    r.add_argument("--draft-model", metavar="GGUF",
+    m.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    m.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
+    m.add_argument("--draft-model", metavar="GGUF",
                    help="a draft-only GGUF holding the MTP block (llama.cpp's -md layout; it borrows the target's "
                         "token_embd/output)")
-    r.add_argument("--hnorm-per-stream", action="store_true",
+    m.add_argument("--hnorm-per-stream", action="store_true",
                    help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
-    r.add_argument("--accept-profile", metavar="SPEC",
+    m.add_argument("--accept-profile", metavar="SPEC",
                    help="force each round's accepted count (testing and benchmarking random-weight models): "
-                        "fixed=K, p=0.85 (per position, conditional), or trace=FILE; the output then differs "
-                        "from plain decoding")
+                        "fixed=K, p=0.85 (per position, conditional), or trace=FILE; needs --draft N; the output "
+                        "then differs from plain decoding")
+    add_engine_arguments(r)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (EngineOptions and its kernel switches), from their declarations; read them back with
+    `qspec.options.from_args(EngineOptions, args)`."""
+    add_arguments(parser, EngineOptions)
 
 
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
@@ -455,14 +450,11 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
     r.add_argument("prompt")
-    r.add_argument("--max-tokens", type=int, default=128)
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    r.add_argument("--top-p", type=float, default=1.0)
-    r.add_argument("--seed", type=int, default=0, help="sampling seed")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
-    _add_engine_args(r)
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
     r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
+    add_arguments(r, SamplingOptions)
+    _add_engine_args(r)
     r.set_defaults(func=cmd_run)
 
     sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")

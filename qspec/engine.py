@@ -15,82 +15,40 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from qspec.kernels import gdn_conv, gemv, hc_mix, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
-from qspec.model import fuse, moe, ops
-from qspec.model.model import CacheOptions, Model
+from qspec.memory import check_cache_fits
+from qspec.model.model import Model
 from qspec.model.mtp import DraftHead
-from qspec.runner import ContextError, Readback, Runner, upload
+from qspec.options import EngineOptions, KernelOptions
+from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
+__all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation", "KernelOptions", "cells_needed"]
+
 
 @dataclass
-class EngineOptions:
-    draft: int = 0  # MTP draft depth N (0: plain decoding)
-    capacity: int = 4096
-    kv_type: str = "f32"
-    exact: bool = False  # row-exact products: decode and verify rows are bit-identical (tests; no CUDA graphs)
-    preserve_pooled: bool = True
-    incremental_pooled: bool = True
-    pad_target: int | None = 8
-    fused_snapshots: bool = True
-    sparse_attention: bool = False  # QSA attends over the chosen blocks directly (kernels/sparse_attention.py)
-    # masked attention in one pass over the cache (kernels/masked_attention.py); None: on CUDA, off on the CPU
-    fused_attention: bool | None = None
-    kv_write_kernel: bool = True  # q8_0 KV writes in one launch per layer and step on CUDA (kernels/kv_write.py)
-    # GDN steps' causal conv, silu and q/k norms in one Triton launch per layer (kernels/gdn_conv.py), on CUDA
-    gdn_conv_kernel: bool = True
-    # greedy rounds: queue the next round's draft chain before the host reads the round (its first position, which
-    # depends on the accepted count, stays on the device), so the GPU does not wait for the read-back to get it
-    # (H200, MTP5: 929.83 against 908.72 tok/s in one process, benchmarks/results/h200-fn8-early-s13.md)
-    draft_before_readback: bool = True
-    # programmatic dependent launch for the Triton kernels and inductor's (Hopper+, a no-op elsewhere;
-    # kernels/triton_common.py): each kernel is scheduled while the one before it runs and waits for it on the GPU,
-    # which hides most of a graph node's launch gap (H200: MTP5 998.52 against 947.11 tok/s, plain decoding 748.48
-    # against 701.79, one process, benchmarks/results/h200-fn8-pdl-s14.md)
-    pdl: bool = True
-    prefill_chunk: int = 512
-    # prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, bf16; model/moe.py) instead of a
-    # loop over the experts, where torch has CUTLASS kernels for the GPU (H200: 4K-token prefill x9.6, decode unchanged,
-    # benchmarks/results/h200-fn8-prefill-s15.md)
-    grouped_mm: bool = True
-    draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None  # explicit LM head for drafting only
-    draft_head: str = "full"  # "q4": the draft reads a Q4_0 copy of the LM head (the target keeps its own)
-    # the token ids the draft may propose (spec/draft_vocab.py): its head then reads only their rows; None: all
-    draft_vocab: Sequence[int] | torch.Tensor | None = None
+class EngineHooks:
+    """Test and benchmark instrumentation: not options (no flag, no arm), and not needed to run the engine."""
+
+    # (round, draft depth) -> the round's accepted count: replays an acceptance (benchmarks, `--accept-profile`)
     accept_hook: AcceptHook | None = None
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
     after_round: Callable[[Runner, int], None] | None = None  # (runner, accepted) after each rollback (tests)
-    cuda_graphs: bool = True  # capture decode/verify/draft steps on CUDA (eager on the CPU)
-    compile: bool = True  # fuse the steps' small ops with torch.compile on CUDA (qspec.model.fuse)
-    # one-row 16-bit products through the Triton mat-vec (kernels/gemv.py) and one-row hyper-connection mixers through
-    # their Triton kernels (kernels/hc_mix.py), on CUDA; off: cuBLAS and the compiled mixers
-    gemv: bool = True
-    # the most rows of a step whose hyper-connection mixers take the Triton kernels (kernels/hc_mix.py; larger steps
-    # keep the compiled mixers): 6 also sends MTP5's verify and extend steps there (H200, PDL on: MTP5 988.60 against
-    # 972.54 tok/s with 1, benchmarks/results/h200-fn8-mixers-s15.md)
-    mixer_step_rows: int = 6
-    compile_backend: str = "inductor"  # another torch.compile backend also applies on the CPU (tests: "aot_eager")
     time_phases: bool = False  # synchronise around each phase and report its time (benchmarks; adds syncs)
     # keep every verify/decode step's logits in Generation.logits, and each round's first draft logits
     # (the draft step whose context is the emitted tokens alone) in Generation.draft_logits (tests)
     record_logits: bool = False
-
-    def cache_options(self) -> CacheOptions:
-        return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
-                            preserve_pooled=self.preserve_pooled, pad_target=self.pad_target,
-                            incremental_pooled=self.incremental_pooled,
-                            fused_snapshots=self.fused_snapshots, sparse_attention=self.sparse_attention,
-                            fused_attention=self.fused_attention, kv_write_kernel=self.kv_write_kernel)
+    # an explicit LM head for drafting only (tests, profiling); None: the one `draft_head` and `draft_vocab` make
+    draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None
 
 
 @dataclass
@@ -125,37 +83,57 @@ def accepted_on_device(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor
 
 
 def cells_needed(prompt_tokens: int, max_tokens: int, draft: int) -> int:
-    """Cache cells a request needs: the prompt, every generated token, and a verify step's draft rows."""
+    """Cache cells a request needs. Plain decoding runs every token but the last generated one; a speculative round
+    also writes its draft rows past them (a verify step's N and the draft head's extend row)."""
+    if not draft:
+        return prompt_tokens + max_tokens - 1
     return prompt_tokens + max_tokens + draft + 1
 
 
+def context_error(prompt_tokens: int, max_tokens: int, draft: int, capacity: int, *, names: dict[str, str]) -> str:
+    """Why a request does not fit (`names` spells max_tokens and capacity as the caller's interface does)."""
+    need = cells_needed(prompt_tokens, max_tokens, draft)
+    rows = f" + {draft + 1} cells for the last round's draft rows" if draft else " - 1 (the last token is not run)"
+    return (f"the prompt ({prompt_tokens} tokens) + {names['max_tokens']} {max_tokens}{rows} need {need} cells, "
+            f"more than {names['capacity']} {capacity}")
+
+
 class Engine:
-    def __init__(self, model: Model, opts: EngineOptions | None = None) -> None:
+    """Generation with one model and one set of options. The options are read, never changed: what the engine derives
+    from them (the draft head, the kernel switches for its device) lives on the engine and its runner."""
+
+    def __init__(self, model: Model, opts: EngineOptions | None = None, hooks: EngineHooks | None = None) -> None:
         self.model = model
         self.opts = opts or EngineOptions()
-        if not 0 <= self.opts.draft <= 8:
-            raise ValueError(f"draft depth must be in [0, 8], got {self.opts.draft}")
+        self.hooks = hooks or EngineHooks()
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
-        if not 1 <= self.opts.mixer_step_rows <= hc_mix.MAX_ROWS:
-            raise ValueError(f"mixer_step_rows must be in 1..{hc_mix.MAX_ROWS}, got {self.opts.mixer_step_rows}")
-        if self.opts.draft_head not in ("full", "q4"):
-            raise ValueError(f"draft head must be 'full' or 'q4', got {self.opts.draft_head!r}")
-        if self.opts.draft_head == "q4" and self.opts.draft_lm_head is None and self.opts.draft:
+        self.draft_lm_head = self._draft_head()
+        check_cache_fits(model, self.opts.cache_options())  # before a cache too large for the memory is allocated
+        # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
+        graphs = self.opts.cuda_graphs and not self.opts.exact
+        self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
+                             switches=KernelSwitches.resolve(self.opts, model.device))
+        self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
+
+    def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
+        """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
+        `draft_vocab`, or None (the target's own)."""
+        o, model = self.opts, self.model
+        head = self.hooks.draft_lm_head
+        if not o.draft:
+            return head
+        if o.draft_head == "q4" and head is None:
             # the draft's logits come from 4-bit weights; verification uses the full head, so the
             # accepted output cannot change, only the acceptance rate
             q4 = Q4Weight.from_dense(model.lm_head)
             # CUDA: the packed head and a 4-bit mat-vec kernel; CPU: the same values, unpacked once
-            self.opts.draft_lm_head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
-        if self.opts.draft and self.opts.draft_vocab is not None and not isinstance(self.opts.draft_lm_head, DraftHead):
+            head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
+        if o.draft_vocab is not None and not isinstance(head, DraftHead):
             # drafts only from these ids: the head reads their rows alone (verification keeps the full head)
-            ids = ids_tensor(self.opts.draft_vocab, model.cfg.vocab_size, model.device)
-            head = model.lm_head if self.opts.draft_lm_head is None else self.opts.draft_lm_head
-            self.opts.draft_lm_head = DraftHead.rows_of(head, ids)
-        # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
-        graphs = self.opts.cuda_graphs and not self.opts.exact
-        self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs)
-        self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
+            ids = ids_tensor(o.draft_vocab, model.cfg.vocab_size, model.device)
+            head = DraftHead.rows_of(model.lm_head if head is None else head, ids)
+        return head
 
     def _sync(self) -> None:
         if self.model.device.type == "cuda":
@@ -173,22 +151,15 @@ class Engine:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         o = self.opts
-        need = cells_needed(len(prompt), max_tokens, o.draft)
-        if need > o.capacity:
-            raise ContextError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) + draft rows "
-                               f"({o.draft + 1}) = {need} exceed the context capacity {o.capacity}")
+        if cells_needed(len(prompt), max_tokens, o.draft) > o.capacity:
+            raise ContextError(context_error(len(prompt), max_tokens, o.draft, o.capacity,
+                                             names={"max_tokens": "max_tokens", "capacity": "the context capacity"}))
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
         self.check_request(prompt, max_tokens)
-        o = self.opts
-        fusing = o.compile and (self.model.device.type == "cuda" or o.compile_backend != "inductor")
-        pdl = o.pdl and triton_common.pdl_supported(self.model.device)
-        grouped_mm = o.grouped_mm and moe.grouped_mm_supported(self.model.device)
-        with ops.row_exact_mode(o.exact), fuse.fused_mode(fusing, o.compile_backend), gemv.enabled_mode(o.gemv), \
-                gdn_conv.conv_kernel_mode(o.gdn_conv_kernel), triton_common.pdl_mode(pdl), \
-                moe.grouped_mm_mode(grouped_mm), hc_mix.step_rows_mode(o.mixer_step_rows):
+        with self.runner.switches.apply():
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
@@ -196,7 +167,7 @@ class Engine:
         o, run = self.opts, self.runner
         run.reset()
         run.graph_stats = type(run.graph_stats)()
-        req = _Request(max_tokens, stop_ids, on_token, self._sync if o.time_phases else None)
+        req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
         logits, H = self._prefill(prompt)
         tok = int(sampler.sample(logits[-1]).item())
@@ -248,7 +219,7 @@ class Engine:
         run.keep(1, rollback=False)
         while True:
             req.phase("decode")
-            if self.opts.record_logits:
+            if self.hooks.record_logits:
                 req.logits_log.append(logits.cpu())
             nxt = sampler.sample(logits[-1:])
             reader.start(nxt)  # queued before the next step: reading it waits for this step only
@@ -265,12 +236,12 @@ class Engine:
     def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
         """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of
         the position before it."""
-        o, run, dev, N = self.opts, self.runner, self.model.device, self.opts.draft
-        d_logits, d_X = run.mtp_step(torch.tensor([tok]), H, P, o.draft_lm_head)
+        hooks, run, dev, N = self.hooks, self.runner, self.model.device, self.opts.draft
+        d_logits, d_X = run.mtp_step(torch.tensor([tok]), H, P, self.draft_lm_head)
         # Drafts never visit the host (unless a draft hook must see them): each draft step reads the previous
         # one's argmax or draw on the device, the verify rows are assembled there and the acceptance is decided
         # there, so a round has one read-back (drafts, accepted count, next token).
-        on_device = o.draft_hook is None
+        on_device = hooks.draft_hook is None
         # on the device, each round's draft chain is queued right after the previous round's read-back, before
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
         d_toks, q_rows = self._draft_chain(req, d_logits, d_X, P, sampler) if on_device else ([], [])
@@ -278,7 +249,7 @@ class Engine:
         while True:
             L = run.n_tokens
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
-            forced = None if o.accept_hook is None else max(0, min(N, int(o.accept_hook(rnd, N))))
+            forced = None if hooks.accept_hook is None else max(0, min(N, int(hooks.accept_hook(rnd, N))))
             if on_device:
                 drafts, k, nxt, vX, extended, early = self._round_on_device(req, tok, d_toks, q_rows, L, forced,
                                                                             sampler)
@@ -311,14 +282,14 @@ class Engine:
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
                 # the head's own cache, which the rollback does not touch)
                 ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
-                d_logits, d_X = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
+                d_logits, d_X = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
                 req.phase("draft extend")
             for t in committed[:n_emit]:
                 req.emit(t)
             # the caches keep row 0 (t_L) and the accepted drafts that were emitted
             run.keep(min(k + 1, n_emit), rollback=True)
-            if o.after_round is not None:
-                o.after_round(run, k)
+            if hooks.after_round is not None:
+                hooks.after_round(run, k)
             req.phase("accept+rollback")
             req.stats.record(N, k, len(committed))
             req.rounds_log.append({"accepted": k,
@@ -336,7 +307,7 @@ class Engine:
         the head's own residual at positions L + 1.. (L: the committed tokens once the round's rollback is done).
         -> (drafts, their distributions [1, V] when sampling)."""
         o, run = self.opts, self.runner
-        if o.record_logits:
+        if self.hooks.record_logits:
             # now: the chain's graph replays may reuse the memory of the step that made d_logits (see Runner._run)
             req.draft_log.append(d_logits[-1:].cpu())
         d_toks: list[torch.Tensor] = []
@@ -347,7 +318,7 @@ class Engine:
             return d_toks, q_rows
         for i in range(o.draft):
             if i:
-                d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, o.draft_lm_head)
+                d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, self.draft_lm_head)
             # computed before the next replay can reuse the logits' memory
             q_rows.append(sampler.probs(d_logits[-1:]))
             d_toks.append(sampler.sample_probs(q_rows[-1]))
@@ -361,7 +332,7 @@ class Engine:
         o = self.opts
         d_toks = [argmax_rows(d_logits[-1:])]
         if o.draft > 1:
-            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, o.draft - 1, o.draft_lm_head, at=at)[0])
+            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, o.draft - 1, self.draft_lm_head, at=at)[0])
         return d_toks
 
     def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
@@ -382,7 +353,7 @@ class Engine:
         drafts = v_rows[1:]
         v_logits, vX = run.step(v_rows)
         req.phase("verify")
-        if o.record_logits:
+        if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
         if sampler.greedy:
             pred = argmax_rows(v_logits)
@@ -398,13 +369,14 @@ class Engine:
         self.reader.start(torch.cat([drafts, k, nxt]))
         # committed rows padded with the target's next token: drafts[:k] + [nxt] * (N + 1 - k)
         ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
-        extended = run.mtp_step(ext, vX, L + 1, o.draft_lm_head, row=k)
+        extended = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
         req.phase("draft extend")
         early = None
         if o.draft_before_readback and sampler.greedy and L + 2 * N + 1 <= run.opts.capacity:
             # the chain starts at L + k + 2 once the round commits k + 1 tokens: the position is computed on the
             # device, and the bound L + N + 2 (k = N) picks its KV buckets, whose extra cells the causal mask hides
-            log = extended[0][-1:].cpu() if o.record_logits else None  # before the chain's replay reuses its memory
+            # read before the chain's replay reuses its memory
+            log = extended[0][-1:].cpu() if self.hooks.record_logits else None
             early = self._greedy_chain(*extended, L + N + 2, at=k + (L + 2)), log
             req.phase("draft")
         read = self.reader.result()
@@ -415,14 +387,14 @@ class Engine:
         """The draft chain, its drafts read by the host and passed through the draft hook, then the verify step
         -> (drafts, the draft distributions [1, V] when sampling, verify logits, verify residuals). Only a draft
         hook (tests) takes this path: the hook must see the drafts before the verify step."""
-        o, run = self.opts, self.runner
+        run = self.runner
         d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L, sampler)
         drafts = torch.cat(d_toks).tolist()
-        if o.draft_hook is not None:
-            drafts = [int(x) for x in o.draft_hook(len(req.out), list(drafts))]
+        if self.hooks.draft_hook is not None:
+            drafts = [int(x) for x in self.hooks.draft_hook(len(req.out), list(drafts))]
         v_logits, vX = run.step(torch.tensor([tok] + drafts))
         req.phase("verify")
-        if o.record_logits:
+        if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
         return drafts, q_rows, v_logits, vX
 

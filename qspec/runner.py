@@ -7,21 +7,24 @@ attention/indexer cells, then the pooled-key descriptors (seed Algorithm 1).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from qspec.kernels import gdn_conv, gemv, hc_mix, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
-from qspec.model import ops
+from qspec.model import fuse, moe, ops
 from qspec.model.model import CacheOptions, Model, ModelCache
 from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
+from qspec.options import EngineOptions
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
 GRAPH_MAX_ROWS = 16
@@ -32,6 +35,44 @@ KV_BUCKET = 512
 
 class ContextError(ValueError):
     """The request does not fit the cache capacity."""
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """The kernel switches of one engine, resolved for its device, and the one place that sets them (`apply`).
+
+    The kernels read module globals rather than arguments: they run inside torch.compile'd functions and dynamo
+    guards on the globals they read, so a switch flipped between requests recompiles instead of misrunning. The
+    defaults here are the modules' own values outside any engine (tests/test_options.py checks they agree)."""
+
+    row_exact: bool = False  # ops._ROW_EXACT: products row by row (EngineOptions.exact)
+    fused: bool = False  # fuse._ON: torch.compile the steps' small ops
+    compile_backend: str = "inductor"  # fuse._BACKEND
+    gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
+    gdn_conv_kernel: bool = True  # gdn_conv._ON
+    pdl: bool = False  # triton_common._PDL: programmatic dependent launch
+    grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
+    mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
+
+    @classmethod
+    def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
+        """The switches `opts` asks for, less what `device` lacks (compiling applies on CUDA, or on any device with
+        a backend other than inductor; PDL and grouped GEMMs need their GPUs)."""
+        return cls(row_exact=opts.exact,
+                   fused=opts.compile and (device.type == "cuda" or opts.compile_backend != "inductor"),
+                   compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
+                   pdl=opts.pdl and triton_common.pdl_supported(device),
+                   grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
+                   mixer_step_rows=opts.mixer_step_rows)
+
+    @contextlib.contextmanager
+    def apply(self) -> Iterator[None]:
+        """Every switch set inside the block, and restored after it."""
+        with ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
+                gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
+                triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
+                hc_mix.step_rows_mode(self.mixer_step_rows):
+            yield
 
 
 @dataclass
@@ -57,8 +98,10 @@ class GraphStats:
 
 
 class Runner:
-    def __init__(self, model: Model, opts: CacheOptions, *, cuda_graphs: bool = False, max_graphs: int = 128) -> None:
+    def __init__(self, model: Model, opts: CacheOptions, *, cuda_graphs: bool = False, max_graphs: int = 128,
+                 switches: KernelSwitches | None = None) -> None:
         self.model, self.opts = model, opts
+        self.switches = switches or KernelSwitches()  # the engine enters them around each request
         self.cache: ModelCache = model.new_cache(opts)
         self.n_tokens = 0  # committed tokens in the target caches
         self._history: list[int] = []  # the committed tokens, by position (see `history`)

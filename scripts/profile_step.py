@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.kernels import gdn_conv, gemv, hc_mix
 from qspec.model import fuse
 from qspec.spec.accept import AcceptHook
@@ -91,9 +91,10 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     for kind in kinds:
         def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None, **over: bool) -> Engine:
-            return Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
-                                               draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
-                                               fused_attention=a.fused_attention, accept_hook=hook, **over))
+            opts = EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
+                                 draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
+                                 fused_attention=a.fused_attention, **over)
+            return Engine(model, opts, EngineHooks(accept_hook=hook))
         eng = engine(False)
         t = time.perf_counter()
         eng.generate(prompt, 4)
@@ -313,7 +314,7 @@ def step_fn(eng: Engine, kind: str, draft: int) -> Callable[[], object]:
     toks = torch.arange(1, T + 1, device=dev)
     H = torch.randn(T, eng.model.cfg.hc_dim, device=dev, dtype=eng.model.dtype)
     row = None if kind == "draft" else T - 1
-    return lambda: run.mtp_step(toks, H, run.n_tokens, eng.opts.draft_lm_head, row=row)
+    return lambda: run.mtp_step(toks, H, run.n_tokens, eng.draft_lm_head, row=row)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.config import ModelConfig
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 
 HBM = 4.2e12
 ARMS = {
@@ -97,10 +97,11 @@ def main() -> int:
     for name in a.arms.split(","):
         kw = ARMS[name]
         prof = AcceptProfile.parse(f"p={a.p}")
-        eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", accept_hook=prof.hook(), **kw))
+        hooks = EngineHooks(accept_hook=prof.hook())
+        eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", **kw), hooks)
         eng.generate(prompt, 32)  # warmup: kernels, graphs
         g = eng.generate(prompt, a.gen)
-        eng.opts.time_phases = True
+        hooks.time_phases = True
         t = eng.generate(prompt, a.gen)
         rounds = max(t.spec.rounds, 1) if kw.get("draft") else len(t.tokens)
         pooled = next(iter(g.pooled.values()), {})

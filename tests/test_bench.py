@@ -117,54 +117,57 @@ def test_arm_specs() -> None:
     assert [a.name for a in arms] == ["nospec", "baseline", "ours", "x", "y"]
     assert arms[:3] == [BUILTIN["nospec"], BUILTIN["baseline"], BUILTIN["ours"]]
     x, y = arms[3], arms[4]
-    assert (x.draft, x.preserve, x.incremental, x.pad, x.fused, x.q4) == (5, True, False, 8, False, True)
-    assert (y.draft, y.preserve, y.pad, y.q4) == (5, True, None, False)
+    seed = ("preserve_pooled", "incremental_pooled", "pad_target", "fused_snapshots", "draft_head")
+    assert (x.draft, *map(x.get, seed)) == (5, True, False, 8, False, "q4")
+    assert (y.draft, y.get("preserve_pooled"), y.get("pad_target"), y.get("draft_head")) == (5, True, None, "full")
     b = BUILTIN["baseline"]
-    assert (b.draft, b.preserve, b.incremental, b.pad, b.fused, b.q4) == (3, False, False, None, False, False)
-    o = BUILTIN["ours"].options(capacity=8192, kv_type="q8_0", accept_hook=None, draft_head=torch.zeros(1))
+    assert (b.draft, *map(b.get, seed)) == (3, False, False, None, False, "full")
+    # an option's own name is a key too, with the same value syntax as its alias
+    assert parse_arms("z:draft=5,preserve_pooled=1,pad_target=8,draft_head=q4")[0].values == x.values
+    o = BUILTIN["ours"].options(capacity=8192, kv_type="q8_0")
     assert (o.draft, o.kv_type, o.pad_target, o.draft_head) == (5, "q8_0", 8, "q4")
-    n = BUILTIN["nospec"].options(capacity=8192, kv_type="q8_0", accept_hook=None, draft_head=None)
+    n = BUILTIN["nospec"].options(capacity=8192, kv_type="q8_0")
     assert (n.draft, n.pad_target, n.draft_head) == (0, 8, "full")
     u = parse_arms("u:from=ours,compile=0,sparse=1")[0]
-    uo = u.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None)
+    uo = u.options(capacity=64, kv_type="f32")
     assert (uo.compile, uo.sparse_attention, uo.draft) == (False, True, 5)
     assert "unfused" in u.describe() and "sparse" in u.describe()
     assert (o.compile, o.sparse_attention, o.gemv) == (True, False, True)
     f = parse_arms("f:from=ours,fattn=1")[0]
-    assert f.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).fused_attention is True
+    assert f.options(capacity=64, kv_type="q8_0").fused_attention is True
     assert "fused masked attention" in f.describe() and o.fused_attention is None  # None: on CUDA, off on the CPU
     ka = parse_arms("k:from=ours,kvw=0,gconv=off,fattn=0")[0]
-    k = ka.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None)
+    k = ka.options(capacity=64, kv_type="q8_0")
     assert (k.kv_write_kernel, k.gdn_conv_kernel, k.fused_attention) == (False, False, False)
     assert "default masked attention read" in ka.describe() and "attention" not in BUILTIN["ours"].describe()
     e = parse_arms("e:from=ours,early=0")[0]
-    assert e.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
+    assert e.options(capacity=64, kv_type="q8_0").draft_before_readback is False
     assert "after the read-back" in e.describe() and o.draft_before_readback is True  # the engine's default
     assert "read-back" not in BUILTIN["ours"].describe()
     pa = parse_arms("p:from=ours,pdl=0")[0]
-    assert pa.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).pdl is False
+    assert pa.options(capacity=64, kv_type="q8_0").pdl is False
     assert "no PDL" in pa.describe() and o.pdl is True and "PDL" not in BUILTIN["ours"].describe()
     dv = parse_arms("d:from=ours,dvocab=32768")[0]
-    assert dv.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_vocab == range(32768)
+    assert dv.options(capacity=64, kv_type="q8_0").draft_vocab == range(32768)
     assert "first 32768 ids" in dv.describe() and o.draft_vocab is None and "ids" not in BUILTIN["ours"].describe()
     hc = parse_arms("h:from=ours,hcrows=1")[0]
-    assert hc.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).mixer_step_rows == 1
+    assert hc.options(capacity=64, kv_type="q8_0").mixer_step_rows == 1
     assert "mixer kernels up to 1 rows" in hc.describe() and o.mixer_step_rows == 6
     assert "mixer" not in BUILTIN["ours"].describe()
-    with pytest.raises(ValueError, match="hcrows='9': expected 1..8"):
+    with pytest.raises(ValueError, match="hcrows must be in 1..8, got 9"):
         parse_arms("h:from=ours,hcrows=9")
     gm = parse_arms("g:from=nospec,gmm=0")[0]
-    assert gm.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).grouped_mm is False
+    assert gm.options(capacity=64, kv_type="q8_0").grouped_mm is False
     assert "prefill experts in a loop" in gm.describe() and o.grouped_mm is True
     assert "prefill" not in BUILTIN["ours"].describe()
     with pytest.raises(ValueError, match="dvocab='many' is not a token count"):
         parse_arms("d:from=ours,dvocab=many")
     ne = parse_arms("n:from=nospec,early=1")[0]  # no rounds, no chain: the switch does not apply to plain decoding
-    assert ne.options(capacity=64, kv_type="q8_0", accept_hook=None, draft_head=None).draft_before_readback is False
+    assert ne.options(capacity=64, kv_type="q8_0").draft_before_readback is False
     assert (o.kv_write_kernel, o.gdn_conv_kernel) == (True, True)  # the engine's defaults
     assert k.cache_options().kv_write_kernel is False and "compiled GDN conv" in ka.describe()
     c = parse_arms("c:from=nospec,gemv=off")[0]
-    assert c.options(capacity=64, kv_type="f32", accept_hook=None, draft_head=None).gemv is False
+    assert c.options(capacity=64, kv_type="f32").gemv is False
     assert "cuBLAS" in c.describe() and c.draft == 0
     for bad in ("nospec,nospec", "zzz", "x:draft=9", "x:pad=3", "x:turbo=1", "draft=3", "x:sparse=maybe",
                 "x:gemv=2", "x:kvw=2"):

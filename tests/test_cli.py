@@ -238,7 +238,7 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("not a GGUF", ["run", "x", "--model", "{junk}"], "not a GGUF"),
     ("draft too deep", ["run", "x", "--model", "{gguf}", "--draft", "9"], "--draft must be in 0..8"),
     ("draft without MTP", ["run", "x", "--model", "{nomtp}", "--draft", "2"], "needs MTP weights"),
-    ("prompt over ctx", ["run", "word " * 40, "--model", "{gguf}", "--ctx", "16"], "more than --ctx 16"),
+    ("prompt over ctx", ["run", "word " * 40, "--model", "{gguf}", "--ctx", "16"], "more than --capacity 16"),
     ("top-p zero", ["run", "x", "--model", "{gguf}", "--top-p", "0"], "--top-p must be in (0, 1]"),
     ("top-p above one", ["run", "x", "--model", "{gguf}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     ("max-tokens zero", ["run", "x", "--model", "{gguf}", "--max-tokens", "0"], "--max-tokens must be >= 1"),
@@ -263,6 +263,21 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("logits bad ids", ["logits", "{gguf}", "--ids", "1,a", "--out", "{dir}/o.npy"], "comma-separated"),
     ("bad preset", ["make-model", "{dir}/p.gguf", "--preset", "huge"], "invalid choice"),
     ("qtype for HF", ["make-model", "{dir}/p", "--format", "hf", "--qtype", "q8_0"], "GGUF output only"),
+    ("temperature nan", ["run", "x", "--model", "{gguf}", "--temperature", "nan"],
+     "--temperature must be a finite number >= 0"),
+    ("temperature inf", ["run", "x", "--model", "{gguf}", "--temperature", "inf"],
+     "--temperature must be a finite number >= 0"),
+    ("seed past 64 bits", ["run", "x", "--model", "{gguf}", "--seed", str(2**64)],
+     "--seed must be in 0..18446744073709551615"),
+    ("prompt not UTF-8", ["run", "ab\udcffc", "--model", "{gguf}"], "not valid UTF-8: byte 0xff at character 2"),
+    ("prompt with a lone surrogate", ["run", "ab\ud800", "--model", "{gguf}"], "lone surrogate U+D800"),
+    ("accept profile without drafting", ["run", "x", "--model", "{gguf}", "--accept-profile", "fixed=2"],
+     "--accept-profile forces the accepted count of speculative rounds: it needs --draft N"),
+    ("accept profile above the depth", ["run", "x", "--model", "{gguf}", "--draft", "3", "--accept-profile",
+                                        "fixed=99"], "fixed=99 accepts more drafts than --draft 3"),
+    ("context beyond memory", ["run", "x", "--model", "{gguf}", "--ctx", "1000000000"],
+     "the largest context that fits is"),
+    ("mixer rows", ["run", "x", "--model", "{gguf}", "--mixer-step-rows", "9"], "--mixer-step-rows must be in 1..8"),
 ])
 def test_bad_input_exits_2_with_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                          case: str, argv: list[str], needle: str) -> None:
@@ -273,6 +288,22 @@ def test_bad_input_exits_2_with_one_line(models: dict[str, Path], capsys: pytest
     lines = [ln for ln in err.splitlines() if ln.startswith("qspec: error:")]
     assert len(lines) == 1 and needle in lines[0], (case, err)
     assert "Traceback" not in err and out == ""
+
+
+def test_labels_say_what_is_on(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """--draft 0 on a model with an MTP head says the head was not loaded (not "no MTP"); the context error of plain
+    decoding counts no draft rows; --stats explains its counters."""
+    rc, _, err = run(capsys, "run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "2", *FAST)
+    assert rc == 0 and "MTP head not loaded (--draft 0)" in err, err
+    rc, _, err = run(capsys, "run", PROMPT, "--model", str(models["nomtp"]), "--max-tokens", "2", *FAST)
+    assert rc == 0 and ", no MTP," in err, err
+    rc, _, err = run(capsys, "run", "word " * 40, "--model", str(models["gguf"]), "--ctx", "16")
+    assert rc == 2 and "draft rows" not in err and "the last token is not run" in err, err
+    rc, _, err = run(capsys, "run", "word " * 40, "--model", str(models["gguf"]), "--ctx", "16", "--draft", "2")
+    assert rc == 2 and "+ 3 cells for the last round's draft rows" in err, err
+    rc, _, err = run(capsys, "run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "6", "--draft", "2",
+                     "--stats", *FAST)
+    assert rc == 0 and "one key per N tokens" in err and "rows_filler: padding rows" in err, err
 
 
 def test_draft_vocab_counts_text_and_leaves_the_output(models: dict[str, Path], capsys: pytest.CaptureFixture[str],

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.kernels.q4 import Q4Weight
 from qspec.model.model import Model
 from qspec.model.mtp import DraftHead
@@ -77,8 +77,10 @@ def test_greedy_output_is_plain_decodings_and_drafts_stay_in_the_set(tiny_model:
         seen.extend(drafts)
         return drafts
 
-    for opts in (dict(draft=3), dict(draft=3, draft_head="q4"), dict(draft=5, draft_hook=hook)):
-        g = Engine(tiny_model, EngineOptions(capacity=256, draft_vocab=sorted(allowed), **opts)).generate(PROMPT, 24)
+    for opts, hooks in ((dict(draft=3), None), (dict(draft=3, draft_head="q4"), None),
+                        (dict(draft=5), EngineHooks(draft_hook=hook))):
+        g = Engine(tiny_model, EngineOptions(capacity=256, draft_vocab=sorted(allowed), **opts), hooks).generate(
+            PROMPT, 24)
         assert g.tokens == plain, opts
     assert seen and set(seen) <= allowed
     # a one-id set: the head proposes that id at every position, and the output is still plain decoding's

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model import fuse
 
 
@@ -24,10 +24,11 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
     prompt = list(range(3, 45))
     # between them every fused function runs (the compiled q8_0 quantizer only without the KV write kernel)
     for draft, sparse, kv_kernel in ((0, False, True), (3, True, False)):
-        kw = dict(draft=draft, capacity=256, kv_type="q8_0", record_logits=True, sparse_attention=sparse,
+        kw = dict(draft=draft, capacity=256, kv_type="q8_0", sparse_attention=sparse,
                   kv_write_kernel=kv_kernel, draft_vocab=range(0, 512, 3) if draft else None)
-        ref = Engine(model, EngineOptions(**kw)).generate(prompt, 10)
-        got = Engine(model, EngineOptions(compile_backend=backend, **kw)).generate(prompt, 10)
+        hooks = EngineHooks(record_logits=True)
+        ref = Engine(model, EngineOptions(**kw), hooks).generate(prompt, 10)
+        got = Engine(model, EngineOptions(compile_backend=backend, **kw), hooks).generate(prompt, 10)
         assert got.tokens == ref.tokens
         assert len(got.logits) == len(ref.logits) > 0
         for a, b in zip(got.logits, ref.logits, strict=True):
@@ -62,10 +63,11 @@ def test_inductor_compiles_every_fused_function(model) -> None:  # type: ignore[
 
     prompt = list(range(3, 45))
     for draft, sparse, kv_kernel in ((0, False, True), (3, True, False)):  # as test_fused_steps_equal_eager
-        kw = dict(draft=draft, capacity=256, kv_type="q8_0", record_logits=True, sparse_attention=sparse,
+        kw = dict(draft=draft, capacity=256, kv_type="q8_0", sparse_attention=sparse,
                   kv_write_kernel=kv_kernel, draft_vocab=range(0, 512, 3) if draft else None)
-        ref = Engine(model, EngineOptions(**kw)).generate(prompt, 8)
-        got = Engine(model, EngineOptions(compile_backend=compile_fx, **kw)).generate(prompt, 8)
+        ref = Engine(model, EngineOptions(**kw), EngineHooks(record_logits=True)).generate(prompt, 8)
+        got = Engine(model, EngineOptions(compile_backend=compile_fx, **kw), EngineHooks(record_logits=True)).generate(
+            prompt, 8)
         assert got.tokens == ref.tokens and len(got.logits) == len(ref.logits) > 0
         for a, b in zip(got.logits + got.draft_logits, ref.logits + ref.draft_logits, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -17,6 +17,7 @@ and, on any machine, the rule they apply to bf16 greedy equality.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections.abc import Callable
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from qspec.config import preset
-from qspec.engine import Engine, EngineOptions, Generation
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
 from qspec.weights.random_model import random_weights
@@ -36,6 +37,15 @@ from qspec.weights.random_model import random_weights
 # bf16 rounding of a logit near 1 is 2^-7 ~ 0.8%, and a step accumulates several roundings
 NEAR_TIE = 0.03
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+_HOOKS = {f.name for f in dataclasses.fields(EngineHooks)}
+
+
+def engine(model: Model, **kw: Any) -> Engine:
+    """An engine from options and test hooks given together (the checks set both in one call)."""
+    return Engine(model, EngineOptions(**{k: v for k, v in kw.items() if k not in _HOOKS}),
+                  EngineHooks(**{k: v for k, v in kw.items() if k in _HOOKS}))
 
 
 # ---- the rules -------------------------------------------------------------------------------------------------
@@ -179,7 +189,7 @@ class Setup:
 
     def run(self, n: int, tokens: int = 48, **kw: Any) -> Generation:
         opts = {"capacity": 256, "kv_type": self.kv} | kw
-        return Engine(self.gpu, EngineOptions(draft=n, **opts)).generate(self.prompt, tokens)
+        return engine(self.gpu, draft=n, **opts).generate(self.prompt, tokens)
 
 
 IDS = torch.randint(0, 511, (60,), generator=torch.Generator().manual_seed(0))
@@ -194,7 +204,7 @@ def setup(request: pytest.FixtureRequest) -> Setup:
         gpu = build("cuda", dtype)
         kv = "bf16" if dtype == torch.bfloat16 else "f32"
         prompt = IDS[:25].tolist()
-        plain = Engine(gpu, EngineOptions(draft=0, capacity=256, kv_type=kv, record_logits=True)).generate(prompt, 48)
+        plain = engine(gpu, draft=0, capacity=256, kv_type=kv, record_logits=True).generate(prompt, 48)
         _SETUPS[dtype] = Setup(gpu, prompt, plain, kv, NEAR_TIE if dtype == torch.bfloat16 else 0.0,
                                5e-2 if dtype == torch.bfloat16 else 1e-3)
     return _SETUPS[dtype]
@@ -366,9 +376,9 @@ def test_seed_optimizations_give_the_baseline_tokens() -> None:
     base = None
     for p, inc, pad, fused in itertools.product([False, True], repeat=4):
         rng = random.Random(5)
-        g = Engine(gpu, EngineOptions(draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
-                                      pad_target=8 if pad else None, fused_snapshots=fused,
-                                      accept_hook=lambda r, n, rng=rng: rng.randint(0, n))).generate(prompt, 40)
+        g = engine(gpu, draft=4, capacity=256, preserve_pooled=p, incremental_pooled=inc,
+                   pad_target=8 if pad else None, fused_snapshots=fused,
+                   accept_hook=lambda r, n, rng=rng: rng.randint(0, n)).generate(prompt, 40)
         base = base or g.tokens
         assert g.tokens == base, (p, inc, pad, fused)
 

@@ -327,16 +327,15 @@ def test_grouped_mm_prefill_experts_match_the_loop(tiny_model: Model) -> None:
 def test_engine_grouped_mm_only_where_the_gpu_has_it(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's grouped_mm (on by default) switches the grouped GEMMs on for its requests only, and only on a
     device where torch has CUTLASS kernels for them (sm_90, sm_100): the CPU keeps the loop over the experts."""
-    from qspec.engine import Engine, EngineOptions
+    from qspec.engine import Engine, EngineHooks, EngineOptions
     from qspec.model import moe as moe_mod
 
     assert EngineOptions().grouped_mm and not moe_mod.grouped_mm_supported(torch.device("cpu"))
 
     def seen_in_rounds(**opts: bool) -> list[bool]:
         seen: list[bool] = []
-        Engine(tiny_model, EngineOptions(draft=1, capacity=64, **opts,
-                                         after_round=lambda run, k: seen.append(moe_mod._GROUPED_MM))).generate(
-            [1, 2, 3], 3)
+        Engine(tiny_model, EngineOptions(draft=1, capacity=64, **opts),
+               EngineHooks(after_round=lambda run, k: seen.append(moe_mod._GROUPED_MM))).generate([1, 2, 3], 3)
         assert seen and not moe_mod._GROUPED_MM
         return seen
 
@@ -751,14 +750,15 @@ def test_hc_mix_step_dispatch() -> None:
     assert torch.equal(Xc, want_X) and torch.equal(h, want_h) and torch.equal(out, want_y)
     assert not hc_mix.step_eligible(X, w_in)  # f32 (and the CPU without the interpreter)
     Xb, wb = X.bfloat16(), w_in.bfloat16()
-    assert not hc_mix.step_eligible(torch.cat([Xb, Xb]), wb)
+    with hc_mix.step_rows_mode(1):
+        assert not hc_mix.step_eligible(torch.cat([Xb, Xb]), wb)
     with ops.row_exact_mode(True):
         assert not hc_mix.step_eligible(Xb, wb)
     with hc_mix.enabled_mode(False):
         assert not hc_mix.step_eligible(Xb, wb)
-    with hc_mix.step_rows_mode(6):  # several rows only inside the block (an A/B switch), 1..8 rows
-        assert hc_mix._STEP_ROWS == 6
-    assert hc_mix._STEP_ROWS == 1
+    with hc_mix.step_rows_mode(2):  # the engine's mixer_step_rows inside the block, 1..8 rows
+        assert hc_mix._STEP_ROWS == 2
+    assert hc_mix._STEP_ROWS == 6
     with pytest.raises(ValueError, match="mixer step rows"), hc_mix.step_rows_mode(9):
         pass
 
@@ -770,8 +770,9 @@ def test_hc_mix_step_rows_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(hc_mix, "use_triton", lambda t: True)
     X, w_in = torch.randn(8, 4 * 32).bfloat16(), torch.randn(12, 4 * 32).bfloat16()
-    assert hc_mix.step_eligible(X[:1], w_in)
-    assert not hc_mix.step_eligible(X[:0], w_in) and not hc_mix.step_eligible(X[:2], w_in)
+    with hc_mix.step_rows_mode(1):
+        assert hc_mix.step_eligible(X[:1], w_in)
+        assert not hc_mix.step_eligible(X[:0], w_in) and not hc_mix.step_eligible(X[:2], w_in)
     with hc_mix.step_rows_mode(6):
         assert hc_mix.step_eligible(X[:6], w_in) and not hc_mix.step_eligible(X[:0], w_in)
         assert not hc_mix.step_eligible(X[:7], w_in)
@@ -851,12 +852,12 @@ def test_gdn_conv_kernel_gate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_engine_sets_the_mixer_rows_for_its_requests(tiny_model: Model) -> None:
     """The engine's mixer_step_rows applies to its requests only, and a value the kernels cannot take is refused."""
-    from qspec.engine import Engine, EngineOptions
+    from qspec.engine import Engine, EngineHooks, EngineOptions
     from qspec.kernels import hc_mix
 
     seen: list[int] = []
-    Engine(tiny_model, EngineOptions(draft=2, capacity=64, mixer_step_rows=6, after_round=lambda run, k: seen.append(
-        hc_mix._STEP_ROWS))).generate([1, 2, 3, 4], 4)
-    assert seen and set(seen) == {6} and hc_mix._STEP_ROWS == 1
+    Engine(tiny_model, EngineOptions(draft=2, capacity=64, mixer_step_rows=2),
+           EngineHooks(after_round=lambda run, k: seen.append(hc_mix._STEP_ROWS))).generate([1, 2, 3, 4], 4)
+    assert seen and set(seen) == {2} and hc_mix._STEP_ROWS == 6
     with pytest.raises(ValueError, match="mixer_step_rows must be in 1..8, got 0"):
-        Engine(tiny_model, EngineOptions(draft=2, capacity=64, mixer_step_rows=0))
+        EngineOptions(draft=2, capacity=64, mixer_step_rows=0)

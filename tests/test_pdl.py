@@ -80,11 +80,12 @@ def test_pdl_variant_compiles_for_hopper_with_the_wait_first() -> None:
 
 def test_engine_leaves_pdl_off_where_the_gpu_lacks_it(tiny_model: Model) -> None:
     """`pdl` is on by default; on the CPU the engine leaves pdl_mode off (and with it the shapes routed for PDL)."""
-    from qspec.engine import Engine, EngineOptions
+    from qspec.engine import Engine, EngineHooks, EngineOptions
 
     seen: list[bool] = []
-    opts = EngineOptions(draft=2, capacity=64, after_round=lambda run, k: seen.append(triton_common._PDL))
+    opts = EngineOptions(draft=2, capacity=64)
     assert opts.pdl
-    Engine(tiny_model, opts).generate([1, 2, 3, 4], 6)
+    Engine(tiny_model, opts, EngineHooks(after_round=lambda run, k: seen.append(triton_common._PDL))).generate(
+        [1, 2, 3, 4], 6)
     assert seen and set(seen) == {False}
 

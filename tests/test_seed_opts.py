@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.model.qsa import PooledUpdate, materialize_pooled
@@ -23,11 +23,13 @@ CAP = 128
 COMBOS = list(itertools.product([False, True], repeat=4))  # preserve, incremental, pad, fused
 
 
-def options(combo: tuple[bool, bool, bool, bool], rng: random.Random, **kw: object) -> EngineOptions:
+def options(combo: tuple[bool, bool, bool, bool], rng: random.Random, **kw: object
+            ) -> tuple[EngineOptions, EngineHooks]:
+    """The engine options of one combination, and hooks that force a random accepted count each round."""
     preserve, incremental, pad, fused = combo
-    return EngineOptions(draft=4, capacity=CAP, exact=True, preserve_pooled=preserve, incremental_pooled=incremental,
-                         pad_target=8 if pad else None, fused_snapshots=fused,
-                         accept_hook=lambda r, n: rng.randint(0, n), record_logits=True, **kw)
+    return (EngineOptions(draft=4, capacity=CAP, exact=True, preserve_pooled=preserve, incremental_pooled=incremental,
+                          pad_target=8 if pad else None, fused_snapshots=fused),
+            EngineHooks(accept_hook=lambda r, n: rng.randint(0, n), record_logits=True, **kw))
 
 
 def check_invariants(run: Runner, model: Model) -> None:
@@ -64,8 +66,8 @@ def test_every_combination_matches_baseline(tiny_model: Model, seed: int, n_gen:
     prompt = [random.Random(seed).randrange(511) for _ in range(1 + seed % 23)]
     results = {}
     for combo in COMBOS:
-        eng = Engine(tiny_model, options(combo, random.Random(seed),
-                                         after_round=lambda run, k: check_invariants(run, tiny_model)))
+        eng = Engine(tiny_model, *options(combo, random.Random(seed),
+                                          after_round=lambda run, k: check_invariants(run, tiny_model)))
         g = eng.generate(prompt, n_gen)
         results[combo] = (g, eng.runner.committed_state())
     base_g, base_state = results[(False, False, False, False)]
@@ -83,7 +85,7 @@ def test_pooled_rows_drop_from_history_to_delta(tiny_model: Model) -> None:
     prompt = [rng.randrange(511) for _ in range(90)]
     rows = {}
     for name, combo in (("baseline", (False, False, False, False)), ("ours", (True, True, True, True))):
-        g = Engine(tiny_model, options(combo, random.Random(1))).generate(prompt, 20)
+        g = Engine(tiny_model, *options(combo, random.Random(1))).generate(prompt, 20)
         rows[name] = [r["pooled_r4_rows"] for r in g.rounds_log]
         reals = [r["pooled_r4_real"] for r in g.rounds_log]
         if name == "ours":

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from qspec.engine import Engine, EngineOptions, accepted_on_device, cells_needed
+from qspec.engine import Engine, EngineHooks, EngineOptions, accepted_on_device, cells_needed
 from qspec.model import ops
 from qspec.model.model import Model
 from qspec.runner import ContextError, Readback, Runner
@@ -42,8 +42,8 @@ def test_greedy_spec_equals_plain(tiny_model: Model, n_draft: int) -> None:
     for plen in (3, 17, 18 + n_draft):
         prompt = [rng.randrange(511) for _ in range(plen)]
         ref = plain(tiny_model, prompt, 40)
-        eng = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, exact=True,
-                                               draft_hook=oracle_hook(ref, rng, 512)))
+        eng = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, exact=True),
+                     EngineHooks(draft_hook=oracle_hook(ref, rng, 512)))
         g = eng.generate(prompt, 40)
         assert g.tokens == ref
         s = g.spec
@@ -77,8 +77,8 @@ def test_state_after_forced_rounds_equals_plain_decoding(tiny_model: Model, seed
     rng = random.Random(seed)
     N = 5
     prompt = [rng.randrange(511)]
-    eng = Engine(tiny_model, EngineOptions(draft=N, capacity=CAP, exact=True,
-                                           accept_hook=lambda r, n: rng.randint(0, n)))
+    eng = Engine(tiny_model, EngineOptions(draft=N, capacity=CAP, exact=True),
+                 EngineHooks(accept_hook=lambda r, n: rng.randint(0, n)))
     g = eng.generate(prompt, 45 + seed * 7)
     hist = eng.runner.history
     assert len(hist) == eng.runner.n_tokens and hist == (prompt + g.tokens)[:len(hist)]
@@ -97,10 +97,10 @@ def test_draft_needs_mtp_weights() -> None:
 
 
 def test_bad_depth_and_context(tiny_model: Model) -> None:
-    with pytest.raises(ValueError, match="draft depth"):
+    with pytest.raises(ValueError, match="draft must be in 0..8"):
         Engine(tiny_model, EngineOptions(draft=9))
     eng = Engine(tiny_model, EngineOptions(draft=2, capacity=32))
-    with pytest.raises(ContextError, match="exceed the context capacity"):
+    with pytest.raises(ContextError, match="more than the context capacity 32"):
         eng.generate(list(range(30)), 8)
     with pytest.raises(ValueError, match="empty"):
         eng.generate([], 8)
@@ -117,7 +117,7 @@ def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
         s = Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(3))
         # an identity draft hook takes the host round (drafts read on the host, then accepted)
         hook = (lambda n_out, d: d) if host else None
-        eng = Engine(tiny_model, EngineOptions(draft=n, capacity=CAP, draft_hook=hook))
+        eng = Engine(tiny_model, EngineOptions(draft=n, capacity=CAP), EngineHooks(draft_hook=hook))
         return eng.generate(list(range(1, 9)), 12, sampler=s).tokens
 
     a, b = run(3), run(3)
@@ -126,8 +126,8 @@ def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:
     assert h == run(3, host=True) and len(h) == 12
     ref = plain(tiny_model, list(range(1, 9)), 40)
     stop = ref[5]
-    g = Engine(tiny_model, EngineOptions(draft=4, capacity=CAP, exact=True,
-                                         draft_hook=oracle_hook(ref, random.Random(0), 512)))
+    g = Engine(tiny_model, EngineOptions(draft=4, capacity=CAP, exact=True),
+               EngineHooks(draft_hook=oracle_hook(ref, random.Random(0), 512)))
     out = g.generate(list(range(1, 9)), 40, stop_ids={stop})
     assert out.tokens == ref[:ref.index(stop) + 1] and out.stop_reason == "stop token"
 
@@ -357,7 +357,8 @@ def test_phase_timing_changes_no_output(tiny_model: Model, n_draft: int) -> None
     tokens stay those of an untimed run."""
     prompt = list(range(4, 30))
     plain_run = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP)).generate(prompt, 20)
-    timed = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP, time_phases=True)).generate(prompt, 20)
+    timed = Engine(tiny_model, EngineOptions(draft=n_draft, capacity=CAP), EngineHooks(time_phases=True)).generate(
+        prompt, 20)
     assert timed.tokens == plain_run.tokens
     want = {"decode"} if not n_draft else {"draft", "verify", "accept+rollback", "draft extend"}
     assert set(timed.phases) == want and all(v > 0 for v in timed.phases.values())
@@ -385,9 +386,9 @@ def test_extend_queued_on_device_equals_the_host_round(tiny_model: Model, forced
 
     def run(host: bool) -> object:
         hook = (lambda r, n: (3 * r + 1) % (n + 1)) if forced else None
-        opts = EngineOptions(draft=4, capacity=CAP, exact=True, record_logits=True, accept_hook=hook,
-                             draft_hook=(lambda n_out, d: d) if host else None)
-        return Engine(tiny_model, opts).generate(prompt, 30)
+        opts = EngineOptions(draft=4, capacity=CAP, exact=True)
+        hooks = EngineHooks(record_logits=True, accept_hook=hook, draft_hook=(lambda n_out, d: d) if host else None)
+        return Engine(tiny_model, opts, hooks).generate(prompt, 30)
 
     dev, host = run(False), run(True)
     assert dev.tokens == host.tokens and dev.rounds_log == host.rounds_log
@@ -420,9 +421,8 @@ def test_chain_before_readback_equals_the_chain_after_it(tiny_model: Model, forc
 
     def run(early: bool, capacity: int = CAP, draft: int = 4) -> object:
         hook = (lambda r, n: (3 * r + 1) % (n + 1)) if forced else None
-        opts = EngineOptions(draft=draft, capacity=capacity, exact=True, record_logits=True, accept_hook=hook,
-                             draft_before_readback=early)
-        return Engine(tiny_model, opts).generate(prompt, 30)
+        opts = EngineOptions(draft=draft, capacity=capacity, exact=True, draft_before_readback=early)
+        return Engine(tiny_model, opts, EngineHooks(record_logits=True, accept_hook=hook)).generate(prompt, 30)
 
     after = run(False)
     assert at_calls and not any(at_calls)
@@ -462,7 +462,8 @@ def test_greedy_spec_equals_plain_with_fused_attention(tiny_model: Model) -> Non
     kw = dict(capacity=CAP, exact=True, kv_type="q8_0", fused_attention=True, kv_write_kernel=True)
     ref = plain(tiny_model, prompt, 30, kv_type="q8_0", fused_attention=True, kv_write_kernel=True)
     for n in (1, 4):
-        g = Engine(tiny_model, EngineOptions(draft=n, draft_hook=oracle_hook(ref, rng, 512), **kw)).generate(prompt, 30)
+        hooks = EngineHooks(draft_hook=oracle_hook(ref, rng, 512))
+        g = Engine(tiny_model, EngineOptions(draft=n, **kw), hooks).generate(prompt, 30)
         assert g.tokens == ref and 0 < g.spec.accepted < g.spec.drafted
 
 

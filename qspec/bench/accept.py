@@ -1,7 +1,7 @@
 """Acceptance replay: drive a random-weight model's speculative rounds with a recorded or modelled acceptance.
 
 A random model's drafts almost never match its target, so measured acceptance says nothing about a real
-deployment. A profile overrides the accepted count of every round through `EngineOptions.accept_hook`, so the
+deployment. A profile overrides the accepted count of every round through `EngineHooks.accept_hook`, so the
 engine does the full work of a round (draft N, verify N+1 rows, roll back the rejected suffix) with a realistic
 accepted count. Every result produced this way is labelled "replayed acceptance".
 
@@ -150,7 +150,7 @@ class AcceptProfile:
         return f"{REPLAYED_LABEL} ({self.spec})" if self.replayed else MODEL_LABEL
 
     def hook(self) -> AcceptHook | None:
-        """A fresh accept_hook for EngineOptions (None: the model's own acceptance)."""
+        """A fresh accept_hook for EngineHooks (None: the model's own acceptance)."""
         if self.kind == "p":
             return _GeometricHook(self.p, self.seed)
         if self.kind == "fixed":

@@ -5,125 +5,139 @@ Built-in arms (the seed's comparison):
   baseline  MTP3 with the seed's optimizations off and the full-precision draft head (the llama.cpp arm)
   ours      MTP5, pooled-key preservation + incremental update + Pad8 + fused snapshots, Q4 draft head
 
-Custom arms: `name:key=value,...` with keys draft (0-8), preserve, incremental, pad (8|16; 0|none = off),
-fused, q4, compile (torch.compile-fused step math, on by default), gemv (the Triton one-row mat-vec and one-row
-mixer kernels, on by default), sparse (sparse QSA attention), fattn (masked attention in one Triton pass over the
-cache, on by default on CUDA), kvw (the q8_0 KV write in one launch, on by default), gconv (the GDN step conv
-kernel, on by default), early (greedy rounds queue the next draft chain before the host reads the round, on by
-default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
-default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
-gmm (prefill's routed experts as grouped GEMMs where torch has CUTLASS kernels for the GPU, on by default),
-hcrows (the most rows of a step whose mixers take the Triton kernels, 6 by default)
-(booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
-`ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
-`name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
+Custom arms: `name:key=value,...`. The keys are the engine options (qspec/options.py, the same names as the `run`
+flags without `--`: draft, preserve_pooled, pad_target, draft_head, mixer_step_rows, ...) and their short aliases:
+preserve, incremental, pad (8|16; 0|none = off), fused, q4 (draft_head q4), sparse, fattn, kvw, gconv, early, gmm,
+hcrows, dvocab (N: drafts only from the first N token ids; 0 = all). Booleans as 1/0, true/false, on/off. A custom
+arm starts from the seed's optimizations off and the engine's defaults for everything else, or from another arm
+with `from=ARM`: `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item
+without a `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import torch
-
 from qspec.bench.accept import parse_kv
-from qspec.engine import EngineOptions
-from qspec.spec.accept import AcceptHook
+from qspec.options import EngineOptions, OptionError, arm_keys, declared
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+_OFF = {"0", "none", "off", "false"}
+# what an arm starts from: the seed's optimizations off (the llama.cpp comparison), the engine's defaults otherwise
+SEED_OFF: dict[str, Any] = {"preserve_pooled": False, "incremental_pooled": False, "pad_target": None,
+                            "fused_snapshots": False}
+# options a benchmark protocol sets for every arm, not an arm
+_PROTOCOL = {"capacity", "kv_type", "exact"}
+_DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
 
 
 @dataclass(frozen=True)
 class Arm:
-    name: str
-    draft: int = 0
-    preserve: bool = False  # seed Algorithm 1: keep valid pooled keys across rollback
-    incremental: bool = False  # seed Algorithm 2: materialize only new or changed blocks
-    pad: int | None = None  # seed Algorithm 3: fixed update-row count (8 in the seed)
-    fused: bool = False  # seed Algorithms 4-5: one fused conv-snapshot pass
-    q4: bool = False  # Q4_0-rounded draft output head
-    compile: bool = True  # torch.compile-fused step math on CUDA (the engine's default; off for A/B runs)
-    sparse: bool = False  # QSA reads only the chosen blocks and the tail (--sparse-attention)
-    gemv: bool = True  # one-row products through the Triton mat-vec (the engine's default; off: cuBLAS)
-    fattn: bool | None = None  # masked attention in one pass over the cache (None: the default, on CUDA)
-    kvw: bool = True  # q8_0 KV writes in one launch (the engine's default; off: --no-kv-write-kernel)
-    gconv: bool = True  # GDN step conv, silu and q/k norms in one launch (the default; off: --no-gdn-conv-kernel)
-    early: bool = True  # the next draft chain queued before the round's read-back (the default; off: late)
-    pdl: bool = True  # programmatic dependent launch where the GPU has it (the default; off: --no-pdl)
-    dvocab: int = 0  # drafts only from the first dvocab ids (--draft-vocab N; 0: the whole vocabulary)
-    gmm: bool = True  # prefill's routed experts as grouped GEMMs (the default; off: --no-grouped-mm)
-    hcrows: int = 6  # the most rows of a step whose mixers take the Triton kernels (EngineOptions.mixer_step_rows)
+    """A named set of engine options: `values` holds the options set away from SEED_OFF and the engine's defaults."""
 
-    def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
-                draft_head: torch.Tensor | None) -> EngineOptions:
-        # q4: the engine packs the LM head to Q4_0 once (Q4Weight; a 4-bit Triton mat-vec on CUDA)
-        return EngineOptions(draft=self.draft, capacity=capacity, kv_type=kv_type, exact=False,
-                             preserve_pooled=self.preserve, incremental_pooled=self.incremental,
-                             pad_target=self.pad, fused_snapshots=self.fused,
-                             draft_head="q4" if self.q4 and self.draft else "full",
-                             accept_hook=accept_hook if self.draft else None, compile=self.compile,
-                             sparse_attention=self.sparse, gemv=self.gemv, fused_attention=self.fattn,
-                             kv_write_kernel=self.kvw, gdn_conv_kernel=self.gconv,
-                             draft_before_readback=self.early and bool(self.draft), pdl=self.pdl,
-                             draft_vocab=range(self.dvocab) if self.dvocab and self.draft else None,
-                             grouped_mm=self.gmm, mixer_step_rows=self.hcrows)
+    name: str
+    values: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, **values: Any) -> Arm:
+        """An arm from option names (or their aliases) and values."""
+        keys = arm_keys()
+        unknown = set(values) - set(keys)
+        if unknown:
+            raise ValueError(f"arm {name!r}: unknown options {', '.join(sorted(unknown))}")
+        return cls(name, tuple(sorted((keys[k], v) for k, v in values.items())))
+
+    def get(self, name: str) -> Any:
+        """The arm's value of option `name`."""
+        return dict(self.values).get(name, SEED_OFF.get(name, _DEFAULTS[name]))
+
+    @property
+    def draft(self) -> int:
+        return self.get("draft")
+
+    def settings(self) -> dict[str, Any]:
+        """Every option the arm runs with (`draft_vocab` as a count), by option name."""
+        return {f.name: self.get(f.name) for f in declared(EngineOptions) if f.name not in _PROTOCOL}
+
+    def options(self, *, capacity: int, kv_type: str) -> EngineOptions:
+        """The engine options of this arm; options that apply with drafting only are left at their defaults when
+        the arm does not draft (so `early=1` on a plain arm changes nothing)."""
+        kw = self.settings()
+        if not self.draft:
+            kw |= {"draft_head": "full", "draft_vocab": None, "draft_before_readback": False}
+        if kw["draft_vocab"] is not None:
+            kw["draft_vocab"] = range(kw["draft_vocab"]) if kw["draft_vocab"] else None
+        return EngineOptions(capacity=capacity, kv_type=kv_type, exact=False, **kw)
 
     def describe(self) -> str:
-        if not self.draft:
-            head = "no drafting"
-        else:
-            head = f"MTP{self.draft}"
-        opts = [n for n, on in (("preserve", self.preserve), ("incremental", self.incremental),
-                                (f"pad{self.pad}", self.pad), ("fused", self.fused)) if on]
-        parts = [head, "+".join(opts) if opts else "seed optimizations off"]
+        head = f"MTP{self.draft}" if self.draft else "no drafting"
+        seed = [n for n, on in (("preserve", self.get("preserve_pooled")),
+                                ("incremental", self.get("incremental_pooled")),
+                                (f"pad{self.get('pad_target')}", self.get("pad_target")),
+                                ("fused", self.get("fused_snapshots"))) if on]
+        parts = [head, "+".join(seed) if seed else "seed optimizations off"]
         if self.draft:
-            parts.append("Q4 draft head" if self.q4 else "full-precision draft head")
-        if not self.compile:
-            parts.append("unfused step math")
-        if self.sparse:
-            parts.append("sparse attention")
-        if self.fattn is False:
-            parts.append("default masked attention read")
-        elif self.fattn:
-            parts.append("fused masked attention")
-        if not self.kvw:
-            parts.append("compiled q8_0 KV write")
-        if not self.gconv:
-            parts.append("compiled GDN conv")
-        if not self.gemv:
-            parts.append("cuBLAS one-row products")
-        if not self.early and self.draft:
-            parts.append("draft chain after the read-back")
-        if not self.pdl:
-            parts.append("no PDL")
-        if self.dvocab and self.draft:
-            parts.append(f"drafts from the first {self.dvocab} ids")
-        if not self.gmm:
-            parts.append("prefill experts in a loop")
-        if self.hcrows != 6:
-            parts.append(f"mixer kernels up to {self.hcrows} rows")
-        return ", ".join(parts)
+            parts.append("Q4 draft head" if self.get("draft_head") == "q4" else "full-precision draft head")
+        fattn = self.get("fused_attention")
+        notes = [(not self.get("compile"), "unfused step math"), (self.get("sparse_attention"), "sparse attention"),
+                 (fattn is False, "default masked attention read"), (fattn is True, "fused masked attention"),
+                 (not self.get("kv_write_kernel"), "compiled q8_0 KV write"),
+                 (not self.get("gdn_conv_kernel"), "compiled GDN conv"),
+                 (not self.get("gemv"), "cuBLAS one-row products"),
+                 (self.draft and not self.get("draft_before_readback"), "draft chain after the read-back"),
+                 (not self.get("pdl"), "no PDL"),
+                 (self.draft and self.get("draft_vocab"), f"drafts from the first {self.get('draft_vocab')} ids"),
+                 (not self.get("grouped_mm"), "prefill experts in a loop"),
+                 (self.get("mixer_step_rows") != _DEFAULTS["mixer_step_rows"],
+                  f"mixer kernels up to {self.get('mixer_step_rows')} rows"),
+                 (not self.get("cuda_graphs"), "no CUDA graphs"),
+                 (self.get("prefill_chunk") != _DEFAULTS["prefill_chunk"],
+                  f"prefill chunks of {self.get('prefill_chunk')}")]
+        return ", ".join(parts + [text for on, text in notes if on])
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"description": self.describe()}
+        return {"name": self.name} | self.settings() | {"description": self.describe()}
 
 
 BUILTIN: dict[str, Arm] = {
-    "nospec": Arm("nospec", preserve=True, incremental=True, pad=8, fused=True),
-    "baseline": Arm("baseline", draft=3),
-    "ours": Arm("ours", draft=5, preserve=True, incremental=True, pad=8, fused=True, q4=True),
+    "nospec": Arm.of("nospec", preserve=True, incremental=True, pad=8, fused=True),
+    "baseline": Arm.of("baseline", draft=3),
+    "ours": Arm.of("ours", draft=5, preserve=True, incremental=True, pad=8, fused=True, draft_head="q4"),
 }
 DEFAULT_ARMS = "nospec,baseline,ours"
 
 
-def _bool(key: str, v: str, spec: str) -> bool:
+def _bool(v: str) -> bool:
     s = v.strip().lower()
     if s in _TRUE:
         return True
     if s in _FALSE:
         return False
-    raise ValueError(f"arm {spec!r}: {key}={v!r} is not a boolean (1/0, true/false, on/off)")
+    raise ValueError("is not a boolean (1/0, true/false, on/off)")
+
+
+def _value(key: str, name: str, v: str) -> Any:
+    """An arm value for option `name` (written as `key`) from its text."""
+    if key == "q4":
+        return "q4" if _bool(v) else "full"
+    if key == "dvocab" or name == "draft_vocab":
+        if not v.isdigit():
+            raise ValueError("is not a token count (0 = the whole vocabulary)")
+        return int(v)
+    f = next(f for f in declared(EngineOptions) if f.name == name)
+    if f.metadata["none_flag"] and v.strip().lower() in _OFF:
+        return None
+    kind = f.metadata["type"]
+    if kind is bool:
+        return _bool(v)
+    if kind is int:
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+    return v
 
 
 def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
@@ -145,39 +159,26 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         if src not in known:
             raise ValueError(f"arm {spec!r}: from={src!r} is not a known arm")
         base = replace(known[src], name=name)
-    fields: dict[str, Any] = {}
+    keys = {k: n for k, n in arm_keys().items() if n not in _PROTOCOL} | {"q4": "draft_head"}
+    values = dict(base.values)
     for k, v in kv.items():
-        if k == "draft":
-            try:
-                d = int(v)
-            except ValueError as e:
-                raise ValueError(f"arm {spec!r}: draft={v!r} is not an integer") from e
-            if not 0 <= d <= 8:
-                raise ValueError(f"arm {spec!r}: draft must be in [0, 8], got {d}")
-            fields["draft"] = d
-        elif k == "pad":
-            if v.lower() in ("0", "none", "off", "false"):
-                fields["pad"] = None
-            else:
-                if v not in ("8", "16"):  # the seed's (and the engine's) Pad targets
-                    raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
-                fields["pad"] = int(v)
-        elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
-                   "gconv", "early", "pdl", "gmm"):
-            fields[k] = _bool(k, v, spec)
-        elif k == "hcrows":
-            if v not in {str(n) for n in range(1, 9)}:
-                raise ValueError(f"arm {spec!r}: hcrows={v!r}: expected 1..8")
-            fields[k] = int(v)
-        elif k == "dvocab":
-            if not v.isdigit():
-                raise ValueError(f"arm {spec!r}: dvocab={v!r} is not a token count (0 = the whole vocabulary)")
-            fields[k] = int(v)
-        else:
-            raise ValueError(f"arm {spec!r}: unknown key {k!r} "
-                             "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "early, pdl, dvocab, gmm, hcrows, from)")
-    return replace(base, **fields)
+        if k not in keys:
+            raise ValueError(f"arm {spec!r}: unknown key {k!r} ({', '.join(sorted(keys))}, from)")
+        try:
+            values[keys[k]] = _value(k, keys[k], v)
+        except ValueError as e:
+            raise ValueError(f"arm {spec!r}: {k}={v!r} {e}") from None
+    arm = Arm(name, tuple(sorted(values.items())))
+    try:
+        arm.options(capacity=4096, kv_type="f32")  # every value checked as the engine will
+    except OptionError as e:
+        raise ValueError(f"arm {spec!r}: {e.render(lambda n: _alias(n, kv))}") from None
+    return arm
+
+
+def _alias(name: str, given: dict[str, str]) -> str:
+    """The key the user wrote for option `name` (an alias or the name)."""
+    return next((k for k in given if arm_keys().get(k) == name), name)
 
 
 def parse_arms(spec: str | list[str] | tuple[str, ...]) -> list[Arm]:

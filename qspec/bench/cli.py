@@ -212,9 +212,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on cuda, float32 on cpu")
     r = p.add_argument_group("protocol")
     r.add_argument("--arms", default=DEFAULT_ARMS,
-                   help="comma-separated arms: nospec, baseline, ours, or NAME:draft=5,preserve=1,incremental=1,"
-                        "pad=8,fused=1,q4=1 (from=ARM starts from another arm) (default %(default)s)")
-    r.add_argument("--ctx", type=int, default=CAPACITY, help="context capacity (default %(default)s)")
+                   help="comma-separated arms: nospec, baseline, ours, or NAME:key=value,... whose keys are the engine "
+                        "options (the `qspec run` flags without --, e.g. draft=5,preserve_pooled=1,pad_target=8) or "
+                        "their short aliases (preserve=1,pad=8,q4=1,...); from=ARM starts from another arm "
+                        "(default %(default)s)")
+    r.add_argument("--capacity", "--ctx", dest="ctx", type=int, default=CAPACITY, metavar="TOKENS",
+                   help="context capacity (default %(default)s)")
     r.add_argument("--warmup", type=int, default=WARMUP_TOKENS,
                    help="warmup tokens per arm and prompt length, 0 to skip (default %(default)s)")
     r.add_argument("--accept-profile", metavar="SPEC",

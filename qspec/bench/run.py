@@ -29,7 +29,7 @@ import torch
 from qspec.bench.accept import AcceptProfile
 from qspec.bench.arms import Arm
 from qspec.bench.prompt import BenchPrompt, build_prompt
-from qspec.engine import Engine, Generation, cells_needed
+from qspec.engine import Engine, EngineHooks, Generation, cells_needed
 from qspec.model.model import Model
 from qspec.runner import ContextError
 
@@ -265,13 +265,11 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
     started = time.time()
 
     prompts = {p: build_prompt(tokenizer, p, vocab_size=model.cfg.vocab_size) for p in proto.prompt_tokens}
-    draft_head = None  # q4 arms let the engine pack its own Q4_0 head (Q4Weight)
     engines: dict[str, Engine] = {}
     for arm in proto.arms:
         # a fresh hook per arm: each restarts its stream at round 0 of every generation
-        opts = arm.options(capacity=proto.capacity, kv_type=proto.kv_type, accept_hook=proto.accept.hook(),
-                           draft_head=draft_head)
-        engines[arm.name] = Engine(model, opts)
+        hooks = EngineHooks(accept_hook=proto.accept.hook() if arm.draft else None)
+        engines[arm.name] = Engine(model, arm.options(capacity=proto.capacity, kv_type=proto.kv_type), hooks)
 
     ref = "baseline" if any(a.name == "baseline" for a in proto.arms) else proto.arms[0].name
     env = environment(dev)

@@ -19,9 +19,9 @@ from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
 
 DTYPES = (torch.bfloat16, torch.float16)
 _ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
-# Most rows of a step whose mixers take the kernels: one (decode, draft) until several rows measure faster in a
-# step (A/B: scripts/profile_step.py --kinds verify --mixer-ab --mixer-rows 6).
-_STEP_ROWS = 1
+# Most rows of a step whose mixers take the kernels; the engine sets it per request (EngineOptions.mixer_step_rows,
+# through runner.KernelSwitches), and this default is that option's (tests/test_options.py checks they agree).
+_STEP_ROWS = 6
 
 
 def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:

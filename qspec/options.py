@@ -1,0 +1,311 @@
+"""Engine and sampling options, each declared once.
+
+An option is a dataclass field whose metadata holds, besides its name, type and default, a one-line help, where it
+applies, how its value is checked and its short benchmark-arm alias. Everything else is derived from these fields:
+the `run` / `serve` flags (`add_arguments`, `from_args`), the benchmark arm keys (`arm_keys`, used by
+qspec/bench/arms.py) and the checks (`validate`, run when an options object is made, so the Python API, the CLI and
+the server refuse the same values with the same words).
+
+The groups are separate classes:
+  KernelOptions    kernel and fast-path switches: how a step runs, not what it computes (beyond rounding)
+  EngineOptions    what a user chooses (draft depth, context, cache type, the seed's optimizations), plus the
+                   kernel switches (it extends KernelOptions, so `EngineOptions(draft=3, pdl=False)` works)
+  SamplingOptions  per request: temperature, top-p, seed, max tokens
+Test and benchmark hooks (callables, logs) are not options: they are `qspec.engine.EngineHooks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import string
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from qspec.model.model import CacheOptions
+
+MAX_DRAFT = 8
+MAX_MIXER_ROWS = 8  # kernels/triton_hc_mix.MAX_ROWS (a test checks they agree; importing it here would load Triton)
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+Check = Callable[[Any], str | None]
+
+
+class OptionError(ValueError):
+    """A bad option value. `fragment` may name other options as {name}; `render` spells every name (the option's
+    own first) as the caller's interface does: a field name (str), a flag (the CLI), a request field (the server)."""
+
+    def __init__(self, name: str, fragment: str) -> None:
+        self.name, self.fragment = name, fragment
+        super().__init__(self.render(lambda n: n))
+
+    def render(self, spell: Callable[[str], str]) -> str:
+        names = {f: spell(f) for f in _placeholders(self.fragment)}
+        return f"{spell(self.name)} {self.fragment.format(**names)}"
+
+
+def _placeholders(text: str) -> list[str]:
+    return [f for _, f, _, _ in string.Formatter().parse(text) if f]
+
+
+def flag_name(name: str) -> str:
+    """The CLI flag of option `name`: --draft-before-readback for draft_before_readback."""
+    return "--" + name.replace("_", "-")
+
+
+def option(default: Any, help: str, *, applies: str = "", check: Check | None = None, choices: Sequence[Any] = (),
+           aliases: Sequence[str] = (), arm: str | None = None, flag: bool = True, metavar: str | None = None,
+           none_flag: bool = False, cli_type: type | None = None, kind: type | None = None) -> Any:
+    """One option's declaration.
+
+    applies: where it has an effect ("CUDA", "with draft", ... ; "" everywhere). check: value -> error fragment or
+    None. aliases: extra flags (`--ctx`; a `--no-...` alias belongs to the off side). arm: the short arm key kept as
+    an alias. flag: False keeps it off the command line. none_flag: a `--no-NAME` flag sets it to None (off).
+    cli_type: the flag's value type when it differs from the option's (the caller converts). kind: the value type
+    when the default (None) does not tell it."""
+    meta = {"help": help, "applies": applies, "check": check, "choices": tuple(choices), "aliases": tuple(aliases),
+            "arm": arm, "flag": flag, "metavar": metavar, "none_flag": none_flag, "cli_type": cli_type,
+            "type": kind or (type(default) if default is not None else None)}
+    return field(default=default, metadata=meta)
+
+
+def in_range(lo: float, hi: float, note: str = "") -> Check:
+    def check(v: Any) -> str | None:
+        return None if lo <= v <= hi else f"must be in {lo}..{hi}{note}, got {v}"
+    return check
+
+
+def _multiple_of_4(v: int) -> str | None:
+    return None if v >= 4 and v % 4 == 0 else f"must be a positive multiple of 4, got {v}"
+
+
+def _finite_at_least(lo: float, note: str) -> Check:
+    def check(v: float) -> str | None:
+        return None if math.isfinite(v) and v >= lo else f"must be a finite number >= {lo}{note}, got {v}"
+    return check
+
+
+def _top_p(v: float) -> str | None:
+    return None if math.isfinite(v) and 0 < v <= 1 else f"must be in (0, 1], got {v}"
+
+
+def _at_least(lo: int) -> Check:
+    def check(v: int) -> str | None:
+        return None if v >= lo else f"must be >= {lo}, got {v}"
+    return check
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelOptions:
+    """Kernel and fast-path switches (how a step runs, not what it computes). Each one changes which kernels a step
+    runs, not its result beyond the rounding of each path; each is on by default where the device has it. The engine
+    resolves them against its device once (qspec.runner.KernelSwitches)."""
+
+    cuda_graphs: bool = option(True, "capture the decode/verify/draft steps as CUDA graphs", applies="CUDA")
+    compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile)",
+                           applies="CUDA")
+    compile_backend: str = option("inductor", "torch.compile backend; another one also applies on the CPU (tests: "
+                                  "aot_eager)", flag=False)
+    gemv: bool = option(True, "one-row 16-bit products through the Triton mat-vec and one-row hyper-connection mixers "
+                        "through their Triton kernels (off: cuBLAS and the compiled mixers)", applies="CUDA")
+    mixer_step_rows: int = option(6, "the most rows of a step whose hyper-connection mixers take the Triton kernels "
+                                  "(6 also sends MTP5's verify and extend steps there; BENCHMARKS.md)",
+                                  applies="CUDA", check=in_range(1, MAX_MIXER_ROWS), arm="hcrows", metavar="ROWS")
+    pdl: bool = option(True, "launch the Triton and compiled kernels with programmatic dependent launch (each kernel "
+                       "is scheduled while the one before it runs)", applies="CUDA, Hopper and later")
+    grouped_mm: bool = option(True, "prefill's routed experts as three grouped GEMMs per layer (torch._grouped_mm, "
+                              "bf16; off: a loop over the experts)", applies="CUDA, sm_90/sm_100", arm="gmm")
+    gdn_conv_kernel: bool = option(True, "GDN steps' causal conv, silu and q/k norms in one Triton launch per layer "
+                                   "(off: compiled)", applies="CUDA", arm="gconv")
+    kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
+                                   "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
+    fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "
+                                          "the KV cache, q8_0 dequantized in registers (on the CPU: its torch "
+                                          "reference)", arm="fattn", kind=bool)
+    sparse_attention: bool = option(False, "QSA reads only the indexer's chosen blocks and the tail instead of "
+                                    "masking every cell of a KV bucket", arm="sparse")
+    draft_before_readback: bool = option(True, "greedy speculation queues each round's next draft chain before the "
+                                         "host reads the round, so the GPU does not wait for the read-back",
+                                         applies="with draft", arm="early")
+    prefill_chunk: int = option(512, "prompt tokens per prefill step", check=_at_least(1), metavar="TOKENS")
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions(KernelOptions):
+    """Engine options. The draft depth, the cache, the seed's optimizations and the draft head, plus the kernel
+    switches this class inherits. Checked when made (OptionError); never changed by the engine."""
+
+    draft: int = option(0, "MTP draft depth (0: plain decoding)", check=in_range(0, MAX_DRAFT, " (0 = plain decoding)"),
+                        metavar="N")
+    capacity: int = option(4096, "context capacity in tokens (a multiple of 4)", check=_multiple_of_4,
+                           aliases=("--ctx",), metavar="TOKENS")
+    kv_type: str = option("f32", "KV cache type", choices=("f32", "f16", "bf16", "q8_0"))
+    exact: bool = option(False, "row-exact products: verify rows equal decode rows bit for bit (slow, no CUDA graphs; "
+                         "for tests)")
+    preserve_pooled: bool = option(True, "keep the pooled indexer keys of still-valid blocks across a rollback (off: "
+                                   "rebuild them)", applies="with draft", arm="preserve")
+    incremental_pooled: bool = option(True, "materialize only new or changed pooled blocks each step (off: every "
+                                      "complete block)", aliases=("--no-incremental",), arm="incremental")
+    pad_target: int | None = option(8, "rows the pooled-key updates pad to, so every step has one shape",
+                                    choices=(8, 16), none_flag=True, aliases=("--no-pad",), arm="pad")
+    fused_snapshots: bool = option(True, "write the conv rollback snapshots with one fused kernel (off: separate "
+                                   "copies)", arm="fused")
+    draft_head: str = option("full", "LM head the drafts read (q4: a Q4_0-rounded copy; the target verifies with its "
+                             "own, so only the acceptance can change)", choices=("full", "q4"), applies="with draft")
+    draft_vocab: Sequence[int] | torch.Tensor | None = option(
+        None, "let the draft propose only these token ids, so its head reads only their rows (CLI: N, the first N ids "
+        "and the stop tokens, or FILE from `qspec draft-vocab`); the output is unchanged, the acceptance may drop",
+        applies="with draft", arm="dvocab", metavar="N|FILE", cli_type=str)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.draft_vocab is not None and not self.draft:
+            raise OptionError("draft_vocab", "restricts the drafts: it needs {draft} N (N >= 1)")
+
+    def cache_options(self) -> CacheOptions:
+        """The cache's share of the options."""
+        return CacheOptions(capacity=self.capacity, n_slots=self.draft + 1, kv_type=self.kv_type,
+                            preserve_pooled=self.preserve_pooled, pad_target=self.pad_target,
+                            incremental_pooled=self.incremental_pooled, fused_snapshots=self.fused_snapshots,
+                            sparse_attention=self.sparse_attention, fused_attention=self.fused_attention,
+                            kv_write_kernel=self.kv_write_kernel)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """Sampling options. One request's sampling; the CLI's flags and the server's request checks use these
+    declarations."""
+
+    max_tokens: int = option(128, "tokens to generate at most", check=_at_least(1), metavar="N")
+    temperature: float = option(0.0, "sampling temperature (0 = greedy)", check=_finite_at_least(0, " (0 = greedy)"))
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches this",
+                          check=_top_p)
+    seed: int = option(0, "sampling seed", check=in_range(0, SEED_MAX))
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def declared(cls: type) -> list[Field]:
+    """The option fields of a dataclass (every field declared with `option`)."""
+    return [f for f in fields(cls) if "help" in f.metadata]
+
+
+def validate(opts: Any) -> None:
+    """Raise OptionError for the first field whose value has the wrong type, is not one of its choices, or fails its
+    check."""
+    for f in declared(type(opts)):
+        v, m = getattr(opts, f.name), f.metadata
+        if v is None and (f.default is None or m["none_flag"]):
+            continue
+        want = m["type"]
+        if want is bool and not isinstance(v, bool):
+            raise OptionError(f.name, f"must be true or false, got {v!r}")
+        if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise OptionError(f.name, f"must be an integer, got {v!r}")
+        if want is float and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise OptionError(f.name, f"must be a number, got {v!r}")
+        if m["choices"] and v not in m["choices"]:
+            raise OptionError(f.name, f"must be one of {', '.join(map(str, m['choices']))}, got {v!r}")
+        if m["check"] is not None and (msg := m["check"](v)) is not None:
+            raise OptionError(f.name, msg)
+
+
+def _help(f: Field) -> str:
+    m = f.metadata
+    where = f" [{m['applies']}]" if m["applies"] else ""
+    if m["type"] is bool:
+        dflt = {True: "on", False: "off", None: "on CUDA, off on the CPU"}[f.default]
+    else:
+        dflt = "%(default)s" if f.default is not None else "none"
+    return f"{m['help'].replace('%', '%%')}{where} (default: {dflt})"
+
+
+def _groups(cls: type) -> list[tuple[type, list[Field]]]:
+    """The option fields of `cls` by the class that declares them, the most derived class first."""
+    out = []
+    for c in cls.__mro__:
+        own = set(c.__dict__.get("__annotations__", {}))
+        fs = [f for f in declared(cls) if f.name in own]
+        if fs:
+            out.append((c, fs))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, *, skip: Iterable[str] = ()) -> None:
+    """Add a flag for every option of `cls` (booleans: --NAME and --no-NAME, mutually exclusive), one argument group
+    per declaring class. Flags take the option's name, so `from_args` reads them back by name."""
+    skip = set(skip)
+    for c, fs in _groups(cls):
+        title, _, about = (c.__doc__ or c.__name__).strip().partition(". ")
+        _add_group(parser.add_argument_group(title), [f for f in fs if f.metadata["flag"] and f.name not in skip])
+
+
+def _add_group(group: Any, fs: list[Field]) -> None:
+    for f in fs:
+        m = f.metadata
+        name, on_alias = flag_name(f.name), [a for a in m["aliases"] if not a.startswith("--no-")]
+        off_alias = [a for a in m["aliases"] if a.startswith("--no-")]
+        if m["type"] is bool:
+            g = group.add_mutually_exclusive_group()
+            g.add_argument(name, *on_alias, dest=f.name, action="store_const", const=True, default=f.default,
+                           help=_help(f))
+            g.add_argument("--no-" + name[2:], *off_alias, dest=f.name, action="store_const", const=False,
+                           help=f"the opposite of {name}")
+            continue
+        kind = m["cli_type"] or m["type"]
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "type": kind, "help": _help(f)}
+        if m["choices"]:
+            kw["choices"] = m["choices"]
+        if m["metavar"]:
+            kw["metavar"] = m["metavar"]
+        if m["none_flag"]:
+            g = group.add_mutually_exclusive_group()
+            g.add_argument(name, *on_alias, **kw)
+            g.add_argument("--no-" + name[2:], *off_alias, dest=f.name, action="store_const", const=None,
+                           help=f"turn {name} off")
+        else:
+            group.add_argument(name, *on_alias, **kw)
+
+
+def from_args(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
+    """An options object from parsed flags (`add_arguments`); `overrides` replace values the caller converted (a
+    `cli_type` option) or options without a flag."""
+    kw = {f.name: getattr(ns, f.name) for f in declared(cls) if f.metadata["flag"] and hasattr(ns, f.name)}
+    return cls(**(kw | overrides))
+
+
+def arm_keys(cls: type = EngineOptions) -> dict[str, str]:
+    """Benchmark arm keys -> option names: every option by its own name, and its short alias where it has one."""
+    out = {f.name: f.name for f in declared(cls) if f.metadata["flag"]}
+    out |= {f.metadata["arm"]: f.name for f in declared(cls) if f.metadata["arm"]}
+    return out
+
+
+def default_of(cls: type, name: str) -> Any:
+    f = next(f for f in fields(cls) if f.name == name)
+    return None if f.default is MISSING else f.default
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def prompt_text_error(text: str) -> str | None:
+    """Why `text` cannot be a prompt (a phrase to follow "the prompt"), or None. Prompts are refused, not repaired,
+    when they are not Unicode text: a command-line argument whose bytes are not UTF-8 arrives with each bad byte as a
+    lone surrogate (Python's surrogateescape), and JSON can carry a lone surrogate escape; replacing them with U+FFFD
+    would silently change what the model reads."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    o, at = ord(m.group()), m.start()
+    if 0xDC80 <= o <= 0xDCFF:
+        return f"is not valid UTF-8: byte 0x{o - 0xDC00:02x} at character {at} (convert it to UTF-8 first)"
+    return f"has a lone surrogate U+{o:04X} at character {at}, which is not text (surrogates only come in pairs)"
