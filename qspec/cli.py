@@ -302,12 +302,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not 0 < a.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {a.port}")
     try:
-        import uvicorn
-
-        from qspec.server.app import create_app
+        from qspec.server.app import create_app, listen_socket, serve
     except ImportError as e:
         raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
                          "pip install 'qspec[server]'") from None
+    sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts)
     ids = tok.encode("Hello", add_special=True) or [0]
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
@@ -319,7 +318,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = a.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions; "
          "GET /v1/models, /health)")
-    uvicorn.run(create_app(engine, tok, name), host=a.host, port=a.port, log_level="warning")
+    serve(create_app(engine, tok, name), a.host, a.port, sock=sock)
     return 0
 
 

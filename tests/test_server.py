@@ -124,18 +124,37 @@ def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp
 
 
 def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`qspec serve` loads the model and hands uvicorn an app that answers (uvicorn.run replaced by a catcher)."""
-    import uvicorn
+    """`qspec serve` binds first, loads the model and hands the server an app that answers (serve replaced by a
+    catcher)."""
+    import qspec.server.app as server_app
 
     assert main(["make-model", str(tmp_path / "m.gguf"), "--vocab-size", "512", "--seed", "5"]) == 0
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(app=app, host=host, port=port))
-    assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", "8123", "--ctx", "64", "--draft", "1"]) == 0
-    assert seen["port"] == 8123 and seen["host"] == "127.0.0.1"
+
+    def catch(app, host, port, sock=None):  # noqa: ANN001, ANN202
+        seen.update(app=app, host=host, port=port)
+        sock.close()
+
+    monkeypatch.setattr(server_app, "serve", catch)
+    with socket.socket() as probe:  # a port that is free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64", "--draft", "1"]) == 0
+    assert seen["port"] == port and seen["host"] == "127.0.0.1"
     with TestClient(seen["app"]) as client:
         assert client.get("/v1/models").json()["data"][0]["id"] == "m"
         r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_serve_cli_on_a_busy_port_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "demo", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qspec: error:") and str(port) in err[0], err
 
 
 def test_chat_completion_uses_the_chat_template(served) -> None:  # noqa: ANN001
