@@ -29,6 +29,7 @@ from qspec.loader import (
     QWEN_VOCAB,
     default_model_file,
     default_model_path,
+    demo_model_path,
     load_model,
     load_tokenizer,
     model_path,
@@ -87,15 +88,20 @@ def _device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def _model_path(arg: str | None) -> Path:
+def _model_path(arg: str | None, default: str = "demo") -> Path:
+    """The --model argument as a path; without one, the trained demo model (`run`, `serve`) or the embedded
+    random-weight model with the whole Qwen vocabulary (`draft-vocab`, which counts Qwen token ids)."""
     if arg is not None:
         try:
             return model_path(arg)
         except FileNotFoundError as e:
             raise UsageError(f"--model {arg}: {e}") from e
-    first = "" if default_model_file().is_file() else ", generating it once (about 10 s)"
-    _say(f"qspec: using the embedded default model (random weights: the text is gibberish; "
-         f"pass --model path.gguf for real weights, or --model demo for a small trained model){first}")
+    if default == "demo":
+        _say("qspec: using the trained demo model (4 layers, trained on Python source, shipped with qspec); "
+             "pass --model path.gguf for real weights")
+        return demo_model_path()
+    first = "" if default_model_file().is_file() else ", generating it once"
+    _say(f"qspec: using the embedded default model (random weights, the Qwen vocabulary and tokenizer){first}")
     return default_model_path()
 
 
@@ -392,7 +398,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
 def cmd_draft_vocab(a: argparse.Namespace) -> int:
     if a.size < 1:
         raise UsageError(f"--size must be >= 1, got {a.size}")
-    path = _model_path(a.model)
+    path = _model_path(a.model, default="embedded")
     tok = load_tokenizer(path)
     texts = [Path(f).read_text(encoding="utf-8", errors="replace") for f in a.corpus]
     counted = tok.encode_batch(texts)
@@ -421,8 +427,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share: the model's own flags here, the engine's from their
     declarations (qspec/options.py)."""
     m = r.add_argument_group("model")
-    m.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
-                                    "qspec; default: the embedded random-weight model)")
+    m.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (default: the small trained model shipped "
+                                    "with qspec)")
     m.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     m.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
     m.add_argument("--draft-model", metavar="GGUF",

@@ -13,7 +13,7 @@ import torch
 
 from qspec.cli import main
 from qspec.kernels.q4 import Q4Weight
-from qspec.loader import default_model_path, load_tokenizer, q4_draft_head
+from qspec.loader import default_model_path, demo_model_path, load_tokenizer, q4_draft_head
 from qspec.spec.draft_vocab import read_ids
 from qspec.tokenizer import Tokenizer
 
@@ -192,19 +192,26 @@ def test_flash_next_geometry_loads_back(capsys: pytest.CaptureFixture[str], tmp_
     assert logits.shape == (5, 4096) and np.isfinite(logits).all() and logits.std() > 0
 
 
-def test_embedded_default_model(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-                                tmp_path: Path) -> None:
-    monkeypatch.setenv("QSPEC_CACHE_DIR", str(tmp_path))
+def test_run_without_model_uses_the_demo_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`qspec run` with no --model runs the trained demo model (real text, accepted drafts), not random weights."""
     js = tmp_path / "d.json"
-    rc, out, err = run(capsys, "run", PROMPT, "--draft", "3", "--max-tokens", "5", "--ctx", "64", "--json", str(js))
+    rc, out, err = run(capsys, "run", "def read_lines(path):", "--draft", "3", "--max-tokens", "24", "--ctx", "96",
+                       "--json", str(js))
     assert rc == 0, err
-    path = default_model_path()  # now cached: returns at once
-    assert path.parent == tmp_path / "default" and path.suffix == ".gguf"
-    assert "embedded default model" in err and "gibberish" in err
+    assert "demo model" in err and "gibberish" not in err
     doc = json.loads(js.read_text())
-    # the embedded tokenizer is the real Qwen one
-    assert doc["prompt_tokens"] == len(Tokenizer.from_qwen_package().encode(PROMPT))
-    assert out == doc["text"] + "\n" and counters(err)["draft"] == 3 and len(doc["tokens"]) >= 1
+    assert doc["prompt_tokens"] == len(load_tokenizer(demo_model_path()).encode("def read_lines(path):"))
+    assert out == doc["text"] + "\n" and counters(err)["draft"] == 3
+    assert counters(err)["accepted"] > 0  # the trained head's drafts are accepted
+
+
+def test_embedded_default_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The embedded random-weight model (the benchmark's and draft-vocab's default) is generated once into the
+    cache, with the real Qwen tokenizer."""
+    monkeypatch.setenv("QSPEC_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    assert path.parent == tmp_path / "default" and path.suffix == ".gguf" and default_model_path() == path
+    assert load_tokenizer(path).encode(PROMPT) == Tokenizer.from_qwen_package().encode(PROMPT)
 
 
 def test_q4_draft_head_is_the_engines_q4_rounding() -> None:
