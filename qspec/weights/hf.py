@@ -24,7 +24,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -349,6 +349,36 @@ def _ple_buffers(c: ModelConfig, keys: Mapping[str, _StEntry], base: str, stack:
         raise WeightsError(f"{base}: the checkpoint's n-gram hash tables are inconsistent: {e}") from e
 
 
+def _read_config_json(d: Path) -> Any:
+    """The parsed config.json of checkpoint dir `d` (its types are checked by from_hf_config)."""
+    if not d.exists():
+        raise WeightsError(f"{d}: file not found")
+    if not (d / "config.json").is_file():
+        raise WeightsError(f"{d}: not an HF checkpoint (no config.json)")
+    try:
+        return json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{d / 'config.json'}: invalid JSON: {e}") from e
+
+
+def _check_rules(d: Path, rules: Sequence[_Rule], keys: Mapping[str, _StEntry]) -> None:
+    """Every tensor the rules read is present, of its expected shape and a float dtype; else one WeightsError."""
+    missing: list[str] = []
+    for r in rules:
+        for k, shape in zip(r.hf, r.hf_shapes, strict=True):
+            e = keys.get(k)
+            if e is None:
+                missing.append(f"{k} (for {r.canon[0]})")
+            elif e.shape != shape:
+                raise WeightsError(f"{e.file}: tensor {k!r} has wrong shape: expected {shape}, got {e.shape}")
+            elif e.dtype not in _FLOAT_DTYPES:
+                raise WeightsError(f"{e.file}: tensor {k!r} has unsupported dtype {e.dtype} "
+                                   "(only F32/F16/BF16 checkpoints are supported)")
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightsError(f"{d}: missing tensor {missing[0]}: {'; '.join(missing[:5])}{more}")
+
+
 def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
             with_mtp: bool | None = None) -> tuple[ModelConfig, Weights]:
     """(config, canonical weights) from an HF checkpoint directory (config.json + *.safetensors).
@@ -357,14 +387,7 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
     (`model.`), fused or per-expert MoE weights, a sharded or whole n-gram table. The n-gram table is a
     `HostRowTable` over an mmap of the safetensors file(s)."""
     d = Path(path)
-    if not d.exists():
-        raise WeightsError(f"{d}: file not found")
-    if not (d / "config.json").is_file():
-        raise WeightsError(f"{d}: not an HF checkpoint (no config.json)")
-    try:
-        raw_cfg = json.loads((d / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise WeightsError(f"{d / 'config.json'}: invalid JSON: {e}") from e
+    raw_cfg = _read_config_json(d)
     cfg = from_hf_config(raw_cfg)
     text_cfg = raw_cfg.get("text_config", raw_cfg)
 
@@ -384,21 +407,7 @@ def read_hf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dt
         alias["lm_head.weight"] = f"{prefix}embed_tokens.weight"  # tied head: the embedding doubles as output
         keys["lm_head.weight"] = keys[alias["lm_head.weight"]]
 
-    # Validate everything before loading anything.
-    missing: list[str] = []
-    for r in rules:
-        for k, shape in zip(r.hf, r.hf_shapes, strict=True):
-            e = keys.get(k)
-            if e is None:
-                missing.append(f"{k} (for {r.canon[0]})")
-            elif e.shape != shape:
-                raise WeightsError(f"{e.file}: tensor {k!r} has wrong shape: expected {shape}, got {e.shape}")
-            elif e.dtype not in _FLOAT_DTYPES:
-                raise WeightsError(f"{e.file}: tensor {k!r} has unsupported dtype {e.dtype} "
-                                   "(only F32/F16/BF16 checkpoints are supported)")
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise WeightsError(f"{d}: missing tensor {missing[0]}: {'; '.join(missing[:5])}{more}")
+    _check_rules(d, rules, keys)  # everything is validated before anything is loaded
     ple_base = f"{prefix}layers.{cfg.ple_layer}.ple.ple_embedding."
     used = {k for r in rules for k in r.hf}
     with ExitStack() as stack:
@@ -448,6 +457,36 @@ def _ngram_parts(rows: int, nbytes: int, parts: int | None) -> int:
     return math.gcd(rows, want)
 
 
+def _pack_shards(sizes: Sequence[int], max_shard_bytes: int | None) -> list[list[int]]:
+    """Group indices in order into shards of at most max_shard_bytes (a group larger than that gets its own shard;
+    None: one shard)."""
+    shards: list[list[int]] = [[]]
+    filled = 0
+    for gi, size in enumerate(sizes):
+        if max_shard_bytes and shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(gi)
+        filled += size
+    return shards
+
+
+def _config_to_write(cfg: ModelConfig, dtype: torch.dtype, ngram_parts: int | None) -> tuple[dict[str, Any], int]:
+    """(config.json's dict, the n-gram table's shard count) for a checkpoint of `cfg` in `dtype`; a config the
+    HF keys cannot express is a WeightsError."""
+    parts = 0
+    hf_cfg = to_hf_config(cfg)
+    if cfg.has_ple:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        parts = _ngram_parts(cfg.ple_rows, cfg.ple_rows * cfg.ple_head_dim * itemsize, ngram_parts)
+        hf_cfg["split_ngram_parts"] = parts
+    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    bad = _hf_roundtrip_mismatch(cfg, hf_cfg)
+    if bad:
+        raise WeightsError(f"config.json cannot express this config: {'; '.join(bad)}")
+    return hf_cfg, parts
+
+
 def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, Tensor | HostRowTable], *,
              dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
              ngram_parts: int | None = None) -> None:
@@ -462,15 +501,7 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
     with_mtp = cfg.has_mtp
     rules = _rules(cfg, "model.", "mtp.", with_mtp)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    parts = 0
-    hf_cfg = to_hf_config(cfg)
-    if cfg.has_ple:
-        parts = _ngram_parts(cfg.ple_rows, cfg.ple_rows * cfg.ple_head_dim * itemsize, ngram_parts)
-        hf_cfg["split_ngram_parts"] = parts
-    hf_cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    bad = _hf_roundtrip_mismatch(cfg, hf_cfg)
-    if bad:
-        raise WeightsError(f"config.json cannot express this config: {'; '.join(bad)}")
+    hf_cfg, parts = _config_to_write(cfg, dtype, ngram_parts)
 
     # Groups of HF tensors produced together; each is placed whole into one shard.
     groups: list[tuple[list[tuple[str, tuple[int, ...]]], int, Callable[[], list[Tensor]]]] = []
@@ -507,14 +538,7 @@ def write_hf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[st
         groups.append(([(f"{base}{n}", tuple(b.shape)) for n, b in zip(_PLE_BUFFERS, buffers, strict=True)],
                        sum(b.numel() * 8 for b in buffers), lambda buffers=buffers: buffers))
 
-    shards: list[list[int]] = [[]]
-    filled = 0
-    for gi, (_, size, _) in enumerate(groups):
-        if max_shard_bytes and shards[-1] and filled + size > max_shard_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(gi)
-        filled += size
+    shards = _pack_shards([size for _, size, _ in groups], max_shard_bytes)
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
