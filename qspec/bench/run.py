@@ -244,6 +244,17 @@ def summarize(runs: list[dict[str, Any]], prompt_tokens: Sequence[int], arms: Se
     return out
 
 
+def _check_protocol(proto: Protocol) -> None:
+    """A protocol that can run: reps and generated tokens >= 1, some arms, every request within the capacity."""
+    if proto.reps < 1:
+        raise ValueError(f"reps must be >= 1, got {proto.reps}")
+    if proto.gen_tokens < 1:
+        raise ValueError(f"generated tokens must be >= 1, got {proto.gen_tokens}")
+    if not proto.arms:
+        raise ValueError("no arms to run")
+    check_capacity(proto)
+
+
 def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_info: dict[str, Any] | None = None,
                  progress: bool = True, log: Callable[[str], None] | None = None,
                  checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -253,13 +264,7 @@ def run_protocol(model: Model, tokenizer: Any | None, proto: Protocol, *, model_
     result (`complete: False`) after every measured run, so a process killed by a time limit keeps what it
     measured. Raises ContextError before any run when a request would not fit, ValueError for arms the model
     cannot run (drafting without MTP weights)."""
-    if proto.reps < 1:
-        raise ValueError(f"reps must be >= 1, got {proto.reps}")
-    if proto.gen_tokens < 1:
-        raise ValueError(f"generated tokens must be >= 1, got {proto.gen_tokens}")
-    if not proto.arms:
-        raise ValueError("no arms to run")
-    check_capacity(proto)
+    _check_protocol(proto)
     say = log or (lambda s: print(s, file=sys.stderr))
     dev = model.device
     started = time.time()
