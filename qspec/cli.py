@@ -94,6 +94,15 @@ def _model_path(arg: str | None) -> Path:
 
 # ---- qspec run -------------------------------------------------------------------------------------------------------
 def _check_engine_args(a: argparse.Namespace) -> None:
+    # --draft auto[:N]: the engine picks each round's depth in 0..N (6 by default; spec/depth.py)
+    auto, _, most = a.draft.partition(":") if a.draft.startswith("auto") else ("", "", a.draft)
+    a.draft_auto = auto == "auto"
+    try:
+        a.draft = int(most or 6)
+    except ValueError:
+        raise UsageError(f"--draft must be a depth 0..{MAX_DRAFT}, auto or auto:N, got {a.draft!r}") from None
+    if a.draft_auto and not a.draft:
+        raise UsageError("--draft auto:N needs a maximum depth N >= 1")
     if not 0 <= a.draft <= MAX_DRAFT:
         raise UsageError(f"--draft must be in 0..{MAX_DRAFT} (0 = plain decoding), got {a.draft}")
     if a.ctx < 4 or a.ctx % 4:
@@ -150,7 +159,7 @@ def generation_json(g: Generation, text: str, options: dict[str, Any]) -> dict[s
         "text": text, "tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "generated_tokens": len(g.tokens),
         "stop_reason": g.stop_reason, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
         "prefill_tps": g.prefill_tps, "decode_tps": g.decode_tps, "spec": g.spec.as_dict(), "pooled": g.pooled,
-        "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options,
+        "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options, "depth": g.depth,
     })
 
 
@@ -187,6 +196,9 @@ def _print_stats(g: Generation, draft: int) -> None:
         hist = Counter(r["accepted"] for r in g.rounds_log)
         _say("accepted per round: " + " ".join(f"{k}:{hist.get(k, 0)}" for k in range(draft + 1))
              + f" (rounds with k of {draft} drafts accepted)")
+    if g.depth:  # --draft auto: the chosen depths (0: tokens decoded plainly) and why
+        _say(f"draft depth chosen: {g.depth['depth_histogram']}, reasons {g.depth['reasons']}, "
+             f"{g.depth['plain_tokens']} tokens decoded plainly")
 
 
 def _accept_hook(spec: str | None):  # noqa: ANN202
@@ -218,6 +230,7 @@ def _load(a: argparse.Namespace) -> tuple[Path, Tokenizer, Engine]:
     draft_vocab = _draft_vocab(a.draft_vocab, model.cfg.vocab_size, tok) if a.draft_vocab is not None else None
     opts = EngineOptions(
         draft=a.draft, capacity=a.ctx, kv_type=a.kv_type, exact=a.exact, preserve_pooled=a.preserve_pooled,
+        draft_auto=a.draft_auto,
         incremental_pooled=a.incremental, pad_target=None if a.no_pad else a.pad_target,
         fused_snapshots=a.fused_snapshots, cuda_graphs=a.cuda_graphs, compile=a.compile,
         sparse_attention=a.sparse_attention, fused_attention=a.fused_attention,
@@ -398,7 +411,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share."""
     r.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (the small trained model shipped with "
                                     "qspec; default: the embedded random-weight model)")
-    r.add_argument("--draft", type=int, default=0, metavar="N", help="MTP draft depth 0..8 (0: plain decoding)")
+    r.add_argument("--draft", default="0", metavar="N|auto[:N]",
+                   help="MTP draft depth 0..8 (0: plain decoding), or auto: the engine picks each round's depth in "
+                        "0..N (6 when not given)")
     r.add_argument("--ctx", type=int, default=4096, help="context capacity in tokens (a multiple of 4)")
     r.add_argument("--kv-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")

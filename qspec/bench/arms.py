@@ -13,7 +13,8 @@ kernel, on by default), early (greedy rounds queue the next draft chain before t
 default), pdl (programmatic dependent launch for the Triton and compiled kernels where the GPU has it, on by
 default), dvocab (N: drafts only from the first N token ids, the head reading only their rows; 0 = all, the default),
 gmm (prefill's routed experts as grouped GEMMs where torch has CUTLASS kernels for the GPU, on by default),
-hcrows (the most rows of a step whose mixers take the Triton kernels, 6 by default)
+hcrows (the most rows of a step whose mixers take the Triton kernels, 6 by default), auto (the engine picks each
+round's depth in 0..draft, `--draft auto:N`: spec/depth.py)
 (booleans as 1/0, true/false, on/off) and `from=ARM` to start from another arm instead of all-off:
 `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item without a
 `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -54,11 +55,13 @@ class Arm:
     dvocab: int = 0  # drafts only from the first dvocab ids (--draft-vocab N; 0: the whole vocabulary)
     gmm: bool = True  # prefill's routed experts as grouped GEMMs (the default; off: --no-grouped-mm)
     hcrows: int = 6  # the most rows of a step whose mixers take the Triton kernels (EngineOptions.mixer_step_rows)
+    auto: bool = False  # the depth of every round chosen by the engine in 0..draft (EngineOptions.draft_auto)
 
     def options(self, *, capacity: int, kv_type: str, accept_hook: AcceptHook | None,
                 draft_head: torch.Tensor | None) -> EngineOptions:
         # q4: the engine packs the LM head to Q4_0 once (Q4Weight; a 4-bit Triton mat-vec on CUDA)
-        return EngineOptions(draft=self.draft, capacity=capacity, kv_type=kv_type, exact=False,
+        return EngineOptions(draft=self.draft, draft_auto=self.auto and bool(self.draft), capacity=capacity,
+                             kv_type=kv_type, exact=False,
                              preserve_pooled=self.preserve, incremental_pooled=self.incremental,
                              pad_target=self.pad, fused_snapshots=self.fused,
                              draft_head="q4" if self.q4 and self.draft else "full",
@@ -73,7 +76,7 @@ class Arm:
         if not self.draft:
             head = "no drafting"
         else:
-            head = f"MTP{self.draft}"
+            head = f"MTP auto (0..{self.draft})" if self.auto else f"MTP{self.draft}"
         opts = [n for n, on in (("preserve", self.preserve), ("incremental", self.incremental),
                                 (f"pad{self.pad}", self.pad), ("fused", self.fused)) if on]
         parts = [head, "+".join(opts) if opts else "seed optimizations off"]
@@ -163,7 +166,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
                     raise ValueError(f"arm {spec!r}: pad={v!r}: expected 8, 16, or 0/none (off)")
                 fields["pad"] = int(v)
         elif k in ("preserve", "incremental", "fused", "q4", "compile", "sparse", "gemv", "fattn", "kvw",
-                   "gconv", "early", "pdl", "gmm"):
+                   "gconv", "early", "pdl", "gmm", "auto"):
             fields[k] = _bool(k, v, spec)
         elif k == "hcrows":
             if v not in {str(n) for n in range(1, 9)}:
@@ -176,7 +179,7 @@ def parse_arm(spec: str, known: dict[str, Arm] | None = None) -> Arm:
         else:
             raise ValueError(f"arm {spec!r}: unknown key {k!r} "
                              "(draft, preserve, incremental, pad, fused, q4, compile, sparse, gemv, fattn, kvw, gconv, "
-                             "early, pdl, dvocab, gmm, hcrows, from)")
+                             "early, pdl, dvocab, gmm, hcrows, auto, from)")
     return replace(base, **fields)
 
 
