@@ -53,9 +53,9 @@ def prose_prompts(tok: Tokenizer, V: int, n: int, length: int) -> list[list[int]
     return [ids[i * length:(i + 1) * length] for i in range(min(n, len(ids) // length))]
 
 
-def arms(max_fixed: int, auto_max: int) -> dict[str, dict[str, object]]:
+def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {"plain": {"draft": 0}}
-    for d in range(1, max_fixed + 1):
+    for d in fixed:
         out[f"MTP{d}"] = {"draft": d}
     out[f"auto(0..{auto_max})"] = {"draft": auto_max, "draft_auto": True}
     return out
@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-fixed", type=int, default=6)
+    ap.add_argument("--fixed", default="1,2,3,5", help="the fixed depths to compare with")
     ap.add_argument("--auto-max", type=int, default=6)
     ap.add_argument("--profiles", default="p=0.3,p=0.6,p=0.85,p=0.95")
     ap.add_argument("--threads", type=int, default=1)
@@ -122,7 +122,7 @@ def main() -> int:
             "prose": prose_prompts(tok, V, a.prompts, a.prompt_tokens)}
     profiles = [(f"{k} (model)", sets[k], AcceptProfile()) for k in sets]
     profiles += [(f"{s} (replayed, code)", sets["code"], AcceptProfile.parse(s)) for s in a.profiles.split(",") if s]
-    arm_opts = arms(a.max_fixed, a.auto_max)
+    arm_opts = arms([int(x) for x in a.fixed.split(",")], a.auto_max)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     lines = [f"# `--draft auto` against fixed depths: demo model, CPU ({_dt.date.today().isoformat()})", "",
              f"commit {commit.strip()}; {a.prompts} prompts of {a.prompt_tokens} tokens per profile, {a.gen} generated "

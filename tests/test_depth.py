@@ -104,18 +104,22 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
     assert c.stats.log[-1]["reason"] in ("off", "probe")
 
 
-def test_cost_table_interpolates_measured_depths() -> None:
+def test_cost_table_fits_measured_depths() -> None:
     c = DepthController(6)
     assert c.cost(2) == pytest.approx(1 + 2 * c.cost_slope)  # nothing measured: the prior line
     c.observe_cost(1, 2.0)
     assert c.cost(3) == pytest.approx(2.0 * (1 + 3 * c.cost_slope) / (1 + c.cost_slope))
+    assert c.cost(0) == pytest.approx(2.0 / (1 + c.cost_slope))
     c.observe_cost(5, 4.0)
     assert c.cost(3) == pytest.approx(3.0) and c.cost(6) == pytest.approx(4.5)
-    for x in (3.1, 2.9, 40.0):  # a capture's outlier does not move the median much
+    for x in (2.5, 2.6, 40.0):  # a capture's outlier does not move the median; the line smooths depth 3's noise
         c.observe_cost(3, x)
-    assert c.cost(3) == pytest.approx(3.1)
-    c.observe_cost(0, 10.0)  # a line sloping down: a deeper depth never costs less than a measured shallower one
-    assert c.cost(6) >= 4.0
+    assert c.cost(3) == pytest.approx((2.0 + 2.6 + 4.0) / 3)
+    c.observe_cost(0, 1.5)
+    assert c.cost(0) == 1.5 and c.cost(1) < 2.0
+    for x in (9.0, 9.0, 9.0):  # costs falling with depth (noise): the line is flat, never falling
+        c.observe_cost(1, x)
+    assert c.cost(6) >= c.cost(1)
     with pytest.raises(ValueError, match="accepted of a depth-2 round"):
         c.observe(2, 3)
     with pytest.raises(ValueError, match="maximum depth in 1..8"):

@@ -10,9 +10,9 @@ argmax_d E(d) / cost(d).
   (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight` pseudo-rounds. The
   prior mean of position 1 is `prior`; that of a deeper position is the estimate of the one before it, so a depth
   never drafted is judged by its shallower neighbours instead of an optimistic constant. Estimates are per request.
-- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier);
-  a depth not measured yet is read off a line through the measured ones (or `cost_slope` per draft relative to
-  the one measured). Costs outlive a request: the engine measures them in its warm-up and refreshes them from
+- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and
+  for the drafting depths a line through those medians (robust to one depth's noise; `cost_slope` per draft relative
+  to a single measured depth). Costs outlive a request: the engine measures them in its warm-up and refreshes them from
   every round's wall time, which costs a clock read.
 - Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts one probe round (the
   best depth >= 1) to measure again. Each trial that finds drafting still does not pay doubles the plain stretch
@@ -101,23 +101,24 @@ class DepthController:
         return total
 
     def cost(self, depth: int) -> float:
-        """Seconds per round at `depth`: the measured median, else the line through the measured depths (relative
-        units 1 + cost_slope * d before anything is measured)."""
-        if self.samples[depth]:
-            return statistics.median(self.samples[depth])
-        known = [(d, statistics.median(s)) for d, s in enumerate(self.samples) if s]
-        if not known:
-            return 1.0 + self.cost_slope * depth
-        if len(known) == 1:
-            d0, c = known[0]
-            return c * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
-        n = len(known)
-        mx = sum(d for d, _ in known) / n
-        my = sum(c for _, c in known) / n
-        slope = sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known)
-        # noisy points could give a line that slopes down: a depth is never cheaper than a measured shallower one
-        below = [c for d, c in known if d < depth]
-        return max(my + slope * (depth - mx), max(below, default=0.0), 1e-9)
+        """Seconds per round at `depth`. Depth 0 (a plain step): its measured median. Drafting depths: a line
+        a + b * d (b >= 0) through the measured depths' medians, which smooths one depth's noisy samples (a loaded
+        host) with its neighbours'; one measured depth, or only the plain step, scales by 1 + cost_slope * d.
+        Relative units (1 + cost_slope * d) before anything is measured."""
+        med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s}
+        if depth == 0 and 0 in med:
+            return med[0]
+        known = [(d, c) for d, c in med.items() if d > 0]
+        if len(known) >= 2:
+            n = len(known)
+            mx = sum(d for d, _ in known) / n
+            my = sum(c for _, c in known) / n
+            slope = max(0.0, sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known))
+            if depth > 0:
+                return max(my + slope * (depth - mx), 1e-9)
+            known = [(mx, my)]  # depth 0 not measured: read off the mean point by the prior slope
+        d0, c0 = known[0] if known else (0, med.get(0, 1.0))
+        return c0 * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
 
     def rates(self, acc: list[float] | None = None) -> list[float]:
         """Expected tokens per second at every depth 0..N."""
