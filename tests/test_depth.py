@@ -3,7 +3,9 @@ depths it picks."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +208,20 @@ def test_sampled_auto_is_seeded(tiny_model: Model) -> None:
 
     a = run()
     assert a == run() and len(a) == 20
+
+
+def test_cli_draft_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qspec.cli import main
+
+    model = str(tmp_path / "tiny.gguf")
+    assert main(["make-model", model, "--vocab-size", "512", "--seed", "3"]) == 0
+    base = ["run", "fn main() {", "--model", model, "--max-tokens", "12", "--ctx", "64", "--exact"]
+    capsys.readouterr()
+    assert main([*base, "--draft", "0"]) == 0
+    plain_text = capsys.readouterr().out
+    assert main([*base, "--draft", "auto:2", "--stats", "--json", str(tmp_path / "g.json")]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_text and "draft depth chosen:" in err
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["options"]["draft_auto"] is True and doc["options"]["draft"] == 2
+    assert sum(doc["depth"]["depth_histogram"].values()) == len(doc["depth"]["choices"]) > 0
