@@ -225,3 +225,15 @@ def test_cli_draft_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     doc = json.loads((tmp_path / "g.json").read_text())
     assert doc["options"]["draft_auto"] is True and doc["options"]["draft"] == 2
     assert sum(doc["depth"]["depth_histogram"].values()) == len(doc["depth"]["choices"]) > 0
+
+
+def test_bench_arm_auto() -> None:
+    from qspec.bench.arms import parse_arms
+
+    plain_arm, auto, fixed = parse_arms("nospec,auto6:from=ours,auto=1,draft=6,mtp5:from=ours")
+    opts = auto.options(capacity=256, kv_type="f32", accept_hook=None, draft_head=None)
+    assert auto.auto and opts.draft_auto and opts.draft == 6 and "MTP auto (0..6)" in auto.describe()
+    assert not fixed.options(capacity=256, kv_type="f32", accept_hook=None, draft_head=None).draft_auto
+    assert not plain_arm.options(capacity=256, kv_type="f32", accept_hook=None, draft_head=None).draft_auto
+    with pytest.raises(ValueError, match="auto='maybe' is not a boolean"):
+        parse_arms("a:draft=3,auto=maybe")
