@@ -33,6 +33,10 @@ from qspec.spec.depth import DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
+# A plain stretch's last rows the draft head catches up on before the next drafting round, in verify-sized chunks:
+# older positions of the stretch keep stale head cells (drafts then attend over them: lower acceptance)
+CATCH_UP_CHUNKS = 4
+
 
 @dataclass
 class EngineOptions:
@@ -313,7 +317,7 @@ class Engine:
         dev = self.model.device
         # the draft head's rows the target committed without it: (token [1], the residual of the position before)
         pending: deque[tuple[torch.Tensor, torch.Tensor]] = deque([(upload([tok], dev), H)],
-                                                                  maxlen=self.opts.draft + 1)
+                                                                  maxlen=CATCH_UP_CHUNKS * (self.opts.draft + 1))
         d = self._next_depth()
         while True:
             if d == 0:
@@ -331,21 +335,23 @@ class Engine:
 
     def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft head over the rows the target committed without it, ending at the next token to run: one row
-        after the prefill; after a plain stretch its last N + 1 rows (older positions keep stale head cells, which
-        can lower the acceptance, never change the output), padded to N + 1 rows so that the depth-N extend's graph
-        runs it (padding writes cells past the committed tokens, rewritten before any draft reads them)
-        -> the last row's (logits, residual)."""
+        after the prefill; after a plain stretch its last rows (at most CATCH_UP_CHUNKS verify-sized chunks: older
+        positions keep stale head cells, which can lower the acceptance, never change the output), in chunks of
+        N + 1 rows, the last one padded, so that the depth-N extend's graph runs them (padding writes cells past the
+        committed tokens, rewritten before any draft reads them) -> the last row's (logits, residual)."""
         o, run, dev = self.opts, self.runner, self.model.device
-        n = len(rows)
-        toks = torch.cat([t.view(1) for t, _ in rows])
+        n, W = len(rows), o.draft + 1
+        toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
         X = torch.cat([x for _, x in rows])
         start = run.n_tokens - n + 1
         if n == 1:
             return run.mtp_step(toks, X, start, o.draft_lm_head)
-        pad = o.draft + 1 - n
+        pad = -n % W
         toks = torch.cat([toks, toks[-1:].expand(pad)])
         X = torch.cat([X, X[-1:].expand(pad, -1)])
-        return run.mtp_step(toks.to(dev), X, start, o.draft_lm_head, row=n - 1)
+        for c in range(0, n, W):
+            out = run.mtp_step(toks[c:c + W], X[c:c + W], start + c, o.draft_lm_head, row=min(W, n - c) - 1)
+        return out
 
     def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int,
                        pending: deque[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
