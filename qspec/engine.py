@@ -281,9 +281,10 @@ class Engine:
                 return
             run.keep(1, rollback=False)
 
-    def calibrate_depths(self, prompt: list[int], rounds: int = 6) -> None:
+    def calibrate_depths(self, prompt: list[int], rounds: int = 6, passes: int = 2) -> None:
         """Measure a round's cost at every depth 0..N for the depth controller (a warm-up: on CUDA it also captures
-        every depth's graphs): per depth, one short greedy generation warms up, a second one is measured."""
+        every depth's graphs): one short greedy generation per depth warms up, then `passes` more per depth are
+        measured, the depths interleaved so that a host whose speed drifts (a shared CPU) slows them alike."""
         ctl, o = self.depth, self.opts
         if ctl is None:
             return
@@ -292,11 +293,11 @@ class Engine:
         tokens = min(rounds * (o.draft + 1), o.capacity - cells_needed(len(prompt), 0, o.draft))
         hook, o.accept_hook = o.accept_hook, None  # a replayed acceptance belongs to the request, not the warm-up
         try:
-            for d in range(o.draft + 1):
-                ctl.force = d
-                for measured in (False, True):
-                    if measured:
+            for p in range(passes + 1):
+                for d in range(o.draft + 1):
+                    if p == 1:
                         ctl.samples[d].clear()
+                    ctl.force = d
                     if tokens > 0:
                         self.generate(prompt, tokens)
         finally:
