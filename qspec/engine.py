@@ -34,8 +34,10 @@ from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
 # A plain stretch's last rows the draft head catches up on before the next drafting round, in verify-sized chunks:
-# older positions of the stretch keep stale head cells (drafts then attend over them: lower acceptance)
-CATCH_UP_CHUNKS = 4
+# older positions of the stretch keep stale head cells (drafts then attend over them: lower acceptance). More chunks
+# make every probe after a stretch dearer, which is what a profile where drafting does not pay pays for
+# (benchmarks/results/depth-auto-cpu-2026-12-01.md)
+CATCH_UP_CHUNKS = 1
 
 
 @dataclass
