@@ -9,7 +9,8 @@ set -euo pipefail
 
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
-h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed}"
+h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
+h200-fn8-auto h200-fn8-auto-p30}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -73,5 +74,10 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-depth) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
     # (f) the merge task's three arms and ours at MTP3 and MTP4 in one process: Figure 1 and the depth question together
     h200-fn8-seed) bench merge "${fn8[@]}" --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours-mtp4:from=ours,draft=4,ours" ;;
+    # (g) the automatic draft depth (--draft auto:6) against MTP3 and MTP5, at p=0.85 and at p=0.3 (where drafting
+    #     does not pay)
+    h200-fn8-auto) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
+    h200-fn8-auto-p30) bench merge "${fn8[@]}" --accept-profile p=0.3 \
+        --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -165,7 +165,7 @@ def generation_json(g: Generation, text: str, options: dict[str, Any]) -> dict[s
         "text": text, "tokens": g.tokens, "prompt_tokens": g.prompt_tokens, "generated_tokens": len(g.tokens),
         "stop_reason": g.stop_reason, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
         "prefill_tps": g.prefill_tps, "decode_tps": g.decode_tps, "spec": g.spec.as_dict(), "pooled": g.pooled,
-        "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options,
+        "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options, "depth": g.depth,
     })
 
 
@@ -213,6 +213,9 @@ def _print_stats(g: Generation, draft: int) -> None:
         hist = Counter(r["accepted"] for r in g.rounds_log)
         _say("accepted per round: " + " ".join(f"{k}:{hist.get(k, 0)}" for k in range(draft + 1))
              + f" (rounds with k of {draft} drafts accepted)")
+    if g.depth:  # --draft auto: the chosen depths (0: tokens decoded plainly) and why
+        _say(f"draft depth chosen: {g.depth['depth_histogram']}, reasons {g.depth['reasons']}, "
+             f"{g.depth['plain_tokens']} tokens decoded plainly")
 
 
 def _accept_hook(spec: str | None, draft: int):  # noqa: ANN202
@@ -296,7 +299,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(g, opts.draft)
     if a.json:
-        options = {k: v for k, v in vars(a).items() if k != "func"} | {"model": str(path), "device": model.device.type}
+        resolved = {k: v for k, v in vars(opts).items() if isinstance(v, (bool, int, float, str, type(None)))}
+        options = {k: v for k, v in vars(a).items() if k != "func"} | resolved | {"model": str(path),
+                                                                               "device": model.device.type}
         doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
         Path(a.json).write_text(json.dumps(doc, indent=2, ensure_ascii=False), encoding="utf-8")
     return 0

@@ -15,6 +15,7 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,8 +29,16 @@ from qspec.model.mtp import DraftHead
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
+from qspec.spec.depth import DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
+
+# A plain stretch's last rows the draft head catches up on before the next drafting round, in verify-sized chunks:
+# older positions of the stretch keep stale head cells (drafts then attend over them: lower acceptance). More chunks
+# make every probe after a stretch dearer, which is what a profile where drafting does not pay pays for
+# (benchmarks/results/depth-auto-cpu-2026-12-01.md)
+CATCH_UP_CHUNKS = 1
+
 
 __all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation", "KernelOptions", "cells_needed"]
 
@@ -66,6 +75,7 @@ class Generation:
     graphs: dict[str, object] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (time_phases)
     draft_logits: list[torch.Tensor] = field(default_factory=list)
+    depth: dict[str, object] = field(default_factory=dict)  # draft_auto: the controller's counters (DepthStats)
 
     @property
     def decode_tps(self) -> float:
@@ -106,6 +116,8 @@ class Engine:
         self.model = model
         self.opts = opts or EngineOptions()
         self.hooks = hooks or EngineHooks()
+        if self.opts.draft_auto and not self.opts.draft:
+            raise ValueError("the automatic draft depth needs a maximum depth >= 1")
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
         self.draft_lm_head = self._draft_head()
@@ -115,6 +127,9 @@ class Engine:
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
                              switches=KernelSwitches.resolve(self.opts, model.device))
         self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
+        # the depth controller outlives requests: the costs it measured are the device's, not the request's
+        self.depth = DepthController(self.opts.draft) if self.opts.draft_auto else None
+        self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -159,6 +174,8 @@ class Engine:
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
         self.check_request(prompt, max_tokens)
+        if self.depth is not None and not self.depth.calibrated:
+            self.calibrate_depths(prompt)
         with self.runner.switches.apply():
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
@@ -167,6 +184,8 @@ class Engine:
         o, run = self.opts, self.runner
         run.reset()
         run.graph_stats = type(run.graph_stats)()
+        if self.depth is not None:
+            self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
         logits, H = self._prefill(prompt)
@@ -187,7 +206,7 @@ class Engine:
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(req.out, len(prompt), prefill_s, decode_s, req.stats, reason, pooled,
                           cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
-                          req.phases, req.draft_log)
+                          req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {})
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""
@@ -233,29 +252,138 @@ class Engine:
                 return
             run.keep(1, rollback=False)
 
+    def calibrate_depths(self, prompt: list[int], rounds: int = 6, passes: int = 2) -> None:
+        """Measure a round's cost at every depth 0..N for the depth controller (a warm-up: on CUDA it also captures
+        every depth's graphs): one short greedy generation per depth warms up, then `passes` more per depth are
+        measured, the depths interleaved so that a host whose speed drifts (a shared CPU) slows them alike."""
+        ctl, o = self.depth, self.opts
+        if ctl is None:
+            return
+        ctl.calibrated = True  # before the generations below, which would otherwise calibrate again
+        prompt = prompt[:32]
+        tokens = min(rounds * (o.draft + 1), o.capacity - cells_needed(len(prompt), 0, o.draft))
+        hooks = self.hooks
+        hook, hooks.accept_hook = hooks.accept_hook, None  # a replayed acceptance is the request's, not the warm-up's
+        try:
+            for p in range(passes + 1):
+                for d in range(o.draft + 1):
+                    if p == 1:
+                        ctl.samples[d].clear()
+                    ctl.force = d
+                    if tokens > 0:
+                        self.generate(prompt, tokens)
+        finally:
+            ctl.force, hooks.accept_hook = None, hook
+
+    def _next_depth(self) -> int:
+        """The depth of a round: the fixed N, or the controller's choice (which, for 0, sets the plain stretch)."""
+        if self.depth is None:
+            return self.opts.draft
+        choice = self.depth.choose()
+        self._plain_tokens = choice.plain_tokens
+        return choice.depth
+
     def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
         """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of
-        the position before it."""
-        hooks, run, dev, N = self.hooks, self.runner, self.model.device, self.opts.draft
-        d_logits, d_X = run.mtp_step(torch.tensor([tok]), H, P, self.draft_lm_head)
+        the position before it. With the automatic depth, a choice of depth 0 decodes a stretch plainly; the draft
+        head then catches up on the stretch's last rows before the next (probe) round."""
+        dev = self.model.device
+        # the draft head's rows the target committed without it: (token [1], the residual of the position before)
+        pending: deque[tuple[torch.Tensor, torch.Tensor]] = deque([(upload([tok], dev), H)],
+                                                                  maxlen=CATCH_UP_CHUNKS * (self.opts.draft + 1))
+        d = self._next_depth()
+        while True:
+            if d == 0:
+                nxt = self._plain_stretch(req, tok, sampler, self._plain_tokens, pending)
+                if nxt is None:
+                    return
+                tok, d = nxt, self._next_depth()
+                continue
+            d_logits, d_X = self._catch_up(list(pending))
+            pending.clear()
+            nxt = self._rounds(req, tok, d_logits, d_X, d, sampler)
+            if nxt is None:
+                return
+            tok, d = nxt, 0
+
+    def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft head over the rows the target committed without it, ending at the next token to run: one row
+        after the prefill; after a plain stretch its last rows (at most CATCH_UP_CHUNKS verify-sized chunks: older
+        positions keep stale head cells, which can lower the acceptance, never change the output), in chunks of
+        N + 1 rows, the last one padded, so that the depth-N extend's graph runs them (padding writes cells past the
+        committed tokens, rewritten before any draft reads them) -> the last row's (logits, residual)."""
+        o, run, dev = self.opts, self.runner, self.model.device
+        n, W = len(rows), o.draft + 1
+        toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
+        X = torch.cat([x for _, x in rows])
+        start = run.n_tokens - n + 1
+        if n == 1:
+            return run.mtp_step(toks, X, start, self.draft_lm_head)
+        pad = -n % W
+        toks = torch.cat([toks, toks[-1:].expand(pad)])
+        X = torch.cat([X, X[-1:].expand(pad, -1)])
+        for c in range(0, n, W):
+            out = run.mtp_step(toks[c:c + W], X[c:c + W], start + c, self.draft_lm_head, row=min(W, n - c) - 1)
+        return out
+
+    def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int,
+                       pending: deque[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+        """Plain decoding of up to n tokens after `tok` (emitted, not yet run), pipelined as in _decode but the last
+        step, whose token the next round runs; each step's draft-head row goes to `pending` -> the last emitted
+        token, or None when the request ended."""
+        run, reader, ctl = self.runner, self.reader, self.depth
+        t0 = time.perf_counter()
+        logits, X = run.step(upload([tok], self.model.device))
+        run.keep(1, rollback=False)
+        done = 0
+        while True:
+            req.phase("decode")
+            nxt = sampler.sample(logits[-1:])
+            pending.append((nxt, X[-1:].clone()))  # before a replay reuses X's memory
+            reader.start(nxt)
+            done += 1
+            more = len(req.out) + 1 < req.max_tokens and done < n
+            if more:
+                logits, X = run.step(nxt)
+            tok = reader.result()[0]
+            if req.emit(tok):
+                if more:
+                    run.keep(0, rollback=True)
+                return None
+            if not more:
+                if ctl is not None:
+                    ctl.plain_done(done, time.perf_counter() - t0)
+                return tok
+            run.keep(1, rollback=False)
+
+    def _rounds(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, d: int,
+                sampler: Sampler) -> int | None:
+        """Speculative rounds from depth d while the depth stays above 0; `tok` was emitted and not yet run,
+        d_logits / d_X are the draft head's step over it -> None when the request ended, else the token emitted
+        last (not yet run) when the next depth is 0."""
+        hooks, run, dev, ctl = self.hooks, self.runner, self.model.device, self.depth
         # Drafts never visit the host (unless a draft hook must see them): each draft step reads the previous
         # one's argmax or draw on the device, the verify rows are assembled there and the acceptance is decided
         # there, so a round has one read-back (drafts, accepted count, next token).
         on_device = hooks.draft_hook is None
         # on the device, each round's draft chain is queued right after the previous round's read-back, before
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
-        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, P, sampler) if on_device else ([], [])
-        rnd = 0
+        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, run.n_tokens, sampler, d) if on_device else ([], [])
+        clock = None  # the first round's time includes the catch-up: not a measurement of a round
         while True:
             L = run.n_tokens
+            # chosen now, from the rounds before this one: a greedy round queues the next round's drafts before
+            # its read-back
+            d_next = self._next_depth()
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
-            forced = None if hooks.accept_hook is None else max(0, min(N, int(hooks.accept_hook(rnd, N))))
+            forced = (None if hooks.accept_hook is None
+                      else max(0, min(d, int(hooks.accept_hook(len(req.rounds_log), d)))))
             if on_device:
                 drafts, k, nxt, vX, extended, early = self._round_on_device(req, tok, d_toks, q_rows, L, forced,
-                                                                            sampler)
+                                                                            sampler, d, d_next)
             else:
                 extended = early = None
-                drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler)
+                drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler, d)
                 if forced is not None:
                     k = forced
                     nxt = int(sampler.sample(v_logits[forced]).item())
@@ -275,13 +403,13 @@ class Engine:
                     req.draft_log.append(early[1])
             elif extended is not None:
                 d_logits, d_X = extended
-                if not ends:
-                    d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L + len(committed), sampler)
+                if not ends and d_next:
+                    d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L + len(committed), sampler, d_next)
             elif not ends:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
                 # the head's own cache, which the rollback does not touch)
-                ext = upload(committed + [committed[-1]] * (N + 1 - len(committed)), dev)
+                ext = upload(committed + [committed[-1]] * (d + 1 - len(committed)), dev)
                 d_logits, d_X = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
                 req.phase("draft extend")
             for t in committed[:n_emit]:
@@ -291,32 +419,37 @@ class Engine:
             if hooks.after_round is not None:
                 hooks.after_round(run, k)
             req.phase("accept+rollback")
-            req.stats.record(N, k, len(committed))
-            req.rounds_log.append({"accepted": k,
+            req.stats.record(d, k, len(committed))
+            req.rounds_log.append({"accepted": k, **({"depth": d} if ctl is not None else {}),
                                    **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
+            if ctl is not None:
+                now = time.perf_counter()
+                ctl.observe(d, k, None if clock is None else now - clock)
+                clock = now
             if ends:
-                return
-            tok = nxt
-            rnd += 1
+                return None
+            tok, d = nxt, d_next
+            if not d:
+                return tok
 
-    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Drafts d_1..d_N as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
-        d_1 from the logits of the step that saw the committed tokens (the extend), then N - 1 head steps chained on
+    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler,
+                     n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Drafts d_1..d_n as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
+        d_1 from the logits of the step that saw the committed tokens (the extend), then n - 1 head steps chained on
         the head's own residual at positions L + 1.. (L: the committed tokens once the round's rollback is done).
         -> (drafts, their distributions [1, V] when sampling)."""
-        o, run = self.opts, self.runner
+        run = self.runner
         if self.hooks.record_logits:
             # now: the chain's graph replays may reuse the memory of the step that made d_logits (see Runner._run)
             req.draft_log.append(d_logits[-1:].cpu())
         d_toks: list[torch.Tensor] = []
         q_rows: list[torch.Tensor] = []
         if sampler.greedy:
-            d_toks = self._greedy_chain(d_logits, d_X, L + 1)
+            d_toks = self._greedy_chain(d_logits, d_X, L + 1, n)
             req.phase("draft")
             return d_toks, q_rows
-        for i in range(o.draft):
+        for i in range(n):
             if i:
                 d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, self.draft_lm_head)
             # computed before the next replay can reuse the logits' memory
@@ -325,18 +458,17 @@ class Engine:
         req.phase("draft")
         return d_toks, q_rows
 
-    def _greedy_chain(self, d_logits: torch.Tensor, d_X: torch.Tensor, start: int, at: torch.Tensor | None = None
-                      ) -> list[torch.Tensor]:
-        """Greedy drafts as [1] device tensors: d_1, the argmax of d_logits' last row, then the other N - 1 as one
+    def _greedy_chain(self, d_logits: torch.Tensor, d_X: torch.Tensor, start: int, n: int,
+                      at: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Greedy drafts as [1] device tensors: d_1, the argmax of d_logits' last row, then the other n - 1 as one
         chain (one graph replay) from position `start`, or from `at` (a [1] device position; `start` bounds it)."""
-        o = self.opts
         d_toks = [argmax_rows(d_logits[-1:])]
-        if o.draft > 1:
-            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, o.draft - 1, self.draft_lm_head, at=at)[0])
+        if n > 1:
+            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, n - 1, self.draft_lm_head, at=at)[0])
         return d_toks
 
     def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
-                         L: int, forced: int | None, sampler: Sampler
+                         L: int, forced: int | None, sampler: Sampler, d: int, d_next: int
                          ) -> tuple[list[int], int, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor],
                                     tuple[list[torch.Tensor], torch.Tensor | None] | None]:
         """The verify step over the queued drafts, the acceptance and the next round's draft extend, queued without
@@ -347,8 +479,9 @@ class Engine:
         k and the next token are decided on the device (greedy prefix match, or speculative sampling; `forced`: a
         benchmark's replayed k), so the extend is queued behind the verify step before the host reads the round:
         the GPU runs it (and the next round's draft chain, queued next) while the host accepts and rolls back.
-        When the round ends the request, the extend's result is not used."""
-        o, run, N, dev = self.opts, self.runner, self.opts.draft, self.model.device
+        When the round ends the request, the extend's result is not used. d: this round's depth, d_next: the next's
+        (0: no draft chain)."""
+        o, run, dev = self.opts, self.runner, self.model.device
         v_rows = torch.cat([upload([tok], dev)] + d_toks)
         drafts = v_rows[1:]
         v_logits, vX = run.step(v_rows)
@@ -367,28 +500,28 @@ class Engine:
                 k = upload([forced], dev)
                 nxt = sampler.sample_probs(p.index_select(0, k))
         self.reader.start(torch.cat([drafts, k, nxt]))
-        # committed rows padded with the target's next token: drafts[:k] + [nxt] * (N + 1 - k)
-        ext = torch.where(torch.arange(N + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
+        # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
+        ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
         extended = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
         req.phase("draft extend")
         early = None
-        if o.draft_before_readback and sampler.greedy and L + 2 * N + 1 <= run.opts.capacity:
+        if o.draft_before_readback and sampler.greedy and d_next and L + d + d_next + 1 <= run.opts.capacity:
             # the chain starts at L + k + 2 once the round commits k + 1 tokens: the position is computed on the
-            # device, and the bound L + N + 2 (k = N) picks its KV buckets, whose extra cells the causal mask hides
+            # device, and the bound L + d + 2 (k = d) picks its KV buckets, whose extra cells the causal mask hides
             # read before the chain's replay reuses its memory
             log = extended[0][-1:].cpu() if self.hooks.record_logits else None
-            early = self._greedy_chain(*extended, L + N + 2, at=k + (L + 2)), log
+            early = self._greedy_chain(*extended, L + d + 2, d_next, at=k + (L + 2)), log
             req.phase("draft")
         read = self.reader.result()
-        return read[:N], read[N], read[N + 1], vX, extended, early
+        return read[:d], read[d], read[d + 1], vX, extended, early
 
     def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
-                       sampler: Sampler) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+                       sampler: Sampler, d: int) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The draft chain, its drafts read by the host and passed through the draft hook, then the verify step
         -> (drafts, the draft distributions [1, V] when sampling, verify logits, verify residuals). Only a draft
         hook (tests) takes this path: the hook must see the drafts before the verify step."""
         run = self.runner
-        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L, sampler)
+        d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L, sampler, d)
         drafts = torch.cat(d_toks).tolist()
         if self.hooks.draft_hook is not None:
             drafts = [int(x) for x in self.hooks.draft_hook(len(req.out), list(drafts))]

@@ -59,18 +59,34 @@ def flag_name(name: str) -> str:
 
 def option(default: Any, help: str, *, applies: str = "", check: Check | None = None, choices: Sequence[Any] = (),
            aliases: Sequence[str] = (), arm: str | None = None, flag: bool = True, metavar: str | None = None,
-           none_flag: bool = False, cli_type: type | None = None, kind: type | None = None) -> Any:
+           none_flag: bool = False, cli_type: type | None = None, kind: type | None = None,
+           cli_parse: Callable[[str], dict[str, Any]] | None = None) -> Any:
     """One option's declaration.
 
     applies: where it has an effect ("CUDA", "with draft", ... ; "" everywhere). check: value -> error fragment or
     None. aliases: extra flags (`--ctx`; a `--no-...` alias belongs to the off side). arm: the short arm key kept as
     an alias. flag: False keeps it off the command line. none_flag: a `--no-NAME` flag sets it to None (off).
-    cli_type: the flag's value type when it differs from the option's (the caller converts). kind: the value type
-    when the default (None) does not tell it."""
+    cli_type: the flag's value type when it differs from the option's (the caller converts, unless cli_parse does:
+    flag text -> the option values it sets). kind: the value type when the default (None) does not tell it."""
     meta = {"help": help, "applies": applies, "check": check, "choices": tuple(choices), "aliases": tuple(aliases),
             "arm": arm, "flag": flag, "metavar": metavar, "none_flag": none_flag, "cli_type": cli_type,
+            "cli_parse": cli_parse,
             "type": kind or (type(default) if default is not None else None)}
     return field(default=default, metadata=meta)
+
+
+# `--draft auto` without a maximum: deep enough for code-like text, whose drafts get accepted far ahead
+AUTO_DRAFT_DEPTH = 6
+
+
+def _parse_draft(text: str) -> dict[str, Any]:
+    """--draft N | auto | auto:N -> the depth (the most the engine may choose, with auto) and draft_auto."""
+    if text.isdigit():
+        return {"draft": int(text)}
+    auto, colon, most = text.partition(":")
+    if auto == "auto" and (not colon or most.isdigit()):
+        return {"draft": int(most) if colon else AUTO_DRAFT_DEPTH, "draft_auto": True}
+    raise OptionError("draft", f"must be a depth 0..{MAX_DRAFT}, auto or auto:N, got {text!r}")
 
 
 def in_range(lo: float, hi: float, note: str = "") -> Check:
@@ -142,8 +158,12 @@ class EngineOptions(KernelOptions):
     """Engine options. The draft depth, the cache, the seed's optimizations and the draft head, plus the kernel
     switches this class inherits. Checked when made (OptionError); never changed by the engine."""
 
-    draft: int = option(0, "MTP draft depth (0: plain decoding)", check=in_range(0, MAX_DRAFT, " (0 = plain decoding)"),
-                        metavar="N")
+    draft: int = option(0, "MTP draft depth (0: plain decoding), or auto[:N] on the command line: --draft-auto with "
+                        "depth N (6 when not given)", check=in_range(0, MAX_DRAFT, " (0 = plain decoding)"),
+                        metavar="N|auto[:N]", cli_type=str, cli_parse=_parse_draft)
+    draft_auto: bool = option(False, "choose each round's depth in 0..--draft, the one with the most expected tokens "
+                              "per second from this request's acceptance and the measured round costs (spec/depth.py; "
+                              "the CLI's --draft auto[:N] sets it)", applies="with draft", arm="auto")
     capacity: int = option(4096, "context capacity in tokens (a multiple of 4)", check=_multiple_of_4,
                            aliases=("--ctx",), metavar="TOKENS")
     kv_type: str = option("f32", "KV cache type", choices=("f32", "f16", "bf16", "q8_0"))
@@ -168,6 +188,8 @@ class EngineOptions(KernelOptions):
         validate(self)
         if self.draft_vocab is not None and not self.draft:
             raise OptionError("draft_vocab", "restricts the drafts: it needs {draft} N (N >= 1)")
+        if self.draft_auto and not self.draft:
+            raise OptionError("draft_auto", "chooses depths in 0..{draft}: it needs {draft} N (N >= 1)")
 
     def cache_options(self) -> CacheOptions:
         """The cache's share of the options."""
@@ -279,6 +301,9 @@ def from_args(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
     """An options object from parsed flags (`add_arguments`); `overrides` replace values the caller converted (a
     `cli_type` option) or options without a flag."""
     kw = {f.name: getattr(ns, f.name) for f in declared(cls) if f.metadata["flag"] and hasattr(ns, f.name)}
+    for f in declared(cls):
+        if f.metadata["cli_parse"] and isinstance(kw.get(f.name), str):
+            kw |= f.metadata["cli_parse"](kw[f.name])
     return cls(**(kw | overrides))
 
 

@@ -12,6 +12,11 @@ Profiles (`AcceptProfile.parse`):
   fixed=K            K drafts accepted every round (clamped to the draft depth)
   trace=FILE[,arm=A] accepted counts cycled from FILE: a JSON list of ints, {"accepted": [...]}, or a qspec
                      bench result (the `rounds.accepted` of its runs, optionally only arm A's)
+
+A round at depth d replays min(d, count). A trace recorded at depth 8 (scripts/depth_cpu.py --traces writes one per
+prompt set, {"accepted": [...], "depth": 8, ...}) then serves every depth, and `--draft auto` too, whose rounds
+change depth: each round takes the next count, so the replay keeps the recorded rounds' acceptance, not their exact
+alignment with the text (a round at a smaller depth commits fewer tokens than the recorded one did).
 """
 
 from __future__ import annotations

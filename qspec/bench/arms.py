@@ -8,7 +8,8 @@ Built-in arms (the seed's comparison):
 Custom arms: `name:key=value,...`. The keys are the engine options (qspec/options.py, the same names as the `run`
 flags without `--`: draft, preserve_pooled, pad_target, draft_head, mixer_step_rows, ...) and their short aliases:
 preserve, incremental, pad (8|16; 0|none = off), fused, q4 (draft_head q4), sparse, fattn, kvw, gconv, early, gmm,
-hcrows, dvocab (N: drafts only from the first N token ids; 0 = all). Booleans as 1/0, true/false, on/off. A custom
+hcrows, dvocab (N: drafts only from the first N token ids; 0 = all), auto (draft_auto: each round's depth
+chosen in 0..draft). Booleans as 1/0, true/false, on/off. A custom
 arm starts from the seed's optimizations off and the engine's defaults for everything else, or from another arm
 with `from=ARM`: `ours-noq4:from=ours,q4=0`. In a list, arms are separated by commas (or `;`); a `key=value` item
 without a `name:` continues the custom arm before it: `nospec,baseline,mtp5:draft=5,pad=8,ours`.
@@ -66,13 +67,14 @@ class Arm:
         the arm does not draft (so `early=1` on a plain arm changes nothing)."""
         kw = self.settings()
         if not self.draft:
-            kw |= {"draft_head": "full", "draft_vocab": None, "draft_before_readback": False}
+            kw |= {"draft_head": "full", "draft_vocab": None, "draft_before_readback": False, "draft_auto": False}
         if kw["draft_vocab"] is not None:
             kw["draft_vocab"] = range(kw["draft_vocab"]) if kw["draft_vocab"] else None
         return EngineOptions(capacity=capacity, kv_type=kv_type, exact=False, **kw)
 
     def describe(self) -> str:
-        head = f"MTP{self.draft}" if self.draft else "no drafting"
+        head = "no drafting" if not self.draft else (
+            f"MTP auto (0..{self.draft})" if self.get("draft_auto") else f"MTP{self.draft}")
         seed = [n for n, on in (("preserve", self.get("preserve_pooled")),
                                 ("incremental", self.get("incremental_pooled")),
                                 (f"pad{self.get('pad_target')}", self.get("pad_target")),

@@ -196,6 +196,7 @@ def _run_record(arm: Arm, rep: int, prompt: BenchPrompt, gen: Generation, n_requ
         "pooled": gen.pooled,
         "snapshots": gen.snapshots,
         "rounds": cols,
+        "depth": gen.depth,  # an automatic-depth arm's choices (spec/depth.py)
         "output_sha256": hashlib.sha256(",".join(map(str, gen.tokens)).encode()).hexdigest(),
         "peak_memory_bytes": peak_mem,
     }

@@ -1,0 +1,243 @@
+"""The automatic draft depth (`--draft auto`): the controller's choices, and output equal to plain decoding whatever
+depths it picks."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_spec import CAP, oracle_hook, plain, teacher_forced_state
+
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.model.model import Model
+from qspec.spec.depth import DepthChoice, DepthController
+
+
+def controller(n: int = 5, slope: float = 0.45, **kw: object) -> DepthController:
+    """A controller whose measured cost of a round at depth d is 1 + slope * d (seconds)."""
+    c = DepthController(n, **kw)  # type: ignore[arg-type]
+    for d in range(n + 1):
+        c.observe_cost(d, 1.0 + slope * d)
+    return c
+
+
+def feed(c: DepthController, p: float, rounds: int, rng: random.Random) -> list[int]:
+    """Rounds at the controller's own choices with every draft accepted with probability p (given the one before)
+    -> each choice's plain stretch (0 for a drafting round)."""
+    stretches = []
+    for _ in range(rounds):
+        ch = c.choose()
+        stretches.append(ch.plain_tokens)
+        if ch.depth == 0:
+            c.plain_done(ch.plain_tokens, None)
+            continue
+        k = 0
+        while k < ch.depth and rng.random() < p:
+            k += 1
+        c.observe(ch.depth, k)
+    return stretches
+
+
+def test_choice_is_the_argmax_of_expected_tokens_per_second() -> None:
+    c = controller(slope=0.45)
+    for _ in range(30):
+        c.observe(5, 5)
+        c.observe(5, 2)
+    acc = c.acceptance()
+    # positions 1-2 always accepted, 3 in half the rounds (the prior 0.7 keeps a little weight)
+    assert acc[0] > 0.9 and acc[1] > 0.9 and 0.3 < acc[2] < 0.7
+    want = [c.expected_tokens(d) / (1 + 0.45 * d) for d in range(6)]
+    expect = 1.0
+    run = 1.0
+    for a in acc:
+        run *= a
+        expect += run
+    assert c.expected_tokens(5) == pytest.approx(expect)
+    ch = c.choose()
+    assert ch.depth == max(range(6), key=want.__getitem__) and ch.reason == "best"
+    assert ch.rate == pytest.approx(max(want)) and ch.acceptance == pytest.approx(tuple(acc))
+
+
+@pytest.mark.parametrize("p, slope", [(0.95, 0.3), (0.8, 0.45), (0.6, 0.45), (0.3, 0.45), (0.85, 1.5)])
+def test_depth_follows_acceptance_and_cost(p: float, slope: float) -> None:
+    """On a geometric acceptance p, the controller's choices (probes and plain stretches included) reach 97% of the
+    expected tokens per second of the best fixed depth for p and the cost line."""
+    c = controller(8, slope)
+    stretches = feed(c, p, 400, random.Random(1))
+    true = [sum(p ** j for j in range(d + 1)) / (1 + slope * d) for d in range(9)]
+    tokens = cost = 0.0
+    for e, stretch in zip(c.stats.log[100:], stretches[100:], strict=True):
+        d = int(e["depth"])
+        tokens += stretch if d == 0 else true[d] * (1 + slope * d)
+        cost += stretch if d == 0 else 1 + slope * d
+    assert tokens / cost >= 0.97 * max(true), (tokens / cost, true)
+
+
+def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
+    c = controller(5, 0.45)
+    for _ in range(10):
+        c.observe(1, 0)
+    ch = c.choose()
+    assert ch.depth == 0 and ch.reason == "off" and ch.plain_tokens == c.off_min
+    stretches = []
+    for _ in range(4):
+        c.plain_done(ch.plain_tokens, None)
+        ch = c.choose()
+        assert ch.reason == "probe" and ch.depth >= 1
+        rounds = 0
+        while ch.depth:  # every draft rejected: drafting stops again within a few rounds
+            c.observe(ch.depth, 0)
+            ch = c.choose()
+            rounds += 1
+        assert ch.reason == "off" and rounds < 8
+        stretches.append(ch.plain_tokens)
+    assert stretches == [2 * c.off_min, 4 * c.off_min, 8 * c.off_min, min(16 * c.off_min, c.off_max)]
+    assert c.stats.plain_tokens == c.off_min * (1 + 2 + 4 + 8) and c.stats.depths[0] == 5
+    # the text turns predictable: the probe sees it, and the controller drafts deep again
+    c.plain_done(ch.plain_tokens, None)
+    feed(c, 0.97, 30, random.Random(0))
+    assert c.stats.log[-1]["reason"] == "best" and int(c.stats.log[-1]["depth"]) >= 3
+    # a long stretch of drafting before it stops again: the stretch starts short again
+    for _ in range(40):
+        ch = c.choose()
+        if ch.depth == 0:
+            break
+        c.observe(ch.depth, 0)
+    assert ch.reason == "off" and ch.plain_tokens == c.off_min
+
+
+def test_cost_table_fits_measured_depths() -> None:
+    c = DepthController(6)
+    assert c.cost(2) == pytest.approx(1 + 2 * c.cost_slope)  # nothing measured: the prior line
+    c.observe_cost(1, 2.0)
+    assert c.cost(3) == pytest.approx(2.0 * (1 + 3 * c.cost_slope) / (1 + c.cost_slope))
+    assert c.cost(0) == pytest.approx(2.0 / (1 + c.cost_slope))
+    c.observe_cost(5, 4.0)
+    assert c.cost(3) == pytest.approx(3.0) and c.cost(6) == pytest.approx(4.5)
+    for x in (2.5, 2.6, 40.0):  # a capture's outlier does not move the median; the line smooths depth 3's noise
+        c.observe_cost(3, x)
+    assert c.cost(3) == pytest.approx((2.0 + 2.6 + 4.0) / 3)
+    c.observe_cost(0, 1.5)
+    assert c.cost(0) == 1.5 and c.cost(1) < 2.0
+    for x in (9.0, 9.0, 9.0):  # costs falling with depth (noise): the line is flat, never falling
+        c.observe_cost(1, x)
+    assert c.cost(6) >= c.cost(1)
+    with pytest.raises(ValueError, match="accepted of a depth-2 round"):
+        c.observe(2, 3)
+    with pytest.raises(ValueError, match="maximum depth in 1..8"):
+        DepthController(0)
+
+
+class Scripted(DepthController):
+    """Depths from a random script (0 included), to check the engine against every sequence of depths."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        super().__init__(n, off_min=3)
+        self.calibrated = True
+        self.rng = random.Random(seed)
+
+    def choose(self) -> DepthChoice:
+        d = self.rng.choice([0, 0, *range(1, self.max_depth + 1)])
+        self.stats.depths[d] += 1
+        return DepthChoice(d, "scripted", tuple(self.acceptance()), 0.0, self.rng.randint(1, 4) if d == 0 else 0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_auto_equals_plain_for_any_depths(tiny_model: Model, seed: int) -> None:
+    rng = random.Random(seed)
+    N = 4
+    prompt = [rng.randrange(511) for _ in range(5 + 9 * seed)]
+    ref = plain(tiny_model, prompt, 30)
+    for hook in (None, oracle_hook(ref, rng, 512)):  # drafts on the device; oracle drafts on the host
+        eng = Engine(tiny_model, EngineOptions(draft=N, draft_auto=True, capacity=CAP, exact=True),
+                     EngineHooks(draft_hook=hook))
+        eng.depth = Scripted(N, seed)
+        g = eng.generate(prompt, 30)
+        assert g.tokens == ref
+        hist = eng.depth.stats.depths
+        assert hist[0] > 0 and sum(hist[d] for d in range(1, N + 1)) > 3
+        if hook is not None:
+            assert g.spec.accepted > 0
+        depths = [r["depth"] for r in g.rounds_log]
+        assert g.spec.drafted == sum(depths) and set(depths) <= set(range(1, N + 1))
+
+
+def test_state_after_auto_rounds_equals_plain_decoding(tiny_model: Model) -> None:
+    """Forced acceptance at changing depths, plain stretches and catch-ups leave every cache as plain decoding of
+    the same tokens would, bit for bit."""
+    rng = random.Random(5)
+    N = 5
+    eng = Engine(tiny_model, EngineOptions(draft=N, draft_auto=True, capacity=CAP, exact=True),
+                 EngineHooks(accept_hook=lambda r, n: rng.randint(0, n)))
+    eng.depth = Scripted(N, 7)
+    prompt = [rng.randrange(511)]
+    eng.generate(prompt, 40)
+    hist = eng.runner.history
+    want = teacher_forced_state(tiny_model, hist, N + 1)
+    got = eng.runner.committed_state()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_auto_engine_counters_and_calibration(tiny_model: Model) -> None:
+    prompt = list(range(3, 12))
+    ref = plain(tiny_model, prompt, 20)
+    eng = Engine(tiny_model, EngineOptions(draft=2, draft_auto=True, capacity=CAP, exact=True))
+    g = eng.generate(prompt, 20)  # the first request calibrates every depth's cost
+    assert g.tokens == ref
+    assert all(eng.depth.samples[d] for d in range(3)) and eng.depth.calibrated
+    d = g.depth
+    assert set(d) == {"depth_histogram", "reasons", "plain_tokens", "choices"}
+    assert sum(d["depth_histogram"].values()) == len(d["choices"]) > 0
+    first = d["choices"][0]
+    assert len(first["acceptance"]) == 2 and len(first["tokens_per_s"]) == 3
+    # a random head's drafts are rejected: drafting stops (and probes now and then)
+    assert d["reasons"].get("off", 0) > 0 and d["plain_tokens"] > 0
+    with pytest.raises(ValueError, match="draft_auto chooses depths in 0..draft: it needs draft N"):
+        EngineOptions(draft=0, draft_auto=True)
+
+
+def test_sampled_auto_is_seeded(tiny_model: Model) -> None:
+    from qspec.spec.accept import Sampler
+
+    def run() -> list[int]:
+        eng = Engine(tiny_model, EngineOptions(draft=3, draft_auto=True, capacity=CAP))
+        eng.depth = Scripted(3, 2)
+        s = Sampler(temperature=0.8, generator=torch.Generator().manual_seed(4))
+        return eng.generate(list(range(1, 9)), 20, sampler=s).tokens
+
+    a = run()
+    assert a == run() and len(a) == 20
+
+
+def test_cli_draft_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qspec.cli import main
+
+    model = str(tmp_path / "tiny.gguf")
+    assert main(["make-model", model, "--vocab-size", "512", "--seed", "3"]) == 0
+    base = ["run", "fn main() {", "--model", model, "--max-tokens", "12", "--ctx", "64", "--exact"]
+    capsys.readouterr()
+    assert main([*base, "--draft", "0"]) == 0
+    plain_text = capsys.readouterr().out
+    assert main([*base, "--draft", "auto:2", "--stats", "--json", str(tmp_path / "g.json")]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain_text and "draft depth chosen:" in err
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["options"]["draft_auto"] is True and doc["options"]["draft"] == 2
+    assert sum(doc["depth"]["depth_histogram"].values()) == len(doc["depth"]["choices"]) > 0
+
+
+def test_bench_arm_auto() -> None:
+    from qspec.bench.arms import parse_arms
+
+    plain_arm, auto, fixed = parse_arms("nospec,auto6:from=ours,auto=1,draft=6,mtp5:from=ours")
+    opts = auto.options(capacity=256, kv_type="f32")
+    assert auto.get("draft_auto") and opts.draft_auto and opts.draft == 6 and "MTP auto (0..6)" in auto.describe()
+    assert not fixed.options(capacity=256, kv_type="f32").draft_auto
+    assert not plain_arm.options(capacity=256, kv_type="f32").draft_auto
+    with pytest.raises(ValueError, match="auto='maybe'"):
+        parse_arms("a:draft=3,auto=maybe")
