@@ -14,7 +14,7 @@ rows of all S streams at once, walked along R in BK steps as the mat-vec walks K
 A first version did the combine and norm inside the product's kernel (every program recomputing the row's
 norm) and the rows' products in one kernel: on the H200 it was slower than the compiled functions, both in the
 decode step and in the verify step, likely its recomputation and [rows x K] tiles. The second version's output
-kernel looped over the streams with the whole rank in one padded tile, several times slower than the plain `up`
+kernel looped over the streams with the whole rank in one padded tile, far slower than the plain `up`
 mat-vec; this one walks the rank in steps and comes close to that mat-vec (`python -m qspec.bench.kernels
 --hc-out-sweep`; BENCHMARKS.md §5, the hyper-connection mixer output kernel row), and made the decode step faster
 than the compiled mixers in one process (what the kernels buy MTP5 end to end: §4, the verify/extend mixers row).
