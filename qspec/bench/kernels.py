@@ -16,9 +16,9 @@ never writes shows up as a mismatch. Conv snapshots must be bit-identical to `wr
 (inputs are random 32-bit patterns: NaN payloads, denormals, infinities); everything else is compared
 by relative error, max |got - ref| / max |ref|, against a tolerance for its dtype. Exits 1 on any
 mismatch. Times are medians of triton.testing.do_bench (L2 flushed between runs), in microseconds;
-GB/s counts the bytes the kernel must move, against the H200's ~4.2 TB/s achievable copy bandwidth.
+GB/s counts the bytes the kernel must move, against the H200's achievable copy bandwidth (BENCHMARKS.md, Method).
 By default a timed call is one eager launch, Python launch overhead included, which hides the GPU time of
-kernels shorter than their launch (~20-50 µs for a few launches). `--graph` captures each call in a CUDA graph
+kernels shorter than their launches. `--graph` captures each call in a CUDA graph
 and times its replay, as the engine's steps run; a call that cannot be captured (a host sync in a torch
 reference) is timed eagerly, and the run says how many were (benchmarks/results/gpu_kernels_h200_s4_graph.txt).
 """

@@ -2,8 +2,9 @@
 
 `argmax_rows_torch` is the reference (`Tensor.argmax`). On CUDA `argmax_rows` runs two Triton kernels
 (triton_argmax.py): chunks of every row in parallel, then one small program per row over the chunks' winners.
-Why: torch's argmax of a [1, 248320] row is one block of 512 threads, 8.7 µs per call on the H200, and an MTP5
-round takes six of them (benchmarks/results/profile_step_fn8_s10b_mixer_ab.txt).
+Why: torch's argmax of a [1, 248320] row is one block of 512 threads, which leaves most of the H200 idle, and an
+MTP5 round takes six of them (benchmarks/results/profile_step_fn8_s10b_mixer_ab.txt; BENCHMARKS.md §5, the greedy
+argmax row).
 """
 
 from __future__ import annotations

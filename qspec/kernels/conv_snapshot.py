@@ -8,7 +8,7 @@ writes X and every window from that load (1 dispatch, s + n reads per row).
 
 Eligibility follows Algorithm 4: f32 rows (new activations may arrive in 16 bits, widened exactly on
 load), 1 <= n <= 8, 1 <= s, s + n <= 16 (the 16-word row buffer; the seed also states s <= 8, which would
-exclude the PLE conv's s = 9 rows, so qspec keeps only the buffer bound, as the issue asks), at most 8
+exclude the PLE conv's s = 9 rows, so qspec keeps only the buffer bound), at most 8
 snapshot candidates scanned, at least 2 accepted, destinations in bounds and disjoint from S, T, X and each
 other; the first unsupported candidate ends the scan. Otherwise the ordinary copies run, and the reason is
 counted.

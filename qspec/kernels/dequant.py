@@ -3,9 +3,9 @@
 `dequant_q8_0_torch` is the reference (llama.cpp's Q8_0: int8 values in blocks of 32 along the head
 dim, one f16 scale each; value * scale in f32, rounded once to the compute dtype). On CUDA,
 `dequant_kv` runs K and V through one Triton launch (triton_dequant.py). Why a kernel: inside the
-torch.compile'd step inductor generated this cast with symbolic sizes at 18 µs per call on the H200
-(72.8 µs for an 8-layer decode step's 4 calls, against 18.4 µs when compiled with static sizes;
-BENCHMARKS.md §3b), for ~7 MB of traffic that streams in ~2 µs.
+torch.compile'd step inductor generated this cast with symbolic sizes, several times slower on the H200 than when
+compiled with static sizes and far from what ~7 MB of traffic needs at the H200's bandwidth (BENCHMARKS.md §5, the
+KV dequant row).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from qspec.kernels.triton_gemv import TUNED, TUNED_FEW, TUNED_FEW_PDL
 
 # One row goes to the mat-vec kernel; 2..8 rows (verify and extend steps) to the tensor-core kernel, on the
 # shapes where it beat cuBLAS (triton_gemv.TUNED_FEW). The mat-vec's own 2..8-row path lost to cuBLAS (gdn in,
-# 6 rows: 67.9 vs 32.7 µs in benchmarks/results/gpu_kernels_h200_s3b.txt) and is not routed to.
+# 6 rows, in benchmarks/results/gpu_kernels_h200_s3b.txt) and is not routed to.
 MAX_ROWS = 8
 DTYPES = (torch.bfloat16, torch.float16)
 # A module flag rather than an environment lookup inside traced code: dynamo guards on its value, so
@@ -32,7 +32,7 @@ def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_ON", on and triton_enabled())
 
 
-# Checks only (scripts/gpu_check.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
+# Checks only (tests/test_gpu_engine.py): every 2..MAX_ROWS-row product that fits goes to the few-rows kernel, so that a
 # small test model, none of whose shapes are in TUNED_FEW, runs it inside its steps. A module flag, as _ON.
 _FEW_EVERYWHERE = False
 
@@ -58,10 +58,10 @@ def _fits(x: torch.Tensor, w: torch.Tensor, rows: int) -> bool:
 
 
 # Which matrices the kernel beats cuBLAS on, from CUDA-graph replays on the H200 at one row
-# (benchmarks/results/gpu_kernels_h200_s4_graph.txt, µs kernel vs cuBLAS): it wins on the small ones
-# (640 x 10240: 10.1 vs 12.8; 1793 x 2560: 9.3 vs 11.1; 2560 x 640: 7.7 vs 8.0) and on the LM head
-# (248320 x 2560: 294.5 vs 307.1), and loses 7-16% on the mid-sized ones (2560 x 5120, 2560 x 6144,
-# 14000 x 2560, 16480 x 2560), whose few hundred row blocks leave the last wave of programs short.
+# (benchmarks/results/gpu_kernels_h200_s4_graph.txt; BENCHMARKS.md §5, the one-row mat-vec row): it wins on the small
+# ones (640 x 10240, 1793 x 2560, 2560 x 640) and on the LM head (248320 x 2560), and loses on the mid-sized ones
+# (2560 x 5120, 2560 x 6144, 14000 x 2560, 16480 x 2560), whose few hundred row blocks leave the last wave of
+# programs short.
 SMALL_ELEMENTS = 8 << 20
 WIDE_ROWS = 1 << 16
 

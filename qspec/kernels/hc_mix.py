@@ -63,10 +63,10 @@ def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
     16-bit, CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0`
     measures the compiled path), not row-exact mode.
 
-    The kernels are correct for up to 8 rows (scripts/gpu_kernels.py checks 1, 2, 6 and 8). Without PDL only the
-    one-row step measured faster than the compiled functions on the H200 (BENCHMARKS.md §3b); with PDL (the default
-    on Hopper) MTP5 with its 6-row verify and extend steps on the kernels ran x1.0135-1.0165 faster end to end
-    (benchmarks/results/h200-fn8-mixers-s15.md), so the engine's mixer_step_rows is 6."""
+    The kernels are correct for up to 8 rows (`python -m qspec.bench.kernels` checks 1, 2, 4, 6 and 8). Without
+    PDL only the one-row step measured faster than the compiled functions on the H200; with PDL (the default on
+    Hopper) MTP5 with its 6-row verify and extend steps on the kernels ran faster end to end (BENCHMARKS.md §4, the
+    verify/extend mixers row; benchmarks/results/h200-fn8-mixers-s15.md), so the engine's mixer_step_rows is 6."""
     return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
             and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
 

@@ -6,7 +6,7 @@ does, where its scalar and CUDA paths round halves away from zero; clamped to ±
 the whole write in one Triton launch (triton_kv_write.py), bit-identical to the reference on the CPU (eager torch on
 CUDA divides by a CPU scalar as a product with its reciprocal: one ulp off in a few scales in a thousand). Why: the
 step path spent two generated kernels per quantization and four index copies per attention layer, eight launches for
-a few KB (~96 µs per MTP5 round on the H200 for 56 launches, BENCHMARKS.md §3b).
+a few KB (BENCHMARKS.md §5, the q8_0 KV write row).
 """
 
 from __future__ import annotations

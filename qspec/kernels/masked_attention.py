@@ -6,7 +6,7 @@ softmax, f32 output. On CUDA `masked_attention` runs the Triton kernels (triton_
 (row, kv head, chunk of cells) keeps an online softmax over its cells with q8_0 scaled in registers, and a second
 kernel combines the chunks (flash-decoding). Why: the model's step path dequantizes the whole bucket to a bf16 copy,
 then runs two batched products and a softmax over it, four launches and the copy's traffic per attention layer
-(~23 µs of a draft step's 0.315 ms on the H200, BENCHMARKS.md §3b).
+(BENCHMARKS.md §5, the masked attention row).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 `route_top_k_torch` is the reference (torch softmax in f32, `torch.topk`, renormalise, cast). On CUDA,
 `route_top_k` runs it as one Triton program per token (triton_route.py): softmax and k rounds of
-arg-max in registers, instead of torch's softmax, sort-based top-k and normalisation kernels (about
-0.1 ms of an 8-layer decode step against 32 µs for the kernel: BENCHMARKS.md §3b).
+arg-max in registers, instead of torch's softmax, sort-based top-k and normalisation kernels (BENCHMARKS.md
+§5, the expert routing row).
 """
 
 from __future__ import annotations

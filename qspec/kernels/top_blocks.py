@@ -17,8 +17,8 @@ each row's choosable blocks alone on the CPU; on CUDA the padding cannot change 
 On CUDA the custom op `qspec::top_blocks_mask` runs one Triton program per row (triton_top_blocks.py): a
 radix select finds the n_top-th largest score in 32 counting passes over the row held in registers, and
 equal scores at the threshold go to the lower block ids, as torch.topk's on CUDA. Why: torch's top-k of
-512 out of ~1,100 blocks is a radix sort plus a gather, 34 µs per QSA layer of a decode step on the H200
-(BENCHMARKS.md §3b), for a row of 4 KB. Registered as a custom op so the compiled step functions
+512 out of ~1,100 blocks is a radix sort plus a gather, several kernels for a row of 4 KB (BENCHMARKS.md §5, the
+indexer top-512 row). Registered as a custom op so the compiled step functions
 (model/fuse.py) call it as one opaque kernel, as they call the mat-vec.
 """
 

@@ -51,8 +51,9 @@ def torch_references() -> contextlib.AbstractContextManager[None]:
 
 
 # Programmatic dependent launch (Hopper and later; the engine turns it on with `pdl_mode`, EngineOptions.pdl).
-# Inside a CUDA graph a kernel starts ~1 µs after the one before it ends; with PDL the next kernel is scheduled while
-# the previous one still runs and waits in `pdl_start` (griddepcontrol.wait) until that one has finished and its
+# Inside a CUDA graph a kernel starts only some time after the one before it ends (the idle gaps of BENCHMARKS.md
+# §3; §5, the programmatic dependent launch row); with PDL the next kernel is scheduled while the previous one
+# still runs and waits in `pdl_start` (griddepcontrol.wait) until that one has finished and its
 # writes are visible. Every kernel here waits before it touches memory, so the order of reads and writes is the
 # stream's, as without PDL.
 _PDL = False

@@ -1,8 +1,8 @@
 """Matrix-vector products in Triton for step-sized inputs: y [M, N] = x [M, K] @ W[N, K]^T, M <= 8.
 
 A decode step multiplies one row by ~80 weight matrices, most of them a few MB: cuBLAS picks GEMM
-tiles for them that reach ~2 TB/s (5-10 µs each, plus split-K reductions), against the H200's
-~4.2 TB/s. This kernel streams W once: a program owns BN output rows and walks K in BK steps; for one
+tiles for them that reach about half of the H200's bandwidth, plus split-K reductions (BENCHMARKS.md §5, the
+one-row mat-vec row). This kernel streams W once: a program owns BN output rows and walks K in BK steps; for one
 row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loop), for 2..8 rows it
 reduces each row's products per step. Products accumulate in f32 and round once to x's dtype.
 
@@ -23,49 +23,50 @@ from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_la
 DEFAULT_CONFIG = (32, 8192, 4, 2)
 MAX_ROWS = 8
 # Configs measured best for the flash-next step's (N, K) on the H200, weights read from HBM, each shape as a graph
-# of 24 calls (scripts/gpu_kernels.py --gemv-sweep -> benchmarks/results/gemv_sweep_h200_s5.txt; us per call,
-# default config -> tuned, and cuBLAS). Every shape listed beat cuBLAS, so ops.linear routes its one-row products
-# here (gemv.eligible); 16480 x 2560 (GDN in: cuBLAS 23.21, best 23.26) is not listed and stays on cuBLAS.
+# of 24 calls (python -m qspec.bench.kernels --gemv-sweep -> benchmarks/results/gemv_sweep_h200_s5.txt, each
+# shape's default config, tuned config and cuBLAS; BENCHMARKS.md §5, the one-row mat-vec row). Every shape listed beat
+# cuBLAS, so ops.linear routes its one-row products here (gemv.eligible); 16480 x 2560 (GDN in: cuBLAS was as fast
+# as the best config) is not listed and stays on cuBLAS.
 TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (328, 10240): (32, 4096, 8, 2),  # hyper-connection mixer in: 6.05 -> 5.19 (cuBLAS 7.36)
-    (10240, 320): (32, 4096, 8, 2),  # mixer up: 4.89 -> 4.62 (4.80)
-    (320, 10240): (32, 4096, 8, 2),  # output mixer in: 6.40 -> 5.18 (8.13)
-    (1800, 2560): (32, 4096, 4, 2),  # router + shared expert in: 5.52 -> 5.21 (7.03)
-    (2560, 640): (16, 16384, 4, 8),  # shared expert down: 4.13 -> 3.37 (4.61)
-    (2560, 6144): (32, 4096, 8, 4),  # GDN / QSA out: 13.44 -> 10.02 (13.12)
-    (13952, 2560): (32, 4096, 4, 4),  # QSA in: 24.22 -> 19.16 (20.55)
-    (12800, 2560): (32, 4096, 4, 4),  # PLE key/value: 23.47 -> 17.94 (19.55)
-    (2560, 5120): (32, 4096, 8, 4),  # MTP eh: 11.75 -> 8.88 (11.96)
-    (13312, 2560): (32, 4096, 4, 4),  # MTP attention in: 23.36 -> 18.24 (18.52; gpu_kernels_mtp_in_sweep_h200_s13.txt)
-    (248320, 2560): (32, 8192, 8, 8),  # LM head: 289.20 -> 285.65 (312.04)
+    (328, 10240): (32, 4096, 8, 2),  # hyper-connection mixer in
+    (10240, 320): (32, 4096, 8, 2),  # mixer up
+    (320, 10240): (32, 4096, 8, 2),  # output mixer in
+    (1800, 2560): (32, 4096, 4, 2),  # router + shared expert in
+    (2560, 640): (16, 16384, 4, 8),  # shared expert down
+    (2560, 6144): (32, 4096, 8, 4),  # GDN / QSA out
+    (13952, 2560): (32, 4096, 4, 4),  # QSA in
+    (12800, 2560): (32, 4096, 4, 4),  # PLE key/value
+    (2560, 5120): (32, 4096, 8, 4),  # MTP eh
+    (13312, 2560): (32, 4096, 4, 4),  # MTP attention in (gpu_kernels_mtp_in_sweep_h200_s13.txt)
+    (248320, 2560): (32, 8192, 8, 8),  # LM head
 }
 
 # Few rows (the tensor-core kernel): (BN, BK, warps, pipeline stages, programs wanted per SM).
 DEFAULT_FEW_CONFIG = (64, 128, 4, 4, 1)
 # The shapes where its best config beat cuBLAS at 6 rows and at 4 (MTP5's and MTP3's verify), each as a graph of
-# 24 calls over copies exceeding the L2 (scripts/gpu_kernels.py --few-sweep ->
-# benchmarks/results/gpu_kernels_few_sweep_h200_s9.txt; µs per call at 6 rows, cuBLAS -> this kernel). The mixers'
+# 24 calls over copies exceeding the L2 (python -m qspec.bench.kernels --few-sweep ->
+# benchmarks/results/gpu_kernels_few_sweep_h200_s9.txt; BENCHMARKS.md §5, the few-row product row). The mixers'
 # 328 x 10240 and 320 x 10240 products, the router's 1800 x 2560 and the shared expert's 2560 x 640 stay on cuBLAS
-# (it won, or this kernel was within 2%).
+# (it won, or this kernel was within noise of it).
 TUNED_FEW: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (16480, 2560): (64, 128, 4, 4, 1),  # GDN in: 23.33 -> 21.96
-    (2560, 6144): (64, 128, 4, 4, 1),  # GDN / QSA out: 13.01 -> 12.45
-    (13952, 2560): (64, 128, 4, 4, 1),  # QSA in: 19.81 -> 19.13
-    (12800, 2560): (64, 128, 4, 4, 1),  # PLE key/value: 19.22 -> 17.84
-    (2560, 5120): (64, 128, 4, 4, 1),  # MTP eh: 11.83 -> 11.33
-    (13312, 2560): (64, 128, 4, 4, 1),  # MTP attention in (extend): 19.07 -> 18.43 (the s13 sweep)
-    (10240, 320): (64, 64, 4, 4, 1),  # mixer up: 4.83 -> 4.52
-    (248320, 2560): (64, 128, 4, 3, 1),  # LM head: 298.24 -> 282.65
+    (16480, 2560): (64, 128, 4, 4, 1),  # GDN in
+    (2560, 6144): (64, 128, 4, 4, 1),  # GDN / QSA out
+    (13952, 2560): (64, 128, 4, 4, 1),  # QSA in
+    (12800, 2560): (64, 128, 4, 4, 1),  # PLE key/value
+    (2560, 5120): (64, 128, 4, 4, 1),  # MTP eh
+    (13312, 2560): (64, 128, 4, 4, 1),  # MTP attention in (extend; gpu_kernels_mtp_in_sweep_h200_s13.txt)
+    (10240, 320): (64, 64, 4, 4, 1),  # mixer up
+    (248320, 2560): (64, 128, 4, 3, 1),  # LM head
 }
 # Shapes where the kernel beats cuBLAS only when launched with PDL (the engine's default on Hopper): PDL shortens the
-# kernel's graph-node gap and leaves cuBLAS's as it was. µs per call at 6 / 4 / 2 rows, cuBLAS -> this kernel with
-# PDL (scripts/gpu_kernels.py --few-ab -> benchmarks/results/gpu_kernels_few_ab_h200_s14.txt); without PDL the
-# kernel loses (router: 7.07 -> 7.67 at 6 rows). The hyper-connection mixers' 328 x 10240 stays on cuBLAS (it won at
-# 6 and 4 rows).
+# kernel's graph-node gap and leaves cuBLAS's as it was. Each shape won at 6, 4 and 2 rows with PDL
+# (python -m qspec.bench.kernels --few-ab -> benchmarks/results/gpu_kernels_few_ab_h200_s14.txt; BENCHMARKS.md §5,
+# the router + shared-in row); without PDL the kernel loses (the router at 6 rows). The hyper-connection mixers'
+# 328 x 10240 stays on cuBLAS (it won at 6 and 4 rows).
 TUNED_FEW_PDL: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (1800, 2560): (64, 128, 4, 4, 1),  # router + shared expert in: 7.07 -> 6.38, 7.05 -> 6.43, 7.03 -> 6.36
-    (2560, 640): (16, 128, 4, 4, 1),  # shared expert down: 4.63 -> 3.94, 4.62 -> 3.94, 4.63 -> 3.94
-    (320, 10240): (32, 128, 4, 4, 1),  # output mixer in: 8.15 -> 7.88, 8.14 -> 7.98, 8.04 -> 7.71
+    (1800, 2560): (64, 128, 4, 4, 1),  # router + shared expert in
+    (2560, 640): (16, 128, 4, 4, 1),  # shared expert down
+    (320, 10240): (32, 128, 4, 4, 1),  # output mixer in
 }
 
 if HAS_TRITON:

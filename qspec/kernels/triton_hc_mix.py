@@ -1,7 +1,7 @@
 """The hyper-connection mixer of a step of 1..8 rows as three launches (reference: kernels/hc_mix.py).
 
 Compiled, a mixer step is ~7 kernels (the combine, the norm's reduction and apply, the `w_in` product, the silu,
-the `up` product, the gated stream sum), each a few µs or less, plus a CUDA-graph node apiece: 17 mixers make
+the `up` product, the gated stream sum), each short, plus a CUDA-graph node apiece: 17 mixers make
 ~120 launches of an 8-layer decode step. Here:
 
 `_hc_prep_kernel`, one program per (row, stream): adds the pending block output into the stream
@@ -12,12 +12,12 @@ the `w_in` product of the normed rows (`ops.linear`: the tuned mat-vec for one r
 rows of all S streams at once, walked along R in BK steps as the mat-vec walks K (triton_gemv.py).
 
 A first version did the combine and norm inside the product's kernel (every program recomputing the row's
-norm) and the rows' products in one kernel: on the H200 it was slower than the compiled functions (decode step
-1.849 vs 1.674 ms, verify 5.201 vs 3.377 ms: BENCHMARKS.md §3b), likely its recomputation and [rows x K] tiles.
-The second version's output kernel looped over the streams with the whole rank in one padded tile (13 µs per call
-where the plain `up` mat-vec takes 4.6); this one takes 5.6 µs for one row (graph of 24 calls, `up` read from
-HBM; gpu_kernels.py `hc_out_sweep`), and the decode step went 1.633 -> 1.587 ms against the compiled mixers in one
-process.
+norm) and the rows' products in one kernel: on the H200 it was slower than the compiled functions, both in the
+decode step and in the verify step, likely its recomputation and [rows x K] tiles. The second version's output
+kernel looped over the streams with the whole rank in one padded tile, far slower than the plain `up`
+mat-vec; this one walks the rank in steps and comes close to that mat-vec (`python -m qspec.bench.kernels
+--hc-out-sweep`; BENCHMARKS.md §5, the hyper-connection mixer output kernel row), and made the decode step faster
+than the compiled mixers in one process (what the kernels buy MTP5 end to end: §4, the verify/extend mixers row).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
@@ -31,8 +31,8 @@ from qspec.model.ops import linear
 MAX_ROWS = 8
 MAX_STREAM = 16384  # one prep program holds a whole stream
 # (features per program, rank elements per K step, warps) of the output kernel, for one row and for several: the
-# fastest of 24 configs on the H200 at the real geometry (one row 5.60 µs; six rows 15.33 µs, where (8, 64, 4)
-# took 20.04; benchmarks/results/gpu_kernels_h200_s7.txt)
+# fastest of 24 configs on the H200 at the real geometry (at six rows clearly ahead of (8, 64, 4);
+# benchmarks/results/gpu_kernels_h200_s7.txt, BENCHMARKS.md §5)
 OUT_CONFIG = (8, 128, 8)
 OUT_CONFIG_ROWS = (16, 128, 4)
 

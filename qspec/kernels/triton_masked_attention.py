@@ -9,8 +9,8 @@ m_s = -inf and weighs nothing).
 
 For 16-bit q the two products run on tensor cores with the operands in q's dtype, as the model's default path does
 them (K and V dequantized to that dtype, the probabilities rounded to it before the product with V), f32
-accumulation. The first design multiplied f32 tiles in IEEE f32 on the FMA units: on the H200 it took 281.7 µs for
-one row over a 4,608-cell q8_0 bucket against 38.5 µs for the default path
+accumulation. The first design multiplied f32 tiles in IEEE f32 on the FMA units: on the H200 it was several times
+slower for one row over a 4,608-cell q8_0 bucket than the default path
 (benchmarks/results/gpu_kernels_masked_attn_h200_s10_first.txt; its [16, 256] and [32, 256] f32 tiles cannot live in
 registers). f32 q keeps IEEE f32 products (tests and the f32 model).
 """
@@ -23,12 +23,12 @@ BLOCK_N = 32  # cells per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
 COMBINE_STEP = 16  # chunks the combine kernel reads per step
 # (rows per program RP, cells per step, warps, pipeline stages, programs wanted), for one-row steps (decode, draft)
-# and for a few rows (verify). `scripts/gpu_kernels.py --attention-sweep` times the alternatives (BENCHMARKS.md §4,
-# twelfth session): for six rows, four rows per program (K and V read and dequantized once for four rows, the products
-# on Hopper's wgmma) took 41.0 us against 59.7 us with one row per program. For one row, half as many programs (132,
+# and for a few rows (verify). `python -m qspec.bench.kernels --attention-sweep` times the alternatives
+# (BENCHMARKS.md §5, the masked attention row): for six rows, four rows per program (K and V read and dequantized once
+# for four rows, the products on Hopper's wgmma) beat one row per program. For one row, half as many programs (132,
 # chunks of 128 cells instead of 64: less of each program is its fixed q load and partials store), 8 warps and
-# 3 stages took 26.8 us against 33.3 us for (1, 32, 4, 1, 264), and 24.9 against 30.6 on a QSA row (thirteenth
-# session, benchmarks/results/gpu_kernels_attn_sweep_h200_s13.txt).
+# 3 stages beat (1, 32, 4, 1, 264), on a causal row and on a QSA row alike
+# (benchmarks/results/gpu_kernels_attn_sweep_h200_s13.txt).
 ONE_ROW_CONFIG = (1, BLOCK_N, 8, 3, TARGET_PROGRAMS // 2)
 FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 

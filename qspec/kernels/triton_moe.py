@@ -16,7 +16,8 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
-# Swept on the H200 (scripts/gpu_kernels.py, benchmarks/results/gpu_kernels_h200*.txt).
+# Swept on the H200 (python -m qspec.bench.kernels; benchmarks/results/gpu_kernels_h200_s3.txt and
+# gpu_kernels_h200_fused.txt).
 DEFAULT_CONFIG = (32, 256, 32, 128, 8)  # kernel 1: BF, BD; kernel 2: BD, BF; warps
 # One or two rows launch few programs, so they take narrower row tiles: 40 gate/up and 160 down
 # programs per (token, slot) pair at F = 640, D = 2560.
@@ -26,9 +27,9 @@ FEW_ROWS_CONFIG = (16, 256, 16, 128, 4)
 # The grouped kernels (a verify step's rows): tensor-core columns hold up to 16 rows.
 GROUPED_MAX_ROWS = 16
 # Configs (kernel 1: BF, BD; kernel 2: BD, BF; warps; pipeline stages) by row count, the best of 48 at E=512,
-# D=2560, F=640, k=10 on the H200 (scripts/gpu_kernels.py --moe-sweep ->
-# benchmarks/results/gpu_kernels_moe_sweep_h200_s9.txt, a graph of 8 calls, µs per call, per-pair -> grouped):
-# 6 rows 164.6 -> 144.0 (4.03 TB/s of distinct experts), 4 rows 119.0 -> 99.6, 1 row 35.4 -> 31.4.
+# D=2560, F=640, k=10 on the H200 (python -m qspec.bench.kernels --moe-sweep ->
+# benchmarks/results/gpu_kernels_moe_sweep_h200_s9.txt, a graph of 8 calls): faster than the per-pair kernels at
+# 6, 4 and 1 rows, near bandwidth on the distinct experts at 6 (BENCHMARKS.md §5, the routed experts row).
 GROUPED_CONFIGS = ((1, (64, 128, 128, 64, 4, 4)), (4, (64, 128, 128, 64, 4, 3)), (16, (32, 128, 128, 64, 4, 4)))
 
 

@@ -10,8 +10,9 @@ lined up with four int8 x values: per 8 weights, three integer ops and two dp4a.
 per block through the x block's sum: dot(q - 8, x) = dot(q, x) - 8 * sum(x).
 
 On the H200 (benchmarks/results/gpu_kernels_q4_sweep_s8b.txt, one bf16 row of the 248,320 x 2,560 head, in a
-CUDA graph): 115.4 us per call with the quantize kernel, 3.10 TB/s, against 196.1 us for the best config of the
-previous f32-FMA kernel (nibbles turned into floats with the 2^23 trick), which was bound by its ALU work.
+CUDA graph; BENCHMARKS.md §5, the Q4_0 draft head row) this kernel with its quantize kernel runs near bandwidth,
+well ahead of the best config of the previous f32-FMA kernel (nibbles turned into floats with the 2^23 trick), which
+was bound by its ALU work.
 """
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # rows per program, blocks per K step, warps (the s8b sweep's best), pipeline stages of the K loop (1: none, as
-# measured; `scripts/gpu_kernels.py --q4-sweep` times 2 and 3)
+# measured; `python -m qspec.bench.kernels --q4-sweep` times 2 and 3)
 DEFAULT_CONFIG = (32, 16, 2, 1)
 
 if HAS_TRITON:

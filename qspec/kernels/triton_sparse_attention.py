@@ -8,7 +8,7 @@ and keeps an online softmax (running max m, sum l, accumulator acc). Chunks are 
 
 For 16-bit q the products run on tensor cores with K, V and the probabilities in q's dtype, f32 accumulation, as in
 triton_masked_attention (whose first design, IEEE f32 products on the FMA units, was as slow as this kernel's was:
-244.5 µs for one row at 4K context, BENCHMARKS.md §4). f32 q keeps IEEE f32 products.
+BENCHMARKS.md §5, the sparse attention row). f32 q keeps IEEE f32 products.
 """
 
 import torch

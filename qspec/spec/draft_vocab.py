@@ -1,8 +1,9 @@
 """A draft vocabulary: the token ids the draft head may propose (FR-Spec's frequency-ranked subset, EAGLE-3's d2t
 map, SGLang's --speculative-token-map).
 
-A draft step's largest read is the LM head: 248,320 rows, 114 µs of a ~0.3 ms draft step at Q4_0 on the H200
-(BENCHMARKS.md §3b). Over n of them it reads n / V of those bytes. Drafts outside the set are never proposed, which
+A draft step's largest read is the LM head's 248,320 rows, even at Q4_0 (BENCHMARKS.md §5, the Q4_0 draft head
+row; §4, the draft vocabulary row, for what a subset buys end to end). Over n of them it reads n / V of those
+bytes. Drafts outside the set are never proposed, which
 lowers the acceptance rate only where the target would have chosen such a token; the target verifies with its full
 head, so the output is unchanged. The set comes from a count of tokens over text like the requests' (`qspec
 draft-vocab`), or, without one, the first n ids: BPE ids follow merge order, a rough proxy for frequency.

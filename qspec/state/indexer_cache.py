@@ -27,8 +27,8 @@ _ROW_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def rows_all(x: np.ndarray) -> np.ndarray:
     """x.all(1) for a 2-D bool array. A row of 1, 2, 4 or 8 bools is read as one unsigned word (numpy bools are the
-    bytes 0 and 1): numpy's reduction over a short axis costs ~23 µs for [1024, 4], and the layout's per-round
-    checks (retain, plan) run three of them on the host between steps."""
+    bytes 0 and 1): numpy's general reduction over a short axis is slow for its size, and the layout's
+    per-round checks (retain, plan) run three of them on the host between steps."""
     w = x.shape[1]
     if w in _ROW_WORDS and x.dtype == np.bool_:
         x = np.ascontiguousarray(x)
