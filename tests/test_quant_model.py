@@ -36,17 +36,33 @@ ATOL = RTOL = 1e-5
 HAS_K_ENCODER = importlib.util.find_spec("qspec.weights.quantize") is not None
 
 
+_FILES: dict[Q, Path] = {}
+_MODELS: dict[Q, tuple[Model, Model]] = {}
+
+
+def _file(qt: Q, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if qt not in _FILES:
+        _FILES[qt] = tmp_path_factory.mktemp("quant") / f"tiny-{qt.name}.gguf"
+        write_model(_FILES[qt], tiny_config(mtp=True), qtype=qt)
+    return _FILES[qt]
+
+
+def _models(qt: Q, tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    """(the file with its matrices as blocks, the same file with every tensor expanded to f32)."""
+    if qt not in _MODELS:
+        p = _file(qt, tmp_path_factory)
+        _MODELS[qt] = load_model(p), load_model(p, dequantize_all=True)
+    return _MODELS[qt]
+
+
 @pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
 def qfile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Q]:
-    p = tmp_path_factory.mktemp("quant") / f"tiny-{request.param.name}.gguf"
-    write_model(p, tiny_config(mtp=True), qtype=request.param)
-    return p, request.param
+    return _file(request.param, tmp_path_factory), request.param
 
 
 @pytest.fixture(scope="module")
-def qmodels(qfile: tuple[Path, Q]) -> tuple[Model, Model]:
-    """(the file with its matrices as blocks, the same file with every tensor expanded to f32)."""
-    return load_model(qfile[0]), load_model(qfile[0], dequantize_all=True)
+def qmodels(qfile: tuple[Path, Q], tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    return _models(qfile[1], tmp_path_factory)
 
 
 def _tensors(obj: object, seen: set[int], out: list[torch.Tensor | QuantWeight]) -> None:
@@ -118,12 +134,13 @@ def test_block_logits_match_in_row_exact_mode(qmodels: tuple[Model, Model]) -> N
     torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("n_draft", [2, 5])
-def test_greedy_spec_equals_plain_with_blocks(qmodels: tuple[Model, Model], n_draft: int) -> None:
-    model, _ = qmodels
+def test_greedy_spec_equals_plain_with_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Exact mode, bit for bit (Q4_0: every matrix a block product; the engine paths are type-independent)."""
+    model, _ = _models(Q.Q4_0, tmp_path_factory)
+    n_draft = 3
     rng = random.Random(n_draft)
     prompt = [rng.randrange(511) for _ in range(19)]
-    ref = Engine(model, EngineOptions(draft=0, capacity=CAP, exact=True)).generate(prompt, 24).tokens
+    ref = Engine(model, EngineOptions(draft=0, capacity=CAP, exact=True)).generate(prompt, 16).tokens
 
     def hook(n_out: int, drafts: list[int]) -> list[int]:  # the reference continuation, cut at a random place
         good = (ref[n_out:n_out + len(drafts)] + [0] * len(drafts))[:len(drafts)]
@@ -132,13 +149,13 @@ def test_greedy_spec_equals_plain_with_blocks(qmodels: tuple[Model, Model], n_dr
             good[cut] = (good[cut] + 1) % 512
         return good
 
-    g = Engine(model, EngineOptions(draft=n_draft, capacity=CAP, exact=True, draft_hook=hook)).generate(prompt, 24)
+    g = Engine(model, EngineOptions(draft=n_draft, capacity=CAP, exact=True, draft_hook=hook)).generate(prompt, 16)
     assert g.tokens == ref
     assert 0 < g.spec.accepted < g.spec.drafted
 
 
-def test_seed_optimizations_change_nothing_with_blocks(qmodels: tuple[Model, Model]) -> None:
-    model, _ = qmodels
+def test_seed_optimizations_change_nothing_with_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, _ = _models(Q.Q8_0, tmp_path_factory)
     prompt = [random.Random(1).randrange(511) for _ in range(13)]
     results = []
     for on in (False, True):
@@ -146,7 +163,7 @@ def test_seed_optimizations_change_nothing_with_blocks(qmodels: tuple[Model, Mod
         eng = Engine(model, EngineOptions(draft=4, capacity=CAP, exact=True, preserve_pooled=on, incremental_pooled=on,
                                           pad_target=8 if on else None, fused_snapshots=on,
                                           accept_hook=lambda r, n, rng=rng: rng.randint(0, n), record_logits=True))
-        g = eng.generate(prompt, 30)
+        g = eng.generate(prompt, 12)
         results.append((g.tokens, g.logits, eng.runner.committed_state()))
     (t0, l0, s0), (t1, l1, s1) = results
     assert t0 == t1
@@ -164,8 +181,9 @@ def test_q4_draft_head_from_a_block_head(qmodels: tuple[Model, Model], qfile: tu
     else:
         want = Q4Weight.from_dense(head.dequantize(torch.float32))
         assert torch.equal(q4.packed, want.packed) and torch.equal(q4.scales, want.scales)
-    g = Engine(model, EngineOptions(draft=3, capacity=CAP, draft_head="q4")).generate([1, 2, 3], 8).tokens
-    assert g == Engine(model, EngineOptions(draft=0, capacity=CAP)).generate([1, 2, 3], 8).tokens
+    if qfile[1] == Q.Q4_0:  # the engine's q4 option end to end (the output is the target's)
+        g = Engine(model, EngineOptions(draft=3, capacity=CAP, draft_head="q4")).generate([1, 2, 3], 6).tokens
+        assert g == Engine(model, EngineOptions(draft=0, capacity=CAP)).generate([1, 2, 3], 6).tokens
     ids = torch.tensor([0, 5, 9, 400])
     sub = DraftHead.rows_of(head, ids)
     x = torch.randn(2, head.shape[1])
