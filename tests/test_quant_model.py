@@ -299,3 +299,17 @@ def test_progress_goes_to_stderr_when_asked(qfile: tuple[Path, Q], capsys: pytes
     n = len([t for t in GGUFReader(qfile[0]).tensors if t.name != "per_layer_token_embd.weight"])
     assert f"loading {n}/{n} tensors" in err and err.endswith("(100%)\n")
     assert isinstance(w["per_layer_token_embd.weight"], HostRowTable)
+
+
+def test_make_model_quant_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qspec.cli import main
+
+    p = tmp_path / "m.gguf"
+    assert main(["make-model", str(p), "--vocab-size", "256", "--no-mtp", "--quant", "q8_0"]) == 0
+    types = {t.name: t.tensor_type for t in GGUFReader(p).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == Q.F32 and types["blk.0.ffn_up_exps.weight"] == Q.Q8_0
+    assert types["blk.0.hc_attn_down.weight"] == Q.F32 and types["output.weight"] == Q.Q8_0
+    capsys.readouterr()
+    assert main(["make-model", str(tmp_path / "x.gguf"), "--qtype", "q8_0", "--quant", "q8_0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["qspec: error: --qtype and --quant are exclusive"]
