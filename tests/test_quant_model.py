@@ -313,3 +313,13 @@ def test_make_model_quant_option(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["make-model", str(tmp_path / "x.gguf"), "--qtype", "q8_0", "--quant", "q8_0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["qspec: error: --qtype and --quant are exclusive"]
+
+
+def test_fused_gate_up_blocks_split_by_rows() -> None:
+    from qspec.weights.gguf_io import _split_fused
+
+    x = torch.randn(3, 2 * 8, 64)
+    q = QuantWeight.from_blocks(quantize_q8_0(x), Q.Q8_0, x.shape)
+    gate, up = _split_fused(q, "gate"), _split_fused(q, "up")
+    assert isinstance(gate, QuantWeight) and gate.shape == (3, 8, 64)
+    assert torch.equal(gate.dequantize(), q.dequantize()[:, :8]) and torch.equal(up.dequantize(), q.dequantize()[:, 8:])

@@ -3,6 +3,8 @@
 Reading goes through `gguf.GGUFReader`, which memory-maps the file: tensors are copied out one at a time,
 and the per-layer n-gram table (`per_layer_token_embd.weight`, ~100 GB in the real model) is never copied at
 all: it is returned as a `HostRowTable` over the mmap, from which the model gathers the rows it needs.
+Matrices stored in a type of `qweight.PACKED_QTYPES` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) are copied to the device as
+their blocks (`QuantWeight`) and never expanded; `weights_summary` says what a load kept in which format.
 Everything is validated (names, shapes, quant types, file size) before the first tensor is materialised.
 """
 
