@@ -323,3 +323,13 @@ def test_fused_gate_up_blocks_split_by_rows() -> None:
     gate, up = _split_fused(q, "gate"), _split_fused(q, "up")
     assert isinstance(gate, QuantWeight) and gate.shape == (3, 8, 64)
     assert torch.equal(gate.dequantize(), q.dequantize()[:, :8]) and torch.equal(up.dequantize(), q.dequantize()[:, 8:])
+
+
+def test_device_model_generator_takes_a_quant_mix() -> None:
+    from qspec.bench.device_model import bench_config, device_random_model
+
+    m = device_random_model(bench_config("tiny", vocab_size=512), device="cpu", dtype=torch.float32, quant="q4_0")
+    assert isinstance(m.moe[0].gate, QuantWeight) and m.moe[0].gate.qtype == Q.Q4_0
+    assert isinstance(m.lm_head, QuantWeight) and m.lm_head.qtype == Q.Q8_0  # Q6_K's fallback for 64-wide rows
+    assert "Q4_0 (blocks)" in m.weights_summary
+    assert torch.isfinite(Runner(m, CacheOptions(capacity=16)).step(torch.tensor([1, 2, 3]))[0]).all()
