@@ -257,7 +257,7 @@ def _load(a: argparse.Namespace, opts: EngineOptions) -> tuple[Path, Tokenizer, 
     t0 = time.perf_counter()
     model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
                        with_mtp=None if opts.draft else False, hnorm_per_stream=a.hnorm_per_stream,
-                       draft_path=a.draft_model if opts.draft else None)
+                       draft_path=a.draft_model if opts.draft else None, quantize=a.quantize)
     load_s = time.perf_counter() - t0
     if opts.draft and model.mtp is None:
         raise UsageError(f"--draft {opts.draft} needs MTP weights and {path} has none (use --draft 0, "
@@ -269,6 +269,7 @@ def _load(a: argparse.Namespace, opts: EngineOptions) -> tuple[Path, Tokenizer, 
     _say(f"qspec: {path.name}: {model.cfg.n_layers} layers, vocab {model.cfg.vocab_size}, "
          f"{_mtp_label(model, opts.draft)}, {dev.type} {str(model.dtype).removeprefix('torch.')}, "
          f"loaded in {load_s:.1f} s (tokenizer {tok_s:.1f} s)")
+    _say(f"qspec: weights: {model.weights_summary}")
     if dev.type == "cuda" and opts.compile:
         _say("qspec: the first steps compile the fused step kernels (up to a few minutes at the real geometry; "
              "cached on disk for later runs; --no-compile skips it)")
@@ -346,8 +347,10 @@ def cmd_make_model(a: argparse.Namespace) -> int:
         v = getattr(a, flag)
         if v is not None and v <= 0:
             raise UsageError(f"--{flag.replace('_', '-')} must be > 0, got {v}")
-    if a.qtype and a.format == "hf":
-        raise UsageError("--qtype applies to GGUF output only (--format gguf or both)")
+    if (a.qtype or a.quant) and a.format == "hf":
+        raise UsageError("--qtype/--quant apply to GGUF output only (--format gguf or both)")
+    if a.qtype and a.quant:
+        raise UsageError("--qtype and --quant are exclusive")
     cfg = preset(a.preset, layers=a.layers, experts=a.experts, ngram_vocab_base=a.ngram_vocab_base,
                  vocab_size=a.vocab_size, mtp=not a.no_mtp)
     tok, note = tokenizer_for_vocab(cfg.vocab_size)
@@ -357,7 +360,8 @@ def cmd_make_model(a: argparse.Namespace) -> int:
             raise UsageError(f"{path} exists and is not a directory")
         t0 = time.perf_counter()
         write_model(path, cfg, fmt=fmt, seed=a.seed, dtype=DTYPES[a.dtype],
-                    qtype=QTYPES[a.qtype] if a.qtype and fmt == "gguf" else None, tokenizer=tok)
+                    qtype=QTYPES[a.qtype] if a.qtype and fmt == "gguf" else None, tokenizer=tok,
+                    quant=a.quant if fmt == "gguf" else None)
         _say(f"qspec: wrote {path} ({fmt}, {a.preset}, {cfg.n_layers} layers, {cfg.n_experts} experts, "
              f"vocab {cfg.vocab_size}, {'MTP' if cfg.has_mtp else 'no MTP'}, seed {a.seed}) "
              f"in {time.perf_counter() - t0:.1f} s")
@@ -436,6 +440,8 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                                     "with qspec)")
     m.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     m.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
+    m.add_argument("--quantize", choices=("q4_k", "q8_0", "q4_0"),
+                   help="quantize an HF checkpoint's matrices at load (a GGUF keeps its file's types)")
     m.add_argument("--draft-model", metavar="GGUF",
                    help="a draft-only GGUF holding the MTP block (llama.cpp's -md layout; it borrows the target's "
                         "token_embd/output)")
@@ -488,6 +494,8 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     m.add_argument("--format", choices=("gguf", "hf", "both"), default="gguf")
     m.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     m.add_argument("--qtype", choices=tuple(QTYPES), help="quantize GGUF matrices")
+    m.add_argument("--quant", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"),
+                   help="quantize GGUF matrices in llama.cpp's per-tensor type mix of this file type")
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=cmd_make_model)
 

@@ -25,7 +25,7 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.memory import check_cache_fits
 from qspec.model.model import Model
-from qspec.model.mtp import DraftHead
+from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
@@ -141,7 +141,7 @@ class Engine:
         if o.draft_head == "q4" and head is None:
             # the draft's logits come from 4-bit weights; verification uses the full head, so the
             # accepted output cannot change, only the acceptance rate
-            q4 = Q4Weight.from_dense(model.lm_head)
+            q4 = q4_head(model.lm_head)  # a Q4_0 file's head as it is; other block types requantized
             # CUDA: the packed head and a 4-bit mat-vec kernel; CPU: the same values, unpacked once
             head = q4 if model.device.type == "cuda" else q4.dequantize(model.dtype)
         if o.draft_vocab is not None and not isinstance(head, DraftHead):

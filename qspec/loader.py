@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qspec.config import ModelConfig, preset
 from qspec.model.model import Model
@@ -34,8 +34,10 @@ from qspec.weights import (
     write_gguf,
     write_hf,
 )
-from qspec.weights.gguf_io import GGUF_MAGIC, read_draft_gguf
+from qspec.weights.gguf_io import GGUF_MAGIC, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.names import tensor_shapes
+from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import RandomWeights
 
 QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k real ids)
@@ -51,7 +53,8 @@ MIN_TRUNCATED_VOCAB = 256 + 1 + len(TRUNCATED_SPECIALS)  # the bytes, >= 1 merge
 _GGUF_FLOAT = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
                torch.bfloat16: GGMLQuantizationType.BF16}
 # bytes per element of a block-quantized matrix in a GGUF file (block of 32: scale + packed values)
-_QTYPE_BYTES = {GGMLQuantizationType.Q8_0: 34 / 32, GGMLQuantizationType.Q4_0: 18 / 32}
+# bytes per weight of each block type (a mix is estimated by its main type)
+_QTYPE_BYTES = {q: GGML_QUANT_SIZES[q][1] / GGML_QUANT_SIZES[q][0] for q in PACKED_QTYPES}
 HF_SHARD_BYTES = 4 << 30
 
 
@@ -67,9 +70,15 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 
 def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                with_mtp: bool | None = None, hnorm_per_stream: bool = False,
-               draft_path: str | os.PathLike[str] | None = None) -> Model:
+               draft_path: str | os.PathLike[str] | None = None, dequantize_all: bool | None = None,
+               quantize: str | None = None, progress: bool | None = None) -> Model:
     """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
 
+    A GGUF's matrices of a packed block type (Q4_0, Q8_0, Q4_K, Q5_K, ...) stay blocks on the device;
+    `dequantize_all` expands every tensor to `dtype` instead (the reference). None: blocks on CUDA, expanded on the
+    CPU, which has no block kernels (its products would expand every matrix at every step). `quantize` ("q8_0",
+    "q4_0", "q4_k", ...): an HF checkpoint's matrices quantized at load to that type. `progress`: tensor/byte
+    counts on stderr (None: when stderr is a terminal). `model.weights_summary` says what is kept in which format.
     `draft_path`: a draft-only GGUF (llama.cpp's `-md` layout: just `blk.{n_layers}.*`, borrowing the target's
     `token_embd`/`output`) supplying the MTP head. `"demo"` names the trained demo model, as `--model demo` does.
     Raises WeightsError / ConfigError naming the fault."""
@@ -78,15 +87,48 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
+    dt = dtype or default_dtype(dev)
+    if dequantize_all is None:
+        dequantize_all = dev.type != "cuda"
+    kw: dict[str, Any] = {"device": dev, "dtype": dt, "dequantize_all": dequantize_all, "progress": progress}
+    if quantize is not None and not Path(path).is_dir():
+        raise WeightsError(f"{path}: --quantize applies to HF checkpoints; a GGUF file keeps its own types")
     if draft_path is not None:
-        cfg, weights = load_model_weights(path, device=dev, dtype=dtype or default_dtype(dev), with_mtp=False)
+        cfg, weights = load_model_weights(path, with_mtp=False, **kw)
         cfg = cfg.with_(n_mtp_layers=max(1, cfg.n_mtp_layers))
-        weights |= read_draft_gguf(draft_path, cfg, device=dev, dtype=dtype or default_dtype(dev))
-        return Model(cfg, weights, with_mtp=True, hnorm_per_stream=hnorm_per_stream)
-    cfg, weights = load_model_weights(path, device=dev, dtype=dtype or default_dtype(dev), with_mtp=with_mtp)
-    # The config describes the file even when its MTP block was skipped, so pass the choice on explicitly.
-    mtp = cfg.has_mtp if with_mtp is None else with_mtp
-    return Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream)
+        weights |= read_draft_gguf(draft_path, cfg, device=dev, dtype=dt, dequantize_all=dequantize_all)
+        mtp: bool = True
+    else:
+        cfg, weights = load_model_weights(path, with_mtp=with_mtp, **kw)
+        # The config describes the file even when its MTP block was skipped, so pass the choice on explicitly.
+        mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    if quantize is not None:
+        weights = quantize_weights(weights, quantize, cfg)
+    model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream)
+    model.weights_summary = weights_summary(weights)
+    return model
+
+
+def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
+    """Every matrix the model multiplies quantized to the GGUF types of `mix` (quant_mix.MIXES: q4_k_m, q8_0, ...;
+    "q4_k" is an alias of q4_k_m) as `QuantWeight`s on the weights' device, one tensor at a time; the rest as is."""
+    mix = {"q4_k": "q4_k_m", "q5_k": "q5_k_m"}.get(mix, mix)
+    if mix not in MIXES:
+        raise WeightsError(f"--quantize: unknown type {mix!r} (known: q4_k, {', '.join(MIXES)})")
+    plan = mix_plan(mix, cfg)
+    out = type(weights)() if isinstance(weights, dict) else {}
+    done: dict[int, QuantWeight] = {}  # a tied head is the embedding's tensor: quantized once
+    for name, t in weights.items():
+        q = plan.get(name, GGMLQuantizationType.F32)
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or not keep_packed(name) or q not in PACKED_QTYPES:
+            out[name] = t
+        elif id(t) in done:
+            out[name] = done[id(t)]
+        else:
+            out[name] = done[id(t)] = QuantWeight.from_blocks(quantize_blocks(t.detach(), q), q, tuple(t.shape))
+    if getattr(weights, "host_peak", None) is not None:
+        out.host_peak = weights.host_peak  # type: ignore[attr-defined]
+    return out
 
 
 def model_source(path: str | os.PathLike[str]) -> Path:
@@ -222,18 +264,19 @@ def tokenizer_for_vocab(vocab_size: int) -> tuple[Tokenizer | None, str]:
 
 def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gguf", seed: int = 0,
                 dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
-                tokenizer: Tokenizer | None = None) -> None:
+                tokenizer: Tokenizer | None = None, quant: str | None = None) -> None:
     """A random-weight model (values from `RandomWeights`, as `write_random_model`) with a tokenizer embedded:
     GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir.
+    `qtype`: one type for every matrix; `quant`: a llama.cpp file type's per-tensor mix (quant_mix.MIXES).
     Raises ResourceError before writing anything when the memory or the disk space it needs is not there."""
-    check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype)
+    check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype or (MIXES[quant] if quant else None))
     lazy = RandomWeights(cfg, seed, dtype)
     if fmt == "gguf":
         extra: Mapping[str, Any] = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {}
-        write_gguf(out, cfg, lazy, qtypes=qtype if qtype is not None else _GGUF_FLOAT[dtype], extra_kv=extra)
+        write_gguf(out, cfg, lazy, qtypes=gguf_qtypes(cfg, dtype, qtype, quant), extra_kv=extra)
     elif fmt == "hf":
-        if qtype is not None:
-            raise ValueError("--qtype applies to GGUF output only")
+        if qtype is not None or quant is not None:
+            raise ValueError("--qtype / --quant apply to GGUF output only")
         write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
         if tokenizer is not None:
             tokenizer.to_hf_dir(out)
@@ -300,6 +343,16 @@ def check_write_resources(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt:
     if file_bytes > disk:
         raise ResourceError(f"{out}: this model is about {file_bytes / 1e9:.1f} GB on disk and "
                             f"{disk / 1e9:.1f} GB is free there{hint}")
+
+
+def gguf_qtypes(cfg: ModelConfig, dtype: torch.dtype, qtype: GGMLQuantizationType | None, quant: str | None
+                ) -> GGMLQuantizationType | dict[str, GGMLQuantizationType]:
+    """write_gguf's `qtypes` for make-model: a quantization mix, one type, or the float type of `dtype`."""
+    if quant is not None and qtype is not None:
+        raise ValueError("--qtype and --quant are exclusive")
+    if quant is not None:
+        return mix_plan(quant, cfg)
+    return qtype if qtype is not None else _GGUF_FLOAT[dtype]
 
 
 # ---- the embedded default model -----------------------------------------------------------------------------------

@@ -19,12 +19,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig, preset
 from qspec.model.model import Model
 from qspec.model.ple import DeviceRowTable
-from qspec.weights.gguf_io import PLE_TABLE
+from qspec.weights.gguf_io import PLE_TABLE, quantize_blocks, weights_summary
 from qspec.weights.names import tensor_shapes
+from qspec.weights.quant_mix import keep_packed, mix_plan
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import _RESIDUAL_WRITERS, is_centred_gamma
 
 _CHUNK_ELEMS = 1 << 26  # float32 scratch per draw: 256 MiB, small next to the H200's memory
@@ -86,19 +89,37 @@ def device_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, device
 
 
 def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                          seed: int = 0) -> dict[str, Any]:
-    """Every canonical tensor of `cfg` on `device` in `dtype`; the n-gram table as a DeviceRowTable."""
+                          seed: int = 0, quant: str | None = None) -> dict[str, Any]:
+    """Every canonical tensor of `cfg` on `device` in `dtype`; the n-gram table as a DeviceRowTable.
+
+    `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0): the matrices a GGUF of that llama.cpp file type
+    holds as blocks become `QuantWeight`s of their types, quantized on the device as each tensor is drawn (one
+    16-bit tensor at a time), as a loaded GGUF of that type would hold them."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
+    plan = mix_plan(quant, cfg) if quant is not None else {}
     w: dict[str, Any] = {}
     for name, shape in tensor_shapes(cfg).items():
         t = device_tensor(cfg, name, shape, device=dev, dtype=dtype, seed=seed)
-        w[name] = DeviceRowTable(t) if name == PLE_TABLE else t
+        q = plan.get(name, GGMLQuantizationType.F32)
+        if name == PLE_TABLE:
+            w[name] = DeviceRowTable(t)
+        elif q in PACKED_QTYPES and keep_packed(name):
+            # expert by expert: the quantizer's f32 scratch stays one matrix
+            raw = torch.stack([quantize_blocks(m, q) for m in t]) if t.dim() == 3 else quantize_blocks(t, q)
+            w[name] = QuantWeight.from_blocks(raw, q, shape)
+            del t
+        else:
+            w[name] = t
     return w
 
 
 def device_random_model(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                        seed: int = 0) -> Model:
-    """A `Model` of random weights built on `device` (nothing of model size touches host memory)."""
-    return Model(cfg, device_random_weights(cfg, device=device, dtype=dtype, seed=seed))
+                        seed: int = 0, quant: str | None = None) -> Model:
+    """A `Model` of random weights built on `device` (nothing of model size touches host memory); `quant`: see
+    `device_random_weights`."""
+    w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant)
+    model = Model(cfg, w)
+    model.weights_summary = weights_summary(w)
+    return model

@@ -85,12 +85,15 @@ def _compile(fn: Callable[..., Any], backend: str, pdl: bool) -> Callable[..., A
 
 def fused(fn: F) -> F:
     """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA;
-    eagerly otherwise. With PDL on (triton_common.pdl_mode) a second compilation emits PDL launches."""
+    eagerly otherwise, and when an argument holds GGUF blocks (a QuantWeight is no tensor dynamo can trace; the
+    function's small ops then run eagerly around the block product).
+    With PDL on (triton_common.pdl_mode) a second compilation emits PDL launches."""
     compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
 
     @functools.wraps(fn)
     def call(*args: Any, **kw: Any) -> Any:
-        if _ON and (args[0].is_cuda or _BACKEND != "inductor") and not ops.row_exact():
+        if (_ON and (args[0].is_cuda or _BACKEND != "inductor") and not ops.row_exact()
+                and not any(ops.is_quantized(a) for a in args)):
             key = (_BACKEND, triton_common.pdl_on(args[0]))
             c = compiled.get(key)
             if c is None:

@@ -19,13 +19,14 @@ from qspec.model.gdn import GatedDeltaNet
 from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
 from qspec.model.mtp import DraftHead, MTPHead, spread_logits
-from qspec.model.ops import linear, rope_tables
+from qspec.model.ops import Weight, embed_rows, linear, rope_tables
 from qspec.model.ple import PLE, DeviceRowTable, RowTable
 from qspec.model.qsa import PooledUpdate, QSAAttention
 from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
+from qspec.weights.qweight import QuantWeight
 
 # An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
 DEVICE_TABLE_MAX_BYTES = 8 << 30
@@ -87,8 +88,11 @@ class Model(torch.nn.Module):
                  *, with_mtp: bool | None = None, hnorm_per_stream: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = w["token_embd.weight"]
-        self.lm_head = w["output.weight"]
+        self.embed: torch.Tensor | QuantWeight = w["token_embd.weight"]
+        self.lm_head: Weight = w["output.weight"]
+        # the compute dtype: the loader's, which every expanded tensor (norms are never blocks) has
+        self.dtype = w["output_hc_norm.weight"].dtype
+        self.device = self.embed.device
         self.mixer = HyperMixer(w, "output_hc", cfg.hidden, cfg.hc_count, cfg.rms_eps, inject=False)
         self.mix_attn: list[HyperMixer] = []
         self.mix_ffn: list[HyperMixer] = []
@@ -105,16 +109,20 @@ class Model(torch.nn.Module):
         self.graph_safe = True
         if cfg.has_ple:
             t = ple_table if ple_table is not None else w["per_layer_token_embd.weight"]
-            if hasattr(t, "materialize") and self.embed.is_cuda and _nbytes(t) <= DEVICE_TABLE_MAX_BYTES:
-                t = t.materialize(self.embed.device, self.embed.dtype)  # fits: gathers stay on the device
+            if hasattr(t, "materialize") and self.device.type == "cuda" and _nbytes(t) <= DEVICE_TABLE_MAX_BYTES:
+                t = t.materialize(self.device, self.dtype)  # fits: gathers stay on the device
             table = DeviceRowTable(t) if isinstance(t, torch.Tensor) else t
             # a host-resident table needs a host round trip per step, which CUDA graphs cannot capture
-            self.graph_safe = isinstance(table, DeviceRowTable) and table.table.device == self.embed.device
+            self.graph_safe = isinstance(table, DeviceRowTable) and table.table.device == self.device
             self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
         with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
         self.mtp = MTPHead(cfg, w, hnorm_per_stream) if with_mtp else None
-        self.device = self.embed.device
-        self.dtype = self.embed.dtype
+        # experts with some matrices as blocks and some in 16 bits run one expert at a time after a host-side list of
+        # the chosen ones (moe.q_moe_slots), which a CUDA graph cannot capture; all-block experts have a kernel
+        moes = [*self.moe, *([self.mtp.moe] if self.mtp is not None else [])]
+        if any(m.quantized and not m.blocks_only for m in moes):
+            self.graph_safe = False
+        self.weights_summary = ""  # what the loader kept in which format (loader.load_model fills it in)
 
     # ---- caches ----------------------------------------------------------------------------------
     def new_cache(self, opts: CacheOptions) -> ModelCache:
@@ -163,7 +171,7 @@ class Model(torch.nn.Module):
         c = self.cfg
         cos, sin = self.rope(pos)
         upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
-        X = self.embed[tokens].repeat(1, c.hc_count)
+        X = embed_rows(self.embed, tokens, self.dtype).repeat(1, c.hc_count)
         rc, stats, fused = cache.rec, cache.snap_stats, cache.opts.fused_snapshots
         # Each block's output (y, injection weights) waits in `pending` and is added into X by the next mixer's
         # fused function (combine_mix), which saves a kernel per block.
@@ -191,7 +199,7 @@ class Model(torch.nn.Module):
         return linear(out, self.lm_head), X
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                    lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
+                    lm_head: Weight | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
                     row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft rows: token x at position p with the residual H of position p-1 -> (logits, residual X).
 
@@ -202,13 +210,13 @@ class Model(torch.nn.Module):
             raise RuntimeError("this model has no MTP head loaded")
         with fuse.step_rows(tokens.shape[0]):
             cos, sin = self.rope(pos)
-            out, X = self.mtp(self.embed[tokens], H, pos, cos, sin, cache.mtp_kv, kv_len, row)
+            out, X = self.mtp(embed_rows(self.embed, tokens, self.dtype), H, pos, cos, sin, cache.mtp_kv, kv_len, row)
             if isinstance(lm_head, DraftHead):
                 return spread_logits(_head(out, lm_head.weight), lm_head.ids, lm_head.vocab), X
         return _head(out, self.lm_head if lm_head is None else lm_head), X
 
 
-def _head(out: torch.Tensor, head: torch.Tensor | Q4Weight) -> torch.Tensor:
+def _head(out: torch.Tensor, head: Weight | Q4Weight) -> torch.Tensor:
     if isinstance(head, Q4Weight):
         return q4_matvec(out, head)  # reads a quarter of the bf16 head's bytes
     return linear(out, head)

@@ -8,10 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.moe_few import expert_ffn, moe_few_torch, moe_slots, sum_slots
+from qspec.kernels.qmatmul import qmatmul, qmoe_few
 from qspec.kernels.route import route_top_k
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
+from qspec.weights.qweight import QuantWeight
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
 FEW_TOKENS = 16
@@ -41,6 +43,52 @@ def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate: torch.Tensor, up:
     g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=ends)
     u = torch._grouped_mm(x, up.transpose(-2, -1), offs=ends)
     return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=ends)
+
+
+# ---- routed experts kept as GGUF blocks --------------------------------------------------------------------------
+# Each product goes through kernels/qmatmul.qmatmul, one expert at a time, so every chosen expert's blocks are read
+# once for all the rows that chose it and never expanded in memory. A few-token step whose three expert matrices are
+# all blocks runs kernels/qmatmul.qmoe_few instead (one launch per projection, no host sync); q_moe_slots is left
+# for a file that keeps some of them in a 16-bit type.
+ExpertWeight = torch.Tensor | QuantWeight
+
+
+def _mm(x: torch.Tensor, w: ExpertWeight) -> torch.Tensor:
+    return qmatmul(x, w) if isinstance(w, QuantWeight) else F.linear(x, w)
+
+
+def q_expert_ffn(x: torch.Tensor, gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
+    """x [n, D] through one expert whose matrices are blocks: down(silu(gate x) * up x) [n, D] (expert_ffn's math)."""
+    return _mm(F.silu(_mm(x, gate)) * _mm(x, up), down)
+
+
+def q_moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight, up: ExpertWeight,
+                down: ExpertWeight) -> torch.Tensor:
+    """moe_slots for block experts: the weighted slot outputs [T, k, D], each distinct chosen expert run once over
+    the rows that chose it (a host sync for the expert list: such steps are not captured in CUDA graphs)."""
+    T, k = top_i.shape
+    out = h.new_zeros(T, k, h.shape[-1])
+    for e in torch.unique(top_i).tolist():
+        tok, slot = torch.where(top_i == e)
+        out[tok, slot] = q_expert_ffn(h[tok], gate[e], up[e], down[e]) * top_w[tok, slot, None]
+    return out
+
+
+def q_moe_per_token(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight, up: ExpertWeight,
+                    down: ExpertWeight) -> torch.Tensor:
+    """moe_few_torch for block experts (row-exact mode): each (token, expert) pair its own M=1 product."""
+    rows = []
+    for t, experts in enumerate(top_i.tolist()):
+        x = h[t:t + 1]
+        ys = [q_expert_ffn(x, gate[e], up[e], down[e]) for e in experts]
+        rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
+    return torch.cat(rows)
+
+
+def any_expert_ffn(x: torch.Tensor, gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
+    if any(isinstance(m, QuantWeight) for m in (gate, up, down)):
+        return q_expert_ffn(x, gate, up, down)
+    return expert_ffn(x, gate, up, down)  # type: ignore[arg-type]
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +130,11 @@ class MoE(torch.nn.Module):
         self.up = w[f"{b}.ffn_up_exps.weight"]  # [E, F, D]
         self.down = w[f"{b}.ffn_down_exps.weight"]  # [E, D, F]
         self.sh_down = w[f"{b}.ffn_down_shexp.weight"]
+        # any of the three as blocks (a file may keep one of them in a 16-bit type): the block paths below
+        self.quantized = any(isinstance(m, QuantWeight) for m in (self.gate, self.up, self.down))
+        # all three as blocks: the few-token step is one kernel per projection with no host sync (kernels/qmatmul.py
+        # qmoe_few), so it can be captured in a CUDA graph; a mixed set takes q_moe_slots, which cannot
+        self.blocks_only = all(isinstance(m, QuantWeight) for m in (self.gate, self.up, self.down))
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, self.router, self.n_used)
@@ -92,6 +145,10 @@ class MoE(torch.nn.Module):
         top_w, top_i = route_top_k(logits, self.n_used)
         if row_exact() and T <= EXACT_MAX_ROWS:
             routed = self._per_token(h, top_w, top_i)
+        elif self.blocks_only and h.is_cuda and T <= FEW_TOKENS:
+            routed = qmoe_few(h, top_i, top_w, self.gate, self.up, self.down)  # type: ignore[arg-type]
+        elif self.quantized and h.is_cuda and T <= FEW_TOKENS:
+            routed = q_moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         elif h.is_cuda and T <= FEW_TOKENS:
             routed = moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         else:
@@ -100,6 +157,8 @@ class MoE(torch.nn.Module):
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
+        if self.quantized:
+            return q_moe_per_token(h, top_i, top_w, self.gate, self.up, self.down)
         return moe_few_torch(h, top_i, top_w, self.gate, self.up, self.down)
 
     def _grouped(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
@@ -113,14 +172,14 @@ class MoE(torch.nn.Module):
         order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one (as torch.where gives them)
         counts = torch.bincount(flat, minlength=self.gate.shape[0])
         x = h[order // k]
-        if _GROUPED_MM and x.dtype == torch.bfloat16:
+        if _GROUPED_MM and x.dtype == torch.bfloat16 and not self.quantized:
             y = grouped_experts(x, counts.cumsum(0).to(torch.int32), self.gate, self.up, self.down)
         else:
             ys, o = [], 0
             for e, n in enumerate(counts.tolist()):  # the one host sync
                 if n:
                     xe = x[o:o + n]
-                    ys.append(expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
+                    ys.append(any_expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
                     o += n
             y = torch.cat(ys)
         y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)
@@ -140,7 +199,7 @@ def grouped_moe_reference(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Ten
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
         x = h[tok]
-        y = expert_ffn(x, gate[e], up[e], down[e])
+        y = any_expert_ffn(x, gate[e], up[e], down[e])
         out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
     return out
 

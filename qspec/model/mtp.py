@@ -10,15 +10,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig
 from qspec.kernels.q4 import Q4Weight
 from qspec.model.fuse import fused
 from qspec.model.hyper import HyperMixer
 from qspec.model.moe import MoE
-from qspec.model.ops import linear, rms_norm
+from qspec.model.ops import Weight, linear, rms_norm
 from qspec.model.qsa import QSAAttention
 from qspec.state.kv_cache import KVCache
+from qspec.weights.dequant import quantize_q4_0
+from qspec.weights.qweight import QuantWeight
+
+_Q4_CHUNK_ROWS = 16384  # rows expanded at a time when a block head is requantized (bounded scratch)
+
+
+def q4_head(head: Weight) -> Q4Weight:
+    """The LM head as Q4_0 for drafting (`--draft-head q4`): a Q4_0 file's head as it is (no second rounding);
+    a head of another block type expanded and requantized a chunk of rows at a time; a 16-bit head quantized."""
+    if isinstance(head, QuantWeight):
+        if head.qtype == GGMLQuantizationType.Q4_0:
+            return Q4Weight.from_ggml(head.raw.reshape(-1), (head.shape[0], head.shape[1]))
+        N = head.shape[0]
+        raw = torch.cat([quantize_q4_0(head.rows(i, min(i + _Q4_CHUNK_ROWS, N)).dequantize(torch.float32))
+                         for i in range(0, N, _Q4_CHUNK_ROWS)])
+        return Q4Weight.from_ggml(raw.reshape(-1), (N, head.shape[1]))
+    if not isinstance(head, torch.Tensor):
+        raise TypeError(f"--draft-head q4 needs one LM head matrix, got {type(head).__name__}")
+    return Q4Weight.from_dense(head)
 
 
 @dataclass(frozen=True)
@@ -28,16 +48,19 @@ class DraftHead:
     vocabulary with -inf elsewhere: argmax, sampling and speculative acceptance then see ordinary [T, vocab] logits,
     whose drafts lie in `ids`."""
 
-    weight: torch.Tensor | Q4Weight
+    weight: torch.Tensor | Q4Weight | QuantWeight
     ids: torch.Tensor  # [n] int64, sorted, once each, on the head's device
     vocab: int
 
     @classmethod
-    def rows_of(cls, head: torch.Tensor | Q4Weight, ids: torch.Tensor) -> DraftHead:
+    def rows_of(cls, head: torch.Tensor | Q4Weight | QuantWeight, ids: torch.Tensor) -> DraftHead:
         """The rows `ids` of a full head (a Q4_0 head's rows are quantized independently: the same as quantizing
-        the rows alone)."""
+        the rows alone; so are a GGUF block head's)."""
+        weight: torch.Tensor | Q4Weight | QuantWeight
         if isinstance(head, Q4Weight):
-            weight: torch.Tensor | Q4Weight = Q4Weight(head.packed[ids].contiguous(), head.scales[ids].contiguous())
+            weight = Q4Weight(head.packed[ids].contiguous(), head.scales[ids].contiguous())
+        elif isinstance(head, QuantWeight):
+            weight = QuantWeight(head.raw[ids].contiguous(), head.qtype, (ids.numel(), head.shape[-1]))
         else:
             weight = head[ids].contiguous()
         return cls(weight, ids, head.shape[0])

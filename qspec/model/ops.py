@@ -9,12 +9,15 @@ what lets the tests demand bit-exact state equality.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from qspec.kernels import gemv
+from qspec.kernels.qmatmul import qmatmul
+from qspec.weights.qweight import QuantWeight
 
 _ROW_EXACT = False
 
@@ -43,10 +46,51 @@ def set_row_exact(on: bool) -> None:
 EXACT_MAX_ROWS = 64
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ w[out, in]^T. Step-sized 16-bit products on CUDA go to the Triton mat-vec (kernels/gemv.py)."""
+@dataclass(frozen=True, eq=False)
+class StackedWeight:
+    """Matrices that multiply the same input but cannot be one: parts of different GGUF types or row lengths in
+    blocks (a router kept F32 beside Q4_K shared-expert projections, an attention-V at Q6_K beside Q4_K q/k).
+    Consecutive parts of one kind are already concatenated; the product is the concatenation of each part's
+    product, so callers slice its columns exactly as for one stacked matrix."""
+
+    parts: tuple[torch.Tensor | QuantWeight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(int(p.shape[0]) for p in self.parts), int(self.parts[0].shape[-1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def dim(self) -> int:
+        return 2
+
+
+Weight = torch.Tensor | QuantWeight | StackedWeight
+
+
+def is_quantized(w: object) -> bool:
+    """Whether a weight is (or holds) GGUF blocks, which torch.compile'd functions and 16-bit kernels cannot take."""
+    return isinstance(w, (QuantWeight, StackedWeight))
+
+
+def _qlinear(x2: torch.Tensor, w: QuantWeight | StackedWeight) -> torch.Tensor:
+    """x2 [M, K] @ w^T for block weights; in row-exact mode one product per row (for step-sized M)."""
+    if isinstance(w, StackedWeight):
+        return torch.cat([linear(x2, p) for p in w.parts], dim=-1)
+    if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
+        return torch.cat([qmatmul(x2[i:i + 1], w) for i in range(x2.shape[0])])
+    return qmatmul(x2, w)
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x [..., in] @ w[out, in]^T. Step-sized 16-bit products on CUDA go to the Triton mat-vec (kernels/gemv.py);
+    GGUF block weights to kernels/qmatmul.py."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if not isinstance(w, torch.Tensor):
+        return _qlinear(x2, w).reshape(*lead, w.shape[0])
     if not _ROW_EXACT:
         if gemv.eligible(x, w, x2.shape[0]):
             return gemv.gemv(x2, w).view(*lead, w.shape[0])
@@ -62,11 +106,17 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 ROW_ALIGN = 8
 
 
-def stack_rows(*ws: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def stack_rows(*ws: Weight) -> tuple[Weight, list[Weight]]:
     """One matrix holding the rows of several that multiply the same input (one product instead of several,
     which matters when each is a 5 µs launch), and views of it in place of the originals, so the
     originals can be dropped (no extra memory). Zero rows pad it to a multiple of ROW_ALIGN: callers slice
-    the product's columns by the parts' sizes and never read past the last part."""
+    the product's columns by the parts' sizes and never read past the last part.
+
+    GGUF block weights (`QuantWeight`) are concatenated by rows when they share a type and row length; parts that
+    differ (type, or a 16-bit part such as a kept-F32 router) make a `StackedWeight` of the runs of one kind: each
+    part stays in its file format, nothing is expanded (`_stack_mixed`)."""
+    if any(isinstance(w, QuantWeight) for w in ws):
+        return _stack_mixed(ws)
     W = torch.cat([w.reshape(-1, w.shape[-1]) for w in ws])
     pad = -W.shape[0] % ROW_ALIGN
     if pad:
@@ -77,6 +127,57 @@ def stack_rows(*ws: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         views.append(W[o:o + n].view(w.shape))
         o += n
     return W, views
+
+
+def _kind(w: torch.Tensor | QuantWeight) -> tuple[object, ...]:
+    if isinstance(w, QuantWeight):
+        return ("q", w.qtype, w.shape[-1])
+    return ("t", w.dtype, w.shape[-1])
+
+
+def _stack_mixed(ws: Sequence[Weight]) -> tuple[Weight, list[Weight]]:
+    """stack_rows for parts of which some are GGUF blocks: runs of one kind concatenated, then a StackedWeight."""
+    runs: list[list[torch.Tensor | QuantWeight]] = []
+    for w in ws:
+        if isinstance(w, StackedWeight):
+            raise TypeError("stack_rows: a StackedWeight cannot be stacked again")
+        if w.dim() == 1:
+            w = w[None, :]  # a single row (shared-expert gate_inp); always a float tensor
+        if runs and _kind(runs[-1][-1]) == _kind(w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    parts: list[torch.Tensor | QuantWeight] = []
+    views: list[Weight] = []
+    for run in runs:
+        if isinstance(run[0], QuantWeight):
+            W = run[0] if len(run) == 1 else QuantWeight.cat_rows(run)  # type: ignore[arg-type]
+        else:
+            W = run[0] if len(run) == 1 else torch.cat(run)  # type: ignore[arg-type]
+        parts.append(W)
+        o = 0
+        for w in run:
+            n = w.shape[0]
+            views.append(_row_view(W, o, o + n))
+            o += n
+    out = parts[0] if len(parts) == 1 else StackedWeight(tuple(parts))
+    return out, [v if w.dim() != 1 else v[0] for v, w in zip(views, ws, strict=True)]  # type: ignore[index]
+
+
+def _row_view(W: torch.Tensor | QuantWeight, start: int, stop: int) -> torch.Tensor | QuantWeight:
+    if isinstance(W, QuantWeight):
+        return QuantWeight(W.raw[start:stop], W.qtype, (stop - start, W.shape[-1]))
+    return W[start:stop]
+
+
+def embed_rows(table: torch.Tensor | QuantWeight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `tokens` of an embedding table [V, D]: for GGUF blocks only those rows' blocks are gathered and
+    expanded (the table itself stays packed)."""
+    if isinstance(table, QuantWeight):
+        sub = table.raw.index_select(0, tokens.reshape(-1))
+        return QuantWeight(sub, table.qtype, (sub.shape[0], table.shape[-1])).dequantize(dtype).view(
+            *tokens.shape, table.shape[-1])
+    return table[tokens]
 
 
 def bmm_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

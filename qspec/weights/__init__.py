@@ -35,9 +35,12 @@ __all__ = [
 
 
 def load_model_weights(path: str | os.PathLike[str], *, device: torch.device | str = "cpu",
-                       dtype: torch.dtype = torch.float32, with_mtp: bool | None = None
+                       dtype: torch.dtype = torch.float32, with_mtp: bool | None = None,
+                       dequantize_all: bool = False, progress: bool | None = None
                        ) -> tuple[ModelConfig, Weights]:
-    """Load a `.gguf` file or an HF checkpoint directory; raises WeightsError / ConfigError naming the fault."""
+    """Load a `.gguf` file or an HF checkpoint directory; raises WeightsError / ConfigError naming the fault.
+
+    GGUF matrices of a packed block type stay blocks (`QuantWeight`) unless `dequantize_all` (see read_gguf)."""
     p = Path(path)
     if not p.exists():
         raise WeightsError(f"{p}: file not found")
@@ -48,4 +51,4 @@ def load_model_weights(path: str | os.PathLike[str], *, device: torch.device | s
     if magic != GGUF_MAGIC:
         hint = " (for safetensors pass the checkpoint directory)" if p.suffix == ".safetensors" else ""
         raise WeightsError(f"{p}: not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r}){hint}")
-    return read_gguf(p, device, dtype, with_mtp)
+    return read_gguf(p, device, dtype, with_mtp, dequantize_all=dequantize_all, progress=progress)

@@ -3,6 +3,8 @@
 Reading goes through `gguf.GGUFReader`, which memory-maps the file: tensors are copied out one at a time,
 and the per-layer n-gram table (`per_layer_token_embd.weight`, ~100 GB in the real model) is never copied at
 all: it is returned as a `HostRowTable` over the mmap, from which the model gathers the rows it needs.
+Matrices stored in a type of `qweight.PACKED_QTYPES` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) are copied to the device as
+their blocks (`QuantWeight`) and never expanded; `weights_summary` says what a load kept in which format.
 Everything is validated (names, shapes, quant types, file size) before the first tensor is materialised.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -29,17 +32,19 @@ from qspec.config import (
     ple_multipliers,
     to_gguf_metadata,
 )
-from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes, quantize_q4_0, quantize_q8_0
+from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes
 from qspec.weights.names import mtp_shapes, tensor_shapes, writable_shapes
+from qspec.weights.quant_mix import keep_packed
+from qspec.weights.quantize import quantize
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 
 PLE_TABLE = "per_layer_token_embd.weight"
 GGUF_MAGIC = b"GGUF"
 # The converter writes these three as uint64 arrays (multipliers exceed int32; llama.cpp narrows the others).
 UINT64_ARRAY_KEYS = frozenset(f"{ARCH}.ple.{k}" for k in ("layer_multipliers", "head_offsets", "head_vocab_sizes"))
-# Types `write_gguf` can produce (K-quants have no quantizer in gguf-py).
-WRITABLE_QTYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-                             GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                             GGMLQuantizationType.Q5_0})
+# Types `write_gguf` can produce: the block types through qspec.weights.quantize (gguf-py has no K-quant quantizer).
+WRITABLE_QTYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}) | \
+    PACKED_QTYPES
 _TORCH_QTYPE = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
                 torch.bfloat16: GGMLQuantizationType.BF16}
 _CHUNK_ELEMS = 1 << 26  # elements encoded per write step (256 MiB of float32)
@@ -114,7 +119,7 @@ class HostRowTable:
         return f"HostRowTable(shape={self.shape}, qtype={self.qtype.name}, segments={len(self.segments)})"
 
 
-Weights = dict[str, torch.Tensor | HostRowTable]
+Weights = dict[str, torch.Tensor | HostRowTable | QuantWeight]
 
 
 # ---- opening and metadata ----------------------------------------------------------------------------------------
@@ -251,15 +256,59 @@ def _check(path: Path, t: Any, expect: tuple[int, ...], name: str | None = None)
         raise WeightsError(f"{path}: tensor {name!r} has wrong shape: expected {expect}, got {got}")
 
 
-def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
+                 packed: bool) -> torch.Tensor | QuantWeight:
+    """One file tensor on `device`: as its blocks (`packed` and a type in PACKED_QTYPES) or expanded to `dtype`.
+
+    The bytes pass through host memory once, as one tensor's copy out of the mmap (the load's host peak is the
+    largest tensor, never the file)."""
     raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(-1).view(np.uint8)))  # the one host copy
+    if packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES:
+        return QuantWeight.from_blocks(raw.to(device), t.tensor_type, shape)
     return dequantize(raw.to(device), t.tensor_type, shape, dtype)
 
 
-def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[int, ...]],
-                   device: torch.device | str, dtype: torch.dtype, ignore_prefix: str | None) -> Weights:
-    """Resolve every expected name to file tensors, check all of them, then load them in order."""
-    have = {t.name: t for t in reader.tensors}
+class LoadProgress:
+    """Tensors and bytes loaded so far, on one stderr line: shown when stderr is a terminal or when asked."""
+
+    def __init__(self, total_tensors: int, total_bytes: int, show: bool | None = None) -> None:
+        self.n, self.total, self.bytes, self.total_bytes = 0, total_tensors, 0, max(total_bytes, 1)
+        self.show = sys.stderr.isatty() if show is None else show
+        self.host_peak = 0  # the largest single host copy (bytes)
+
+    def step(self, nbytes: int) -> None:
+        self.n += 1
+        self.bytes += nbytes
+        self.host_peak = max(self.host_peak, nbytes)
+        if self.show:
+            end = "\n" if self.n == self.total else ""
+            print(f"\rqspec: loading {self.n}/{self.total} tensors, {self.bytes / 2**30:.2f}/"
+                  f"{self.total_bytes / 2**30:.2f} GiB ({100 * self.bytes / self.total_bytes:.0f}%)",
+                  end=end, file=sys.stderr, flush=True)
+
+
+def _load_plain(name: str, job: tuple[Any, ...], device: torch.device | str, dtype: torch.dtype, packed: bool
+                ) -> torch.Tensor | HostRowTable | QuantWeight:
+    t, shape = job[1], job[2]
+    if name == PLE_TABLE:
+        rows, cols = shape
+        seg = t.data.reshape(-1).view(np.uint8).reshape(rows, -1)  # stays an np.memmap: no copy
+        return HostRowTable([seg], t.tensor_type, cols)
+    return _materialize(t, shape, device, dtype, packed and keep_packed(name))
+
+
+def _split_fused(full: torch.Tensor | QuantWeight, kind: str) -> torch.Tensor | QuantWeight:
+    """The gate (first) or up (second) half of the rows of a fused [E, 2F, D] gate_up tensor."""
+    f = full.shape[1] // 2
+    lo, hi = (0, f) if kind == "gate" else (f, 2 * f)
+    if isinstance(full, QuantWeight):
+        return full.rows(lo, hi)
+    return full[:, lo:hi].contiguous()
+
+
+def _resolve(path: Path, have: dict[str, Any], shapes: dict[str, tuple[int, ...]],
+             ignore_prefix: str | None) -> dict[str, Any]:
+    """Every expected name -> its load job, after checking the names, shapes and types of the file's tensors."""
     jobs: dict[str, Any] = {}
     missing: list[str] = []
     for name, shape in shapes.items():
@@ -288,36 +337,89 @@ def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[i
     used = {j[1].name for j in jobs.values() if j[0] != "alias"}
     unknown = [n for n in have if n not in used and not (ignore_prefix and n.startswith(ignore_prefix))]
     if unknown:
-        warnings.warn(f"{path}: ignoring {len(unknown)} unexpected tensors: {', '.join(unknown[:5])}", stacklevel=3)
+        warnings.warn(f"{path}: ignoring {len(unknown)} unexpected tensors: {', '.join(unknown[:5])}", stacklevel=4)
+    return jobs
 
-    out: Weights = {}
-    fused_cache: dict[str, torch.Tensor] = {}
+
+def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[int, ...]],
+                   device: torch.device | str, dtype: torch.dtype, ignore_prefix: str | None,
+                   dequantize_all: bool = False, progress: bool | None = None) -> Weights:
+    """Resolve every expected name to file tensors, check all of them, then load them in order.
+
+    Matrices of a type in PACKED_QTYPES stay as their blocks (`QuantWeight`) unless `dequantize_all`;
+    `progress`: a tensor/byte count on stderr (None: when stderr is a terminal)."""
+    jobs = _resolve(path, {t.name: t for t in reader.tensors}, shapes, ignore_prefix)
+    files = {j[1].name: j[1] for j in jobs.values() if j[0] != "alias" and j[1].name != PLE_TABLE}
+    bar = LoadProgress(len(files), sum(int(t.n_bytes) for t in files.values()), progress)
+    out = LoadedWeights()
+    fused_cache: dict[str, torch.Tensor | QuantWeight] = {}
     for name in shapes:
         job = jobs[name]
         kind = job[0]
         if kind == "alias":
             out[name] = out[job[1]]
-        elif kind == "plain" and name == PLE_TABLE:
-            t = job[1]
-            rows, cols = job[2]
-            seg = t.data.reshape(-1).view(np.uint8).reshape(rows, -1)  # stays an np.memmap: no copy
-            out[name] = HostRowTable([seg], t.tensor_type, cols)
         elif kind == "plain":
-            out[name] = _materialize(job[1], job[2], device, dtype)
+            out[name] = _load_plain(name, job, device, dtype, not dequantize_all)
+            if name != PLE_TABLE:
+                bar.step(int(job[1].n_bytes))
         else:  # halves of a fused gate_up tensor: [E, 2F, D] with gate rows first
             t = job[1]
             full = fused_cache.pop(t.name, None)
             if full is None:
-                full = fused_cache[t.name] = _materialize(t, job[2], device, dtype)
-            f = job[2][1] // 2
-            out[name] = (full[:, :f] if kind == "gate" else full[:, f:]).contiguous()
+                full = fused_cache[t.name] = _materialize(t, job[2], device, dtype, not dequantize_all)
+                bar.step(int(t.n_bytes))
+            out[name] = _split_fused(full, kind)
+    out.host_peak = bar.host_peak
     return out
+
+
+class LoadedWeights(dict):  # type: ignore[type-arg]
+    """A loaded weight dict that remembers its load's host-memory peak (the largest single host copy, bytes)."""
+
+    host_peak: int = 0
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def weights_summary(w: Weights, host_peak: int | None = None) -> str:
+    """What a loaded weight set holds in which format: tensor count and GiB per type, the n-gram table's place,
+    and the load's host-memory peak where known."""
+    by: dict[str, list[int]] = {}
+    seen: set[int] = set()
+    table = ""
+    for v in w.values():
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, HostRowTable):
+            table = f"; n-gram table in host memory ({v.qtype.name}, {_size(v.nbytes)})"
+            continue
+        if isinstance(v, QuantWeight):
+            key, nbytes = f"{v.qtype.name} (blocks)", v.nbytes
+        elif isinstance(v, torch.Tensor):
+            key, nbytes = str(v.dtype).removeprefix("torch."), v.numel() * v.element_size()
+        else:
+            continue
+        c = by.setdefault(key, [0, 0])
+        c[0] += 1
+        c[1] += nbytes
+    parts = [f"{k} {n} tensors {_size(b)}" for k, (n, b) in sorted(by.items(), key=lambda kv: -kv[1][1])]
+    peak = host_peak if host_peak is not None else getattr(w, "host_peak", 0)
+    extra = f"; load host-memory peak {_size(peak)} (the largest tensor)" if peak else ""
+    return ", ".join(parts) + table + extra
 
 
 # ---- public readers ----------------------------------------------------------------------------------------------
 def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              with_mtp: bool | None = None) -> tuple[ModelConfig, Weights]:
+              with_mtp: bool | None = None, *, dequantize_all: bool = False, progress: bool | None = None
+              ) -> tuple[ModelConfig, Weights]:
     """(config, canonical weights) from a `qwen4exp` GGUF file.
+
+    Matrices of a type in PACKED_QTYPES load as `QuantWeight` (their blocks, on `device`); `dequantize_all`
+    expands every tensor to `dtype` instead (the reference for the quantized products). `progress`: see
+    `_plan_and_load`.
 
     `with_mtp=None` loads the MTP block when the file has one. The config always describes the file
     (n_mtp_layers included), even when the MTP tensors are skipped."""
@@ -335,7 +437,7 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
         raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
     with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
     skip = None if with_mtp or not cfg.has_mtp else f"blk.{cfg.mtp_layer}."
-    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip)
+    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress)
 
 
 # Hyperparameters a draft block must share with the target it is attached to.
@@ -345,7 +447,7 @@ _DRAFT_MUST_MATCH = ("hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", 
 
 
 def read_draft_gguf(path: str | os.PathLike[str], target_cfg: ModelConfig, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> Weights:
+                    dtype: torch.dtype = torch.float32, *, dequantize_all: bool = False) -> Weights:
     """The MTP tensors of a draft-only GGUF (llama.cpp `-md` layout: only `blk.{n_layers}.*`; it borrows
     `token_embd`/`output` from the target), checked against the target's config."""
     p = Path(path)
@@ -358,7 +460,7 @@ def read_draft_gguf(path: str | os.PathLike[str], target_cfg: ModelConfig, devic
             raise WeightsError(f"{p}: draft {field}={getattr(draft, field)} does not match the target's "
                                f"{getattr(target_cfg, field)}")
     shapes = mtp_shapes(target_cfg.with_(n_mtp_layers=max(1, target_cfg.n_mtp_layers)))
-    return _plan_and_load(p, reader, shapes, device, dtype, None)
+    return _plan_and_load(p, reader, shapes, device, dtype, None, dequantize_all)
 
 
 # ---- writer ------------------------------------------------------------------------------------------------------
@@ -430,11 +532,16 @@ def _encode(x: torch.Tensor, q: GGMLQuantizationType) -> np.ndarray:
         return x.half().contiguous().numpy().view(np.uint8)
     if q == GGMLQuantizationType.BF16:
         return x.bfloat16().contiguous().view(torch.int16).numpy().view(np.uint8)
-    if q == GGMLQuantizationType.Q8_0:
-        return quantize_q8_0(x).numpy()
-    if q == GGMLQuantizationType.Q4_0:
-        return quantize_q4_0(x).numpy()
+    if q in PACKED_QTYPES:
+        return quantize(x.float(), q).reshape(-1).cpu().numpy()
     return np.asarray(gguf_quants.quantize(x.float().numpy(), q)).view(np.uint8)
+
+
+def quantize_blocks(x: torch.Tensor, q: GGMLQuantizationType) -> torch.Tensor:
+    """x [..., K] as GGUF blocks of type `q` (one kept packed on the device): uint8 [..., row bytes] on x's device."""
+    if q not in PACKED_QTYPES:
+        raise WeightsError(f"{GGMLQuantizationType(q).name} is not a block type kept on the device")
+    return quantize(x, q)
 
 
 def _chunks(name: str, value: torch.Tensor | HostRowTable, shape: tuple[int, ...]) -> Iterator[torch.Tensor]:

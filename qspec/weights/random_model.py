@@ -22,6 +22,7 @@ from qspec.config import ModelConfig
 from qspec.weights.gguf_io import PLE_TABLE, HostRowTable, Weights, write_gguf
 from qspec.weights.hf import write_hf
 from qspec.weights.names import tensor_shapes
+from qspec.weights.quant_mix import mix_plan
 
 _CHUNK_ELEMS = 1 << 22  # elements drawn per generator call; part of the definition of the values
 _RESIDUAL_WRITERS = (".attn_output.weight", ".ssm_out.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight",
@@ -107,16 +108,21 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
 
 def write_random_model(out: str | os.PathLike[str], cfg: ModelConfig, seed: int = 0,
                        fmt: Literal["gguf", "hf"] = "gguf", dtype: torch.dtype = torch.float32,
-                       qtype: GGMLQuantizationType | None = None, with_mtp: bool | None = None) -> None:
+                       qtype: GGMLQuantizationType | None = None, with_mtp: bool | None = None,
+                       quant: str | None = None) -> None:
     """Write a random model tensor by tensor (peak memory: about one tensor, or one HF shard of 4 GiB).
 
-    gguf: matrices as `qtype` (default: the GGUF type of `dtype`); hf: a checkpoint directory in `dtype`."""
+    gguf: matrices as `qtype` (default: the GGUF type of `dtype`), or in the per-tensor types of the llama.cpp
+    file type `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0); hf: a checkpoint directory in `dtype`."""
     lazy = RandomWeights(cfg, seed, dtype, with_mtp)
     if fmt == "gguf":
-        write_gguf(out, cfg, lazy, qtypes=qtype if qtype is not None else _GGUF_TYPE[dtype])
+        if quant is not None and qtype is not None:
+            raise ValueError("qtype and quant are exclusive")
+        qtypes = mix_plan(quant, cfg) if quant is not None else qtype if qtype is not None else _GGUF_TYPE[dtype]
+        write_gguf(out, cfg, lazy, qtypes=qtypes)
     elif fmt == "hf":
-        if qtype is not None:
-            raise ValueError("qtype applies to GGUF output only")
+        if qtype is not None or quant is not None:
+            raise ValueError("qtype / quant apply to GGUF output only")
         write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
     else:
         raise ValueError(f"fmt: expected 'gguf' or 'hf', got {fmt!r}")

@@ -1,0 +1,325 @@
+"""A quantized GGUF runs with its matrices kept as GGUF blocks: the loader, the model's block paths, the writer's
+per-tensor type mix, and the engine's guarantees (greedy speculative == plain, seed optimizations) with them."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.kernels.q4 import Q4Weight
+from qspec.loader import load_model, write_model
+from qspec.model import ops
+from qspec.model.model import CacheOptions, Model
+from qspec.model.moe import grouped_moe_reference, q_moe_slots
+from qspec.model.mtp import DraftHead, q4_head
+from qspec.model.ops import StackedWeight, embed_rows, linear, stack_rows
+from qspec.runner import Runner
+from qspec.weights import WeightsError, read_gguf
+from qspec.weights.dequant import quantize_q4_0, quantize_q8_0
+from qspec.weights.gguf_io import HostRowTable
+from qspec.weights.quant_mix import keep_packed, mix_plan, use_more_bits
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
+
+CAP = 128
+# Logits of a block model against the same file expanded to f32: the products differ only in summation order
+# (blocks expanded inside the product vs before it), so f32 rounding alone: ~1e-7 relative on the tiny model.
+ATOL = RTOL = 1e-5
+
+
+_FILES: dict[Q, Path] = {}
+_MODELS: dict[Q, tuple[Model, Model]] = {}
+
+
+def _file(qt: Q, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if qt not in _FILES:
+        _FILES[qt] = tmp_path_factory.mktemp("quant") / f"tiny-{qt.name}.gguf"
+        write_model(_FILES[qt], tiny_config(mtp=True), qtype=qt)
+    return _FILES[qt]
+
+
+def _models(qt: Q, tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    """(the file with its matrices as blocks, the same file with every tensor expanded to f32)."""
+    if qt not in _MODELS:
+        p = _file(qt, tmp_path_factory)
+        _MODELS[qt] = load_model(p, dequantize_all=False), load_model(p, dequantize_all=True)
+    return _MODELS[qt]
+
+
+@pytest.fixture(scope="module", params=[Q.Q8_0, Q.Q4_0], ids=["q8_0", "q4_0"])
+def qfile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Q]:
+    return _file(request.param, tmp_path_factory), request.param
+
+
+@pytest.fixture(scope="module")
+def qmodels(qfile: tuple[Path, Q], tmp_path_factory: pytest.TempPathFactory) -> tuple[Model, Model]:
+    return _models(qfile[1], tmp_path_factory)
+
+
+def _tensors(obj: object, seen: set[int], out: list[torch.Tensor | QuantWeight]) -> None:
+    """Every tensor and QuantWeight reachable from the model's attributes."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (torch.Tensor, QuantWeight)):
+        out.append(obj)
+    elif isinstance(obj, StackedWeight):
+        for p in obj.parts:
+            _tensors(p, seen, out)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _tensors(x, seen, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _tensors(x, seen, out)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("qspec"):
+        for x in vars(obj).values():
+            _tensors(x, seen, out)
+
+
+def test_packed_file_loads_as_blocks_with_no_float_copy(qfile: tuple[Path, Q], qmodels: tuple[Model, Model]) -> None:
+    path, qt = qfile
+    model, _ = qmodels
+    file_types = {t.name: t.tensor_type for t in GGUFReader(path).tensors}
+    _, w = read_gguf(path)
+    packed = {n for n, q in file_types.items() if q in PACKED_QTYPES and keep_packed(n)}
+    assert packed and {file_types[n] for n in packed} == {qt}
+    for n in packed:
+        if n.endswith("ffn_gate_up_exps.weight"):
+            continue
+        assert isinstance(w[n], QuantWeight) and w[n].qtype == qt, n
+    # the model holds no float copy of them: its float bytes are those of the expanded (non-block) tensors
+    found: list[torch.Tensor | QuantWeight] = []
+    _tensors(model, set(), found)
+    floats = [t for t in found if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    float_bytes = sum(t.numel() * t.element_size() for t in floats)
+    expanded = sum(v.numel() * 4 for n, v in w.items() if isinstance(v, torch.Tensor))
+    blocks_as_f32 = sum(math.prod(v.shape) * 4 for v in w.values() if isinstance(v, QuantWeight))
+    assert float_bytes <= 1.25 * expanded < blocks_as_f32  # stacking pads the mixers' rows a little, no more
+    float_shapes = {tuple(v.shape) for v in w.values() if isinstance(v, torch.Tensor)}
+    block_shapes = {s for v in w.values() if isinstance(v, QuantWeight) for s in (v.shape, v.shape[-2:])}
+    assert not {tuple(t.shape) for t in floats} & (block_shapes - float_shapes)
+    assert isinstance(model.embed, QuantWeight) and isinstance(model.moe[0].down, QuantWeight)
+    assert qt.name in model.weights_summary and "n-gram table in host memory" in model.weights_summary
+
+
+def test_block_logits_equal_the_expanded_reference(qmodels: tuple[Model, Model]) -> None:
+    """Prefill (grouped experts) and one-token steps (few-token path) of the block model against the same file
+    expanded to f32, to ATOL/RTOL."""
+    model, ref = qmodels
+    ids = torch.tensor([5, 17, 300, 2, 99, 410, 7, 8, 63, 250])
+    runs = [Runner(m, CacheOptions(capacity=32)) for m in (model, ref)]
+    for step in (ids, ids[:1], ids[3:6]):
+        a, b = (r.step(step)[0] for r in runs)
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+        assert (a - b).abs().max() > 0 or torch.equal(a, b)
+        for r in runs:
+            r.keep(step.shape[0], rollback=False)
+
+
+def test_block_logits_match_in_row_exact_mode(qmodels: tuple[Model, Model]) -> None:
+    model, ref = qmodels
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    with ops.row_exact_mode(True):
+        a, b = (Runner(m, CacheOptions(capacity=16)).step(ids)[0] for m in (model, ref))
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+def test_greedy_spec_equals_plain_with_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Exact mode, bit for bit (Q4_0: every matrix a block product; the engine paths are type-independent)."""
+    model, _ = _models(Q.Q4_0, tmp_path_factory)
+    n_draft = 3
+    rng = random.Random(n_draft)
+    prompt = [rng.randrange(511) for _ in range(19)]
+    ref = Engine(model, EngineOptions(draft=0, capacity=CAP, exact=True)).generate(prompt, 16).tokens
+
+    def hook(n_out: int, drafts: list[int]) -> list[int]:  # the reference continuation, cut at a random place
+        good = (ref[n_out:n_out + len(drafts)] + [0] * len(drafts))[:len(drafts)]
+        cut = rng.randint(0, len(drafts))
+        if cut < len(drafts):
+            good[cut] = (good[cut] + 1) % 512
+        return good
+
+    g = Engine(model, EngineOptions(draft=n_draft, capacity=CAP, exact=True),
+               EngineHooks(draft_hook=hook)).generate(prompt, 16)
+    assert g.tokens == ref
+    assert 0 < g.spec.accepted < g.spec.drafted
+
+
+def test_seed_optimizations_change_nothing_with_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model, _ = _models(Q.Q8_0, tmp_path_factory)
+    prompt = [random.Random(1).randrange(511) for _ in range(13)]
+    results = []
+    for on in (False, True):
+        rng = random.Random(7)
+        eng = Engine(model, EngineOptions(draft=4, capacity=CAP, exact=True, preserve_pooled=on, incremental_pooled=on,
+                                          pad_target=8 if on else None, fused_snapshots=on),
+                     EngineHooks(accept_hook=lambda r, n, rng=rng: rng.randint(0, n), record_logits=True))
+        g = eng.generate(prompt, 12)
+        results.append((g.tokens, g.logits, eng.runner.committed_state()))
+    (t0, l0, s0), (t1, l1, s1) = results
+    assert t0 == t1
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1, strict=True))
+    assert all(torch.equal(s0[k], s1[k]) for k in s0)
+
+
+def test_q4_draft_head_from_a_block_head(qmodels: tuple[Model, Model], qfile: tuple[Path, Q]) -> None:
+    model, ref = qmodels
+    head = model.lm_head
+    assert isinstance(head, QuantWeight)
+    q4 = q4_head(head)
+    if qfile[1] == Q.Q4_0:  # reused as stored: no second rounding
+        assert torch.equal(q4.dequantize(), head.dequantize())
+    else:
+        want = Q4Weight.from_dense(head.dequantize(torch.float32))
+        assert torch.equal(q4.packed, want.packed) and torch.equal(q4.scales, want.scales)
+    if qfile[1] == Q.Q4_0:  # the engine's q4 option end to end (the output is the target's)
+        g = Engine(model, EngineOptions(draft=3, capacity=CAP, draft_head="q4")).generate([1, 2, 3], 6).tokens
+        assert g == Engine(model, EngineOptions(draft=0, capacity=CAP)).generate([1, 2, 3], 6).tokens
+    ids = torch.tensor([0, 5, 9, 400])
+    sub = DraftHead.rows_of(head, ids)
+    x = torch.randn(2, head.shape[1])
+    torch.testing.assert_close(linear(x, sub.weight), linear(x, ref.lm_head)[:, ids], atol=ATOL, rtol=RTOL)
+
+
+def test_stack_rows_mixes_types_without_expanding() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(n, 64, generator=g) for n in (5, 7, 3))
+    qa = QuantWeight.from_blocks(quantize_q8_0(a), Q.Q8_0, a.shape)
+    qb = QuantWeight.from_blocks(quantize_q8_0(b), Q.Q8_0, b.shape)
+    qc = QuantWeight.from_blocks(quantize_q4_0(c), Q.Q4_0, c.shape)
+    router = torch.randn(4, 64, generator=g)
+    gate_inp = torch.randn(64, generator=g)
+    W, views = stack_rows(router, qa, qb, qc, gate_inp[None, :])
+    assert isinstance(W, StackedWeight) and len(W.parts) == 4  # f32 | Q8_0 (a and b as one) | Q4_0 | f32
+    assert W.shape == (4 + 5 + 7 + 3 + 1, 64)
+    x = torch.randn(3, 64, generator=g)
+    dense = torch.cat([router, qa.dequantize(), qb.dequantize(), qc.dequantize(), gate_inp[None, :]])
+    torch.testing.assert_close(linear(x, W), x @ dense.t(), atol=ATOL, rtol=RTOL)
+    for v, want in zip(views, (router, qa, qb, qc, gate_inp[None, :]), strict=True):
+        got = v.dequantize() if isinstance(v, QuantWeight) else v
+        torch.testing.assert_close(got, want.dequantize() if isinstance(want, QuantWeight) else want)
+    same, _ = stack_rows(qa, qb)
+    assert isinstance(same, QuantWeight) and same.shape == (12, 64)
+
+
+def test_embedding_rows_expand_only_the_gathered_rows() -> None:
+    t = torch.randn(50, 64)
+    q = QuantWeight.from_blocks(quantize_q4_0(t), Q.Q4_0, t.shape)
+    tok = torch.tensor([3, 3, 49, 0])
+    assert torch.equal(embed_rows(q, tok, torch.float32), q.dequantize()[tok])
+
+
+def test_block_expert_paths_equal_the_expanded_experts() -> None:
+    g = torch.Generator().manual_seed(1)
+    E, F, D, T, k = 6, 32, 64, 5, 2
+    mats = [torch.randn(E, F, D, generator=g) / 8, torch.randn(E, F, D, generator=g) / 8,
+            torch.randn(E, D, F, generator=g) / 8]
+    qs = [QuantWeight.from_blocks(quantize_q8_0(m), Q.Q8_0, m.shape) for m in mats]
+    dense = [q.dequantize() for q in qs]
+    h = torch.randn(T, D, generator=g)
+    top_i = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 2], [3, 4]])
+    top_w = torch.rand(T, k, generator=g)
+    want = grouped_moe_reference(h, top_w, top_i, *dense)
+    torch.testing.assert_close(grouped_moe_reference(h, top_w, top_i, *qs), want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(q_moe_slots(h, top_i, top_w, *qs).sum(1), want, atol=ATOL, rtol=RTOL)
+
+
+def test_q4_k_m_mix_follows_llama_cpp_rules() -> None:
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    plan = mix_plan("q4_k_m", cfg)
+    n = cfg.n_layers
+    assert plan["output.weight"] == Q.Q6_K and plan["token_embd.weight"] == Q.Q4_K
+    for i in range(n):
+        down = plan[f"blk.{i}.ffn_down_exps.weight"]
+        assert down == (Q.Q6_K if use_more_bits(i, n) else Q.Q4_K), i
+        assert plan[f"blk.{i}.ffn_gate_inp.weight"] == Q.F32  # routers stay exact
+        assert plan[f"blk.{i}.ffn_gate_inp_shexp.weight"] == Q.F32
+        assert plan[f"blk.{i}.hc_attn_down.weight"] == Q.F32
+        if cfg.layer_recurrent[i]:
+            assert plan[f"blk.{i}.attn_qkv.weight"] == Q.Q5_K
+            assert plan[f"blk.{i}.ssm_conv1d.weight"] == Q.F32
+    assert [use_more_bits(i, 48) for i in range(9)] == [True] * 6 + [False, False, True]
+    # rows that are not whole 256-weight super-blocks fall back to Q8_0, not whole 32-blocks to F32
+    assert mix_plan("q4_k_m", tiny_config())["blk.0.ffn_gate_exps.weight"] == Q.Q8_0
+    assert mix_plan("q8_0", cfg)["output.weight"] == Q.Q8_0
+    with pytest.raises(WeightsError, match="unknown quantization mix"):
+        mix_plan("q3_k", cfg)
+
+
+def test_q8_0_mix_file_equals_the_same_types_quantized_at_load(tmp_path: Path) -> None:
+    """make-model's q8_0 mix written to GGUF and an HF checkpoint quantized at load (--quantize q8_0) hold the same
+    blocks, so their logits are equal."""
+    cfg = tiny_config(mtp=False)
+    write_model(tmp_path / "m.gguf", cfg, quant="q8_0")
+    write_model(tmp_path / "hf", cfg, fmt="hf")
+    types = {t.name: t.tensor_type for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == Q.F32 and types["blk.0.ffn_down_exps.weight"] == Q.Q8_0
+    a = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    b = load_model(tmp_path / "hf", quantize="q8_0")
+    assert isinstance(b.moe[0].down, QuantWeight)
+    ids = torch.tensor([4, 8, 15, 16, 23, 42])
+    la, lb = (Runner(m, CacheOptions(capacity=16)).step(ids)[0] for m in (a, b))
+    torch.testing.assert_close(la, lb, atol=ATOL, rtol=RTOL)
+    with pytest.raises(WeightsError, match="--quantize applies to HF"):
+        load_model(tmp_path / "m.gguf", quantize="q8_0")
+
+
+def test_k_mix_file_loads_as_k_blocks(tmp_path: Path) -> None:
+    cfg = tiny_config(mtp=False).with_(hidden=256, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "k.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "k.gguf", dequantize_all=False)
+    ref = load_model(tmp_path / "k.gguf", dequantize_all=True)
+    assert isinstance(model.lm_head, QuantWeight) and model.lm_head.qtype == Q.Q6_K
+    ids = torch.tensor([1, 2, 3])
+    a, b = (Runner(m, CacheOptions(capacity=16)).step(ids)[0] for m in (model, ref))
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_progress_goes_to_stderr_when_asked(qfile: tuple[Path, Q], capsys: pytest.CaptureFixture[str]) -> None:
+    _, w = read_gguf(qfile[0], progress=True)
+    err = capsys.readouterr().err
+    n = len([t for t in GGUFReader(qfile[0]).tensors if t.name != "per_layer_token_embd.weight"])
+    assert f"loading {n}/{n} tensors" in err and err.endswith("(100%)\n")
+    assert isinstance(w["per_layer_token_embd.weight"], HostRowTable)
+
+
+def test_make_model_quant_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qspec.cli import main
+
+    p = tmp_path / "m.gguf"
+    assert main(["make-model", str(p), "--vocab-size", "256", "--no-mtp", "--quant", "q8_0"]) == 0
+    types = {t.name: t.tensor_type for t in GGUFReader(p).tensors}
+    assert types["blk.0.ffn_gate_inp.weight"] == Q.F32 and types["blk.0.ffn_up_exps.weight"] == Q.Q8_0
+    assert types["blk.0.hc_attn_down.weight"] == Q.F32 and types["output.weight"] == Q.Q8_0
+    capsys.readouterr()
+    assert main(["make-model", str(tmp_path / "x.gguf"), "--qtype", "q8_0", "--quant", "q8_0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["qspec: error: --qtype and --quant are exclusive"]
+
+
+def test_fused_gate_up_blocks_split_by_rows() -> None:
+    from qspec.weights.gguf_io import _split_fused
+
+    x = torch.randn(3, 2 * 8, 64)
+    q = QuantWeight.from_blocks(quantize_q8_0(x), Q.Q8_0, x.shape)
+    gate, up = _split_fused(q, "gate"), _split_fused(q, "up")
+    assert isinstance(gate, QuantWeight) and gate.shape == (3, 8, 64)
+    assert torch.equal(gate.dequantize(), q.dequantize()[:, :8]) and torch.equal(up.dequantize(), q.dequantize()[:, 8:])
+
+
+def test_device_model_generator_takes_a_quant_mix() -> None:
+    from qspec.bench.device_model import bench_config, device_random_model
+
+    m = device_random_model(bench_config("tiny", vocab_size=512), device="cpu", dtype=torch.float32, quant="q4_0")
+    assert isinstance(m.moe[0].gate, QuantWeight) and m.moe[0].gate.qtype == Q.Q4_0
+    assert isinstance(m.lm_head, QuantWeight) and m.lm_head.qtype == Q.Q8_0  # Q6_K's fallback for 64-wide rows
+    assert "Q4_0 (blocks)" in m.weights_summary
+    assert torch.isfinite(Runner(m, CacheOptions(capacity=16)).step(torch.tensor([1, 2, 3]))[0]).all()
