@@ -1,11 +1,11 @@
 """Fusing the small per-layer math of decode, verify and draft steps with torch.compile.
 
-A decode step of the real geometry is ~1,300 kernels, most of them 2-3 µs elementwise ops (norms,
+A decode step of the real geometry is over a thousand kernels, most of them tiny elementwise ops (norms,
 hyper-connection mixers, routing, RoPE, masks, q8_0 casts); inside a CUDA graph each still costs its
-execution plus ~1 µs of node latency, which is most of the step. `@fused` marks a pure tensor function
+execution plus a node's latency, which is most of the step (BENCHMARKS.md §3, §4). `@fused` marks a pure tensor function
 (the torch reference itself) whose body inductor turns into a few generated kernels, on CUDA, for
 step-sized inputs, when fusion is on. Everything else (prefill, the CPU, row-exact mode) runs the same
-function eagerly (`step_rows`), so the CPU tests check the very code that gets compiled; `scripts/gpu_check.py`
+function eagerly (`step_rows`), so the CPU tests check the very code that gets compiled; `tests/test_gpu_engine.py`
 compares the two on the GPU.
 
 Each function compiles with symbolic sizes (`dynamic=True`): one graph serves every row count above 1

@@ -20,8 +20,8 @@ FEW_TOKENS = 16
 
 # Prefill's routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS kernels on Hopper for bf16, a loop
 # over the groups elsewhere): three launches per layer and no host sync, instead of five launches per expert. The
-# engine's default on a GPU that has the CUTLASS kernels (H200, flash-next 8 layers, 4K prompt: prefill 16,953 against
-# 1,770 tok/s, decode unchanged; benchmarks/results/h200-fn8-prefill-s15.md). A module flag, as kernels/gemv.py's.
+# engine's default on a GPU that has the CUTLASS kernels (prefill many times faster, decode unchanged: BENCHMARKS.md §4,
+# the grouped GEMMs row). A module flag, as kernels/gemv.py's.
 _GROUPED_MM = False
 
 

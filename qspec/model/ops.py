@@ -101,14 +101,14 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 
 # Stacked matrices get zero rows up to a multiple of this: a product's output row stride is the matrix's
-# row count, and cuBLAS picks slow kernels for odd strides (on the H200 a 6-row product with 1,793 rows
-# ran a 15 µs "align1" CUTLASS kernel, one with 324 rows an 8 µs WMMA kernel; profile_step_fn8_s4.txt).
+# row count, and cuBLAS picks slow kernels for odd strides (on the H200 odd row counts ran "align1" CUTLASS and
+# WMMA kernels at several times the time of aligned ones: benchmarks/results/profile_step_fn8_s4.txt).
 ROW_ALIGN = 8
 
 
 def stack_rows(*ws: Weight) -> tuple[Weight, list[Weight]]:
     """One matrix holding the rows of several that multiply the same input (one product instead of several,
-    which matters when each is a 5 µs launch), and views of it in place of the originals, so the
+    which matters when each is a launch of its own), and views of it in place of the originals, so the
     originals can be dropped (no extra memory). Zero rows pad it to a multiple of ROW_ALIGN: callers slice
     the product's columns by the parts' sizes and never read past the last part.
 
