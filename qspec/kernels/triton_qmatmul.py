@@ -448,7 +448,7 @@ def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) ->
     bn, warps = DEQ_CONFIG
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
                                                                 BN=bn, QT=int(qtype), G=g, L=length,
-                                                                num_warps=warps)
+                                                                num_warps=warps, **pdl_launch(raw))
     return y
 
 
