@@ -232,6 +232,24 @@ if HAS_TRITON:
         return wt, offs
 
     @triton.jit
+    def _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+              BN: tl.constexpr, DT: tl.constexpr):
+        """Step kb of BN rows as [BN, 256] weights in DT, their element offsets [256] and which exist [256], by the
+        fastest decoder of the type (32-bit words for Q4_K/Q5_K, 16-bit words for Q6_K, bytes otherwise)."""
+        if QT == 12 or QT == 13:
+            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT)
+            kmask = offs < K
+        elif QT == 14:
+            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, DT)
+            kmask = offs < K
+        else:
+            w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+            w = tl.reshape(w3.to(DT), [BN, 256])
+            offs = tl.reshape(koff, [256])
+            kmask = tl.reshape(kmask3, [256])
+        return w, offs, kmask
+
+    @triton.jit
     def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
                     M: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
                     OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
@@ -247,17 +265,7 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         for kb in range(k_lo, k_hi):
-            if QT == 12 or QT == 13:
-                w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, x_ptr.dtype.element_ty)
-                kmask = offs < K
-            elif QT == 14:
-                w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, x_ptr.dtype.element_ty)
-                kmask = offs < K
-            else:
-                w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
-                w = tl.reshape(w3.to(x_ptr.dtype.element_ty), [BN, 256])
-                offs = tl.reshape(koff, [256])
-                kmask = tl.reshape(kmask3, [256])
+            w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, x_ptr.dtype.element_ty)
             xt = tl.load(x_ptr + im[None, :] * x_m + offs[:, None], mask=(im[None, :] < M) & kmask[:, None],
                          other=0.0)
             acc = dot_acc(w, xt, acc, UPCAST)
@@ -354,17 +362,7 @@ if HAS_TRITON:
         nmask = n < N
         rowb = n.to(tl.int64) * w_n
         kb = tl.program_id(1)
-        if QT == 12 or QT == 13:
-            w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, y_ptr.dtype.element_ty)
-            kmask = offs < K
-        elif QT == 14:
-            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, y_ptr.dtype.element_ty)
-            kmask = offs < K
-        else:
-            w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
-            w = tl.reshape(w3.to(y_ptr.dtype.element_ty), [BN, 256])
-            offs = tl.reshape(koff, [256])
-            kmask = tl.reshape(kmask3, [256])
+        w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, y_ptr.dtype.element_ty)
         out = y_ptr + n.to(tl.int64)[:, None] * y_n + offs[None, :]
         tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
