@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -609,3 +610,25 @@ def test_write_random_model_both_formats(cfg: ModelConfig, tmp_path: Path) -> No
     q4 = gguf.quants.dequantize(gguf.quants.quantize(x.numpy(), Q.Q4_0), Q.Q4_0)
     assert torch.equal(dense(wg["blk.0.attn_gate.weight"]), torch.from_numpy(q4))
     assert torch.equal(wh["blk.0.attn_gate.weight"], x.bfloat16())
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
+def test_copied_tensors_leave_resident_memory(tmp_path: Path) -> None:
+    """A tensor copied out of the reader's mmap gives its file pages back (they count as resident memory while
+    mapped): loading a file must not cost its size again on top of the weights."""
+    from qspec.weights.gguf_io import _drop_pages
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    n = 64 << 20
+    (tmp_path / "f.bin").write_bytes(np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8).tobytes())
+    mm = np.memmap(tmp_path / "f.bin", mode="r")
+    view = mm[4096 + 17:][: n // 2]  # a view of a view, not page-aligned, as GGUFReader's tensors are
+    before = resident()
+    assert int(view.sum()) > 0  # reads its pages in
+    touched = resident()
+    _drop_pages(view)
+    after = resident()
+    assert touched - before > n // 4 and touched - after > n // 4, (before, touched, after)
+    assert int(np.asarray(mm[:4096]).sum()) > 0 and int(view[:10].sum()) >= 0  # still readable from the file

@@ -11,6 +11,7 @@ Everything is validated (names, shapes, quant types, file size) before the first
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import sys
 import warnings
@@ -256,6 +257,21 @@ def _check(path: Path, t: Any, expect: tuple[int, ...], name: str | None = None)
         raise WeightsError(f"{path}: tensor {name!r} has wrong shape: expected {expect}, got {got}")
 
 
+def _drop_pages(a: np.ndarray) -> None:
+    """Let the kernel drop the file pages under `a`, a view of the reader's mmap already copied out. Mapped pages
+    that were read count towards the process's resident memory until unmapped, so without this a load's peak grows
+    by the file's size on top of the weights; the pages are read again from the file if anything touches them."""
+    root = a
+    while isinstance(root.base, np.ndarray):  # views of views: the array that owns the mapping holds it as .base
+        root = root.base
+    mm = root.base
+    if not isinstance(mm, mmap.mmap) or not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = a.ctypes.data - root.ctypes.data + root.offset % mmap.ALLOCATIONGRANULARITY
+    lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, lo, start + a.nbytes - lo)
+
+
 def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
                  packed: bool) -> torch.Tensor | QuantWeight:
     """One file tensor on `device`: as its blocks (`packed` and a type in PACKED_QTYPES) or expanded to `dtype`.
@@ -263,6 +279,7 @@ def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dty
     The bytes pass through host memory once, as one tensor's copy out of the mmap (the load's host peak is the
     largest tensor, never the file)."""
     raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(-1).view(np.uint8)))  # the one host copy
+    _drop_pages(t.data)
     if packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES:
         return QuantWeight.from_blocks(raw.to(device), t.tensor_type, shape)
     return dequantize(raw.to(device), t.tensor_type, shape, dtype)
