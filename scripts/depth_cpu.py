@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qspec.bench.accept import AcceptProfile
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer
 from qspec.model.model import Model
 from qspec.tokenizer import Tokenizer
@@ -63,8 +63,8 @@ def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
 
 def measure(model: Model, prompts: list[list[int]], profile: AcceptProfile, arm_opts: dict[str, dict[str, object]],
             reps: int, gen: int) -> dict[str, object]:
-    engines = {name: Engine(model, EngineOptions(capacity=1024, accept_hook=profile.hook() if kw["draft"] else None,
-                                                 **kw))  # type: ignore[arg-type]
+    engines = {name: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
+                            EngineHooks(accept_hook=profile.hook() if kw["draft"] else None))
                for name, kw in arm_opts.items()}
     for e in engines.values():  # warm-up (the auto engine calibrates its per-depth costs here)
         e.generate(prompts[0], 16)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depth_cpu import code_prompts  # noqa: E402
 
 from qspec.bench.accept import AcceptProfile  # noqa: E402
-from qspec.engine import Engine, EngineOptions  # noqa: E402
+from qspec.engine import Engine, EngineHooks, EngineOptions  # noqa: E402
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer  # noqa: E402
 
 
@@ -49,8 +49,8 @@ def main() -> int:
         prof = AcceptProfile.parse(spec)
         arms = {"plain": {"draft": 0}, **{f"MTP{d}": {"draft": d} for d in (1, 2, 3, 5)},
                 "auto": {"draft": 6, "draft_auto": True}}
-        engines = {n: Engine(model, EngineOptions(capacity=1024, accept_hook=prof.hook() if kw["draft"] else None,
-                                                  **kw)) for n, kw in arms.items()}  # type: ignore[arg-type]
+        engines = {n: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
+                             EngineHooks(accept_hook=prof.hook() if kw["draft"] else None)) for n, kw in arms.items()}
         for e in engines.values():
             e.generate(prompts[0], 32)
         tps: dict[str, list[float]] = {n: [] for n in engines}
