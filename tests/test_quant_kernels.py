@@ -18,9 +18,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.moe_few import sum_slots
+from qspec.kernels.moe_few import expert_ffn, sum_slots
 from qspec.kernels.qmatmul import (
-    qexpert_ffn,
     qexpert_ffn_torch,
     qmatmul,
     qmatmul_op,
@@ -78,8 +77,8 @@ def test_chunked_many_rows_equal_reference(qt: GGMLQuantizationType, monkeypatch
 
 
 def test_qmoe_and_expert_references_agree() -> None:
-    """The gathered fallback of qmoe_few and the per-pair reference; qexpert_ffn against its f32 reference; the slot
-    sum against the expanded experts applied token by token."""
+    """The gathered fallback of qmoe_few and the per-pair reference; expert_ffn over blocks against its f32
+    reference; the slot sum against the expanded experts applied token by token."""
     E, Fd, D, k = 6, 64, 256, 3
     gate, up = qweight(T.Q4_K, (E, Fd, D), 2), qweight(T.Q5_K, (E, Fd, D), 3)
     down = QuantWeight.from_blocks(quantize_q4_0(torch.randn(E, D, Fd)), T.Q4_0, (E, D, Fd))
@@ -93,7 +92,7 @@ def test_qmoe_and_expert_references_agree() -> None:
                    for j, e in enumerate(top_i[t].tolist()))
         assert rel_err(sum_slots(ref)[t], want) <= TOL[torch.float32]
     x = torch.randn(20, D)
-    assert rel_err(qexpert_ffn(x, gate[1], up[1], down[1]), qexpert_ffn_torch(x, gate[1], up[1], down[1])) <= 1e-5
+    assert rel_err(expert_ffn(x, gate[1], up[1], down[1]), qexpert_ffn_torch(x, gate[1], up[1], down[1])) <= 1e-5
 
 
 def test_errors_name_the_problem() -> None:
@@ -190,11 +189,11 @@ def test_interp_qmoe_few(T_: int, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @interp
-def test_interp_qexpert_ffn() -> None:
+def test_interp_block_expert_ffn() -> None:
     gate, up, down = qweight(T.Q6_K, (32, 256), 40), qweight(T.Q6_K, (32, 256), 41), qweight(T.Q8_0, (256, 32), 42)
     for n in (3, 11):  # the mat-vec, then the expanded weights
         x = torch.randn(n, 256)
-        assert rel_err(qexpert_ffn(x, gate, up, down), qexpert_ffn_torch(x, gate, up, down)) <= TOL[torch.float32]
+        assert rel_err(expert_ffn(x, gate, up, down), qexpert_ffn_torch(x, gate, up, down)) <= TOL[torch.float32]
 
 
 # ---- CUDA: the compiled kernels at the real geometry (hidden 2560, experts 640 x 2560, LM head rows) -------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels.qmatmul import qmatmul
 from qspec.kernels.triton_common import use_triton
+from qspec.weights.qweight import QuantWeight
 
 MAX_ROWS = 16
 # 16-bit steps take the grouped kernels (each distinct expert read once for all its rows, tensor cores): on the
@@ -19,8 +21,8 @@ MAX_ROWS = 16
 GROUPED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-           down: torch.Tensor) -> None:
+def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight, up: ExpertWeight,
+           down: ExpertWeight) -> None:
     M, D = h.shape
     E, Fd, D2 = gate.shape
     if D2 != D or up.shape != gate.shape or down.shape != (E, D, Fd):
@@ -30,13 +32,21 @@ def _check(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torc
         raise ValueError(f"routing: top_i {tuple(top_i.shape)} {top_i.dtype}, top_w {tuple(top_w.shape)}")
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert over the rows x: down(silu(gate x) * up x), its matrices [out, in] as stored."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+ExpertWeight = torch.Tensor | QuantWeight
 
 
-def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: torch.Tensor,
-                  up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def _product(x: torch.Tensor, w: ExpertWeight) -> torch.Tensor:
+    return qmatmul(x, w) if isinstance(w, QuantWeight) else F.linear(x, w)
+
+
+def expert_ffn(x: torch.Tensor, gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
+    """One expert over the rows x: down(silu(gate x) * up x), its matrices [out, in] as stored: 16-bit tensors, or
+    GGUF blocks (QuantWeight: each product a kernels/qmatmul.qmatmul, rounded to x.dtype), or a mix of both."""
+    return _product(F.silu(_product(x, gate)) * _product(x, up), down)
+
+
+def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight,
+                  up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
     """Reference (and MoE._per_token, row-exact mode): each (token, expert) pair as its own product, slot outputs
     weighted and summed."""
     _check(h, top_i, top_w, gate, up, down)

@@ -9,7 +9,8 @@ multiplies them with torch.matmul, so no 16-bit copy of a whole matrix ever exis
 reference by the same bounded chunks.
 
 The routed experts: `qmoe_few` (the few-token step, `qspec::qmoe_few`: two Triton launches over all (token, slot)
-pairs on CUDA, mirroring moe_few.moe_slots) and `qexpert_ffn` (one expert over many rows, prefill's loop).
+pairs on CUDA, mirroring moe_few.moe_slots); one expert over many rows (prefill's loop) is moe_few.expert_ffn,
+whose products are `qmatmul`s; `qexpert_ffn_torch` is its f32 reference.
 """
 
 from __future__ import annotations
@@ -113,13 +114,6 @@ def qexpert_ffn_torch(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down:
     xf = x.float()
     act = F.silu(xf @ gate.dequantize().t()) * (xf @ up.dequantize().t())
     return (act @ down.dequantize().t()).to(x.dtype)
-
-
-def qexpert_ffn(x: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> torch.Tensor:
-    """One expert over the rows x [n, D]: down(silu(gate x) * up x) -> [n, D] in x.dtype, gate/up [F, D], down
-    [D, F]. Each product is a `qmatmul` (few rows: the mat-vec; many: the weights expanded by bounded chunks), each
-    rounded to x.dtype as moe_few.expert_ffn rounds its bf16 products."""
-    return qmatmul(F.silu(qmatmul(x, gate)) * qmatmul(x, up), down)
 
 
 def qmoe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,

@@ -7,8 +7,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from qspec.kernels.moe_few import expert_ffn, moe_few_torch, moe_slots, sum_slots
-from qspec.kernels.qmatmul import qmatmul, qmoe_few
+from qspec.kernels.moe_few import ExpertWeight, expert_ffn, moe_few_torch, moe_slots, sum_slots
+from qspec.kernels.qmatmul import qmoe_few
 from qspec.kernels.route import route_top_k
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
@@ -46,22 +46,10 @@ def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate: torch.Tensor, up:
 
 
 # ---- routed experts kept as GGUF blocks --------------------------------------------------------------------------
-# Each product goes through kernels/qmatmul.qmatmul, one expert at a time, so every chosen expert's blocks are read
-# once for all the rows that chose it and never expanded in memory. A few-token step whose three expert matrices are
-# all blocks runs kernels/qmatmul.qmoe_few instead (one launch per projection, no host sync); q_moe_slots is left
-# for a file that keeps some of them in a 16-bit type.
-ExpertWeight = torch.Tensor | QuantWeight
-
-
-def _mm(x: torch.Tensor, w: ExpertWeight) -> torch.Tensor:
-    return qmatmul(x, w) if isinstance(w, QuantWeight) else F.linear(x, w)
-
-
-def q_expert_ffn(x: torch.Tensor, gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
-    """x [n, D] through one expert whose matrices are blocks: down(silu(gate x) * up x) [n, D] (expert_ffn's math)."""
-    return _mm(F.silu(_mm(x, gate)) * _mm(x, up), down)
-
-
+# moe_few.expert_ffn multiplies blocks through kernels/qmatmul.qmatmul, so every chosen expert's blocks are read once
+# for all the rows that chose it and never expanded in memory. A few-token step whose three expert matrices are all
+# blocks runs kernels/qmatmul.qmoe_few instead (one launch per projection, no host sync); q_moe_slots is left for a
+# file that keeps some of them in a 16-bit type.
 def q_moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight, up: ExpertWeight,
                 down: ExpertWeight) -> torch.Tensor:
     """moe_slots for block experts: the weighted slot outputs [T, k, D], each distinct chosen expert run once over
@@ -70,25 +58,8 @@ def q_moe_slots(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate:
     out = h.new_zeros(T, k, h.shape[-1])
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
-        out[tok, slot] = q_expert_ffn(h[tok], gate[e], up[e], down[e]) * top_w[tok, slot, None]
+        out[tok, slot] = expert_ffn(h[tok], gate[e], up[e], down[e]) * top_w[tok, slot, None]
     return out
-
-
-def q_moe_per_token(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: ExpertWeight, up: ExpertWeight,
-                    down: ExpertWeight) -> torch.Tensor:
-    """moe_few_torch for block experts (row-exact mode): each (token, expert) pair its own M=1 product."""
-    rows = []
-    for t, experts in enumerate(top_i.tolist()):
-        x = h[t:t + 1]
-        ys = [q_expert_ffn(x, gate[e], up[e], down[e]) for e in experts]
-        rows.append((torch.cat(ys) * top_w[t, :, None]).sum(0, keepdim=True))
-    return torch.cat(rows)
-
-
-def any_expert_ffn(x: torch.Tensor, gate: ExpertWeight, up: ExpertWeight, down: ExpertWeight) -> torch.Tensor:
-    if any(isinstance(m, QuantWeight) for m in (gate, up, down)):
-        return q_expert_ffn(x, gate, up, down)
-    return expert_ffn(x, gate, up, down)  # type: ignore[arg-type]
 
 
 def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,8 +128,6 @@ class MoE(torch.nn.Module):
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
-        if self.quantized:
-            return q_moe_per_token(h, top_i, top_w, self.gate, self.up, self.down)
         return moe_few_torch(h, top_i, top_w, self.gate, self.up, self.down)
 
     def _grouped(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
@@ -179,7 +148,7 @@ class MoE(torch.nn.Module):
             for e, n in enumerate(counts.tolist()):  # the one host sync
                 if n:
                     xe = x[o:o + n]
-                    ys.append(any_expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
+                    ys.append(expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
                     o += n
             y = torch.cat(ys)
         y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)
@@ -199,7 +168,7 @@ def grouped_moe_reference(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Ten
     for e in torch.unique(top_i).tolist():
         tok, slot = torch.where(top_i == e)
         x = h[tok]
-        y = any_expert_ffn(x, gate[e], up[e], down[e])
+        y = expert_ffn(x, gate[e], up[e], down[e])
         out[tok] += y * top_w[tok, slot, None]  # a token picks an expert at most once
     return out
 
