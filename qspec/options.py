@@ -21,7 +21,7 @@ import math
 import re
 import string
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -312,11 +312,6 @@ def arm_keys(cls: type = EngineOptions) -> dict[str, str]:
     out = {f.name: f.name for f in declared(cls) if f.metadata["flag"]}
     out |= {f.metadata["arm"]: f.name for f in declared(cls) if f.metadata["arm"]}
     return out
-
-
-def default_of(cls: type, name: str) -> Any:
-    f = next(f for f in fields(cls) if f.name == name)
-    return None if f.default is MISSING else f.default
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

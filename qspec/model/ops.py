@@ -165,9 +165,7 @@ def _stack_mixed(ws: Sequence[Weight]) -> tuple[Weight, list[Weight]]:
 
 
 def _row_view(W: torch.Tensor | QuantWeight, start: int, stop: int) -> torch.Tensor | QuantWeight:
-    if isinstance(W, QuantWeight):
-        return QuantWeight(W.raw[start:stop], W.qtype, (stop - start, W.shape[-1]))
-    return W[start:stop]
+    return W.rows(start, stop) if isinstance(W, QuantWeight) else W[start:stop]
 
 
 def embed_rows(table: torch.Tensor | QuantWeight, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
