@@ -201,7 +201,7 @@ def test_run_without_model_uses_the_demo_model(capsys: pytest.CaptureFixture[str
     assert "demo model" in err and "gibberish" not in err
     doc = json.loads(js.read_text())
     assert doc["prompt_tokens"] == len(load_tokenizer(demo_model_path()).encode("def read_lines(path):"))
-    assert out == doc["text"] + "\n" and counters(err)["draft"] == 3
+    assert out == doc["text"] + "\n" and counters(err)["draft"] == 3 and len(doc["tokens"]) >= 1
     assert counters(err)["accepted"] > 0  # the trained head's drafts are accepted
 
 
