@@ -247,8 +247,12 @@ def test_q4_k_m_mix_follows_llama_cpp_rules() -> None:
             assert plan[f"blk.{i}.attn_qkv.weight"] == Q.Q5_K
             assert plan[f"blk.{i}.ssm_conv1d.weight"] == Q.F32
     assert [use_more_bits(i, 48) for i in range(9)] == [True] * 6 + [False, False, True]
-    # rows that are not whole 256-weight super-blocks fall back to Q8_0, not whole 32-blocks to F32
-    assert mix_plan("q4_k_m", tiny_config())["blk.0.ffn_gate_exps.weight"] == Q.Q8_0
+    # rows that are not whole 256-weight super-blocks fall back as llama.cpp's (Q4_K -> Q5_0, Q5_K -> Q5_1,
+    # Q6_K -> Q8_0), not whole 32-blocks to F32
+    tiny = tiny_config()
+    assert mix_plan("q4_k_m", tiny)["blk.0.ffn_gate_exps.weight"] == Q.Q5_0
+    assert mix_plan("q5_k_m", tiny)["blk.1.ffn_gate_exps.weight"] == Q.Q5_1
+    assert mix_plan("q6_k", tiny)["blk.0.ffn_gate_exps.weight"] == Q.Q8_0
     assert mix_plan("q8_0", cfg)["output.weight"] == Q.Q8_0
     with pytest.raises(WeightsError, match="unknown quantization mix"):
         mix_plan("q3_k", cfg)

@@ -162,3 +162,18 @@ def test_q5_1_dequant_matches_gguf() -> None:
     raw[:, 0:4] = rng.standard_normal((40, 2)).astype(np.float16).view(np.uint8)
     got = dequantize(torch.from_numpy(raw), T.Q5_1, (5, 256))
     assert torch.equal(got, gguf_dequant(torch.from_numpy(raw), T.Q5_1, (5, 256)))
+
+
+@pytest.mark.parametrize("qt", [T.Q5_0, T.Q5_1, T.Q4_0])
+def test_torch_32_quantizers_equal_gguf_bytes(qt: GGMLQuantizationType) -> None:
+    """The torch Q5_0/Q5_1/Q4_0 quantizers (they run on the GPU when the benchmark generator makes a Q4_K_M model)
+    write the bytes of the gguf package's transcription of ggml's quantize_row_q*_ref, including constant and
+    all-zero blocks and ties for the largest magnitude."""
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(7))
+    x[0, :32] = 0.0
+    x[1, :32] = 0.25
+    x[2, :32] = torch.linspace(-1, 1, 32)
+    x[3, :2] = torch.tensor([-2.0, 2.0])
+    ours = quantize(x, qt)
+    theirs = torch.from_numpy(gq.quantize(x.numpy(), qt))
+    assert torch.equal(ours, theirs.reshape(ours.shape)), qt.name

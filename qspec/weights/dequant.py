@@ -195,6 +195,31 @@ def _q4_0_blocks(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([d.half().view(torch.uint8), packed], dim=1)
 
 
+def _q5_bits(q: torch.Tensor) -> torch.Tensor:
+    """5-bit codes [B, 32] -> qh (the 5th bits, a little-endian 32-bit word) and qs (low nibbles of j and j + 16)."""
+    hi = (q >> 4).to(torch.int64)
+    qh = (hi << torch.arange(32, device=q.device)).sum(dim=1, keepdim=True)
+    qh_bytes = ((qh >> torch.arange(0, 32, 8, device=q.device)) & 255).to(torch.uint8)
+    lo = q & 15
+    return torch.cat([qh_bytes, lo[:, :16] | (lo[:, 16:] << 4)], dim=1)
+
+
+def _q5_0_blocks(b: torch.Tensor) -> torch.Tensor:
+    mx = b.gather(1, b.abs().argmax(dim=1, keepdim=True))  # signed value of largest magnitude, as ggml
+    d = mx / -16
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(b * inv + 16.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([d.half().view(torch.uint8), _q5_bits(q)], dim=1)
+
+
+def _q5_1_blocks(b: torch.Tensor) -> torch.Tensor:
+    lo = b.amin(dim=1, keepdim=True)
+    d = (b.amax(dim=1, keepdim=True) - lo) / 31
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((b - lo) * inv + 0.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([d.half().view(torch.uint8), lo.half().view(torch.uint8), _q5_bits(q)], dim=1)
+
+
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """Q8_0 bytes for `x` (last dim a multiple of 32), shape [..., last // 32 * 34]; bit-exact with ggml."""
     return _quantize_chunked(x, 32, 34, _q8_0_blocks)
@@ -203,3 +228,13 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
 def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     """Q4_0 bytes for `x` (last dim a multiple of 32), shape [..., last // 32 * 18]; bit-exact with ggml."""
     return _quantize_chunked(x, 32, 18, _q4_0_blocks)
+
+
+def quantize_q5_0(x: torch.Tensor) -> torch.Tensor:
+    """Q5_0 bytes for `x` (last dim a multiple of 32), shape [..., last // 32 * 22]; ggml's rule."""
+    return _quantize_chunked(x, 32, 22, _q5_0_blocks)
+
+
+def quantize_q5_1(x: torch.Tensor) -> torch.Tensor:
+    """Q5_1 bytes for `x` (last dim a multiple of 32), shape [..., last // 32 * 24]; ggml's rule."""
+    return _quantize_chunked(x, 32, 24, _q5_1_blocks)

@@ -5,8 +5,8 @@ file types users download: Q4_K_M and Q5_K_M (Q4_K / Q5_K matrices; the output h
 of the "more bits" layers Q6_K; GDN's fused attn_qkv one step up), Q6_K, Q8_0 and Q4_0 (the output head Q6_K, as
 llama.cpp does for every type below Q8_0). Never quantized, as in llama.cpp: 1-D tensors, the routers
 (`ffn_gate_inp`), convolution kernels; and here also the hyper-connection mixers (small, and read by 16-bit
-kernels). Rows that are not whole 256-weight super-blocks fall back to Q8_0 (llama.cpp falls back to
-Q5_0/Q5_1/Q8_0; Q8_0 keeps the tensor packed on the device) and rows that are not whole 32-weight blocks to F32.
+kernels). Rows that are not whole 256-weight super-blocks (the experts' 640-wide down projections) fall back as
+llama.cpp's do: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; rows that are not whole 32-weight blocks to F32.
 
 Loading: `keep_packed` says which tensors of a packed type stay as blocks (`QuantWeight`); the rest are expanded.
 """
@@ -47,9 +47,13 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+# llama.cpp's fallback for a K-quant tensor whose rows are not whole super-blocks
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
 def _fits(q: Q, k: int) -> Q:
     if q in _K_TYPES and k % GGML_QUANT_SIZES[q][0]:
-        q = Q.Q8_0
+        q = _K_FALLBACK[q]
     if k % GGML_QUANT_SIZES[q][0]:
         return Q.F32
     return q

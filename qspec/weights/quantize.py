@@ -1,6 +1,7 @@
 """Block quantizers for the GGUF types qspec keeps packed: `quantize(x, qtype)` -> ggml's bytes.
 
-Q8_0 and Q4_0 are dequant.py's (bit-exact with ggml); Q4_1, Q5_0 and Q5_1 the gguf package's. Q4_K, Q5_K and
+Q8_0, Q4_0, Q5_0 and Q5_1 are dequant.py's (ggml's rules, in torch, so they run on the GPU); Q4_1 the gguf
+package's. Q4_K, Q5_K and
 Q6_K are written here: the gguf package quantizes only the 32-element types, and qspec needs K-quant files of the
 full geometry for its tests and benchmarks. The bytes follow llama.cpp's block structs (block_q4_K, block_q5_K,
 block_q6_K in ggml-common.h), so the gguf package's dequantizer, dequant.dequantize and llama.cpp all read them back
@@ -22,7 +23,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from qspec.weights.dequant import QK_K, WeightsError, _roundf, quantize_q4_0, quantize_q8_0
+from qspec.weights.dequant import (
+    QK_K,
+    WeightsError,
+    _roundf,
+    quantize_q4_0,
+    quantize_q5_0,
+    quantize_q5_1,
+    quantize_q8_0,
+)
 
 # Super-blocks per step: the K-quant search holds ~30 float temporaries per weight, so a step stays ~0.5 GiB.
 _CHUNK_SUPER = 1 << 14
@@ -128,10 +137,12 @@ _K_BLOCKS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = 
     GGMLQuantizationType.Q5_K: _q5_k_blocks,
     GGMLQuantizationType.Q6_K: _q6_k_blocks,
 }
-# The other 32-weight types through the gguf package's numpy quantizers (on the CPU; the result moves to x's device).
-_GGUF_QUANTIZED = frozenset({GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1})
-QUANTIZERS: frozenset[GGMLQuantizationType] = frozenset(_K_BLOCKS) | _GGUF_QUANTIZED | {
-    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0}
+# The 32-weight types in torch (on x's device)
+_TORCH_32 = {GGMLQuantizationType.Q8_0: quantize_q8_0, GGMLQuantizationType.Q4_0: quantize_q4_0,
+             GGMLQuantizationType.Q5_0: quantize_q5_0, GGMLQuantizationType.Q5_1: quantize_q5_1}
+# Q4_1 through the gguf package's numpy quantizer (on the CPU; the result moves to x's device)
+_GGUF_QUANTIZED = frozenset({GGMLQuantizationType.Q4_1})
+QUANTIZERS: frozenset[GGMLQuantizationType] = frozenset(_K_BLOCKS) | _GGUF_QUANTIZED | frozenset(_TORCH_32)
 
 
 def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.Tensor:
@@ -139,17 +150,15 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.
     value or its name): uint8 [..., last // block * block_bytes], on x's device. Each row is whole blocks, as
     QuantWeight.from_blocks and the GGUF writer take them."""
     qt = _qtype(qtype)
-    if qt == GGMLQuantizationType.Q8_0:
-        return quantize_q8_0(x)
-    if qt == GGMLQuantizationType.Q4_0:
-        return quantize_q4_0(x)
-    if qt in _GGUF_QUANTIZED:
-        return _gguf_quantize(x, qt)
-    if qt not in _K_BLOCKS:
+    if qt not in QUANTIZERS:
         raise WeightsError(f"no quantizer for {qt.name} (quantizers: {', '.join(sorted(q.name for q in QUANTIZERS))})")
     block, size = GGML_QUANT_SIZES[qt]
     if x.dim() == 0 or x.shape[-1] % block:
         raise WeightsError(f"{qt.name}: row length {tuple(x.shape)[-1:]} is not a multiple of the block size {block}")
+    if qt in _TORCH_32:
+        return _TORCH_32[qt](x)
+    if qt in _GGUF_QUANTIZED:
+        return _gguf_quantize(x, qt)
     if not x.is_floating_point():
         raise WeightsError(f"{qt.name}: quantize takes a float tensor, got {x.dtype}")
     b = x.detach().reshape(-1, block)
@@ -162,8 +171,6 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.
 
 def _gguf_quantize(x: torch.Tensor, qt: GGMLQuantizationType) -> torch.Tensor:
     block, size = GGML_QUANT_SIZES[qt]
-    if x.dim() == 0 or x.shape[-1] % block:
-        raise WeightsError(f"{qt.name}: row length {tuple(x.shape)[-1:]} is not a multiple of the block size {block}")
     raw = gq.quantize(np.ascontiguousarray(x.detach().float().cpu().numpy()), qt)
     return torch.from_numpy(raw).to(x.device).reshape(*x.shape[:-1], x.shape[-1] // block * size)
 
