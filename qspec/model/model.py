@@ -27,6 +27,7 @@ from qspec.state.indexer_cache import IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 from qspec.weights.qweight import QuantWeight
+from qspec.weights.traffic import step_bytes
 
 # An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
 DEVICE_TABLE_MAX_BYTES = 8 << 30
@@ -123,6 +124,7 @@ class Model(torch.nn.Module):
         if any(m.quantized and not m.blocks_only for m in moes):
             self.graph_safe = False
         self.weights_summary = ""  # what the loader kept in which format (loader.load_model fills it in)
+        self.step_bytes = step_bytes(w, cfg)  # weight bytes a one-token step reads (bandwidth limits)
 
     # ---- caches ----------------------------------------------------------------------------------
     def new_cache(self, opts: CacheOptions) -> ModelCache:
