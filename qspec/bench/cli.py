@@ -71,7 +71,7 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
                   layers: int | None = None, experts: int | None = None, vocab: int | None = None,
                   device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
                   ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
-                  quant: str | None = None) -> tuple[Model, Any | None, dict[str, Any]]:
+                  quant: str | None = None, progress: bool = False) -> tuple[Model, Any | None, dict[str, Any]]:
     """(model, tokenizer or None, description for the result file) from a Model, a path, or a preset."""
     t0 = time.perf_counter()
     if isinstance(model, Model):
@@ -86,7 +86,7 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         cfg = bench_config(preset, layers=layers, experts=experts, vocab_size=vocab, ngram_vocab_base=ngram_vocab_base)
-        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed, quant=quant)
+        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed, quant=quant, progress=progress)
         kind = f"{quant.upper()} mix" if quant else "16-bit"
         info = {"name": f"{preset} preset, {cfg.n_layers} layers, {cfg.n_experts} experts, {kind}",
                 "source": "preset", "preset": preset, "quant": quant,
@@ -162,7 +162,7 @@ def _run(benchmark: str, prompt_tokens: list[int], gen_tokens: int, reps: int, *
     _plot_possible(plot_out)  # warn now, not after the runs
     m, tok, info = prepare_model(model, preset=preset, layers=layers, experts=experts, vocab=vocab, device=device,
                                  dtype=dtype, seed=seed, ngram_vocab_base=ngram_vocab_base, tokenizer=tokenizer,
-                                 quant=quant)
+                                 quant=quant, progress=progress)
     # the JSON is rewritten after every run (complete: false) so a time-limit kill keeps the measured runs
     save = (lambda partial: write_json(partial | {"files": {"json": str(json_out)}}, json_out)) if json_out else None
     result = run_protocol(m, tok, proto, model_info=info, progress=progress, checkpoint=save)

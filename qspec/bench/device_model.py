@@ -14,6 +14,8 @@ held in a `DeviceRowTable` on the device.
 from __future__ import annotations
 
 import math
+import sys
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -89,37 +91,40 @@ def device_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, device
 
 
 def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                          seed: int = 0, quant: str | None = None) -> dict[str, Any]:
+                          seed: int = 0, quant: str | None = None, progress: bool = False) -> dict[str, Any]:
     """Every canonical tensor of `cfg` on `device` in `dtype`; the n-gram table as a DeviceRowTable.
 
     `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0): the matrices a GGUF of that llama.cpp file type
     holds as blocks become `QuantWeight`s of their types, quantized on the device as each tensor is drawn (one
-    16-bit tensor at a time), as a loaded GGUF of that type would hold them."""
+    16-bit tensor at a time), as a loaded GGUF of that type would hold them. `progress`: counts on stderr."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
     plan = mix_plan(quant, cfg) if quant is not None else {}
     w: dict[str, Any] = {}
-    for name, shape in tensor_shapes(cfg).items():
+    shapes = tensor_shapes(cfg)
+    t0 = time.perf_counter()
+    for i, (name, shape) in enumerate(shapes.items()):
         t = device_tensor(cfg, name, shape, device=dev, dtype=dtype, seed=seed)
         q = plan.get(name, GGMLQuantizationType.F32)
         if name == PLE_TABLE:
             w[name] = DeviceRowTable(t)
         elif q in PACKED_QTYPES and keep_packed(name):
-            # expert by expert: the quantizer's f32 scratch stays one matrix
-            raw = torch.stack([quantize_blocks(m, q) for m in t]) if t.dim() == 3 else quantize_blocks(t, q)
-            w[name] = QuantWeight.from_blocks(raw, q, shape)
+            w[name] = QuantWeight.from_blocks(quantize_blocks(t, q), q, shape)  # the quantizer works by chunks
             del t
         else:
             w[name] = t
+        if progress and (i + 1) % 64 == 0 or i + 1 == len(shapes):
+            print(f"qspec: generated {i + 1}/{len(shapes)} tensors in {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
     return w
 
 
 def device_random_model(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                        seed: int = 0, quant: str | None = None) -> Model:
+                        seed: int = 0, quant: str | None = None, progress: bool = False) -> Model:
     """A `Model` of random weights built on `device` (nothing of model size touches host memory); `quant`: see
     `device_random_weights`."""
-    w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant)
+    w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant, progress=progress)
     model = Model(cfg, w)
     model.weights_summary = weights_summary(w)
     return model

@@ -164,8 +164,9 @@ def quantize(x: torch.Tensor, qtype: GGMLQuantizationType | int | str) -> torch.
     b = x.detach().reshape(-1, block)
     out = torch.empty(b.shape[0], size, dtype=torch.uint8, device=x.device)
     fn = _K_BLOCKS[qt]
-    for i in range(0, b.shape[0], _CHUNK_SUPER):
-        out[i:i + _CHUNK_SUPER] = fn(b[i:i + _CHUNK_SUPER].float())
+    step = _CHUNK_SUPER * (8 if x.is_cuda else 1)  # 4 GiB of scratch is small on a GPU, and launches fewer kernels
+    for i in range(0, b.shape[0], step):
+        out[i:i + step] = fn(b[i:i + step].float())
     return out.reshape(*x.shape[:-1], x.shape[-1] // block * size)
 
 
