@@ -1,0 +1,410 @@
+"""Triton kernels of the int8-activation products with GGUF blocks (llama.cpp's "mmvq"); references in qdot.py.
+
+x rows are first quantized per 32 elements (`_quant_x_kernel`: int8 q stored as 32-bit words [M, K/4], f32 d and
+s = d * sum(q) [M, K/32]); the weights are then read as 32-bit words of four byte-sized integers and multiplied with
+x's words by `dp4a` (four int8 multiply-adds in one instruction), so a weight costs a fraction of an instruction
+instead of the 5-10 f32 operations of the expansion in triton_qmatmul.py. Integer sums per 32 weights (Q6_K: 16)
+are exact; the f32 scale math runs once per sub-block (qdot.py's docstring has the formulas).
+
+Word layouts (a word of the weights pairs with the x word of the same four elements):
+- Q4_K / Q5_K (144 / 176-byte blocks, rows whole 32-bit words): qs word w of 32-byte chunk c holds in its low
+  nibbles elements 4w..4w+3 of sub-block 2c and in its high nibbles those of sub-block 2c+1; Q5_K's 5th bits are
+  bit j of qh word w's bytes for sub-block j. A super-block step is [BN, 4, 8] words.
+- Q6_K (210 bytes, 2-byte aligned: words from two 16-bit loads): ql word (h, tt, w) gives in its low nibbles
+  elements h*128 + 32*tt + 4w.. and in its high ones those at + 64; qh word (h, w) the two high bits of each at
+  bit 2t of its bytes. q - 32 becomes signed bytes by (q + 0x60) ^ 0x80 per byte (no carries between bytes).
+- Q8_0 / Q4_0 / Q5_0 (34 / 18 / 22-byte blocks, 2-byte aligned): a step is 8 blocks; Q8_0's 8 words per block are
+  signed bytes; Q4_0/Q5_0's 4 words give elements 4w.. (low nibbles) and 16 + 4w.. (high); Q5_0's 4-bit groups of
+  qh are spread to bit 4 of four bytes by one multiply (the shifted copies do not overlap, so nothing carries).
+
+`_qdot_rows` walks K for BN weight rows and M <= 16 x rows: each step's weight words are decoded once, then every x
+row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes one row
+at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row blocks leave
+SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
+`_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
+
+dp4a is PTX (`tl.inline_asm_elementwise`); the interpreter runs no PTX, so there (and on the GPU with DP4A_ASM off,
+for A/B runs and debugging) `_dp4a` computes the same sum byte by byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
+
+DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
+MAX_ROWS = 16
+# (rows per program, warps, programs wanted per SM) of the product; the GPU benchmark (qspec/bench/qkernels.py,
+# --qdot-sweep) times others. K splits into shares when the row blocks alone give fewer programs than wanted.
+QDOT_CONFIG = (32, 4, 4)
+QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
+QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import pdl_start, round_to
+
+    @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of a's four bytes with b's, both signed int8 (the weights' bytes here are either
+        below 128 or meant signed, so one signedness serves every type)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            for k in tl.static_range(4):
+                c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+            return c
+
+    @triton.jit
+    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row m, block chunk): per 32 elements q = floor(x * (127 / amax) + 0.5), d = amax / 127 and
+        s = d * sum(q) (launched without FMA fusion: qdot.quantize_x_torch's roundings)."""
+        pdl_start(PDL)
+        m = tl.program_id(0)
+        b = tl.program_id(1) * BB + tl.arange(0, BB)
+        i = tl.arange(0, 32)
+        bmask = b < KB
+        x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
+        d = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+        tl.store(d_ptr + m * KB + b, d, mask=bmask)
+        tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
+
+    @triton.jit
+    def _w16(wi_ptr, hoff, mask):
+        """The 32-bit word at 2-byte-aligned halfword offset hoff, from two 16-bit loads."""
+        lo = tl.load(wi_ptr + hoff, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(wi_ptr + hoff + 1, mask=mask, other=0).to(tl.int32)
+        return (lo & 0xFFFF) | (hi << 16)
+
+    @triton.jit
+    def _byte(word, j):
+        return (word >> (8 * j)) & 0xFF
+
+    @triton.jit
+    def _i8(b):
+        """A byte 0..255 read as int8."""
+        return b - ((b >> 7) << 8)
+
+    @triton.jit
+    def _add_row(acc, p, m, MP: tl.constexpr):
+        """acc [MP, BN] with p [BN] added to row m."""
+        im = tl.arange(0, MP)[:, None]
+        return tl.where(im == m, acc + p[None, :], acc)
+
+    @triton.jit
+    def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
+        """Q4_K/Q5_K: (d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S of the super-blocks at byte
+        offsets base; the 12 scale bytes are words 1..3 of the block."""
+        j = 2 * tl.arange(0, 4)[None, :] + S
+        w0 = (base // 4)[:, None]
+        m2 = nmask[:, None]
+        a = _byte(tl.load(ww_ptr + w0 + 1, mask=m2, other=0), j % 4)
+        b = _byte(tl.load(ww_ptr + w0 + 2, mask=m2, other=0), j % 4)
+        e = _byte(tl.load(ww_ptr + w0 + 3, mask=m2, other=0), j % 4)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = tl.load(wh_ptr + base // 2, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        dmin = tl.load(wh_ptr + base // 2 + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        return d * sc, dmin * mn
+
+    @triton.jit
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K / Q5_K super-block kb of BN rows, for every x row."""
+        c = tl.arange(0, 4)[None, :, None]
+        w = tl.arange(0, 8)[None, None, :]
+        m3 = nmask[:, None, None]
+        base = rowb + kb * (144 if QT == 12 else 176)
+        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + w, mask=m3,
+                        other=0)
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + w, mask=m3, other=0)
+            lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
+            hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+        dsl, dml = _k45_scales(wh_ptr, ww_ptr, base, nmask, 0)
+        dsh, dmh = _k45_scales(wh_ptr, ww_ptr, base, nmask, 1)
+        c2 = tl.arange(0, 4)[None, :]
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + w  # x words of sub-block 2c; + 8: of 2c + 1
+            il = tl.sum(_dp4a(lo, tl.load(xw), tl.zeros_like(lo), ASM), axis=2).to(tl.float32)
+            ih = tl.sum(_dp4a(hi, tl.load(xw + 8), tl.zeros_like(hi), ASM), axis=2).to(tl.float32)
+            xb = m * xd_m + kb * 8 + 2 * c2
+            t = (dsl * (tl.load(xd_ptr + xb) * il) - dml * tl.load(xs_ptr + xb)
+                 + (dsh * (tl.load(xd_ptr + xb + 1) * ih) - dmh * tl.load(xs_ptr + xb + 1)))
+            acc = _add_row(acc, tl.sum(t, axis=1), m, MP)
+        return acc
+
+    @triton.jit
+    def _q6_signed(ql, qh, NIB: tl.constexpr, tt):
+        """Q6_K bytes q - 32 as signed bytes: low (NIB 0) or high (NIB 1) nibbles of ql, bit pair 2t of qh."""
+        q = ((ql >> (4 * NIB)) & 0x0F0F0F0F) | (((qh >> (2 * tt + 4 * NIB)) & 0x03030303) << 4)
+        return (q + 0x60606060) ^ -0x7F7F7F80  # ^ 0x80808080
+
+    @triton.jit
+    def _q6_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
+                 M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
+        """Q6_K super-block kb of BN rows, for every x row. Axes (h, tt, g, w): word 4g + w of the 8 in a 32-weight
+        run; group g of 16 weights."""
+        h = tl.arange(0, 2)[None, :, None, None, None]
+        tt = tl.arange(0, 2)[None, None, :, None, None]
+        g = tl.arange(0, 2)[None, None, None, :, None]
+        w = tl.arange(0, 4)[None, None, None, None, :]
+        m5 = nmask[:, None, None, None, None]
+        base = rowb + kb * 210
+        hb = (base // 2)[:, None, None, None, None]
+        ql = _w16(wi_ptr, hb + h * 32 + tt * 16 + (4 * g + w) * 2, m5)
+        qh = _w16(wi_ptr, hb + 64 + h * 16 + (4 * g + w) * 2, m5)
+        qa = _q6_signed(ql, qh, 0, tt)  # t = tt
+        qb = _q6_signed(ql, qh, 1, tt)  # t = tt + 2
+        h4 = tl.arange(0, 2)[None, :, None, None]
+        tt4 = tl.arange(0, 2)[None, None, :, None]
+        g4 = tl.arange(0, 2)[None, None, None, :]
+        sb = base[:, None, None, None] + 192 + h4 * 8 + 2 * tt4 + g4
+        m4 = nmask[:, None, None, None]
+        sca = _i8(tl.load(wb_ptr + sb, mask=m4, other=0).to(tl.int32))
+        scb = _i8(tl.load(wb_ptr + sb + 4, mask=m4, other=0).to(tl.int32))
+        d = tl.load(wh_ptr + base // 2 + 104, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
+        h3 = tl.arange(0, 2)[None, :, None]
+        tt3 = tl.arange(0, 2)[None, None, :]
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + kb * 64 + h * 32 + tt * 8 + 4 * g + w
+            ia = tl.sum(sca * tl.sum(_dp4a(qa, tl.load(xw), tl.zeros_like(qa), ASM), axis=4), axis=3)
+            ib = tl.sum(scb * tl.sum(_dp4a(qb, tl.load(xw + 16), tl.zeros_like(qb), ASM), axis=4), axis=3)
+            xb = m * xd_m + kb * 8 + h3 * 4 + tt3
+            t = d * (tl.load(xd_ptr + xb) * ia.to(tl.float32)) + d * (tl.load(xd_ptr + xb + 2) * ib.to(tl.float32))
+            acc = _add_row(acc, tl.sum(tl.sum(t, axis=2), axis=1), m, MP)
+        return acc
+
+    @triton.jit
+    def _spread5(v):
+        """Bits 0..3 of v to bit 4 of bytes 0..3 (v * 0x2040810 puts copies of v at 4, 11, 18, 25: disjoint)."""
+        return ((v & 15) * 0x2040810) & 0x10101010
+
+    @triton.jit
+    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows, for every x row."""
+        W: tl.constexpr = 8 if QT == 8 else 4  # words per block
+        bs: tl.constexpr = 34 if QT == 8 else (18 if QT == 2 else 22)
+        g = tl.arange(0, 8)[None, :, None]
+        w = tl.arange(0, W)[None, None, :]
+        g2 = tl.arange(0, 8)[None, :]
+        blk = kb * 8 + g2  # [1, 8]
+        m2 = nmask[:, None] & (blk < K // 32)
+        m3 = m2[:, :, None]
+        hb = (rowb[:, None] + blk * bs) // 2  # [BN, 8] halfword offset of each block
+        d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
+        qs_at: tl.constexpr = 1 if QT != 6 else 3  # halfwords
+        words = _w16(wi_ptr, hb[:, :, None] + qs_at + 2 * w, m3)
+        if QT != 8:
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
+            if QT == 6:
+                qh = _w16(wi_ptr, hb[:, :, None] + 1, m3)
+                lo = lo | _spread5(qh >> (4 * w))
+                hi = hi | _spread5(qh >> (16 + 4 * w))
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + (kb * 8 + g) * 8 + w
+            xmask = (kb * 8 + g) < K // 32
+            xb = m * xd_m + blk
+            if QT == 8:
+                isum = tl.sum(_dp4a(words, tl.load(xw, mask=xmask, other=0), tl.zeros_like(words), ASM), axis=2)
+                t = d * (tl.load(xd_ptr + xb, mask=blk < K // 32, other=0.0) * isum.to(tl.float32))
+            else:
+                isum = _dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
+                isum = tl.sum(_dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=2)
+                dx = tl.load(xd_ptr + xb, mask=blk < K // 32, other=0.0)
+                sx = tl.load(xs_ptr + xb, mask=blk < K // 32, other=0.0)
+                t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
+            acc = _add_row(acc, tl.sum(t, axis=1), m, MP)
+        return acc
+
+    @triton.jit
+    def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K, kb_lo, kb_hi,
+                   M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s; strides x_m, xd_m) times the BN weight rows at byte
+        offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1."""
+        acc = tl.zeros([MP, BN], dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            if QT == 12 or QT == 13:
+                acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
+                                ASM)
+            elif QT == 14:
+                acc = _q6_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb, M,
+                               MP, ASM)
+            else:
+                acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP,
+                                QT, ASM)
+        return acc
+
+    @triton.jit
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s, y_m,
+                        M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+                        OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
+        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        k_lo = tl.program_id(1) * STEPS
+        k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+        acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, K // 4, K // 32, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM)
+        im = tl.arange(0, MP)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _sum_parts_kernel(p_ptr, y_ptr, S, total, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        """y = the sum of the S partial sums p [S, total], added in split order (the same for any row count)."""
+        pdl_start(PDL)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
+        tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr, ui_ptr,
+                             uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
+                             QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+        """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
+        e = top_i[t, j]."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
+        f = tl.program_id(0) * BN + tl.arange(0, BN)
+        fmask = f < F
+        xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
+        steps = tl.cdiv(D, 256)
+        g = _qdot_rows(xq, xd, xs, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 0,
+                       steps, 1, 1, BN, QG, ASM)
+        u = _qdot_rows(xq, xd, xs, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 0,
+                       steps, 1, 1, BN, QU, ASM)
+        a = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+
+    @triton.jit
+    def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F, KS,
+                          ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
+                          OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
+        dd = tl.program_id(0) * BN + tl.arange(0, BN)
+        dmask = dd < D
+        acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32), 0, 0,
+                         db_ptr, dh_ptr, di_ptr, dw_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0,
+                         tl.cdiv(F, 256), 1, 1, BN, QD, ASM)
+        tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
+                 mask=dmask[None, :])
+
+
+def _asm() -> bool:
+    return DP4A_ASM and not INTERPRET
+
+
+def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
+    s [M, K/32] f32), as qdot.quantize_x_torch."""
+    M, K = x.shape
+    if K % 32 or x.stride(1) != 1:
+        raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
+    KB = K // 32
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    bb = min(QUANT_BLOCKS, next_pow2(KB))
+    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, x.stride(0), KB, BB=bb, num_warps=4,
+                                              enable_fp_fusion=False, **pdl_launch(x))
+    return q.view(torch.int32), d, s
+
+
+def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bytes and their f16, int16 and (rows of whole 32-bit words) int32 views, one storage."""
+    wi = raw.view(torch.int16)
+    return raw, raw.view(torch.float16), wi, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wi
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+
+
+def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, int]:
+    """(splits, steps per split) of K: depends on the matrix and the GPU only, never on the row count."""
+    steps = triton.cdiv(k, 256)
+    blocks = triton.cdiv(n, bn)
+    want = per_sm * _sm_count(x)
+    split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
+    share = triton.cdiv(steps, split)
+    return triton.cdiv(steps, share), share
+
+
+def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+                       config: tuple[int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, last dim contiguous) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
+    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: (rows per program, warps,
+    programs wanted per SM); asm: dp4a by PTX (default DP4A_ASM off the interpreter)."""
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or K % 32:
+        raise ValueError(f"qdot_matmul: x {tuple(x.shape)}, raw {tuple(raw.shape)}, N {n}")
+    xq, xd, xs = quantize_x_triton(x if x.stride(1) == 1 else x.contiguous())
+    bn, warps, per_sm = config or QDOT_CONFIG
+    split, share = _split(n, K, bn, per_sm, x)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+    wb, wh, wi, ww = _views(raw)
+    _qdot_mv_kernel[(triton.cdiv(n, bn), split)](
+        xq, xd, xs, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
+        out.stride(-2), M=M, MP=next_pow2(M), BN=bn, QT=int(qtype), ASM=_asm() if asm is None else asm,
+        OUT_DT=tl_dtype(x.dtype) if split == 1 else tl.float32, num_warps=warps, **pdl_launch(x))
+    if split > 1:
+        block = 1024
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, BLOCK=block,
+                                                         OUT_DT=tl_dtype(x.dtype), num_warps=4, **pdl_launch(x))
+    return y
+
+
+def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
+                        up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
+                        config: tuple[int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+    """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
+    as (raw [E, rows, row_bytes], qtype). Four launches: quantize h, gate/up, quantize the f32 act, down."""
+    (gr, gq), (ur, uq), (dr, dq) = gate, up, down
+    T_, D = h.shape
+    k = top_i.shape[1]
+    F = gr.shape[1]
+    bn, warps = config or QDOT_MOE_CONFIG
+    use_asm = _asm() if asm is None else asm
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()
+    hq, hd, hs = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
+    y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
+    gb, gh, gi, gw = _views(gr)
+    ub, uh, ui, uw = _views(ur)
+    db, dh, di, dw = _views(dr)
+    _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
+        hq, hd, hs, top_i, gb, gh, gi, gw, ub, uh, ui, uw, act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
+        ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), QU=int(uq), ASM=use_asm, num_warps=warps, **pdl_launch(h))
+    aq, ad, as_ = quantize_x_triton(act)
+    _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
+        aq, ad, as_, top_i, top_w, db, dh, di, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0),
+        dr.stride(1), BN=bn, QD=int(dq), ASM=use_asm, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
+    return y
