@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.q4 import quantize_q8_torch
 from qspec.weights.dequant import _k_low_nibbles, _k_scale_min, nibbles
 
 T = GGMLQuantizationType
@@ -36,9 +35,18 @@ _OFFSET = {T.Q4_0: 8.0, T.Q5_0: 16.0}  # the stored integer minus this is the we
 
 
 def quantize_x_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], f32 d [M, K/32], f32 s = d * sum(q) [M, K/32])."""
-    q, d, sums = quantize_q8_torch(x)
-    return q, d, d * sums.float()
+    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], f32 d [M, K/32], f32 s = d * sum(q) [M, K/32]):
+    q = floor(x * (127 / amax) + 0.5), d = amax / 127. Both divisions are tensor by tensor: torch computes a scalar
+    divided by a tensor, and on CUDA a tensor divided by a scalar, through a reciprocal, which the kernel's
+    correctly rounded division would not match."""
+    M, K = x.shape
+    xb = x.float().reshape(M, K // 32, 32)
+    amax = xb.abs().amax(-1)
+    c127 = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, c127), torch.zeros_like(amax))
+    q = torch.floor(xb * inv[..., None] + 0.5).clamp(-127, 127)
+    d = amax / c127
+    return q.to(torch.int8).reshape(M, K), d, d * q.sum(-1)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
