@@ -94,6 +94,12 @@ if HAS_TRITON:
         return b - ((b >> 7) << 8)
 
     @triton.jit
+    def _add_col(acc, t, m, MP: tl.constexpr):
+        """acc [BN, C, MP] with t [BN, C] added to column m."""
+        im = tl.arange(0, MP)[None, None, :]
+        return tl.where(im == m, acc + t[:, :, None], acc)
+
+    @triton.jit
     def _add_row(acc, p, m, MP: tl.constexpr):
         """acc [MP, BN] with p [BN] added to row m."""
         im = tl.arange(0, MP)[:, None]
@@ -116,32 +122,45 @@ if HAS_TRITON:
         return d * sc, dmin * mn
 
     @triton.jit
-    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
-                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q4_K / Q5_K super-block kb of BN rows, for every x row."""
+    def _k45_nibbles(ww_ptr, base, nmask, WO: tl.constexpr, QT: tl.constexpr):
+        """Q4_K/Q5_K: words WO..WO+3 of each 32-byte chunk c of the super-blocks at byte offsets base [BN] ->
+        (low, high) nibble words [BN, 4, 4] (sub-blocks 2c and 2c + 1), 5th bits OR-ed in for Q5_K."""
         c = tl.arange(0, 4)[None, :, None]
-        w = tl.arange(0, 8)[None, None, :]
+        v = tl.arange(0, 4)[None, None, :]
         m3 = nmask[:, None, None]
-        base = rowb + kb * (144 if QT == 12 else 176)
-        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + w, mask=m3,
+        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
                         other=0)
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
-            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + w, mask=m3, other=0)
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + WO + v, mask=m3, other=0)
             lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
             hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+        return lo, hi
+
+    @triton.jit
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
+        over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
+        need no exchange between threads."""
+        base = rowb + kb * (144 if QT == 12 else 176)
+        lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
+        lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
         dsl, dml = _k45_scales(wh_ptr, ww_ptr, base, nmask, 0)
         dsh, dmh = _k45_scales(wh_ptr, ww_ptr, base, nmask, 1)
+        c = tl.arange(0, 4)[None, :, None]
+        v = tl.arange(0, 4)[None, None, :]
         c2 = tl.arange(0, 4)[None, :]
         for m in tl.static_range(M):
-            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + w  # x words of sub-block 2c; + 8: of 2c + 1
-            il = tl.sum(_dp4a(lo, tl.load(xw), tl.zeros_like(lo), ASM), axis=2).to(tl.float32)
-            ih = tl.sum(_dp4a(hi, tl.load(xw + 8), tl.zeros_like(hi), ASM), axis=2).to(tl.float32)
+            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + v  # x words of sub-block 2c; + 8: of 2c + 1
+            il = _dp4a(lo_b, tl.load(xw + 4), _dp4a(lo_a, tl.load(xw), tl.zeros_like(lo_a), ASM), ASM)
+            ih = _dp4a(hi_b, tl.load(xw + 12), _dp4a(hi_a, tl.load(xw + 8), tl.zeros_like(hi_a), ASM), ASM)
             xb = m * xd_m + kb * 8 + 2 * c2
-            t = (dsl * (tl.load(xd_ptr + xb) * il) - dml * tl.load(xs_ptr + xb)
-                 + (dsh * (tl.load(xd_ptr + xb + 1) * ih) - dmh * tl.load(xs_ptr + xb + 1)))
-            acc = _add_row(acc, tl.sum(t, axis=1), m, MP)
+            t = (dsl * (tl.load(xd_ptr + xb) * tl.sum(il, axis=2).to(tl.float32)) - dml * tl.load(xs_ptr + xb)
+                 + (dsh * (tl.load(xd_ptr + xb + 1) * tl.sum(ih, axis=2).to(tl.float32))
+                    - dmh * tl.load(xs_ptr + xb + 1)))
+            acc = _add_col(acc, t, m, MP)
         return acc
 
     @triton.jit
@@ -234,12 +253,15 @@ if HAS_TRITON:
                    M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s; strides x_m, xd_m) times the BN weight rows at byte
         offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1."""
+        if QT == 12 or QT == 13:
+            acc4 = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc4 = _k45_step(acc4, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
+                                 ASM)
+            return tl.trans(tl.sum(acc4, axis=1))
         acc = tl.zeros([MP, BN], dtype=tl.float32)
         for kb in range(kb_lo, kb_hi):
-            if QT == 12 or QT == 13:
-                acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
-                                ASM)
-            elif QT == 14:
+            if QT == 14:
                 acc = _q6_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb, M,
                                MP, ASM)
             else:
