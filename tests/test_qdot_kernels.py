@@ -87,8 +87,9 @@ def test_quantize_x_reference() -> None:
     """d = max|x| / 127 per 32, |q| <= 127 with the block's maximum at +-127, s = d * sum(q); a zero block stays 0."""
     x = torch.randn(3, 96)
     x[1, 32:64] = 0
-    q, d, s = quantize_x_torch(x)
+    q, d, s, g16 = quantize_x_torch(x)
     assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert torch.equal(g16, q.view(3, 6, 16).sum(-1).int())
     assert torch.equal(d, x.view(3, 3, 32).abs().amax(-1) / 127)
     assert torch.equal(s, d * q.view(3, 3, 32).sum(-1).float())
     assert d[1, 1] == 0 and (q.view(3, 3, 32)[1, 1] == 0).all()
@@ -112,10 +113,10 @@ def test_interp_quantize_x(dt: torch.dtype) -> None:
 
     x = torch.randn(3, 1120).to(dt)  # 35 blocks: two programs per row, the second partly masked
     x[0, :32] = 0
-    q, d, s = quantize_x_triton(x)
-    rq, rd, rs = quantize_x_torch(x)
+    q, d, s, g = quantize_x_triton(x)
+    rq, rd, rs, rg = quantize_x_torch(x)
     assert q.dtype == torch.int32 and q.shape == (3, 280)
-    assert torch.equal(q.view(torch.int8), rq) and torch.equal(d, rd) and torch.equal(s, rs)
+    assert torch.equal(q.view(torch.int8), rq) and torch.equal(d, rd) and torch.equal(s, rs) and torch.equal(g, rg)
 
 
 @interp

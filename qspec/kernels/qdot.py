@@ -7,7 +7,7 @@ stores: Q4_K/Q4_0 nibbles, Q5_K/Q5_0 5-bit values, Q6_K's q - 32, Q8_0's int8) t
 scales are f32, once per 32 (Q6_K: 16) weights:
 
     Q4_K, Q5_K   y += (d * sc_j) * (dx_b * isum_j) - (dmin * m_j) * s_b     (sub-block j = x block b)
-    Q6_K         y += d * (dx_b * (sc_2b' * isum_g0 + sc_2b'+1 * isum_g1))   (two 16-weight groups, int scales)
+    Q6_K         y += d * (dx_b * (sc_g * isum_g))     (per 16-weight group g; isum of q - 32, int8 scale sc_g)
     Q8_0         y += d * (dx_b * isum)
     Q4_0, Q5_0   y += d * (dx_b * isum - 8 * s_b)   (16 for Q5_0: the weights' offset folded into x's block sum)
 
@@ -34,8 +34,9 @@ _BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q5_0: (32, 22), T.Q8_0: (32, 34), T.Q4_K: (2
 _OFFSET = {T.Q4_0: 8.0, T.Q5_0: 16.0}  # the stored integer minus this is the weight over d
 
 
-def quantize_x_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], f32 d [M, K/32], f32 s = d * sum(q) [M, K/32]):
+def quantize_x_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> (int8 q [M, K], f32 d [M, K/32], f32 s = d * sum(q) [M, K/32], int32 sums
+    of q per 16 [M, K/16] (Q6_K's offset)):
     q = floor(x * (127 / amax) + 0.5), d = amax / 127. Both divisions are tensor by tensor: torch computes a scalar
     divided by a tensor, and on CUDA a tensor divided by a scalar, through a reciprocal, which the kernel's
     correctly rounded division would not match."""
@@ -46,7 +47,8 @@ def quantize_x_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     inv = torch.where(amax > 0, c127 / torch.where(amax > 0, amax, c127), torch.zeros_like(amax))
     q = torch.floor(xb * inv[..., None] + 0.5).clamp(-127, 127)
     d = amax / c127
-    return q.to(torch.int8).reshape(M, K), d, d * q.sum(-1)
+    g16 = q.view(M, K // 16, 16).sum(-1).to(torch.int32)
+    return q.to(torch.int8).reshape(M, K), d, d * q.sum(-1), g16
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -104,13 +106,11 @@ def _isums(xq: torch.Tensor, q: torch.Tensor, group: int) -> torch.Tensor:
 
 def _scale_terms(isum: torch.Tensor, xd: torch.Tensor, xs: torch.Tensor, qt: T, a: torch.Tensor,
                  c: torch.Tensor | None) -> torch.Tensor:
-    """The f32 terms [M, N, K/32] of the int sums (the formulas of the module docstring)."""
+    """The f32 terms [M, N, K/32] (Q6_K: K/16) of the int sums (the formulas of the module docstring)."""
     dx, sx = xd[:, None, :], xs[:, None, :]
-    if qt == T.Q6_K:
-        sc = a[None]  # [1, N, K/16]
-        ib = (sc[..., 0::2].double() * isum[..., 0::2] + sc[..., 1::2].double() * isum[..., 1::2]).float()
-        d = c.repeat_interleave(8, dim=1)[None]  # type: ignore[union-attr]
-        return d * (dx * ib)
+    if qt == T.Q6_K:  # per 16-weight group: d * (dx * (sc * isum))
+        d = c.repeat_interleave(16, dim=1)[None]  # type: ignore[union-attr]
+        return d * (dx.repeat_interleave(2, dim=2) * (a[None] * isum).float())
     isum = isum.float()
     if qt in (T.Q4_K, T.Q5_K):
         return a[None] * (dx * isum) - c[None] * sx  # type: ignore[index]
@@ -124,7 +124,7 @@ def qdot_matmul_torch(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k:
     """Reference of the int8 product: x [M, K] @ W^T -> [M, N] in x.dtype, W's blocks raw [N, row_bytes]
     (rows taken `chunk` at a time, so the real shapes fit)."""
     qt = T(qtype)
-    xq, xd, xs = quantize_x_torch(x)
+    xq, xd, xs, _ = quantize_x_torch(x)
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for r in range(0, n, chunk):
         q, a, c = int_weights(raw[r:r + chunk], qtype, min(chunk, n - r), k)

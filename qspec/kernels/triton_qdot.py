@@ -60,9 +60,10 @@ if HAS_TRITON:
             return c
 
     @triton.jit
-    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
+    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row m, block chunk): per 32 elements q = floor(x * (127 / amax) + 0.5), d = amax / 127 and
-        s = d * sum(q) (launched without FMA fusion: qdot.quantize_x_torch's roundings)."""
+        s = d * sum(q), and the integer sums of q per 16 (launched without FMA fusion: qdot.quantize_x_torch's
+        roundings)."""
         pdl_start(PDL)
         m = tl.program_id(0)
         b = tl.program_id(1) * BB + tl.arange(0, BB)
@@ -76,6 +77,9 @@ if HAS_TRITON:
         d = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
         tl.store(d_ptr + m * KB + b, d, mask=bmask)
         tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
+        g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
+        j = tl.arange(0, 2)[None, :]
+        tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
 
     @triton.jit
     def _w16(wi_ptr, hoff, mask):
@@ -100,10 +104,10 @@ if HAS_TRITON:
         return tl.where(im == m, acc + t[:, :, None], acc)
 
     @triton.jit
-    def _add_row(acc, p, m, MP: tl.constexpr):
-        """acc [MP, BN] with p [BN] added to row m."""
-        im = tl.arange(0, MP)[:, None]
-        return tl.where(im == m, acc + p[None, :], acc)
+    def _add_col4(acc, t, m, MP: tl.constexpr):
+        """acc [BN, A, B, MP] with t [BN, A, B] added to column m."""
+        im = tl.arange(0, MP)[None, None, None, :]
+        return tl.where(im == m, acc + t[:, :, :, None], acc)
 
     @triton.jit
     def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
@@ -164,45 +168,48 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _q6_signed(ql, qh, NIB: tl.constexpr, tt):
-        """Q6_K bytes q - 32 as signed bytes: low (NIB 0) or high (NIB 1) nibbles of ql, bit pair 2t of qh."""
-        q = ((ql >> (4 * NIB)) & 0x0F0F0F0F) | (((qh >> (2 * tt + 4 * NIB)) & 0x03030303) << 4)
-        return (q + 0x60606060) ^ -0x7F7F7F80  # ^ 0x80808080
+    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
+                 M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
+        """Q6_K super-block kb of BN rows, for every x row; acc [BN, 2, 2, MP] per (row, half h, 16-weight group g
+        of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each thread: word
+        4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2) with the bit pair 2t of qh word h. The
+        unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum over the group (xg)."""
+        v = tl.arange(0, 4)[:, None, None, None]
+        h = tl.arange(0, 2)[None, None, :, None]
+        g = tl.arange(0, 2)[None, None, None, :]
+        m4 = nmask[None, :, None, None]
+        base = rowb + kb * 210
+        hw = (base // 2)[None, :, None, None] + h * 32 + (4 * g + v) * 2
+        ql0 = _w16(wi_ptr, hw, m4)  # runs t = 0 (low nibbles) and 2 (high)
+        ql1 = _w16(wi_ptr, hw + 16, m4)  # runs t = 1 and 3
+        qh = _w16(wi_ptr, hw + 64 - h * 16, m4)
+        q0 = (ql0 & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+        q1 = (ql1 & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
+        q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+        q3 = ((ql1 >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
+        h3 = tl.arange(0, 2)[None, :, None]
+        g3 = tl.arange(0, 2)[None, None, :]
+        m3 = nmask[:, None, None]
+        sb = base[:, None, None] + 192 + h3 * 8 + g3  # + 2t: run t's scale
+        s0 = _i8(tl.load(wb_ptr + sb, mask=m3, other=0).to(tl.int32))
+        s1 = _i8(tl.load(wb_ptr + sb + 2, mask=m3, other=0).to(tl.int32))
+        s2 = _i8(tl.load(wb_ptr + sb + 4, mask=m3, other=0).to(tl.int32))
+        s3 = _i8(tl.load(wb_ptr + sb + 6, mask=m3, other=0).to(tl.int32))
+        d = tl.load(wh_ptr + base // 2 + 104, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + kb * 64 + h * 32 + 4 * g + v  # + 8t: run t
+            xg = xg_ptr + m * xg_m + kb * 16 + h3 * 8 + g3  # + 2t
+            xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
+            t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
+            t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
+            acc = _add_col4(acc, d * t, m, MP)
+        return acc
 
     @triton.jit
-    def _q6_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
-                 M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
-        """Q6_K super-block kb of BN rows, for every x row. Axes (h, tt, g, w): word 4g + w of the 8 in a 32-weight
-        run; group g of 16 weights."""
-        h = tl.arange(0, 2)[None, :, None, None, None]
-        tt = tl.arange(0, 2)[None, None, :, None, None]
-        g = tl.arange(0, 2)[None, None, None, :, None]
-        w = tl.arange(0, 4)[None, None, None, None, :]
-        m5 = nmask[:, None, None, None, None]
-        base = rowb + kb * 210
-        hb = (base // 2)[:, None, None, None, None]
-        ql = _w16(wi_ptr, hb + h * 32 + tt * 16 + (4 * g + w) * 2, m5)
-        qh = _w16(wi_ptr, hb + 64 + h * 16 + (4 * g + w) * 2, m5)
-        qa = _q6_signed(ql, qh, 0, tt)  # t = tt
-        qb = _q6_signed(ql, qh, 1, tt)  # t = tt + 2
-        h4 = tl.arange(0, 2)[None, :, None, None]
-        tt4 = tl.arange(0, 2)[None, None, :, None]
-        g4 = tl.arange(0, 2)[None, None, None, :]
-        sb = base[:, None, None, None] + 192 + h4 * 8 + 2 * tt4 + g4
-        m4 = nmask[:, None, None, None]
-        sca = _i8(tl.load(wb_ptr + sb, mask=m4, other=0).to(tl.int32))
-        scb = _i8(tl.load(wb_ptr + sb + 4, mask=m4, other=0).to(tl.int32))
-        d = tl.load(wh_ptr + base // 2 + 104, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
-        h3 = tl.arange(0, 2)[None, :, None]
-        tt3 = tl.arange(0, 2)[None, None, :]
-        for m in tl.static_range(M):
-            xw = xq_ptr + m * x_m + kb * 64 + h * 32 + tt * 8 + 4 * g + w
-            ia = tl.sum(sca * tl.sum(_dp4a(qa, tl.load(xw), tl.zeros_like(qa), ASM), axis=4), axis=3)
-            ib = tl.sum(scb * tl.sum(_dp4a(qb, tl.load(xw + 16), tl.zeros_like(qb), ASM), axis=4), axis=3)
-            xb = m * xd_m + kb * 8 + h3 * 4 + tt3
-            t = d * (tl.load(xd_ptr + xb) * ia.to(tl.float32)) + d * (tl.load(xd_ptr + xb + 2) * ib.to(tl.float32))
-            acc = _add_row(acc, tl.sum(tl.sum(t, axis=2), axis=1), m, MP)
-        return acc
+    def _q6_run(q, xw, xg, xb, sc, ASM: tl.constexpr):
+        """One run of 32 weights per (row, h, g): dx * (sc * (dot(q, x) - 32 * sum(x))) [BN, 2, 2]."""
+        isum = tl.sum(_dp4a(q, tl.load(xw), tl.zeros_like(q), ASM), axis=0) - 32 * tl.load(xg)
+        return tl.load(xb) * (sc * isum).to(tl.float32)
 
     @triton.jit
     def _spread5(v):
@@ -210,68 +217,94 @@ if HAS_TRITON:
         return ((v & 15) * 0x2040810) & 0x10101010
 
     @triton.jit
-    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
-                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows, for every x row."""
+    def _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, bmask, QT: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0 blocks blk [1, 4] of BN rows -> (d [BN, 4], words [W, BN, 4] for dp4a: Q8_0's signed
+        bytes twice; Q4_0/Q5_0's elements 4w.. and 16 + 4w..). A block's words lie on the first axis, which the
+        halfword loads leave inside each thread (no exchange for the sums)."""
         W: tl.constexpr = 8 if QT == 8 else 4  # words per block
         bs: tl.constexpr = 34 if QT == 8 else (18 if QT == 2 else 22)
-        g = tl.arange(0, 8)[None, :, None]
-        w = tl.arange(0, W)[None, None, :]
-        g2 = tl.arange(0, 8)[None, :]
-        blk = kb * 8 + g2  # [1, 8]
-        m2 = nmask[:, None] & (blk < K // 32)
-        m3 = m2[:, :, None]
-        hb = (rowb[:, None] + blk * bs) // 2  # [BN, 8] halfword offset of each block
-        d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
         qs_at: tl.constexpr = 1 if QT != 6 else 3  # halfwords
-        words = _w16(wi_ptr, hb[:, :, None] + qs_at + 2 * w, m3)
-        if QT != 8:
+        w = tl.arange(0, W)[:, None, None]
+        m2 = nmask[:, None] & bmask
+        hb = (rowb[:, None] + blk * bs) // 2  # [BN, 4] halfword offset of each block
+        d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
+        words = _w16(wi_ptr, hb[None, :, :] + qs_at + 2 * w, m2[None, :, :])
+        if QT == 8:
+            lo = words
+            hi = words
+        else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if QT == 6:
-                qh = _w16(wi_ptr, hb[:, :, None] + 1, m3)
+                qh = _w16(wi_ptr, hb + 1, m2)[None, :, :]
                 lo = lo | _spread5(qh >> (4 * w))
                 hi = hi | _spread5(qh >> (16 + 4 * w))
+        return d, lo, hi
+
+    @triton.jit
+    def _b32_dot(d, lo, hi, xq_ptr, xd_ptr, xs_ptr, blk, bmask, QT: tl.constexpr, ASM: tl.constexpr):
+        """The f32 terms [BN, 4] of blocks blk for one x row (xq_ptr .. at that row)."""
+        W: tl.constexpr = 8 if QT == 8 else 4
+        xw = xq_ptr + blk[None, :, :] * 8 + tl.arange(0, W)[:, None, None]
+        xmask = bmask[None, :, :]
+        dx = tl.load(xd_ptr + blk, mask=bmask, other=0.0)
+        if QT == 8:
+            isum = tl.sum(_dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM), axis=0)
+            t = d * (dx * isum.to(tl.float32))
+        else:
+            isum = _dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
+            isum = tl.sum(_dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=0)
+            sx = tl.load(xs_ptr + blk, mask=bmask, other=0.0)
+            t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
+        return t
+
+    @triton.jit
+    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows (two runs of four), for every x row;
+        acc [BN, 4, MP]."""
+        blk = kb * 8 + tl.arange(0, 4)[None, :]
+        ma = blk < K // 32
+        mb = blk + 4 < K // 32
+        da, loa, hia = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, ma, QT)
+        db, lob, hib = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk + 4, mb, QT)
         for m in tl.static_range(M):
-            xw = xq_ptr + m * x_m + (kb * 8 + g) * 8 + w
-            xmask = (kb * 8 + g) < K // 32
-            xb = m * xd_m + blk
-            if QT == 8:
-                isum = tl.sum(_dp4a(words, tl.load(xw, mask=xmask, other=0), tl.zeros_like(words), ASM), axis=2)
-                t = d * (tl.load(xd_ptr + xb, mask=blk < K // 32, other=0.0) * isum.to(tl.float32))
-            else:
-                isum = _dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
-                isum = tl.sum(_dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=2)
-                dx = tl.load(xd_ptr + xb, mask=blk < K // 32, other=0.0)
-                sx = tl.load(xs_ptr + xb, mask=blk < K // 32, other=0.0)
-                t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
-            acc = _add_row(acc, tl.sum(t, axis=1), m, MP)
+            xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
+            t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
+                 + _b32_dot(db, lob, hib, xq, xd, xs, blk + 4, mb, QT, ASM))
+            acc = _add_col(acc, t, m, MP)
         return acc
 
     @triton.jit
-    def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K, kb_lo, kb_hi,
-                   M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s; strides x_m, xd_m) times the BN weight rows at byte
-        offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1."""
+    def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
+                   kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
+                   ASM: tl.constexpr):
+        """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
+        rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
+        x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once."""
         if QT == 12 or QT == 13:
-            acc4 = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
             for kb in range(kb_lo, kb_hi):
-                acc4 = _k45_step(acc4, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
-                                 ASM)
-            return tl.trans(tl.sum(acc4, axis=1))
-        acc = tl.zeros([MP, BN], dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            if QT == 14:
-                acc = _q6_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb, M,
-                               MP, ASM)
-            else:
-                acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP,
-                                QT, ASM)
-        return acc
+                acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
+                                ASM)
+            out = tl.sum(acc, axis=1)
+        elif QT == 14:
+            acc6 = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc6 = _q6_step(acc6, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask,
+                                kb, M, MP, ASM)
+            out = tl.sum(tl.sum(acc6, axis=2), axis=1)
+        else:
+            acc8 = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc8 = _b32_step(acc8, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP,
+                                 QT, ASM)
+            out = tl.sum(acc8, axis=1)
+        return tl.trans(out)
 
     @triton.jit
-    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s, y_m,
-                        M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
+                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
                         OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
         output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
@@ -280,7 +313,7 @@ if HAS_TRITON:
         nmask = n < N
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
-        acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, K // 4, K // 32, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+        acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM)
         im = tl.arange(0, MP)
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
@@ -299,8 +332,8 @@ if HAS_TRITON:
         tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr, ui_ptr,
-                             uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
+    def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]."""
@@ -311,17 +344,18 @@ if HAS_TRITON:
         f = tl.program_id(0) * BN + tl.arange(0, BN)
         fmask = f < F
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
+        xg = xg_ptr + t * (D // 16)
         steps = tl.cdiv(D, 256)
-        g = _qdot_rows(xq, xd, xs, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 0,
-                       steps, 1, 1, BN, QG, ASM)
-        u = _qdot_rows(xq, xd, xs, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 0,
-                       steps, 1, 1, BN, QU, ASM)
+        g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask,
+                       D, 0, steps, 1, 1, BN, QG, ASM)
+        u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask,
+                       D, 0, steps, 1, 1, BN, QU, ASM)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
     @triton.jit
-    def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F, KS,
-                          ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
+    def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
+                          KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
                           OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
@@ -332,9 +366,9 @@ if HAS_TRITON:
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         dd = tl.program_id(0) * BN + tl.arange(0, BN)
         dmask = dd < D
-        acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32), 0, 0,
-                         db_ptr, dh_ptr, di_ptr, dw_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0,
-                         tl.cdiv(F, 256), 1, 1, BN, QD, ASM)
+        acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
+                         xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
+                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
                  mask=dmask[None, :])
 
@@ -343,9 +377,9 @@ def _asm() -> bool:
     return DP4A_ASM and not INTERPRET
 
 
-def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
-    s [M, K/32] f32), as qdot.quantize_x_torch."""
+    s [M, K/32] f32, int32 sums per 16 [M, K/16]), as qdot.quantize_x_torch."""
     M, K = x.shape
     if K % 32 or x.stride(1) != 1:
         raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
@@ -353,10 +387,11 @@ def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
     s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    g = torch.empty(M, 2 * KB, dtype=torch.int32, device=x.device)
     bb = min(QUANT_BLOCKS, next_pow2(KB))
-    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, x.stride(0), KB, BB=bb, num_warps=4,
+    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, g, x.stride(0), KB, BB=bb, num_warps=4,
                                               enable_fp_fusion=False, **pdl_launch(x))
-    return q.view(torch.int32), d, s
+    return q.view(torch.int32), d, s, g
 
 
 def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -387,14 +422,14 @@ def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     M, K = x.shape
     if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or K % 32:
         raise ValueError(f"qdot_matmul: x {tuple(x.shape)}, raw {tuple(raw.shape)}, N {n}")
-    xq, xd, xs = quantize_x_triton(x if x.stride(1) == 1 else x.contiguous())
+    xq, xd, xs, xg = quantize_x_triton(x if x.stride(1) == 1 else x.contiguous())
     bn, warps, per_sm = config or QDOT_CONFIG
     split, share = _split(n, K, bn, per_sm, x)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
     out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
     wb, wh, wi, ww = _views(raw)
     _qdot_mv_kernel[(triton.cdiv(n, bn), split)](
-        xq, xd, xs, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
+        xq, xd, xs, xg, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
         out.stride(-2), M=M, MP=next_pow2(M), BN=bn, QT=int(qtype), ASM=_asm() if asm is None else asm,
         OUT_DT=tl_dtype(x.dtype) if split == 1 else tl.float32, num_warps=warps, **pdl_launch(x))
     if split > 1:
@@ -416,17 +451,18 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     bn, warps = config or QDOT_MOE_CONFIG
     use_asm = _asm() if asm is None else asm
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
-    hq, hd, hs = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    hq, hd, hs, hg = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     gb, gh, gi, gw = _views(gr)
     ub, uh, ui, uw = _views(ur)
     db, dh, di, dw = _views(dr)
     _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
-        hq, hd, hs, top_i, gb, gh, gi, gw, ub, uh, ui, uw, act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), QU=int(uq), ASM=use_asm, num_warps=warps, **pdl_launch(h))
-    aq, ad, as_ = quantize_x_triton(act)
+        hq, hd, hs, hg, top_i, gb, gh, gi, gw, ub, uh, ui, uw, act, D, F, k, top_i.stride(0), gr.stride(0),
+        gr.stride(1), ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), QU=int(uq), ASM=use_asm, num_warps=warps,
+        **pdl_launch(h))
+    aq, ad, as_, ag = quantize_x_triton(act)
     _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
-        aq, ad, as_, top_i, top_w, db, dh, di, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0),
+        aq, ad, as_, ag, top_i, top_w, db, dh, di, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0),
         dr.stride(1), BN=bn, QD=int(dq), ASM=use_asm, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
     return y
