@@ -36,6 +36,10 @@ SCRATCH_ELEMENTS = 64 << 20
 # dp4a products instead of the f32 expansion. False: the f32-expansion kernels above (A/B runs). f32 rows always
 # keep those (exact f32 products).
 INT8_DOT = True
+# Rows up to this many take the int8 kernels (more: the tensor-core kernel). dp4a's work grows with the rows (two
+# instructions per 8 weights per row) while the tensor cores' does not, so the crossover is a GPU measurement
+# (`python -m qspec.bench.qkernels`, the "f32"/"int8" rows at m=1, 6, 16).
+INT8_MAX_ROWS = 16
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES)
 
 
@@ -87,7 +91,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
     M = x.shape[0]
-    if 0 < M <= TC_MAX_ROWS and _int8_for(x, qtype):
+    if 0 < M <= INT8_MAX_ROWS and _int8_for(x, qtype):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
 
         return qdot_matmul_triton(x, raw.contiguous(), qtype, n)
@@ -171,7 +175,7 @@ def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw
                 u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] of the routed experts whose blocks are g_raw/u_raw [E, F, row_bytes] and
     d_raw [E, D, row_bytes]."""
-    if h.shape[0] <= MOE_MAX_ROWS and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
+    if h.shape[0] <= min(MOE_MAX_ROWS, INT8_MAX_ROWS) and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
         from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
         return qdot_moe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))
