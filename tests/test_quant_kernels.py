@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ from qspec.kernels.qmatmul import (
     qmoe_few,
     qmoe_few_torch,
 )
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag
 from qspec.weights.dequant import dequantize, quantize_q4_0
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
@@ -198,8 +199,16 @@ def test_interp_block_expert_ffn() -> None:
 
 # ---- CUDA: the compiled kernels at the real geometry (hidden 2560, experts 640 x 2560, LM head rows) -------------
 
+@pytest.fixture
+def f32_expansion_kernels() -> Iterator[None]:
+    """16-bit rows to the f32-expansion kernels (the int8-activation ones have tests/test_qdot_kernels.py)."""
+    with module_flag("qspec.kernels.qmatmul", "INT8_DOT", False):
+        yield
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 @pytest.mark.parametrize("qt", TYPES)
+@pytest.mark.usefixtures("f32_expansion_kernels")
 def test_cuda_qmatvec_real_shapes(qt: GGMLQuantizationType) -> None:
     for N, K in ((2560, 6144), (16480, 2560), (1800, 2560)):
         w = qweight(qt, (N, K), seed=N, device="cuda")
@@ -211,6 +220,7 @@ def test_cuda_qmatvec_real_shapes(qt: GGMLQuantizationType) -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+@pytest.mark.usefixtures("f32_expansion_kernels")
 def test_cuda_qmoe_real_shapes() -> None:
     E, Fd, D, k = 64, 640, 2560, 10
     gate, up = qweight(T.Q4_K, (E, Fd, D), 50, "cuda"), qweight(T.Q4_K, (E, Fd, D), 51, "cuda")

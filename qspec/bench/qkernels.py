@@ -1,13 +1,17 @@
 """GPU micro-benchmark of the kernels that read GGUF blocks, against the bf16 products on the same shapes.
 
-    python -m qspec.bench.qkernels            # one table, ~1-2 minutes on an H200
-    python -m qspec.bench.qkernels --quick    # fewer shapes and types
+    python -m qspec.bench.qkernels              # one table, a few minutes on an H200
+    python -m qspec.bench.qkernels --quick      # fewer shapes and types
+    python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
 weights in their stored type, x, and the output written); "bf16 GB/s" is the bf16 product's on the same shape (the
 mat-vec of kernels/gemv.py for 1..8 rows, moe_few.moe_slots for the experts, torch.matmul for prefill), so a
-quantized kernel at the same GB/s takes time in proportion to its bytes.
+quantized kernel at the same GB/s takes time in proportion to its bytes. Each 1..16-row product and expert step is
+timed twice: "f32 ..." rows are the f32-expansion kernels (qmatmul.INT8_DOT off), "int8 ..." rows the int8-activation
+kernels of triton_qdot.py (x quantized per 32, dp4a; their time includes the quantize launch, whose own cost the
+"quantize" rows give).
 """
 
 from __future__ import annotations
@@ -98,9 +102,12 @@ def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: i
 
 
 def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> None:
-    """The mat-vec (decode, draft: m = 1; verify, extend: m = 2..8) against the bf16 one (qspec::gemv)."""
+    """The mat-vec (decode, draft: m = 1; verify, extend: m = 2..16) against the bf16 one (qspec::gemv): the
+    f32-expansion kernels, then the int8-activation ones where the type has them."""
     from qspec.kernels.gemv import gemv
+    from qspec.kernels.qdot import QDOT_QTYPES
     from qspec.kernels.qmatmul import qmatmul_op
+    from qspec.kernels.triton_common import module_flag
 
     for name in shapes:
         n, k = SHAPES[name]
@@ -111,15 +118,32 @@ def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> 
         del wb
         for qt in types:
             raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
-            us = graph_us([partial(qmatmul_op, x, r, int(qt), n, k) for r in raws])
-            _row(rows, f"matvec m={m}", qt.name, f"{n}x{k}", us, raws[0].numel() + m * (k + n) * 2, bf_us, bf_bytes)
+            nbytes = raws[0].numel() + m * (k + n) * 2
+            for label, on in (("f32", False), ("int8", True)):
+                if on and qt not in QDOT_QTYPES:
+                    continue
+                with module_flag("qspec.kernels.qmatmul", "INT8_DOT", on):
+                    us = graph_us([partial(qmatmul_op, x, r, int(qt), n, k) for r in raws])
+                _row(rows, f"{label} m={m}", qt.name, f"{n}x{k}", us, nbytes, bf_us, bf_bytes)
             del raws
 
 
-def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False) -> None:
-    """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots; bytes: the distinct chosen
-    experts' three matrices."""
+def bench_quantize(rows: list[tuple]) -> None:
+    """The activation quantizer alone (bytes: x read, int8 words and two f32 per 32 written)."""
+    from qspec.kernels.triton_qdot import quantize_x_triton
+
+    for m in (1, 16):
+        for k in (640, 2560, 6144):
+            xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+            us = graph_us([partial(quantize_x_triton, x) for x in xs])
+            _row(rows, f"quantize m={m}", "bf16", f"{k}", us, m * k * 3 + m * k // 32 * 8, 1.0, 0)
+def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False,
+              qdot_config: tuple[int, int] | None = None) -> None:
+    """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots, f32-expansion then int8
+    kernels; bytes: the distinct chosen experts' three matrices."""
     from qspec.kernels.moe_few import moe_slots
+    from qspec.kernels.qdot import QDOT_QTYPES
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
     from qspec.kernels.triton_qmatmul import qmoe_few_triton
 
     g = torch.Generator(device="cuda").manual_seed(t)
@@ -138,11 +162,15 @@ def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False) -> N
         gate = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 1).view(EXPERTS, EXPERT_FF, -1)
         up = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 2).view(EXPERTS, EXPERT_FF, -1)
         down = _quantized(dq, EXPERTS * HIDDEN, EXPERT_FF, 3).view(EXPERTS, HIDDEN, -1)
-        us = graph_us([partial(qmoe_few_triton, h, ti, tw, (gate, int(qt)), (up, int(qt)), (down, int(dq)))
-                       for ti, tw in routes])
         nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
         label = qt.name if dq == qt else f"{qt.name}/{dq.name}"
-        _row(rows, f"moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes, quiet)
+        parts = ((gate, int(qt)), (up, int(qt)), (down, int(dq)))
+        us = graph_us([partial(qmoe_few_triton, h, ti, tw, *parts) for ti, tw in routes])
+        _row(rows, f"f32 moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes, quiet)
+        if qt in QDOT_QTYPES and dq in QDOT_QTYPES:
+            us = graph_us([partial(qdot_moe_few_triton, h, ti, tw, *parts, config=qdot_config) for ti, tw in routes])
+            _row(rows, f"int8 moe t={t}", label, f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us, nbytes, bf_us, bf_bytes,
+                 quiet)
         del gate, up, down
 
 
@@ -208,10 +236,49 @@ def sweep(rows: list[tuple]) -> None:
                 del raws
 
 
+QDOT_CONFIGS = ((16, 4, 4), (32, 4, 4), (32, 4, 8), (64, 4, 2), (64, 8, 2), (16, 2, 8), (128, 8, 1))
+QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4))
+
+
+def qdot_sweep(rows: list[tuple]) -> None:
+    """Configs of the int8-activation kernels (rows per program, warps, programs per SM; the experts' rows per
+    program, warps), and dp4a's shift-and-multiply emulation (asm=False) against the instruction."""
+    from qspec.kernels.gemv import gemv
+    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
+
+    bench_quantize(rows)
+    for name in QUICK_SHAPES:
+        n, k = SHAPES[name]
+        for m in (1, 6, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+            bf_us = graph_us([partial(gemv, x, w) for w in wb])
+            del wb
+            for qt in (T.Q4_K, T.Q6_K, T.Q8_0):
+                raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+                nbytes = raws[0].numel() + m * (k + n) * 2
+                for cfg in QDOT_CONFIGS:
+                    us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws])
+                    _row(rows, f"int8 {cfg[0]}/{cfg[1]}/{cfg[2]}", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us,
+                         n * k * 2)
+                us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, QDOT_CONFIG, False) for r in raws])
+                _row(rows, "int8 emul", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
+                del raws
+    for cfg in QDOT_MOE_CONFIGS:
+        for t in (1, 6):
+            r: list[tuple] = []
+            bench_moe(r, (T.Q4_K, T.Q6_K), t, quiet=True, qdot_config=cfg)
+            for row in r[1::2]:
+                rows.append(row)
+                print(f"int8 moe {cfg} t={t} {row[1]}: {row[3]:.2f} µs, {row[4]:.0f} GB/s (bf16 {row[5]:.2f} µs)",
+                      flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qspec.bench.qkernels", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
     ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
+    ap.add_argument("--qdot-sweep", action="store_true", help="only the int8-activation kernels' configs")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
@@ -227,8 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep(rows)
         return 0
+    if args.qdot_sweep:
+        qdot_sweep(rows)
+        return 0
+    bench_quantize(rows)
     bench_matvec(rows, shapes, types, 1)
     bench_matvec(rows, shapes[:3] if not args.quick else shapes, types, 6)
+    bench_matvec(rows, [s for s in shapes if s in QUICK_SHAPES], types, 16)
     bench_moe(rows, types, 1)
     bench_moe(rows, types, 6)
     bench_prefill(rows, types)

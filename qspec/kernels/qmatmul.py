@@ -6,11 +6,13 @@ Triton kernels of triton_qmatmul.py for a few rows (16-bit x, up to TC_MAX_ROWS:
 CUDA-core mat-vec for one row of a narrow matrix; f32 x, up to MAX_ROWS: the mat-vec; the weights read once for all
 rows, f32 accumulation), and for more rows (prefill) expands the weights SCRATCH_ELEMENTS at a time into x.dtype and
 multiplies them with torch.matmul, so no 16-bit copy of a whole matrix ever exists. Elsewhere (CPU) it computes the
-reference by the same bounded chunks.
+reference by the same bounded chunks. With INT8_DOT, 16-bit rows on CUDA (1..16) of the types qdot.QDOT_QTYPES
+take the int8-activation kernels of triton_qdot.py instead (reference: qdot.qdot_matmul_torch).
 
 The routed experts: `qmoe_few` (the few-token step, `qspec::qmoe_few`: two Triton launches over all (token, slot)
-pairs on CUDA, mirroring moe_few.moe_slots); one expert over many rows (prefill's loop) is moe_few.expert_ffn,
-whose products are `qmatmul`s; `qexpert_ffn_torch` is its f32 reference.
+pairs on CUDA, mirroring moe_few.moe_slots; with INT8_DOT, the int8-activation kernels of triton_qdot.py); one expert
+over many rows (prefill's loop) is moe_few.expert_ffn, whose products are `qmatmul`s; `qexpert_ffn_torch` is its f32
+reference.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qspec.kernels.qdot import QDOT_QTYPES
 from qspec.kernels.triton_common import use_triton
 from qspec.weights.dequant import dequantize
 from qspec.weights.qweight import QuantWeight
@@ -28,6 +31,22 @@ MOE_MAX_ROWS = 16  # tokens per qmoe_few call that go to the per-pair kernels (m
 # Weights expanded at once for the many-row products: 64 Mi elements (128 MiB in bf16) bounds the scratch while
 # keeping each chunk's matmul large enough to run near the GPU's peak (every step matrix but the LM head is one chunk).
 SCRATCH_ELEMENTS = 64 << 20
+# 16-bit rows on CUDA (1..16 of them, and the few-token experts) go to the int8-activation kernels of triton_qdot.py
+# for the types they cover (qdot.QDOT_QTYPES): x rounded to int8 per 32 elements, as llama.cpp's mat-vec does, for
+# dp4a products instead of the f32 expansion. False: the f32-expansion kernels above (A/B runs). f32 rows always
+# keep those (exact f32 products).
+INT8_DOT = True
+# Rows up to this many take the int8 kernels (more: the tensor-core kernel). dp4a's work grows with the rows (two
+# instructions per 8 weights per row) while the tensor cores' does not, so the crossover is a GPU measurement
+# (`python -m qspec.bench.qkernels`, the "f32"/"int8" rows at m=1, 6, 16).
+INT8_MAX_ROWS = 16
+_QDOT = frozenset(int(t) for t in QDOT_QTYPES)
+
+
+def _int8_for(x: torch.Tensor, *qtypes: int) -> bool:
+    """Whether the product of 16-bit rows x on CUDA goes to the int8-activation kernels."""
+    return (INT8_DOT and x.is_cuda and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16)
+            and all(int(q) in _QDOT for q in qtypes))
 
 
 def _kernel_takes(qtype: int) -> bool:
@@ -72,6 +91,10 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
     M = x.shape[0]
+    if 0 < M <= INT8_MAX_ROWS and _int8_for(x, qtype):
+        from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+        return qdot_matmul_triton(x, raw.contiguous(), qtype, n)
     if use_triton(x) and 0 < M <= TC_MAX_ROWS and _kernel_takes(qtype):
         from qspec.kernels.triton_qmatmul import qmatvec_triton, qmm_triton, tensor_cores_for
 
@@ -152,6 +175,10 @@ def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw
                 u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] of the routed experts whose blocks are g_raw/u_raw [E, F, row_bytes] and
     d_raw [E, D, row_bytes]."""
+    if h.shape[0] <= min(MOE_MAX_ROWS, INT8_MAX_ROWS) and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
+        from qspec.kernels.triton_qdot import qdot_moe_few_triton
+
+        return qdot_moe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))
     if (use_triton(h) and h.shape[0] <= MOE_MAX_ROWS and all(_kernel_takes(q) for q in (g_qt, u_qt, d_qt))):
         from qspec.kernels.triton_qmatmul import qmoe_few_triton
 

@@ -1,0 +1,479 @@
+"""Triton kernels of the int8-activation products with GGUF blocks (llama.cpp's "mmvq"); references in qdot.py.
+
+x rows are first quantized per 32 elements (`_quant_x_kernel`: int8 q stored as 32-bit words [M, K/4], f32 d and
+s = d * sum(q) [M, K/32], and q's integer sums per 16 [M, K/16]); the weights are then read as 32-bit words of four
+byte-sized integers and multiplied with x's words by `dp4a` (four int8 multiply-adds in one instruction), so a weight
+costs a fraction of an instruction instead of the 5-10 f32 operations of the expansion in triton_qmatmul.py. Integer
+sums per 32 weights (Q6_K: 16) are exact; the f32 scale math runs once per sub-block (qdot.py's docstring has the
+formulas).
+
+Word layouts (a word of the weights pairs with the x word of the same four elements):
+- Q4_K / Q5_K (144 / 176-byte blocks, rows whole 32-bit words): qs word w of 32-byte chunk c holds in its low
+  nibbles elements 4w..4w+3 of sub-block 2c and in its high nibbles those of sub-block 2c+1; Q5_K's 5th bits are
+  bit j of qh word w's bytes for sub-block j. A super-block step is two [BN, 4, 4] runs of words.
+- Q6_K (210 bytes, 2-byte aligned: words from two 16-bit loads): ql word (h, tt, w) gives in its low nibbles
+  elements h*128 + 32*tt + 4w.. and in its high ones those at + 64; qh word (h, w) the two high bits of each at
+  bit 2t of its bytes. dp4a takes the unsigned 6-bit q; 32 * (x's integer sum over the 16-weight group) turns the
+  integer dot into that of q - 32.
+- Q8_0 / Q4_0 / Q5_0 (34 / 18 / 22-byte blocks, 2-byte aligned): a step is 8 blocks; Q8_0's 8 words per block are
+  signed bytes; Q4_0/Q5_0's 4 words give elements 4w.. (low nibbles) and 16 + 4w.. (high); Q5_0's 4-bit groups of
+  qh are spread to bit 4 of four bytes by one multiply (the shifted copies do not overlap, so nothing carries).
+
+`_qdot_rows` walks K for BN weight rows and M <= 16 x rows: each step's weight words are decoded once, then every x
+row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes one row
+at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row blocks leave
+SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
+`_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
+
+Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
+the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
+axis is contiguous), so the integer sums need no shuffles and the f32 per-run terms are summed once at the end.
+Static counts of the compiled K loop for sm_90 at one row, 32 rows per program, 4 warps (ptxas SASS, instructions
+per weight per thread): Q4_K 2.5, Q4_0 2.7, Q8_0 3.2, Q5_0 3.8, Q6_K 4.0; the H200 issues about 33 T instructions
+a second, i.e. 3.9 (Q4_K), 5.7 (Q6_K), 7.4 (Q8_0) per weight at 4.8 TB/s. Several rows cost about two dp4a per 8
+weights per row more, and from 4 rows on the per-row accumulation moves through shared memory for the halfword
+types (not yet tuned).
+
+dp4a is PTX (`tl.inline_asm_elementwise`); the interpreter runs no PTX, so there (and on the GPU with DP4A_ASM off,
+for A/B runs and debugging) `_dp4a` computes the same sum byte by byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
+
+DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
+MAX_ROWS = 16
+# (rows per program, warps, programs wanted per SM) of the product; the GPU benchmark (qspec/bench/qkernels.py,
+# --qdot-sweep) times others. K splits into shares when the row blocks alone give fewer programs than wanted.
+QDOT_CONFIG = (32, 4, 4)
+QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
+QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from qspec.kernels.triton_common import pdl_start, round_to
+
+    @triton.jit
+    def _dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of a's four bytes with b's, both signed int8 (the weights' bytes here are either
+        below 128 or meant signed, so one signedness serves every type)."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            for k in tl.static_range(4):
+                c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+            return c
+
+    @triton.jit
+    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row m, block chunk): per 32 elements q = floor(x * (127 / amax) + 0.5), d = amax / 127 and
+        s = d * sum(q), and the integer sums of q per 16 (launched without FMA fusion: qdot.quantize_x_torch's
+        roundings)."""
+        pdl_start(PDL)
+        m = tl.program_id(0)
+        b = tl.program_id(1) * BB + tl.arange(0, BB)
+        i = tl.arange(0, 32)
+        bmask = b < KB
+        x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
+        d = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+        tl.store(d_ptr + m * KB + b, d, mask=bmask)
+        tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
+        g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
+        j = tl.arange(0, 2)[None, :]
+        tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
+
+    @triton.jit
+    def _w16(wi_ptr, hoff, mask):
+        """The 32-bit word at 2-byte-aligned halfword offset hoff, from two 16-bit loads."""
+        lo = tl.load(wi_ptr + hoff, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(wi_ptr + hoff + 1, mask=mask, other=0).to(tl.int32)
+        return (lo & 0xFFFF) | (hi << 16)
+
+    @triton.jit
+    def _byte(word, j):
+        return (word >> (8 * j)) & 0xFF
+
+    @triton.jit
+    def _i8(b):
+        """A byte 0..255 read as int8."""
+        return b - ((b >> 7) << 8)
+
+    @triton.jit
+    def _add_col(acc, t, m, MP: tl.constexpr):
+        """acc [BN, C, MP] with t [BN, C] added to column m."""
+        im = tl.arange(0, MP)[None, None, :]
+        return tl.where(im == m, acc + t[:, :, None], acc)
+
+    @triton.jit
+    def _add_col4(acc, t, m, MP: tl.constexpr):
+        """acc [BN, A, B, MP] with t [BN, A, B] added to column m."""
+        im = tl.arange(0, MP)[None, None, None, :]
+        return tl.where(im == m, acc + t[:, :, :, None], acc)
+
+    @triton.jit
+    def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
+        """Q4_K/Q5_K: (d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S of the super-blocks at byte
+        offsets base; the 12 scale bytes are words 1..3 of the block."""
+        j = 2 * tl.arange(0, 4)[None, :] + S
+        w0 = (base // 4)[:, None]
+        m2 = nmask[:, None]
+        a = _byte(tl.load(ww_ptr + w0 + 1, mask=m2, other=0), j % 4)
+        b = _byte(tl.load(ww_ptr + w0 + 2, mask=m2, other=0), j % 4)
+        e = _byte(tl.load(ww_ptr + w0 + 3, mask=m2, other=0), j % 4)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = tl.load(wh_ptr + base // 2, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        dmin = tl.load(wh_ptr + base // 2 + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        return d * sc, dmin * mn
+
+    @triton.jit
+    def _k45_nibbles(ww_ptr, base, nmask, WO: tl.constexpr, QT: tl.constexpr):
+        """Q4_K/Q5_K: words WO..WO+3 of each 32-byte chunk c of the super-blocks at byte offsets base [BN] ->
+        (low, high) nibble words [BN, 4, 4] (sub-blocks 2c and 2c + 1), 5th bits OR-ed in for Q5_K."""
+        c = tl.arange(0, 4)[None, :, None]
+        v = tl.arange(0, 4)[None, None, :]
+        m3 = nmask[:, None, None]
+        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
+                        other=0)
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + WO + v, mask=m3, other=0)
+            lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
+            hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+        return lo, hi
+
+    @triton.jit
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
+        over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
+        need no exchange between threads."""
+        base = rowb + kb * (144 if QT == 12 else 176)
+        lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
+        lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
+        dsl, dml = _k45_scales(wh_ptr, ww_ptr, base, nmask, 0)
+        dsh, dmh = _k45_scales(wh_ptr, ww_ptr, base, nmask, 1)
+        c = tl.arange(0, 4)[None, :, None]
+        v = tl.arange(0, 4)[None, None, :]
+        c2 = tl.arange(0, 4)[None, :]
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + v  # x words of sub-block 2c; + 8: of 2c + 1
+            il = _dp4a(lo_b, tl.load(xw + 4), _dp4a(lo_a, tl.load(xw), tl.zeros_like(lo_a), ASM), ASM)
+            ih = _dp4a(hi_b, tl.load(xw + 12), _dp4a(hi_a, tl.load(xw + 8), tl.zeros_like(hi_a), ASM), ASM)
+            xb = m * xd_m + kb * 8 + 2 * c2
+            t = (dsl * (tl.load(xd_ptr + xb) * tl.sum(il, axis=2).to(tl.float32)) - dml * tl.load(xs_ptr + xb)
+                 + (dsh * (tl.load(xd_ptr + xb + 1) * tl.sum(ih, axis=2).to(tl.float32))
+                    - dmh * tl.load(xs_ptr + xb + 1)))
+            acc = _add_col(acc, t, m, MP)
+        return acc
+
+    @triton.jit
+    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
+                 M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
+        """Q6_K super-block kb of BN rows, for every x row; acc [BN, 2, 2, MP] per (row, half h, 16-weight group g
+        of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each thread: word
+        4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2) with the bit pair 2t of qh word h. The
+        unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum over the group (xg)."""
+        v = tl.arange(0, 4)[:, None, None, None]
+        h = tl.arange(0, 2)[None, None, :, None]
+        g = tl.arange(0, 2)[None, None, None, :]
+        m4 = nmask[None, :, None, None]
+        base = rowb + kb * 210
+        hw = (base // 2)[None, :, None, None] + h * 32 + (4 * g + v) * 2
+        ql0 = _w16(wi_ptr, hw, m4)  # runs t = 0 (low nibbles) and 2 (high)
+        ql1 = _w16(wi_ptr, hw + 16, m4)  # runs t = 1 and 3
+        qh = _w16(wi_ptr, hw + 64 - h * 16, m4)
+        q0 = (ql0 & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
+        q1 = (ql1 & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
+        q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
+        q3 = ((ql1 >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
+        h3 = tl.arange(0, 2)[None, :, None]
+        g3 = tl.arange(0, 2)[None, None, :]
+        m3 = nmask[:, None, None]
+        sb = base[:, None, None] + 192 + h3 * 8 + g3  # + 2t: run t's scale
+        s0 = _i8(tl.load(wb_ptr + sb, mask=m3, other=0).to(tl.int32))
+        s1 = _i8(tl.load(wb_ptr + sb + 2, mask=m3, other=0).to(tl.int32))
+        s2 = _i8(tl.load(wb_ptr + sb + 4, mask=m3, other=0).to(tl.int32))
+        s3 = _i8(tl.load(wb_ptr + sb + 6, mask=m3, other=0).to(tl.int32))
+        d = tl.load(wh_ptr + base // 2 + 104, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + kb * 64 + h * 32 + 4 * g + v  # + 8t: run t
+            xg = xg_ptr + m * xg_m + kb * 16 + h3 * 8 + g3  # + 2t
+            xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
+            t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
+            t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
+            acc = _add_col4(acc, d * t, m, MP)
+        return acc
+
+    @triton.jit
+    def _q6_run(q, xw, xg, xb, sc, ASM: tl.constexpr):
+        """One run of 32 weights per (row, h, g): dx * (sc * (dot(q, x) - 32 * sum(x))) [BN, 2, 2]."""
+        isum = tl.sum(_dp4a(q, tl.load(xw), tl.zeros_like(q), ASM), axis=0) - 32 * tl.load(xg)
+        return tl.load(xb) * (sc * isum).to(tl.float32)
+
+    @triton.jit
+    def _spread5(v):
+        """Bits 0..3 of v to bit 4 of bytes 0..3 (v * 0x2040810 puts copies of v at 4, 11, 18, 25: disjoint)."""
+        return ((v & 15) * 0x2040810) & 0x10101010
+
+    @triton.jit
+    def _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, bmask, QT: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0 blocks blk [1, 4] of BN rows -> (d [BN, 4], words [W, BN, 4] for dp4a: Q8_0's signed
+        bytes twice; Q4_0/Q5_0's elements 4w.. and 16 + 4w..). A block's words lie on the first axis, which the
+        halfword loads leave inside each thread (no exchange for the sums)."""
+        W: tl.constexpr = 8 if QT == 8 else 4  # words per block
+        bs: tl.constexpr = 34 if QT == 8 else (18 if QT == 2 else 22)
+        qs_at: tl.constexpr = 1 if QT != 6 else 3  # halfwords
+        w = tl.arange(0, W)[:, None, None]
+        m2 = nmask[:, None] & bmask
+        hb = (rowb[:, None] + blk * bs) // 2  # [BN, 4] halfword offset of each block
+        d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
+        words = _w16(wi_ptr, hb[None, :, :] + qs_at + 2 * w, m2[None, :, :])
+        if QT == 8:
+            lo = words
+            hi = words
+        else:
+            lo = words & 0x0F0F0F0F
+            hi = (words >> 4) & 0x0F0F0F0F
+            if QT == 6:
+                qh = _w16(wi_ptr, hb + 1, m2)[None, :, :]
+                lo = lo | _spread5(qh >> (4 * w))
+                hi = hi | _spread5(qh >> (16 + 4 * w))
+        return d, lo, hi
+
+    @triton.jit
+    def _b32_dot(d, lo, hi, xq_ptr, xd_ptr, xs_ptr, blk, bmask, QT: tl.constexpr, ASM: tl.constexpr):
+        """The f32 terms [BN, 4] of blocks blk for one x row (xq_ptr .. at that row)."""
+        W: tl.constexpr = 8 if QT == 8 else 4
+        xw = xq_ptr + blk[None, :, :] * 8 + tl.arange(0, W)[:, None, None]
+        xmask = bmask[None, :, :]
+        dx = tl.load(xd_ptr + blk, mask=bmask, other=0.0)
+        if QT == 8:
+            isum = tl.sum(_dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM), axis=0)
+            t = d * (dx * isum.to(tl.float32))
+        else:
+            isum = _dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
+            isum = tl.sum(_dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=0)
+            sx = tl.load(xs_ptr + blk, mask=bmask, other=0.0)
+            t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
+        return t
+
+    @triton.jit
+    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows (two runs of four), for every x row;
+        acc [BN, 4, MP]."""
+        blk = kb * 8 + tl.arange(0, 4)[None, :]
+        ma = blk < K // 32
+        mb = blk + 4 < K // 32
+        da, loa, hia = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, ma, QT)
+        db, lob, hib = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk + 4, mb, QT)
+        for m in tl.static_range(M):
+            xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
+            t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
+                 + _b32_dot(db, lob, hib, xq, xd, xs, blk + 4, mb, QT, ASM))
+            acc = _add_col(acc, t, m, MP)
+        return acc
+
+    @triton.jit
+    def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
+                   kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
+                   ASM: tl.constexpr):
+        """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
+        rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
+        x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once."""
+        if QT == 12 or QT == 13:
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
+                                ASM)
+            out = tl.sum(acc, axis=1)
+        elif QT == 14:
+            acc6 = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc6 = _q6_step(acc6, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask,
+                                kb, M, MP, ASM)
+            out = tl.sum(tl.sum(acc6, axis=2), axis=1)
+        else:
+            acc8 = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            for kb in range(kb_lo, kb_hi):
+                acc8 = _b32_step(acc8, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP,
+                                 QT, ASM)
+            out = tl.sum(acc8, axis=1)
+        return tl.trans(out)
+
+    @triton.jit
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
+                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+                        OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
+        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
+        pdl_start(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        k_lo = tl.program_id(1) * STEPS
+        k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+        acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM)
+        im = tl.arange(0, MP)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _sum_parts_kernel(p_ptr, y_ptr, S, total, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        """y = the sum of the S partial sums p [S, total], added in split order (the same for any row count)."""
+        pdl_start(PDL)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
+        tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
+                             QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+        """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
+        e = top_i[t, j]."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
+        f = tl.program_id(0) * BN + tl.arange(0, BN)
+        fmask = f < F
+        xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
+        xg = xg_ptr + t * (D // 16)
+        steps = tl.cdiv(D, 256)
+        g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask,
+                       D, 0, steps, 1, 1, BN, QG, ASM)
+        u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask,
+                       D, 0, steps, 1, 1, BN, QU, ASM)
+        a = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+
+    @triton.jit
+    def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
+                          KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
+                          OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
+        pdl_start(PDL)
+        pair = tl.program_id(1)
+        t = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
+        dd = tl.program_id(0) * BN + tl.arange(0, BN)
+        dmask = dd < D
+        acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
+                         xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
+                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM)
+        tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
+                 mask=dmask[None, :])
+
+
+def _asm() -> bool:
+    return DP4A_ASM and not INTERPRET
+
+
+def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
+    s [M, K/32] f32, int32 sums per 16 [M, K/16]), as qdot.quantize_x_torch."""
+    M, K = x.shape
+    if K % 32 or x.stride(1) != 1:
+        raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
+    KB = K // 32
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    g = torch.empty(M, 2 * KB, dtype=torch.int32, device=x.device)
+    bb = min(QUANT_BLOCKS, next_pow2(KB))
+    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, g, x.stride(0), KB, BB=bb, num_warps=4,
+                                              enable_fp_fusion=False, **pdl_launch(x))
+    return q.view(torch.int32), d, s, g
+
+
+def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The bytes and their f16, int16 and (rows of whole 32-bit words) int32 views, one storage."""
+    wi = raw.view(torch.int16)
+    return raw, raw.view(torch.float16), wi, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wi
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
+
+
+def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, int]:
+    """(splits, steps per split) of K: depends on the matrix and the GPU only, never on the row count."""
+    steps = triton.cdiv(k, 256)
+    blocks = triton.cdiv(n, bn)
+    want = per_sm * _sm_count(x)
+    split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
+    share = triton.cdiv(steps, split)
+    return triton.cdiv(steps, share), share
+
+
+def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+                       config: tuple[int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, last dim contiguous) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
+    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: (rows per program, warps,
+    programs wanted per SM); asm: dp4a by PTX (default DP4A_ASM off the interpreter)."""
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or K % 32:
+        raise ValueError(f"qdot_matmul: x {tuple(x.shape)}, raw {tuple(raw.shape)}, N {n}")
+    xq, xd, xs, xg = quantize_x_triton(x if x.stride(1) == 1 else x.contiguous())
+    bn, warps, per_sm = config or QDOT_CONFIG
+    split, share = _split(n, K, bn, per_sm, x)
+    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+    wb, wh, wi, ww = _views(raw)
+    _qdot_mv_kernel[(triton.cdiv(n, bn), split)](
+        xq, xd, xs, xg, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
+        out.stride(-2), M=M, MP=next_pow2(M), BN=bn, QT=int(qtype), ASM=_asm() if asm is None else asm,
+        OUT_DT=tl_dtype(x.dtype) if split == 1 else tl.float32, num_warps=warps, **pdl_launch(x))
+    if split > 1:
+        block = 1024
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, BLOCK=block,
+                                                         OUT_DT=tl_dtype(x.dtype), num_warps=4, **pdl_launch(x))
+    return y
+
+
+def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
+                        up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
+                        config: tuple[int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+    """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
+    as (raw [E, rows, row_bytes], qtype). Four launches: quantize h, gate/up, quantize the f32 act, down."""
+    (gr, gq), (ur, uq), (dr, dq) = gate, up, down
+    T_, D = h.shape
+    k = top_i.shape[1]
+    F = gr.shape[1]
+    bn, warps = config or QDOT_MOE_CONFIG
+    use_asm = _asm() if asm is None else asm
+    top_i, top_w = top_i.contiguous(), top_w.contiguous()
+    hq, hd, hs, hg = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
+    y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
+    gb, gh, gi, gw = _views(gr)
+    ub, uh, ui, uw = _views(ur)
+    db, dh, di, dw = _views(dr)
+    _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
+        hq, hd, hs, hg, top_i, gb, gh, gi, gw, ub, uh, ui, uw, act, D, F, k, top_i.stride(0), gr.stride(0),
+        gr.stride(1), ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), QU=int(uq), ASM=use_asm, num_warps=warps,
+        **pdl_launch(h))
+    aq, ad, as_, ag = quantize_x_triton(act)
+    _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
+        aq, ad, as_, ag, top_i, top_w, db, dh, di, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0),
+        dr.stride(1), BN=bn, QD=int(dq), ASM=use_asm, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
+    return y

@@ -1,0 +1,235 @@
+"""The int8-activation products (kernels/qdot.py references, kernels/triton_qdot.py kernels).
+
+Tolerances, as max |got - ref| / max |ref|:
+- the activation quantizer against quantize_x_torch: bit for bit (int8 words, d and s);
+- the kernels against the int8 references (qdot_matmul_torch, qdot_moe_few_torch), f32 outputs: TIGHT = 1e-5 (the
+  integer sums are exact on both sides; only the order of the f32 sums over sub-blocks differs; measured ~1e-7);
+  16-bit outputs add that dtype's rounding of the result (TOL16);
+- the int8 path against the f32 products with the expanded weights (qmatmul_torch, qmoe_few_torch): LOOSE = 2e-2,
+  what rounding x (and the experts' intermediate) to 8 bits per 32 elements costs; measured 3e-3 .. 1e-2 at these
+  small random shapes (`test_int8_error_per_type` prints them per type).
+- Row independence: a row's result is bit-identical whatever the number of rows computed with it.
+
+The Triton kernels run through the interpreter in a subprocess (`test_interpreted`, as in test_quant_kernels.py);
+tests marked `cuda` run the compiled kernels at the model's shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from qspec.kernels.qdot import QDOT_QTYPES, qdot_matmul_torch, qdot_moe_few_torch, quantize_x_torch
+from qspec.kernels.qmatmul import qmatmul_torch, qmoe_few_torch
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
+from qspec.weights.quantize import quantize
+from qspec.weights.qweight import QuantWeight
+
+T = GGMLQuantizationType
+ROOT = Path(__file__).resolve().parents[1]
+TYPES = sorted(QDOT_QTYPES, key=lambda q: q.name)
+TIGHT, LOOSE = 1e-5, 2e-2
+TOL16 = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
+interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def qweight(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu",
+            tile: int = 0) -> QuantWeight:
+    """Random weights quantized to qt; tile > 0: `tile` random rows (of all the lead dims' rows) repeated, so the
+    model's sizes quantize quickly."""
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    g = torch.Generator(device).manual_seed(seed)
+    w = torch.randn(min(rows, tile or rows), shape[-1], generator=g, device=device) * shape[-1] ** -0.5
+    raw = quantize(w, qt)
+    if tile:
+        raw = raw.repeat(-(-rows // tile), 1)[:rows].contiguous()
+    return QuantWeight.from_blocks(raw, qt, shape)
+
+
+def row_len(qt: GGMLQuantizationType) -> int:
+    """A short row; 32-weight blocks get a partial 256-weight step."""
+    return 512 if qt.name.endswith("_K") else 352
+
+
+def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)])
+    if T_ > 1:
+        top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
+    return top_i.to(device), torch.rand(T_, k, generator=g).to(device)
+
+
+# ---- in this process: the references ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_int8_error_per_type(qt: GGMLQuantizationType) -> None:
+    """The int8 reference against the f32 product: only x's rounding to 8 bits separates them."""
+    w = qweight(qt, (64, row_len(qt)), seed=int(qt))
+    x = torch.randn(4, w.shape[1])
+    err = rel_err(qdot_matmul_torch(x, w.raw, int(qt), 64, w.shape[1]), qmatmul_torch(x, w))
+    print(f"{qt.name}: int8 x against f32 x: {err:.2e}")
+    assert 1e-4 < err <= LOOSE  # (a zero error would mean the int8 path was not taken)
+
+
+def test_quantize_x_reference() -> None:
+    """d = max|x| / 127 per 32, |q| <= 127 with the block's maximum at +-127, s = d * sum(q); a zero block stays 0."""
+    x = torch.randn(3, 96)
+    x[1, 32:64] = 0
+    q, d, s, g16 = quantize_x_torch(x)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert torch.equal(g16, q.view(3, 6, 16).sum(-1).int())
+    assert torch.equal(d, x.view(3, 3, 32).abs().amax(-1) / 127)
+    assert torch.equal(s, d * q.view(3, 3, 32).sum(-1).float())
+    assert d[1, 1] == 0 and (q.view(3, 3, 32)[1, 1] == 0).all()
+    assert rel_err(q.float().view(3, 3, 32) * d[..., None], x.view(3, 3, 32)) <= 1 / 254 + 1e-6
+
+
+# ---- the Triton kernels through the interpreter (subprocess) ----------------------------------------------------
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
+def test_interpreted() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
+                        str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@interp
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+def test_interp_quantize_x(dt: torch.dtype) -> None:
+    from qspec.kernels.triton_qdot import quantize_x_triton
+
+    x = torch.randn(3, 1120).to(dt)  # 35 blocks: two programs per row, the second partly masked
+    x[0, :32] = 0
+    q, d, s, g = quantize_x_triton(x)
+    rq, rd, rs, rg = quantize_x_torch(x)
+    assert q.dtype == torch.int32 and q.shape == (3, 280)
+    assert torch.equal(q.view(torch.int8), rq) and torch.equal(d, rd) and torch.equal(s, rs) and torch.equal(g, rg)
+
+
+@interp
+@pytest.mark.parametrize("qt", TYPES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_interp_qdot_matmul(qt: GGMLQuantizationType, M: int) -> None:
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    w = qweight(qt, (13, row_len(qt)), seed=10 * M + int(qt))
+    x = torch.randn(M, w.shape[1])
+    y = qdot_matmul_triton(x, w.raw, int(qt), 13, config=(8, 4, 1))
+    assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 13, w.shape[1])) <= TIGHT
+    assert rel_err(y, qmatmul_torch(x, w)) <= LOOSE
+
+
+@interp
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_interp_qdot_16bit(dt: torch.dtype) -> None:
+    """16-bit rows: the output rounded once to x's dtype."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    w = qweight(T.Q4_K, (9, 256), seed=5)
+    x = torch.randn(2, 256).to(dt)
+    y = qdot_matmul_triton(x, w.raw, int(T.Q4_K), 9, config=(8, 4, 1))
+    assert y.dtype == dt and rel_err(y, qdot_matmul_torch(x, w.raw, int(T.Q4_K), 9, 256)) <= TOL16[dt]
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q6_K, T.Q8_0])
+def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
+    """K split into f32 partial sums (many programs wanted per SM), and each row's result bit-identical whatever
+    M: computed alone, or with 4 others (the row-exact mode's contract)."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    K = 1024 if qt == T.Q6_K else 800
+    w = qweight(qt, (10, K), seed=7)
+    x = torch.randn(5, K)
+    cfg = (8, 4, 8)  # 2 row blocks, 32 wanted: K splits into 4 shares
+    y = qdot_matmul_triton(x, w.raw, int(qt), 10, config=cfg)
+    assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 10, K)) <= TIGHT
+    for i in range(5):
+        assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), 10, config=cfg), y[i:i + 1])
+    y1 = qdot_matmul_triton(x, w.raw, int(qt), 10, config=(8, 4, 1))  # no split
+    assert rel_err(y1, y) <= TIGHT
+
+
+@interp
+@pytest.mark.parametrize("gt,dt", [(T.Q4_K, T.Q5_0), (T.Q6_K, T.Q8_0), (T.Q5_K, T.Q4_0)])
+@pytest.mark.parametrize("T_", [1, 3])
+def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType, T_: int) -> None:
+    """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step)."""
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+
+    E, Fd, D, k = 5, 96, 256, 2
+    gate, up, down = qweight(gt, (E, Fd, D), 30), qweight(gt, (E, Fd, D), 31), qweight(dt, (E, D, Fd), 32)
+    h = torch.randn(T_, D)
+    top_i, top_w = routing(T_, E, k, seed=33)
+    parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
+    got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
+    assert got.shape == (T_, k, D)
+    assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= TIGHT
+    assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= LOOSE
+
+
+# ---- CUDA: the compiled kernels at the model's shapes ----------------------------------------------------------
+
+MATRICES = [(T.Q6_K, 248320, 2560), (T.Q4_K, 248320, 2560), (T.Q4_K, 2560, 6144), (T.Q5_K, 2560, 6144),
+            (T.Q6_K, 2560, 6144), (T.Q8_0, 2560, 6144), (T.Q4_0, 16480, 2560), (T.Q5_0, 2560, 640),
+            (T.Q8_0, 1800, 2560)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qt,N,K", MATRICES)
+def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None:
+    """The kernel against the int8 reference (f32 rows: TIGHT; bf16 rows through the dispatch: the same numbers
+    rounded), against the f32 product (LOOSE), row independence, and dp4a's emulation equal to the instruction."""
+    from qspec.kernels.qmatmul import qmatmul
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    w = qweight(qt, (N, K), seed=N, device="cuda", tile=8192)
+    for M in (1, 4, 8, 16):
+        x = torch.randn(M, K, device="cuda")
+        y = qdot_matmul_triton(x, w.raw, int(qt), N)
+        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT, (M, "int8 reference")
+        xb = x.bfloat16()
+        yb = qmatmul(xb, w)
+        assert torch.equal(yb, qdot_matmul_triton(xb, w.raw, int(qt), N)), (M, "the dispatch takes the int8 kernel")
+        assert rel_err(yb, qmatmul_torch(xb, w)) <= LOOSE, (M, "f32 product")
+        for i in range(M):
+            assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yb[i:i + 1]), (M, i, "row")
+    assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yb), "dp4a emulation"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gt,dt", [(T.Q4_K, T.Q5_0), (T.Q6_K, T.Q8_0), (T.Q5_K, T.Q5_0)])
+def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizationType) -> None:
+    """E = 512 experts of 640 x 2560, top-10, 1..16 tokens: the kernels against the int8 reference (f32 h: TIGHT
+    times 10, the intermediate's requantization may round one element differently), the dispatch with bf16 h against
+    the f32 reference (LOOSE)."""
+    from qspec.kernels.qmatmul import qmoe_few
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+
+    E, Fd, D, k = 512, 640, 2560, 10
+    gate, up = qweight(gt, (E, Fd, D), 50, "cuda", 8192), qweight(gt, (E, Fd, D), 51, "cuda", 8192)
+    down = qweight(dt, (E, D, Fd), 53, "cuda", 8192)
+    parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
+    for T_ in (1, 4, 8, 16):
+        h = torch.randn(T_, D, device="cuda")
+        top_i, top_w = routing(T_, E, k, seed=T_, device="cuda")
+        got = qdot_moe_few_triton(h, top_i, top_w, *parts)
+        assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= 10 * TIGHT, T_
+        hb, twb = h.bfloat16(), top_w.bfloat16()
+        yb = qmoe_few(hb, top_i, twb, gate, up, down)
+        assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
+        assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
+        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
