@@ -349,3 +349,31 @@ def test_cuda_block_model_in_graphs(tmp_path: Path, mix: str) -> None:
     spec = Engine(model, EngineOptions(draft=3, capacity=CAP)).generate(prompt, 24)
     agree = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens, strict=True)) if a != b), None)
     assert agree is None or agree > 8, (spec.tokens, plain.tokens)  # bf16: equal up to a near tie late on
+
+
+def test_prefill_block_experts_grouped_by_bounded_groups() -> None:
+    """Prefill's block experts through grouped GEMMs on experts expanded a group at a time: any scratch size gives
+    the same rows (the groups only partition the experts), and they follow the expanded experts' f32 products."""
+    from qspec.model.moe import grouped_block_experts
+
+    g = torch.Generator().manual_seed(3)
+    E, Fd, D, n = 6, 64, 64, 40
+
+    def blocks(*shape: int) -> QuantWeight:
+        return QuantWeight.from_blocks(quantize_q8_0(torch.randn(*shape, generator=g) / 8), Q.Q8_0, shape)
+
+    gate, up, down = blocks(E, Fd, D), blocks(E, Fd, D), blocks(E, D, Fd)
+    counts = [7, 0, 12, 5, 0, 16]
+    x = torch.randn(n, D, generator=g).bfloat16()
+    one = grouped_block_experts(x, counts, gate, up, down)
+    per_expert = (2 * Fd * D + D * Fd) * 2
+    for experts_per_group in (1, 2, 4):
+        assert torch.equal(grouped_block_experts(x, counts, gate, up, down, experts_per_group * per_expert), one)
+    ref, r = [], 0
+    for e, c in enumerate(counts):
+        xe = x[r:r + c].float()
+        act = torch.nn.functional.silu(xe @ gate[e].dequantize().t()) * (xe @ up[e].dequantize().t())
+        ref.append(act @ down[e].dequantize().t())
+        r += c
+    want = torch.cat(ref)
+    assert ((one.float() - want).norm() / want.norm()).item() < 2e-2  # bf16 activations and weights

@@ -71,6 +71,13 @@ def _expand(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.
     return dequantize(raw, qtype, (raw.shape[0], k), torch.float32).to(dtype)
 
 
+def expand(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight [*lead, N, K] expanded to dtype (the Triton expansion where it runs): a bounded part of a
+    larger weight, such as a group of experts for a prefill step's grouped GEMMs."""
+    raw = w.raw.reshape(-1, w.raw.shape[-1])
+    return _expand(raw if raw.is_contiguous() else raw.contiguous(), int(w.qtype), w.shape[-1], dtype).view(w.shape)
+
+
 def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T with W expanded SCRATCH_ELEMENTS at a time: on CUDA into x.dtype (tensor cores), elsewhere
     into f32 (the reference's arithmetic)."""

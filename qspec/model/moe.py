@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.moe_few import ExpertWeight, expert_ffn, moe_few_torch, moe_slots, sum_slots
-from qspec.kernels.qmatmul import qmoe_few
+from qspec.kernels.qmatmul import expand, qmoe_few
 from qspec.kernels.route import route_top_k
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
@@ -43,6 +43,31 @@ def grouped_experts(x: torch.Tensor, ends: torch.Tensor, gate: torch.Tensor, up:
     g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=ends)
     u = torch._grouped_mm(x, up.transpose(-2, -1), offs=ends)
     return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=ends)
+
+
+# Prefill with block experts: the experts are expanded a group at a time into a 16-bit scratch of at most this many
+# bytes, and each group's rows go through the grouped GEMMs, so a step reads every chosen expert's blocks once and
+# never holds a 16-bit copy of a layer's experts (BENCHMARKS.md §5b, prefill).
+EXPERT_SCRATCH_BYTES = 1 << 30
+
+
+def grouped_block_experts(x: torch.Tensor, counts: list[int], gate: QuantWeight, up: QuantWeight,
+                          down: QuantWeight, scratch_bytes: int = EXPERT_SCRATCH_BYTES) -> torch.Tensor:
+    """grouped_experts for block experts: x [n, D] sorted by expert, counts[e] rows of expert e (host ints)."""
+    E, Fd, D = gate.shape
+    step = max(1, scratch_bytes // ((2 * Fd * D + D * Fd) * x.element_size()))
+    ends = [0]
+    for n in counts:
+        ends.append(ends[-1] + n)
+    ys = []
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        r0, r1 = ends[e0], ends[e1]
+        if r1 == r0:
+            continue
+        offs = torch.tensor([c - r0 for c in ends[e0 + 1:e1 + 1]], dtype=torch.int32).to(x.device, non_blocking=True)
+        ys.append(grouped_experts(x[r0:r1], offs, *(expand(w.experts(e0, e1), x.dtype) for w in (gate, up, down))))
+    return torch.cat(ys)
 
 
 # ---- routed experts kept as GGUF blocks --------------------------------------------------------------------------
@@ -143,6 +168,8 @@ class MoE(torch.nn.Module):
         x = h[order // k]
         if _GROUPED_MM and x.dtype == torch.bfloat16 and not self.quantized:
             y = grouped_experts(x, counts.cumsum(0).to(torch.int32), self.gate, self.up, self.down)
+        elif _GROUPED_MM and self.blocks_only and x.dtype == torch.bfloat16:
+            y = grouped_block_experts(x, counts.tolist(), self.gate, self.up, self.down)  # type: ignore[arg-type]
         else:
             ys, o = [], 0
             for e, n in enumerate(counts.tolist()):  # the one host sync

@@ -80,6 +80,12 @@ class QuantWeight:
             raise IndexError("only stacked (expert) weights are indexed")
         return QuantWeight(self.raw[i], self.qtype, self.shape[1:])
 
+    def experts(self, start: int, stop: int) -> QuantWeight:
+        """Experts start:stop of a stacked [E, N, K] weight (a view: no copy)."""
+        if len(self.shape) < 3:
+            raise IndexError("only stacked (expert) weights have experts")
+        return QuantWeight(self.raw[start:stop], self.qtype, (stop - start, *self.shape[1:]))
+
     def rows(self, start: int, stop: int) -> QuantWeight:
         """Rows start:stop of the second-to-last dim (the halves of a fused gate_up tensor), contiguous."""
         return QuantWeight(self.raw[..., start:stop, :].contiguous(), self.qtype,
