@@ -5,6 +5,7 @@ step (both with the Q4 draft LM head, as the `ours` arm runs them; the extend co
 Runs the steps eagerly under torch.profiler and prints, per step kind: kernels launched, the sum of their
 GPU times, and the kernels that take the most time; then the CUDA-graph replay time of the same step.
 Run from the repo root: PYTHONPATH=. python scripts/profile_step.py --layers 8 --prompt 4096
+(`--quant q4_k_m --layers 48 --kinds decode,prefill`: the quantized model's decode and prefill-chunk breakdown)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.kernels import gdn_conv, gemv, hc_mix
 from qspec.model import fuse
 from qspec.spec.accept import AcceptHook
+from qspec.weights.quant_mix import MIXES
 
 
 def kernel_table(prof: profile, steps: int, top: int) -> str:
@@ -70,6 +72,7 @@ def main() -> int:
                          "token against the GPU's kernel time per token; after the verify kind: the same for MTP "
                          "rounds (--draft, Q4 draft head, replayed acceptance p=0.85), per round")
     ap.add_argument("--preset", default="flash-next")
+    ap.add_argument("--quant", choices=sorted(MIXES), help="matrices as blocks in this llama.cpp file type's mix")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
     a = ap.parse_args()
     if not 1 <= a.mixer_rows <= hc_mix.MAX_ROWS:
@@ -86,7 +89,7 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     """Each step kind: its eager kernel table, its graph time, and with --e2e whole requests (see main)."""
     cfg = bench_config(a.preset, layers=a.layers)
     t = time.perf_counter()
-    model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16)
+    model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16, quant=a.quant)
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     for kind in kinds:
@@ -101,15 +104,19 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
         print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s", flush=True)
         one = step_fn(eng, kind, a.draft)
         with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
-            for _ in range(3):  # warm kernels
+            for _ in range(1 if kind == "prefill" else 3):  # warm kernels (a prefill step grows the context)
                 one()
             sync()
+            t = time.perf_counter()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(a.steps):
                     one()
                 sync()
-        print(f"{kind} step, eager launches:")
+        print(f"{kind} step, eager launches ({(time.perf_counter() - t) / a.steps * 1e3:.1f} ms per step profiled):")
         print(kernel_table(prof, a.steps, a.top), flush=True)
+        if kind == "prefill":  # prefill steps are not graphed
+            del eng, one
+            continue
         # the same step through a CUDA graph, for each A/B arm, then with the defaults (the engine left in g)
         for label, arm, over in ab_arms(a):
             with arm():
@@ -144,7 +151,8 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     return 0
 
 
-KINDS = ("decode", "verify", "draft", "extend")
+KINDS = ("decode", "verify", "draft", "extend", "prefill")
+PREFILL_ROWS = EngineOptions.prefill_chunk
 
 
 ABArm = tuple[str, Callable[[], contextlib.AbstractContextManager], dict[str, bool]]
@@ -303,6 +311,13 @@ def step_fn(eng: Engine, kind: str, draft: int) -> Callable[[], object]:
     """One step of `kind` after the engine's last request, repeatable: target steps are kept and rolled back to
     one row; draft-head steps rewrite the same cells of the head's cache (they own no rollback)."""
     run, dev = eng.runner, eng.model.device
+    if kind == "prefill":  # one prompt chunk, kept (a chunk's rows cannot be rolled back)
+        rows = torch.arange(1, PREFILL_ROWS + 1)
+
+        def chunk() -> object:
+            run.step(rows, logit_rows=torch.tensor([PREFILL_ROWS - 1], device=dev))
+            run.keep(PREFILL_ROWS, rollback=False)
+        return chunk
     if kind in ("decode", "verify"):
         toks = torch.arange(1, (1 if kind == "decode" else draft + 1) + 1)
 
