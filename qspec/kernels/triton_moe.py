@@ -101,8 +101,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _expert_rows(ti_ptr, pair, M, KS, ti_m, KP: tl.constexpr):
-        """For the pair's expert e: whether the pair is the first (in row-major pair order) that chose e, and for
-        each of 16 rows r the slot j with top_i[r, j] == e, or -1 (a row chooses an expert at most once)."""
+        """For the pair's expert e: whether the pair is the first (in row-major pair order) that chose e, the 16 rows
+        r, for each row the slot j with top_i[r, j] == e or -1 (a row chooses an expert at most once), and whether the
+        row chose e."""
         e = tl.load(ti_ptr + (pair // KS) * ti_m + pair % KS)
         r = tl.arange(0, 16)
         jj = tl.arange(0, KP)
@@ -110,7 +111,14 @@ if HAS_TRITON:
         hit = tile == e
         earlier = tl.sum(tl.sum((hit & ((r[:, None] * KS + jj[None, :]) < pair)).to(tl.int32), axis=1), axis=0)
         jm = tl.max(tl.where(hit, jj[None, :], -1), axis=1)
-        return e.to(tl.int64), earlier == 0, jm
+        return e.to(tl.int64), earlier == 0, r, jm, jm >= 0
+
+    @triton.jit
+    def _tile_rows(w_ptr, e, w_e, w_n, N, BN: tl.constexpr):
+        """This program's BN output rows of expert e's [N, *] matrix: (their indices, which exist, their row pointers
+        [BN, 1])."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        return n, n < N, w_ptr + e * w_e + n.to(tl.int64)[:, None] * w_n
 
     @triton.jit(do_not_specialize=["KS"])
     def _moe_gate_up_grouped_kernel(h_ptr, ti_ptr, gate_ptr, up_ptr, act_ptr, M, D, F, KS,
@@ -120,15 +128,10 @@ if HAS_TRITON:
         # one program per (F tile, pair), but only the first pair of each distinct expert works: it reads the
         # expert's rows once for every row that chose it (rows as 16 tensor-core columns, the others masked)
         pdl_start(PDL)
-        e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
+        e, first, r, jm, member = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
         if first:
-            r = tl.arange(0, 16)
-            member = jm >= 0
-            f = tl.program_id(0) * BF + tl.arange(0, BF)
-            fmask = f < F
-            f64 = f.to(tl.int64)
-            grow = gate_ptr + e * g_e + f64[:, None] * g_f
-            urow = up_ptr + e * u_e + f64[:, None] * u_f
+            f, fmask, grow = _tile_rows(gate_ptr, e, g_e, g_f, F, BF)
+            urow = up_ptr + e * u_e + f.to(tl.int64)[:, None] * u_f
             accg = tl.zeros([BF, 16], dtype=tl.float32)
             accu = tl.zeros([BF, 16], dtype=tl.float32)
             for d0 in tl.range(0, D, BD, num_stages=STAGES):
@@ -153,13 +156,9 @@ if HAS_TRITON:
                                  DT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, KP: tl.constexpr,
                                  STAGES: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)
-        e, first, jm = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
+        e, first, r, jm, member = _expert_rows(ti_ptr, tl.program_id(1), M, KS, ti_m, KP)
         if first:
-            r = tl.arange(0, 16)
-            member = jm >= 0
-            d = tl.program_id(0) * BD + tl.arange(0, BD)
-            dmask = d < D
-            drow = down_ptr + e * d_e + d.to(tl.int64)[:, None] * d_d
+            d, dmask, drow = _tile_rows(down_ptr, e, d_e, d_d, D, BD)
             arow = act_ptr + r[None, :] * a_m + jm[None, :] * a_k  # [1, 16]: each member row's act slot
             acc = tl.zeros([BD, 16], dtype=tl.float32)
             for f0 in tl.range(0, F, BF, num_stages=STAGES):
