@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 
 from qspec.kernels.moe_few import expert_ffn, sum_slots
 from qspec.kernels.qmatmul import (
+    int8_dot_mode,
     qexpert_ffn_torch,
     qmatmul,
     qmatmul_op,
@@ -28,7 +29,7 @@ from qspec.kernels.qmatmul import (
     qmoe_few,
     qmoe_few_torch,
 )
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
 from qspec.weights.dequant import dequantize, quantize_q4_0
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
@@ -202,7 +203,7 @@ def test_interp_block_expert_ffn() -> None:
 @pytest.fixture
 def f32_expansion_kernels() -> Iterator[None]:
     """16-bit rows to the f32-expansion kernels (the int8-activation ones have tests/test_qdot_kernels.py)."""
-    with module_flag("qspec.kernels.qmatmul", "INT8_DOT", False):
+    with int8_dot_mode(False):
         yield
 
 

@@ -106,8 +106,7 @@ def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> 
     f32-expansion kernels, then the int8-activation ones where the type has them."""
     from qspec.kernels.gemv import gemv
     from qspec.kernels.qdot import QDOT_QTYPES
-    from qspec.kernels.qmatmul import qmatmul_op
-    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.qmatmul import int8_dot_mode, qmatmul_op
 
     for name in shapes:
         n, k = SHAPES[name]
@@ -122,7 +121,7 @@ def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> 
             for label, on in (("f32", False), ("int8", True)):
                 if on and qt not in QDOT_QTYPES:
                     continue
-                with module_flag("qspec.kernels.qmatmul", "INT8_DOT", on):
+                with int8_dot_mode(on):
                     us = graph_us([partial(qmatmul_op, x, r, int(qt), n, k) for r in raws])
                 _row(rows, f"{label} m={m}", qt.name, f"{n}x{k}", us, nbytes, bf_us, bf_bytes)
             del raws

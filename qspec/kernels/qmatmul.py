@@ -17,11 +17,13 @@ reference.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from qspec.kernels.qdot import QDOT_QTYPES
-from qspec.kernels.triton_common import use_triton
+from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.weights.dequant import dequantize
 from qspec.weights.qweight import QuantWeight
 
@@ -41,6 +43,11 @@ INT8_DOT = True
 # (`python -m qspec.bench.qkernels`, the "f32"/"int8" rows at m=1, 6, 16).
 INT8_MAX_ROWS = 16
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES)
+
+
+def int8_dot_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, INT8_DOT is `on` (EngineOptions.int8_dot; the runner sets it around every step)."""
+    return module_flag(__name__, "INT8_DOT", on)
 
 
 def _int8_for(x: torch.Tensor, *qtypes: int) -> bool:
