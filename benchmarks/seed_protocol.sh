@@ -82,12 +82,14 @@ hcrows=1,ours-again:from=ours" ;;
         --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     # (h) block weights (llama.cpp's per-tensor types, generated and quantized on the GPU): 8 layers Q4_K_M, the
     #     geometry of the llama.cpp comparison file; the whole 48 layers Q4_K_M (split in two processes: the build,
-    #     the warm-ups and a 4,096-token prefill per run); the int8-activation products against the f32 expansion;
+    #     the warm-ups and a 4,096-token prefill per run); the int8-activation products against the f32 expansion,
+    #     and 4,096-token prefill steps (the block models' default) against 512;
     #     48 layers Q8_0 (~137 GB of weights: whether it fits)
     h200-q4km8) bench merge "${fn8[@]}" --quant q4_k_m --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
-    h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0" ;;
+    h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\
+nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     h200-q8048) bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -43,6 +43,18 @@ CATCH_UP_CHUNKS = 1
 __all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation", "KernelOptions", "cells_needed"]
 
 
+# Prompt tokens per prefill step when the options leave it open. A step whose routed experts are GGUF blocks
+# expands each chosen expert's blocks once (moe.grouped_block_experts), whatever its rows, so such models take
+# longer steps to pay that less often (BENCHMARKS.md §5c).
+PREFILL_CHUNK = 512
+BLOCK_PREFILL_CHUNK = 4096
+
+
+def prefill_chunk_for(model: Model) -> int:
+    """The prefill step length for `model` when EngineOptions.prefill_chunk is None."""
+    return BLOCK_PREFILL_CHUNK if any(m.blocks_only for m in model.moe) else PREFILL_CHUNK
+
+
 @dataclass
 class EngineHooks:
     """Test and benchmark instrumentation: not options (no flag, no arm), and not needed to run the engine."""
@@ -121,6 +133,7 @@ class Engine:
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
         self.draft_lm_head = self._draft_head()
+        self.prefill_chunk = opts.prefill_chunk or prefill_chunk_for(model)
         check_cache_fits(model, self.opts.cache_options())  # before a cache too large for the memory is allocated
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
@@ -210,13 +223,13 @@ class Engine:
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""
-        o, run, dev = self.opts, self.runner, self.model.device
+        o, run, dev, step = self.opts, self.runner, self.model.device, self.prefill_chunk
         ids = torch.tensor(prompt, dtype=torch.long)
         P = len(prompt)
         logits, H = None, None
-        for s in range(0, P, o.prefill_chunk):
-            chunk = ids[s:s + o.prefill_chunk]
-            last = s + o.prefill_chunk >= P
+        for s in range(0, P, step):
+            chunk = ids[s:s + step]
+            last = s + step >= P
             logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
                                  torch.zeros(0, dtype=torch.long, device=dev))
             run.keep(len(chunk), rollback=False)

@@ -151,7 +151,9 @@ class KernelOptions:
     draft_before_readback: bool = option(True, "greedy speculation queues each round's next draft chain before the "
                                          "host reads the round, so the GPU does not wait for the read-back",
                                          applies="with draft", arm="early")
-    prefill_chunk: int = option(512, "prompt tokens per prefill step", check=_at_least(1), metavar="TOKENS")
+    prefill_chunk: int | None = option(None, "prompt tokens per prefill step (default 512; 4,096 when the routed "
+                                       "experts are GGUF blocks, which a step expands once whatever its rows)",
+                                       check=_at_least(1), metavar="TOKENS", kind=int)
 
     def __post_init__(self) -> None:
         validate(self)

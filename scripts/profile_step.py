@@ -152,7 +152,6 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
 
 
 KINDS = ("decode", "verify", "draft", "extend", "prefill")
-PREFILL_ROWS = EngineOptions.prefill_chunk
 
 
 ABArm = tuple[str, Callable[[], contextlib.AbstractContextManager], dict[str, bool]]
@@ -312,11 +311,12 @@ def step_fn(eng: Engine, kind: str, draft: int) -> Callable[[], object]:
     one row; draft-head steps rewrite the same cells of the head's cache (they own no rollback)."""
     run, dev = eng.runner, eng.model.device
     if kind == "prefill":  # one prompt chunk, kept (a chunk's rows cannot be rolled back)
-        rows = torch.arange(1, PREFILL_ROWS + 1)
+        n = min(eng.prefill_chunk, 1024)  # the profiled steps must fit the capacity after the prompt
+        rows = torch.arange(1, n + 1)
 
         def chunk() -> object:
-            run.step(rows, logit_rows=torch.tensor([PREFILL_ROWS - 1], device=dev))
-            run.keep(PREFILL_ROWS, rollback=False)
+            run.step(rows, logit_rows=torch.tensor([n - 1], device=dev))
+            run.keep(n, rollback=False)
         return chunk
     if kind in ("decode", "verify"):
         toks = torch.arange(1, (1 if kind == "decode" else draft + 1) + 1)

@@ -377,3 +377,17 @@ def test_prefill_block_experts_grouped_by_bounded_groups() -> None:
         r += c
     want = torch.cat(ref)
     assert ((one.float() - want).norm() / want.norm()).item() < 2e-2  # bf16 activations and weights
+
+
+def test_prefill_chunk_defaults_to_longer_steps_for_block_experts() -> None:
+    """A model whose routed experts are blocks prefills in 4,096-token steps (each step expands every chosen expert
+    once), a 16-bit one in 512; an explicit --prefill-chunk wins."""
+    from qspec.bench.device_model import bench_config, device_random_model
+    from qspec.engine import BLOCK_PREFILL_CHUNK, PREFILL_CHUNK
+
+    cfg = bench_config("tiny", vocab_size=512)
+    blocks = device_random_model(cfg, device="cpu", dtype=torch.float32, quant="q8_0")
+    plain = device_random_model(cfg, device="cpu", dtype=torch.float32)
+    assert Engine(blocks, EngineOptions(capacity=64)).prefill_chunk == BLOCK_PREFILL_CHUNK
+    assert Engine(plain, EngineOptions(capacity=64)).prefill_chunk == PREFILL_CHUNK
+    assert Engine(blocks, EngineOptions(capacity=64, prefill_chunk=16)).prefill_chunk == 16
