@@ -36,6 +36,7 @@ from qspec.weights import (
 )
 from qspec.weights.gguf_io import GGUF_MAGIC, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.names import tensor_shapes
+from qspec.weights.pinned import PinnedRowTable
 from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import RandomWeights
@@ -108,6 +109,10 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
         weights = quantize_weights(weights, quantize, cfg)
     model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream, pin_table=pin_table)
     model.weights_summary = weights_summary(weights)
+    table = model.ple.table if model.ple is not None else None
+    if isinstance(table, PinnedRowTable):  # the summary describes the file's table; say where the model put it
+        model.weights_summary += (f"; n-gram table copied to page-locked host memory in {table.pin_seconds:.1f} s, "
+                                  f"gathered by the GPU")
     return model
 
 
