@@ -36,6 +36,7 @@ from qspec.weights import (
 )
 from qspec.weights.gguf_io import GGUF_MAGIC, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.names import tensor_shapes
+from qspec.weights.pinned import PinnedRowTable
 from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import RandomWeights
@@ -71,7 +72,7 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                with_mtp: bool | None = None, hnorm_per_stream: bool = False,
                draft_path: str | os.PathLike[str] | None = None, dequantize_all: bool | None = None,
-               quantize: str | None = None, progress: bool | None = None) -> Model:
+               quantize: str | None = None, progress: bool | None = None, pin_table: bool = True) -> Model:
     """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
 
     A GGUF's matrices of a packed block type (Q4_0, Q8_0, Q4_K, Q5_K, ...) stay blocks on the device;
@@ -81,6 +82,8 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     counts on stderr (None: when stderr is a terminal). `model.weights_summary` says what is kept in which format.
     `draft_path`: a draft-only GGUF (llama.cpp's `-md` layout: just `blk.{n_layers}.*`, borrowing the target's
     `token_embd`/`output`) supplying the MTP head. `"demo"` names the trained demo model, as `--model demo` does.
+    `pin_table`: on CUDA, an n-gram table too large for the device goes to page-locked host memory that the device
+    gathers from (graph-safe steps) instead of being gathered through the host (see `Model`).
     Raises WeightsError / ConfigError naming the fault."""
     path = model_source(path)
     draft_path = model_source(draft_path) if draft_path is not None else None
@@ -104,8 +107,12 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
         mtp = cfg.has_mtp if with_mtp is None else with_mtp
     if quantize is not None:
         weights = quantize_weights(weights, quantize, cfg)
-    model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream)
+    model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream, pin_table=pin_table)
     model.weights_summary = weights_summary(weights)
+    table = model.ple.table if model.ple is not None else None
+    if isinstance(table, PinnedRowTable):  # the summary describes the file's table; say where the model put it
+        model.weights_summary += (f"; n-gram table copied to page-locked host memory in {table.pin_seconds:.1f} s, "
+                                  f"gathered by the GPU")
     return model
 
 

@@ -6,6 +6,7 @@ path for prefill, plain decoding and speculative verification.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
+from qspec.weights.gguf_io import HostRowTable
+from qspec.weights.pinned import PinError, PinnedRowTable
 from qspec.weights.qweight import QuantWeight
 from qspec.weights.traffic import step_bytes
 
@@ -36,6 +39,23 @@ DEVICE_TABLE_MAX_BYTES = 8 << 30
 def _nbytes(t: object) -> int:
     shape = getattr(t, "shape", (0, 0))
     return int(shape[0]) * int(shape[1]) * 2
+
+
+def _pin_host_table(t: object, device: torch.device) -> object:
+    """A host table too large for the device as a PinnedRowTable that `device` gathers from by itself; anything else,
+    or a table that cannot be pinned here, unchanged (with a warning saying why: its steps then run without graphs)."""
+    if not isinstance(t, HostRowTable):
+        return t
+    if not triton_enabled():
+        reason = "Triton is not installed or is switched off (QSPEC_TRITON=0)"
+    else:
+        try:
+            return PinnedRowTable.from_segments(t.segments, t.qtype, t.cols, device)
+        except PinError as e:
+            reason = str(e)
+    warnings.warn(f"the n-gram table stays where it is and is gathered through the host, so steps cannot run as "
+                  f"CUDA graphs: {reason}", stacklevel=3)
+    return t
 
 
 @dataclass
@@ -86,7 +106,10 @@ _rope_tables = fuse.fused(rope_tables)
 
 class Model(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ple_table: RowTable | None = None,
-                 *, with_mtp: bool | None = None, hnorm_per_stream: bool = False) -> None:
+                 *, with_mtp: bool | None = None, hnorm_per_stream: bool = False, pin_table: bool = True) -> None:
+        """pin_table: on CUDA, an n-gram table too large for the device is copied into page-locked host memory that
+        the device reads by itself (weights/pinned.py), which keeps the steps graph-safe; off, it is gathered through
+        the host (the fallback wherever pinning cannot be done)."""
         super().__init__()
         self.cfg = cfg
         self.embed: torch.Tensor | QuantWeight = w["token_embd.weight"]
@@ -112,9 +135,13 @@ class Model(torch.nn.Module):
             t = ple_table if ple_table is not None else w["per_layer_token_embd.weight"]
             if hasattr(t, "materialize") and self.device.type == "cuda" and _nbytes(t) <= DEVICE_TABLE_MAX_BYTES:
                 t = t.materialize(self.device, self.dtype)  # fits: gathers stay on the device
+            elif self.device.type == "cuda" and pin_table:
+                t = _pin_host_table(t, self.device)
             table = DeviceRowTable(t) if isinstance(t, torch.Tensor) else t
-            # a host-resident table needs a host round trip per step, which CUDA graphs cannot capture
-            self.graph_safe = isinstance(table, DeviceRowTable) and table.table.device == self.device
+            # a table gathered through the host needs a round trip per step, which CUDA graphs cannot capture; a
+            # device-resident or pinned one is read by the device itself
+            self.graph_safe = (isinstance(table, DeviceRowTable) and table.table.device == self.device) or \
+                (isinstance(table, PinnedRowTable) and table.table.bases.device == self.device)
             self.ple = PLE(cfg, w, f"blk.{cfg.ple_layer}", table)
         with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
         self.mtp = MTPHead(cfg, w, hnorm_per_stream) if with_mtp else None

@@ -1,8 +1,9 @@
 """PLE: hashed n-gram per-layer embedding, gated per hyper-connection stream, plus a dilated causal conv.
 
 The n-gram rows are hashed on the device from the token and its (EOS-cut) predecessors; only the
-gathered rows of the table move to the compute device (the real table is ~100 GB and stays on
-the host, memory-mapped, unless it fits on the device).
+gathered rows of the table move to the compute device (the real table is ~100 GB in BF16, 54 GB in Q8_0, and stays
+on the host unless it fits on the device: on CUDA in page-locked memory the GPU reads itself, weights/pinned.py,
+elsewhere memory-mapped and gathered through the host).
 """
 
 from __future__ import annotations
