@@ -174,6 +174,55 @@ def test_interp_expansion_is_the_reference(qt: GGMLQuantizationType) -> None:
     assert rel_err(qmatmul(x, w), qmatmul_torch(x, w)) <= TOL[torch.float32]
 
 
+def _blocks(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
+    """Raw blocks of random weights of `shape` (the gguf package quantizes the types qspec does not)."""
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    if qt in (T.Q4_1, T.Q5_1):
+        from gguf import quants as gq
+
+        return torch.from_numpy(gq.quantize(w.numpy(), qt)).to(device)
+    return quantize(w.to(device), qt)
+
+
+EXPAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K])
+def test_interp_expand_kernel_is_the_reference(qt: GGMLQuantizationType) -> None:
+    """The run kernel (triton_expand.py) equals dequantize rounded once, bit for bit, in every output dtype: odd
+    row counts, rows that are not whole 256-weight steps (32-weight types), a slice of stacked experts (storage
+    offset), and for Q4_K/Q5_K a start that is only 2-byte aligned (16-bit loads instead of 32-bit ones)."""
+    from qspec.kernels.triton_expand import expand_triton
+    from qspec.kernels.triton_qmatmul import dequant_triton
+
+    ks = (256, 512) if qt.name.endswith("_K") else (96, 640)
+    for n, k in ((5, ks[0]), (19, ks[1])):
+        raw = _blocks(qt, (3, n, k), seed=n + int(qt)).view(3, n, -1)
+        ref = dequantize(raw, qt, (3, n, k))
+        for e in (0, 2):  # expert 2: a raw slice with a non-zero storage offset
+            for dt in EXPAND_DTYPES:
+                got = expand_triton(raw[e], int(qt), k, dt)
+                assert got.dtype == dt and torch.equal(got, ref[e].to(dt)), (n, k, e, dt)
+        assert torch.equal(expand_triton(raw[1], int(qt), k, torch.float32), dequant_triton(raw[1], int(qt), k,
+                                                                                             torch.float32))
+    odd = torch.cat([torch.zeros(2, dtype=torch.uint8), raw[1].reshape(-1)])[2:].view(raw[1].shape)
+    assert odd.storage_offset() % 4 == 2
+    assert torch.equal(expand_triton(odd, int(qt), k, torch.bfloat16), ref[1].to(torch.bfloat16))
+
+
+@interp
+def test_interp_expand_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """qmatmul.expand takes the run kernel, or the step-tile one with FAST_EXPAND off; both are the reference."""
+    import qspec.kernels.qmatmul as qm
+
+    w = qweight(T.Q4_K, (2, 9, 256), seed=60)
+    ref = w.dequantize().to(torch.bfloat16)
+    assert torch.equal(qm.expand(w, torch.bfloat16), ref)
+    monkeypatch.setattr(qm, "FAST_EXPAND", False)
+    assert torch.equal(qm.expand(w, torch.float32), w.dequantize())
+
+
 @interp
 @pytest.mark.parametrize("T_", [1, 2])
 def test_interp_qmoe_few(T_: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,3 +281,32 @@ def test_cuda_qmoe_real_shapes() -> None:
         got = qmoe_few(h, top_i, top_w.bfloat16(), gate, up, down)
         ref = qmoe_few_torch(h, top_i, top_w.bfloat16(), gate, up, down)
         assert rel_err(got, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+def test_cuda_expand_real_shapes() -> None:
+    """The compiled run kernel against dequantize rounded once, bit for bit, at prefill's shapes: a gdn_in matrix, a
+    group of 109 experts' gate rows (a slice of a stacked tensor), the experts' 640-wide down rows, the LM head;
+    and a matrix of more than 2^31 bytes (its last rows), whose row offsets need 64 bits."""
+    from qspec.kernels.triton_expand import expand_triton
+
+    def tiled(qt: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
+        src = _blocks(qt, (512, k), seed, "cuda")
+        return src.repeat(-(-n // 512), 1)[:n].contiguous()
+
+    for qt, n, k in ((T.Q4_K, 16480, 2560), (T.Q5_0, 2560, 640), (T.Q8_0, 2560, 640), (T.Q6_K, 248320, 2560),
+                     (T.Q5_K, 13952, 2560), (T.Q4_0, 12800, 2560)):
+        raw = tiled(qt, n, k, seed=n)
+        ref = dequantize(raw, qt, (n, k))
+        for dt in EXPAND_DTYPES:
+            assert torch.equal(expand_triton(raw, int(qt), k, dt), ref.to(dt)), (qt.name, n, k, dt)
+        del raw, ref
+    experts = tiled(T.Q4_K, 110 * 640, 2560, seed=7).view(110, 640, -1)
+    group = experts[1:].reshape(-1, experts.shape[-1])  # 69760 rows at a non-zero storage offset
+    assert torch.equal(expand_triton(group, int(T.Q4_K), 2560, torch.bfloat16),
+                       dequantize(group, T.Q4_K, (69760, 2560)).to(torch.bfloat16))
+    del experts, group
+    big = tiled(T.Q4_K, 1_500_000, 2560, seed=8)  # 2.16e9 bytes
+    got = expand_triton(big, int(T.Q4_K), 2560, torch.bfloat16)[-4096:]
+    assert torch.equal(got, dequantize(big[-4096:], T.Q4_K, (4096, 2560)).to(torch.bfloat16))

@@ -3,6 +3,7 @@
     python -m qspec.bench.qkernels              # one table, a few minutes on an H200
     python -m qspec.bench.qkernels --quick      # fewer shapes and types
     python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
+    python -m qspec.bench.qkernels --expand     # only the block expansion of prefill, step tiles against runs
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -189,6 +190,38 @@ def bench_prefill(rows: list[tuple], types: tuple, m: int = 4096) -> None:
         _row(rows, f"prefill m={m}", qt.name, f"{n}x{k}", us, raw.numel(), bf_us, n * k * 2)
 
 
+# Prefill's expansions (N, K, type): a gdn_in matrix, a group of 109 experts' gate rows, the experts' 640-wide
+# down rows, the LM head.
+EXPAND_SHAPES = ((16480, 2560, T.Q4_K), (69760, 2560, T.Q4_K), (2560, 640, T.Q5_0), (2560, 640, T.Q8_0),
+                 (248320, 2560, T.Q6_K), (16480, 2560, T.Q5_K), (16480, 2560, T.Q6_K), (16480, 2560, T.Q8_0),
+                 (16480, 2560, T.Q4_0))
+
+
+def bench_expand(rows: list[tuple]) -> None:
+    """The block expansion alone (raw blocks -> bf16 [N, K]), the step-tile kernel (triton_qmatmul.dequant_triton)
+    against the run kernel (triton_expand.expand_triton), and each run kernel config of EXPAND_SWEEP. Columns:
+    µs, G weights/s, GB/s of bytes read (the blocks) and written (2 per weight)."""
+    from qspec.kernels.triton_expand import EXPAND_CONFIG, expand_triton
+    from qspec.kernels.triton_qmatmul import dequant_triton
+
+    print(f"{'expand':<16} {'type':<6} {'shape':<14} {'µs':>9} {'Gw/s':>8} {'GB/s':>8}")
+    for n, k, qt in EXPAND_SHAPES:
+        raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k * 3))]
+        nbytes = raws[0].numel() + n * k * 2
+        kernels: list[tuple[str, Callable[..., torch.Tensor]]] = [("step tiles", dequant_triton)]
+        kernels += [(f"runs {c[0]}/{c[1]}" + (" *" if c == EXPAND_CONFIG else ""),
+                     partial(expand_triton, config=c)) for c in EXPAND_SWEEP]
+        for label, fn in kernels:
+            us = graph_us([partial(fn, r, int(qt), k, torch.bfloat16) for r in raws])
+            rows.append((label, qt.name, f"{n}x{k}", us, nbytes / us / 1e3, 1.0, 0))
+            print(f"{label:<16} {qt.name:<6} {f'{n}x{k}':<14} {us:>9.1f} {n * k / us / 1e3:>8.0f} "
+                  f"{nbytes / us / 1e3:>8.0f}", flush=True)
+        del raws
+
+
+EXPAND_SWEEP = ((16, 4), (32, 4), (8, 2), (32, 8))
+
+
 def moe_sweep(rows: list[tuple]) -> None:
     """Configs of the experts' kernels (rows per program, warps), Q4_K gate/up with Q5_0 down."""
     from qspec.kernels import triton_qmatmul
@@ -278,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
     ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
     ap.add_argument("--qdot-sweep", action="store_true", help="only the int8-activation kernels' configs")
+    ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
@@ -296,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.qdot_sweep:
         qdot_sweep(rows)
         return 0
+    if args.expand:
+        bench_expand(rows)
+        return 0
     bench_quantize(rows)
     bench_matvec(rows, shapes, types, 1)
     bench_matvec(rows, shapes[:3] if not args.quick else shapes, types, 6)
@@ -303,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_moe(rows, types, 1)
     bench_moe(rows, types, 6)
     bench_prefill(rows, types)
+    bench_expand(rows)
     return 0
 
 

@@ -43,6 +43,10 @@ INT8_DOT = True
 # (`python -m qspec.bench.qkernels`, the "f32"/"int8" rows at m=1, 6, 16).
 INT8_MAX_ROWS = 16
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES)
+# The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
+# contiguous stores); False: triton_qmatmul's step-tile expansion (`dequant_triton`), for A/B runs. Both give
+# dequantize's f32 rounded once (the step tiles up to FMA contraction on the GPU).
+FAST_EXPAND = True
 
 
 def int8_dot_mode(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -72,6 +76,10 @@ def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 def _expand(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows of blocks raw [n, row_bytes] -> [n, k] in dtype (the Triton expansion where it runs)."""
     if use_triton(raw) and _kernel_takes(qtype):
+        if FAST_EXPAND:
+            from qspec.kernels.triton_expand import expand_triton
+
+            return expand_triton(raw, qtype, k, dtype)
         from qspec.kernels.triton_qmatmul import dequant_triton
 
         return dequant_triton(raw, qtype, k, dtype)
