@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 from test_spec import CAP, oracle_hook, plain, teacher_forced_state
 
 from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.model import ops
 from qspec.model.model import Model
+from qspec.runner import Runner
 from qspec.spec.depth import DepthChoice, DepthController
 
 
@@ -77,7 +80,7 @@ def test_depth_follows_acceptance_and_cost(p: float, slope: float) -> None:
 
 
 def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
-    c = controller(5, 0.45)
+    c = controller(5, 0.45, stale_after=10**9)  # costs never re-measured here (test_stale_costs_are_measured_again)
     for _ in range(10):
         c.observe(1, 0)
     ch = c.choose()
@@ -109,6 +112,46 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
     assert ch.reason == "off" and ch.plain_tokens == c.off_min
 
 
+def test_acceptance_carries_across_requests() -> None:
+    """A request starts from the acceptance of the ones before it (capped at `carry` pseudo-rounds), not from the
+    prior; a request of another kind outweighs it within about `carry` rounds. carry=0 starts from the prior."""
+    for carry in (16.0, 0.0):
+        c = controller(5, 0.45, carry=carry)
+        feed(c, 0.95, 80, random.Random(2))
+        c.start_request()
+        assert max(c.reached) <= carry + 1e-9
+        if not carry:
+            assert c.acceptance() == pytest.approx([c.prior] * 5)
+            continue
+        assert c.acceptance()[0] > 0.85 and c.choose().depth >= 3
+        for _ in range(20):
+            c.observe(2, 0)
+        assert c.acceptance()[0] < 0.4
+
+
+def test_stale_costs_are_measured_again() -> None:
+    """Only the chosen depth's cost is measured; when deeper rounds become cheaper than their warm-up said, the
+    refresh of the best depth's neighbours finds it and the choice moves deeper. Without refreshes it stays."""
+    finals = []
+    for stale_after in (24, 10**9):
+        c = controller(8, 0.45, stale_after=stale_after)
+        rng = random.Random(4)
+        for _ in range(400):
+            ch = c.choose()
+            if ch.depth == 0:
+                c.plain_done(ch.plain_tokens, ch.plain_tokens * 1.0)
+                continue
+            k = 0
+            while k < ch.depth and rng.random() < 0.85:
+                k += 1
+            c.observe(ch.depth, k, 1.0 + 0.1 * ch.depth)  # the host now: a draft costs 0.1 plain steps, not 0.45
+        finals.append(statistics.median(int(e["depth"]) for e in c.stats.log[-100:]))
+        if stale_after < 10**9:
+            assert c.stats.reasons["refresh"] > 0
+    true = [sum(0.85 ** j for j in range(d + 1)) / (1 + 0.1 * d) for d in range(9)]
+    assert finals[0] > finals[1] and abs(finals[0] - max(range(9), key=true.__getitem__)) <= 1, (finals, true)
+
+
 def test_cost_table_fits_measured_depths() -> None:
     c = DepthController(6)
     assert c.cost(2) == pytest.approx(1 + 2 * c.cost_slope)  # nothing measured: the prior line
@@ -134,15 +177,17 @@ def test_cost_table_fits_measured_depths() -> None:
 class Scripted(DepthController):
     """Depths from a random script (0 included), to check the engine against every sequence of depths."""
 
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, stretch: tuple[int, int] = (1, 4)) -> None:
         super().__init__(n, off_min=3)
         self.calibrated = True
         self.rng = random.Random(seed)
+        self.stretch = stretch
 
     def choose(self) -> DepthChoice:
         d = self.rng.choice([0, 0, *range(1, self.max_depth + 1)])
         self.stats.depths[d] += 1
-        return DepthChoice(d, "scripted", tuple(self.acceptance()), 0.0, self.rng.randint(1, 4) if d == 0 else 0)
+        plain = self.rng.randint(*self.stretch) if d == 0 else 0
+        return DepthChoice(d, "scripted", tuple(self.acceptance()), 0.0, plain)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -181,6 +226,37 @@ def test_state_after_auto_rounds_equals_plain_decoding(tiny_model: Model) -> Non
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_draft_head_is_current_after_plain_stretches(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over plain stretches longer than a catch-up batch, the draft head's K/V cells end up as those of a head that
+    ran every committed row (token j, the target's residual of position j - 1): a probe after a stretch
+    drafts from the head a round that never stopped would have (up to rounding)."""
+    import qspec.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CATCH_UP_ROWS", 3)  # stretches of several batches and a remainder
+    rng = random.Random(3)
+    N = 4
+    eng = Engine(tiny_model, EngineOptions(draft=N, draft_auto=True, capacity=CAP, exact=True),
+                 EngineHooks(accept_hook=lambda r, n: rng.randint(0, n)))
+    eng.depth = Scripted(N, 11, stretch=(5, 12))
+    eng.generate([rng.randrange(511) for _ in range(6)], 100)
+    assert eng.depth.stats.plain_tokens > 24
+    hist = eng.runner.history
+    ref = Runner(tiny_model, eng.opts.cache_options())
+    X = []
+    with ops.row_exact_mode(True):
+        for j, t in enumerate(hist):
+            X.append(ref.step(torch.tensor([t]))[1][-1:])
+            ref.keep(1, rollback=False)
+            if j:
+                ref.mtp_step(torch.tensor([t]), X[j - 1], j)
+    m = len(hist) - (N + 2 + 3)  # the last rows: the head has not run them when the request ends in a stretch
+    got, want = eng.runner.cache.mtp_kv, ref.cache.mtp_kv
+    # the head's rows are not row-exact (one row alone and in a batch round differently, ~1e-7); a cell the head
+    # did not run over holds another row's values (differences of order 1)
+    torch.testing.assert_close(got.k[1:m], want.k[1:m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.v[1:m], want.v[1:m], rtol=1e-5, atol=1e-5)
 
 
 def test_auto_engine_counters_and_calibration(tiny_model: Model) -> None:
