@@ -268,7 +268,7 @@ class Engine:
             for p in range(passes + 1):
                 for d in range(o.draft + 1):
                     if p == 1:
-                        ctl.samples[d].clear()
+                        ctl.forget_cost(d)
                     ctl.force = d
                     if tokens > 0:
                         self.generate(prompt, tokens)

@@ -21,9 +21,10 @@ argmax_d E(d) / cost(d).
   the best), so a warm-up taken in a loaded moment does not decide for good.
 - Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts one probe round (the
   best depth >= 1) to measure again. Each trial that finds drafting still does not pay doubles the plain stretch
-  (up to `off_max`), so a profile where drafting never pays spends little on probes; the counts decay over the
-  stretch, so a probe on text that became predictable is believed quickly. (The decay also lets drafting resume for
-  a few rounds after a probe; stopping again within SUSTAIN rounds counts as a failed trial too.) The engine keeps
+  (up to `off_max`; a request inherits at most START_FAILS doublings, being maybe of another kind of text), so a
+  profile where drafting never pays spends little on probes; the counts decay over the stretch, so a probe on text
+  that became predictable is believed quickly. (The decay also lets drafting resume for a few rounds after a probe;
+  stopping again within SUSTAIN rounds counts as a failed trial too.) The engine keeps
   the draft head's cache current over a plain stretch, so a probe drafts as a round that never stopped would.
 """
 
@@ -41,6 +42,9 @@ SUSTAIN = 8
 # Depth 0's rate relative to the best depth's above which a stale depth-0 cost is measured again: further below, a
 # plain step would have to have become that much cheaper to matter.
 REFRESH_PLAIN_WITHIN = 0.8
+# The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
+# request may be of another kind of text).
+START_FAILS = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ class DepthController:
         self.force: int | None = None  # a fixed depth (calibration), still measured
         self.calibrated = False  # the engine measures every depth's cost before its first request
         self.renew = [False] * (max_depth + 1)  # a refresh is under way: its sample replaces the old ones
+        self._version = 0  # counts the changes to the samples (the cost table's cache key)
+        self._cost_key: tuple[object, ...] | None = None
+        self._cost_table: list[float] = []
         self.forget_acceptance()
         self.start_request()
 
@@ -103,6 +110,7 @@ class DepthController:
                 f = self.carry / n
                 self.reached[i] *= f
                 self.accepted[i] *= f
+        self.fails = min(self.fails, START_FAILS)
         self.probe_next = False
         self.refresh_left = 0  # rounds still to run at the depth being re-measured
         self.refresh_depth = 0
@@ -133,7 +141,19 @@ class DepthController:
         which smooths one depth's noisy samples (a loaded host) with its neighbours'; one measured depth, or only the
         plain step, scales by 1 + cost_slope * d.
         Relative units (1 + cost_slope * d) before anything is measured."""
-        med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s}
+        return self.costs()[depth]
+
+    def costs(self) -> list[float]:
+        """cost(d) for every depth, kept until a sample comes or a depth turns stale (a choice is made every round:
+        recomputing the medians and the line for it would cost ~40 us a round in Python)."""
+        key = (self._version, tuple(self.tick - m <= self.stale_after for m in self.measured_at))
+        if key != self._cost_key:
+            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s}
+            self._cost_table = [self._cost(d, med) for d in range(self.max_depth + 1)]
+            self._cost_key = key
+        return self._cost_table
+
+    def _cost(self, depth: int, med: dict[int, float]) -> float:
         if depth == 0 and 0 in med:
             return med[0]
         known = [(d, c) for d, c in med.items() if d > 0]
@@ -154,7 +174,7 @@ class DepthController:
     def rates(self, acc: list[float] | None = None) -> list[float]:
         """Expected tokens per second at every depth 0..N."""
         acc = self.acceptance() if acc is None else acc
-        return [self.expected_tokens(d, acc) / self.cost(d) for d in range(self.max_depth + 1)]
+        return [self.expected_tokens(d, acc) / c for d, c in enumerate(self.costs())]
 
     # ---- decisions ----
     def choose(self) -> DepthChoice:
@@ -217,6 +237,10 @@ class DepthController:
         if seconds is not None:
             self.observe_cost(depth, seconds)
 
+    def forget_cost(self, depth: int) -> None:
+        self.samples[depth].clear()
+        self._version += 1
+
     def observe_cost(self, depth: int, seconds: float) -> None:
         """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token). A stale depth's old
         samples go: the host's load may have changed since."""
@@ -226,6 +250,7 @@ class DepthController:
             self.samples[depth].clear()
             self.renew[depth] = False
         self.samples[depth].append(seconds)
+        self._version += 1
         self.measured_at[depth] = self.tick
 
     def plain_done(self, tokens: int, seconds: float | None) -> None:
