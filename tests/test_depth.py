@@ -113,20 +113,23 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
 
 
 def test_acceptance_carries_across_requests() -> None:
-    """A request starts from the acceptance of the ones before it (capped at `carry` pseudo-rounds), not from the
-    prior; a request of another kind outweighs it within about `carry` rounds. carry=0 starts from the prior."""
-    for carry in (16.0, 0.0):
-        c = controller(5, 0.45, carry=carry)
-        feed(c, 0.95, 80, random.Random(2))
-        c.start_request()
-        assert max(c.reached) <= carry + 1e-9
-        if not carry:
-            assert c.acceptance() == pytest.approx([c.prior] * 5)
-            continue
-        assert c.acceptance()[0] > 0.85 and c.choose().depth >= 3
-        for _ in range(20):
-            c.observe(2, 0)
-        assert c.acceptance()[0] < 0.4
+    """A request starts from the engine's long-run acceptance (not from the prior), and a request of another kind
+    outweighs it within a few rounds; forget_acceptance (after the calibration) goes back to the prior."""
+    c = controller(5, 0.45)
+    feed(c, 0.95, 80, random.Random(2))
+    c.start_request()
+    assert c.reached == [0.0] * 5 and c.stats.depths == {}
+    assert c.acceptance()[0] > 0.85 and c.choose().depth >= 3
+    for _ in range(12):
+        c.observe(2, 0)
+    assert c.acceptance()[0] < 0.4
+    # a long plain stretch ages the request's counts: the estimate goes back to the long-run one, not to the prior
+    c2 = controller(5, 0.45)
+    feed(c2, 0.3, 200, random.Random(3))
+    c2.plain_done(128, None)
+    assert c2.acceptance()[0] < 0.45 and c2.choose().reason == "probe"
+    c2.forget_acceptance()
+    assert c2.acceptance() == pytest.approx([c2.prior] * 5)
 
 
 def test_stale_costs_are_measured_again() -> None:

@@ -6,19 +6,21 @@ were), a round at depth d commits E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i tokens, 
 chain of d steps, verify of d+1 rows, rollback, extend; for d = 0, one plain decoding step). The controller picks
 argmax_d E(d) / cost(d).
 
-- Acceptance: per position, decaying counts of rounds that reached the position and of rounds that accepted it
-  (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight` pseudo-rounds. The
-  prior mean of position 1 is `prior`; that of a deeper position is the estimate of the one before it, so a depth
-  never drafted is judged by its shallower neighbours instead of an optimistic constant. The counts outlive a
-  request (the engine serves one kind of text more often than not), capped at `carry` pseudo-rounds per position
-  when a request starts: a request's first rounds, which often accept less than its later ones, do not stop drafting
-  on their own, and a request of another kind outweighs the carried counts within about `carry` rounds.
+- Acceptance: per position, decaying counts of the request's rounds that reached the position and of those that
+  accepted it (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight`
+  pseudo-rounds. The prior is the engine's long-run acceptance: the same counts over all requests, decaying slowly
+  (`prior_decay` per round), over a mean of `prior` for position 1 and, for a deeper position, the estimate of the one
+  before it (a depth never drafted is judged by its shallower neighbours instead of an optimistic constant). So a
+  request starts from what the engine's text accepted (its first rounds, which often accept less than its later
+  ones, do not stop drafting on their own), and a long plain stretch, over which the request's counts decay, brings
+  the estimate back to that, not to `prior`.
 - Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and
   for the drafting depths a line through those medians (robust to one depth's noise; `cost_slope` per draft relative
   to a single measured depth). Costs outlive a request: the engine measures them in its warm-up and refreshes them from
   every round's wall time, which costs a clock read. A depth next to the best one whose cost is older than
-  `stale_after` choices is chosen for two rounds ("refresh"; depth 0: a short plain stretch, when its rate is close to
-  the best), so a warm-up taken in a loaded moment does not decide for good.
+  `stale_after` choices, and whose rate is within REFRESH_WITHIN of the best one's, is chosen for two rounds
+  ("refresh"; depth 0: a short plain stretch), so a warm-up taken in a loaded moment, or a host that changed speed
+  since, does not decide for good.
 - Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts one probe round (the
   best depth >= 1) to measure again. Each trial that finds drafting still does not pay doubles the plain stretch
   (up to `off_max`; a request inherits at most START_FAILS doublings, being maybe of another kind of text), so a
@@ -39,9 +41,11 @@ from dataclasses import dataclass, field
 COST_SLOPE = 0.45
 # Drafting rounds after a plain stretch that count as a recovery: stopping sooner doubles the next stretch.
 SUSTAIN = 8
-# Depth 0's rate relative to the best depth's above which a stale depth-0 cost is measured again: further below, a
-# plain step would have to have become that much cheaper to matter.
-REFRESH_PLAIN_WITHIN = 0.8
+# A depth's expected rate relative to the best depth's above which its stale cost is measured again: further below,
+# the host would have to have changed that much for the depth to matter.
+REFRESH_WITHIN = 0.8
+# Refresh periods (`stale_after` choices) after which a depth's cost no longer counts, when others were measured since.
+EXPIRE = 4
 # The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
 # request may be of another kind of text).
 START_FAILS = 2
@@ -73,15 +77,15 @@ class DepthStats:
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
                  cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
-                 carry: float = 16.0, stale_after: int = 48) -> None:
+                 prior_decay: float = 0.995, stale_after: int = 48) -> None:
         if not 1 <= max_depth <= 8:
             raise ValueError(f"the automatic draft depth needs a maximum depth in 1..8, got {max_depth}")
-        if not 0.0 < decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0 or carry < 0:
-            raise ValueError(f"depth controller: decay in (0, 1], prior in [0, 1], prior_weight > 0, carry >= 0 "
-                             f"(got {decay}, {prior}, {prior_weight}, {carry})")
+        if not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0:
+            raise ValueError(f"depth controller: decay and prior_decay in (0, 1], prior in [0, 1], prior_weight > 0 "
+                             f"(got {decay}, {prior_decay}, {prior}, {prior_weight})")
         self.max_depth, self.prior, self.prior_weight, self.decay = max_depth, prior, prior_weight, decay
         self.cost_slope, self.off_min, self.off_max = cost_slope, off_min, off_max
-        self.carry, self.stale_after = carry, stale_after
+        self.prior_decay, self.stale_after = prior_decay, stale_after
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
@@ -92,24 +96,20 @@ class DepthController:
         self._cost_key: tuple[object, ...] | None = None
         self._cost_table: list[float] = []
         self.forget_acceptance()
-        self.start_request()
 
     def forget_acceptance(self) -> None:
         """Back to the prior (the calibration's rounds say what a round costs, not what the requests accept)."""
-        self.reached = [0.0] * self.max_depth
-        self.accepted = [0.0] * self.max_depth
+        self.long_reached = [0.0] * self.max_depth  # the engine's counts, over all requests
+        self.long_accepted = [0.0] * self.max_depth
         # plain stretches in a row after which drafting did not last, and rounds since the last stretch: carried
         # across requests like the acceptance
         self.fails, self.since_plain = 0, SUSTAIN
+        self.start_request()
 
     def start_request(self) -> None:
-        """Keep the measured costs (of the device) and the acceptance counts (of the text the engine serves), the
-        latter capped at `carry` pseudo-rounds per position, so that the new request's own rounds soon dominate."""
-        for i, n in enumerate(self.reached):
-            if n > self.carry:
-                f = self.carry / n
-                self.reached[i] *= f
-                self.accepted[i] *= f
+        """Keep the measured costs (of the device) and the long-run acceptance (of the text the engine serves)."""
+        self.reached = [0.0] * self.max_depth  # the request's counts
+        self.accepted = [0.0] * self.max_depth
         self.fails = min(self.fails, START_FAILS)
         self.probe_next = False
         self.refresh_left = 0  # rounds still to run at the depth being re-measured
@@ -119,10 +119,12 @@ class DepthController:
 
     # ---- estimates ----
     def acceptance(self) -> list[float]:
-        """Conditional acceptance per draft position 1..N: decayed counts over the hierarchical prior."""
-        out, mean = [], self.prior
+        """Conditional acceptance per draft position 1..N: the request's decayed counts over the engine's long-run
+        counts over the hierarchical prior."""
+        out, mean, w = [], self.prior, self.prior_weight
         for i in range(self.max_depth):
-            mean = (self.prior_weight * mean + self.accepted[i]) / (self.prior_weight + self.reached[i])
+            base = (w * mean + self.long_accepted[i]) / (w + self.long_reached[i])
+            mean = (w * base + self.accepted[i]) / (w + self.reached[i])
             out.append(mean)
         return out
 
@@ -137,18 +139,22 @@ class DepthController:
 
     def cost(self, depth: int) -> float:
         """Seconds per round at `depth`. Depth 0 (a plain step): its measured median. Drafting depths: a line
-        a + b * d (b >= 0) through the measured depths' medians (only the recently measured ones when there are two),
-        which smooths one depth's noisy samples (a loaded host) with its neighbours'; one measured depth, or only the
-        plain step, scales by 1 + cost_slope * d.
+        a + b * d (b >= 0) through the measured depths' medians, which smooths one depth's noisy samples (a loaded
+        host) with its neighbours'; one measured depth, or only the plain step, scales by 1 + cost_slope * d.
         Relative units (1 + cost_slope * d) before anything is measured."""
         return self.costs()[depth]
 
     def costs(self) -> list[float]:
-        """cost(d) for every depth, kept until a sample comes or a depth turns stale (a choice is made every round:
+        """cost(d) for every depth, kept until a sample comes or a depth expires (a choice is made every round:
         recomputing the medians and the line for it would cost ~40 us a round in Python)."""
-        key = (self._version, tuple(self.tick - m <= self.stale_after for m in self.measured_at))
+        live = [bool(self.samples[d]) and self.tick - self.measured_at[d] <= EXPIRE * self.stale_after
+                for d in range(self.max_depth + 1)]
+        key = (self._version, tuple(live))
         if key != self._cost_key:
-            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s}
+            # a depth not measured for EXPIRE refresh periods drops out of the line (the host may have changed since,
+            # and the refreshes keep only the depths near the best current), while two drafting depths remain
+            keep = live if sum(live[1:]) >= 2 else [bool(s) for s in self.samples]
+            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
             self._cost_table = [self._cost(d, med) for d in range(self.max_depth + 1)]
             self._cost_key = key
         return self._cost_table
@@ -157,9 +163,6 @@ class DepthController:
         if depth == 0 and 0 in med:
             return med[0]
         known = [(d, c) for d, c in med.items() if d > 0]
-        fresh = [(d, c) for d, c in known if self.tick - self.measured_at[d] <= self.stale_after]
-        if len(fresh) >= 2:  # the host's speed drifts: stale depths would hold the line where it was
-            known = fresh
         if len(known) >= 2:
             n = len(known)
             mx = sum(d for d, _ in known) / n
@@ -216,24 +219,22 @@ class DepthController:
         return choice
 
     def _stale(self, best: int, rates: list[float]) -> int | None:
-        """A depth next to `best` whose cost was last measured more than `stale_after` choices ago (depth 0 only
-        when its rate is within REFRESH_PLAIN_WITHIN of the best), or None."""
-        for d in (best + 1, best - 1):
-            if not 0 <= d <= self.max_depth or self.tick - self.measured_at[d] <= self.stale_after:
-                continue
-            if d > 0 or rates[0] >= REFRESH_PLAIN_WITHIN * rates[best]:
-                return d
-        return None
+        """A depth next to `best` (the one measured longer ago first) whose cost was last measured more than
+        `stale_after` choices ago and whose rate is within REFRESH_WITHIN of the best, or None."""
+        old = [d for d in (best - 1, best + 1) if 0 <= d <= self.max_depth
+               and rates[d] >= REFRESH_WITHIN * rates[best] and self.tick - self.measured_at[d] > self.stale_after]
+        return min(old, key=lambda d: (self.measured_at[d], d)) if old else None
 
     def observe(self, depth: int, accepted: int, seconds: float | None = None) -> None:
         """A round at `depth` accepted `accepted` drafts (and took `seconds`, when it was a clean measurement)."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"observe: {accepted} accepted of a depth-{depth} round (maximum {self.max_depth})")
-        self._decay(1)
+        self._decay(1, long=True)
         self.since_plain += 1
         for i in range(min(accepted + 1, depth)):
-            self.reached[i] += 1.0
-            self.accepted[i] += float(i < accepted)
+            for reached, acc in ((self.reached, self.accepted), (self.long_reached, self.long_accepted)):
+                reached[i] += 1.0
+                acc[i] += float(i < accepted)
         if seconds is not None:
             self.observe_cost(depth, seconds)
 
@@ -256,14 +257,19 @@ class DepthController:
     def plain_done(self, tokens: int, seconds: float | None) -> None:
         """A plain stretch decoded `tokens` tokens in `seconds`: the next choice is a probe."""
         self.stats.plain_tokens += tokens
-        self._decay(tokens)
+        self._decay(tokens)  # the long-run counts age by rounds only: a stretch is no evidence against them
         self.probe_next = True
         if self.last_reason != "refresh":  # a re-measuring stretch is no trial of drafting
             self.since_plain = 0
         if seconds is not None and tokens:
             self.observe_cost(0, seconds / tokens)
 
-    def _decay(self, rounds: int) -> None:
+    def _decay(self, rounds: int, long: bool = False) -> None:
+        """Age the request's counts by `rounds` rounds (and the long-run counts, with `long`)."""
         f = self.decay ** rounds
         self.reached = [x * f for x in self.reached]
         self.accepted = [x * f for x in self.accepted]
+        if long:
+            g = self.prior_decay ** rounds
+            self.long_reached = [x * g for x in self.long_reached]
+            self.long_accepted = [x * g for x in self.long_accepted]
