@@ -8,9 +8,10 @@ argmax_d E(d) / cost(d).
 
 - Acceptance: per position, decaying counts of the request's rounds that reached the position and of those that
   accepted it (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight`
-  pseudo-rounds. The prior is the engine's long-run acceptance: the same counts over all requests, decaying slowly
-  (`prior_decay` per round), over a mean of `prior` for position 1 and, for a deeper position, the estimate of the one
-  before it (a depth never drafted is judged by its shallower neighbours instead of an optimistic constant). So a
+  pseudo-rounds, plus up to `carry` more as the prior rests on more rounds. The prior is the engine's long-run
+  acceptance: the same counts over all requests, decaying slowly (`prior_decay` per round), over a mean of `prior`
+  for position 1 and, for a deeper position, the estimate of the one before it (a depth never drafted is judged by
+  its shallower neighbours instead of an optimistic constant). So a
   request starts from what the engine's text accepted (its first rounds, which often accept less than its later
   ones, do not stop drafting on their own), and a long plain stretch, over which the request's counts decay, brings
   the estimate back to that, not to `prior`.
@@ -77,15 +78,16 @@ class DepthStats:
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
                  cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
-                 prior_decay: float = 0.995, stale_after: int = 48) -> None:
+                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 48) -> None:
         if not 1 <= max_depth <= 8:
             raise ValueError(f"the automatic draft depth needs a maximum depth in 1..8, got {max_depth}")
-        if not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0:
-            raise ValueError(f"depth controller: decay and prior_decay in (0, 1], prior in [0, 1], prior_weight > 0 "
-                             f"(got {decay}, {prior_decay}, {prior}, {prior_weight})")
+        if (not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0
+                or carry < 0):
+            raise ValueError(f"depth controller: decay and prior_decay in (0, 1], prior in [0, 1], prior_weight > 0, "
+                             f"carry >= 0 (got {decay}, {prior_decay}, {prior}, {prior_weight}, {carry})")
         self.max_depth, self.prior, self.prior_weight, self.decay = max_depth, prior, prior_weight, decay
         self.cost_slope, self.off_min, self.off_max = cost_slope, off_min, off_max
-        self.prior_decay, self.stale_after = prior_decay, stale_after
+        self.prior_decay, self.carry, self.stale_after = prior_decay, carry, stale_after
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
@@ -124,7 +126,9 @@ class DepthController:
         out, mean, w = [], self.prior, self.prior_weight
         for i in range(self.max_depth):
             base = (w * mean + self.long_accepted[i]) / (w + self.long_reached[i])
-            mean = (w * base + self.accepted[i]) / (w + self.reached[i])
+            # the long-run estimate weighs more the more rounds it rests on (up to `carry` more pseudo-rounds)
+            wb = w + min(self.long_reached[i], self.carry)
+            mean = (wb * base + self.accepted[i]) / (wb + self.reached[i])
             out.append(mean)
         return out
 
