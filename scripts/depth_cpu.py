@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import random
 import statistics
 import subprocess
 import sysconfig
@@ -28,6 +29,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer
 from qspec.model.model import Model
+from qspec.spec.accept import AcceptHook
 from qspec.tokenizer import Tokenizer
 
 HELD_OUT_EVERY = 20  # scripts/train_demo.py's split
@@ -54,6 +56,33 @@ def prose_prompts(tok: Tokenizer, V: int, n: int, length: int) -> list[list[int]
     return [ids[i * length:(i + 1) * length] for i in range(min(n, len(ids) // length))]
 
 
+class FreshStreams:
+    """Geometric acceptance p whose random stream is seeded anew at every generation: the k-th generation of every arm
+    draws the k-th stream. AcceptProfile's hook restarts one stream at every generation, so that every request begins
+    with the same draws (at seed 0: the first two rounds rejected for any p <= 0.75), which an adaptive depth reads as
+    a property of the text. (A generation of auto's without a drafting round draws no stream: auto's k-th stream can
+    then be another arm's k+1-th, of the same distribution.)"""
+
+    def __init__(self, p: float, seed: int) -> None:
+        self.p, self.seed, self.gen = p, seed, -1
+        self.rng = random.Random(seed)
+
+    def __call__(self, rnd: int, n_draft: int) -> int:
+        if rnd == 0:
+            self.gen += 1
+            self.rng = random.Random(f"{self.seed}:{self.gen}")
+        k = 0
+        while k < n_draft and self.rng.random() < self.p:
+            k += 1
+        return k
+
+
+def replay_hook(profile: AcceptProfile, fresh: bool) -> AcceptHook | None:
+    if fresh and profile.kind == "p":
+        return FreshStreams(profile.p, profile.seed)
+    return profile.hook()
+
+
 def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {"plain": {"draft": 0}}
     for d in fixed:
@@ -63,9 +92,9 @@ def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
 
 
 def measure(model: Model, prompts: list[list[int]], profile: AcceptProfile, arm_opts: dict[str, dict[str, object]],
-            reps: int, gen: int) -> dict[str, object]:
+            reps: int, gen: int, fresh: bool) -> dict[str, object]:
     engines = {name: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
-                            EngineHooks(accept_hook=profile.hook() if kw["draft"] else None))
+                            EngineHooks(accept_hook=replay_hook(profile, fresh) if kw["draft"] else None))
                for name, kw in arm_opts.items()}
     for e in engines.values():  # warm-up (the auto engine calibrates its per-depth costs here)
         e.generate(prompts[0], 16)
@@ -123,6 +152,9 @@ def main() -> int:
     ap.add_argument("--auto-max", type=int, default=6)
     ap.add_argument("--profiles", default="p=0.3,p=0.5,p=0.7,p=0.85,p=0.95")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--restart-streams", action="store_true",
+                    help="replay p=... as AcceptProfile does (one stream, restarted at every generation) instead of a "
+                         "fresh stream per generation")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--traces", type=Path, help="a folder for the model profiles' acceptance traces")
     a = ap.parse_args()
@@ -141,13 +173,15 @@ def main() -> int:
              f"commit {commit.strip()}; {a.prompts} prompts of {a.prompt_tokens} tokens per profile, {a.gen} generated "
              f"each, greedy, {a.reps} repetitions (median of decoded tokens / decode seconds over the prompts; ratios "
              f"paired within a repetition), "
-             f"torch threads {a.threads}, on a shared 2-core machine. `scripts/depth_cpu.py`.", "",
+             f"torch threads {a.threads}, on a shared 2-core machine; replayed p: "
+             f"{'one stream restarted at every generation' if a.restart_streams else 'a fresh stream per generation'}. "
+             f"`scripts/depth_cpu.py`.", "",
              "| profile | " + " | ".join(arm_opts) + " | auto / best fixed | auto / plain | auto / MTP3 | auto / MTP5 "
              "| auto's depths (rounds; 0: plain stretches) |",
              "|---|" + "---:|" * (len(arm_opts) + 4) + "---|"]
     auto = list(arm_opts)[-1]
     for name, prompts, prof in profiles:
-        r = measure(model, prompts, prof, arm_opts, a.reps, a.gen)
+        r = measure(model, prompts, prof, arm_opts, a.reps, a.gen, not a.restart_streams)
         tps = r["tps"]
         best = max((n for n in tps if n != auto), key=tps.__getitem__)
         cells = [f"{tps[n]:.1f}" + (f" ({r['tokens_per_round'][n]:.2f})" if n != "plain" else "") for n in arm_opts]

@@ -78,7 +78,7 @@ class DepthStats:
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
                  cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
-                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 48) -> None:
+                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 96) -> None:
         if not 1 <= max_depth <= 8:
             raise ValueError(f"the automatic draft depth needs a maximum depth in 1..8, got {max_depth}")
         if (not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0
