@@ -352,6 +352,8 @@ class Engine:
             if req.emit(tok):
                 if more:
                     run.keep(0, rollback=True)
+                if ctl is not None:  # counted, not timed (the discarded step would be in the time)
+                    ctl.stats.plain_tokens += done
                 return None
             if not more:
                 d_logits, d_X = self._catch_up(pending, run.n_tokens - len(pending) + 1)

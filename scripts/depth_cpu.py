@@ -194,8 +194,7 @@ def main() -> int:
     lines += ["", "Cells: tok/s, the median of the repetitions (tokens per round, of the last repetition). Ratios: "
               "the median over the repetitions of auto's tok/s over the arm's in the same repetition; best fixed: the "
               "arm (plain included) with the highest median. auto's depths: the rounds at each depth in the first "
-              "repetition, with depth 0 the plain stretches the controller chose (plain tokens: those of the stretches "
-              "that did not end a request)."]
+              "repetition, with depth 0 the plain stretches the controller chose, and the tokens they decoded."]
     if a.traces:
         for k, prompts in sets.items():
             path = a.traces / f"demo-accept-trace-{k}.json"
