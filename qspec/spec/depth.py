@@ -205,7 +205,8 @@ class DepthController:
             plain = min(self.off_max, self.off_min << self.fails)
         elif (stale := self._stale(best, rates)) is not None:
             depth, reason = stale, "refresh"
-            # a drafting depth: two rounds, the first one's time being a clean sample (see observe)
+            # a drafting depth: two rounds, the first one a clean sample (the engine times a round as its depth's
+            # only when the next round drafts as deep)
             self.refresh_depth, self.refresh_left = stale, int(stale > 0)
             # not stale any more whether or not the sample comes (a round that starts a run is not timed)
             self.measured_at[stale], self.renew[stale] = self.tick, True
