@@ -336,7 +336,7 @@ class Engine:
         t0 = time.perf_counter()
         logits, X = run.step(upload([tok], dev))
         run.keep(1, rollback=False)
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows at positions run.n_tokens - len(pending)..
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows at positions run.n_tokens - len(pending) + 1..
         W = self._catch_up_rows()
         done = 0
         while True:
@@ -344,6 +344,10 @@ class Engine:
             nxt = sampler.sample(logits[-1:])
             pending.append((nxt, X[-1:].clone()))  # before a replay reuses X's memory
             reader.start(nxt)
+            if len(pending) > W:  # a full batch, and at least one row left for the last step
+                # here, between the reads of a step's outputs and the next step: the graphs share one memory pool
+                self._catch_up(pending[:W], run.n_tokens - len(pending) + 1)
+                del pending[:W]
             done += 1
             more = len(req.out) + 1 < req.max_tokens and done < n
             if more:
@@ -361,9 +365,6 @@ class Engine:
                     ctl.plain_done(done, time.perf_counter() - t0)
                 return tok, d_logits, d_X
             run.keep(1, rollback=False)
-            if len(pending) > W:  # a full batch, and at least one row left for the last step
-                self._catch_up(pending[:W], run.n_tokens - len(pending))
-                del pending[:W]
 
     def _rounds(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, d: int,
                 sampler: Sampler) -> int | None:
