@@ -15,7 +15,6 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,11 +32,12 @@ from qspec.spec.depth import DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
-# A plain stretch's last rows the draft head catches up on before the next drafting round, in verify-sized chunks:
-# older positions of the stretch keep stale head cells (drafts then attend over them: lower acceptance). More chunks
-# make every probe after a stretch dearer, which is what a profile where drafting does not pay pays for
-# (benchmarks/results/depth-auto-cpu-2026-12-01.md)
-CATCH_UP_CHUNKS = 1
+# Rows of a plain stretch the draft head runs at a time when no CUDA graph runs them (with graphs: the depth-N extend's
+# N + 1 rows, whose graph exists). The head's cache is kept current over the stretch so that the probe after it drafts
+# as a round that never stopped would; batching the rows makes that cheap: on the demo model on the CPU one head step
+# costs 0.9 ms for 1 row and 1.1 ms for 32 rows, against 3.7 ms for a plain step (1% added to depth 0's cost, which
+# the controller's measurement of depth 0 includes).
+CATCH_UP_ROWS = 32
 
 
 __all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation", "KernelOptions", "cells_needed"]
@@ -281,12 +281,13 @@ class Engine:
             for p in range(passes + 1):
                 for d in range(o.draft + 1):
                     if p == 1:
-                        ctl.samples[d].clear()
+                        ctl.forget_cost(d)
                     ctl.force = d
                     if tokens > 0:
                         self.generate(prompt, tokens)
         finally:
             ctl.force, hooks.accept_hook = None, hook
+            ctl.forget_acceptance()  # the warm-up's text is not the requests'
 
     def _next_depth(self) -> int:
         """The depth of a round: the fixed N, or the controller's choice (which, for 0, sets the plain stretch)."""
@@ -298,62 +299,68 @@ class Engine:
 
     def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
         """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of
-        the position before it. With the automatic depth, a choice of depth 0 decodes a stretch plainly; the draft
-        head then catches up on the stretch's last rows before the next (probe) round."""
-        dev = self.model.device
-        # the draft head's rows the target committed without it: (token [1], the residual of the position before)
-        pending: deque[tuple[torch.Tensor, torch.Tensor]] = deque([(upload([tok], dev), H)],
-                                                                  maxlen=CATCH_UP_CHUNKS * (self.opts.draft + 1))
+        the position before it. With the automatic depth, a choice of depth 0 decodes a stretch plainly, the draft
+        head running the stretch's rows on the side, so that the next (probe) round drafts from a current head."""
+        d_logits, d_X = self.runner.mtp_step(upload([tok], self.model.device), H, P, self.draft_lm_head)
         d = self._next_depth()
         while True:
             if d == 0:
-                nxt = self._plain_stretch(req, tok, sampler, self._plain_tokens, pending)
-                if nxt is None:
+                stretch = self._plain_stretch(req, tok, sampler, self._plain_tokens)
+                if stretch is None:
                     return
-                tok, d = nxt, self._next_depth()
+                tok, d_logits, d_X = stretch
+                d = self._next_depth()
                 continue
-            d_logits, d_X = self._catch_up(list(pending))
-            pending.clear()
             nxt = self._rounds(req, tok, d_logits, d_X, d, sampler)
             if nxt is None:
                 return
             tok, d = nxt, 0
 
-    def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft head over the rows the target committed without it, ending at the next token to run: one row
-        after the prefill; after a plain stretch its last rows (at most CATCH_UP_CHUNKS verify-sized chunks: older
-        positions keep stale head cells, which can lower the acceptance, never change the output), in chunks of
-        N + 1 rows, the last one padded, so that the depth-N extend's graph runs them (padding writes cells past the
-        committed tokens, rewritten before any draft reads them) -> the last row's (logits, residual)."""
-        o, run, dev = self.opts, self.runner, self.model.device
-        n, W = len(rows), o.draft + 1
+    def _catch_up_rows(self) -> int:
+        """Rows per draft-head step over a plain stretch: the depth-N extend's graph, or CATCH_UP_ROWS eagerly."""
+        return self.opts.draft + 1 if self.runner.use_graphs else CATCH_UP_ROWS
+
+    def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft head over rows (committed token [1], the target's residual of the position before) at positions
+        start.., which the target committed without it, in chunks of _catch_up_rows(); with graphs the last chunk is
+        padded so that the extend's graph runs it (padding writes cells past the rows, rewritten before any draft
+        reads them) -> the last row's (logits, residual)."""
+        run, dev = self.runner, self.model.device
+        n, W = len(rows), self._catch_up_rows()
         toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
         X = torch.cat([x for _, x in rows])
-        start = run.n_tokens - n + 1
-        if n == 1:
+        if n == 1:  # the shape of a sampled draft step (its graph, with graphs)
             return run.mtp_step(toks, X, start, self.draft_lm_head)
-        pad = -n % W
-        toks = torch.cat([toks, toks[-1:].expand(pad)])
-        X = torch.cat([X, X[-1:].expand(pad, -1)])
+        if run.use_graphs:
+            pad = -n % W
+            toks = torch.cat([toks, toks[-1:].expand(pad)])
+            X = torch.cat([X, X[-1:].expand(pad, -1)])
         for c in range(0, n, W):
             out = run.mtp_step(toks[c:c + W], X[c:c + W], start + c, self.draft_lm_head, row=min(W, n - c) - 1)
         return out
 
-    def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int,
-                       pending: deque[tuple[torch.Tensor, torch.Tensor]]) -> int | None:
+    def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int
+                       ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Plain decoding of up to n tokens after `tok` (emitted, not yet run), pipelined as in _decode but the last
-        step, whose token the next round runs; each step's draft-head row goes to `pending` -> the last emitted
-        token, or None when the request ended."""
-        run, reader, ctl = self.runner, self.reader, self.depth
+        step, whose token the next round runs. The draft head runs each step's row (token, residual) in batches of
+        _catch_up_rows() along the way and the rest at the end, all charged to depth 0's cost -> (the last emitted
+        token, the head's logits and residual over it), or None when the request ended."""
+        run, reader, ctl, dev = self.runner, self.reader, self.depth, self.model.device
         t0 = time.perf_counter()
-        logits, X = run.step(upload([tok], self.model.device))
+        logits, X = run.step(upload([tok], dev))
         run.keep(1, rollback=False)
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows at positions run.n_tokens - len(pending) + 1..
+        W = self._catch_up_rows()
         done = 0
         while True:
             req.phase("decode")
             nxt = sampler.sample(logits[-1:])
             pending.append((nxt, X[-1:].clone()))  # before a replay reuses X's memory
             reader.start(nxt)
+            if len(pending) > W:  # a full batch, and at least one row left for the last step
+                # here, between the reads of a step's outputs and the next step: the graphs share one memory pool
+                self._catch_up(pending[:W], run.n_tokens - len(pending) + 1)
+                del pending[:W]
             done += 1
             more = len(req.out) + 1 < req.max_tokens and done < n
             if more:
@@ -362,11 +369,14 @@ class Engine:
             if req.emit(tok):
                 if more:
                     run.keep(0, rollback=True)
+                if ctl is not None:  # counted, not timed (the discarded step would be in the time)
+                    ctl.stats.plain_tokens += done
                 return None
             if not more:
+                d_logits, d_X = self._catch_up(pending, run.n_tokens - len(pending) + 1)
                 if ctl is not None:
                     ctl.plain_done(done, time.perf_counter() - t0)
-                return tok
+                return tok, d_logits, d_X
             run.keep(1, rollback=False)
 
     def _rounds(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, d: int,
@@ -382,7 +392,7 @@ class Engine:
         # on the device, each round's draft chain is queued right after the previous round's read-back, before
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
         d_toks, q_rows = self._draft_chain(req, d_logits, d_X, run.n_tokens, sampler, d) if on_device else ([], [])
-        clock = None  # the first round's time includes the catch-up: not a measurement of a round
+        clock = None  # the first round's time includes its own draft chain, queued before: not a round's cost
         while True:
             L = run.n_tokens
             # chosen now, from the rounds before this one: a greedy round queues the next round's drafts before
@@ -437,8 +447,10 @@ class Engine:
                                    **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
             if ctl is not None:
+                # a round's time includes the next round's draft chain, queued in it: a sample of depth d's cost
+                # only when the next round drafts as deep
                 now = time.perf_counter()
-                ctl.observe(d, k, None if clock is None else now - clock)
+                ctl.observe(d, k, None if clock is None or d_next != d else now - clock)
                 clock = now
             if ends:
                 return None

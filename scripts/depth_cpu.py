@@ -3,7 +3,8 @@
 Profiles: the demo model's own greedy acceptance on code (held-out standard-library modules, as
 scripts/draft_vocab_demo.py picks them) and on English prose (README paragraphs), then replayed geometric acceptance
 (`--accept-profile p=...`) on the code prompts. For each profile and arm: decoded tokens over decode seconds, summed
-over the prompts, the median of the repetitions (arms interleaved, in alternating order). With `--traces DIR` it also
+over the prompts, the median of the repetitions (every prompt on every arm back to back, in alternating order), and
+auto's tok/s over each arm's as the median of the repetitions' ratios. With `--traces DIR` it also
 writes each model profile's per-round accepted counts at depth 8 (the `--accept-profile trace=FILE` format; a replay at
 depth d takes min(d, count)).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import random
 import statistics
 import subprocess
 import sysconfig
@@ -27,6 +29,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer
 from qspec.model.model import Model
+from qspec.spec.accept import AcceptHook
 from qspec.tokenizer import Tokenizer
 
 HELD_OUT_EVERY = 20  # scripts/train_demo.py's split
@@ -53,6 +56,33 @@ def prose_prompts(tok: Tokenizer, V: int, n: int, length: int) -> list[list[int]
     return [ids[i * length:(i + 1) * length] for i in range(min(n, len(ids) // length))]
 
 
+class FreshStreams:
+    """Geometric acceptance p whose random stream is seeded anew at every generation: the k-th generation of every arm
+    draws the k-th stream. AcceptProfile's hook restarts one stream at every generation, so that every request begins
+    with the same draws (at seed 0: the first two rounds rejected for any p <= 0.75), which an adaptive depth reads as
+    a property of the text. (A generation of auto's without a drafting round draws no stream: auto's k-th stream can
+    then be another arm's k+1-th, of the same distribution.)"""
+
+    def __init__(self, p: float, seed: int) -> None:
+        self.p, self.seed, self.gen = p, seed, -1
+        self.rng = random.Random(seed)
+
+    def __call__(self, rnd: int, n_draft: int) -> int:
+        if rnd == 0:
+            self.gen += 1
+            self.rng = random.Random(f"{self.seed}:{self.gen}")
+        k = 0
+        while k < n_draft and self.rng.random() < self.p:
+            k += 1
+        return k
+
+
+def replay_hook(profile: AcceptProfile, fresh: bool) -> AcceptHook | None:
+    if fresh and profile.kind == "p":
+        return FreshStreams(profile.p, profile.seed)
+    return profile.hook()
+
+
 def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {"plain": {"draft": 0}}
     for d in fixed:
@@ -62,9 +92,9 @@ def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
 
 
 def measure(model: Model, prompts: list[list[int]], profile: AcceptProfile, arm_opts: dict[str, dict[str, object]],
-            reps: int, gen: int) -> dict[str, object]:
+            reps: int, gen: int, fresh: bool) -> dict[str, object]:
     engines = {name: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
-                            EngineHooks(accept_hook=profile.hook() if kw["draft"] else None))
+                            EngineHooks(accept_hook=replay_hook(profile, fresh) if kw["draft"] else None))
                for name, kw in arm_opts.items()}
     for e in engines.values():  # warm-up (the auto engine calibrates its per-depth costs here)
         e.generate(prompts[0], 16)
@@ -73,21 +103,33 @@ def measure(model: Model, prompts: list[list[int]], profile: AcceptProfile, arm_
     depths: Counter = Counter()
     plain_tokens = 0
     for rep in range(reps):
-        for name in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-            toks, secs, rounds, committed = 0, 0.0, 0, 0
-            for p in prompts:
+        # every prompt runs on every arm back to back (in alternating order), so that a rep's arms see the same load
+        order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+        toks = dict.fromkeys(engines, 0)
+        secs = dict.fromkeys(engines, 0.0)
+        rounds = dict.fromkeys(engines, 0)
+        committed = dict.fromkeys(engines, 0)
+        for p in prompts:
+            for name in order:
                 g = engines[name].generate(p, gen)
-                toks += len(g.tokens)
-                secs += g.decode_s
-                rounds += g.spec.rounds
-                committed += g.spec.tokens
+                toks[name] += len(g.tokens)
+                secs[name] += g.decode_s
+                rounds[name] += g.spec.rounds
+                committed[name] += g.spec.tokens
                 if g.depth and rep == 0:
                     depths.update({int(k): v for k, v in g.depth["depth_histogram"].items()})
                     plain_tokens += int(g.depth["plain_tokens"])
-            tps[name].append(toks / secs)
-            tpr[name] = committed / rounds if rounds else 1.0
+        for name in engines:
+            tps[name].append(toks[name] / secs[name])
+            tpr[name] = committed[name] / rounds[name] if rounds[name] else 1.0
     return {"tps": {n: statistics.median(v) for n, v in tps.items()}, "runs": tps, "tokens_per_round": tpr,
             "auto_depths": dict(sorted(depths.items())), "auto_plain_tokens": plain_tokens}
+
+
+def paired_ratio(runs: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over the repetitions of a's tok/s over b's in the same repetition (the host's load drifts between
+    repetitions more than between arms of one)."""
+    return statistics.median(x / y for x, y in zip(runs[a], runs[b], strict=True))
 
 
 def record_trace(model: Model, prompts: list[list[int]], gen: int, path: Path, what: str) -> float:
@@ -108,8 +150,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fixed", default="1,2,3,5", help="the fixed depths to compare with")
     ap.add_argument("--auto-max", type=int, default=6)
-    ap.add_argument("--profiles", default="p=0.3,p=0.6,p=0.85,p=0.95")
+    ap.add_argument("--profiles", default="p=0.3,p=0.5,p=0.7,p=0.85,p=0.95")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--restart-streams", action="store_true",
+                    help="replay p=... as AcceptProfile does (one stream, restarted at every generation) instead of a "
+                         "fresh stream per generation")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--traces", type=Path, help="a folder for the model profiles' acceptance traces")
     a = ap.parse_args()
@@ -126,24 +171,30 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     lines = [f"# `--draft auto` against fixed depths: demo model, CPU ({_dt.date.today().isoformat()})", "",
              f"commit {commit.strip()}; {a.prompts} prompts of {a.prompt_tokens} tokens per profile, {a.gen} generated "
-             f"each, greedy, {a.reps} repetitions (median of decoded tokens / decode seconds over the prompts), "
-             f"torch threads {a.threads}, on a shared 2-core machine. `scripts/depth_cpu.py`.", "",
+             f"each, greedy, {a.reps} repetitions (median of decoded tokens / decode seconds over the prompts; ratios "
+             f"paired within a repetition), "
+             f"torch threads {a.threads}, on a shared 2-core machine; replayed p: "
+             f"{'one stream restarted at every generation' if a.restart_streams else 'a fresh stream per generation'}. "
+             f"`scripts/depth_cpu.py`.", "",
              "| profile | " + " | ".join(arm_opts) + " | auto / best fixed | auto / plain | auto / MTP3 | auto / MTP5 "
              "| auto's depths (rounds; 0: plain stretches) |",
              "|---|" + "---:|" * (len(arm_opts) + 4) + "---|"]
     auto = list(arm_opts)[-1]
     for name, prompts, prof in profiles:
-        r = measure(model, prompts, prof, arm_opts, a.reps, a.gen)
+        r = measure(model, prompts, prof, arm_opts, a.reps, a.gen, not a.restart_streams)
         tps = r["tps"]
         best = max((n for n in tps if n != auto), key=tps.__getitem__)
         cells = [f"{tps[n]:.1f}" + (f" ({r['tokens_per_round'][n]:.2f})" if n != "plain" else "") for n in arm_opts]
-        ratio = [f"{tps[auto] / tps[x]:.3f}" if x in tps else "-" for x in (best, "plain", "MTP3", "MTP5")]
+        ratio = [f"{paired_ratio(r['runs'], auto, x):.3f}" if x in tps else "-"
+                 for x in (best, "plain", "MTP3", "MTP5")]
         ratio[0] += f" ({best})"
         lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratio) +
                      f" | {r['auto_depths']}, {r['auto_plain_tokens']} plain tokens |")
         print(lines[-1], flush=True)
-    lines += ["", "Cells: tok/s (tokens per round). auto's depths: the rounds at each depth in the first repetition, "
-              "with depth 0 the plain stretches the controller chose."]
+    lines += ["", "Cells: tok/s, the median of the repetitions (tokens per round, of the last repetition). Ratios: "
+              "the median over the repetitions of auto's tok/s over the arm's in the same repetition; best fixed: the "
+              "arm (plain included) with the highest median. auto's depths: the rounds at each depth in the first "
+              "repetition, with depth 0 the plain stretches the controller chose, and the tokens they decoded."]
     if a.traces:
         for k, prompts in sets.items():
             path = a.traces / f"demo-accept-trace-{k}.json"

@@ -6,19 +6,29 @@ were), a round at depth d commits E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i tokens, 
 chain of d steps, verify of d+1 rows, rollback, extend; for d = 0, one plain decoding step). The controller picks
 argmax_d E(d) / cost(d).
 
-- Acceptance: per position, decaying counts of rounds that reached the position and of rounds that accepted it
-  (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight` pseudo-rounds. The
-  prior mean of position 1 is `prior`; that of a deeper position is the estimate of the one before it, so a depth
-  never drafted is judged by its shallower neighbours instead of an optimistic constant. Estimates are per request.
+- Acceptance: per position, decaying counts of the request's rounds that reached the position and of those that
+  accepted it (each new round multiplies the old counts by `decay`), blended with a prior of `prior_weight`
+  pseudo-rounds, plus up to `carry` more as the prior rests on more rounds. The prior is the engine's long-run
+  acceptance: the same counts over all requests, decaying slowly (`prior_decay` per round), over a mean of `prior`
+  for position 1 and, for a deeper position, the estimate of the one before it (a depth never drafted is judged by
+  its shallower neighbours instead of an optimistic constant). So a
+  request starts from what the engine's text accepted (its first rounds, which often accept less than its later
+  ones, do not stop drafting on their own), and a long plain stretch, over which the request's counts decay, brings
+  the estimate back to that, not to `prior`.
 - Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and
   for the drafting depths a line through those medians (robust to one depth's noise; `cost_slope` per draft relative
   to a single measured depth). Costs outlive a request: the engine measures them in its warm-up and refreshes them from
-  every round's wall time, which costs a clock read.
+  every round's wall time, which costs a clock read. A depth next to the best one whose cost is older than
+  `stale_after` choices, and whose rate is within REFRESH_WITHIN of the best one's, is chosen for two rounds
+  ("refresh"; depth 0: a short plain stretch), so a warm-up taken in a loaded moment, or a host that changed speed
+  since, does not decide for good.
 - Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts one probe round (the
   best depth >= 1) to measure again. Each trial that finds drafting still does not pay doubles the plain stretch
-  (up to `off_max`), so a profile where drafting never pays spends little on probes; the counts decay over the
-  stretch, so a probe on text that became predictable is believed quickly. (The decay also lets drafting resume for
-  a few rounds after a probe; stopping again within SUSTAIN rounds counts as a failed trial too.)
+  (up to `off_max`; a request inherits at most START_FAILS doublings, being maybe of another kind of text), so a
+  profile where drafting never pays spends little on probes; the counts decay over the stretch, so a probe on text
+  that became predictable is believed quickly. (The decay also lets drafting resume for a few rounds after a probe;
+  stopping again within SUSTAIN rounds counts as a failed trial too.) The engine keeps
+  the draft head's cache current over a plain stretch, so a probe drafts as a round that never stopped would.
 """
 
 from __future__ import annotations
@@ -32,12 +42,20 @@ from dataclasses import dataclass, field
 COST_SLOPE = 0.45
 # Drafting rounds after a plain stretch that count as a recovery: stopping sooner doubles the next stretch.
 SUSTAIN = 8
+# A depth's expected rate relative to the best depth's above which its stale cost is measured again: further below,
+# the host would have to have changed that much for the depth to matter.
+REFRESH_WITHIN = 0.8
+# Refresh periods (`stale_after` choices) after which a depth's cost no longer counts, when others were measured since.
+EXPIRE = 4
+# The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
+# request may be of another kind of text).
+START_FAILS = 2
 
 
 @dataclass(frozen=True)
 class DepthChoice:
     depth: int
-    reason: str  # "best" | "probe" | "off" (drafting does not pay) | "forced"
+    reason: str  # "best" | "probe" | "off" (drafting does not pay) | "refresh" (a stale cost) | "forced"
     acceptance: tuple[float, ...]  # the conditional acceptance estimate it used, per position
     rate: float  # the expected tokens per second at the chosen depth (by the cost table)
     plain_tokens: int = 0  # depth 0: how many tokens to decode plainly before the next choice
@@ -59,35 +77,58 @@ class DepthStats:
 
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
-                 cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8) -> None:
+                 cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
+                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 96) -> None:
         if not 1 <= max_depth <= 8:
             raise ValueError(f"the automatic draft depth needs a maximum depth in 1..8, got {max_depth}")
-        if not 0.0 < decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0:
-            raise ValueError(f"depth controller: decay in (0, 1], prior in [0, 1], prior_weight > 0 "
-                             f"(got {decay}, {prior}, {prior_weight})")
+        if (not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0
+                or carry < 0):
+            raise ValueError(f"depth controller: decay and prior_decay in (0, 1], prior in [0, 1], prior_weight > 0, "
+                             f"carry >= 0 (got {decay}, {prior_decay}, {prior}, {prior_weight}, {carry})")
         self.max_depth, self.prior, self.prior_weight, self.decay = max_depth, prior, prior_weight, decay
         self.cost_slope, self.off_min, self.off_max = cost_slope, off_min, off_max
+        self.prior_decay, self.carry, self.stale_after = prior_decay, carry, stale_after
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
+        self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
+        self.tick = 0  # choices made (plain stretches and rounds), over all requests
         self.force: int | None = None  # a fixed depth (calibration), still measured
         self.calibrated = False  # the engine measures every depth's cost before its first request
+        self.renew = [False] * (max_depth + 1)  # a refresh is under way: its sample replaces the old ones
+        self._version = 0  # counts the changes to the samples (the cost table's cache key)
+        self._cost_key: tuple[object, ...] | None = None
+        self._cost_table: list[float] = []
+        self.forget_acceptance()
+
+    def forget_acceptance(self) -> None:
+        """Back to the prior (the calibration's rounds say what a round costs, not what the requests accept)."""
+        self.long_reached = [0.0] * self.max_depth  # the engine's counts, over all requests
+        self.long_accepted = [0.0] * self.max_depth
+        # plain stretches in a row after which drafting did not last, and rounds since the last stretch: carried
+        # across requests like the acceptance
+        self.fails, self.since_plain = 0, SUSTAIN
         self.start_request()
 
     def start_request(self) -> None:
-        """Forget the acceptance (it is a property of the text) but keep the measured costs (of the device)."""
-        self.reached = [0.0] * self.max_depth
+        """Keep the measured costs (of the device) and the long-run acceptance (of the text the engine serves)."""
+        self.reached = [0.0] * self.max_depth  # the request's counts
         self.accepted = [0.0] * self.max_depth
-        self.fails = 0  # plain stretches in a row after which drafting did not last
-        self.since_plain = SUSTAIN  # rounds since the last plain stretch
+        self.fails = min(self.fails, START_FAILS)
         self.probe_next = False
+        self.refresh_left = 0  # rounds still to run at the depth being re-measured
+        self.refresh_depth = 0
         self.last_reason = ""
         self.stats = DepthStats()
 
     # ---- estimates ----
     def acceptance(self) -> list[float]:
-        """Conditional acceptance per draft position 1..N: decayed counts over the hierarchical prior."""
-        out, mean = [], self.prior
+        """Conditional acceptance per draft position 1..N: the request's decayed counts over the engine's long-run
+        counts over the hierarchical prior."""
+        out, mean, w = [], self.prior, self.prior_weight
         for i in range(self.max_depth):
-            mean = (self.prior_weight * mean + self.accepted[i]) / (self.prior_weight + self.reached[i])
+            base = (w * mean + self.long_accepted[i]) / (w + self.long_reached[i])
+            # the long-run estimate weighs more the more rounds it rests on (up to `carry` more pseudo-rounds)
+            wb = w + min(self.long_reached[i], self.carry)
+            mean = (wb * base + self.accepted[i]) / (wb + self.reached[i])
             out.append(mean)
         return out
 
@@ -105,7 +146,24 @@ class DepthController:
         a + b * d (b >= 0) through the measured depths' medians, which smooths one depth's noisy samples (a loaded
         host) with its neighbours'; one measured depth, or only the plain step, scales by 1 + cost_slope * d.
         Relative units (1 + cost_slope * d) before anything is measured."""
-        med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s}
+        return self.costs()[depth]
+
+    def costs(self) -> list[float]:
+        """cost(d) for every depth, kept until a sample comes or a depth expires (a choice is made every round:
+        recomputing the medians and the line for it would cost ~40 us a round in Python)."""
+        live = [bool(self.samples[d]) and self.tick - self.measured_at[d] <= EXPIRE * self.stale_after
+                for d in range(self.max_depth + 1)]
+        key = (self._version, tuple(live))
+        if key != self._cost_key:
+            # a depth not measured for EXPIRE refresh periods drops out of the line (the host may have changed since,
+            # and the refreshes keep only the depths near the best current), while two drafting depths remain
+            keep = live if sum(live[1:]) >= 2 else [bool(s) for s in self.samples]
+            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
+            self._cost_table = [self._cost(d, med) for d in range(self.max_depth + 1)]
+            self._cost_key = key
+        return self._cost_table
+
+    def _cost(self, depth: int, med: dict[int, float]) -> float:
         if depth == 0 and 0 in med:
             return med[0]
         known = [(d, c) for d, c in med.items() if d > 0]
@@ -123,25 +181,40 @@ class DepthController:
     def rates(self, acc: list[float] | None = None) -> list[float]:
         """Expected tokens per second at every depth 0..N."""
         acc = self.acceptance() if acc is None else acc
-        return [self.expected_tokens(d, acc) / self.cost(d) for d in range(self.max_depth + 1)]
+        return [self.expected_tokens(d, acc) / c for d, c in enumerate(self.costs())]
 
     # ---- decisions ----
     def choose(self) -> DepthChoice:
         acc = self.acceptance()
         rates = self.rates(acc)
         best = max(range(self.max_depth + 1), key=lambda d: (rates[d], -d))
+        self.tick += 1
+        plain = 0
         if self.force is not None:
             depth, reason = self.force, "forced"
         elif self.probe_next:
             self.probe_next = False
             depth, reason = max(range(1, self.max_depth + 1), key=lambda d: (rates[d], -d)), "probe"
+        elif self.refresh_left:
+            self.refresh_left -= 1
+            depth, reason = self.refresh_depth, "refresh"
         elif best == 0:
             # drafting that stops again soon after a stretch was a failed trial: the next stretch is longer
             self.fails = self.fails + 1 if self.since_plain < SUSTAIN else 0
             depth, reason = 0, "off"
+            plain = min(self.off_max, self.off_min << self.fails)
+        elif (stale := self._stale(best, rates)) is not None:
+            depth, reason = stale, "refresh"
+            # a drafting depth: two rounds, the first one a clean sample (the engine times a round as its depth's
+            # only when the next round drafts as deep)
+            self.refresh_depth, self.refresh_left = stale, int(stale > 0)
+            # not stale any more whether or not the sample comes (a round that starts a run is not timed)
+            self.measured_at[stale], self.renew[stale] = self.tick, True
+            plain = self.off_min if stale == 0 else 0
         else:
             depth, reason = best, "best"
-        plain = min(self.off_max, self.off_min << self.fails) if depth == 0 else 0
+        if depth == 0 and not plain:
+            plain = min(self.off_max, self.off_min << self.fails)
         self.last_reason = reason
         choice = DepthChoice(depth, reason, tuple(acc), rates[depth], plain)
         self.stats.depths[depth] += 1
@@ -150,33 +223,58 @@ class DepthController:
                                "tokens_per_s": [round(r, 3) for r in rates]})
         return choice
 
+    def _stale(self, best: int, rates: list[float]) -> int | None:
+        """A depth next to `best` (the one measured longer ago first) whose cost was last measured more than
+        `stale_after` choices ago and whose rate is within REFRESH_WITHIN of the best, or None."""
+        old = [d for d in (best - 1, best + 1) if 0 <= d <= self.max_depth
+               and rates[d] >= REFRESH_WITHIN * rates[best] and self.tick - self.measured_at[d] > self.stale_after]
+        return min(old, key=lambda d: (self.measured_at[d], d)) if old else None
+
     def observe(self, depth: int, accepted: int, seconds: float | None = None) -> None:
         """A round at `depth` accepted `accepted` drafts (and took `seconds`, when it was a clean measurement)."""
         if not 0 <= accepted <= depth <= self.max_depth:
             raise ValueError(f"observe: {accepted} accepted of a depth-{depth} round (maximum {self.max_depth})")
-        self._decay(1)
+        self._decay(1, long=True)
         self.since_plain += 1
         for i in range(min(accepted + 1, depth)):
-            self.reached[i] += 1.0
-            self.accepted[i] += float(i < accepted)
+            for reached, acc in ((self.reached, self.accepted), (self.long_reached, self.long_accepted)):
+                reached[i] += 1.0
+                acc[i] += float(i < accepted)
         if seconds is not None:
             self.observe_cost(depth, seconds)
 
+    def forget_cost(self, depth: int) -> None:
+        self.samples[depth].clear()
+        self._version += 1
+
     def observe_cost(self, depth: int, seconds: float) -> None:
-        """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token)."""
-        if seconds > 0:
-            self.samples[depth].append(seconds)
+        """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token). A stale depth's old
+        samples go: the host's load may have changed since."""
+        if seconds <= 0:
+            return
+        if self.renew[depth]:
+            self.samples[depth].clear()
+            self.renew[depth] = False
+        self.samples[depth].append(seconds)
+        self._version += 1
+        self.measured_at[depth] = self.tick
 
     def plain_done(self, tokens: int, seconds: float | None) -> None:
         """A plain stretch decoded `tokens` tokens in `seconds`: the next choice is a probe."""
         self.stats.plain_tokens += tokens
-        self._decay(tokens)
+        self._decay(tokens)  # the long-run counts age by rounds only: a stretch is no evidence against them
         self.probe_next = True
-        self.since_plain = 0
+        if self.last_reason != "refresh":  # a re-measuring stretch is no trial of drafting
+            self.since_plain = 0
         if seconds is not None and tokens:
             self.observe_cost(0, seconds / tokens)
 
-    def _decay(self, rounds: int) -> None:
+    def _decay(self, rounds: int, long: bool = False) -> None:
+        """Age the request's counts by `rounds` rounds (and the long-run counts, with `long`)."""
         f = self.decay ** rounds
         self.reached = [x * f for x in self.reached]
         self.accepted = [x * f for x in self.accepted]
+        if long:
+            g = self.prior_decay ** rounds
+            self.long_reached = [x * g for x in self.long_reached]
+            self.long_accepted = [x * g for x in self.long_accepted]
