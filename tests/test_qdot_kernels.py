@@ -35,8 +35,18 @@ T = GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
 TYPES = sorted(QDOT_QTYPES, key=lambda q: q.name)
 TIGHT, LOOSE = 1e-5, 2e-2
+# the experts' bound: one int8 code of the re-quantized intermediate may differ (test_interp_qdot_moe_few)
+MOE_TIGHT = 1e-3
+
+
 TOL16 = {torch.bfloat16: 8e-3, torch.float16: 1e-3}
 interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test draws from the same seed, whatever ran before it in the process."""
+    torch.manual_seed(0)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -172,12 +182,14 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
 
     E, Fd, D, k = 5, 96, 256, 2
     gate, up, down = qweight(gt, (E, Fd, D), 30), qweight(gt, (E, Fd, D), 31), qweight(dt, (E, D, Fd), 32)
-    h = torch.randn(T_, D)
+    h = torch.randn(T_, D, generator=torch.Generator().manual_seed(34))
     top_i, top_w = routing(T_, E, k, seed=33)
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= TIGHT
+    # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
+    # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
+    assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= MOE_TIGHT
     assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= LOOSE
 
 
