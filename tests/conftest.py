@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -47,3 +50,28 @@ def load_script(name: str) -> ModuleType:
 @pytest.fixture(scope="session")
 def tiny_model() -> Model:
     return build_model(tiny_config())
+
+
+def run_interp_tests(test_file: str) -> None:
+    """The file's `interp` tests in a subprocess with TRITON_INTERPRET=1 (Triton reads it when the kernels are
+    decorated, so it cannot be switched on inside this process); fails with the subprocess's output."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
+                        str(test_file)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def row_len(qt: object) -> int:
+    """A short row for a block type (a GGMLQuantizationType): with a partial 256-weight step where the type allows
+    one (32-weight blocks)."""
+    return 512 if qt.name.endswith("_K") else 352  # type: ignore[attr-defined]
+
+
+def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids and weights for T_ tokens, the first two tokens sharing an expert."""
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)])
+    if T_ > 1:
+        top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
+    return top_i.to(device), torch.rand(T_, k, generator=g).to(device)

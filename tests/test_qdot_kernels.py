@@ -16,13 +16,9 @@ tests marked `cuda` run the compiled kernels at the model's shapes.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import routing, row_len, run_interp_tests
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.qdot import QDOT_QTYPES, qdot_matmul_torch, qdot_moe_few_torch, quantize_x_torch
@@ -32,7 +28,6 @@ from qspec.weights.quantize import quantize
 from qspec.weights.qweight import QuantWeight
 
 T = GGMLQuantizationType
-ROOT = Path(__file__).resolve().parents[1]
 TYPES = sorted(QDOT_QTYPES, key=lambda q: q.name)
 TIGHT, LOOSE = 1e-5, 2e-2
 # the experts' bound: one int8 code of the re-quantized intermediate may differ (test_interp_qdot_moe_few)
@@ -68,19 +63,6 @@ def qweight(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device:
     return QuantWeight.from_blocks(raw, qt, shape)
 
 
-def row_len(qt: GGMLQuantizationType) -> int:
-    """A short row; 32-weight blocks get a partial 256-weight step."""
-    return 512 if qt.name.endswith("_K") else 352
-
-
-def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    top_i = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)])
-    if T_ > 1:
-        top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
-    return top_i.to(device), torch.rand(T_, k, generator=g).to(device)
-
-
 # ---- in this process: the references ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("qt", TYPES)
@@ -110,10 +92,7 @@ def test_quantize_x_reference() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
 def test_interpreted() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
-                        str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_interp_tests(__file__)
 
 
 @interp

@@ -9,14 +9,11 @@ few ulps.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import routing, row_len, run_interp_tests
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.moe_few import expert_ffn, sum_slots
@@ -35,7 +32,6 @@ from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 
 T = GGMLQuantizationType
-ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available() and HAS_TRITON
 TYPES = sorted(PACKED_QTYPES, key=lambda q: q.name)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -49,19 +45,6 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def qweight(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> QuantWeight:
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
     return QuantWeight.from_blocks(quantize(w, qt), qt, shape)
-
-
-def row_len(qt: GGMLQuantizationType) -> int:
-    """A short row with a partial 256-weight step where the type allows one (32-weight blocks)."""
-    return 512 if qt.name.endswith("_K") else 352
-
-
-def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    top_i = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T_)])
-    if T_ > 1:
-        top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
-    return top_i.to(device), torch.rand(T_, k, generator=g).to(device)
 
 
 # ---- in this process: the references, the chunked many-row path, the op registration ---------------------------
@@ -117,10 +100,7 @@ def test_qmatmul_op_registration() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
 def test_interpreted() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
-                        str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_interp_tests(__file__)
 
 
 @interp

@@ -9,14 +9,9 @@ graphs against the device-table model.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import run_interp_tests, tiny_config
 from gguf import GGMLQuantizationType as Q
 
 from qspec.kernels.row_gather import RowPieces, gather_rows, gather_rows_torch
@@ -29,7 +24,6 @@ from qspec.weights.pinned import PinnedRowTable, pin_segments
 from qspec.weights.quantize import quantize
 from qspec.weights.random_model import random_weights
 
-ROOT = Path(__file__).resolve().parents[1]
 interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
 # every type a table may have; a Q8_0 row of 160 is 170 bytes and a Q4_0 row 90, neither a multiple of 4
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0]
@@ -125,10 +119,7 @@ def test_model_logits_equal_with_either_table(qt: Q) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
 def test_interpreted() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
-                        str(Path(__file__))], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_interp_tests(__file__)
 
 
 @interp
