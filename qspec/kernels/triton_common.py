@@ -141,3 +141,24 @@ if HAS_TRITON:
         else:
             out = tl.dot(a, b, acc)
         return out
+
+    @triton.jit
+    def dp4a(a, b, c, ASM: tl.constexpr):
+        """c + the dot product of a's four bytes with b's, both signed int8 (callers' unsigned bytes stay below 128).
+        ASM: the PTX instruction; otherwise (the interpreter runs no PTX, and A/B runs) the same sum byte by byte."""
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            for k in tl.static_range(4):
+                c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+            return c
+
+    @triton.jit
+    def round_q8(x):
+        """f32 blocks x [B, 32] -> (q = floor(x * (127 / amax) + 0.5) clamped to +-127 as f32, d = amax / 127), with
+        IEEE divisions; launched without fp fusion, the torch references' roundings (ggml's q8_1 scheme)."""
+        amax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        return q, tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)

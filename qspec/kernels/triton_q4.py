@@ -27,18 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, round_to
-
-    @triton.jit
-    def _dp4a(a, b, c, ASM: tl.constexpr):
-        """c + the dot product of a's four bytes (unsigned, < 128 here) with b's (signed int8)."""
-        if ASM:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:  # the interpreter runs no PTX: the same sum, byte by byte
-            for k in tl.static_range(4):
-                c += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
-            return c
+    from qspec.kernels.triton_common import dp4a, pdl_start, round_q8, round_to
 
     @triton.jit
     def _quantize_q8_kernel(x_ptr, q_ptr, d_ptr, s_ptr, x_m, KB: tl.constexpr, KBP: tl.constexpr,
@@ -51,12 +40,9 @@ if HAS_TRITON:
         i = tl.arange(0, 32)
         bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        # IEEE division and (launched without fp fusion) a separate multiply and add: the torch reference's q
-        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
-        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        q, d = round_q8(x)
         tl.store(q_ptr + m * (KB * 32) + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
-        tl.store(d_ptr + m * KB + b, tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0), mask=bmask)
+        tl.store(d_ptr + m * KB + b, d, mask=bmask)
         tl.store(s_ptr + m * KB + b, tl.sum(q, axis=1).to(tl.int32), mask=bmask)
 
     @triton.jit
@@ -97,7 +83,7 @@ if HAS_TRITON:
                 sx = tl.load(xs_ptr + m * KB + blk, mask=bmask, other=0)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
-            d = _dp4a(hi, xh[None, :, :], _dp4a(lo, xl[None, :, :], tl.zeros_like(lo), ASM), ASM)
+            d = dp4a(hi, xh[None, :, :], dp4a(lo, xl[None, :, :], tl.zeros_like(lo), ASM), ASM)
             isum = tl.sum(d, axis=2) - 8 * sx[None, :]
             acc += isum.to(tl.float32) * (dw.to(tl.float32) * dx[None, :])
         y = tl.sum(acc, axis=1)

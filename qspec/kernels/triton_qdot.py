@@ -35,7 +35,7 @@ weights per row more, and from 4 rows on the per-row accumulation moves through 
 types (not yet tuned).
 
 dp4a is PTX (`tl.inline_asm_elementwise`); the interpreter runs no PTX, so there (and on the GPU with DP4A_ASM off,
-for A/B runs and debugging) `_dp4a` computes the same sum byte by byte.
+for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by byte.
 """
 
 from __future__ import annotations
@@ -56,19 +56,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, round_to
-
-    @triton.jit
-    def _dp4a(a, b, c, ASM: tl.constexpr):
-        """c + the dot product of a's four bytes with b's, both signed int8 (the weights' bytes here are either
-        below 128 or meant signed, so one signedness serves every type)."""
-        if ASM:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            for k in tl.static_range(4):
-                c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
-            return c
+    from qspec.kernels.triton_common import dp4a, pdl_start, round_q8, round_to
 
     @triton.jit
     def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -81,11 +69,8 @@ if HAS_TRITON:
         i = tl.arange(0, 32)
         bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
-        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
+        q, d = round_q8(x)
         tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
-        d = tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
         tl.store(d_ptr + m * KB + b, d, mask=bmask)
         tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
         g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
@@ -169,8 +154,8 @@ if HAS_TRITON:
         c2 = tl.arange(0, 4)[None, :]
         for m in tl.static_range(M):
             xw = xq_ptr + m * x_m + kb * 64 + c * 16 + v  # x words of sub-block 2c; + 8: of 2c + 1
-            il = _dp4a(lo_b, tl.load(xw + 4), _dp4a(lo_a, tl.load(xw), tl.zeros_like(lo_a), ASM), ASM)
-            ih = _dp4a(hi_b, tl.load(xw + 12), _dp4a(hi_a, tl.load(xw + 8), tl.zeros_like(hi_a), ASM), ASM)
+            il = dp4a(lo_b, tl.load(xw + 4), dp4a(lo_a, tl.load(xw), tl.zeros_like(lo_a), ASM), ASM)
+            ih = dp4a(hi_b, tl.load(xw + 12), dp4a(hi_a, tl.load(xw + 8), tl.zeros_like(hi_a), ASM), ASM)
             xb = m * xd_m + kb * 8 + 2 * c2
             t = (dsl * (tl.load(xd_ptr + xb) * tl.sum(il, axis=2).to(tl.float32)) - dml * tl.load(xs_ptr + xb)
                  + (dsh * (tl.load(xd_ptr + xb + 1) * tl.sum(ih, axis=2).to(tl.float32))
@@ -219,7 +204,7 @@ if HAS_TRITON:
     @triton.jit
     def _q6_run(q, xw, xg, xb, sc, ASM: tl.constexpr):
         """One run of 32 weights per (row, h, g): dx * (sc * (dot(q, x) - 32 * sum(x))) [BN, 2, 2]."""
-        isum = tl.sum(_dp4a(q, tl.load(xw), tl.zeros_like(q), ASM), axis=0) - 32 * tl.load(xg)
+        isum = tl.sum(dp4a(q, tl.load(xw), tl.zeros_like(q), ASM), axis=0) - 32 * tl.load(xg)
         return tl.load(xb) * (sc * isum).to(tl.float32)
 
     @triton.jit
@@ -260,11 +245,11 @@ if HAS_TRITON:
         xmask = bmask[None, :, :]
         dx = tl.load(xd_ptr + blk, mask=bmask, other=0.0)
         if QT == 8:
-            isum = tl.sum(_dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM), axis=0)
+            isum = tl.sum(dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM), axis=0)
             t = d * (dx * isum.to(tl.float32))
         else:
-            isum = _dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
-            isum = tl.sum(_dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=0)
+            isum = dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
+            isum = tl.sum(dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=0)
             sx = tl.load(xs_ptr + blk, mask=bmask, other=0.0)
             t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
         return t
