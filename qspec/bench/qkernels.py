@@ -92,6 +92,16 @@ def _copies(nbytes: int) -> int:
     return max(2, min(32, -(-L2_BYTES // max(nbytes, 1))))
 
 
+def _bf16_matvec(m: int, n: int, k: int) -> tuple[torch.Tensor, float]:
+    """bf16 rows x [m, k] and the bf16 product's µs per call (qspec::gemv, weight copies beyond the L2), the baseline
+    every block product is compared with."""
+    from qspec.kernels.gemv import gemv
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
+    return x, graph_us([partial(gemv, x, w) for w in wb])
+
+
 def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: int, bf_us: float,
          bf_bytes: int, quiet: bool = False) -> None:
     rows.append((name, qt, shape, us, nbytes / us / 1e3, bf_us, bf_bytes / bf_us / 1e3))
@@ -105,17 +115,13 @@ def _row(rows: list[tuple], name: str, qt: str, shape: str, us: float, nbytes: i
 def bench_matvec(rows: list[tuple], shapes: list[str], types: tuple, m: int) -> None:
     """The mat-vec (decode, draft: m = 1; verify, extend: m = 2..16) against the bf16 one (qspec::gemv): the
     f32-expansion kernels, then the int8-activation ones where the type has them."""
-    from qspec.kernels.gemv import gemv
     from qspec.kernels.qdot import QDOT_QTYPES
     from qspec.kernels.qmatmul import int8_dot_mode, qmatmul_op
 
     for name in shapes:
         n, k = SHAPES[name]
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
-        bf_us = graph_us([partial(gemv, x, w) for w in wb])
+        x, bf_us = _bf16_matvec(m, n, k)
         bf_bytes = n * k * 2 + m * (k + n) * 2
-        del wb
         for qt in types:
             raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
             nbytes = raws[0].numel() + m * (k + n) * 2
@@ -239,7 +245,6 @@ def moe_sweep(rows: list[tuple]) -> None:
 
 def sweep(rows: list[tuple]) -> None:
     """Configs of the tensor-core kernel (rows per program, warps, programs per SM) and the CUDA-core mat-vec."""
-    from qspec.kernels.gemv import gemv
     from qspec.kernels.triton_qmatmul import dequant_triton, qmatvec_triton, qmm_triton
 
     n, k = SHAPES["gdn_in"]
@@ -252,10 +257,7 @@ def sweep(rows: list[tuple]) -> None:
     for name in QUICK_SHAPES:
         n, k = SHAPES[name]
         for m in (1, 6):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
-            bf_us = graph_us([partial(gemv, x, w) for w in wb])
-            del wb
+            x, bf_us = _bf16_matvec(m, n, k)
             for qt in (T.Q4_K, T.Q6_K, T.Q8_0):
                 raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
                 nbytes = raws[0].numel() + m * (k + n) * 2
@@ -275,17 +277,13 @@ QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4))
 def qdot_sweep(rows: list[tuple]) -> None:
     """Configs of the int8-activation kernels (rows per program, warps, programs per SM; the experts' rows per
     program, warps), and dp4a's shift-and-multiply emulation (asm=False) against the instruction."""
-    from qspec.kernels.gemv import gemv
     from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
 
     bench_quantize(rows)
     for name in QUICK_SHAPES:
         n, k = SHAPES[name]
         for m in (1, 6, 16):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(_copies(n * k * 2))]
-            bf_us = graph_us([partial(gemv, x, w) for w in wb])
-            del wb
+            x, bf_us = _bf16_matvec(m, n, k)
             for qt in (T.Q4_K, T.Q6_K, T.Q8_0):
                 raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
                 nbytes = raws[0].numel() + m * (k + n) * 2
