@@ -162,3 +162,14 @@ if HAS_TRITON:
         inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
         q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
         return q, tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+
+    @triton.jit
+    def expert_pair(ti_ptr, ti_m, KS, N, BN: tl.constexpr):
+        """A routed-expert kernel's program (row block, (token, slot) pair): (pair = t * KS + j, t, j, the pair's
+        expert e = top_i[t, j] as int64, this program's BN output rows, which of them exist (< N))."""
+        pair = tl.program_id(1)
+        t = pair // KS
+        j = pair % KS
+        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        return pair, t, j, e, n, n < N

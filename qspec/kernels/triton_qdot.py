@@ -56,7 +56,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, pdl_start, round_q8, round_to
+    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
 
     @triton.jit
     def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -334,11 +334,7 @@ if HAS_TRITON:
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]."""
         pdl_start(PDL)
-        pair = tl.program_id(1)
-        t = pair // KS
-        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
-        f = tl.program_id(0) * BN + tl.arange(0, BN)
-        fmask = f < F
+        pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         steps = tl.cdiv(D, 256)
@@ -355,13 +351,8 @@ if HAS_TRITON:
                           OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
-        pair = tl.program_id(1)
-        t = pair // KS
-        j = pair % KS
-        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
-        dd = tl.program_id(0) * BN + tl.arange(0, BN)
-        dmask = dd < D
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
                          e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM)

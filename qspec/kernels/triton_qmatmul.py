@@ -60,7 +60,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
+    from qspec.kernels.triton_common import dot_acc, expert_pair, pdl_start, round_to
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
@@ -324,11 +324,7 @@ if HAS_TRITON:
                              PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32, pair = t * KS + j, e = top_i[t, j]."""
         pdl_start(PDL)
-        pair = tl.program_id(1)
-        t = pair // KS
-        e = tl.load(ti_ptr + t * ti_m + pair % KS).to(tl.int64)
-        f = tl.program_id(0) * BN + tl.arange(0, BN)
-        fmask = f < F
+        pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xp = h_ptr + t * h_m
         g = _qdot(xp, 0, gb_ptr, gh_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask, D, 1, 1, BN, QG, GG, LG)
         u = _qdot(xp, 0, ub_ptr, uh_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask, D, 1, 1, BN, QU, GU, LU)
@@ -341,13 +337,8 @@ if HAS_TRITON:
                           OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] for BN output features, rounded once to y's dtype."""
         pdl_start(PDL)
-        pair = tl.program_id(1)
-        t = pair // KS
-        j = pair % KS
-        e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
+        pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
-        dd = tl.program_id(0) * BN + tl.arange(0, BN)
-        dmask = dd < D
         acc = _qdot(act_ptr + pair * F, 0, db_ptr, dh_ptr, dw_ptr, e * d_e + dd.to(tl.int64) * d_d, dmask, F, 1, 1,
                     BN, QD, GD, LD)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
