@@ -33,15 +33,16 @@ MOE_MAX_ROWS = 16  # tokens per qmoe_few call that go to the per-pair kernels (m
 # Weights expanded at once for the many-row products: 64 Mi elements (128 MiB in bf16) bounds the scratch while
 # keeping each chunk's matmul large enough to run near the GPU's peak (every step matrix but the LM head is one chunk).
 SCRATCH_ELEMENTS = 64 << 20
-# 16-bit rows on CUDA (1..16 of them, and the few-token experts) go to the int8-activation kernels of triton_qdot.py
-# for the types they cover (qdot.QDOT_QTYPES): x rounded to int8 per 32 elements, as llama.cpp's mat-vec does, for
-# dp4a products instead of the f32 expansion. False: the f32-expansion kernels above (A/B runs). f32 rows always
-# keep those (exact f32 products).
+# 16-bit rows on CUDA (one row, and the few-token experts) go to the int8-activation kernels of triton_qdot.py for
+# the types they cover (qdot.QDOT_QTYPES): x rounded to int8 per 32 elements, as llama.cpp's mat-vec does, for dp4a
+# products instead of the f32 expansion. False: the f32-expansion kernels above (A/B runs). f32 rows always keep
+# those (exact f32 products).
 INT8_DOT = True
-# Rows up to this many take the int8 kernels (more: the tensor-core kernel). dp4a's work grows with the rows (two
-# instructions per 8 weights per row) while the tensor cores' does not, so the crossover is a GPU measurement
-# (`python -m qspec.bench.qkernels`, the "f32"/"int8" rows at m=1, 6, 16).
-INT8_MAX_ROWS = 16
+# Dense products of up to this many rows take the int8 kernel; more rows the f32-expansion / tensor-core kernels.
+# dp4a's work grows with the rows while the tensor cores' does not: on the H200 the int8 kernel wins at one row for
+# every type and loses at six (BENCHMARKS.md, "Block kernels"; `python -m qspec.bench.qkernels`). The experts'
+# kernels read a pair's expert once per token and stay ahead up to MOE_MAX_ROWS tokens.
+INT8_MAX_ROWS = 1
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES)
 # The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
 # contiguous stores); False: triton_qmatmul's step-tile expansion (`dequant_triton`), for A/B runs. Both give
@@ -197,7 +198,7 @@ def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw
                 u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] of the routed experts whose blocks are g_raw/u_raw [E, F, row_bytes] and
     d_raw [E, D, row_bytes]."""
-    if h.shape[0] <= min(MOE_MAX_ROWS, INT8_MAX_ROWS) and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
+    if h.shape[0] <= MOE_MAX_ROWS and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
         from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
         return qdot_moe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))

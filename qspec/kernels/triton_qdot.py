@@ -19,10 +19,10 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
   signed bytes; Q4_0/Q5_0's 4 words give elements 4w.. (low nibbles) and 16 + 4w.. (high); Q5_0's 4-bit groups of
   qh are spread to bit 4 of four bytes by one multiply (the shifted copies do not overlap, so nothing carries).
 
-`_qdot_rows` walks K for BN weight rows and M <= 16 x rows: each step's weight words are decoded once, then every x
-row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes one row
-at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row blocks leave
-SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
+`_qdot_rows` walks K for BN weight rows and M <= MAX_ROWS x rows: each step's weight words are decoded once, then
+every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
+one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
+blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
@@ -45,7 +45,9 @@ import torch
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
-MAX_ROWS = 16
+# Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
+# 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
+MAX_ROWS = 8
 # (rows per program, warps, programs wanted per SM) of the product; the GPU benchmark (qspec/bench/qkernels.py,
 # --qdot-sweep) times others. K splits into shares when the row blocks alone give fewer programs than wanted.
 QDOT_CONFIG = (32, 4, 4)
@@ -403,7 +405,7 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
 
 def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
                        config: tuple[int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16, last dim contiguous) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
+    """x [M, K] (M <= MAX_ROWS, last dim contiguous) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
     (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: (rows per program, warps,
     programs wanted per SM); asm: dp4a by PTX (default DP4A_ASM off the interpreter)."""
     M, K = x.shape
