@@ -346,7 +346,7 @@ class Engine:
         _catch_up_rows() along the way and the rest at the end, all charged to depth 0's cost -> (the last emitted
         token, the head's logits and residual over it), or None when the request ended."""
         run, reader, ctl, dev = self.runner, self.reader, self.depth, self.model.device
-        t0 = time.perf_counter()
+        t0, eager0 = time.perf_counter(), run.graph_stats.eager
         logits, X = run.step(upload([tok], dev))
         run.keep(1, rollback=False)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows at positions run.n_tokens - len(pending) + 1..
@@ -374,8 +374,9 @@ class Engine:
                 return None
             if not more:
                 d_logits, d_X = self._catch_up(pending, run.n_tokens - len(pending) + 1)
-                if ctl is not None:
-                    ctl.plain_done(done, time.perf_counter() - t0)
+                if ctl is not None:  # timed only when every step replayed a graph (no capture, no first use)
+                    clean = run.graph_stats.eager == eager0
+                    ctl.plain_done(done, time.perf_counter() - t0 if clean else None)
                 return tok, d_logits, d_X
             run.keep(1, rollback=False)
 
@@ -393,6 +394,7 @@ class Engine:
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
         d_toks, q_rows = self._draft_chain(req, d_logits, d_X, run.n_tokens, sampler, d) if on_device else ([], [])
         clock = None  # the first round's time includes its own draft chain, queued before: not a round's cost
+        eager_at_clock = 0
         while True:
             L = run.n_tokens
             # chosen now, from the rounds before this one: a greedy round queues the next round's drafts before
@@ -448,10 +450,12 @@ class Engine:
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
             if ctl is not None:
                 # a round's time includes the next round's draft chain, queued in it: a sample of depth d's cost
-                # only when the next round drafts as deep
-                now = time.perf_counter()
-                ctl.observe(d, k, None if clock is None or d_next != d else now - clock)
-                clock = now
+                # only when the next round drafts as deep, and when every step replayed a graph (a capture, at a
+                # new depth or context bucket, costs several rounds: one such sample would price a depth out)
+                now, eager = time.perf_counter(), run.graph_stats.eager
+                clean = clock is not None and d_next == d and eager == eager_at_clock
+                ctl.observe(d, k, now - clock if clean else None)
+                clock, eager_at_clock = now, eager
             if ends:
                 return None
             tok, d = nxt, d_next

@@ -288,6 +288,33 @@ def test_auto_engine_counters_and_calibration(tiny_model: Model, monkeypatch: py
         EngineOptions(draft=0, draft_auto=True)
 
 
+def test_rounds_with_eager_steps_are_not_cost_samples(tiny_model: Model) -> None:
+    """A round during which the runner ran a step eagerly (a graph capture at a new depth or context bucket) is
+    no sample of its depth's cost: its time would price the depth out. The CPU runs no graphs, so the test bumps the
+    runner's eager counter from the round hook on chosen rounds and checks which rounds came with seconds."""
+    timed: list[tuple[int, bool]] = []
+
+    class Fixed(Scripted):
+        def choose(self) -> DepthChoice:
+            self.stats.depths[2] += 1
+            return DepthChoice(2, "scripted", tuple(self.acceptance()), 0.0, 0)
+
+        def observe(self, depth: int, accepted: int, seconds: float | None = None) -> None:
+            timed.append((len(timed), seconds is not None))
+            super().observe(depth, accepted, seconds)
+
+    def after_round(run: Runner, k: int) -> None:
+        if len(timed) in (3, 6):  # rounds 3 and 6 "capture"
+            run.graph_stats.eager += 1
+
+    eng = Engine(tiny_model, EngineOptions(draft=2, draft_auto=True, capacity=CAP),
+                 EngineHooks(accept_hook=lambda r, n: 0, after_round=after_round))
+    eng.depth = Fixed(2, 0)
+    eng.generate([5, 6, 7], 12)
+    assert len(timed) >= 8
+    assert [t for _, t in timed[:8]] == [False, True, True, False, True, True, False, True]
+
+
 def test_sampled_auto_is_seeded(tiny_model: Model) -> None:
     from qspec.spec.accept import Sampler
 
