@@ -137,10 +137,13 @@ class KernelOptions:
                               "bf16; off: a loop over the experts)", applies="CUDA, sm_90/sm_100", arm="gmm")
     gdn_conv_kernel: bool = option(True, "GDN steps' causal conv, silu and q/k norms in one Triton launch per layer "
                                    "(off: compiled)", applies="CUDA", arm="gconv")
-    int8_dot: bool = option(True, "products of 1-16 16-bit rows with GGUF block weights (and the few-token "
-                            "experts) with the rows rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's "
-                            "mat-vec (off: the blocks expanded to f32 in registers)", applies="CUDA, block weights",
+    int8_dot: bool = option(True, "one-row products with GGUF block weights (and the few-token experts) with the "
+                            "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "
+                            "blocks expanded to f32 in registers)", applies="CUDA, block weights",
                             arm="int8")
+    fuse_blocks: bool = option(False, "compile the step functions that multiply GGUF block weights too, each block "
+                               "product one custom op among the generated kernels (off: those functions run eagerly; "
+                               "not yet measured on the GPU)", applies="CUDA, block weights, --compile", arm="fblk")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

@@ -53,7 +53,8 @@ class KernelSwitches:
     pdl: bool = False  # triton_common._PDL: programmatic dependent launch
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
-    int8_dot: bool = True  # qmatmul.INT8_DOT: block products of a few 16-bit rows through int8 activations
+    int8_dot: bool = True  # qmatmul.INT8_DOT: one-row block products (and few-token experts) through int8 rows
+    fuse_blocks: bool = False  # fuse._BLOCKS: functions called with block weights compile too
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
@@ -64,7 +65,7 @@ class KernelSwitches:
                    compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
-                   mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot)
+                   mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks)
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -72,7 +73,8 @@ class KernelSwitches:
         with ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
-                hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot):
+                hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
+                fuse.blocks_mode(self.fuse_blocks):
             yield
 
 

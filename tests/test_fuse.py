@@ -37,7 +37,7 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
         assert len(got.draft_logits) == len(ref.draft_logits) == (len(ref.logits) if draft else 0)
         for a, b in zip(got.draft_logits, ref.draft_logits, strict=True):
             assert a.shape == (1, model.cfg.vocab_size) and torch.equal(a, b)
-    untraced = [f.__name__ for f in fuse.REGISTRY if (backend, False) not in f.compiled]
+    untraced = [f.__name__ for f in fuse.REGISTRY if (backend, False, None) not in f.compiled]
     assert not untraced, f"never traced: {untraced}"
 
 
@@ -51,7 +51,7 @@ def test_fusion_scope(model) -> None:  # type: ignore[no-untyped-def]
             assert fuse.enabled()
     assert not fuse.enabled()
     Engine(model, EngineOptions(capacity=128, draft=2)).generate(list(range(3, 20)), 4)
-    assert not any(b == "inductor" for f in fuse.REGISTRY for b, _ in f.compiled)
+    assert not any(key[0] == "inductor" for f in fuse.REGISTRY for key in f.compiled)
 
 
 def test_inductor_compiles_every_fused_function(model) -> None:  # type: ignore[no-untyped-def]
@@ -71,5 +71,54 @@ def test_inductor_compiles_every_fused_function(model) -> None:  # type: ignore[
         assert got.tokens == ref.tokens and len(got.logits) == len(ref.logits) > 0
         for a, b in zip(got.logits + got.draft_logits, ref.logits + ref.draft_logits, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    uncompiled = [f.__name__ for f in fuse.REGISTRY if (compile_fx, False) not in f.compiled]
+    uncompiled = [f.__name__ for f in fuse.REGISTRY if (compile_fx, False, None) not in f.compiled]
     assert not uncompiled, f"never compiled: {uncompiled}"
+
+
+def test_block_weights_trace_inside_fused_functions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With fuse_blocks on, the functions called with GGUF block weights (llama.cpp's Q4_K_M mix: single block
+    weights and stacks of mixed types) trace as one graph each, their raw bytes as inputs, and change no result;
+    off, they run eagerly (no compiled entry with block arguments)."""
+    from qspec.loader import load_model, write_model
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_model(path, tiny_config(mtp=True), quant="q4_k_m")
+    model = load_model(path, dequantize_all=False)
+    prompt = list(range(3, 45))
+    kw = dict(draft=3, capacity=256, kv_type="q8_0")
+    ref = Engine(model, EngineOptions(**kw), EngineHooks(record_logits=True)).generate(prompt, 10)
+    for on in (False, True):
+        for f in fuse.REGISTRY:
+            f.compiled.clear()
+        got = Engine(model, EngineOptions(compile_backend="aot_eager", fuse_blocks=on, **kw),
+                     EngineHooks(record_logits=True)).generate(prompt, 10)
+        assert got.tokens == ref.tokens
+        for a, b in zip(got.logits + got.draft_logits, ref.logits + ref.draft_logits, strict=True):
+            assert torch.equal(a, b)
+        with_blocks = {f.__name__ for f in fuse.REGISTRY for key in f.compiled if key[2] is not None}
+        if on:
+            assert {"gdn_in", "gdn_out", "moe_in", "add_shared_expert", "qsa_qkv"} <= with_blocks, with_blocks
+        else:
+            assert not with_blocks
+
+
+def test_inductor_compiles_functions_with_block_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Inductor's lowering of the functions called with GGUF block weights (Q4_K_M mix): the block product stays one
+    extern custom op among generated kernels; tokens and logits stay the eager functions' up to f32
+    reassociation."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from qspec.loader import load_model, write_model
+
+    write_model(tmp_path / "m.gguf", tiny_config(mtp=True), quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    prompt = list(range(3, 30))
+    kw = dict(draft=2, capacity=256, kv_type="q8_0")
+    ref = Engine(model, EngineOptions(**kw), EngineHooks(record_logits=True)).generate(prompt, 6)
+    got = Engine(model, EngineOptions(compile_backend=compile_fx, fuse_blocks=True, **kw),
+                 EngineHooks(record_logits=True)).generate(prompt, 6)
+    assert got.tokens == ref.tokens and len(got.logits) == len(ref.logits) > 0
+    for a, b in zip(got.logits + got.draft_logits, ref.logits + ref.draft_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    compiled = {f.__name__ for f in fuse.REGISTRY for key in f.compiled if key[0] is compile_fx and key[2] is not None}
+    assert {"gdn_out", "moe_in", "add_shared_expert", "qsa_qkv"} <= compiled, compiled

@@ -330,23 +330,25 @@ def test_device_model_generator_takes_a_quant_mix() -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mix", ["q4_k_m", "q8_0"])
-def test_cuda_block_model_in_graphs(tmp_path: Path, mix: str) -> None:
+@pytest.mark.parametrize("mix,fuse_blocks", [("q4_k_m", False), ("q8_0", False), ("q4_k_m", True)])
+def test_cuda_block_model_in_graphs(tmp_path: Path, mix: str, fuse_blocks: bool) -> None:
     """On the GPU a block model keeps its blocks, runs its steps as CUDA graphs (the experts through qmoe_few, no
-    host sync), its bf16 logits follow the expanded model's, and greedy MTP3 gives plain decoding's tokens."""
+    host sync), its bf16 logits follow the expanded model's, and greedy MTP3 gives plain decoding's tokens; with
+    fuse_blocks, the functions around the block products compiled by inductor too."""
     cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
     write_model(tmp_path / "m.gguf", cfg, quant=mix)
     model = load_model(tmp_path / "m.gguf", device="cuda")
     ref = load_model(tmp_path / "m.gguf", device="cuda", dequantize_all=True)
     assert isinstance(model.lm_head, QuantWeight) and model.graph_safe
     prompt = list(range(3, 40))
-    plain = Engine(model, EngineOptions(draft=0, capacity=CAP), EngineHooks(record_logits=True)).generate(prompt, 24)
+    plain = Engine(model, EngineOptions(draft=0, capacity=CAP, fuse_blocks=fuse_blocks),
+                   EngineHooks(record_logits=True)).generate(prompt, 24)
     expanded = Engine(ref, EngineOptions(draft=0, capacity=CAP), EngineHooks(record_logits=True)).generate(prompt, 24)
     first = plain.logits[0].float()
     rel = ((first - expanded.logits[0].float()).norm() / expanded.logits[0].float().norm()).item()
     assert rel < 3e-2, rel  # bf16 activations; blocks expanded inside the product or before it
     assert plain.graphs["replays"] > 0 and plain.graphs["captures"] > 0
-    spec = Engine(model, EngineOptions(draft=3, capacity=CAP)).generate(prompt, 24)
+    spec = Engine(model, EngineOptions(draft=3, capacity=CAP, fuse_blocks=fuse_blocks)).generate(prompt, 24)
     agree = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens, strict=True)) if a != b), None)
     assert agree is None or agree > 8, (spec.tokens, plain.tokens)  # bf16: equal up to a near tie late on
 

@@ -8,6 +8,12 @@ step-sized inputs, when fusion is on. Everything else (prefill, the CPU, row-exa
 function eagerly (`step_rows`), so the CPU tests check the very code that gets compiled; `tests/test_gpu_engine.py`
 compares the two on the GPU.
 
+GGUF block weights (QuantWeight, StackedWeight) are no tensors dynamo can take as inputs. With `blocks_mode` on, a
+function called with them compiles once per layout of its block arguments (type and shape, `_block_spec`): their
+raw byte tensors are the compiled graph's inputs, rebuilt into weights inside, and each block product stays one
+opaque custom op (qspec::qmatmul) between the generated kernels. Off (the default until measured on the GPU:
+BENCHMARKS.md "Not measured"), such a call runs eagerly, small ops and all.
+
 Each function compiles with symbolic sizes (`dynamic=True`): one graph serves every row count above 1
 and every KV bucket, so a request that crosses into a new bucket does not stop to compile (with static
 sizes it did: ~13 s in the middle of a benchmark run). Compilation happens on the first eager use; the
@@ -25,6 +31,7 @@ import torch
 
 from qspec.kernels import triton_common
 from qspec.model import ops
+from qspec.weights.qweight import QuantWeight
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -32,6 +39,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 MAX_ROWS = 64
 
 _ON = False
+_BLOCKS = False  # compile functions called with GGUF block weights too (KernelSwitches.fuse_blocks)
 REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check each one is traced)
 # Tests trace the functions on the CPU with dynamo's "aot_eager" backend (no code generation), which
 # checks that each one is a single graph and that tracing changes no result.
@@ -59,6 +67,50 @@ def fused_mode(on: bool = True, backend: str = "inductor") -> Iterator[None]:
         _ON, _BACKEND = old
 
 
+def blocks_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, functions called with GGUF block weights compile too (`on`) or run eagerly."""
+    return triton_common.module_flag(__name__, "_BLOCKS", on)
+
+
+# Per argument: None (passed as it is), ("q", qtype, shape) for a QuantWeight (its raw bytes are one input), or
+# ("s", parts) for a StackedWeight, each part None (a 16-bit tensor) or ("q", ...).
+BlockSpec = tuple[Any, ...] | None
+
+
+def _block_spec(a: object) -> BlockSpec:
+    if isinstance(a, QuantWeight):
+        return ("q", a.qtype, a.shape)
+    if isinstance(a, ops.StackedWeight):
+        return ("s", tuple(_block_spec(p) for p in a.parts))
+    return None
+
+
+def _flatten(a: Any, spec: BlockSpec) -> list[Any]:
+    """The inputs that stand for argument `a` in the compiled graph."""
+    if spec is None:
+        return [a]
+    if spec[0] == "q":
+        return [a.raw]
+    return [x for p, ps in zip(a.parts, spec[1], strict=True) for x in _flatten(p, ps)]
+
+
+def _rebuild(flat: Iterator[Any], spec: BlockSpec) -> Any:
+    if spec is None:
+        return next(flat)
+    if spec[0] == "q":
+        return QuantWeight(next(flat), spec[1], spec[2])
+    return ops.StackedWeight(tuple(_rebuild(flat, ps) for ps in spec[1]))
+
+
+def _with_blocks(fn: Callable[..., Any], specs: tuple[BlockSpec, ...]) -> Callable[..., Any]:
+    """fn over the flattened inputs of arguments laid out as `specs` (traced: the weights are rebuilt in the graph)."""
+    def over_raw(*flat: Any, **kw: Any) -> Any:
+        it = iter(flat)
+        return fn(*(_rebuild(it, sp) for sp in specs), **kw)
+
+    return over_raw
+
+
 def _configure() -> None:
     # Sizes 0 and 1 specialise even with symbolic sizes, and a guard can fail on a new stride or dtype;
     # past the default limit of 8 graphs dynamo would silently run a function eagerly.
@@ -84,22 +136,26 @@ def _compile(fn: Callable[..., Any], backend: str, pdl: bool) -> Callable[..., A
 
 
 def fused(fn: F) -> F:
-    """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA;
-    eagerly otherwise, and when an argument holds GGUF blocks (a QuantWeight is no tensor dynamo can trace; the
-    function's small ops then run eagerly around the block product).
+    """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA; eagerly otherwise,
+    and when an argument holds GGUF blocks unless `blocks_mode` is on (the module docstring).
     With PDL on (triton_common.pdl_mode) a second compilation emits PDL launches."""
-    compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
+    compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     @functools.wraps(fn)
     def call(*args: Any, **kw: Any) -> Any:
-        if (_ON and (args[0].is_cuda or _BACKEND != "inductor") and not ops.row_exact()
-                and not any(ops.is_quantized(a) for a in args)):
-            key = (_BACKEND, triton_common.pdl_on(args[0]))
-            c = compiled.get(key)
-            if c is None:
-                c = compiled[key] = _compile(fn, *key)
-            return c(*args, **kw)
-        return fn(*args, **kw)
+        if not _ON or not (args[0].is_cuda or _BACKEND != "inductor") or ops.row_exact():
+            return fn(*args, **kw)
+        specs = tuple(_block_spec(a) for a in args)
+        blocks = any(sp is not None for sp in specs)
+        if blocks and not _BLOCKS:
+            return fn(*args, **kw)
+        key = (_BACKEND, triton_common.pdl_on(args[0]), specs if blocks else None)
+        c = compiled.get(key)
+        if c is None:
+            c = compiled[key] = _compile(_with_blocks(fn, specs) if blocks else fn, _BACKEND, key[1])
+        if blocks:
+            return c(*(x for a, sp in zip(args, specs, strict=True) for x in _flatten(a, sp)), **kw)
+        return c(*args, **kw)
 
     call.eager = fn  # type: ignore[attr-defined]
     call.compiled = compiled  # type: ignore[attr-defined]
