@@ -355,3 +355,29 @@ def test_bench_arm_auto() -> None:
     assert not plain_arm.options(capacity=256, kv_type="f32").draft_auto
     with pytest.raises(ValueError, match="auto='maybe'"):
         parse_arms("a:draft=3,auto=maybe")
+
+
+def test_drafting_stops_only_below_the_margin() -> None:
+    """A stop costs a whole plain stretch: drafting whose best depth is expected within STOP_MARGIN of plain
+    decoding's rate goes on; further below, it stops."""
+    from qspec.spec.depth import STOP_MARGIN
+
+    c = controller(3)
+    for a in (0.43, 0.30):  # depth 1's rate / plain's = (1 + a) / 1.45: 0.986, 0.897
+        c.acceptance = lambda a=a: [a, a, a]  # type: ignore[method-assign]
+        ratio = (1 + a) / 1.45
+        assert (c.choose().depth == 0) == (ratio < 1 - STOP_MARGIN), a
+
+
+def test_depth_sim_script(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/depth_sim.py: the controller against fixed depths on simulated costs and acceptance."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import depth_sim
+
+    monkeypatch.setattr(sys, "argv", ["depth_sim.py", "--costs", "cpu-demo", "--sources", "p=0.85,prose",
+                                      "--requests", "2", "--tokens", "64", "--seeds", "1"])
+    assert depth_sim.main() == 0
+    out = capsys.readouterr().out
+    assert "| cpu-demo | p=0.85 |" in out and "| cpu-demo | prose |" in out and "worst auto / best fixed" in out

@@ -47,6 +47,9 @@ SUSTAIN = 8
 REFRESH_WITHIN = 0.8
 # Refresh periods (`stale_after` choices) after which a depth's cost no longer counts, when others were measured since.
 EXPIRE = 4
+# Drafting stops only when its best depth's expected rate is this far below plain decoding's: a stop costs a whole
+# plain stretch, and an estimate's noise alone would otherwise stop rounds that pay (scripts/depth_sim.py).
+STOP_MARGIN = 0.05
 # The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
 # request may be of another kind of text).
 START_FAILS = 2
@@ -188,6 +191,9 @@ class DepthController:
         acc = self.acceptance()
         rates = self.rates(acc)
         best = max(range(self.max_depth + 1), key=lambda d: (rates[d], -d))
+        drafting = max(range(1, self.max_depth + 1), key=lambda d: (rates[d], -d))
+        if best == 0 and rates[drafting] >= (1.0 - STOP_MARGIN) * rates[0]:
+            best = drafting  # within the margin: keep drafting (stopping costs a whole plain stretch)
         self.tick += 1
         plain = 0
         if self.force is not None:

@@ -1,0 +1,193 @@
+"""`--draft auto`'s controller (qspec/spec/depth.py) against fixed depths, simulated: no model runs and no clock, so
+the result measures the controller's decisions alone, free of the timing noise of a shared machine.
+
+A round at depth d costs a table's seconds (`COSTS`: per-depth round costs measured on a device, depth 0 a plain
+token) and commits k + 1 tokens, k drawn from an acceptance source: geometric p (draft i accepted with probability p
+once draft i-1 was), a shift between two p mid-way through every request, or a recorded trace (per-round accepted
+counts at depth 8, `scripts/depth_cpu.py --traces`; a round at depth d takes min(d, count), a plain stretch of n
+tokens moves the trace on by the rounds depth 8 would have needed for them). The controller gets each round's cost
+with multiplicative noise (`--noise`, lognormal sigma), as a clock on a loaded host would give it. Every arm replays
+the same seeded stream per request.
+
+    PYTHONPATH=. python scripts/depth_sim.py --out benchmarks/results/depth-sim-DATE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from qspec.spec.depth import DepthController
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Seconds per round at depths 0..6 (depth 0: one plain token). H200 rows: a line through the plain step and the
+# MTP3 / MTP5 rounds of one same-process run (tokens per round / tok/s), extended to depths 1, 2, 4 and 6; CPU row:
+# the demo model's calibrated costs on the 2-core development machine (depth_cpu's setting).
+def _line(plain_tps: float, r3: tuple[float, float], r5: tuple[float, float]) -> list[float]:
+    c3, c5 = r3[0] / r3[1], r5[0] / r5[1]
+    slope = (c5 - c3) / 2
+    return [1 / plain_tps] + [c3 + slope * (d - 3) for d in range(1, 7)]
+
+
+COSTS = {
+    # h200-q4km48-a5249a3: nospec 107.34 tok/s, MTP3 3.1739 tokens/round at 185.03, MTP5 4.0156 at 177.88
+    "h200-q4km48": _line(107.34, (3.1739, 185.03), (4.0156, 177.88)),
+    # h200-fn8-seed-s16: nospec 745.09, MTP3 3.17 at 1,024.63, MTP5 4.02 at 988.06
+    "h200-fn8": _line(745.09, (3.17, 1024.63), (4.02, 988.06)),
+    # the demo model's calibration on the CPU, ms
+    "cpu-demo": [x / 1e3 for x in (3.80, 6.05, 7.61, 9.17, 10.74, 12.30, 13.87)],
+}
+
+Source = Callable[[int, random.Random], int]  # (depth, rng) -> accepted drafts; plain(n) via attribute
+
+
+class Geometric:
+    def __init__(self, p: float, p_late: float | None = None, switch_at: int = 0) -> None:
+        self.p, self.p_late, self.switch_at = p, p_late, switch_at
+        self.tokens = 0
+
+    def start(self) -> None:
+        self.tokens = 0
+
+    def draft(self, d: int, rng: random.Random) -> int:
+        p = self.p if self.p_late is None or self.tokens < self.switch_at else self.p_late
+        k = 0
+        while k < d and rng.random() < p:
+            k += 1
+        self.tokens += k + 1
+        return k
+
+    def plain(self, n: int) -> None:
+        self.tokens += n
+
+
+class Trace:
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+        self.per_round = statistics.mean(c + 1 for c in counts)  # tokens a depth-8 round commits
+        self.pos = 0.0
+
+    def start(self) -> None:
+        pass  # the text goes on from request to request
+
+    def draft(self, d: int, rng: random.Random) -> int:
+        k = min(d, self.counts[int(self.pos) % len(self.counts)])
+        self.pos += 1
+        return k
+
+    def plain(self, n: int) -> None:
+        self.pos += n / self.per_round
+
+
+def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
+            noise: float, seed: int) -> tuple[float, Counter]:
+    """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
+    controller's depth histogram (depth 0 counted in plainly decoded tokens)."""
+    ctl = None
+    if depth is None:
+        ctl = DepthController(len(costs) - 1)
+        for d, c in enumerate(costs):  # the engine's calibration, before the first request
+            for _ in range(2):
+                ctl.observe_cost(d, c)
+        ctl.calibrated = True
+        ctl.forget_acceptance()
+    noise_rng = random.Random(seed ^ 0x5EED)
+    hist: Counter = Counter()
+    total_t, total_n = 0.0, 0
+    for r in range(requests):
+        rng = random.Random(seed * 1000 + r)
+        source.start()
+        if ctl is not None:
+            ctl.start_request()
+        n = 0
+        while n < tokens:
+            d, plain = (depth, 1 if depth == 0 else 0) if ctl is None else _choice(ctl)
+            if d == 0:
+                m = min(plain, tokens - n)
+                source.plain(m)
+                total_t += m * costs[0]
+                n += m
+                hist[0] += m
+                if ctl is not None:
+                    ctl.plain_done(m, m * costs[0] * math.exp(noise_rng.gauss(0, noise)))
+                continue
+            k = source.draft(d, rng)
+            total_t += costs[d]
+            n += k + 1
+            hist[d] += 1
+            if ctl is not None:
+                ctl.observe(d, k, costs[d] * math.exp(noise_rng.gauss(0, noise)))
+        total_n += n
+    return total_n / total_t, hist
+
+
+def _choice(ctl: DepthController) -> tuple[int, int]:
+    ch = ctl.choose()
+    return ch.depth, ch.plain_tokens
+
+
+def sources(names: list[str]) -> dict[str, Callable[[], Geometric | Trace]]:
+    out: dict[str, Callable[[], Geometric | Trace]] = {}
+    for name in names:
+        if name.startswith("p="):
+            p = float(name[2:])
+            out[name] = lambda p=p: Geometric(p)
+        elif name.startswith("shift="):  # shift=0.9:0.3 -> p 0.9 for the first half of each request, then 0.3
+            a, b = (float(x) for x in name[6:].split(":"))
+            out[name] = lambda a=a, b=b: Geometric(a, b, switch_at=128)
+        else:  # a trace recorded by depth_cpu.py: benchmarks/results/demo-accept-trace-NAME.json
+            counts = json.loads((RESULTS / f"demo-accept-trace-{name}.json").read_text())["accepted"]
+            out[name] = lambda c=counts: Trace(c)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--costs", default=",".join(COSTS))
+    ap.add_argument("--sources", default="p=0.3,p=0.5,p=0.7,p=0.85,p=0.95,shift=0.9:0.3,code,prose")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per request")
+    ap.add_argument("--noise", type=float, default=0.1, help="lognormal sigma of the measured round costs")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", help="also write the table (markdown) here")
+    a = ap.parse_args()
+    lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best | auto / plain | auto's depths |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    worst = 1.0
+    for cname in a.costs.split(","):
+        costs = COSTS[cname]
+        for sname, make in sources(a.sources.split(",")).items():
+            fixed = {d: statistics.mean(run_arm(costs, make(), d, a.requests, a.tokens, 0, s)[0]
+                                        for s in range(a.seeds)) for d in range(7)}
+            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s) for s in range(a.seeds)]
+            auto = statistics.mean(x for x, _ in autos)
+            best = max(fixed, key=fixed.__getitem__)
+            hist = autos[0][1]
+            worst = min(worst, auto / fixed[best])
+            lines.append(f"| {cname} | {sname} | MTP{best} ({fixed[best]:.4g}) | {fixed[0]:.4g} | {auto:.4g} | "
+                         f"{auto / fixed[best]:.3f} | {auto / fixed[0]:.3f} | "
+                         f"{dict(sorted(hist.items()))} |")
+    lines.append(f"\nworst auto / best fixed: {worst:.3f}")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(f"<!-- PYTHONPATH=. python scripts/depth_sim.py {' '.join(_argv())} -->\n" + text + "\n")
+    return 0
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return sys.argv[1:]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
