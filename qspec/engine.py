@@ -393,8 +393,7 @@ class Engine:
         # on the device, each round's draft chain is queued right after the previous round's read-back, before
         # the host's rollback work (it reads only the head's own cache and the extend's residual)
         d_toks, q_rows = self._draft_chain(req, d_logits, d_X, run.n_tokens, sampler, d) if on_device else ([], [])
-        clock = None  # the first round's time includes its own draft chain, queued before: not a round's cost
-        eager_at_clock = 0
+        clock: tuple[float, int] | None = None  # (time, eager steps) at a round's end; the first round is not timed
         while True:
             L = run.n_tokens
             # chosen now, from the rounds before this one: a greedy round queues the next round's drafts before
@@ -449,13 +448,12 @@ class Engine:
                                    **{f"pooled_r{r}_rows": v[1] for r, v in run.last_plan_rows.items()},
                                    **{f"pooled_r{r}_real": v[0] for r, v in run.last_plan_rows.items()}})
             if ctl is not None:
-                # a round's time includes the next round's draft chain, queued in it: a sample of depth d's cost
-                # only when the next round drafts as deep, and when every step replayed a graph (a capture, at a
-                # new depth or context bucket, costs several rounds: one such sample would price a depth out)
-                now, eager = time.perf_counter(), run.graph_stats.eager
-                clean = clock is not None and d_next == d and eager == eager_at_clock
-                ctl.observe(d, k, now - clock if clean else None)
-                clock, eager_at_clock = now, eager
+                # a round's time includes the next round's draft chain: depth d's cost only when the next round
+                # drafts as deep and every step replayed a graph (a capture would price a depth out)
+                now = (time.perf_counter(), run.graph_stats.eager)
+                clean = clock is not None and d_next == d and now[1] == clock[1]
+                ctl.observe(d, k, now[0] - clock[0] if clean and clock is not None else None)
+                clock = now
             if ends:
                 return None
             tok, d = nxt, d_next
