@@ -133,7 +133,10 @@ class Engine:
         if self.opts.draft and model.mtp is None:
             raise ValueError("--draft needs MTP weights, and this model has none (no blk.N.nextn.* / mtp.* tensors)")
         self.draft_lm_head = self._draft_head()
-        self.prefill_chunk = opts.prefill_chunk or prefill_chunk_for(model)
+        self.prefill_chunk = self.opts.prefill_chunk or prefill_chunk_for(model)
+        # custom ops import torch._dynamo on their first call (~2 s on a small CPU): here, so that a request's
+        # prefill time is its own
+        import torch._dynamo  # noqa: F401
         check_cache_fits(model, self.opts.cache_options())  # before a cache too large for the memory is allocated
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact

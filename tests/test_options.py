@@ -141,6 +141,7 @@ def test_the_engine_leaves_the_callers_options_alone(tiny_model: Model) -> None:
         opts.draft = 3  # type: ignore[misc]
     # plain decoding makes no draft head, whatever draft_head says
     assert Engine(tiny_model, EngineOptions(capacity=64, draft_head="q4")).draft_lm_head is None
+    assert len(Engine(tiny_model).generate([1, 2, 3], 2).tokens) == 2  # no options: the defaults
 
 
 def test_kernel_switch_defaults_are_the_modules() -> None:
