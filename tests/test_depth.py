@@ -381,3 +381,21 @@ def test_depth_sim_script(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert depth_sim.main() == 0
     out = capsys.readouterr().out
     assert "| cpu-demo | p=0.85 |" in out and "| cpu-demo | prose |" in out and "worst auto / best fixed" in out
+
+
+def test_a_refresh_outlier_joins_the_old_samples() -> None:
+    """A stale depth's refreshed cost replaces its old samples when it is within RENEW_RANGE of them (the host
+    changed); a sample far off (a pause, a capture) only joins them, so the median barely moves."""
+    from qspec.spec.depth import RENEW_RANGE
+
+    c = controller(4)
+    for d in range(5):  # three samples a depth, as the engine's calibration and rounds give
+        for _ in range(2):
+            c.observe_cost(d, 1.0 + 0.45 * d)
+    old = c.cost(3)
+    c.renew[3] = True
+    c.observe_cost(3, old * 10)
+    assert c.cost(3) < old * 2 and not c.renew[3]
+    c.renew[3] = True
+    c.observe_cost(3, old * RENEW_RANGE * 0.9)
+    assert list(c.samples[3]) == [old * RENEW_RANGE * 0.9]

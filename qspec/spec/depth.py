@@ -45,6 +45,8 @@ SUSTAIN = 8
 # A depth's expected rate relative to the best depth's above which its stale cost is measured again: further below,
 # the host would have to have changed that much for the depth to matter.
 REFRESH_WITHIN = 0.8
+# A refreshed cost replaces the old samples only within this factor of their median (else it is one more sample).
+RENEW_RANGE = 2.0
 # Refresh periods (`stale_after` choices) after which a depth's cost no longer counts, when others were measured since.
 EXPIRE = 4
 # Drafting stops only when its best depth's expected rate is this far below plain decoding's: a stop costs a whole
@@ -255,11 +257,15 @@ class DepthController:
 
     def observe_cost(self, depth: int, seconds: float) -> None:
         """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token). A stale depth's old
-        samples go: the host's load may have changed since."""
+        samples go (the host's load may have changed since) when the new one is within RENEW_RANGE of their median;
+        further off, it joins them: one hiccup (a collection pause, a capture the engine did not see) must not
+        replace a depth's whole history."""
         if seconds <= 0:
             return
+        old = self.samples[depth]
         if self.renew[depth]:
-            self.samples[depth].clear()
+            if not old or 1 / RENEW_RANGE <= seconds / statistics.median(old) <= RENEW_RANGE:
+                old.clear()
             self.renew[depth] = False
         self.samples[depth].append(seconds)
         self._version += 1
