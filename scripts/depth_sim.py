@@ -87,14 +87,20 @@ class Trace:
         self.pos += n / self.per_round
 
 
+def calibrated(costs: list[float], flat: float) -> list[float]:
+    """What a warm-up measures when its rounds' cost rises `flat` times as fast with depth as the requests' (around
+    depth 3): a short warm-up prompt whose rows route to fewer distinct experts measures a flatter line."""
+    return [costs[0]] + [costs[3] + flat * (c - costs[3]) for c in costs[1:]]
+
+
 def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
-            noise: float, seed: int) -> tuple[float, Counter]:
+            noise: float, seed: int, flat: float = 1.0) -> tuple[float, Counter]:
     """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
     controller's depth histogram (depth 0 counted in plainly decoded tokens)."""
     ctl = None
     if depth is None:
         ctl = DepthController(len(costs) - 1)
-        for d, c in enumerate(costs):  # the engine's calibration, before the first request
+        for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             for _ in range(2):
                 ctl.observe_cost(d, c)
         ctl.calibrated = True
@@ -157,6 +163,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256, help="tokens per request")
     ap.add_argument("--noise", type=float, default=0.1, help="lognormal sigma of the measured round costs")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--flat", type=float, default=1.0,
+                    help="the warm-up's cost slope over the requests' (the H200 48-layer run's warm-up: ~0.45)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
     lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best | auto / plain | auto's depths |",
@@ -167,7 +175,7 @@ def main() -> int:
         for sname, make in sources(a.sources.split(",")).items():
             fixed = {d: statistics.mean(run_arm(costs, make(), d, a.requests, a.tokens, 0, s)[0]
                                         for s in range(a.seeds)) for d in range(7)}
-            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s) for s in range(a.seeds)]
+            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s, a.flat) for s in range(a.seeds)]
             auto = statistics.mean(x for x, _ in autos)
             best = max(fixed, key=fixed.__getitem__)
             hist = autos[0][1]
