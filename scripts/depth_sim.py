@@ -101,8 +101,10 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
     if depth is None:
         ctl = DepthController(len(costs) - 1)
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
+            ctl.force = d
             for _ in range(2):
                 ctl.observe_cost(d, c)
+        ctl.force = None
         ctl.calibrated = True
         ctl.forget_acceptance()
     noise_rng = random.Random(seed ^ 0x5EED)

@@ -399,3 +399,20 @@ def test_a_refresh_outlier_joins_the_old_samples() -> None:
     c.renew[3] = True
     c.observe_cost(3, old * RENEW_RANGE * 0.9)
     assert list(c.samples[3]) == [old * RENEW_RANGE * 0.9]
+
+
+def test_requests_costs_replace_the_warm_up_line() -> None:
+    """The warm-up (forced depths) measures every depth; once requests have measured two drafting depths, the depths
+    only the warm-up measured drop out of the line (a short warm-up prompt can measure a flatter cost)."""
+    c = DepthController(4)
+    for d in range(5):
+        c.force = d
+        c.observe_cost(d, 1.0 + 0.2 * d)  # the warm-up's line: 0.2 per draft
+    c.force = None
+    assert c.cost(4) == pytest.approx(1.8)
+    for _ in range(3):
+        c.observe_cost(1, 1.5)  # the requests' line: 0.5 per draft
+    assert c.cost(4) < 2.0  # one request-measured depth: the warm-up's depths 2-4 still hold the line
+    for _ in range(3):
+        c.observe_cost(2, 2.0)
+    assert c.cost(4) == pytest.approx(3.0) and c.cost(0) == pytest.approx(1.0)

@@ -99,6 +99,7 @@ class DepthController:
         self.force: int | None = None  # a fixed depth (calibration), still measured
         self.calibrated = False  # the engine measures every depth's cost before its first request
         self.renew = [False] * (max_depth + 1)  # a refresh is under way: its sample replaces the old ones
+        self.warmup_only = [False] * (max_depth + 1)  # the depth's samples all come from the warm-up (forced depths)
         self._version = 0  # counts the changes to the samples (the cost table's cache key)
         self._cost_key: tuple[object, ...] | None = None
         self._cost_table: list[float] = []
@@ -163,6 +164,10 @@ class DepthController:
             # a depth not measured for EXPIRE refresh periods drops out of the line (the host may have changed since,
             # and the refreshes keep only the depths near the best current), while two drafting depths remain
             keep = live if sum(live[1:]) >= 2 else [bool(s) for s in self.samples]
+            # once two drafting depths were measured by requests, the warm-up's line drops out: its short prompt can
+            # measure a cost that rises differently with depth (scripts/depth_sim.py --flat)
+            if sum(k and not self.warmup_only[d] for d, k in enumerate(keep) if d) >= 2:
+                keep = [k and not (d and self.warmup_only[d]) for d, k in enumerate(keep)]
             med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
             self._cost_table = [self._cost(d, med) for d in range(self.max_depth + 1)]
             self._cost_key = key
@@ -263,6 +268,7 @@ class DepthController:
         if seconds <= 0:
             return
         old = self.samples[depth]
+        self.warmup_only[depth] = self.force is not None
         if self.renew[depth]:
             if not old or 1 / RENEW_RANGE <= seconds / statistics.median(old) <= RENEW_RANGE:
                 old.clear()
