@@ -86,13 +86,14 @@ hcrows=1,ours-again:from=ours" ;;
     #     the warm-ups and a 4,096-token prefill per run); the int8-activation products against the f32 expansion,
     #     and 4,096-token prefill steps (the block models' default) against 512;
     #     48 layers Q8_0 (~137 GB of weights: whether it fits); the functions around the block products compiled
-#     (fblk=1) against eager, plain and MTP3
+#     (fblk=1) against eager, plain and MTP3, and --draft auto:6 beside them (one compilation for all)
     h200-q4km8) bench merge "${fn8[@]}" --quant q4_k_m --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-auto) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,ours-mtp3:from=ours,draft=3,ours-auto:from=ours,auto=1,draft=6" ;;
-    h200-q4km48-fblk) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-fblk:from=nospec,fblk=1,\
-ours-mtp3:from=ours,draft=3,ours-mtp3-fblk:from=ours,draft=3,fblk=1" ;;
+    h200-q4km48-fblk) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec,\
+nospec-fblk:from=nospec,fblk=1,ours-mtp3:from=ours,draft=3,ours-mtp3-fblk:from=ours,draft=3,fblk=1,\
+ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\
