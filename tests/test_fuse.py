@@ -11,7 +11,7 @@ import torch
 from conftest import build_model, tiny_config
 
 from qspec.engine import Engine, EngineHooks, EngineOptions
-from qspec.model import fuse
+from qspec.model import fuse, ops
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,28 @@ def test_inductor_compiles_functions_with_block_weights(tmp_path) -> None:  # ty
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     compiled = {f.__name__ for f in fuse.REGISTRY for key in f.compiled if key[0] is compile_fx and key[2] is not None}
     assert {"gdn_out", "moe_in", "add_shared_expert", "qsa_qkv"} <= compiled, compiled
+
+
+def test_block_wrappers_have_code_objects_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo's recompile limit counts per code object: the block-weight wrappers of different functions and layouts
+    must not share one (with a limit of 1, three layouts of one function compile side by side)."""
+    import torch._dynamo
+    from gguf import GGMLQuantizationType as Q
+
+    from qspec.weights.quantize import quantize
+    from qspec.weights.qweight import QuantWeight
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(fuse, "_configure", lambda: None)
+
+    @fuse.fused
+    def scaled(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        return torch.sigmoid(ops.linear(x, w)) * 2
+
+    x = torch.randn(2, 256)
+    with fuse.fused_mode(True, "aot_eager"), fuse.blocks_mode(True):
+        for qt, n in ((Q.Q8_0, 16), (Q.Q4_0, 16), (Q.Q8_0, 32)):
+            w = QuantWeight.from_blocks(quantize(torch.randn(n, 256), qt), qt, (n, 256))
+            assert torch.equal(scaled(x, w), scaled.eager(x, w))
+    assert len(scaled.compiled) == 3
+    fuse.REGISTRY.remove(scaled)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -103,12 +104,16 @@ def _rebuild(flat: Iterator[Any], spec: BlockSpec) -> Any:
 
 
 def _with_blocks(fn: Callable[..., Any], specs: tuple[BlockSpec, ...]) -> Callable[..., Any]:
-    """fn over the flattened inputs of arguments laid out as `specs` (traced: the weights are rebuilt in the graph)."""
+    """fn over the flattened inputs of arguments laid out as `specs` (traced: the weights are rebuilt in the graph).
+    Each wrapper gets a code object of its own: dynamo keeps compiled graphs, and counts them against its recompile
+    limit, per code object, so wrappers sharing one would pile every function's layouts onto one limit (past it,
+    fullgraph compilation fails)."""
     def over_raw(*flat: Any, **kw: Any) -> Any:
         it = iter(flat)
         return fn(*(_rebuild(it, sp) for sp in specs), **kw)
 
-    return over_raw
+    code = over_raw.__code__.replace(co_name=f"{fn.__name__}_blocks")
+    return types.FunctionType(code, over_raw.__globals__, code.co_name, over_raw.__defaults__, over_raw.__closure__)
 
 
 def _configure() -> None:
