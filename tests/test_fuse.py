@@ -133,7 +133,6 @@ def test_block_wrappers_have_code_objects_of_their_own(monkeypatch: pytest.Monke
     from qspec.weights.quantize import quantize
     from qspec.weights.qweight import QuantWeight
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(fuse, "_configure", lambda: None)
 
     @fuse.fused
@@ -141,7 +140,7 @@ def test_block_wrappers_have_code_objects_of_their_own(monkeypatch: pytest.Monke
         return torch.sigmoid(ops.linear(x, w)) * 2
 
     x = torch.randn(2, 256)
-    with fuse.fused_mode(True, "aot_eager"), fuse.blocks_mode(True):
+    with torch._dynamo.config.patch(recompile_limit=1), fuse.fused_mode(True, "aot_eager"), fuse.blocks_mode(True):
         for qt, n in ((Q.Q8_0, 16), (Q.Q4_0, 16), (Q.Q8_0, 32)):
             w = QuantWeight.from_blocks(quantize(torch.randn(n, 256), qt), qt, (n, 256))
             assert torch.equal(scaled(x, w), scaled.eager(x, w))
