@@ -40,8 +40,9 @@ SCRATCH_ELEMENTS = 64 << 20
 INT8_DOT = True
 # Dense products of up to this many rows take the int8 kernel; more rows the f32-expansion / tensor-core kernels.
 # dp4a's work grows with the rows while the tensor cores' does not: on the H200 the int8 kernel wins at one row for
-# every type and loses at six (BENCHMARKS.md, "Block kernels"; `python -m qspec.bench.qkernels`). The experts'
-# kernels read a pair's expert once per token and stay ahead up to MOE_MAX_ROWS tokens.
+# each type timed (Q4_K, Q6_K, Q8_0) and loses at six (BENCHMARKS.md §5b; `python -m qspec.bench.qkernels`). The
+# experts' kernels, which read a pair's expert once per token, were ahead at 1 and 6 tokens and take up to
+# MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES)
 # The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
