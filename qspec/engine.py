@@ -454,8 +454,8 @@ class Engine:
                 # a round's time includes the next round's draft chain: depth d's cost only when the next round
                 # drafts as deep and every step replayed a graph (a capture would price a depth out)
                 now = (time.perf_counter(), run.graph_stats.eager)
-                clean = clock is not None and d_next == d and now[1] == clock[1]
-                ctl.observe(d, k, now[0] - clock[0] if clean and clock is not None else None)
+                ctl.observe(d, k, now[0] - clock[0] if clock is not None and d_next == d and now[1] == clock[1]
+                            else None)
                 clock = now
             if ends:
                 return None

@@ -8,7 +8,6 @@ whatever the caches hold.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import ContextError
+from qspec.weights.pinned import available_host_bytes
 
 # the two capacities measured (multiples of every pooling ratio and KV bucket, so the fit has no rounding steps)
 _PROBES = (1024, 2048)
@@ -94,14 +94,7 @@ def available_bytes(dev: torch.device) -> int:
     """Memory free for new allocations: the GPU's free memory, or the host's available memory."""
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_bytes()
 
 
 def _gb(n: float) -> str:

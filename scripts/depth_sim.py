@@ -19,6 +19,7 @@ import json
 import math
 import random
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -45,9 +46,6 @@ COSTS = {
     # the demo model's calibration on the CPU, ms
     "cpu-demo": [x / 1e3 for x in (3.80, 6.05, 7.61, 9.17, 10.74, 12.30, 13.87)],
 }
-
-Source = Callable[[int, random.Random], int]  # (depth, rng) -> accepted drafts; plain(n) via attribute
-
 
 class Geometric:
     def __init__(self, p: float, p_late: float | None = None, switch_at: int = 0) -> None:
@@ -189,14 +187,9 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if a.out:
-        Path(a.out).write_text(f"<!-- PYTHONPATH=. python scripts/depth_sim.py {' '.join(_argv())} -->\n" + text + "\n")
+        command = "PYTHONPATH=. python scripts/depth_sim.py " + " ".join(sys.argv[1:])
+        Path(a.out).write_text(f"<!-- {command} -->\n{text}\n")
     return 0
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
 
 
 if __name__ == "__main__":

@@ -267,13 +267,13 @@ class DepthController:
         replace a depth's whole history."""
         if seconds <= 0:
             return
-        old = self.samples[depth]
+        samples = self.samples[depth]
         self.warmup_only[depth] = self.force is not None
         if self.renew[depth]:
-            if not old or 1 / RENEW_RANGE <= seconds / statistics.median(old) <= RENEW_RANGE:
-                old.clear()
+            if not samples or 1 / RENEW_RANGE <= seconds / statistics.median(samples) <= RENEW_RANGE:
+                samples.clear()
             self.renew[depth] = False
-        self.samples[depth].append(seconds)
+        samples.append(seconds)
         self._version += 1
         self.measured_at[depth] = self.tick
 

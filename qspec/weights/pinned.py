@@ -76,9 +76,9 @@ def pin_segments(segments: Sequence[np.ndarray], row_bytes: int, *, pin: bool = 
     starts = np.cumsum([0] + [s.shape[0] for s in segments])
     total = int(starts[-1])
     need = total * row_bytes
-    if pin and need + HOST_MARGIN_BYTES > available_host_bytes():
+    if pin and need + HOST_MARGIN_BYTES > (free := available_host_bytes()):
         raise PinError(f"pinning the n-gram table needs {need / 1e9:.1f} GB of host memory and "
-                       f"{HOST_MARGIN_BYTES / 1e9:.0f} GB to spare; {available_host_bytes() / 1e9:.1f} GB is available")
+                       f"{HOST_MARGIN_BYTES / 1e9:.0f} GB to spare; {free / 1e9:.1f} GB is available")
     per = max(1, piece_bytes // row_bytes)
     pieces: list[torch.Tensor] = []
     try:
