@@ -1,74 +1,93 @@
-"""`--draft auto` on the GPU with the trained demo model (f32, CUDA graphs): greedy output equal to plain decoding's
-whatever depths the controller picks, the graphs each depth captured, and tok/s against fixed depths on the model's
-own acceptance (code prompts) and on replayed ones.
+"""`--draft auto` against every fixed depth, several acceptance profiles, one process (the model built and its step
+functions compiled once): the merge task (4,096-token prompt) at flash-next geometry on the GPU.
 
-    python scripts/gpu_depth.py [--gen 256] [--prompts 3]
+For each profile (replayed geometric acceptance p=..., or a recorded trace=FILE of the demo model's per-round
+accepted counts, `scripts/depth_cpu.py --traces`): the arms plain decoding, MTP1..MTP{max} and auto:{max}, alternated
+within each repetition; it writes PROFILE.json/.md per profile under --out and prints one summary line per profile:
+auto over the best fixed depth, over MTP3 and MTP5 (the defaults a user would pick), over plain decoding.
+
+    PYTHONPATH=. python scripts/gpu_depth.py --layers 8 --out benchmarks/results/depth-gpu \\
+        --profile p=0.5 --profile p=0.85 --profile trace=benchmarks/results/demo-accept-trace-code.json
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import re
 import sys
+import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from depth_cpu import code_prompts  # noqa: E402
+from qspec.bench.accept import AcceptProfile
+from qspec.bench.arms import parse_arms
+from qspec.bench.cli import prepare_model
+from qspec.bench.report import write_json, write_markdown
+from qspec.bench.run import Protocol, run_protocol
 
-from qspec.bench.accept import AcceptProfile  # noqa: E402
-from qspec.engine import Engine, EngineHooks, EngineOptions  # noqa: E402
-from qspec.loader import DEMO_MODEL, load_model, load_tokenizer  # noqa: E402
+
+def arms_spec(max_depth: int) -> str:
+    fixed = ",".join(f"mtp{d}:from=ours,draft={d}" for d in range(1, max_depth + 1))
+    return f"nospec,{fixed},auto:from=ours,auto=1,draft={max_depth}"
+
+
+def summary_line(label: str, result: dict[str, Any]) -> str:
+    med = {r["arm"]: r["decode_tps_median"] for r in result["summary"]}
+    fixed = {n: v for n, v in med.items() if n != "auto"}
+    best = max(fixed, key=fixed.__getitem__)
+    auto = med["auto"]
+    hist: Counter[str] = Counter()  # the depths auto chose, over its measured runs
+    for r in result["runs"]:
+        if r["arm"] == "auto":
+            hist.update(r["depth"].get("depth_histogram", {}))
+    ratios = [f"auto/best({best}) {auto / fixed[best]:.3f}"]
+    ratios += [f"auto/{n} {auto / fixed[n]:.3f}" for n in ("mtp3", "mtp5", "nospec") if n in fixed]
+    return (f"{label}: " + " ".join(f"{n} {v:.1f}" for n, v in med.items()) + " | " + ", ".join(ratios)
+            + f" | auto's depths {dict(sorted(hist.items()))}")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--gen", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", action="append", required=True, metavar="SPEC",
+                    help="an acceptance profile (--accept-profile syntax); repeat for several")
+    ap.add_argument("--preset", default="flash-next")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --preset tiny)")
+    ap.add_argument("--quant", default=None, help="the preset's matrices as blocks of this llama.cpp mix")
+    ap.add_argument("--max-depth", type=int, default=8)
+    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--out", type=Path, required=True, help="directory for each profile's JSON and Markdown")
     a = ap.parse_args()
-    torch.set_grad_enabled(False)
-    dev = torch.device("cuda")
-    tok = load_tokenizer(DEMO_MODEL)
-    model = load_model(DEMO_MODEL, device=dev, dtype=torch.float32)
-    prompts = code_prompts(tok, model.cfg.vocab_size, a.prompts, 96)
-    plain = Engine(model, EngineOptions(draft=0, capacity=1024))
-    auto = Engine(model, EngineOptions(draft=6, draft_auto=True, capacity=1024))
-    same = 0
-    for p in prompts:
-        ref = plain.generate(p, a.gen).tokens
-        g = auto.generate(p, a.gen)
-        same += g.tokens == ref
-        print(f"auto vs plain: equal={g.tokens == ref} depths={g.depth['depth_histogram']} "
-              f"reasons={g.depth['reasons']} tokens/round={g.spec.tokens_per_round:.2f}", flush=True)
-    print(f"greedy equal to plain: {same}/{len(prompts)}; graphs {g.graphs['captures']} captured, "
-          f"{g.graphs['replays']} replays, {g.graphs['eager_steps']} eager steps in the last request")
-    print("measured round cost by depth (ms):", [round(auto.depth.cost(d) * 1e3, 3) for d in range(7)])
-    for spec in ("model", "p=0.3", "p=0.6", "p=0.85", "p=0.95"):
-        prof = AcceptProfile.parse(spec)
-        arms = {"plain": {"draft": 0}, **{f"MTP{d}": {"draft": d} for d in (1, 2, 3, 5)},
-                "auto": {"draft": 6, "draft_auto": True}}
-        engines = {n: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
-                             EngineHooks(accept_hook=prof.hook() if kw["draft"] else None)) for n, kw in arms.items()}
-        for e in engines.values():
-            e.generate(prompts[0], 32)
-        tps: dict[str, list[float]] = {n: [] for n in engines}
-        for rep in range(a.reps):
-            for n in (list(engines) if rep % 2 == 0 else list(engines)[::-1]):
-                toks = secs = 0.0
-                for p in prompts:
-                    g = engines[n].generate(p, a.gen)
-                    toks += len(g.tokens)
-                    secs += g.decode_s
-                tps[n].append(toks / secs)
-        med = {n: statistics.median(v) for n, v in tps.items()}
-        best = max((n for n in med if n != "auto"), key=med.__getitem__)
-        print(f"{spec}: " + " ".join(f"{n} {v:.0f}" for n, v in med.items())
-              + f" | auto/best({best}) {med['auto'] / med[best]:.3f} auto/plain {med['auto'] / med['plain']:.3f}",
-              flush=True)
+    profiles = [AcceptProfile.parse(s) for s in a.profile]  # a bad spec fails before the model is built
+    arms = parse_arms(arms_spec(a.max_depth))
+    a.out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    model, tok, info = prepare_model(preset=a.preset, layers=a.layers, device=a.device,
+                                     dtype="bfloat16" if a.device == "cuda" else "float32", quant=a.quant)
+    print(f"model built in {time.perf_counter() - t:.1f} s: {info['name']}", flush=True)
+    lines = []
+    for spec, prof in zip(a.profile, profiles, strict=True):
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", Path(spec.split("=", 1)[1]).stem if spec.startswith("trace=")
+                      else spec).strip("-")
+        proto = Protocol(benchmark="merge", prompt_tokens=[a.prompt_tokens], gen_tokens=a.gen_tokens, reps=a.reps,
+                         arms=arms, accept=prof)
+        t = time.perf_counter()
+        result = run_protocol(model, tok, proto, model_info=info, progress=False,
+                              checkpoint=lambda r, n=name: write_json(r, a.out / f"{n}.json"))
+        write_json(result, a.out / f"{name}.json")
+        write_markdown(result, a.out / f"{name}.md")
+        lines.append(summary_line(spec, result))
+        print(lines[-1] + f" ({time.perf_counter() - t:.0f} s)", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    (a.out / "summary.txt").write_text("\n".join(lines) + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

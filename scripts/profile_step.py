@@ -62,6 +62,9 @@ def main() -> int:
     ap.add_argument("--gdn-conv-ab", action="store_true",
                     help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms compiled "
                          "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
+    ap.add_argument("--fuse-blocks-ab", action="store_true",
+                    help="also time the graphed step (and --e2e) with the functions around GGUF block products "
+                         "compiled (--fuse-blocks) instead of eager (the default), in the same process")
     ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
                          f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only "
@@ -166,6 +169,8 @@ def ab_arms(a: argparse.Namespace) -> list[ABArm]:
         arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False), {}))
     if a.gdn_conv_ab:
         arms.append(("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False}))
+    if a.fuse_blocks_ab:
+        arms.append(("blocks compiled", lambda: fuse.blocks_mode(True), {"fuse_blocks": True}))
     return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 

@@ -355,6 +355,21 @@ def test_greedy_speculation_equals_plain(setup: Setup, exact: bool) -> None:
 
 
 @pytest.mark.cuda
+def test_auto_depth_equals_plain(setup: Setup) -> None:
+    """`--draft auto` through CUDA graphs: a scripted sequence of depths 0..5 (plain stretches included), drafts chained
+    on the device and oracle drafts; the tokens are plain decoding's (bf16: up to a near tie)."""
+    from test_depth import Scripted
+
+    for hook in (None, oracle(setup.plain.tokens, random.Random(2))):
+        eng = engine(setup.gpu, draft=5, draft_auto=True, capacity=256, kv_type=setup.kv, draft_hook=hook)
+        eng.depth = Scripted(5, 3)
+        g = eng.generate(setup.prompt, 48)
+        ok, why = same_or_tie(g.tokens, setup.plain, 0, setup.tie)
+        depths = sorted({r["depth"] for r in g.rounds_log})
+        assert ok and len(depths) > 2, f"drafts {'oracle' if hook else 'device'}: {why}; depths {depths}"
+
+
+@pytest.mark.cuda
 def test_few_rows_products_everywhere(setup: Setup) -> None:
     """The few-rows tensor-core products run in steps only for flash-next's shapes; here every verify product that
     fits takes them (16-bit only), and greedy speculation must still reproduce plain decoding."""
