@@ -81,18 +81,17 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-auto-p30) bench merge "${fn8[@]}" --accept-profile p=0.3 \
         --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     # (h) block weights (llama.cpp's per-tensor types, generated and quantized on the GPU): 8 layers Q4_K_M, the
-    #     geometry of the llama.cpp comparison file; the whole 48 layers Q4_K_M (plain, MTP3 and MTP5 in one process; or
-#     split in two processes: the build,
-    #     the warm-ups and a 4,096-token prefill per run); the int8-activation products against the f32 expansion,
-    #     and 4,096-token prefill steps (the block models' default) against 512;
-    #     48 layers Q8_0 (~137 GB of weights: whether it fits); the functions around the block products compiled
-#     (fblk=1) against eager, plain and MTP3, and --draft auto:6 beside them (one compilation for all)
+    #     geometry of the llama.cpp comparison file; the whole 48 layers Q4_K_M (plain, MTP3 and MTP5 in one process;
+    #     or split in two processes: the build, the warm-ups and a 4,096-token prefill per run); the int8-activation
+    #     products against the f32 expansion, and 4,096-token prefill steps (the block models' default) against 512;
+    #     48 layers Q8_0 (~137 GB of weights: whether it fits); the functions around the block products compiled (the
+    #     default) against eager (fblk=0), plain and MTP3, with --draft auto:6 beside them (one compilation for all)
     h200-q4km8) bench merge "${fn8[@]}" --quant q4_k_m --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-auto) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,ours-mtp3:from=ours,draft=3,ours-auto:from=ours,auto=1,draft=6" ;;
-    h200-q4km48-fblk) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec,\
-nospec-fblk:from=nospec,fblk=1,ours-mtp3:from=ours,draft=3,ours-mtp3-fblk:from=ours,draft=3,fblk=1,\
+    h200-q4km48-fblk) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec-eager:\
+from=nospec,fblk=0,nospec,ours-mtp3-eager:from=ours,draft=3,fblk=0,ours-mtp3:from=ours,draft=3,\
 ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;

@@ -141,9 +141,9 @@ class KernelOptions:
                             "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "
                             "blocks expanded to f32 in registers)", applies="CUDA, block weights",
                             arm="int8")
-    fuse_blocks: bool = option(False, "compile the step functions that multiply GGUF block weights too, each block "
-                               "product one custom op among the generated kernels (off: those functions run eagerly; "
-                               "not yet measured on the GPU)", applies="CUDA, block weights, --compile", arm="fblk")
+    fuse_blocks: bool = option(True, "compile the step functions that multiply GGUF block weights too, each block "
+                               "product one custom op among the generated kernels (off: those functions run "
+                               "eagerly, small ops and all)", applies="CUDA, block weights, --compile", arm="fblk")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

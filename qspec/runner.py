@@ -54,7 +54,7 @@ class KernelSwitches:
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
     int8_dot: bool = True  # qmatmul.INT8_DOT: one-row block products (and few-token experts) through int8 rows
-    fuse_blocks: bool = False  # fuse._BLOCKS: functions called with block weights compile too
+    fuse_blocks: bool = True  # fuse._BLOCKS: functions called with block weights compile too
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:

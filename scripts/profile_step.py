@@ -64,7 +64,7 @@ def main() -> int:
                          "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
     ap.add_argument("--fuse-blocks-ab", action="store_true",
                     help="also time the graphed step (and --e2e) with the functions around GGUF block products "
-                         "compiled (--fuse-blocks) instead of eager (the default), in the same process")
+                         "run eagerly (--no-fuse-blocks) instead of compiled (the default), in the same process")
     ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
                          f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only "
@@ -170,7 +170,7 @@ def ab_arms(a: argparse.Namespace) -> list[ABArm]:
     if a.gdn_conv_ab:
         arms.append(("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False}))
     if a.fuse_blocks_ab:
-        arms.append(("blocks compiled", lambda: fuse.blocks_mode(True), {"fuse_blocks": True}))
+        arms.append(("blocks eager", lambda: fuse.blocks_mode(False), {"fuse_blocks": False}))
     return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 

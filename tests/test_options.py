@@ -159,12 +159,12 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
     assert d.mixer_step_rows == EngineOptions().mixer_step_rows and MAX_MIXER_ROWS == hc_mix.MAX_ROWS
     assert KernelSwitches.resolve(EngineOptions(), torch.device("cpu")) == d
     on = KernelSwitches(row_exact=True, gemv=False, gdn_conv_kernel=False, mixer_step_rows=2, int8_dot=False,
-                        fuse_blocks=True)
+                        fuse_blocks=False)
     with on.apply():
         assert (ops._ROW_EXACT, gemv._ON, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS) == (
-            True, False, False, 2, False, True)
+            True, False, False, 2, False, False)
     assert (ops._ROW_EXACT, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS) == (False, True, 6, True,
-                                                                                                False)
+                                                                                                True)
 
 
 def test_plain_decoding_needs_no_draft_cells(tiny_model: Model) -> None:

@@ -11,8 +11,8 @@ compares the two on the GPU.
 GGUF block weights (QuantWeight, StackedWeight) are no tensors dynamo can take as inputs. With `blocks_mode` on, a
 function called with them compiles once per layout of its block arguments (type and shape, `_block_spec`): their
 raw byte tensors are the compiled graph's inputs, rebuilt into weights inside, and each block product stays one
-opaque custom op (qspec::qmatmul) between the generated kernels. Off (the default until measured on the GPU:
-BENCHMARKS.md "Not measured"), such a call runs eagerly, small ops and all.
+opaque custom op (qspec::qmatmul) between the generated kernels (the default: what it buys is in BENCHMARKS.md
+§5c). Off, such a call runs eagerly, small ops and all.
 
 Each function compiles with symbolic sizes (`dynamic=True`): one graph serves every row count above 1
 and every KV bucket, so a request that crosses into a new bucket does not stop to compile (with static
@@ -40,7 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 MAX_ROWS = 64
 
 _ON = False
-_BLOCKS = False  # compile functions called with GGUF block weights too (KernelSwitches.fuse_blocks)
+_BLOCKS = True  # compile functions called with GGUF block weights too (KernelSwitches.fuse_blocks)
 REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check each one is traced)
 # Tests trace the functions on the CPU with dynamo's "aot_eager" backend (no code generation), which
 # checks that each one is a single graph and that tracing changes no result.
