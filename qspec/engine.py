@@ -38,6 +38,8 @@ from qspec.spec.stats import SpecStats
 # costs 0.9 ms for 1 row and 1.1 ms for 32 rows, against 3.7 ms for a plain step (1% added to depth 0's cost, which
 # the controller's measurement of depth 0 includes).
 CATCH_UP_ROWS = 32
+# The most prompt tokens the depth calibration prefills (each of its generations prefills again).
+CALIBRATION_PROMPT = 8192
 
 
 __all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation", "KernelOptions", "cells_needed"]
@@ -59,7 +61,8 @@ def prefill_chunk_for(model: Model) -> int:
 class EngineHooks:
     """Test and benchmark instrumentation: not options (no flag, no arm), and not needed to run the engine."""
 
-    # (round, draft depth) -> the round's accepted count: replays an acceptance (benchmarks, `--accept-profile`)
+    # (round, draft depth) -> the round's accepted count: replays an acceptance (benchmarks, `--accept-profile`;
+    # a hook with `by_position` gets the token position instead of the round)
     accept_hook: AcceptHook | None = None
     # (tokens emitted so far, drafts) -> drafts: lets tests substitute oracle drafts to exercise acceptance
     draft_hook: Callable[[int, list[int]], list[int]] | None = None
@@ -271,12 +274,15 @@ class Engine:
     def calibrate_depths(self, prompt: list[int], rounds: int = 6, passes: int = 2) -> None:
         """Measure a round's cost at every depth 0..N for the depth controller (a warm-up: on CUDA it also captures
         every depth's graphs): one short greedy generation per depth warms up, then `passes` more per depth are
-        measured, the depths interleaved so that a host whose speed drifts (a shared CPU) slows them alike."""
+        measured, the depths interleaved so that a host whose speed drifts (a shared CPU) slows them alike.
+        They run on the first request's prompt (its last CALIBRATION_PROMPT tokens): at a short one the costs rose
+        less with depth than at the request's context, and every depth's graphs were captured for a KV bucket the
+        request then did not use, so its first round at each depth ran eagerly (BENCHMARKS.md §8)."""
         ctl, o = self.depth, self.opts
         if ctl is None:
             return
         ctl.calibrated = True  # before the generations below, which would otherwise calibrate again
-        prompt = prompt[:32]
+        prompt = prompt[-CALIBRATION_PROMPT:]
         tokens = min(rounds * (o.draft + 1), o.capacity - cells_needed(len(prompt), 0, o.draft))
         hooks = self.hooks
         hook, hooks.accept_hook = hooks.accept_hook, None  # a replayed acceptance is the request's, not the warm-up's
@@ -404,7 +410,7 @@ class Engine:
             d_next = self._next_depth()
             # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
             forced = (None if hooks.accept_hook is None
-                      else max(0, min(d, int(hooks.accept_hook(len(req.rounds_log), d)))))
+                      else max(0, min(d, int(hooks.accept_hook(_replay_key(hooks.accept_hook, req), d)))))
             if on_device:
                 drafts, k, nxt, vX, extended, early = self._round_on_device(req, tok, d_toks, q_rows, L, forced,
                                                                             sampler, d, d_next)
@@ -560,6 +566,12 @@ class Engine:
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
         return drafts, q_rows, v_logits, vX
+
+
+def _replay_key(hook: AcceptHook, req: _Request) -> int:
+    """What an accept hook is asked with: the round's index, or, for a hook replaying a text (`by_position`), the
+    request's token position (tokens emitted so far), which plain stretches advance too."""
+    return len(req.out) if getattr(hook, "by_position", False) else len(req.rounds_log)
 
 
 class _Request:

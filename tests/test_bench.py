@@ -14,6 +14,7 @@ from qspec.bench.cli import main, prepare_model, run_merge, run_sweep
 from qspec.bench.device_model import bench_config, device_random_weights
 from qspec.bench.prompt import INSTRUCTION, build_prompt, ids_sha256, shipped_qwen_parts, tokenize_parts
 from qspec.bench.run import Protocol, check_capacity, run_protocol
+from qspec.model.model import Model
 from qspec.runner import ContextError
 from qspec.tokenizer import Tokenizer
 from qspec.weights.names import tensor_shapes
@@ -94,7 +95,9 @@ def test_fixed_and_trace_profiles(tmp_path: Path) -> None:
     assert fixed is not None and [fixed(r, 3) for r in range(3)] == [3, 3, 3] and fixed(0, 5) == 4
     (tmp_path / "t.json").write_text(json.dumps([0, 2, 5]))
     tr = AcceptProfile.parse(f"trace={tmp_path / 't.json'}").hook()
-    assert tr is not None and [tr(r, 3) for r in range(5)] == [0, 2, 3, 0, 2]  # cycled, clamped to the depth
+    # by token position: round 0 (0 accepted) covers position 0, round 1 (2) positions 1-3, round 2 (5) 4-9; cycled,
+    # clamped to the depth
+    assert tr is not None and [tr(t, 3) for t in range(12)] == [0, 2, 1, 0, 3, 3, 3, 2, 1, 0, 0, 2]
     (tmp_path / "d.json").write_text(json.dumps({"accepted": [1]}))
     assert AcceptProfile.parse(f"trace={tmp_path / 'd.json'}").trace == (1,)
     result = {"runs": [{"arm": "a", "rounds": {"accepted": [4, 4]}}, {"arm": "b", "rounds": {"accepted": [1]}}]}
@@ -103,6 +106,25 @@ def test_fixed_and_trace_profiles(tmp_path: Path) -> None:
     assert AcceptProfile.parse(f"trace={tmp_path / 'r.json'}").trace == (4, 4, 1)
     model = AcceptProfile.parse(None)
     assert not model.replayed and model.hook() is None and model.label == "model acceptance"
+
+
+def test_trace_replay_follows_token_positions(tiny_model: Model, tmp_path: Path) -> None:
+    """Rounds at any depth, and after plain stretches, replay the count of the position they start at."""
+    from qspec.bench.accept import counts_by_position
+    from qspec.engine import Engine, EngineHooks, EngineOptions
+
+    trace = [0, 3, 1, 0, 5, 2, 0, 0, 4]
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    counts = counts_by_position(tuple(trace))
+    for depth in (1, 2, 4):
+        hook = AcceptProfile.parse(f"trace={tmp_path / 't.json'}").hook()
+        g = Engine(tiny_model, EngineOptions(draft=depth, capacity=256), EngineHooks(accept_hook=hook)).generate(
+            [1, 2, 3], 40)
+        pos, want = 1, []  # the first round starts after the prefill's token
+        for _ in g.rounds_log:
+            want.append(min(depth, counts[pos % len(counts)]))
+            pos += want[-1] + 1
+        assert [r["accepted"] for r in g.rounds_log] == want
 
 
 @pytest.mark.parametrize("spec", ["p=1.5", "q=3", "p=0.5,fixed=2", "fixed=-1", "p=0.5,arm=x", "trace=/nonexistent"])

@@ -13,10 +13,14 @@ Profiles (`AcceptProfile.parse`):
   trace=FILE[,arm=A] accepted counts cycled from FILE: a JSON list of ints, {"accepted": [...]}, or a qspec
                      bench result (the `rounds.accepted` of its runs, optionally only arm A's)
 
-A round at depth d replays min(d, count). A trace recorded at depth 8 (scripts/depth_cpu.py --traces writes one per
-prompt set, {"accepted": [...], "depth": 8, ...}) then serves every depth, and `--draft auto` too, whose rounds
-change depth: each round takes the next count, so the replay keeps the recorded rounds' acceptance, not their exact
-alignment with the text (a round at a smaller depth commits fewer tokens than the recorded one did).
+p= and fixed= are drawn per round. A trace follows the text instead: greedy drafts accepted from a token position
+depend on the text there, not on the depth or the rounds before, so a trace is replayed by the request's token
+position. Recorded rounds at depth 8 (scripts/depth_cpu.py --traces writes one per prompt set, {"accepted": [...],
+"depth": 8, ...}) that accepted c_0, c_1, ... start at positions p_0, p_0 + c_0 + 1, ...; the count at position
+p_r + j (j <= c_r) is c_r - j (the drafts the recorded round confirmed after it). A round at depth d from position t
+then replays min(d, count(t)): every depth, and `--draft auto`, whose plain stretches move on through the text as
+its rounds do, read the same text. (At a recorded count of 8 the drafts past the eighth were never tried, so deep
+rounds that start inside such a run are replayed a little pessimistically.)
 """
 
 from __future__ import annotations
@@ -50,12 +54,19 @@ class _GeometricHook:
         return k
 
 
-class _TraceHook:
-    def __init__(self, trace: tuple[int, ...]) -> None:
-        self.trace = trace
+def counts_by_position(trace: tuple[int, ...]) -> tuple[int, ...]:
+    """Recorded rounds' accepted counts -> the count at every token position they covered (module docstring)."""
+    return tuple(c - j for c in trace for j in range(c + 1))
 
-    def __call__(self, rnd: int, n_draft: int) -> int:
-        return min(n_draft, self.trace[rnd % len(self.trace)])
+
+class _TraceHook:
+    by_position = True  # the engine passes the request's token position at the round, not the round's index
+
+    def __init__(self, trace: tuple[int, ...]) -> None:
+        self.counts = counts_by_position(trace)
+
+    def __call__(self, position: int, n_draft: int) -> int:
+        return min(n_draft, self.counts[position % len(self.counts)])
 
 
 class _FixedHook:

@@ -9,7 +9,8 @@ import torch
 
 from qspec.kernels.argmax import argmax_rows
 
-# (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance.
+# (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance. A hook with
+# `by_position = True` is asked with the request's token position at the round instead of its index.
 AcceptHook = Callable[[int, int], int]
 
 
