@@ -4,10 +4,11 @@ the result measures the controller's decisions alone, free of the timing noise o
 A round at depth d costs a table's seconds (`COSTS`: per-depth round costs measured on a device, depth 0 a plain
 token) and commits k + 1 tokens, k drawn from an acceptance source: geometric p (draft i accepted with probability p
 once draft i-1 was), a shift between two p mid-way through every request, or a recorded trace (per-round accepted
-counts at depth 8, `scripts/depth_cpu.py --traces`; a round at depth d takes min(d, count), a plain stretch of n
-tokens moves the trace on by the rounds depth 8 would have needed for them). The controller gets each round's cost
-with multiplicative noise (`--noise`, lognormal sigma), as a clock on a loaded host would give it. Every arm replays
-the same seeded stream per request.
+counts at depth 8, `scripts/depth_cpu.py --traces`, replayed by token position as `--accept-profile trace=` is: a
+round at depth d from position t takes min(d, count(t)), a plain stretch moves on through the text). The controller
+gets each round's cost with multiplicative noise (`--noise`, lognormal sigma), as a clock on a loaded host would
+give it; it chooses each round's successor before the round's outcome, as the engine does; its plain stretches may
+cost more than plain decoding (`--plain-overhead`). Every arm replays the same seeded stream per request.
 
     PYTHONPATH=. python scripts/depth_sim.py --out benchmarks/results/depth-sim-DATE.md
 """
@@ -24,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from qspec.bench.accept import counts_by_position
 from qspec.spec.depth import DepthController
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +45,8 @@ COSTS = {
     "h200-q4km48": _line(107.34, (3.1739, 185.03), (4.0156, 177.88)),
     # h200-fn8-seed-s16: nospec 745.09, MTP3 3.17 at 1,024.63, MTP5 4.02 at 988.06
     "h200-fn8": _line(745.09, (3.17, 1024.63), (4.02, 988.06)),
+    # depth-gpu-fn8-0aa1dbf-p-0.85: every depth measured (tokens per round / tok/s), ms
+    "h200-fn8-measured": [x / 1e3 for x in (1.3401, 2.6559, 2.7893, 3.1719, 3.6973, 4.0736, 4.6619)],
     # the demo model's calibration on the CPU, ms
     "cpu-demo": [x / 1e3 for x in (3.80, 6.05, 7.61, 9.17, 10.74, 12.30, 13.87)],
 }
@@ -68,21 +72,22 @@ class Geometric:
 
 
 class Trace:
+    """A recorded trace replayed by token position (qspec.bench.accept): the text goes on over plain stretches."""
+
     def __init__(self, counts: list[int]) -> None:
-        self.counts = counts
-        self.per_round = statistics.mean(c + 1 for c in counts)  # tokens a depth-8 round commits
-        self.pos = 0.0
+        self.counts = counts_by_position(tuple(counts))
+        self.pos = 0
 
     def start(self) -> None:
         pass  # the text goes on from request to request
 
     def draft(self, d: int, rng: random.Random) -> int:
-        k = min(d, self.counts[int(self.pos) % len(self.counts)])
-        self.pos += 1
+        k = min(d, self.counts[self.pos % len(self.counts)])
+        self.pos += k + 1
         return k
 
     def plain(self, n: int) -> None:
-        self.pos += n / self.per_round
+        self.pos += n
 
 
 def calibrated(costs: list[float], flat: float) -> list[float]:
@@ -92,16 +97,19 @@ def calibrated(costs: list[float], flat: float) -> list[float]:
 
 
 def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
-            noise: float, seed: int, flat: float = 1.0) -> tuple[float, Counter]:
+            noise: float, seed: int, flat: float = 1.0, plain_overhead: float = 1.0) -> tuple[float, Counter]:
     """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
-    controller's depth histogram (depth 0 counted in plainly decoded tokens)."""
+    controller's depth histogram (depth 0 counted in plainly decoded tokens). As in the engine, the controller
+    chooses a round's successor before the round's outcome is known (the next draft chain is queued before the
+    read-back), and its plain stretches cost `plain_overhead` times plain decoding (the draft head kept current, the
+    pipeline restarted at each stretch's end)."""
     ctl = None
     if depth is None:
         ctl = DepthController(len(costs) - 1)
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             ctl.force = d
             for _ in range(2):
-                ctl.observe_cost(d, c)
+                ctl.observe_cost(d, c * (plain_overhead if d == 0 else 1.0))
         ctl.force = None
         ctl.calibrated = True
         ctl.forget_acceptance()
@@ -114,23 +122,27 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
         if ctl is not None:
             ctl.start_request()
         n = 0
+        d, plain = (depth, 1 if depth == 0 else 0) if ctl is None else _choice(ctl)
         while n < tokens:
-            d, plain = (depth, 1 if depth == 0 else 0) if ctl is None else _choice(ctl)
             if d == 0:
                 m = min(plain, tokens - n)
                 source.plain(m)
-                total_t += m * costs[0]
+                c = m * costs[0] * (plain_overhead if ctl is not None else 1.0)
+                total_t += c
                 n += m
                 hist[0] += m
                 if ctl is not None:
-                    ctl.plain_done(m, m * costs[0] * math.exp(noise_rng.gauss(0, noise)))
+                    ctl.plain_done(m, c * math.exp(noise_rng.gauss(0, noise)))
+                d, plain = (0, 1) if ctl is None else _choice(ctl)
                 continue
+            nxt = (depth, 0) if ctl is None else _choice(ctl)  # before this round's outcome
             k = source.draft(d, rng)
             total_t += costs[d]
             n += k + 1
             hist[d] += 1
             if ctl is not None:
                 ctl.observe(d, k, costs[d] * math.exp(noise_rng.gauss(0, noise)))
+            d, plain = nxt
         total_n += n
     return total_n / total_t, hist
 
@@ -165,6 +177,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--flat", type=float, default=1.0,
                     help="the warm-up's cost slope over the requests' (the H200 48-layer run's warm-up: ~0.45)")
+    ap.add_argument("--plain-overhead", type=float, default=1.0,
+                    help="auto's plain stretches over plain decoding's cost (H200, 8 layers: 746 / 714 ~ 1.045)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
     lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best | auto / plain | auto's depths |",
@@ -175,7 +189,8 @@ def main() -> int:
         for sname, make in sources(a.sources.split(",")).items():
             fixed = {d: statistics.mean(run_arm(costs, make(), d, a.requests, a.tokens, 0, s)[0]
                                         for s in range(a.seeds)) for d in range(7)}
-            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s, a.flat) for s in range(a.seeds)]
+            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead)
+                     for s in range(a.seeds)]
             auto = statistics.mean(x for x, _ in autos)
             best = max(fixed, key=fixed.__getitem__)
             hist = autos[0][1]

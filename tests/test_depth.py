@@ -112,6 +112,23 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
     assert ch.reason == "off" and ch.plain_tokens == c.off_min
 
 
+def test_a_probe_is_two_rounds_and_the_choice_after_sees_the_first() -> None:
+    """The engine picks a round's successor before the round's outcome: the probe's second round is fixed, and the
+    choice that follows it sees the first round's acceptance."""
+    c = controller(5, 0.45, stale_after=10**9)
+    for _ in range(10):
+        c.observe(1, 0)
+    ch = c.choose()
+    assert ch.depth == 0
+    c.plain_done(ch.plain_tokens, None)
+    first = c.choose()
+    second = c.choose()  # before the first probe round is observed
+    assert (first.reason, second.reason) == ("probe", "probe") and first.depth == second.depth >= 1
+    c.observe(first.depth, first.depth)  # all accepted
+    third = c.choose()  # the engine's choice after the second round, made before the second's outcome
+    assert third.acceptance[0] > second.acceptance[0]
+
+
 def test_acceptance_carries_across_requests() -> None:
     """A request starts from the engine's long-run acceptance (not from the prior), and a request of another kind
     outweighs it within some 20 rounds; forget_acceptance (after the calibration) goes back to the prior."""

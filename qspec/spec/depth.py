@@ -22,13 +22,14 @@ argmax_d E(d) / cost(d).
   `stale_after` choices, and whose rate is within REFRESH_WITHIN of the best one's, is chosen for two rounds
   ("refresh"; depth 0: a short plain stretch), so a warm-up taken in a loaded moment, or a host that changed speed
   since, does not decide for good.
-- Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts one probe round (the
-  best depth >= 1) to measure again. Each trial that finds drafting still does not pay doubles the plain stretch
-  (up to `off_max`; a request inherits at most START_FAILS doublings, being maybe of another kind of text), so a
-  profile where drafting never pays spends little on probes; the counts decay over the stretch, so a probe on text
-  that became predictable is believed quickly. (The decay also lets drafting resume for a few rounds after a probe;
-  stopping again within SUSTAIN rounds counts as a failed trial too.) The engine keeps
-  the draft head's cache current over a plain stretch, so a probe drafts as a round that never stopped would.
+- Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts a probe of two rounds
+  (the best depth >= 1; two because a round's successor is chosen before its outcome is read) to measure again.
+  Each trial that finds drafting still does not pay doubles the plain stretch (up to `off_max`; a request inherits
+  at most START_FAILS doublings, being maybe of another kind of text), so a profile where drafting never pays
+  spends little on probes; the counts decay over the stretch, so a probe on text that became predictable is
+  believed quickly. (The decay also lets drafting resume for a few rounds after a probe; stopping again within
+  SUSTAIN rounds counts as a failed trial too.) The engine keeps the draft head's cache current over a plain
+  stretch, so a probe drafts as a round that never stopped would.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class DepthController:
         self.accepted = [0.0] * self.max_depth
         self.fails = min(self.fails, START_FAILS)
         self.probe_next = False
+        self.probe_depth: int | None = None  # the depth of a probe's first round, while its second is to come
         self.refresh_left = 0  # rounds still to run at the depth being re-measured
         self.refresh_depth = 0
         self.last_reason = ""
@@ -206,8 +208,13 @@ class DepthController:
         if self.force is not None:
             depth, reason = self.force, "forced"
         elif self.probe_next:
-            self.probe_next = False
-            depth, reason = max(range(1, self.max_depth + 1), key=lambda d: (rates[d], -d)), "probe"
+            # a probe is two rounds: the engine chooses a round's successor before the round's outcome is known
+            # (the next draft chain is queued before the read-back), so only the choice after the second round
+            # sees the first one's acceptance (scripts/depth_sim.py models this)
+            self.probe_next, self.probe_depth = False, drafting
+            depth, reason = drafting, "probe"
+        elif self.probe_depth is not None:
+            depth, reason, self.probe_depth = self.probe_depth, "probe", None
         elif self.refresh_left:
             self.refresh_left -= 1
             depth, reason = self.refresh_depth, "refresh"
