@@ -408,7 +408,8 @@ class Engine:
             # chosen now, from the rounds before this one: a greedy round queues the next round's drafts before
             # its read-back
             d_next = self._next_depth()
-            # the replayed acceptance of a benchmark depends on the round only: asked once, before the round
+            # a benchmark's replayed acceptance depends on the round (or its token position) only: asked once,
+            # before the round
             forced = (None if hooks.accept_hook is None
                       else max(0, min(d, int(hooks.accept_hook(_replay_key(hooks.accept_hook, req), d)))))
             if on_device:
