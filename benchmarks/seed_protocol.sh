@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths-a h200-fn8-depths-b h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -80,6 +80,13 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-auto) bench merge "${fn8[@]}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     h200-fn8-auto-p30) bench merge "${fn8[@]}" --accept-profile p=0.3 \
         --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
+    #     auto:8 against plain and every fixed depth 1..8, per acceptance profile (scripts/gpu_depth.py: one process
+    #     per step, the model compiled once; two steps fit the time limit): geometric p, then the demo model's traces
+    h200-fn8-depths-a) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
+        --profile p=0.3 --profile p=0.5 --profile p=0.7 --profile p=0.85 ;;
+    h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
+        --profile p=0.95 --profile trace=benchmarks/results/demo-accept-trace-code.json \
+        --profile trace=benchmarks/results/demo-accept-trace-prose.json ;;
     # (h) block weights (llama.cpp's per-tensor types, generated and quantized on the GPU): 8 layers Q4_K_M, the
     #     geometry of the llama.cpp comparison file; the whole 48 layers Q4_K_M (plain, MTP3 and MTP5 in one process;
     #     or split in two processes: the build, the warm-ups and a 4,096-token prefill per run); the int8-activation
