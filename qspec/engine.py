@@ -282,8 +282,10 @@ class Engine:
         if ctl is None:
             return
         ctl.calibrated = True  # before the generations below, which would otherwise calibrate again
-        prompt = prompt[-CALIBRATION_PROMPT:]
-        tokens = min(rounds * (o.draft + 1), o.capacity - cells_needed(len(prompt), 0, o.draft))
+        tokens = rounds * (o.draft + 1)
+        # the prompt's tail, short enough to leave room for the generations (a prompt near the capacity leaves none)
+        prompt = prompt[-max(1, min(CALIBRATION_PROMPT, o.capacity - cells_needed(0, tokens, o.draft))):]
+        tokens = min(tokens, o.capacity - cells_needed(len(prompt), 0, o.draft))
         hooks = self.hooks
         hook, hooks.accept_hook = hooks.accept_hook, None  # a replayed acceptance is the request's, not the warm-up's
         try:

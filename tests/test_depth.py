@@ -305,6 +305,17 @@ def test_auto_engine_counters_and_calibration(tiny_model: Model, monkeypatch: py
         EngineOptions(draft=0, draft_auto=True)
 
 
+def test_calibration_fits_a_prompt_near_the_capacity(tiny_model: Model) -> None:
+    """The calibration runs on the first request's prompt, cut so that its generations fit the cache: a prompt that
+    leaves room for the request alone still measures every depth."""
+    cap = 64
+    prompt = [3 + i % 500 for i in range(cap - 12)]
+    eng = Engine(tiny_model, EngineOptions(draft=2, draft_auto=True, capacity=cap, exact=True))
+    g = eng.generate(prompt, 6)
+    assert g.tokens == plain(tiny_model, prompt, 6)
+    assert all(eng.depth.samples[d] for d in range(3))
+
+
 def test_rounds_with_eager_steps_are_not_cost_samples(tiny_model: Model) -> None:
     """A round during which the runner ran a step eagerly (a graph capture at a new depth or context bucket) is
     no sample of its depth's cost: its time would price the depth out. The CPU runs no graphs, so the test bumps the

@@ -166,8 +166,8 @@ class DepthController:
             # a depth not measured for EXPIRE refresh periods drops out of the line (the host may have changed since,
             # and the refreshes keep only the depths near the best current), while two drafting depths remain
             keep = live if sum(live[1:]) >= 2 else [bool(s) for s in self.samples]
-            # once two drafting depths were measured by requests, the warm-up's line drops out: its short prompt can
-            # measure a cost that rises differently with depth (scripts/depth_sim.py --flat)
+            # once two drafting depths were measured by requests, the warm-up's line drops out: its prompt and short
+            # generations can measure a cost that rises differently with depth (scripts/depth_sim.py --flat)
             if sum(k and not self.warmup_only[d] for d, k in enumerate(keep) if d) >= 2:
                 keep = [k and not (d and self.warmup_only[d]) for d, k in enumerate(keep)]
             med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
