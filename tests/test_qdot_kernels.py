@@ -116,7 +116,7 @@ def test_interp_qdot_matmul(qt: GGMLQuantizationType, M: int) -> None:
 
     w = qweight(qt, (13, row_len(qt)), seed=10 * M + int(qt))
     x = torch.randn(M, w.shape[1])
-    y = qdot_matmul_triton(x, w.raw, int(qt), 13, config=(8, 4, 1))
+    y = qdot_matmul_triton(x, w.raw, int(qt), 13, config=(8, 4, 1, 1))
     assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 13, w.shape[1])) <= TIGHT
     assert rel_err(y, qmatmul_torch(x, w)) <= LOOSE
 
@@ -129,7 +129,7 @@ def test_interp_qdot_16bit(dt: torch.dtype) -> None:
 
     w = qweight(T.Q4_K, (9, 256), seed=5)
     x = torch.randn(2, 256).to(dt)
-    y = qdot_matmul_triton(x, w.raw, int(T.Q4_K), 9, config=(8, 4, 1))
+    y = qdot_matmul_triton(x, w.raw, int(T.Q4_K), 9, config=(8, 4, 1, 1))
     assert y.dtype == dt and rel_err(y, qdot_matmul_torch(x, w.raw, int(T.Q4_K), 9, 256)) <= TOL16[dt]
 
 
@@ -143,13 +143,50 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
     K = 1024 if qt == T.Q6_K else 800
     w = qweight(qt, (10, K), seed=7)
     x = torch.randn(5, K)
-    cfg = (8, 4, 8)  # 2 row blocks, 32 wanted: K splits into 4 shares
+    cfg = (8, 4, 8, 1)  # 2 row blocks, 32 wanted: K splits into 4 shares
     y = qdot_matmul_triton(x, w.raw, int(qt), 10, config=cfg)
     assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 10, K)) <= TIGHT
     for i in range(5):
         assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), 10, config=cfg), y[i:i + 1])
-    y1 = qdot_matmul_triton(x, w.raw, int(qt), 10, config=(8, 4, 1))  # no split
+    y1 = qdot_matmul_triton(x, w.raw, int(qt), 10, config=(8, 4, 1, 1))  # no split
     assert rel_err(y1, y) <= TIGHT
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q5_0])
+def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> None:
+    """Steps per loop iteration (UNROLL) change the schedule, never the sum: 7 steps unrolled by 2 and 4 (a
+    remainder each time), with and without a split, equal one step per iteration bit for bit."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    K = 7 * 256
+    w = qweight(qt, (12, K), seed=11)
+    x = torch.randn(2, K)
+    for per_sm in (0, 8):
+        y1 = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, 1))
+        assert rel_err(y1, qdot_matmul_torch(x, w.raw, int(qt), 12, K)) <= TIGHT
+        for unroll in (2, 4):
+            assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, unroll)), y1)
+
+
+@interp
+def test_interp_stacked_products_quantize_x_once() -> None:
+    """Parts of several types multiplying one x: each part's columns equal its own product, bit for bit (the same
+    quantized x), written in place; and ops.linear on a StackedWeight of those parts gives their products (here on
+    the CPU: each part's reference)."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton, qdot_stacked_triton
+    from qspec.model.ops import linear, stack_rows
+
+    K = 512
+    ws = [qweight(T.Q5_K, (24, K), 1), qweight(T.Q4_K, (16, K), 2), qweight(T.Q8_0, (8, K), 3)]
+    x = torch.randn(1, K).bfloat16()
+    y = qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws])
+    assert y.shape == (1, 48) and y.dtype == torch.bfloat16
+    ref = torch.cat([qdot_matmul_triton(x, w.raw, int(w.qtype), w.shape[0]) for w in ws], dim=-1)
+    assert torch.equal(y, ref)
+    W, _ = stack_rows(*ws)
+    assert len(W.parts) == 3  # type: ignore[union-attr]
+    assert rel_err(linear(x, W), torch.cat([qmatmul_torch(x, w) for w in ws], dim=-1)) <= TOL16[torch.bfloat16]
 
 
 @interp

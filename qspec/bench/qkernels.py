@@ -3,6 +3,7 @@
     python -m qspec.bench.qkernels              # one table, a few minutes on an H200
     python -m qspec.bench.qkernels --quick      # fewer shapes and types
     python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
+    python -m qspec.bench.qkernels --qdot-one-row  # the one-row int8 product: loop unrolling, split-K, tiles
     python -m qspec.bench.qkernels --expand     # only the block expansion of prefill, step tiles against runs
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
@@ -271,7 +272,35 @@ def sweep(rows: list[tuple]) -> None:
                 del raws
 
 
-QDOT_CONFIGS = ((16, 4, 4), (32, 4, 4), (32, 4, 8), (64, 4, 2), (64, 8, 2), (16, 2, 8), (128, 8, 1))
+QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (64, 8, 2, 1), (16, 2, 8, 1),
+                (128, 8, 1, 1))
+# the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
+# iteration), on every decode shape and the model's block types
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (32, 4, 0, 1), (32, 4, 4, 2), (32, 4, 0, 2), (32, 4, 4, 4), (32, 4, 0, 4),
+                        (16, 2, 8, 2), (16, 2, 0, 2), (16, 2, 0, 4), (16, 4, 0, 2), (64, 4, 0, 2), (8, 2, 0, 2))
+QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
+
+
+def qdot_one_row_sweep(rows: list[tuple]) -> None:
+    """The one-row int8 product (decode) over QDOT_ONE_ROW_CONFIGS, each shape and type; the row marked * is the
+    default. The experts' 640-wide down rows (Q5_0/Q8_0) are the 2,560 x 640 shape."""
+    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
+
+    shapes = dict(SHAPES, expert_down=(2560, 640))
+    del shapes["ple_kv"]
+    for name, (n, k) in shapes.items():
+        x, bf_us = _bf16_matvec(1, n, k)
+        for qt in QDOT_ONE_ROW_TYPES:
+            if qt.name.endswith("_K") and k % 256:
+                continue
+            raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+            nbytes = raws[0].numel() + (k + n) * 2
+            for cfg in QDOT_ONE_ROW_CONFIGS:
+                us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws])
+                mark = "*" if cfg == QDOT_CONFIG else ""
+                _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
+                     n * k * 2)
+            del raws
 QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4))
 
 
@@ -310,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
     ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
     ap.add_argument("--qdot-sweep", action="store_true", help="only the int8-activation kernels' configs")
+    ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -328,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.qdot_sweep:
         qdot_sweep(rows)
+        return 0
+    if args.qdot_one_row:
+        qdot_one_row_sweep(rows)
         return 0
     if args.expand:
         bench_expand(rows)

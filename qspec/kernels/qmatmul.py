@@ -144,6 +144,37 @@ def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+@torch.library.custom_op("qspec::qmatmul_stacked", mutates_args=())
+def qmatmul_stacked_op(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+                       k: int) -> torch.Tensor:
+    """x [M, K] @ [W_0; W_1; ...]^T -> [M, sum(ns)]: block matrices of several types that multiply the same x. The
+    int8 kernels quantize x once for all of them and write each product into its columns; elsewhere each part is
+    qmatmul_op's product."""
+    M = x.shape[0]
+    if 0 < M <= INT8_MAX_ROWS and _int8_for(x, *qtypes):
+        from qspec.kernels.triton_qdot import qdot_stacked_triton
+
+        return qdot_stacked_triton(x, [(r.contiguous(), q) for r, q in zip(raws, qtypes, strict=True)])
+    return torch.cat([qmatmul_op(x, r, q, n, k) for r, q, n in zip(raws, qtypes, ns, strict=True)], dim=-1)
+
+
+@qmatmul_stacked_op.register_fake
+def _qmatmul_stacked_shape(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[int], ns: list[int],
+                           k: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], sum(ns))
+
+
+def qmatmul_stacked(x: torch.Tensor, ws: list[QuantWeight]) -> torch.Tensor:
+    """y [..., sum N_i] = x [..., K] @ [w_0; w_1; ...]^T in x.dtype: one x, several block matrices (types may
+    differ), the columns in the order of ws."""
+    if any(w.dim() != 2 or x.shape[-1] != w.shape[1] for w in ws):
+        raise ValueError(f"qmatmul_stacked: x {tuple(x.shape)} @ {ws!r}^T")
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.qspec.qmatmul_stacked(x2, [w.raw for w in ws], [int(w.qtype) for w in ws],
+                                        [w.shape[0] for w in ws], x.shape[-1])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 # ---- routed experts --------------------------------------------------------------------------------------------
 
 def _check_experts(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,

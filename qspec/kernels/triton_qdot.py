@@ -48,9 +48,10 @@ DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
 # 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
 MAX_ROWS = 8
-# (rows per program, warps, programs wanted per SM) of the product; the GPU benchmark (qspec/bench/qkernels.py,
-# --qdot-sweep) times others. K splits into shares when the row blocks alone give fewer programs than wanted.
-QDOT_CONFIG = (32, 4, 4)
+# (rows per program, warps, programs wanted per SM, 256-weight steps per loop iteration) of the product; the GPU
+# benchmark (qspec/bench/qkernels.py, --qdot-sweep) times others. K splits into shares when the row blocks alone give
+# fewer programs than wanted (0 wanted: never).
+QDOT_CONFIG = (32, 4, 4, 1)
 QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
@@ -274,36 +275,50 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
+                   K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
+        if QT == 12 or QT == 13:
+            acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
+        elif QT == 14:
+            acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb, M,
+                           MP, ASM)
+        else:
+            acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP, QT,
+                            ASM)
+        return acc
+
+    @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
-        x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once."""
-        if QT == 12 or QT == 13:
-            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
-            for kb in range(kb_lo, kb_hi):
-                acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT,
-                                ASM)
-            out = tl.sum(acc, axis=1)
-        elif QT == 14:
-            acc6 = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
-            for kb in range(kb_lo, kb_hi):
-                acc6 = _q6_step(acc6, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask,
-                                kb, M, MP, ASM)
-            out = tl.sum(tl.sum(acc6, axis=2), axis=1)
+        x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
+        UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
+        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
+        if QT == 14:
+            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
         else:
-            acc8 = tl.zeros([BN, 4, MP], dtype=tl.float32)
-            for kb in range(kb_lo, kb_hi):
-                acc8 = _b32_step(acc8, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP,
-                                 QT, ASM)
-            out = tl.sum(acc8, axis=1)
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+        kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
+        for kb0 in range(kb_lo, kb_main, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                                 rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
+        for kb in range(kb_main, kb_hi):
+            acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                             rowb, nmask, K, kb, M, MP, QT, ASM)
+        if QT == 14:
+            out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        else:
+            out = tl.sum(acc, axis=1)
         return tl.trans(out)
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
                         y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
         output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
         pdl_start(PDL)
@@ -312,22 +327,23 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM)
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
-    def _sum_parts_kernel(p_ptr, y_ptr, S, total, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
+    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
                           PDL: tl.constexpr = False):
-        """y = the sum of the S partial sums p [S, total], added in split order (the same for any row count)."""
+        """y [M, N] (row stride y_m) = the sum of the S partial sums p [S, M * N], added in split order (the same
+        for any row count)."""
         pdl_start(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for s in range(0, S):
             acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
-        tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + (i // N) * y_m + i % N, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
@@ -398,33 +414,66 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     steps = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, bn)
     want = per_sm * _sm_count(x)
+    if want == 0:
+        return 1, steps
     split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
     share = triton.cdiv(steps, split)
     return triton.cdiv(steps, share), share
 
 
-def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
-                       config: tuple[int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS, last dim contiguous) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
-    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: (rows per program, warps,
-    programs wanted per SM); asm: dp4a by PTX (default DP4A_ASM off the interpreter)."""
-    M, K = x.shape
-    if not 0 < M <= MAX_ROWS or raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or K % 32:
-        raise ValueError(f"qdot_matmul: x {tuple(x.shape)}, raw {tuple(raw.shape)}, N {n}")
-    xq, xd, xs, xg = quantize_x_triton(x if x.stride(1) == 1 else x.contiguous())
-    bn, warps, per_sm = config or QDOT_CONFIG
-    split, share = _split(n, K, bn, per_sm, x)
-    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+QuantizedX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_x_triton's result
+
+
+def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: int,
+               config: tuple[int, int, int, int] | None, asm: bool | None) -> None:
+    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T, x given quantized."""
+    M, n = y.shape
+    K = xquant[0].shape[1] * 4
+    if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
+    bn, warps, per_sm, unroll = config or QDOT_CONFIG
+    split, share = _split(n, K, bn, per_sm, y)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
     wb, wh, wi, ww = _views(raw)
     _qdot_mv_kernel[(triton.cdiv(n, bn), split)](
-        xq, xd, xs, xg, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
+        *xquant, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
         out.stride(-2), M=M, MP=next_pow2(M), BN=bn, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(x.dtype) if split == 1 else tl.float32, num_warps=warps, **pdl_launch(x))
+        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=unroll, num_warps=warps, **pdl_launch(y))
     if split > 1:
         block = 1024
-        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, BLOCK=block,
-                                                         OUT_DT=tl_dtype(x.dtype), num_warps=4, **pdl_launch(x))
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
+                                                         OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
+
+
+def _check_x(x: torch.Tensor) -> torch.Tensor:
+    M, K = x.shape
+    if not 0 < M <= MAX_ROWS or K % 32:
+        raise ValueError(f"qdot_matmul: x {tuple(x.shape)} (at most {MAX_ROWS} rows, K a multiple of 32)")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
+                       config: tuple[int, int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
+    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: QDOT_CONFIG's fields; asm:
+    dp4a by PTX (default DP4A_ASM off the interpreter)."""
+    x = _check_x(x)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _qdot_into(y, quantize_x_triton(x), raw, qtype, config, asm)
+    return y
+
+
+def qdot_stacked_triton(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """x [M, K] @ [W_0; W_1; ...]^T -> [M, sum N_i] in x.dtype: the products of several block matrices (each its
+    own type) that multiply the same x, with x quantized once and each product written into its columns (no
+    concatenation). Each part's columns equal qdot_matmul_triton(x, raw_i, qtype_i, N_i)."""
+    x = _check_x(x)
+    y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
+    xquant = quantize_x_triton(x)
+    o = 0
+    for raw, qtype in parts:
+        _qdot_into(y[:, o:o + raw.shape[0]], xquant, raw, qtype, None, None)
+        o += raw.shape[0]
     return y
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels import gemv
-from qspec.kernels.qmatmul import qmatmul
+from qspec.kernels.qmatmul import qmatmul, qmatmul_stacked
 from qspec.weights.qweight import QuantWeight
 
 _ROW_EXACT = False
@@ -78,10 +78,30 @@ def is_quantized(w: object) -> bool:
 def _qlinear(x2: torch.Tensor, w: QuantWeight | StackedWeight) -> torch.Tensor:
     """x2 [M, K] @ w^T for block weights; in row-exact mode one product per row (for step-sized M)."""
     if isinstance(w, StackedWeight):
-        return torch.cat([linear(x2, p) for p in w.parts], dim=-1)
+        return torch.cat([_stacked_run(x2, run) for run in _block_runs(w.parts)], dim=-1)
     if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
         return torch.cat([qmatmul(x2[i:i + 1], w) for i in range(x2.shape[0])])
     return qmatmul(x2, w)
+
+
+def _block_runs(parts: Sequence[torch.Tensor | QuantWeight]) -> list[list[torch.Tensor | QuantWeight]]:
+    """A StackedWeight's parts as runs: consecutive block parts together (one product with x quantized once), each
+    16-bit part alone."""
+    runs: list[list[torch.Tensor | QuantWeight]] = []
+    for p in parts:
+        if runs and isinstance(p, QuantWeight) and isinstance(runs[-1][-1], QuantWeight):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
+
+
+def _stacked_run(x2: torch.Tensor, run: list[torch.Tensor | QuantWeight]) -> torch.Tensor:
+    if len(run) == 1:
+        return linear(x2, run[0])
+    if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
+        return torch.cat([qmatmul_stacked(x2[i:i + 1], run) for i in range(x2.shape[0])])  # type: ignore[arg-type]
+    return qmatmul_stacked(x2, run)  # type: ignore[arg-type]
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
