@@ -48,10 +48,11 @@ DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
 # 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
 MAX_ROWS = 8
-# (rows per program, warps, programs wanted per SM, 256-weight steps per loop iteration) of the product; the GPU
-# benchmark (qspec/bench/qkernels.py, --qdot-sweep) times others. K splits into shares when the row blocks alone give
-# fewer programs than wanted (0 wanted: never).
-QDOT_CONFIG = (32, 4, 4, 1)
+# (rows per program, warps, programs wanted per SM, 256-weight steps per loop iteration) of the product. K splits into
+# shares when the row blocks alone give fewer programs than wanted (0 wanted: never). The GPU benchmark
+# (`python -m qspec.bench.qkernels --qdot-one-row`, BENCHMARKS.md §5b) times the grid: without a split the narrow
+# matrices run up to 3x slower; this config was the fastest over the decode shapes and block types.
+QDOT_CONFIG = (16, 2, 8, 2)
 QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
