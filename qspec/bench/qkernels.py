@@ -276,15 +276,17 @@ QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (64,
                 (128, 8, 1, 1))
 # the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
 # iteration), on every decode shape and the model's block types
-QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (32, 4, 0, 1), (32, 4, 4, 2), (32, 4, 0, 2), (32, 4, 4, 4), (32, 4, 0, 4),
-                        (16, 2, 8, 2), (16, 2, 0, 2), (16, 2, 0, 4), (16, 4, 0, 2), (64, 4, 0, 2), (8, 2, 0, 2))
+# (rows, warps, programs per SM or 0 for no split, steps per iteration[, quant_in, sum_in])
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (16, 2, 8, 2, 1, 0), (16, 2, 8, 2, 0, 1), (16, 2, 8, 2, 1, 1),
+                        (8, 2, 8, 2), (8, 2, 16, 2, 1, 1), (16, 2, 16, 2, 1, 1), (16, 2, 4, 2, 1, 1),
+                        (16, 2, 0, 2, 1, 0), (64, 4, 0, 2), (8, 2, 0, 2))
 QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
 
 
 def qdot_one_row_sweep(rows: list[tuple]) -> None:
     """The one-row int8 product (decode) over QDOT_ONE_ROW_CONFIGS, each shape and type; the row marked * is the
     default. The experts' 640-wide down rows (Q5_0/Q8_0) are the 2,560 x 640 shape."""
-    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
+    from qspec.kernels.triton_qdot import QDOT_CONFIG, QdotConfig, qdot_matmul_triton
 
     shapes = dict(SHAPES, expert_down=(2560, 640))
     del shapes["ple_kv"]
@@ -297,7 +299,7 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
             nbytes = raws[0].numel() + (k + n) * 2
             for cfg in QDOT_ONE_ROW_CONFIGS:
                 us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws])
-                mark = "*" if cfg == QDOT_CONFIG else ""
+                mark = "*" if QdotConfig(*cfg) == QDOT_CONFIG else ""
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws

@@ -24,6 +24,9 @@ every x row takes its dot products; row m's sum is built by the same operations 
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
 blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
+A one-row product is thus up to three launches (quantize, product, partial sums) for a few µs of reads on most of
+the model's matrices; QdotConfig's quant_in and sum_in fold the first and the last into the product (the same
+numbers, bit for bit) for the GPU benchmark to time.
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
 the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
@@ -40,6 +43,8 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
@@ -48,11 +53,24 @@ DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
 # 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
 MAX_ROWS = 8
-# (rows per program, warps, programs wanted per SM, 256-weight steps per loop iteration) of the product. K splits into
-# shares when the row blocks alone give fewer programs than wanted (0 wanted: never). The GPU benchmark
-# (`python -m qspec.bench.qkernels --qdot-one-row`, BENCHMARKS.md §5b) times the grid: without a split the narrow
-# matrices run up to 3x slower; this config was the fastest over the decode shapes and block types.
-QDOT_CONFIG = (16, 2, 8, 2)
+
+
+class QdotConfig(NamedTuple):
+    """How the product runs. K splits into shares when the row blocks alone give fewer programs than wanted."""
+
+    rows: int  # weight rows per program
+    warps: int
+    per_sm: int  # programs wanted per SM (0: never split K)
+    unroll: int  # 256-weight steps per loop iteration
+    quant_in: bool = False  # each program quantizes its share of x itself (no quantize launch)
+    sum_in: bool = False  # a split's partial sums added by the row block's last program (no second launch)
+
+
+# The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`, BENCHMARKS.md §5b) times the grid: without a
+# split the narrow matrices run up to 3x slower; this config was the fastest over the decode shapes and block types.
+# quant_in and sum_in are off until that benchmark has timed them.
+QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
+COUNTER_SLOTS = 1 << 16  # sum_in's per-row-block counters (one zeroed int32 buffer per device)
 QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
@@ -68,12 +86,18 @@ if HAS_TRITON:
         s = d * sum(q), and the integer sums of q per 16 (launched without FMA fusion: qdot.quantize_x_torch's
         roundings)."""
         pdl_start(PDL)
-        m = tl.program_id(0)
         b = tl.program_id(1) * BB + tl.arange(0, BB)
+        _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, tl.program_id(0), x_m, KB, b, b < KB, BB, False)
+
+    @triton.jit
+    def _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, bmask, BB: tl.constexpr,
+                      MUL_ASM: tl.constexpr):
+        """Row m's 32-element blocks b [BB] (where bmask) quantized into the int8 q, f32 d and s, int32 16-sums
+        (rows of KB blocks). MUL_ASM: the kernel is compiled with fp fusion, so the scale multiply goes through
+        mul_rn to keep the reference's rounding."""
         i = tl.arange(0, 32)
-        bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-        q, d = round_q8(x)
+        q, d = round_q8(x, MUL_ASM)
         tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
         tl.store(d_ptr + m * KB + b, d, mask=bmask)
         tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
@@ -318,20 +342,53 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
-                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
+                        y_m, x_ptr, x_m, xq8_ptr, f_ptr, f_m, cnt_ptr, M: tl.constexpr, MP: tl.constexpr,
+                        BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr,
+                        UNROLL: tl.constexpr = 1, QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
+                        SUM_IN: tl.constexpr = False, F_DT: tl.constexpr = tl.float32, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
-        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
+        output (one split) or the split's f32 partial sums (y_s: a split's stride).
+        QUANT_IN: the program first quantizes x's blocks of its share of K itself (x_ptr, 16-bit rows of stride x_m)
+        into the quantized-x buffers, which it then reads as usual: programs of one split write identical values, so
+        no ordering between programs is needed, only this program's barrier.
+        SUM_IN (split > 1): the last program of a row block to finish (counted in cnt_ptr, reset to 0 by it) adds
+        the partial sums in split order and writes the output f_ptr (row stride f_m): no separate launch."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+        if QUANT_IN:
+            b_hi = tl.minimum(k_hi * 8, K // 32)
+            for m in tl.static_range(M):
+                for b0 in range(k_lo * 8, b_hi, 8):
+                    b = b0 + tl.arange(0, 8)
+                    _quant_blocks(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, b, b < b_hi, 8, MUL_ASM)
+            tl.debug_barrier()
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
+        omask = (im[:, None] < M) & nmask[None, :]
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
-        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=omask)
+        if SUM_IN:
+            _sum_if_last(y_ptr + im[:, None] * y_m + n[None, :], y_s, f_ptr + im[:, None] * f_m + n[None, :], omask,
+                         cnt_ptr + tl.program_id(0), MP, BN, F_DT)
+
+    @triton.jit
+    def _sum_if_last(p_ptrs, p_s, f_ptrs, mask, cnt_ptr, MP: tl.constexpr, BN: tl.constexpr, F_DT: tl.constexpr):
+        """After this program stored its partial sums: the row block's last program to get here sums all splits'
+        partials (p_ptrs + s * p_s, added in split order as _sum_parts_kernel does) into the 16-bit output f_ptrs
+        and resets the counter. The barrier orders this program's stores before its counter increment (acq_rel at
+        GPU scope); the sums read L2 (.cg), where the other programs' stores are."""
+        tl.debug_barrier()
+        splits = tl.num_programs(1)
+        if tl.atomic_add(cnt_ptr, 1) == splits - 1:
+            acc = tl.zeros([MP, BN], dtype=tl.float32)
+            for s_ in range(0, splits):
+                acc += tl.load(p_ptrs + s_ * p_s, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(f_ptrs, round_to(acc, F_DT).to(f_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr, 0)
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
@@ -383,20 +440,30 @@ def _asm() -> bool:
     return DP4A_ASM and not INTERPRET
 
 
+def _xquant_buffers(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Quantized x's buffers: int8 q [M, K], f32 d and s [M, K/32], int32 16-sums [M, K/16]."""
+    return (torch.empty(M, K, dtype=torch.int8, device=device),
+            torch.empty(M, K // 32, dtype=torch.float32, device=device),
+            torch.empty(M, K // 32, dtype=torch.float32, device=device),
+            torch.empty(M, K // 16, dtype=torch.int32, device=device))
+
+
+def _quantize_into(x: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
+    M, K = x.shape
+    KB = K // 32
+    bb = min(QUANT_BLOCKS, next_pow2(KB))
+    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, *bufs, x.stride(0), KB, BB=bb, num_warps=4,
+                                              enable_fp_fusion=False, **pdl_launch(x))
+
+
 def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
     s [M, K/32] f32, int32 sums per 16 [M, K/16]), as qdot.quantize_x_torch."""
     M, K = x.shape
     if K % 32 or x.stride(1) != 1:
         raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
-    KB = K // 32
-    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
-    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
-    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
-    g = torch.empty(M, 2 * KB, dtype=torch.int32, device=x.device)
-    bb = min(QUANT_BLOCKS, next_pow2(KB))
-    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, g, x.stride(0), KB, BB=bb, num_warps=4,
-                                              enable_fp_fusion=False, **pdl_launch(x))
+    q, d, s, g = _xquant_buffers(M, K, x.device)
+    _quantize_into(x, (q, d, s, g))
     return q.view(torch.int32), d, s, g
 
 
@@ -422,25 +489,41 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     return triton.cdiv(steps, share), share
 
 
-QuantizedX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_x_triton's result
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: int,
-               config: tuple[int, int, int, int] | None, asm: bool | None) -> None:
-    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T, x given quantized."""
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed sum_in counters (every kernel leaves them zero), made outside any graph capture; None
+    while capturing before they exist (the split then takes the partial-sum launch)."""
+    c = _COUNTERS.get(device)
+    if c is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return c
+
+
+def _qdot_into(y: torch.Tensor, x: torch.Tensor, xbufs: tuple[torch.Tensor, ...], raw: torch.Tensor, qtype: int,
+               cfg: QdotConfig, asm: bool | None, quant_in: bool) -> None:
+    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T through the quantized-x buffers xbufs:
+    filled by this launch (quant_in) or already."""
     M, n = y.shape
-    K = xquant[0].shape[1] * 4
+    K = x.shape[1]
     if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
-    bn, warps, per_sm, unroll = config or QDOT_CONFIG
-    split, share = _split(n, K, bn, per_sm, y)
+    split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
+    blocks = triton.cdiv(n, cfg.rows)
+    cnt = _counters(y.device) if cfg.sum_in and split > 1 and blocks <= COUNTER_SLOTS else None
     out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
-    wb, wh, wi, ww = _views(raw)
-    _qdot_mv_kernel[(triton.cdiv(n, bn), split)](
-        *xquant, wb, wh, wi, ww, out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0,
-        out.stride(-2), M=M, MP=next_pow2(M), BN=bn, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=unroll, num_warps=warps, **pdl_launch(y))
-    if split > 1:
+    q8, d, s, g = xbufs
+    _qdot_mv_kernel[(blocks, split)](
+        q8.view(torch.int32), d, s, g, *_views(raw), out, n, K, share, raw.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2), x, x.stride(0), q8, y, y.stride(0),
+        g if cnt is None else cnt, M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype),
+        ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32,
+        UNROLL=cfg.unroll, QUANT_IN=bool(quant_in), MUL_ASM=not INTERPRET, SUM_IN=cnt is not None,
+        F_DT=tl_dtype(y.dtype), num_warps=cfg.warps, **pdl_launch(y))
+    if split > 1 and cnt is None:
         block = 1024
         _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
                                                          OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
@@ -453,29 +536,40 @@ def _check_x(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
-                       config: tuple[int, int, int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
-    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: QDOT_CONFIG's fields; asm:
-    dp4a by PTX (default DP4A_ASM off the interpreter)."""
+def _stacked(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], config: tuple | None,
+             asm: bool | None) -> torch.Tensor:
+    """The parts' products of one x into the columns of one output, x quantized once (by the first product's
+    programs with quant_in, else by a quantize launch)."""
     x = _check_x(x)
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    _qdot_into(y, quantize_x_triton(x), raw, qtype, config, asm)
+    cfg = QdotConfig(*(config or QDOT_CONFIG))
+    M, K = x.shape
+    y = torch.empty(M, sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
+    xbufs = _xquant_buffers(M, K, x.device)
+    if not cfg.quant_in:
+        _quantize_into(x, xbufs)
+    o = 0
+    for i, (raw, qtype) in enumerate(parts):
+        _qdot_into(y[:, o:o + raw.shape[0]], x, xbufs, raw, qtype, cfg, asm, bool(cfg.quant_in) and i == 0)
+        o += raw.shape[0]
     return y
 
 
-def qdot_stacked_triton(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, config: tuple | None = None,
+                       asm: bool | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ W^T -> [M, N] in x.dtype with x quantized to int8 per 32
+    (qdot.qdot_matmul_torch); W's blocks raw [N, row_bytes], rows contiguous. config: QdotConfig's fields (the
+    leading ones; default QDOT_CONFIG); asm: dp4a by PTX (default DP4A_ASM off the interpreter)."""
+    if raw.dim() != 2 or raw.shape[0] != n:
+        raise ValueError(f"qdot_matmul: raw {tuple(raw.shape)}, N {n}")
+    return _stacked(x, [(raw, qtype)], config, asm)
+
+
+def qdot_stacked_triton(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]],
+                        config: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ [W_0; W_1; ...]^T -> [M, sum N_i] in x.dtype: the products of several block matrices (each its
     own type) that multiply the same x, with x quantized once and each product written into its columns (no
     concatenation). Each part's columns equal qdot_matmul_triton(x, raw_i, qtype_i, N_i)."""
-    x = _check_x(x)
-    y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
-    xquant = quantize_x_triton(x)
-    o = 0
-    for raw, qtype in parts:
-        _qdot_into(y[:, o:o + raw.shape[0]], xquant, raw, qtype, None, None)
-        o += raw.shape[0]
-    return y
+    return _stacked(x, parts, config, None)
 
 
 def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
