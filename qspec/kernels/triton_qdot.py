@@ -43,12 +43,15 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
 
+# The one-row products' quant_in and sum_in (EngineOptions.int8_fused_launches; the runner sets it around every step)
+FUSED_LAUNCHES = False
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
 # 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
@@ -489,6 +492,11 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     return triton.cdiv(steps, share), share
 
 
+def fused_launches_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, FUSED_LAUNCHES is `on` (the default config's quant_in and sum_in)."""
+    return module_flag(__name__, "FUSED_LAUNCHES", on)
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -541,7 +549,7 @@ def _stacked(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], config: tup
     """The parts' products of one x into the columns of one output, x quantized once (by the first product's
     programs with quant_in, else by a quantize launch)."""
     x = _check_x(x)
-    cfg = QdotConfig(*(config or QDOT_CONFIG))
+    cfg = QdotConfig(*config) if config else QDOT_CONFIG._replace(quant_in=FUSED_LAUNCHES, sum_in=FUSED_LAUNCHES)
     M, K = x.shape
     y = torch.empty(M, sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
     xbufs = _xquant_buffers(M, K, x.device)
