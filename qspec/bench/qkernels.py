@@ -272,8 +272,8 @@ def sweep(rows: list[tuple]) -> None:
                 del raws
 
 
-QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (64, 8, 2, 1), (16, 2, 8, 1),
-                (128, 8, 1, 1))
+QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (16, 2, 8, 1), (16, 2, 8, 2),
+                (16, 2, 8, 2, 1, 1), (128, 8, 1, 1))
 # the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
 # iteration), on every decode shape and the model's block types
 # (rows, warps, programs per SM or 0 for no split, steps per iteration[, quant_in, sum_in])
@@ -321,7 +321,7 @@ def qdot_sweep(rows: list[tuple]) -> None:
                 nbytes = raws[0].numel() + m * (k + n) * 2
                 for cfg in QDOT_CONFIGS:
                     us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws])
-                    _row(rows, f"int8 {cfg[0]}/{cfg[1]}/{cfg[2]}", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us,
+                    _row(rows, "int8 " + "/".join(map(str, cfg)), qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us,
                          n * k * 2)
                 us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, QDOT_CONFIG, False) for r in raws])
                 _row(rows, "int8 emul", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
