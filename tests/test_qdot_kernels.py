@@ -232,6 +232,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
+    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1)), got)  # quant_in
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
     assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= MOE_TIGHT
@@ -279,7 +280,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
     MOE_TIGHT, the intermediate's requantization may round an element one code differently), the dispatch with bf16 h
     against the f32 reference (LOOSE)."""
     from qspec.kernels.qmatmul import qmoe_few
-    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+    from qspec.kernels.triton_qdot import QDOT_MOE_CONFIG, qdot_moe_few_triton
 
     E, Fd, D, k = 512, 640, 2560, 10
     gate, up = qweight(gt, (E, Fd, D), 50, "cuda", 8192), qweight(gt, (E, Fd, D), 51, "cuda", 8192)
@@ -295,3 +296,5 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
+        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(*QDOT_MOE_CONFIG, 1)), yb), (
+            T_, "quantized inside the products")

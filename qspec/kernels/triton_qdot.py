@@ -26,7 +26,8 @@ blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_ke
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
 A one-row product is thus up to three launches (quantize, product, partial sums) for a few µs of reads on most of
 the model's matrices; QdotConfig's quant_in and sum_in fold the first and the last into the product (the same
-numbers, bit for bit) for the GPU benchmark to time.
+numbers, bit for bit) for the GPU benchmark to time, and the experts' quant_in folds their two quantize launches
+into gate/up and down.
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
 the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
@@ -50,7 +51,8 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
 
-# The one-row products' quant_in and sum_in (EngineOptions.int8_fused_launches; the runner sets it around every step)
+# The products' quant_in and sum_in, the experts' quant_in (EngineOptions.int8_fused_launches; the runner sets it
+# around every step)
 FUSED_LAUNCHES = False
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -107,6 +109,13 @@ if HAS_TRITON:
         g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
         j = tl.arange(0, 2)[None, :]
         tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
+
+    @triton.jit
+    def _quant_row(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b_lo, b_hi, MUL_ASM: tl.constexpr):
+        """Row m's blocks b_lo .. b_hi - 1 quantized into the buffers (a product's own share of its x row)."""
+        for b0 in range(b_lo, b_hi, 8):
+            b = b0 + tl.arange(0, 8)
+            _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, b < b_hi, 8, MUL_ASM)
 
     @triton.jit
     def _w16(wi_ptr, hoff, mask):
@@ -362,11 +371,9 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         if QUANT_IN:
-            b_hi = tl.minimum(k_hi * 8, K // 32)
             for m in tl.static_range(M):
-                for b0 in range(k_lo * 8, b_hi, 8):
-                    b = b0 + tl.arange(0, 8)
-                    _quant_blocks(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, b, b < b_hi, 8, MUL_ASM)
+                _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, k_lo * 8,
+                           tl.minimum(k_hi * 8, K // 32), MUL_ASM)
             tl.debug_barrier()
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
@@ -408,12 +415,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
-                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
-                             QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, x_ptr, x_m, xq8_ptr,
+                             BN: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr,
+                             QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]."""
+        e = top_i[t, j]. QUANT_IN: the program quantizes h_t (x_ptr) itself first, as _qdot_mv_kernel does."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
+        if QUANT_IN:
+            _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, t, x_m, D // 32, 0, D // 32, MUL_ASM)
+            tl.debug_barrier()
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         steps = tl.cdiv(D, 256)
@@ -426,11 +438,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
-                          KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
-                          OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
-        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
+                          KS, ti_m, tw_m, d_e, d_d, x_ptr, xq8_ptr, BN: tl.constexpr, QD: tl.constexpr,
+                          ASM: tl.constexpr, OUT_DT: tl.constexpr, QUANT_IN: tl.constexpr = False,
+                          MUL_ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized; QUANT_IN: by this program, from the f32
+        act x_ptr) for BN output features, rounded once."""
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
+        if QUANT_IN:
+            _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, pair, F, F // 32, 0, F // 32, MUL_ASM)
+            tl.debug_barrier()
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
@@ -582,28 +599,33 @@ def qdot_stacked_triton(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]],
 
 def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
                         up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
-                        config: tuple[int, int] | None = None, asm: bool | None = None) -> torch.Tensor:
+                        config: tuple | None = None, asm: bool | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
-    as (raw [E, rows, row_bytes], qtype). Four launches: quantize h, gate/up, quantize the f32 act, down."""
+    as (raw [E, rows, row_bytes], qtype). config: (rows per program, warps[, quant_in]; default QDOT_MOE_CONFIG
+    and FUSED_LAUNCHES). Four launches: quantize h, gate/up, quantize the f32 act, down; with quant_in two (each
+    product's programs quantize their x row themselves)."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
     F = gr.shape[1]
-    bn, warps = config or QDOT_MOE_CONFIG
-    use_asm = _asm() if asm is None else asm
+    bn, warps, *more = config or QDOT_MOE_CONFIG
+    quant_in = bool(more[0]) if more else FUSED_LAUNCHES
+    kw = {"ASM": _asm() if asm is None else asm, "QUANT_IN": quant_in, "MUL_ASM": not INTERPRET,
+          "num_warps": warps, **pdl_launch(h)}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
-    hq, hd, hs, hg = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    h = h if h.stride(1) == 1 else h.contiguous()
+    hbufs, abufs = _xquant_buffers(T_, D, h.device), _xquant_buffers(T_ * k, F, h.device)
+    if not quant_in:
+        _quantize_into(h, hbufs)
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
-    gb, gh, gi, gw = _views(gr)
-    ub, uh, ui, uw = _views(ur)
-    db, dh, di, dw = _views(dr)
     _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
-        hq, hd, hs, hg, top_i, gb, gh, gi, gw, ub, uh, ui, uw, act, D, F, k, top_i.stride(0), gr.stride(0),
-        gr.stride(1), ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), QU=int(uq), ASM=use_asm, num_warps=warps,
-        **pdl_launch(h))
-    aq, ad, as_, ag = quantize_x_triton(act)
+        hbufs[0].view(torch.int32), *hbufs[1:], top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0),
+        gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), h, h.stride(0), hbufs[0], BN=bn, QG=int(gq),
+        QU=int(uq), **kw)
+    if not quant_in:
+        _quantize_into(act, abufs)
     _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
-        aq, ad, as_, ag, top_i, top_w, db, dh, di, dw, y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0),
-        dr.stride(1), BN=bn, QD=int(dq), ASM=use_asm, OUT_DT=tl_dtype(h.dtype), num_warps=warps, **pdl_launch(h))
+        abufs[0].view(torch.int32), *abufs[1:], top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0),
+        top_w.stride(0), dr.stride(0), dr.stride(1), act, abufs[0], BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw)
     return y
