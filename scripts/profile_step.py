@@ -23,7 +23,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineHooks, EngineOptions
-from qspec.kernels import gdn_conv, gemv, hc_mix
+from qspec.kernels import gdn_conv, gemv, hc_mix, triton_qdot
 from qspec.model import fuse
 from qspec.spec.accept import AcceptHook
 from qspec.weights.quant_mix import MIXES
@@ -65,6 +65,9 @@ def main() -> int:
     ap.add_argument("--fuse-blocks-ab", action="store_true",
                     help="also time the graphed step (and --e2e) with the functions around GGUF block products "
                          "run eagerly (--no-fuse-blocks) instead of compiled (the default), in the same process")
+    ap.add_argument("--qfuse-ab", action="store_true",
+                    help="also time the graphed step (and --e2e) with the int8 block products' quantization and "
+                         "split-K sums inside their own launches (--int8-fused-launches), in the same process")
     ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
                          f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only "
@@ -171,6 +174,9 @@ def ab_arms(a: argparse.Namespace) -> list[ABArm]:
         arms.append(("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False}))
     if a.fuse_blocks_ab:
         arms.append(("blocks eager", lambda: fuse.blocks_mode(False), {"fuse_blocks": False}))
+    if a.qfuse_ab:
+        arms.append(("int8 launches fused", lambda: triton_qdot.fused_launches_mode(True),
+                     {"int8_fused_launches": True}))
     return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 
