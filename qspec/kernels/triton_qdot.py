@@ -111,8 +111,11 @@ if HAS_TRITON:
         tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
 
     @triton.jit
-    def _quant_row(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b_lo, b_hi, MUL_ASM: tl.constexpr):
-        """Row m's blocks b_lo .. b_hi - 1 quantized into the buffers (a product's own share of its x row)."""
+    def _quant_row(x_ptr, qw_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b_lo, b_hi, MUL_ASM: tl.constexpr):
+        """Row m's blocks b_lo .. b_hi - 1 quantized into the buffers (a product's own share of its x row). The int8
+        codes are stored through a byte pointer cast from the words' pointer qw_ptr, which the product then reads:
+        one kernel argument, so the compiler cannot take the words for read-only data (a non-coherent cached load)."""
+        q_ptr = qw_ptr.to(tl.pointer_type(tl.int8))
         for b0 in range(b_lo, b_hi, 8):
             b = b0 + tl.arange(0, 8)
             _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, b < b_hi, 8, MUL_ASM)
@@ -354,7 +357,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
-                        y_m, x_ptr, x_m, xq8_ptr, f_ptr, f_m, cnt_ptr, M: tl.constexpr, MP: tl.constexpr,
+                        y_m, x_ptr, x_m, f_ptr, f_m, cnt_ptr, M: tl.constexpr, MP: tl.constexpr,
                         BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr,
                         UNROLL: tl.constexpr = 1, QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
                         SUM_IN: tl.constexpr = False, F_DT: tl.constexpr = tl.float32, PDL: tl.constexpr = False):
@@ -372,7 +375,7 @@ if HAS_TRITON:
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         if QUANT_IN:
             for m in tl.static_range(M):
-                _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, k_lo * 8,
+                _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, k_lo * 8,
                            tl.minimum(k_hi * 8, K // 32), MUL_ASM)
             tl.debug_barrier()
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
@@ -415,7 +418,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
-                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, x_ptr, x_m, xq8_ptr,
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, x_ptr, x_m,
                              BN: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr,
                              QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
                              PDL: tl.constexpr = False):
@@ -424,7 +427,7 @@ if HAS_TRITON:
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         if QUANT_IN:
-            _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, t, x_m, D // 32, 0, D // 32, MUL_ASM)
+            _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, t, x_m, D // 32, 0, D // 32, MUL_ASM)
             tl.debug_barrier()
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
@@ -438,7 +441,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
-                          KS, ti_m, tw_m, d_e, d_d, x_ptr, xq8_ptr, BN: tl.constexpr, QD: tl.constexpr,
+                          KS, ti_m, tw_m, d_e, d_d, x_ptr, BN: tl.constexpr, QD: tl.constexpr,
                           ASM: tl.constexpr, OUT_DT: tl.constexpr, QUANT_IN: tl.constexpr = False,
                           MUL_ASM: tl.constexpr = False, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized; QUANT_IN: by this program, from the f32
@@ -446,7 +449,7 @@ if HAS_TRITON:
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
         if QUANT_IN:
-            _quant_row(x_ptr, xq8_ptr, xd_ptr, xs_ptr, xg_ptr, pair, F, F // 32, 0, F // 32, MUL_ASM)
+            _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, pair, F, F // 32, 0, F // 32, MUL_ASM)
             tl.debug_barrier()
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
@@ -543,7 +546,7 @@ def _qdot_into(y: torch.Tensor, x: torch.Tensor, xbufs: tuple[torch.Tensor, ...]
     q8, d, s, g = xbufs
     _qdot_mv_kernel[(blocks, split)](
         q8.view(torch.int32), d, s, g, *_views(raw), out, n, K, share, raw.stride(0),
-        out.stride(0) if split > 1 else 0, out.stride(-2), x, x.stride(0), q8, y, y.stride(0),
+        out.stride(0) if split > 1 else 0, out.stride(-2), x, x.stride(0), y, y.stride(0),
         g if cnt is None else cnt, M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype),
         ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32,
         UNROLL=cfg.unroll, QUANT_IN=bool(quant_in), MUL_ASM=not INTERPRET, SUM_IN=cnt is not None,
@@ -621,11 +624,11 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
         hbufs[0].view(torch.int32), *hbufs[1:], top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0),
-        gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), h, h.stride(0), hbufs[0], BN=bn, QG=int(gq),
+        gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), h, h.stride(0), BN=bn, QG=int(gq),
         QU=int(uq), **kw)
     if not quant_in:
         _quantize_into(act, abufs)
     _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
         abufs[0].view(torch.int32), *abufs[1:], top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0),
-        top_w.stride(0), dr.stride(0), dr.stride(1), act, abufs[0], BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw)
+        top_w.stride(0), dr.stride(0), dr.stride(1), act, BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw)
     return y
