@@ -232,7 +232,8 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1)), got)  # quant_in
+    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 1)), got)  # quant_in
+    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2)), got)  # unrolled
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
     assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= MOE_TIGHT
@@ -296,5 +297,5 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(*QDOT_MOE_CONFIG, 1)), yb), (
+        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(*QDOT_MOE_CONFIG[:3], 1)), yb), (
             T_, "quantized inside the products")

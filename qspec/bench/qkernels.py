@@ -146,7 +146,7 @@ def bench_quantize(rows: list[tuple]) -> None:
             us = graph_us([partial(quantize_x_triton, x) for x in xs])
             _row(rows, f"quantize m={m}", "bf16", f"{k}", us, m * k * 3 + m * k // 32 * 8, 1.0, 0)
 def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False,
-              qdot_config: tuple[int, int] | None = None) -> None:
+              qdot_config: tuple | None = None) -> None:
     """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots, f32-expansion then int8
     kernels; bytes: the distinct chosen experts' three matrices."""
     from qspec.kernels.moe_few import moe_slots
@@ -303,7 +303,8 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws
-QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4))
+# the experts' (rows, warps[, steps per iteration, quant_in])
+QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2), (8, 2, 1, 1), (8, 2, 2, 1), (16, 2, 2, 1))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:

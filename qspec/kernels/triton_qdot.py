@@ -76,7 +76,18 @@ class QdotConfig(NamedTuple):
 # quant_in and sum_in are off until that benchmark has timed them.
 QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 COUNTER_SLOTS = 1 << 16  # sum_in's per-row-block counters (one zeroed int32 buffer per device)
-QDOT_MOE_CONFIG = (8, 2)  # the experts' kernels: (rows per program, warps)
+
+
+class MoeConfig(NamedTuple):
+    """How the routed experts' kernels run (programs: row blocks x (token, slot) pairs)."""
+
+    rows: int  # weight rows per program
+    warps: int
+    unroll: int = 1  # 256-weight steps per loop iteration
+    quant_in: bool = False  # gate/up and down quantize their x rows themselves (no quantize launches)
+
+
+QDOT_MOE_CONFIG = MoeConfig(8, 2)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
 if HAS_TRITON:
@@ -421,7 +432,7 @@ if HAS_TRITON:
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, x_ptr, x_m,
                              BN: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr,
                              QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
-                             PDL: tl.constexpr = False):
+                             UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]. QUANT_IN: the program quantizes h_t (x_ptr) itself first, as _qdot_mv_kernel does."""
         pdl_start(PDL)
@@ -433,9 +444,9 @@ if HAS_TRITON:
         xg = xg_ptr + t * (D // 16)
         steps = tl.cdiv(D, 256)
         g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask,
-                       D, 0, steps, 1, 1, BN, QG, ASM)
+                       D, 0, steps, 1, 1, BN, QG, ASM, UNROLL)
         u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask,
-                       D, 0, steps, 1, 1, BN, QU, ASM)
+                       D, 0, steps, 1, 1, BN, QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
@@ -443,7 +454,7 @@ if HAS_TRITON:
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
                           KS, ti_m, tw_m, d_e, d_d, x_ptr, BN: tl.constexpr, QD: tl.constexpr,
                           ASM: tl.constexpr, OUT_DT: tl.constexpr, QUANT_IN: tl.constexpr = False,
-                          MUL_ASM: tl.constexpr = False, PDL: tl.constexpr = False):
+                          MUL_ASM: tl.constexpr = False, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized; QUANT_IN: by this program, from the f32
         act x_ptr) for BN output features, rounded once."""
         pdl_start(PDL)
@@ -454,7 +465,7 @@ if HAS_TRITON:
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
-                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM)
+                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM, UNROLL)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
                  mask=dmask[None, :])
 
@@ -604,17 +615,17 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
                         up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
                         config: tuple | None = None, asm: bool | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
-    as (raw [E, rows, row_bytes], qtype). config: (rows per program, warps[, quant_in]; default QDOT_MOE_CONFIG
-    and FUSED_LAUNCHES). Four launches: quantize h, gate/up, quantize the f32 act, down; with quant_in two (each
+    as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG
+    with FUSED_LAUNCHES). Four launches: quantize h, gate/up, quantize the f32 act, down; with quant_in two (each
     product's programs quantize their x row themselves)."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
     F = gr.shape[1]
-    bn, warps, *more = config or QDOT_MOE_CONFIG
-    quant_in = bool(more[0]) if more else FUSED_LAUNCHES
+    cfg = MoeConfig(*config) if config else QDOT_MOE_CONFIG._replace(quant_in=FUSED_LAUNCHES)
+    bn, quant_in = cfg.rows, bool(cfg.quant_in)
     kw = {"ASM": _asm() if asm is None else asm, "QUANT_IN": quant_in, "MUL_ASM": not INTERPRET,
-          "num_warps": warps, **pdl_launch(h)}
+          "UNROLL": cfg.unroll, "num_warps": cfg.warps, **pdl_launch(h)}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     h = h if h.stride(1) == 1 else h.contiguous()
     hbufs, abufs = _xquant_buffers(T_, D, h.device), _xquant_buffers(T_ * k, F, h.device)
