@@ -282,6 +282,14 @@ def test_k_mix_file_loads_as_k_blocks(tmp_path: Path) -> None:
     model = load_model(tmp_path / "k.gguf", dequantize_all=False)
     ref = load_model(tmp_path / "k.gguf", dequantize_all=True)
     assert isinstance(model.lm_head, QuantWeight) and model.lm_head.qtype == Q.Q6_K
+    # the stacked input projections: each a block run and at most one 16-bit run (one quantization of x, one product
+    # of the float parts): GDN's Q5_K qkv beside its Q4_K gate/beta/alpha, the MoE's Q4_K shared gate/up beside the
+    # float router and shared gate_inp
+    for layer, moe in zip(model.layers, model.moe, strict=True):
+        for w in (layer.w_in, moe.w_in):
+            parts = w.parts if isinstance(w, StackedWeight) else (w,)
+            kinds = [isinstance(p, QuantWeight) for p in parts]
+            assert kinds.count(False) <= 1 and kinds == sorted(kinds, reverse=True), [type(p) for p in parts]
     ids = torch.tensor([1, 2, 3])
     a, b = (Runner(m, CacheOptions(capacity=16)).step(ids)[0] for m in (model, ref))
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

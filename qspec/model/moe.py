@@ -94,13 +94,13 @@ def route(h: torch.Tensor, router: torch.Tensor, k: int) -> tuple[torch.Tensor, 
 @fused
 def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w_in = [router ; shared gate ; shared up ; shared gate_inp] -> (router logits [T, E], shared activation
+    """w_in = [shared gate ; shared up ; router ; shared gate_inp] -> (router logits [T, E], shared activation
     silu(gate h) * up h [T, ff], shared-expert gate logit gate_inp . h [T, 1]). Routing itself stays
     outside the fused function: on CUDA it is one Triton kernel (kernels/route.py). The gate logit stays raw:
     add_shared_expert applies its sigmoid, so no kernel of this function computes it."""
     y = linear(h, w_in)
-    g, u = y[:, n_experts:n_experts + ff], y[:, n_experts + ff:n_experts + 2 * ff]
-    return y[:, :n_experts], silu(g) * u, y[:, n_experts + 2 * ff:n_experts + 2 * ff + 1]
+    g, u = y[:, :ff], y[:, ff:2 * ff]
+    return y[:, 2 * ff:2 * ff + n_experts], silu(g) * u, y[:, 2 * ff + n_experts:2 * ff + n_experts + 1]
 
 
 @fused
@@ -117,9 +117,11 @@ class MoE(torch.nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], b: str, n_used: int) -> None:
         super().__init__()
         self.n_used = n_used
-        # the router and the shared expert's gate, up and gate_inp all read h: one product
-        self.w_in, (self.router, self.sh_gate, self.sh_up, sh_gate_inp) = stack_rows(
-            w[f"{b}.ffn_gate_inp.weight"], w[f"{b}.ffn_gate_shexp.weight"], w[f"{b}.ffn_up_shexp.weight"],
+        # the router and the shared expert's gate, up and gate_inp all read h: one product. The two kept in a float
+        # type in a GGUF (the router, gate_inp) sit side by side, so that with block-typed gate and up they make one
+        # 16-bit part beside one block part (ops.StackedWeight), not three parts.
+        self.w_in, (self.sh_gate, self.sh_up, self.router, sh_gate_inp) = stack_rows(
+            w[f"{b}.ffn_gate_shexp.weight"], w[f"{b}.ffn_up_shexp.weight"], w[f"{b}.ffn_gate_inp.weight"],
             w[f"{b}.ffn_gate_inp_shexp.weight"][None, :])
         self.sh_gate_inp = sh_gate_inp[0]  # [D]
         self.gate = w[f"{b}.ffn_gate_exps.weight"]  # [E, F, D]
