@@ -625,7 +625,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     cfg = MoeConfig(*config) if config else QDOT_MOE_CONFIG._replace(quant_in=FUSED_LAUNCHES)
     bn, quant_in = cfg.rows, bool(cfg.quant_in)
     kw = {"ASM": _asm() if asm is None else asm, "QUANT_IN": quant_in, "MUL_ASM": not INTERPRET,
-          "UNROLL": cfg.unroll, "num_warps": cfg.warps, **pdl_launch(h)}
+          "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     h = h if h.stride(1) == 1 else h.contiguous()
     hbufs, abufs = _xquant_buffers(T_, D, h.device), _xquant_buffers(T_ * k, F, h.device)
@@ -636,10 +636,11 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
         hbufs[0].view(torch.int32), *hbufs[1:], top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0),
         gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), h, h.stride(0), BN=bn, QG=int(gq),
-        QU=int(uq), **kw)
+        QU=int(uq), **kw, **pdl_launch(h))
     if not quant_in:
         _quantize_into(act, abufs)
     _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
         abufs[0].view(torch.int32), *abufs[1:], top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0),
-        top_w.stride(0), dr.stride(0), dr.stride(1), act, BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw)
+        top_w.stride(0), dr.stride(0), dr.stride(1), act, BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw,
+        **pdl_launch(h))
     return y
