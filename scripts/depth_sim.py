@@ -43,6 +43,8 @@ def _line(plain_tps: float, r3: tuple[float, float], r5: tuple[float, float]) ->
 COSTS = {
     # h200-q4km48-a5249a3: nospec 107.34 tok/s, MTP3 3.1739 tokens/round at 185.03, MTP5 4.0156 at 177.88
     "h200-q4km48": _line(107.34, (3.1739, 185.03), (4.0156, 177.88)),
+    # h200-q4km48-m-6c35a27: nospec 145.82 tok/s, MTP3 3.20 tokens/round at 209.90, MTP5 4.15 at 236.28
+    "h200-q4km48-6c35a27": _line(145.82, (3.2, 209.90), (4.1452, 236.28)),
     # h200-fn8-seed-s16: nospec 745.09, MTP3 3.17 at 1,024.63, MTP5 4.02 at 988.06
     "h200-fn8": _line(745.09, (3.17, 1024.63), (4.02, 988.06)),
     # depth-gpu-fn8-0aa1dbf-p-0.85: every depth measured (tokens per round / tok/s), ms
