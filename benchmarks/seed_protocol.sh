@@ -96,7 +96,7 @@ hcrows=1,ours-again:from=ours" ;;
     h200-q4km8) bench merge "${fn8[@]}" --quant q4_k_m --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-auto) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
-        --arms "nospec,ours-mtp3:from=ours,draft=3,ours-auto:from=ours,auto=1,draft=6" ;;
+        --arms "nospec,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-fblk) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec-eager:\
 from=nospec,fblk=0,nospec,ours-mtp3-eager:from=ours,draft=3,fblk=0,ours-mtp3:from=ours,draft=3,\
 ours-auto:from=ours,auto=1,draft=6" ;;
