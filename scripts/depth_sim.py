@@ -76,12 +76,16 @@ class Geometric:
 class Trace:
     """A recorded trace replayed by token position (qspec.bench.accept): the text goes on over plain stretches."""
 
-    def __init__(self, counts: list[int]) -> None:
+    def __init__(self, counts: list[int], phase_seed: int | None = None) -> None:
         self.counts = counts_by_position(tuple(counts))
         self.pos = 0
+        self.phase = None if phase_seed is None else random.Random(phase_seed)
 
     def start(self) -> None:
-        pass  # the text goes on from request to request
+        """The text goes on from request to request, or (a phase seed) each request starts at a random place of
+        the cyclic trace, so no depth gains from how its rounds happen to line up with the cycle."""
+        if self.phase is not None:
+            self.pos = self.phase.randrange(len(self.counts))
 
     def draft(self, d: int, rng: random.Random) -> int:
         k = min(d, self.counts[self.pos % len(self.counts)])
@@ -154,18 +158,19 @@ def _choice(ctl: DepthController) -> tuple[int, int]:
     return ch.depth, ch.plain_tokens
 
 
-def sources(names: list[str]) -> dict[str, Callable[[], Geometric | Trace]]:
-    out: dict[str, Callable[[], Geometric | Trace]] = {}
+def sources(names: list[str], phase: bool = False) -> dict[str, Callable[[int], Geometric | Trace]]:
+    """Each source as a maker taking the run's seed (a trace's random phases come from it)."""
+    out: dict[str, Callable[[int], Geometric | Trace]] = {}
     for name in names:
         if name.startswith("p="):
             p = float(name[2:])
-            out[name] = lambda p=p: Geometric(p)
+            out[name] = lambda _s, p=p: Geometric(p)
         elif name.startswith("shift="):  # shift=0.9:0.3 -> p 0.9 for the first half of each request, then 0.3
             a, b = (float(x) for x in name[6:].split(":"))
-            out[name] = lambda a=a, b=b: Geometric(a, b, switch_at=128)
+            out[name] = lambda _s, a=a, b=b: Geometric(a, b, switch_at=128)
         else:  # a trace recorded by depth_cpu.py: benchmarks/results/demo-accept-trace-NAME.json
             counts = json.loads((RESULTS / f"demo-accept-trace-{name}.json").read_text())["accepted"]
-            out[name] = lambda c=counts: Trace(c)
+            out[name] = lambda s, c=counts: Trace(c, s if phase else None)
     return out
 
 
@@ -181,6 +186,8 @@ def main() -> int:
                     help="the warm-up's cost slope over the requests' (the H200 48-layer run's warm-up: ~0.45)")
     ap.add_argument("--plain-overhead", type=float, default=1.0,
                     help="auto's plain stretches over plain decoding's cost (H200, 8 layers: 746 / 714 ~ 1.045)")
+    ap.add_argument("--trace-phase", action="store_true",
+                    help="each request starts at a random place of a trace (else the trace goes on across requests)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
     lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best | auto / plain | auto's depths |",
@@ -188,10 +195,10 @@ def main() -> int:
     worst = 1.0
     for cname in a.costs.split(","):
         costs = COSTS[cname]
-        for sname, make in sources(a.sources.split(",")).items():
-            fixed = {d: statistics.mean(run_arm(costs, make(), d, a.requests, a.tokens, 0, s)[0]
+        for sname, make in sources(a.sources.split(","), a.trace_phase).items():
+            fixed = {d: statistics.mean(run_arm(costs, make(s), d, a.requests, a.tokens, 0, s)[0]
                                         for s in range(a.seeds)) for d in range(7)}
-            autos = [run_arm(costs, make(), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead)
+            autos = [run_arm(costs, make(s), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead)
                      for s in range(a.seeds)]
             auto = statistics.mean(x for x, _ in autos)
             best = max(fixed, key=fixed.__getitem__)

@@ -409,6 +409,13 @@ def test_depth_sim_script(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert depth_sim.main() == 0
     out = capsys.readouterr().out
     assert "| cpu-demo | p=0.85 |" in out and "| cpu-demo | prose |" in out and "worst auto / best fixed" in out
+    # a trace with random phases: each request starts somewhere else, the same seed the same places
+    a, b = (depth_sim.sources(["prose"], phase=True)["prose"](3) for _ in range(2))
+    starts = []
+    for t in (a, b):
+        t.start()
+        starts.append(t.pos)
+    assert starts[0] == starts[1] and 0 <= starts[0] < len(a.counts)
 
 
 def test_a_refresh_outlier_joins_the_old_samples() -> None:
