@@ -169,10 +169,26 @@ def generation_json(g: Generation, text: str, options: dict[str, Any]) -> dict[s
     })
 
 
-def _print_summary(g: Generation, draft: int) -> None:
+def steady_tps(stamps: list[float]) -> float | None:
+    """Tokens per second over the second half of a request's tokens (their arrival times), or None for too few."""
+    half = len(stamps) // 2
+    if len(stamps) < 8 or stamps[-1] <= stamps[half]:
+        return None
+    return (len(stamps) - 1 - half) / (stamps[-1] - stamps[half])
+
+
+def _print_summary(g: Generation, draft: int, stamps: list[float] | None = None) -> None:
     _say(f"prompt: {g.prompt_tokens} tokens, prefill {g.prefill_s:.3f} s ({g.prefill_tps:.1f} tok/s)")
     _say(f"generated: {len(g.tokens)} tokens, decode {g.decode_s:.3f} s ({g.decode_tps:.1f} tok/s), "
          f"stop: {g.stop_reason}")
+    first_use = int(g.graphs.get("eager_steps", 0) or 0)
+    steady = steady_tps(stamps or [])
+    if first_use and steady is not None:
+        # a step shape's first uses run eagerly, compile and capture its CUDA graph: the request's average includes
+        # them, a later request with the same shapes does not
+        _say(f"decode steady: {steady:.1f} tok/s over the second half of the tokens ({first_use} steps in this "
+             f"request were first uses of their shapes: compiled and captured as CUDA graphs, which later requests "
+             f"replay)")
     if draft:
         s = g.spec
         rate = s.accepted / s.drafted if s.drafted else 0.0
@@ -292,11 +308,16 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
-    g = engine.generate(ids, samp.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids),
-                        on_token=lambda t: _write_text(out, stream.push(t)))
+    stamps: list[float] = []
+
+    def on_token(t: int) -> None:
+        stamps.append(time.perf_counter())
+        _write_text(out, stream.push(t))
+
+    g = engine.generate(ids, samp.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids), on_token=on_token)
     _write_text(out, stream.flush() + "\n")
 
-    _print_summary(g, opts.draft)
+    _print_summary(g, opts.draft, stamps)
     if a.stats:
         _print_stats(g, opts.draft)
     if a.json:

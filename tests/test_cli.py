@@ -70,6 +70,26 @@ def test_run_streams_text_and_reports(models: dict[str, Path], capsys: pytest.Ca
     hist = re.search(r"accepted per round: 0:(\d+) 1:(\d+) 2:(\d+) 3:(\d+)", err)
     assert hist and sum(int(x) for x in hist.groups()) == c["rounds"] == len(doc["rounds_log"])
     assert doc["pooled"]["r4"]["updates"] > 0 and doc["snapshots"]["dispatches"] > 0
+    assert "decode steady" not in err  # no step compiled or captured here (the CPU runs no CUDA graphs)
+
+
+def test_steady_decode_speed_is_reported_apart_from_first_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    """When a request's steps include first uses of their shapes (compiled, graphs captured), `run` reports the
+    speed over the second half of the tokens apart from the request's average."""
+    from qspec.cli import _print_summary, steady_tps
+    from qspec.engine import Generation
+    from qspec.spec.stats import SpecStats
+
+    stamps = [0.0, 2.0] + [2.0 + 0.01 * i for i in range(1, 19)]  # a slow first step, then 100 tok/s
+    assert steady_tps(stamps) == pytest.approx(100.0) and steady_tps(stamps[:5]) is None
+    g = Generation(list(range(20)), 4, 0.5, 2.18, SpecStats(), "max tokens",
+                   graphs={"captures": 2, "replays": 17, "eager_steps": 3})
+    _print_summary(g, 0, stamps)
+    err = capsys.readouterr().err
+    assert "decode 2.180 s (9.2 tok/s)" in err and "decode steady: 100.0 tok/s" in err and "3 steps" in err
+    _print_summary(Generation(list(range(20)), 4, 0.5, 2.18, SpecStats(), "max tokens", graphs={"eager_steps": 0}),
+                   0, stamps)
+    assert "decode steady" not in capsys.readouterr().err
 
 
 def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path],
