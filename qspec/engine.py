@@ -331,31 +331,38 @@ class Engine:
         """Rows per draft-head step over a plain stretch: the depth-N extend's graph, or CATCH_UP_ROWS eagerly."""
         return self.opts.draft + 1 if self.runner.use_graphs else CATCH_UP_ROWS
 
-    def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]], start: int,
+                  last: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The draft head over rows (committed token [1], the target's residual of the position before) at positions
-        start.., which the target committed without it, in chunks of _catch_up_rows(); with graphs the last chunk is
-        padded so that the extend's graph runs it (padding writes cells past the rows, rewritten before any draft
-        reads them) -> the last row's (logits, residual)."""
+        start.., which the target committed without it, in chunks of _catch_up_rows(). Only the last row's output is
+        ever read (with `last`: its logits and residual are returned), so every chunk before the one that holds it
+        writes its K/V cells only (runner.mtp_write_kv: no MoE, no head). With graphs that last chunk is padded so
+        that the extend's graph runs it (padding writes cells past the rows, rewritten before any draft reads them)."""
         run, dev = self.runner, self.model.device
         n, W = len(rows), self._catch_up_rows()
         toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
         X = torch.cat([x for _, x in rows])
+        cuts = list(range(0, n, W))
+        for c in cuts if not last else cuts[:-1]:
+            run.mtp_write_kv(toks[c:c + W], X[c:c + W], start + c)
+        if not last:
+            return None
         if n == 1:  # the shape of a sampled draft step (its graph, with graphs)
             return run.mtp_step(toks, X, start, self.draft_lm_head)
+        c = cuts[-1]
+        toks, X = toks[c:], X[c:]
         if run.use_graphs:
-            pad = -n % W
+            pad = -len(toks) % W
             toks = torch.cat([toks, toks[-1:].expand(pad)])
             X = torch.cat([X, X[-1:].expand(pad, -1)])
-        for c in range(0, n, W):
-            out = run.mtp_step(toks[c:c + W], X[c:c + W], start + c, self.draft_lm_head, row=min(W, n - c) - 1)
-        return out
+        return run.mtp_step(toks, X, start + c, self.draft_lm_head, row=min(W, n - c) - 1)
 
     def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int
                        ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Plain decoding of up to n tokens after `tok` (emitted, not yet run), pipelined as in _decode but the last
         step, whose token the next round runs. The draft head runs each step's row (token, residual) in batches of
-        _catch_up_rows() along the way and the rest at the end, all charged to depth 0's cost -> (the last emitted
-        token, the head's logits and residual over it), or None when the request ended."""
+        _catch_up_rows() along the way (their K/V cells only) and the rest at the end, all charged to depth 0's cost
+        -> (the last emitted token, the head's logits and residual over it), or None when the request ended."""
         run, reader, ctl, dev = self.runner, self.reader, self.depth, self.model.device
         t0, eager0 = time.perf_counter(), run.graph_stats.eager
         logits, X = run.step(upload([tok], dev))
@@ -370,7 +377,7 @@ class Engine:
             reader.start(nxt)
             if len(pending) > W:  # a full batch, and at least one row left for the last step
                 # here, between the reads of a step's outputs and the next step: the graphs share one memory pool
-                self._catch_up(pending[:W], run.n_tokens - len(pending) + 1)
+                self._catch_up(pending[:W], run.n_tokens - len(pending) + 1, last=False)
                 del pending[:W]
             done += 1
             more = len(req.out) + 1 < req.max_tokens and done < n

@@ -276,6 +276,23 @@ class Runner:
             return self._run(("mtp", T, kv_len, lm_head is not None, row is not None), fwd, inputs)
         return fwd(*inputs)
 
+    def mtp_write_kv(self, tokens: torch.Tensor, H: torch.Tensor, start: int) -> None:
+        """Draft-head rows at positions start.. whose only effect is their K/V cells (model.mtp_write_kv)."""
+        T = int(tokens.shape[0])
+        if start + T > self.opts.capacity:
+            raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
+        dev = self.device
+        kv_len = self.kv_len(start + T)
+
+        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model.mtp_write_kv(tok, h, p, self.cache, kv_len)
+
+        inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev)]
+        if self.use_graphs and T <= GRAPH_MAX_ROWS:
+            self._run(("mtp_kv", T, kv_len), fwd, inputs)
+        else:
+            fwd(*inputs)
+
     def mtp_chain(self, tok: torch.Tensor, H: torch.Tensor, start: int, n: int,
                   lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, at: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -233,7 +233,7 @@ def test_discarded_step_leaves_no_trace(tiny_model: Model) -> None:
 
 def test_draft_step_one_row_equals_that_row(tiny_model: Model) -> None:
     """mtp_step(row=k), which the draft extend uses, gives row k of the full step's logits and residual, and
-    writes every row's K/V cells."""
+    writes every row's K/V cells; mtp_write_kv writes the same cells."""
     run = Runner(tiny_model, EngineOptions(draft=3, capacity=CAP).cache_options())
     with ops.row_exact_mode(True):
         _, X = run.step(torch.tensor([5, 9, 2, 7, 1, 3]))
@@ -248,6 +248,9 @@ def test_draft_step_one_row_equals_that_row(tiny_model: Model) -> None:
             assert torch.equal(lk, logits[k:k + 1]) and torch.equal(yk, Y[k:k + 1])
             # every row wrote its K/V cells, though only row k went on through the MoE
             assert torch.equal(kv.k[1:7], cells[0]) and torch.equal(kv.v[1:7], cells[1])
+        kv.k[1:7], kv.v[1:7] = 0, 0
+        run.mtp_write_kv(rows, X, 1)  # a plain stretch's catch-up: the same cells, nothing after the attention
+        assert torch.equal(kv.k[1:7], cells[0]) and torch.equal(kv.v[1:7], cells[1])
     with pytest.raises(ValueError, match="row 6 of a 6-row"):
         run.mtp_step(rows, X, 1, row=6)
 

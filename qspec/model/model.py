@@ -245,6 +245,20 @@ class Model(torch.nn.Module):
         return _head(out, self.lm_head if lm_head is None else lm_head), X
 
 
+    def mtp_write_kv(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
+                     kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft rows whose outputs nobody reads: only their K/V cells are written (the rows a plain stretch commits,
+        which later drafts attend to) -> (the attention output [T, D], X [T, S*D]), the same cells as mtp_forward's
+        at a fraction of its work (no MoE, no mixers after the attention, no head)."""
+        if self.mtp is None or cache.mtp_kv is None:
+            raise RuntimeError("this model has no MTP head loaded")
+        with fuse.step_rows(tokens.shape[0]):
+            cos, sin = self.rope(pos)
+            X, y, _ = self.mtp.attend(embed_rows(self.embed, tokens, self.dtype), H, pos, cos, sin, cache.mtp_kv,
+                                      kv_len)
+        return y, X
+
+
 def _head(out: torch.Tensor, head: Weight | Q4Weight) -> torch.Tensor:
     if isinstance(head, Q4Weight):
         return q4_matvec(out, head)  # reads a quarter of the bf16 head's bytes

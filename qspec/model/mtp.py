@@ -95,6 +95,15 @@ class MTPHead(torch.nn.Module):
         self.attn = QSAAttention(cfg, w, b, ratio=0)  # llama.cpp's converter marks the MTP block dense
         self.moe = MoE(w, b, cfg.n_experts_used)
 
+    def attend(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv: KVCache, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The block up to its attention, which writes every row's K/V cells -> (X [T, S*D], the attention output
+        y [T, D], the injection logits): all a row needs for the rows after it to attend to it."""
+        c = self.cfg
+        X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
+        h, inj = self.mix_attn(X)
+        return X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len), inj
+
     def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: KVCache, kv_len: int | None = None, row: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +112,7 @@ class MTPHead(torch.nn.Module):
         row (a device index [1]): every row writes its K/V cells, but only that row goes on through the MoE and the
         mixers after the attention -> (h [1, D], X [1, S*D]). The draft extend needs one row's output, and the other
         rows' MoE would read ~47 more experts (for 6 rows) for nothing."""
-        c = self.cfg
-        X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
-        h, inj = self.mix_attn(X)
-        y = self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len)
+        X, y, inj = self.attend(emb, H, pos, cos, sin, kv, kv_len)
         if row is not None:
             X, y = X.index_select(0, row), y.index_select(0, row)
             inj = None if inj is None else inj.index_select(0, row)
