@@ -190,6 +190,9 @@ def test_interp_in_kernel_quantization_and_sums_give_the_same_bits(qt: GGMLQuant
         for flags in ((1, 0), (0, 1), (1, 1)):
             got = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 8, 1, *flags))
             assert torch.equal(got, ref), flags
+        # no split: each program quantizes the whole row, more than one 32-block tile of it
+        unsplit = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 0, 1))
+        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 0, 1, 1, 0)), unsplit)
         default = qdot_matmul_triton(x, w.raw, int(qt), 12)
         with triton_qdot.fused_launches_mode(True):  # EngineOptions.int8_fused_launches
             assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12), default)

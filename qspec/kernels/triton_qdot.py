@@ -127,9 +127,9 @@ if HAS_TRITON:
         codes are stored through a byte pointer cast from the words' pointer qw_ptr, which the product then reads:
         one kernel argument, so the compiler cannot take the words for read-only data (a non-coherent cached load)."""
         q_ptr = qw_ptr.to(tl.pointer_type(tl.int8))
-        for b0 in range(b_lo, b_hi, 8):
-            b = b0 + tl.arange(0, 8)
-            _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, b < b_hi, 8, MUL_ASM)
+        for b0 in range(b_lo, b_hi, 32):  # 32 blocks (1,024 elements) per iteration: few dependent load rounds
+            b = b0 + tl.arange(0, 32)
+            _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, b < b_hi, 32, MUL_ASM)
 
     @triton.jit
     def _w16(wi_ptr, hoff, mask):
