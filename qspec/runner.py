@@ -258,40 +258,40 @@ class Runner:
         """Draft-head rows at positions start..; with `row` (an int, or a [1] index on the device that the host
         has not read), the logits and residual of that row only."""
         T = int(tokens.shape[0])
-        if start + T > self.opts.capacity:
-            raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
         if isinstance(row, int) and not 0 <= row < T:
             raise ValueError(f"row {row} of a {T}-row draft step")
-        dev = self.device
-        inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev)]
-        if row is not None:
-            inputs.append(upload([row], dev) if isinstance(row, int) else row.to(dev).view(1))
-        kv_len = self.kv_len(start + T)
+        extra = [] if row is None else [upload([row], self.device) if isinstance(row, int)
+                                         else row.to(self.device).view(1)]
 
-        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.model.mtp_forward(tok, h, p, self.cache, lm_head, kv_len, r[0] if r else None)
+        def body(kv_len: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+            def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.model.mtp_forward(tok, h, p, self.cache, lm_head, kv_len, r[0] if r else None)
+            return fwd
 
-        if self.use_graphs and T <= GRAPH_MAX_ROWS:
-            return self._run(("mtp", T, kv_len, lm_head is not None, row is not None), fwd, inputs)
-        return fwd(*inputs)
+        return self._draft_rows(("mtp", lm_head is not None, row is not None), tokens, H, start, extra, body)
 
     def mtp_write_kv(self, tokens: torch.Tensor, H: torch.Tensor, start: int) -> None:
         """Draft-head rows at positions start.. whose only effect is their K/V cells (model.mtp_write_kv)."""
+        def body(kv_len: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+            return lambda tok, h, p: self.model.mtp_write_kv(tok, h, p, self.cache, kv_len)
+
+        self._draft_rows(("mtp_kv",), tokens, H, start, [], body)
+
+    def _draft_rows(self, kind: tuple, tokens: torch.Tensor, H: torch.Tensor, start: int, extra: list[torch.Tensor],
+                    body: Callable[[int], Callable[..., tuple[torch.Tensor, torch.Tensor]]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-head rows at positions start.. through body(kv_len)(tokens, H, positions, *extra): the capacity
+        check, and one CUDA graph per shape, keyed (kind[0], rows, KV bucket, *kind[1:])."""
         T = int(tokens.shape[0])
         if start + T > self.opts.capacity:
             raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
         dev = self.device
+        inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev), *extra]
         kv_len = self.kv_len(start + T)
-
-        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return self.model.mtp_write_kv(tok, h, p, self.cache, kv_len)
-
-        inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev)]
         if self.use_graphs and T <= GRAPH_MAX_ROWS:
-            self._run(("mtp_kv", T, kv_len), fwd, inputs)
-        else:
-            fwd(*inputs)
+            return self._run((kind[0], T, kv_len, *kind[1:]), body(kv_len), inputs)
+        return body(kv_len)(*inputs)
 
     def mtp_chain(self, tok: torch.Tensor, H: torch.Tensor, start: int, n: int,
                   lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, at: torch.Tensor | None = None

@@ -56,18 +56,10 @@ def main() -> int:
     ap.add_argument("--no-fused-attention", dest="fused_attention", action="store_const", const=False, default=None,
                     help="masked attention through a dequantized copy of the KV cache instead of the default Triton "
                          "one-pass read (kernels/masked_attention.py)")
-    ap.add_argument("--mixer-ab", action="store_true",
-                    help="also time the graphed step with one-row hyper-connection mixers compiled instead of on their "
-                         "Triton kernels (kernels/hc_mix.py), in the same process")
-    ap.add_argument("--gdn-conv-ab", action="store_true",
-                    help="also time the graphed step (and --e2e) with GDN's step conv, silu and q/k norms compiled "
-                         "instead of in their Triton kernel (kernels/gdn_conv.py, the default), in the same process")
-    ap.add_argument("--fuse-blocks-ab", action="store_true",
-                    help="also time the graphed step (and --e2e) with the functions around GGUF block products "
-                         "run eagerly (--no-fuse-blocks) instead of compiled (the default), in the same process")
-    ap.add_argument("--qfuse-ab", action="store_true",
-                    help="also time the graphed step (and --e2e) with the int8 block products' quantization and "
-                         "split-K sums inside their own launches (--int8-fused-launches), in the same process")
+    for flag, (_, _, over, what) in AB_SWITCHES.items():  # an arm with engine overrides applies to --e2e too
+        e2e = " (and --e2e)" if over else ""
+        ap.add_argument(f"--{flag}", action="store_true",
+                        help=f"also time the graphed step{e2e} with {what}, in the same process")
     ap.add_argument("--mixer-rows", type=int, default=EngineOptions.mixer_step_rows, metavar="N",
                     help="mixers of steps with up to N rows take the Triton kernels (default: the engine's, "
                          f"{EngineOptions.mixer_step_rows}, which puts MTP5's verify and extend on them; 1: only "
@@ -163,20 +155,29 @@ KINDS = ("decode", "verify", "draft", "extend", "prefill")
 ABArm = tuple[str, Callable[[], contextlib.AbstractContextManager], dict[str, bool]]
 
 
+# --FLAG-ab: (the arm's label, the context for the steps called directly, engine option overrides for those run by
+# `generate`, the help's description of the variant)
+AB_SWITCHES: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager], dict[str, bool], str]] = {
+    "mixer-ab": ("mixers compiled", lambda: hc_mix.enabled_mode(False), {},
+                 "one-row hyper-connection mixers compiled instead of on their Triton kernels (kernels/hc_mix.py)"),
+    "gdn-conv-ab": ("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False},
+                    "GDN's step conv, silu and q/k norms compiled instead of in their Triton kernel "
+                    "(kernels/gdn_conv.py, the default)"),
+    "fuse-blocks-ab": ("blocks eager", lambda: fuse.blocks_mode(False), {"fuse_blocks": False},
+                       "the functions around GGUF block products run eagerly (--no-fuse-blocks) instead of compiled "
+                       "(the default)"),
+    "qfuse-ab": ("int8 launches fused", lambda: triton_qdot.fused_launches_mode(True), {"int8_fused_launches": True},
+                 "the int8 block products' quantization and split-K sums inside their own launches "
+                 "(--int8-fused-launches)"),
+}
+
+
 def ab_arms(a: argparse.Namespace) -> list[ABArm]:
     """The variants to time in one process, each as (label, a context manager factory for the steps called
     directly, engine option overrides for those run by `generate`), the defaults last; the label is empty when there
     is nothing to compare."""
-    arms: list[ABArm] = []
-    if a.mixer_ab:
-        arms.append(("mixers compiled", lambda: hc_mix.enabled_mode(False), {}))
-    if a.gdn_conv_ab:
-        arms.append(("GDN conv compiled", lambda: gdn_conv.conv_kernel_mode(False), {"gdn_conv_kernel": False}))
-    if a.fuse_blocks_ab:
-        arms.append(("blocks eager", lambda: fuse.blocks_mode(False), {"fuse_blocks": False}))
-    if a.qfuse_ab:
-        arms.append(("int8 launches fused", lambda: triton_qdot.fused_launches_mode(True),
-                     {"int8_fused_launches": True}))
+    arms: list[ABArm] = [(label, ctx, over) for flag, (label, ctx, over, _) in AB_SWITCHES.items()
+                         if getattr(a, flag.replace("-", "_"))]
     return arms + [("defaults" if arms else "", contextlib.nullcontext, {})]
 
 

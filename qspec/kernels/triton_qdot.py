@@ -71,8 +71,9 @@ class QdotConfig(NamedTuple):
     sum_in: bool = False  # a split's partial sums added by the row block's last program (no second launch)
 
 
-# The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`, BENCHMARKS.md §5b) times the grid: without a
-# split the narrow matrices run up to 3x slower; this config was the fastest over the decode shapes and block types.
+# The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
+# the decode shapes and block types, and every one without a split was slower, the narrow matrices most (BENCHMARKS.md
+# §5b).
 # quant_in and sum_in are off until that benchmark has timed them.
 QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 COUNTER_SLOTS = 1 << 16  # sum_in's per-row-block counters (one zeroed int32 buffer per device)

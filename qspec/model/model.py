@@ -235,28 +235,30 @@ class Model(torch.nn.Module):
         lm_head: the draft's head (None: the model's own); a DraftHead reads only its rows and gives -inf logits
         at every other id. row (a device index [1]): logits and residual of that row only (the draft extend needs
         the accepted row's; the other rows stop after writing their K/V cells, see MTPHead.forward)."""
-        if self.mtp is None or cache.mtp_kv is None:
-            raise RuntimeError("this model has no MTP head loaded")
         with fuse.step_rows(tokens.shape[0]):
-            cos, sin = self.rope(pos)
-            out, X = self.mtp(embed_rows(self.embed, tokens, self.dtype), H, pos, cos, sin, cache.mtp_kv, kv_len, row)
+            emb, cos, sin = self._mtp_inputs(tokens, pos, cache)
+            out, X = self.mtp(emb, H, pos, cos, sin, cache.mtp_kv, kv_len, row)
             if isinstance(lm_head, DraftHead):
                 return spread_logits(_head(out, lm_head.weight), lm_head.ids, lm_head.vocab), X
         return _head(out, self.lm_head if lm_head is None else lm_head), X
-
 
     def mtp_write_kv(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
                      kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft rows whose outputs nobody reads: only their K/V cells are written (the rows a plain stretch commits,
         which later drafts attend to) -> (the attention output [T, D], X [T, S*D]), the same cells as mtp_forward's
         at a fraction of its work (no MoE, no mixers after the attention, no head)."""
+        with fuse.step_rows(tokens.shape[0]):
+            emb, cos, sin = self._mtp_inputs(tokens, pos, cache)
+            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, cache.mtp_kv, kv_len)
+        return y, X
+
+    def _mtp_inputs(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft rows' embeddings and rotary tables (emb, cos, sin), once the model has an MTP head loaded."""
         if self.mtp is None or cache.mtp_kv is None:
             raise RuntimeError("this model has no MTP head loaded")
-        with fuse.step_rows(tokens.shape[0]):
-            cos, sin = self.rope(pos)
-            X, y, _ = self.mtp.attend(embed_rows(self.embed, tokens, self.dtype), H, pos, cos, sin, cache.mtp_kv,
-                                      kv_len)
-        return y, X
+        cos, sin = self.rope(pos)
+        return embed_rows(self.embed, tokens, self.dtype), cos, sin
 
 
 def _head(out: torch.Tensor, head: Weight | Q4Weight) -> torch.Tensor:

@@ -9,7 +9,7 @@ what lets the tests demand bit-exact state equality.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,13 +75,18 @@ def is_quantized(w: object) -> bool:
     return isinstance(w, (QuantWeight, StackedWeight))
 
 
+def _by_rows(x2: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """product(x2), or in row-exact mode, for step-sized inputs, product of each row alone, concatenated."""
+    if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
+        return torch.cat([product(x2[i:i + 1]) for i in range(x2.shape[0])])
+    return product(x2)
+
+
 def _qlinear(x2: torch.Tensor, w: QuantWeight | StackedWeight) -> torch.Tensor:
     """x2 [M, K] @ w^T for block weights; in row-exact mode one product per row (for step-sized M)."""
     if isinstance(w, StackedWeight):
         return torch.cat([_stacked_run(x2, run) for run in _block_runs(w.parts)], dim=-1)
-    if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
-        return torch.cat([qmatmul(x2[i:i + 1], w) for i in range(x2.shape[0])])
-    return qmatmul(x2, w)
+    return _by_rows(x2, lambda x: qmatmul(x, w))
 
 
 def _block_runs(parts: Sequence[torch.Tensor | QuantWeight]) -> list[list[torch.Tensor | QuantWeight]]:
@@ -99,9 +104,7 @@ def _block_runs(parts: Sequence[torch.Tensor | QuantWeight]) -> list[list[torch.
 def _stacked_run(x2: torch.Tensor, run: list[torch.Tensor | QuantWeight]) -> torch.Tensor:
     if len(run) == 1:
         return linear(x2, run[0])
-    if _ROW_EXACT and 1 < x2.shape[0] <= EXACT_MAX_ROWS:
-        return torch.cat([qmatmul_stacked(x2[i:i + 1], run) for i in range(x2.shape[0])])  # type: ignore[arg-type]
-    return qmatmul_stacked(x2, run)  # type: ignore[arg-type]
+    return _by_rows(x2, lambda x: qmatmul_stacked(x, run))  # type: ignore[arg-type]
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
