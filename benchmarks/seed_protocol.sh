@@ -85,8 +85,8 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-depths-a) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
         --profile p=0.3 --profile p=0.5 --profile p=0.7 --profile p=0.85 ;;
     h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
-        --profile p=0.95 --profile trace=benchmarks/results/demo-accept-trace-code.json \
-        --profile trace=benchmarks/results/demo-accept-trace-prose.json ;;
+        --profile p=0.95 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
+        --profile trace=benchmarks/results/demo-accept-trace-prose-long.json ;;
     h200-q4km48-depths) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 48 --quant q4_k_m \
         --max-depth 6 --reps 1 --gen-tokens 256 --out "$out/$step" --profile p=0.85 --profile p=0.5 ;;
     # (h) block weights (llama.cpp's per-tensor types, generated and quantized on the GPU): 8 layers Q4_K_M, the

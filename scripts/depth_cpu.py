@@ -157,6 +157,7 @@ def main() -> int:
                          "fresh stream per generation")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--traces", type=Path, help="a folder for the model profiles' acceptance traces")
+    ap.add_argument("--traces-only", action="store_true", help="record the traces, measure nothing")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(a.threads)
@@ -180,7 +181,7 @@ def main() -> int:
              "| auto's depths (rounds; 0: plain stretches) |",
              "|---|" + "---:|" * (len(arm_opts) + 4) + "---|"]
     auto = list(arm_opts)[-1]
-    for name, prompts, prof in profiles:
+    for name, prompts, prof in [] if a.traces_only else profiles:
         r = measure(model, prompts, prof, arm_opts, a.reps, a.gen, not a.restart_streams)
         tps = r["tps"]
         best = max((n for n in tps if n != auto), key=tps.__getitem__)

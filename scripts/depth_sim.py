@@ -16,7 +16,6 @@ cost more than plain decoding (`--plain-overhead`). Every arm replays the same s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -25,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from qspec.bench.accept import counts_by_position
+from qspec.bench.accept import counts_by_position, load_trace
 from qspec.spec.depth import DepthController
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +75,8 @@ class Geometric:
 class Trace:
     """A recorded trace replayed by token position (qspec.bench.accept): the text goes on over plain stretches."""
 
-    def __init__(self, counts: list[int], phase_seed: int | None = None) -> None:
-        self.counts = counts_by_position(tuple(counts))
+    def __init__(self, counts: list[int], depth: int | None, phase_seed: int | None = None) -> None:
+        self.counts = counts_by_position(tuple(counts), depth)
         self.pos = 0
         self.phase = None if phase_seed is None else random.Random(phase_seed)
 
@@ -103,7 +102,8 @@ def calibrated(costs: list[float], flat: float) -> list[float]:
 
 
 def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
-            noise: float, seed: int, flat: float = 1.0, plain_overhead: float = 1.0) -> tuple[float, Counter]:
+            noise: float, seed: int, flat: float = 1.0, plain_overhead: float = 1.0,
+            controller: dict[str, float] | None = None) -> tuple[float, Counter]:
     """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
     controller's depth histogram (depth 0 counted in plainly decoded tokens). As in the engine, the controller
     chooses a round's successor before the round's outcome is known (the next draft chain is queued before the
@@ -111,7 +111,7 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
     pipeline restarted at each stretch's end)."""
     ctl = None
     if depth is None:
-        ctl = DepthController(len(costs) - 1)
+        ctl = DepthController(len(costs) - 1, **(controller or {}))
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             ctl.force = d
             for _ in range(2):
@@ -169,8 +169,8 @@ def sources(names: list[str], phase: bool = False) -> dict[str, Callable[[int], 
             a, b = (float(x) for x in name[6:].split(":"))
             out[name] = lambda _s, a=a, b=b: Geometric(a, b, switch_at=128)
         else:  # a trace recorded by depth_cpu.py: benchmarks/results/demo-accept-trace-NAME.json
-            counts = json.loads((RESULTS / f"demo-accept-trace-{name}.json").read_text())["accepted"]
-            out[name] = lambda s, c=counts: Trace(c, s if phase else None)
+            counts, depth = load_trace(RESULTS / f"demo-accept-trace-{name}.json")
+            out[name] = lambda s, c=counts, d=depth: Trace(list(c), d, s if phase else None)
     return out
 
 
@@ -188,8 +188,11 @@ def main() -> int:
                     help="auto's plain stretches over plain decoding's cost (H200, 8 layers: 746 / 714 ~ 1.045)")
     ap.add_argument("--trace-phase", action="store_true",
                     help="each request starts at a random place of a trace (else the trace goes on across requests)")
+    ap.add_argument("--controller", default="", metavar="K=V,...",
+                    help="DepthController keyword arguments for auto (e.g. regime_weight=4)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
+    controller = {k: float(v) for k, v in (kv.split("=") for kv in a.controller.split(",") if kv)}
     lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best | auto / plain | auto's depths |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     worst = 1.0
@@ -198,7 +201,8 @@ def main() -> int:
         for sname, make in sources(a.sources.split(","), a.trace_phase).items():
             fixed = {d: statistics.mean(run_arm(costs, make(s), d, a.requests, a.tokens, 0, s)[0]
                                         for s in range(a.seeds)) for d in range(7)}
-            autos = [run_arm(costs, make(s), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead)
+            autos = [run_arm(costs, make(s), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead,
+                             controller)
                      for s in range(a.seeds)]
             auto = statistics.mean(x for x, _ in autos)
             best = max(fixed, key=fixed.__getitem__)

@@ -108,6 +108,30 @@ def test_fixed_and_trace_profiles(tmp_path: Path) -> None:
     assert not model.replayed and model.hook() is None and model.label == "model acceptance"
 
 
+def test_trace_full_rounds_run_on() -> None:
+    """A recorded round that accepted every draft was never tried past them: the run of matching drafts from a
+    position inside it goes on through the round's last token into the next round's (cyclic, cut at 4 * depth);
+    a rejected round's run ends where it was rejected."""
+    from qspec.bench.accept import counts_by_position
+
+    assert counts_by_position((0, 3, 1)) == (0, 3, 2, 1, 0, 1, 0)  # depth unknown: every round rejected
+    assert counts_by_position((0, 3, 1), 3) == (0, 5, 4, 3, 2, 1, 0)  # 3 full: its run takes in the next round's 1
+    assert counts_by_position((3, 3, 0, 3), 3) == (8, 7, 6, 5, 4, 3, 2, 1, 0, 12, 11, 10, 9)  # the last wraps, cut
+    assert counts_by_position((2, 2), 2) == (8, 7, 6, 8, 7, 6)  # full rounds only: one run, cut at 4 * depth
+
+
+def test_trace_depth_from_file(tmp_path: Path) -> None:
+    (tmp_path / "t.json").write_text(json.dumps({"accepted": [0, 3, 1], "depth": 3}))
+    prof = AcceptProfile.parse(f"trace={tmp_path / 't.json'}")
+    hook = prof.hook()
+    assert prof.trace_depth == 3 and prof.as_dict()["trace_depth"] == 3
+    assert hook is not None and [hook(t, 8) for t in range(7)] == [0, 5, 4, 3, 2, 1, 0]
+    for bad in ({"accepted": [0, 4], "depth": 3}, {"accepted": [1], "depth": 0}, {"accepted": [1], "depth": "8"}):
+        (tmp_path / "b.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="depth"):
+            AcceptProfile.parse(f"trace={tmp_path / 'b.json'}")
+
+
 def test_trace_replay_follows_token_positions(tiny_model: Model, tmp_path: Path) -> None:
     """Rounds at any depth, and after plain stretches, replay the count of the position they start at."""
     from qspec.bench.accept import counts_by_position

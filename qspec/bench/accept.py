@@ -15,12 +15,14 @@ Profiles (`AcceptProfile.parse`):
 
 p= and fixed= are drawn per round. A trace follows the text instead: greedy drafts accepted from a token position
 depend on the text there, not on the depth or the rounds before, so a trace is replayed by the request's token
-position. Recorded rounds at depth 8 (scripts/depth_cpu.py --traces writes one per prompt set, {"accepted": [...],
-"depth": 8, ...}) that accepted c_0, c_1, ... start at positions p_0, p_0 + c_0 + 1, ...; the count at position
-p_r + j (j <= c_r) is c_r - j (the drafts the recorded round confirmed after it). A round at depth d from position t
-then replays min(d, count(t)): every depth, and `--draft auto`, whose plain stretches move on through the text as
-its rounds do, read the same text. (At a recorded count of 8 the drafts past the eighth were never tried, so deep
-rounds that start inside such a run are replayed a little pessimistically.)
+position. Recorded rounds at depth D (scripts/depth_cpu.py --traces writes one per prompt set at D = 8,
+{"accepted": [...], "depth": 8, ...}) that accepted c_0, c_1, ... start at positions p_0, p_0 + c_0 + 1, ...; the
+count at position p_r + j (j <= c_r) is the run of drafts that would match from there: c_r - j when the recorded
+round was rejected (c_r < D); when it accepted all D drafts, the text was never tried past them, and the run goes on
+through the round's own last token into the next round's run (c_r - j + 1 + count(p_{r+1})): a round that starts
+inside a run of full rounds is not cut short by where the recording's rounds happened to end. A round at depth d
+from position t then replays min(d, count(t)): every depth, and `--draft auto`, whose plain stretches move on
+through the text as its rounds do, read the same text.
 """
 
 from __future__ import annotations
@@ -54,16 +56,24 @@ class _GeometricHook:
         return k
 
 
-def counts_by_position(trace: tuple[int, ...]) -> tuple[int, ...]:
-    """Recorded rounds' accepted counts -> the count at every token position they covered (module docstring)."""
-    return tuple(c - j for c in trace for j in range(c + 1))
+def counts_by_position(trace: tuple[int, ...], depth: int | None = None) -> tuple[int, ...]:
+    """Recorded rounds' accepted counts (at `depth`; None: unknown, every round taken as rejected) -> the count at
+    every token position they covered (module docstring). The trace is cyclic, so the last round's run goes on into
+    the first's; runs are cut at 4 * depth (a trace of full rounds only would be one endless run)."""
+    n = len(trace)
+    start = [0] * n  # the count at each recorded round's first position
+    for _ in range(2):  # the second pass carries the first round's run into the last round's
+        for r in reversed(range(n)):
+            c = trace[r]
+            start[r] = min(c + 1 + start[(r + 1) % n], 4 * depth) if depth is not None and c >= depth else c
+    return tuple(start[r] - j for r, c in enumerate(trace) for j in range(c + 1))
 
 
 class _TraceHook:
     by_position = True  # the engine passes the request's token position at the round, not the round's index
 
-    def __init__(self, trace: tuple[int, ...]) -> None:
-        self.counts = counts_by_position(trace)
+    def __init__(self, trace: tuple[int, ...], depth: int | None = None) -> None:
+        self.counts = counts_by_position(trace, depth)
 
     def __call__(self, position: int, n_draft: int) -> int:
         return min(n_draft, self.counts[position % len(self.counts)])
@@ -91,9 +101,11 @@ def parse_kv(spec: str, what: str | None = None) -> dict[str, str]:
     return out
 
 
-def load_trace(path: str | Path, arm: str | None = None) -> tuple[int, ...]:
-    """Accepted counts from a JSON list, {"accepted": [...]}, or a qspec bench result's runs."""
+def load_trace(path: str | Path, arm: str | None = None) -> tuple[tuple[int, ...], int | None]:
+    """Accepted counts from a JSON list, {"accepted": [...], "depth": D}, or a qspec bench result's runs, and the
+    depth they were recorded at (None where the file does not say)."""
     p = Path(path)
+    depth: int | None = None
     try:
         data: Any = json.loads(p.read_text())
     except FileNotFoundError as e:
@@ -107,6 +119,9 @@ def load_trace(path: str | Path, arm: str | None = None) -> tuple[int, ...]:
                 seq.extend((run.get("rounds") or {}).get("accepted") or [])
     elif isinstance(data, dict) and "accepted" in data:
         seq = list(data["accepted"])
+        depth = data.get("depth")
+        if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+            raise ValueError(f"accept trace {p}: depth must be a positive integer, got {depth!r}")
     elif isinstance(data, list):
         seq = data
     else:
@@ -116,7 +131,9 @@ def load_trace(path: str | Path, arm: str | None = None) -> tuple[int, ...]:
         raise ValueError(f"accept trace {p}: no accepted counts" + (f" for arm {arm!r}" if arm else ""))
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in seq):
         raise ValueError(f"accept trace {p}: accepted counts must be non-negative integers")
-    return tuple(seq)
+    if depth is not None and max(seq) > depth:
+        raise ValueError(f"accept trace {p}: a count of {max(seq)} above the recorded depth {depth}")
+    return tuple(seq), depth
 
 
 @dataclass(frozen=True)
@@ -126,6 +143,7 @@ class AcceptProfile:
     k: int = 0
     seed: int = 0
     trace: tuple[int, ...] = field(default=(), repr=False)
+    trace_depth: int | None = None  # the depth the trace was recorded at (its full rounds' runs go on)
     spec: str = "model"  # the string it was parsed from
 
     @classmethod
@@ -155,7 +173,8 @@ class AcceptProfile:
                 return cls("fixed", k=k, spec=s)
         except ValueError as e:
             raise ValueError(f"accept profile {s!r}: {e}") from e
-        return cls("trace", trace=load_trace(kv["trace"], kv.get("arm")), spec=s)
+        trace, depth = load_trace(kv["trace"], kv.get("arm"))
+        return cls("trace", trace=trace, trace_depth=depth, spec=s)
 
     @property
     def replayed(self) -> bool:
@@ -172,7 +191,7 @@ class AcceptProfile:
         if self.kind == "fixed":
             return _FixedHook(self.k)
         if self.kind == "trace":
-            return _TraceHook(self.trace)
+            return _TraceHook(self.trace, self.trace_depth)
         return None
 
     def expected_by_position(self, n_draft: int) -> list[float] | None:
@@ -191,5 +210,6 @@ class AcceptProfile:
         elif self.kind == "fixed":
             d["fixed"] = self.k
         elif self.kind == "trace":
-            d |= {"trace_rounds": len(self.trace), "trace_mean": sum(self.trace) / len(self.trace)}
+            d |= {"trace_rounds": len(self.trace), "trace_mean": sum(self.trace) / len(self.trace),
+                  "trace_depth": self.trace_depth}
         return d
