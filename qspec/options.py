@@ -141,10 +141,6 @@ class KernelOptions:
                             "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "
                             "blocks expanded to f32 in registers)", applies="CUDA, block weights",
                             arm="int8")
-    int8_fused_launches: bool = option(False, "int8 block products quantize their input rows and add their split-K "
-                                       "partial sums inside their own launches (a one-row product: one launch "
-                                       "instead of up to three; the few-token experts: two instead of four; the "
-                                       "same numbers)", applies="CUDA, block weights", arm="qfuse")
     fuse_blocks: bool = option(True, "compile the step functions that multiply GGUF block weights too, each block "
                                "product one custom op among the generated kernels (off: those functions run "
                                "eagerly, small ops and all)", applies="CUDA, block weights, --compile", arm="fblk")

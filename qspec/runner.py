@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qspec.kernels import gdn_conv, gemv, hc_mix, qmatmul, triton_common, triton_qdot
+from qspec.kernels import gdn_conv, gemv, hc_mix, qmatmul, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
@@ -54,7 +54,6 @@ class KernelSwitches:
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
     int8_dot: bool = True  # qmatmul.INT8_DOT: one-row block products (and few-token experts) through int8 rows
-    int8_fused_launches: bool = False  # triton_qdot.FUSED_LAUNCHES: quantize and split sums inside the product
     fuse_blocks: bool = True  # fuse._BLOCKS: functions called with block weights compile too
 
     @classmethod
@@ -66,8 +65,7 @@ class KernelSwitches:
                    compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
-                   mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot,
-                   int8_fused_launches=opts.int8_fused_launches, fuse_blocks=opts.fuse_blocks)
+                   mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks)
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -76,7 +74,7 @@ class KernelSwitches:
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
-                triton_qdot.fused_launches_mode(self.int8_fused_launches), fuse.blocks_mode(self.fuse_blocks):
+                fuse.blocks_mode(self.fuse_blocks):
             yield
 
 

@@ -23,7 +23,7 @@ from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
 from qspec.engine import Engine, EngineHooks, EngineOptions
-from qspec.kernels import gdn_conv, gemv, hc_mix, triton_qdot
+from qspec.kernels import gdn_conv, gemv, hc_mix
 from qspec.model import fuse
 from qspec.spec.accept import AcceptHook
 from qspec.weights.quant_mix import MIXES
@@ -166,9 +166,6 @@ AB_SWITCHES: dict[str, tuple[str, Callable[[], contextlib.AbstractContextManager
     "fuse-blocks-ab": ("blocks eager", lambda: fuse.blocks_mode(False), {"fuse_blocks": False},
                        "the functions around GGUF block products run eagerly (--no-fuse-blocks) instead of compiled "
                        "(the default)"),
-    "qfuse-ab": ("int8 launches fused", lambda: triton_qdot.fused_launches_mode(True), {"int8_fused_launches": True},
-                 "the int8 block products' quantization and split-K sums inside their own launches "
-                 "(--int8-fused-launches)"),
 }
 
 

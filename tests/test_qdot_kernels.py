@@ -170,36 +170,6 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
 
 
 @interp
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q5_0])
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_interp_in_kernel_quantization_and_sums_give_the_same_bits(qt: GGMLQuantizationType,
-                                                                  dt: torch.dtype) -> None:
-    """quant_in (each program quantizes its share of x) and sum_in (the row block's last program adds the splits)
-    change the launches, never the numbers: equal bit for bit to the quantize launch and the partial-sum launch,
-    with K split in 7 shares (the 32-weight type's last one partial), for 1 and 3 rows; the counters stay zero."""
-    from qspec.kernels import triton_qdot
-    from qspec.kernels.triton_qdot import qdot_matmul_triton
-
-    K = 7 * 256 if qt.name.endswith("_K") else 7 * 256 - 96
-    w = qweight(qt, (12, K), seed=13)
-    for M in (1, 3):
-        x = torch.randn(M, K).to(dt)
-        ref = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 8, 1))
-        assert rel_err(ref, qdot_matmul_torch(x, w.raw, int(qt), 12, K)) <= (TIGHT if dt == torch.float32
-                                                                                else TOL16[dt])
-        for flags in ((1, 0), (0, 1), (1, 1)):
-            got = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 8, 1, *flags))
-            assert torch.equal(got, ref), flags
-        # no split: each program quantizes the whole row, more than one 32-block tile of it
-        unsplit = qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 0, 1))
-        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, 0, 1, 1, 0)), unsplit)
-        default = qdot_matmul_triton(x, w.raw, int(qt), 12)
-        with triton_qdot.fused_launches_mode(True):  # EngineOptions.int8_fused_launches
-            assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12), default)
-    assert not triton_qdot._COUNTERS[torch.device("cpu")].any()
-
-
-@interp
 def test_interp_stacked_products_quantize_x_once() -> None:
     """Parts of several types multiplying one x: each part's columns equal its own product, bit for bit (the same
     quantized x), written in place; and ops.linear on a StackedWeight of those parts gives their products (here on
@@ -214,8 +184,6 @@ def test_interp_stacked_products_quantize_x_once() -> None:
     assert y.shape == (1, 48) and y.dtype == torch.bfloat16
     ref = torch.cat([qdot_matmul_triton(x, w.raw, int(w.qtype), w.shape[0]) for w in ws], dim=-1)
     assert torch.equal(y, ref)
-    parts = [(w.raw, int(w.qtype)) for w in ws]
-    assert torch.equal(qdot_stacked_triton(x, parts, config=(8, 4, 8, 1, 1, 1)), ref)  # quantized by part 0's kernel
     W, _ = stack_rows(*ws)
     assert len(W.parts) == 3  # type: ignore[union-attr]
     assert rel_err(linear(x, W), torch.cat([qmatmul_torch(x, w) for w in ws], dim=-1)) <= TOL16[torch.bfloat16]
@@ -235,7 +203,6 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 1)), got)  # quant_in
     assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2)), got)  # unrolled
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
@@ -256,7 +223,7 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
     """The kernel against the int8 reference (f32 rows: TIGHT; bf16 rows: the same numbers rounded, the dispatch's
     for one row), against the f32 product (LOOSE), row independence, and dp4a's emulation equal to the instruction."""
     from qspec.kernels.qmatmul import INT8_MAX_ROWS, qmatmul
-    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
 
     w = qweight(qt, (N, K), seed=N, device="cuda", tile=8192)
     for M in (1, 4, 8):
@@ -272,9 +239,6 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
-    for flags in ((1, 0), (0, 1), (1, 1)):  # x quantized in the product's programs, split sums by the last program
-        got = qdot_matmul_triton(xb, w.raw, int(qt), N, config=(*QDOT_CONFIG[:4], *flags))
-        assert torch.equal(got, yk), flags
 
 
 @pytest.mark.cuda
@@ -284,7 +248,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
     MOE_TIGHT, the intermediate's requantization may round an element one code differently), the dispatch with bf16 h
     against the f32 reference (LOOSE)."""
     from qspec.kernels.qmatmul import qmoe_few
-    from qspec.kernels.triton_qdot import QDOT_MOE_CONFIG, qdot_moe_few_triton
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
     E, Fd, D, k = 512, 640, 2560, 10
     gate, up = qweight(gt, (E, Fd, D), 50, "cuda", 8192), qweight(gt, (E, Fd, D), 51, "cuda", 8192)
@@ -300,5 +264,3 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(*QDOT_MOE_CONFIG[:3], 1)), yb), (
-            T_, "quantized inside the products")

@@ -273,13 +273,10 @@ def sweep(rows: list[tuple]) -> None:
 
 
 QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (16, 2, 8, 1), (16, 2, 8, 2),
-                (16, 2, 8, 2, 1, 1), (128, 8, 1, 1))
+                (128, 8, 1, 1))
 # the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
 # iteration), on every decode shape and the model's block types
-# (rows, warps, programs per SM or 0 for no split, steps per iteration[, quant_in, sum_in])
-QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (16, 2, 8, 2, 1, 0), (16, 2, 8, 2, 0, 1), (16, 2, 8, 2, 1, 1),
-                        (8, 2, 8, 2), (8, 2, 16, 2, 1, 1), (16, 2, 16, 2, 1, 1), (16, 2, 4, 2, 1, 1),
-                        (16, 2, 0, 2, 1, 0), (64, 4, 0, 2), (8, 2, 0, 2))
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (8, 2, 8, 2), (64, 4, 0, 2), (8, 2, 0, 2))
 QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
 
 
@@ -303,8 +300,8 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws
-# the experts' (rows, warps[, steps per iteration, quant_in])
-QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2), (8, 2, 1, 1), (8, 2, 2, 1), (16, 2, 2, 1))
+# the experts' (rows, warps[, steps per iteration])
+QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:

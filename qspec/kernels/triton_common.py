@@ -155,24 +155,12 @@ if HAS_TRITON:
             return c
 
     @triton.jit
-    def mul_rn(a, b, ASM: tl.constexpr):
-        """a * b rounded on its own: with ASM the PTX multiply, which the compiler cannot contract with a following
-        add into an FMA (kernels launched with fp fusion on keep the unfused roundings); else a plain multiply."""
-        if ASM:
-            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                             is_pure=True, pack=1)
-        else:
-            return a * b
-
-    @triton.jit
-    def round_q8(x, ASM: tl.constexpr = False):
+    def round_q8(x):
         """f32 blocks x [B, 32] -> (q = floor(x * (127 / amax) + 0.5) clamped to +-127 as f32, d = amax / 127), with
-        IEEE divisions and the multiply rounded before the add (launched without fp fusion, or ASM: mul_rn), the torch
-        references' roundings (ggml's q8_1 scheme)."""
+        IEEE divisions; launched without fp fusion, the torch references' roundings (ggml's q8_1 scheme)."""
         amax = tl.max(tl.abs(x), axis=1)
         inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(amax) + 127.0, tl.where(amax > 0, amax, 1.0)), 0.0)
-        q = tl.minimum(tl.maximum(tl.floor(mul_rn(x, tl.broadcast_to(inv[:, None], x.shape), ASM) + 0.5), -127.0),
-                       127.0)
+        q = tl.minimum(tl.maximum(tl.floor(x * inv[:, None] + 0.5), -127.0), 127.0)
         return q, tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
 
     @triton.jit

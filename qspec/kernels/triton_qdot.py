@@ -24,10 +24,8 @@ every x row takes its dot products; row m's sum is built by the same operations 
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
 blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
-A one-row product is thus up to three launches (quantize, product, partial sums) for a few µs of reads on most of
-the model's matrices; QdotConfig's quant_in and sum_in fold the first and the last into the product (the same
-numbers, bit for bit) for the GPU benchmark to time, and the experts' quant_in folds their two quantize launches
-into gate/up and down.
+A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
+(`qdot_stacked_triton`) share its quantize launch.
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
 the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
@@ -44,16 +42,12 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
-# The products' quant_in and sum_in, the experts' quant_in (EngineOptions.int8_fused_launches; the runner sets it
-# around every step)
-FUSED_LAUNCHES = False
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
 # 32-weight-block types changes order on the GPU (sm_90) and a row can differ in its last bits.
@@ -67,16 +61,12 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
-    quant_in: bool = False  # each program quantizes its share of x itself (no quantize launch)
-    sum_in: bool = False  # a split's partial sums added by the row block's last program (no second launch)
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
 # the decode shapes and block types, and every one without a split was slower, the narrow matrices most (BENCHMARKS.md
 # §5b).
-# quant_in and sum_in are off until that benchmark has timed them.
 QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
-COUNTER_SLOTS = 1 << 16  # sum_in's per-row-block counters (one zeroed int32 buffer per device)
 
 
 class MoeConfig(NamedTuple):
@@ -85,7 +75,6 @@ class MoeConfig(NamedTuple):
     rows: int  # weight rows per program
     warps: int
     unroll: int = 1  # 256-weight steps per loop iteration
-    quant_in: bool = False  # gate/up and down quantize their x rows themselves (no quantize launches)
 
 
 QDOT_MOE_CONFIG = MoeConfig(8, 2)
@@ -103,34 +92,18 @@ if HAS_TRITON:
         s = d * sum(q), and the integer sums of q per 16 (launched without FMA fusion: qdot.quantize_x_torch's
         roundings)."""
         pdl_start(PDL)
+        m = tl.program_id(0)
         b = tl.program_id(1) * BB + tl.arange(0, BB)
-        _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, tl.program_id(0), x_m, KB, b, b < KB, BB, False)
-
-    @triton.jit
-    def _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, bmask, BB: tl.constexpr,
-                      MUL_ASM: tl.constexpr):
-        """Row m's 32-element blocks b [BB] (where bmask) quantized into the int8 q, f32 d and s, int32 16-sums
-        (rows of KB blocks). MUL_ASM: the kernel is compiled with fp fusion, so the scale multiply goes through
-        mul_rn to keep the reference's rounding."""
         i = tl.arange(0, 32)
+        bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-        q, d = round_q8(x, MUL_ASM)
+        q, d = round_q8(x)
         tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
         tl.store(d_ptr + m * KB + b, d, mask=bmask)
         tl.store(s_ptr + m * KB + b, d * tl.sum(q, axis=1), mask=bmask)
         g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
         j = tl.arange(0, 2)[None, :]
         tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
-
-    @triton.jit
-    def _quant_row(x_ptr, qw_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b_lo, b_hi, MUL_ASM: tl.constexpr):
-        """Row m's blocks b_lo .. b_hi - 1 quantized into the buffers (a product's own share of its x row). The int8
-        codes are stored through a byte pointer cast from the words' pointer qw_ptr, which the product then reads:
-        one kernel argument, so the compiler cannot take the words for read-only data (a non-coherent cached load)."""
-        q_ptr = qw_ptr.to(tl.pointer_type(tl.int8))
-        for b0 in range(b_lo, b_hi, 32):  # 32 blocks (1,024 elements) per iteration: few dependent load rounds
-            b = b0 + tl.arange(0, 32)
-            _quant_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, x_m, KB, b, b < b_hi, 32, MUL_ASM)
 
     @triton.jit
     def _w16(wi_ptr, hoff, mask):
@@ -369,51 +342,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
-                        y_m, x_ptr, x_m, f_ptr, f_m, cnt_ptr, M: tl.constexpr, MP: tl.constexpr,
-                        BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr,
-                        UNROLL: tl.constexpr = 1, QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
-                        SUM_IN: tl.constexpr = False, F_DT: tl.constexpr = tl.float32, PDL: tl.constexpr = False):
+                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
-        output (one split) or the split's f32 partial sums (y_s: a split's stride).
-        QUANT_IN: the program first quantizes x's blocks of its share of K itself (x_ptr, 16-bit rows of stride x_m)
-        into the quantized-x buffers, which it then reads as usual: programs of one split write identical values, so
-        no ordering between programs is needed, only this program's barrier.
-        SUM_IN (split > 1): the last program of a row block to finish (counted in cnt_ptr, reset to 0 by it) adds
-        the partial sums in split order and writes the output f_ptr (row stride f_m): no separate launch."""
+        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
-        if QUANT_IN:
-            for m in tl.static_range(M):
-                _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, m, x_m, K // 32, k_lo * 8,
-                           tl.minimum(k_hi * 8, K // 32), MUL_ASM)
-            tl.debug_barrier()
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
-        omask = (im[:, None] < M) & nmask[None, :]
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
-        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=omask)
-        if SUM_IN:
-            _sum_if_last(y_ptr + im[:, None] * y_m + n[None, :], y_s, f_ptr + im[:, None] * f_m + n[None, :], omask,
-                         cnt_ptr + tl.program_id(0), MP, BN, F_DT)
-
-    @triton.jit
-    def _sum_if_last(p_ptrs, p_s, f_ptrs, mask, cnt_ptr, MP: tl.constexpr, BN: tl.constexpr, F_DT: tl.constexpr):
-        """After this program stored its partial sums: the row block's last program to get here sums all splits'
-        partials (p_ptrs + s * p_s, added in split order as _sum_parts_kernel does) into the 16-bit output f_ptrs
-        and resets the counter. The barrier orders this program's stores before its counter increment (acq_rel at
-        GPU scope); the sums read L2 (.cg), where the other programs' stores are."""
-        tl.debug_barrier()
-        splits = tl.num_programs(1)
-        if tl.atomic_add(cnt_ptr, 1) == splits - 1:
-            acc = tl.zeros([MP, BN], dtype=tl.float32)
-            for s_ in range(0, splits):
-                acc += tl.load(p_ptrs + s_ * p_s, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(f_ptrs, round_to(acc, F_DT).to(f_ptrs.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr, 0)
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
@@ -430,17 +372,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
-                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, x_ptr, x_m,
-                             BN: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr,
-                             QUANT_IN: tl.constexpr = False, MUL_ASM: tl.constexpr = False,
-                             UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
+                             QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]. QUANT_IN: the program quantizes h_t (x_ptr) itself first, as _qdot_mv_kernel does."""
+        e = top_i[t, j]."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
-        if QUANT_IN:
-            _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, t, x_m, D // 32, 0, D // 32, MUL_ASM)
-            tl.debug_barrier()
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         steps = tl.cdiv(D, 256)
@@ -453,16 +391,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
-                          KS, ti_m, tw_m, d_e, d_d, x_ptr, BN: tl.constexpr, QD: tl.constexpr,
-                          ASM: tl.constexpr, OUT_DT: tl.constexpr, QUANT_IN: tl.constexpr = False,
-                          MUL_ASM: tl.constexpr = False, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
-        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized; QUANT_IN: by this program, from the f32
-        act x_ptr) for BN output features, rounded once."""
+                          KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
+                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
+        """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
-        if QUANT_IN:
-            _quant_row(x_ptr, xq_ptr, xd_ptr, xs_ptr, xg_ptr, pair, F, F // 32, 0, F // 32, MUL_ASM)
-            tl.debug_barrier()
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
@@ -475,31 +408,24 @@ def _asm() -> bool:
     return DP4A_ASM and not INTERPRET
 
 
-def _xquant_buffers(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Quantized x's buffers: int8 q [M, K], f32 d and s [M, K/32], int32 16-sums [M, K/16]."""
-    return (torch.empty(M, K, dtype=torch.int8, device=device),
-            torch.empty(M, K // 32, dtype=torch.float32, device=device),
-            torch.empty(M, K // 32, dtype=torch.float32, device=device),
-            torch.empty(M, K // 16, dtype=torch.int32, device=device))
-
-
-def _quantize_into(x: torch.Tensor, bufs: tuple[torch.Tensor, ...]) -> None:
-    M, K = x.shape
-    KB = K // 32
-    bb = min(QUANT_BLOCKS, next_pow2(KB))
-    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, *bufs, x.stride(0), KB, BB=bb, num_warps=4,
-                                              enable_fp_fusion=False, **pdl_launch(x))
-
-
 def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
     s [M, K/32] f32, int32 sums per 16 [M, K/16]), as qdot.quantize_x_torch."""
     M, K = x.shape
     if K % 32 or x.stride(1) != 1:
         raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
-    q, d, s, g = _xquant_buffers(M, K, x.device)
-    _quantize_into(x, (q, d, s, g))
+    KB = K // 32
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    g = torch.empty(M, 2 * KB, dtype=torch.int32, device=x.device)
+    bb = min(QUANT_BLOCKS, next_pow2(KB))
+    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, g, x.stride(0), KB, BB=bb, num_warps=4,
+                                              enable_fp_fusion=False, **pdl_launch(x))
     return q.view(torch.int32), d, s, g
+
+
+QuantizedX = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # quantize_x_triton's result
 
 
 def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -524,46 +450,21 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     return triton.cdiv(steps, share), share
 
 
-def fused_launches_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, FUSED_LAUNCHES is `on` (the default config's quant_in and sum_in)."""
-    return module_flag(__name__, "FUSED_LAUNCHES", on)
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed sum_in counters (every kernel leaves them zero), made outside any graph capture; None
-    while capturing before they exist (the split then takes the partial-sum launch)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        c = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return c
-
-
-def _qdot_into(y: torch.Tensor, x: torch.Tensor, xbufs: tuple[torch.Tensor, ...], raw: torch.Tensor, qtype: int,
-               cfg: QdotConfig, asm: bool | None, quant_in: bool) -> None:
-    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T through the quantized-x buffers xbufs:
-    filled by this launch (quant_in) or already."""
+def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: int, cfg: QdotConfig,
+               asm: bool | None) -> None:
+    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T, x given quantized."""
     M, n = y.shape
-    K = x.shape[1]
+    K = xquant[0].shape[1] * 4
     if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
     split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
-    blocks = triton.cdiv(n, cfg.rows)
-    cnt = _counters(y.device) if cfg.sum_in and split > 1 and blocks <= COUNTER_SLOTS else None
     out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
-    q8, d, s, g = xbufs
-    _qdot_mv_kernel[(blocks, split)](
-        q8.view(torch.int32), d, s, g, *_views(raw), out, n, K, share, raw.stride(0),
-        out.stride(0) if split > 1 else 0, out.stride(-2), x, x.stride(0), y, y.stride(0),
-        g if cnt is None else cnt, M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype),
-        ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32,
-        UNROLL=cfg.unroll, QUANT_IN=bool(quant_in), MUL_ASM=not INTERPRET, SUM_IN=cnt is not None,
-        F_DT=tl_dtype(y.dtype), num_warps=cfg.warps, **pdl_launch(y))
-    if split > 1 and cnt is None:
+    _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
+        *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
+        M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
+        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
+        **pdl_launch(y))
+    if split > 1:
         block = 1024
         _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
                                                          OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
@@ -578,18 +479,14 @@ def _check_x(x: torch.Tensor) -> torch.Tensor:
 
 def _stacked(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], config: tuple | None,
              asm: bool | None) -> torch.Tensor:
-    """The parts' products of one x into the columns of one output, x quantized once (by the first product's
-    programs with quant_in, else by a quantize launch)."""
+    """The parts' products of one x into the columns of one output, x quantized once."""
     x = _check_x(x)
-    cfg = QdotConfig(*config) if config else QDOT_CONFIG._replace(quant_in=FUSED_LAUNCHES, sum_in=FUSED_LAUNCHES)
-    M, K = x.shape
-    y = torch.empty(M, sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
-    xbufs = _xquant_buffers(M, K, x.device)
-    if not cfg.quant_in:
-        _quantize_into(x, xbufs)
+    cfg = QdotConfig(*(config or QDOT_CONFIG))
+    y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
+    xquant = quantize_x_triton(x)
     o = 0
-    for i, (raw, qtype) in enumerate(parts):
-        _qdot_into(y[:, o:o + raw.shape[0]], x, xbufs, raw, qtype, cfg, asm, bool(cfg.quant_in) and i == 0)
+    for raw, qtype in parts:
+        _qdot_into(y[:, o:o + raw.shape[0]], xquant, raw, qtype, cfg, asm)
         o += raw.shape[0]
     return y
 
@@ -616,32 +513,22 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
                         up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
                         config: tuple | None = None, asm: bool | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
-    as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG
-    with FUSED_LAUNCHES). Four launches: quantize h, gate/up, quantize the f32 act, down; with quant_in two (each
-    product's programs quantize their x row themselves)."""
+    as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG).
+    Four launches: quantize h, gate/up, quantize the f32 act, down."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
     F = gr.shape[1]
-    cfg = MoeConfig(*config) if config else QDOT_MOE_CONFIG._replace(quant_in=FUSED_LAUNCHES)
-    bn, quant_in = cfg.rows, bool(cfg.quant_in)
-    kw = {"ASM": _asm() if asm is None else asm, "QUANT_IN": quant_in, "MUL_ASM": not INTERPRET,
-          "UNROLL": cfg.unroll, "num_warps": cfg.warps}
+    cfg = MoeConfig(*(config or QDOT_MOE_CONFIG))
+    kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
-    h = h if h.stride(1) == 1 else h.contiguous()
-    hbufs, abufs = _xquant_buffers(T_, D, h.device), _xquant_buffers(T_ * k, F, h.device)
-    if not quant_in:
-        _quantize_into(h, hbufs)
+    hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
-    _qdot_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
-        hbufs[0].view(torch.int32), *hbufs[1:], top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0),
-        gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), h, h.stride(0), BN=bn, QG=int(gq),
-        QU=int(uq), **kw, **pdl_launch(h))
-    if not quant_in:
-        _quantize_into(act, abufs)
-    _qdot_down_kernel[(triton.cdiv(D, bn), T_ * k)](
-        abufs[0].view(torch.int32), *abufs[1:], top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0),
-        top_w.stride(0), dr.stride(0), dr.stride(1), act, BN=bn, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw,
-        **pdl_launch(h))
+    _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
+        *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
+        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw, **pdl_launch(h))
+    _qdot_down_kernel[(triton.cdiv(D, cfg.rows), T_ * k)](
+        *quantize_x_triton(act), top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0),
+        dr.stride(0), dr.stride(1), BN=cfg.rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
     return y
