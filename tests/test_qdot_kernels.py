@@ -193,17 +193,20 @@ def test_interp_stacked_products_quantize_x_once() -> None:
 @pytest.mark.parametrize("gt,dt", [(T.Q4_K, T.Q5_0), (T.Q6_K, T.Q8_0), (T.Q5_K, T.Q4_0)])
 @pytest.mark.parametrize("T_", [1, 3])
 def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType, T_: int) -> None:
-    """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step)."""
+    """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step),
+    D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled and paired configs give the
+    same bits."""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
-    E, Fd, D, k = 5, 96, 256, 2
+    E, Fd, D, k = 5, 96, 768, 2
     gate, up, down = qweight(gt, (E, Fd, D), 30), qweight(gt, (E, Fd, D), 31), qweight(dt, (E, D, Fd), 32)
     h = torch.randn(T_, D, generator=torch.Generator().manual_seed(34))
     top_i, top_w = routing(T_, E, k, seed=33)
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2)), got)  # unrolled
+    for cfg in ((32, 4, 2), (32, 4, 2, True)) if T_ == 1 else ((32, 4, 1, True),):
+        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
     assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= MOE_TIGHT
@@ -264,3 +267,5 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
+        for cfg in ((8, 2, 2, True), (8, 2, 5, True), (16, 4, 10, True)):
+            assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)

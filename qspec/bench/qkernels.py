@@ -300,8 +300,9 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws
-# the experts' (rows, warps[, steps per iteration])
-QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2))
+# the experts' (rows, warps[, steps per iteration, gate/up paired]): the default, wider blocks, unrolled, paired
+QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2), (8, 2, 5), (8, 2, 1, 1), (8, 2, 2, 1), (8, 2, 5, 1),
+                    (8, 2, 10, 1), (4, 2, 5, 1), (16, 4, 5, 1), (16, 4, 10, 1), (32, 4, 10, 1))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:
@@ -324,6 +325,11 @@ def qdot_sweep(rows: list[tuple]) -> None:
                 us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n, QDOT_CONFIG, False) for r in raws])
                 _row(rows, "int8 emul", qt.name, f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
                 del raws
+    qdot_moe_sweep(rows)
+
+
+def qdot_moe_sweep(rows: list[tuple]) -> None:
+    """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens."""
     for cfg in QDOT_MOE_CONFIGS:
         for t in (1, 6):
             r: list[tuple] = []
@@ -340,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
     ap.add_argument("--qdot-sweep", action="store_true", help="only the int8-activation kernels' configs")
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
+    ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -361,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.qdot_one_row:
         qdot_one_row_sweep(rows)
+        return 0
+    if args.qdot_moe:
+        qdot_moe_sweep(rows)
         return 0
     if args.expand:
         bench_expand(rows)

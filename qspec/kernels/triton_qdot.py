@@ -75,6 +75,7 @@ class MoeConfig(NamedTuple):
     rows: int  # weight rows per program
     warps: int
     unroll: int = 1  # 256-weight steps per loop iteration
+    paired: bool = False  # gate/up: the two products' steps alternate in one loop (twice the bytes in flight)
 
 
 QDOT_MOE_CONFIG = MoeConfig(8, 2)
@@ -322,10 +323,7 @@ if HAS_TRITON:
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
         thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
-        if QT == 14:
-            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+        acc = _acc_zeros(MP, BN, QT)
         kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
         for kb0 in range(kb_lo, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
@@ -334,11 +332,49 @@ if HAS_TRITON:
         for kb in range(kb_main, kb_hi):
             acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                              rowb, nmask, K, kb, M, MP, QT, ASM)
+        return _acc_rows(acc, QT)
+
+    @triton.jit
+    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
+        """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
+        if QT == 14:
+            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _acc_rows(acc, QT: tl.constexpr):
+        """[MP, BN]: the accumulators summed over their other axes."""
         if QT == 14:
             out = tl.sum(tl.sum(acc, axis=2), axis=1)
         else:
             out = tl.sum(acc, axis=1)
         return tl.trans(out)
+
+    @triton.jit
+    def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
+                          bw_ptr, brow, nmask, K, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
+                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+        """Two one-x-row products over all of K in one loop, [1, BN] each: _qdot_rows of the weight rows a (type QA,
+        byte offsets arow) and b (QB, brow), each step of a followed by the same step of b, so twice the bytes are
+        in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits."""
+        acc_a = _acc_zeros(1, BN, QA)
+        acc_b = _acc_zeros(1, BN, QB)
+        steps = tl.cdiv(K, 256)
+        kb_main = steps // UNROLL * UNROLL
+        for kb0 in range(0, kb_main, UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
+                                   arow, nmask, K, kb0 + u, 1, 1, QA, ASM)
+                acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
+                                   brow, nmask, K, kb0 + u, 1, 1, QB, ASM)
+        for kb in range(kb_main, steps):
+            acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow,
+                               nmask, K, kb, 1, 1, QA, ASM)
+            acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr, brow,
+                               nmask, K, kb, 1, 1, QB, ASM)
+        return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
@@ -374,18 +410,23 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             PDL: tl.constexpr = False):
+                             PAIRED: tl.constexpr = False, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]."""
+        e = top_i[t, j]. PAIRED: gate's and up's steps alternate in one loop (the same bits)."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
-        steps = tl.cdiv(D, 256)
-        g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, e * g_e + f.to(tl.int64) * g_f, fmask,
-                       D, 0, steps, 1, 1, BN, QG, ASM, UNROLL)
-        u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, e * u_e + f.to(tl.int64) * u_f, fmask,
-                       D, 0, steps, 1, 1, BN, QU, ASM, UNROLL)
+        grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
+        if PAIRED:
+            g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr,
+                                     uw_ptr, urow, fmask, D, BN, QG, QU, ASM, UNROLL)
+        else:
+            steps = tl.cdiv(D, 256)
+            g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, fmask, D, 0, steps, 1, 1, BN,
+                           QG, ASM, UNROLL)
+            u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, urow, fmask, D, 0, steps, 1, 1, BN,
+                           QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
@@ -527,7 +568,8 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw, **pdl_launch(h))
+        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), PAIRED=bool(cfg.paired), **kw,
+        **pdl_launch(h))
     _qdot_down_kernel[(triton.cdiv(D, cfg.rows), T_ * k)](
         *quantize_x_triton(act), top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0),
         dr.stride(0), dr.stride(1), BN=cfg.rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
