@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths-a h200-fn8-depths-b h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-profile h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths-a h200-fn8-depths-b h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-profile h200-q4km24-load h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -111,6 +111,11 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\
 nospec-chunk512:from=nospec,prefill_chunk=512" ;;
+    #     a large Q4_K_M GGUF written from tensors drawn on the GPU, then loaded by a fresh process from the disk:
+    #     load time, peak host memory, first token, decode (24 layers, ~42 GiB: no 48-layer file fits the disk)
+    h200-q4km24-load) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --layers 24 --quant q4_k_m \
+        --file "${LOAD_FILE:-/var/tmp/qspec-load.gguf}" --out "$out/$step"; rc=$?; rm -f "${LOAD_FILE:-/var/tmp/qspec-load.gguf}"
+        exit $rc ;;
     h200-q8048) bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac

@@ -543,14 +543,17 @@ def _choose_qtype(name: str, shape: tuple[int, ...],
 
 
 def _encode(x: torch.Tensor, q: GGMLQuantizationType) -> np.ndarray:
+    """A chunk's bytes as type q: the block types qspec quantizes itself on the chunk's device (a model drawn on the
+    GPU is written without its 16-bit tensors passing through host memory), the rest on the host."""
+    if q in PACKED_QTYPES:
+        return quantize(x.float(), q).reshape(-1).cpu().numpy()
+    x = x.cpu()
     if q == GGMLQuantizationType.F32:
         return x.float().contiguous().numpy().view(np.uint8)
     if q == GGMLQuantizationType.F16:
         return x.half().contiguous().numpy().view(np.uint8)
     if q == GGMLQuantizationType.BF16:
         return x.bfloat16().contiguous().view(torch.int16).numpy().view(np.uint8)
-    if q in PACKED_QTYPES:
-        return quantize(x.float(), q).reshape(-1).cpu().numpy()
     return np.asarray(gguf_quants.quantize(x.float().numpy(), q)).view(np.uint8)
 
 
@@ -572,7 +575,7 @@ def _chunks(name: str, value: torch.Tensor | HostRowTable, shape: tuple[int, ...
         for i in range(0, rows, step):
             yield value.rows(i, i + step)
         return
-    flat = value.detach().cpu().reshape(rows, -1)
+    flat = value.detach().reshape(rows, -1)  # on its device: _encode moves each chunk
     for i in range(0, rows, step):
         yield flat[i:i + step]
 

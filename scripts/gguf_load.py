@@ -1,0 +1,155 @@
+"""Loading a large quantized GGUF, as a user's first run does: load time, host memory, first token.
+
+Writing: the flash-next preset's tensors (`--layers`, the n-gram table shrunk as the benchmarks' is) are drawn one at
+a time on `--device`, quantized there in llama.cpp's `--quant` per-tensor types, and written as a GGUF (the model
+never sits in host memory). Then a fresh process loads the file with its pages dropped from the page cache (read
+from the disk, as on a first run) and reports: the load's wall time, the process's peak resident memory (the load's
+host footprint; the file's pages are not kept), the device memory after it, then the first token of a 64-token
+prompt (compilation and graph capture included) and the decode speed of the next 128 tokens (plain, greedy).
+
+    PYTHONPATH=. python scripts/gguf_load.py --layers 32 --quant q4_k_m --file /tmp/fn32.gguf --out RESULT_PREFIX
+
+On the CPU (`--device cpu --layers 1 --preset tiny`) it is a smoke run of itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qspec.bench.device_model import bench_config, device_tensor
+from qspec.config import ModelConfig
+from qspec.weights.gguf_io import write_gguf
+from qspec.weights.names import tensor_shapes
+from qspec.weights.quant_mix import MIXES, mix_plan
+
+RESULT = "gguf_load result: "
+
+
+class DrawnTensors(Mapping[str, torch.Tensor]):
+    """The config's tensors, each drawn on the device when the writer asks for it (one at a time)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.shapes = tensor_shapes(cfg)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return device_tensor(self.cfg, name, self.shapes[name], device=self.device, dtype=self.dtype, seed=0)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def write(a: argparse.Namespace) -> dict[str, Any]:
+    cfg = bench_config(a.preset, layers=a.layers)
+    dev = torch.device(a.device)
+    t0 = time.perf_counter()
+    write_gguf(a.file, cfg, DrawnTensors(cfg, dev, torch.bfloat16), qtypes=mix_plan(a.quant, cfg))
+    return {"layers": cfg.n_layers, "quant": a.quant, "file_bytes": os.path.getsize(a.file),
+            "write_s": time.perf_counter() - t0}
+
+
+def drop_cached_pages(path: str) -> None:
+    """The file's pages out of the page cache (written pages flushed first), so the load reads the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def load(a: argparse.Namespace) -> dict[str, Any]:
+    from qspec.engine import Engine, EngineOptions
+    from qspec.loader import load_model
+
+    dev = torch.device(a.device)
+    rss0 = peak_rss()
+    t0 = time.perf_counter()
+    model = load_model(a.file, device=dev, progress=False)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_before_load": rss0, "peak_rss": peak_rss(),
+                           "weights": model.weights_summary}
+    if dev.type == "cuda":
+        out["device_bytes"] = torch.cuda.memory_allocated()
+    eng = Engine(model, EngineOptions(draft=0, capacity=1024))
+    prompt = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    t1 = time.perf_counter()
+    eng.generate(prompt, 1)
+    out["first_token_s"] = time.perf_counter() - t1
+    g = eng.generate(prompt, a.tokens)
+    out["decode_tps_second_request"] = g.decode_tps
+    out["peak_rss_end"] = peak_rss()
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    gib = 2 ** 30
+    lines = [f"# Loading a {res['layers']}-layer {res['quant']} GGUF ({res['file_bytes'] / gib:.2f} GiB)", "",
+             "| step | result |", "|---|---:|",
+             f"| write (drawn and quantized on the device) | {res['write_s']:.1f} s |",
+             f"| load, pages dropped from the cache first | {res['load_s']:.1f} s "
+             f"({res['file_bytes'] / gib / max(res['load_s'], 1e-9):.2f} GiB/s) |",
+             f"| peak resident host memory after the load (before it) | {res['peak_rss'] / gib:.2f} GiB "
+             f"({res['rss_before_load'] / gib:.2f}) |"]
+    if "device_bytes" in res:
+        lines.append(f"| device memory after the load | {res['device_bytes'] / gib:.2f} GiB |")
+    lines += [f"| first token of a 64-token prompt (compilation, graph capture) | {res['first_token_s']:.1f} s |",
+              f"| plain decoding, second request, {res['tokens']} tokens | {res['decode_tps_second_request']:.2f} "
+              f"tok/s |", f"| peak resident host memory at the end | {res['peak_rss_end'] / gib:.2f} GiB |",
+              "", f"Weights as loaded: {res['weights']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="flash-next")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--quant", default="q4_k_m", choices=sorted(MIXES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--file", required=True, help="the GGUF to write, then load")
+    ap.add_argument("--tokens", type=int, default=128, help="decoded tokens of the second request")
+    ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if a.load_only:
+        print(RESULT + json.dumps(load(a)), flush=True)
+        return 0
+    res = write(a) | {"tokens": a.tokens, "device": a.device}
+    drop_cached_pages(a.file)
+    child = subprocess.run([sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device,
+                            "--tokens", str(a.tokens)], capture_output=True, text=True, env=os.environ)
+    line = next((x for x in child.stdout.splitlines() if x.startswith(RESULT)), None)
+    if child.returncode or line is None:
+        print(child.stdout + child.stderr, file=sys.stderr)
+        return child.returncode or 1
+    res |= json.loads(line[len(RESULT):])
+    text = report(res)
+    print(text)
+    if a.out:
+        a.out.with_suffix(".md").write_text(text)
+        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

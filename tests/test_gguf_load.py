@@ -1,0 +1,35 @@
+"""scripts/gguf_load.py on the CPU at the tiny preset: the file it writes from tensors drawn one at a time loads,
+holds the mix's block types, and the report carries every measurement (the H200 run: benchmarks/seed_protocol.sh
+h200-q4km24-load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gguf import GGMLQuantizationType, GGUFReader
+
+from qspec.bench.device_model import bench_config
+from qspec.weights.quant_mix import mix_plan
+
+
+def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    f, out = tmp_path / "m.gguf", tmp_path / "r"
+    env = dict(os.environ, PYTHONPATH=str(root))
+    r = subprocess.run([sys.executable, str(root / "scripts" / "gguf_load.py"), "--preset", "tiny", "--layers", "2",
+                        "--device", "cpu", "--file", str(f), "--tokens", "8", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = bench_config("tiny", layers=2)
+    plan = mix_plan("q4_k_m", cfg)
+    got = {t.name: t.tensor_type for t in GGUFReader(f).tensors}
+    blocks = {n: q for n, q in got.items() if q != GGMLQuantizationType.F32}
+    assert blocks and all(plan[n] == q for n, q in blocks.items())  # the mix's types (at this size, its fallbacks)
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["file_bytes"] == f.stat().st_size and res["layers"] == 2
+    assert res["load_s"] > 0 and res["peak_rss"] >= res["rss_before_load"] > 0 and res["decode_tps_second_request"] > 0
+    assert "first token" in out.with_suffix(".md").read_text()
