@@ -81,14 +81,16 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-auto-p30) bench merge "${fn8[@]}" --accept-profile p=0.3 \
         --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     #     auto:8 against plain and every fixed depth 1..8, per acceptance profile (scripts/gpu_depth.py: one process
-    #     per step, the model compiled once; two steps fit the time limit): geometric p, then the demo model's traces
+    #     per step, the model compiled once; two steps fit the time limit): geometric p (a fresh stream per generation,
+    #     the same for every arm), then the demo model's traces
     h200-fn8-depths-a) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
-        --profile p=0.3 --profile p=0.5 --profile p=0.7 --profile p=0.85 ;;
+        --profile p=0.3,fresh=1 --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 --profile p=0.85,fresh=1 ;;
     h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
-        --profile p=0.95 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
+        --profile p=0.95,fresh=1 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
         --profile trace=benchmarks/results/demo-accept-trace-prose-long.json ;;
     h200-q4km48-depths) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 48 --quant q4_k_m \
-        --max-depth 6 --reps 1 --gen-tokens 256 --out "$out/$step" --profile p=0.85 --profile p=0.5 ;;
+        --max-depth 6 --reps 1 --gen-tokens 256 --out "$out/$step" --profile p=0.85,fresh=1 \
+        --profile p=0.5,fresh=1 ;;
     # (h) block weights (llama.cpp's per-tensor types, generated and quantized on the GPU): 8 layers Q4_K_M, the
     #     geometry of the llama.cpp comparison file; the whole 48 layers Q4_K_M (plain, MTP3 and MTP5 in one process;
     #     or split in two processes: the build, the warm-ups and a 4,096-token prefill per run); the int8-activation

@@ -14,9 +14,9 @@ depth d takes min(d, count)).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
-import random
 import statistics
 import subprocess
 import sysconfig
@@ -56,31 +56,9 @@ def prose_prompts(tok: Tokenizer, V: int, n: int, length: int) -> list[list[int]
     return [ids[i * length:(i + 1) * length] for i in range(min(n, len(ids) // length))]
 
 
-class FreshStreams:
-    """Geometric acceptance p whose random stream is seeded anew at every generation: the k-th generation of every arm
-    draws the k-th stream. AcceptProfile's hook restarts one stream at every generation, so that every request begins
-    with the same draws (at seed 0: the first two rounds rejected for any p <= 0.75), which an adaptive depth reads as
-    a property of the text. (A generation of auto's without a drafting round draws no stream: auto's k-th stream can
-    then be another arm's k+1-th, of the same distribution.)"""
-
-    def __init__(self, p: float, seed: int) -> None:
-        self.p, self.seed, self.gen = p, seed, -1
-        self.rng = random.Random(seed)
-
-    def __call__(self, rnd: int, n_draft: int) -> int:
-        if rnd == 0:
-            self.gen += 1
-            self.rng = random.Random(f"{self.seed}:{self.gen}")
-        k = 0
-        while k < n_draft and self.rng.random() < self.p:
-            k += 1
-        return k
-
-
 def replay_hook(profile: AcceptProfile, fresh: bool) -> AcceptHook | None:
-    if fresh and profile.kind == "p":
-        return FreshStreams(profile.p, profile.seed)
-    return profile.hook()
+    """The profile's hook; `fresh`: geometric streams seeded anew per generation (AcceptProfile's fresh=1)."""
+    return dataclasses.replace(profile, fresh=True).hook() if fresh and profile.kind == "p" else profile.hook()
 
 
 def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:

@@ -90,6 +90,21 @@ def test_geometric_profile_statistics() -> None:
     assert prof.expected_by_position(3) == pytest.approx([0.85, 0.85**2, 0.85**3])
 
 
+def test_fresh_geometric_streams() -> None:
+    """fresh=1: the k-th generation draws the k-th stream of the seed, the same for every arm's hook."""
+    prof = AcceptProfile.parse("p=0.6,fresh=1")
+    assert prof.fresh and prof.as_dict()["fresh_streams"]
+    a, b = prof.hook(), prof.hook()
+    assert a is not None and b is not None
+    gens_a = [[a(r, 4) for r in range(50)] for _ in range(3)]  # round 0 starts a generation
+    gens_b = [[b(r, 4) for r in range(50)] for _ in range(3)]
+    assert gens_a == gens_b and gens_a[0] != gens_a[1] != gens_a[2]
+    same = AcceptProfile.parse("p=0.6").hook()  # without fresh: every generation replays one stream
+    assert same is not None and [same(r, 4) for r in range(50)] == [same(r, 4) for r in range(50)]
+    with pytest.raises(ValueError, match="fresh"):
+        AcceptProfile.parse("p=0.6,fresh=2")
+
+
 def test_fixed_and_trace_profiles(tmp_path: Path) -> None:
     fixed = AcceptProfile.parse("fixed=4").hook()
     assert fixed is not None and [fixed(r, 3) for r in range(3)] == [3, 3, 3] and fixed(0, 5) == 4

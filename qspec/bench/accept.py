@@ -7,8 +7,12 @@ accepted count. Every result produced this way is labelled "replayed acceptance"
 
 Profiles (`AcceptProfile.parse`):
   model | none       the model's own greedy acceptance (no hook)
-  p=0.85[,seed=S]    draft i accepted with probability p given draft i-1 accepted (a seeded geometric chain:
-                     position i is accepted in a fraction p^(i+1) of rounds)
+  p=0.85[,seed=S][,fresh=1]
+                     draft i accepted with probability p given draft i-1 accepted (a seeded geometric chain:
+                     position i is accepted in a fraction p^(i+1) of rounds); the stream restarts at every
+                     generation, or with fresh=1 the k-th generation draws the k-th stream of the seed (every arm
+                     the same k-th one): one stream's start, e.g. seed 0's first two rounds rejected at p <= 0.75,
+                     then does not repeat in every request, where an adaptive depth would read it as the text's
   fixed=K            K drafts accepted every round (clamped to the draft depth)
   trace=FILE[,arm=A] accepted counts cycled from FILE: a JSON list of ints, {"accepted": [...]}, or a qspec
                      bench result (the `rounds.accepted` of its runs, optionally only arm A's)
@@ -40,16 +44,19 @@ MODEL_LABEL = "model acceptance"
 
 
 class _GeometricHook:
-    """Accepts draft i with probability p given i-1 accepted; restarts its RNG at round 0 of every generation,
-    so every run (and every arm) replays the same random stream."""
+    """Accepts draft i with probability p given i-1 accepted; restarts its RNG at round 0 of every generation, so
+    every run (and every arm) replays the same random stream, or (`fresh`) seeds the k-th generation's stream with
+    (seed, k). (A generation without a drafting round draws no stream: an adaptive arm's k-th stream can then be
+    another arm's k+1-th, of the same distribution.)"""
 
-    def __init__(self, p: float, seed: int) -> None:
-        self.p, self.seed = p, seed
+    def __init__(self, p: float, seed: int, fresh: bool = False) -> None:
+        self.p, self.seed, self.fresh, self.gen = p, seed, fresh, -1
         self.rng = random.Random(seed)
 
     def __call__(self, rnd: int, n_draft: int) -> int:
         if rnd == 0:
-            self.rng = random.Random(self.seed)
+            self.gen += 1
+            self.rng = random.Random(f"{self.seed}:{self.gen}" if self.fresh else self.seed)
         k = 0
         while k < n_draft and self.rng.random() < self.p:
             k += 1
@@ -142,6 +149,7 @@ class AcceptProfile:
     p: float = 0.0
     k: int = 0
     seed: int = 0
+    fresh: bool = False  # p=: a new stream per generation (see _GeometricHook)
     trace: tuple[int, ...] = field(default=(), repr=False)
     trace_depth: int | None = None  # the depth the trace was recorded at (its full rounds' runs go on)
     spec: str = "model"  # the string it was parsed from
@@ -156,7 +164,7 @@ class AcceptProfile:
         if len(kinds) != 1:
             raise ValueError(f"accept profile {s!r}: give exactly one of p=, fixed=, trace= (or 'model')")
         kind = kinds[0]
-        allowed = {"p": {"p", "seed"}, "fixed": {"fixed"}, "trace": {"trace", "arm"}}[kind]
+        allowed = {"p": {"p", "seed", "fresh"}, "fixed": {"fixed"}, "trace": {"trace", "arm"}}[kind]
         extra = set(kv) - allowed
         if extra:
             raise ValueError(f"accept profile {s!r}: unknown key(s) {', '.join(sorted(extra))} for {kind}=")
@@ -165,7 +173,10 @@ class AcceptProfile:
                 p = float(kv["p"])
                 if not 0.0 <= p <= 1.0:
                     raise ValueError(f"p must be in [0, 1], got {p}")
-                return cls("p", p=p, seed=int(kv.get("seed", 0)), spec=s)
+                fresh = kv.get("fresh", "0")
+                if fresh not in ("0", "1"):
+                    raise ValueError(f"fresh must be 0 or 1, got {fresh!r}")
+                return cls("p", p=p, seed=int(kv.get("seed", 0)), fresh=fresh == "1", spec=s)
             if kind == "fixed":
                 k = int(kv["fixed"])
                 if k < 0:
@@ -187,7 +198,7 @@ class AcceptProfile:
     def hook(self) -> AcceptHook | None:
         """A fresh accept_hook for EngineHooks (None: the model's own acceptance)."""
         if self.kind == "p":
-            return _GeometricHook(self.p, self.seed)
+            return _GeometricHook(self.p, self.seed, self.fresh)
         if self.kind == "fixed":
             return _FixedHook(self.k)
         if self.kind == "trace":
@@ -206,7 +217,7 @@ class AcceptProfile:
         d: dict[str, Any] = {"mode": "replayed" if self.replayed else "model", "label": self.label,
                              "profile": self.spec, "kind": self.kind}
         if self.kind == "p":
-            d |= {"p": self.p, "seed": self.seed}
+            d |= {"p": self.p, "seed": self.seed, "fresh_streams": self.fresh}
         elif self.kind == "fixed":
             d["fixed"] = self.k
         elif self.kind == "trace":

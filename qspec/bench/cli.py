@@ -236,8 +236,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--warmup", type=int, default=WARMUP_TOKENS,
                    help="warmup tokens per arm and prompt length, 0 to skip (default %(default)s)")
     r.add_argument("--accept-profile", metavar="SPEC",
-                   help="replayed acceptance for random models: p=0.85[,seed=S] | fixed=K | trace=FILE[,arm=A] "
-                        "(default: the model's own acceptance)")
+                   help="replayed acceptance for random models: p=0.85[,seed=S][,fresh=1] | fixed=K | "
+                        "trace=FILE[,arm=A] (default: the model's own acceptance)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="OUT", help="write every run and the summary as JSON")
     o.add_argument("--markdown", metavar="OUT", help="write the Markdown table")
