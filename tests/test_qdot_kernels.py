@@ -205,7 +205,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    for cfg in ((32, 4, 2), (32, 4, 2, True)) if T_ == 1 else ((32, 4, 1, True),):
+    for cfg in ((32, 4, 2), (32, 4, 2, True, 16, 3)) if T_ == 1 else ((32, 4, 1, True),):
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
@@ -267,5 +267,5 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2, True), (8, 2, 5, True), (16, 4, 10, True)):
+        for cfg in ((8, 2, 2, True), (8, 2, 5, True, 16, 3), (16, 4, 10, True, 32, 3)):
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)

@@ -76,6 +76,8 @@ class MoeConfig(NamedTuple):
     warps: int
     unroll: int = 1  # 256-weight steps per loop iteration
     paired: bool = False  # gate/up: the two products' steps alternate in one loop (twice the bytes in flight)
+    down_rows: int = 0  # down's weight rows per program (0: rows)
+    down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
 
 
 QDOT_MOE_CONFIG = MoeConfig(8, 2)
@@ -570,7 +572,9 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
         ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), PAIRED=bool(cfg.paired), **kw,
         **pdl_launch(h))
-    _qdot_down_kernel[(triton.cdiv(D, cfg.rows), T_ * k)](
+    down_rows = cfg.down_rows or cfg.rows
+    kw["UNROLL"] = cfg.down_unroll or cfg.unroll
+    _qdot_down_kernel[(triton.cdiv(D, down_rows), T_ * k)](
         *quantize_x_triton(act), top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0),
-        dr.stride(0), dr.stride(1), BN=cfg.rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
+        dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
     return y
