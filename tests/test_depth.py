@@ -180,18 +180,48 @@ def test_cost_table_fits_measured_depths() -> None:
     assert c.cost(0) == pytest.approx(2.0 / (1 + c.cost_slope))
     c.observe_cost(5, 4.0)
     assert c.cost(3) == pytest.approx(3.0) and c.cost(6) == pytest.approx(4.5)
-    for x in (2.5, 2.6, 40.0):  # a capture's outlier does not move the median; the line smooths depth 3's noise
+    assert c.cost(5) == pytest.approx(4.0)  # its own sample and the line agree
+    for x in (2.5, 2.6, 40.0):  # a capture's outlier does not move the median; the line tempers depth 3's own
         c.observe_cost(3, x)
-    assert c.cost(3) == pytest.approx((2.0 + 2.6 + 4.0) / 3)
+    line3 = (2.0 + 2.6 + 4.0) / 3  # the line through the medians at depths 1, 3, 5, at their mean depth
+    assert c.cost(3) == pytest.approx((3 * 2.6 + c.line_weight * line3) / (3 + c.line_weight))
     c.observe_cost(0, 1.5)
     assert c.cost(0) == 1.5 and c.cost(1) < 2.0
-    for x in (9.0, 9.0, 9.0):  # costs falling with depth (noise): the line is flat, never falling
+    for x in (9.0, 9.0, 9.0):  # costs falling with depth (noise): the line is flat, the table never falls
         c.observe_cost(1, x)
-    assert c.cost(6) >= c.cost(1)
+    table = c.costs()
+    assert all(a <= b for a, b in zip(table[1:-1], table[2:], strict=True)), table
     with pytest.raises(ValueError, match="accepted of a depth-2 round"):
         c.observe(2, 3)
     with pytest.raises(ValueError, match="maximum depth in 1..8"):
         DepthController(0)
+
+
+def test_cost_table_keeps_a_step() -> None:
+    """Costs that jump between two depths (a verify of one more row reading many more experts): each depth's own
+    median keeps most of the jump that a line through all of them would spread over every depth."""
+    c = DepthController(6)
+    costs = {1: 2.0, 2: 2.2, 3: 2.4, 4: 3.4, 5: 3.6, 6: 3.8}
+    for d, x in costs.items():
+        for _ in range(6):
+            c.observe_cost(d, x)
+    slope = 0.40571  # the least-squares line through the six medians
+    assert c.cost(4) - c.cost(3) > 2 * slope
+    assert abs(c.cost(3) - 2.4) < 0.1 and abs(c.cost(4) - 3.4) < 0.1
+    flat = DepthController(6, line_weight=1e9)  # the line alone
+    for d, x in costs.items():
+        flat.observe_cost(d, x)
+    assert flat.cost(4) - flat.cost(3) == pytest.approx(slope, abs=1e-3)
+    with pytest.raises(ValueError, match="line_weight"):
+        DepthController(6, line_weight=-1)
+
+
+def test_nondecreasing_pools_falling_runs() -> None:
+    from qspec.spec.depth import nondecreasing
+
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert nondecreasing([5.0, 1.0, 1.0, 1.0]) == [2.0, 2.0, 2.0, 2.0]
+    assert nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0] and nondecreasing([]) == []
 
 
 class Scripted(DepthController):

@@ -15,13 +15,15 @@ argmax_d E(d) / cost(d).
   request starts from what the engine's text accepted (its first rounds, which often accept less than its later
   ones, do not stop drafting on their own), and a long plain stretch, over which the request's counts decay, brings
   the estimate back to that, not to `prior`.
-- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and
-  for the drafting depths a line through those medians (robust to one depth's noise; `cost_slope` per draft relative
-  to a single measured depth). Costs outlive a request: the engine measures them in its warm-up and refreshes them from
-  every round's wall time, which costs a clock read. A depth next to the best one whose cost is older than
-  `stale_after` choices, and whose rate is within REFRESH_WITHIN of the best one's, is chosen for two rounds
-  ("refresh"; depth 0: a short plain stretch), so a warm-up taken in a loaded moment, or a host that changed speed
-  since, does not decide for good.
+- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and for
+  the drafting depths a line through those medians, each depth's own median weighed in against the line as its samples
+  count against `line_weight` pseudo-samples: the line tempers one depth's noise, the depth's own samples keep a real
+  step in the costs (a verify of 5 rows reading many more experts than one of 4) that a line would smooth away
+  (scripts/depth_sim.py). `cost_slope` per draft relative to a single measured depth. Costs outlive a request: the
+  engine measures them in its warm-up and refreshes them from every round's wall time, which costs a clock read. A
+  depth next to the best one whose cost is older than `stale_after` choices, and whose rate is within REFRESH_WITHIN
+  of the best one's, is chosen for two rounds ("refresh"; depth 0: a short plain stretch), so a warm-up taken in a
+  loaded moment, or a host that changed speed since, does not decide for good.
 - Depth 0: when no depth pays, the engine decodes `plain_tokens` tokens plainly, then drafts a probe of two rounds
   (the best depth >= 1; two because a round's successor is chosen before its outcome is read) to measure again.
   Each trial that finds drafting still does not pay doubles the plain stretch (up to `off_max`; a request inherits
@@ -58,6 +60,19 @@ STOP_MARGIN = 0.05
 START_FAILS = 2
 
 
+def nondecreasing(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators: each run that falls becomes
+    its mean)."""
+    blocks: list[list[float]] = []  # [sum, count] per pooled run
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+
+
 @dataclass(frozen=True)
 class DepthChoice:
     depth: int
@@ -84,16 +99,19 @@ class DepthStats:
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
                  cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
-                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 96) -> None:
+                 prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 96,
+                 line_weight: float = 2.0) -> None:
         if not 1 <= max_depth <= 8:
             raise ValueError(f"the automatic draft depth needs a maximum depth in 1..8, got {max_depth}")
         if (not 0.0 < decay <= 1.0 or not 0.0 < prior_decay <= 1.0 or not 0.0 <= prior <= 1.0 or prior_weight <= 0
-                or carry < 0):
+                or carry < 0 or line_weight < 0):
             raise ValueError(f"depth controller: decay and prior_decay in (0, 1], prior in [0, 1], prior_weight > 0, "
-                             f"carry >= 0 (got {decay}, {prior_decay}, {prior}, {prior_weight}, {carry})")
+                             f"carry >= 0, line_weight >= 0 (got {decay}, {prior_decay}, {prior}, {prior_weight}, "
+                             f"{carry}, {line_weight})")
         self.max_depth, self.prior, self.prior_weight, self.decay = max_depth, prior, prior_weight, decay
         self.cost_slope, self.off_min, self.off_max = cost_slope, off_min, off_max
         self.prior_decay, self.carry, self.stale_after = prior_decay, carry, stale_after
+        self.line_weight = line_weight
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
@@ -171,7 +189,9 @@ class DepthController:
             if sum(k and not self.warmup_only[d] for d, k in enumerate(keep) if d) >= 2:
                 keep = [k and not (d and self.warmup_only[d]) for d, k in enumerate(keep)]
             med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
-            self._cost_table = [self._cost(d, med) for d in range(self.max_depth + 1)]
+            table = [self._cost(d, med) for d in range(self.max_depth + 1)]
+            # a deeper round does more work: noise must not make it look cheaper than a shallower one
+            self._cost_table = table[:1] + nondecreasing(table[1:])
             self._cost_key = key
         return self._cost_table
 
@@ -185,7 +205,11 @@ class DepthController:
             my = sum(c for _, c in known) / n
             slope = max(0.0, sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known))
             if depth > 0:
-                return max(my + slope * (depth - mx), 1e-9)
+                line = max(my + slope * (depth - mx), 1e-9)
+                if depth not in med:
+                    return line
+                n = len(self.samples[depth])
+                return (n * med[depth] + self.line_weight * line) / (n + self.line_weight)
             known = [(mx, my)]  # depth 0 not measured: read off the mean point by the prior slope
         d0, c0 = known[0] if known else (0, med.get(0, 1.0))
         return c0 * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
