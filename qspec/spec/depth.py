@@ -169,9 +169,10 @@ class DepthController:
 
     def cost(self, depth: int) -> float:
         """Seconds per round at `depth`. Depth 0 (a plain step): its measured median. Drafting depths: a line
-        a + b * d (b >= 0) through the measured depths' medians, which smooths one depth's noisy samples (a loaded
-        host) with its neighbours'; one measured depth, or only the plain step, scales by 1 + cost_slope * d.
-        Relative units (1 + cost_slope * d) before anything is measured."""
+        a + b * d (b >= 0) through the measured depths' medians, which tempers one depth's noisy samples (a loaded
+        host) with its neighbours', blended with the depth's own median (line_weight), never falling with depth; one
+        measured depth, or only the plain step, scales by 1 + cost_slope * d. Relative units (1 + cost_slope * d)
+        before anything is measured."""
         return self.costs()[depth]
 
     def costs(self) -> list[float]:
