@@ -209,8 +209,8 @@ class DepthController:
                 line = max(my + slope * (depth - mx), 1e-9)
                 if depth not in med:
                     return line
-                n = len(self.samples[depth])
-                return (n * med[depth] + self.line_weight * line) / (n + self.line_weight)
+                own = len(self.samples[depth])  # the depth's own samples, against line_weight pseudo-samples
+                return (own * med[depth] + self.line_weight * line) / (own + self.line_weight)
             known = [(mx, my)]  # depth 0 not measured: read off the mean point by the prior slope
         d0, c0 = known[0] if known else (0, med.get(0, 1.0))
         return c0 * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
