@@ -267,5 +267,8 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2, True), (8, 2, 5, True, 16, 3), (16, 4, 10, True, 32, 3)):
+        for cfg in ((8, 2, 2, True), (8, 2, 5, True, 16, 3)):
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
+        # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
+        # the same numbers to rounding, not the same bits
+        assert rel_err(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, True, 32, 3)), yb) <= MOE_TIGHT

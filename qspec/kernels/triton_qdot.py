@@ -80,7 +80,9 @@ class MoeConfig(NamedTuple):
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
 
 
-QDOT_MOE_CONFIG = MoeConfig(8, 2)
+# `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): gate/up's steps alternating, five
+# per loop, and down in 16-row programs were the fastest at 1 and 6 tokens.
+QDOT_MOE_CONFIG = MoeConfig(8, 2, 5, True, 16, 3)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
 if HAS_TRITON:
