@@ -194,8 +194,7 @@ def test_interp_stacked_products_quantize_x_once() -> None:
 @pytest.mark.parametrize("T_", [1, 3])
 def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType, T_: int) -> None:
     """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step),
-    D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled and paired configs give the
-    same bits."""
+    D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled configs give the same bits."""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
     E, Fd, D, k = 5, 96, 768, 2
@@ -205,7 +204,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    for cfg in ((32, 4, 2), (32, 4, 2, True, 16, 3)) if T_ == 1 else ((32, 4, 1, True),):
+    for cfg in ((32, 4, 2), (32, 4, 2, 16, 3)) if T_ == 1 else ((32, 4, 3),):
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
@@ -267,8 +266,8 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2, True), (8, 2, 5, True, 16, 3)):
+        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3)):
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
         # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
         # the same numbers to rounding, not the same bits
-        assert rel_err(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, True, 32, 3)), yb) <= MOE_TIGHT
+        assert rel_err(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, 32, 3)), yb) <= MOE_TIGHT

@@ -300,11 +300,11 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws
-# the experts' (rows, warps[, steps per iteration, gate/up paired, down's rows, down's steps per iteration]): the
-# default, wider blocks, unrolled, paired, down unrolled over its whole K (640: three steps) and wider
-QDOT_MOE_CONFIGS = ((4, 2), (8, 2), (8, 4), (16, 2), (8, 2, 2), (8, 2, 5), (8, 2, 1, 1), (8, 2, 2, 1), (8, 2, 5, 1),
-                    (8, 2, 10, 1), (4, 2, 5, 1), (16, 4, 5, 1), (16, 4, 10, 1), (32, 4, 10, 1), (8, 2, 1, 0, 8, 3),
-                    (8, 2, 5, 1, 8, 3), (8, 2, 5, 1, 16, 3), (8, 2, 10, 1, 32, 3), (16, 4, 10, 1, 16, 3))
+# the experts' (rows, warps[, gate/up steps per iteration, down's rows, down's steps per iteration]): around the
+# default (8, 2, 5, 16, 3): narrower and wider blocks, fewer and more steps per iteration, down unrolled over its whole
+# K (640: three steps) in 8 to 32 rows
+QDOT_MOE_CONFIGS = ((8, 2), (4, 2, 5), (8, 2, 2), (8, 2, 5), (8, 2, 10), (16, 4, 5), (8, 2, 5, 8, 3), (8, 2, 5, 16, 3),
+                    (4, 2, 5, 16, 3), (8, 2, 10, 32, 3), (16, 4, 10, 16, 3))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:

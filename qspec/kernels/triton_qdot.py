@@ -74,15 +74,15 @@ class MoeConfig(NamedTuple):
 
     rows: int  # weight rows per program
     warps: int
-    unroll: int = 1  # 256-weight steps per loop iteration
-    paired: bool = False  # gate/up: the two products' steps alternate in one loop (twice the bytes in flight)
+    unroll: int = 1  # 256-weight steps per loop iteration (gate's and up's steps alternate: twice the bytes in flight)
     down_rows: int = 0  # down's weight rows per program (0: rows)
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
 
 
-# `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): gate/up's steps alternating, five
-# per loop, and down in 16-row programs were the fastest at 1 and 6 tokens.
-QDOT_MOE_CONFIG = MoeConfig(8, 2, 5, True, 16, 3)
+# `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
+# in 16-row programs were the fastest at 1 and 6 tokens (and alternating gate's and up's steps in one loop beat two
+# loops, which are gone since).
+QDOT_MOE_CONFIG = MoeConfig(8, 2, 5, 16, 3)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 
 if HAS_TRITON:
@@ -414,23 +414,16 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             PAIRED: tl.constexpr = False, PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]. PAIRED: gate's and up's steps alternate in one loop (the same bits)."""
+        e = top_i[t, j]; gate's and up's steps alternate in one loop."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
-        if PAIRED:
-            g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr,
-                                     uw_ptr, urow, fmask, D, BN, QG, QU, ASM, UNROLL)
-        else:
-            steps = tl.cdiv(D, 256)
-            g = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, fmask, D, 0, steps, 1, 1, BN,
-                           QG, ASM, UNROLL)
-            u = _qdot_rows(xq, xd, xs, xg, 0, 0, 0, ub_ptr, uh_ptr, ui_ptr, uw_ptr, urow, fmask, D, 0, steps, 1, 1, BN,
-                           QU, ASM, UNROLL)
+        g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
+                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
@@ -572,7 +565,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), PAIRED=bool(cfg.paired), **kw,
+        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw,
         **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
