@@ -8,7 +8,8 @@ counts at depth 8, `scripts/depth_cpu.py --traces`, replayed by token position a
 round at depth d from position t takes min(d, count(t)), a plain stretch moves on through the text). The controller
 gets each round's cost with multiplicative noise (`--noise`, lognormal sigma), as a clock on a loaded host would
 give it; it chooses each round's successor before the round's outcome, as the engine does; its plain stretches may
-cost more than plain decoding (`--plain-overhead`). Every arm replays the same seeded stream per request.
+cost more than plain decoding (`--plain-overhead` per token, `--plain-fixed` per stretch). Every arm replays the same
+seeded stream per request.
 
     PYTHONPATH=. python scripts/depth_sim.py --out benchmarks/results/depth-sim-DATE.md
 """
@@ -103,19 +104,22 @@ def calibrated(costs: list[float], flat: float) -> list[float]:
 
 def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
             noise: float, seed: int, flat: float = 1.0, plain_overhead: float = 1.0,
-            controller: dict[str, float] | None = None) -> tuple[float, Counter]:
+            controller: dict[str, float] | None = None, plain_fixed: float = 0.0) -> tuple[float, Counter]:
     """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
     controller's depth histogram (depth 0 counted in plainly decoded tokens). As in the engine, the controller
     chooses a round's successor before the round's outcome is known (the next draft chain is queued before the
-    read-back), and its plain stretches cost `plain_overhead` times plain decoding (the draft head kept current, the
-    pipeline restarted at each stretch's end)."""
+    read-back), and its plain stretches cost `plain_overhead` times plain decoding (the draft head kept current) plus
+    `plain_fixed` plain tokens' time once per stretch (the pipeline's restart, the head's last catch-up)."""
     ctl = None
     if depth is None:
         ctl = DepthController(len(costs) - 1, **(controller or {}))
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             ctl.force = d
             for _ in range(2):
-                ctl.observe_cost(d, c * (plain_overhead if d == 0 else 1.0))
+                if d == 0:  # its plain stretches are the shortest ones
+                    ctl.plain_done(ctl.off_min, c * (ctl.off_min * plain_overhead + plain_fixed))
+                else:
+                    ctl.observe_cost(d, c)
         ctl.force = None
         ctl.calibrated = True
         ctl.forget_acceptance()
@@ -133,7 +137,7 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
             if d == 0:
                 m = min(plain, tokens - n)
                 source.plain(m)
-                c = m * costs[0] * (plain_overhead if ctl is not None else 1.0)
+                c = costs[0] * (m * plain_overhead + plain_fixed if ctl is not None else m)
                 total_t += c
                 n += m
                 hist[0] += m
@@ -186,6 +190,8 @@ def main() -> int:
                     help="the warm-up's cost slope over the requests' (the H200 48-layer run's warm-up: ~0.45)")
     ap.add_argument("--plain-overhead", type=float, default=1.0,
                     help="auto's plain stretches over plain decoding's cost (H200, 8 layers: 746 / 714 ~ 1.045)")
+    ap.add_argument("--plain-fixed", type=float, default=0.0,
+                    help="what each of auto's plain stretches costs once, in plain tokens' time")
     ap.add_argument("--trace-phase", action="store_true",
                     help="each request starts at a random place of a trace (else the trace goes on across requests)")
     ap.add_argument("--controller", default="", metavar="K=V,...",
@@ -202,7 +208,7 @@ def main() -> int:
             fixed = {d: statistics.mean(run_arm(costs, make(s), d, a.requests, a.tokens, 0, s)[0]
                                         for s in range(a.seeds)) for d in range(7)}
             autos = [run_arm(costs, make(s), None, a.requests, a.tokens, a.noise, s, a.flat, a.plain_overhead,
-                             controller)
+                             controller, a.plain_fixed)
                      for s in range(a.seeds)]
             auto = statistics.mean(x for x, _ in autos)
             best = max(fixed, key=fixed.__getitem__)

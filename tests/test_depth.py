@@ -99,6 +99,7 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
         stretches.append(ch.plain_tokens)
     assert stretches == [2 * c.off_min, 4 * c.off_min, 8 * c.off_min, min(16 * c.off_min, c.off_max)]
     assert c.stats.plain_tokens == c.off_min * (1 + 2 + 4 + 8) and c.stats.depths[0] == 5
+    assert c.stats.stretches == [] and c.next_plain_tokens() == ch.plain_tokens  # none of them timed
     # the text turns predictable: the probe sees it, and the controller drafts deep again
     c.plain_done(ch.plain_tokens, None)
     feed(c, 0.97, 50, random.Random(0))  # the long-run counts, all rejections so far, take a few more rounds
@@ -110,6 +111,15 @@ def test_drafting_that_does_not_pay_stops_and_recovers() -> None:
             break
         c.observe(ch.depth, 0)
     assert ch.reason == "off" and ch.plain_tokens == c.off_min
+
+
+def test_timed_stretches_are_cost_samples_and_counters() -> None:
+    """A timed plain stretch gives depth 0 a per-token sample and shows in the counters as (tokens, seconds)."""
+    c = controller(3)
+    c.plain_done(3, 0.006)
+    c.plain_done(5, None)  # untimed (a step ran eagerly): counted as tokens only
+    assert c.stats.stretches == [(3, 0.006)] and c.stats.as_dict()["stretches"] == [(3, 0.006)]
+    assert c.samples[0][-1] == pytest.approx(0.002) and c.stats.plain_tokens == 8
 
 
 def test_a_probe_is_two_rounds_and_the_choice_after_sees_the_first() -> None:
@@ -317,7 +327,7 @@ def test_auto_engine_counters_and_calibration(tiny_model: Model, monkeypatch: py
     assert g.tokens == ref
     assert all(eng.depth.samples[d] for d in range(3)) and eng.depth.calibrated
     d = g.depth
-    assert set(d) == {"depth_histogram", "reasons", "plain_tokens", "choices"}
+    assert set(d) == {"depth_histogram", "reasons", "plain_tokens", "choices", "stretches"}
     assert sum(d["depth_histogram"].values()) == len(d["choices"]) > 0
     first = d["choices"][0]
     assert len(first["acceptance"]) == 2 and len(first["tokens_per_s"]) == 3

@@ -90,10 +90,12 @@ class DepthStats:
     reasons: Counter = field(default_factory=Counter)
     plain_tokens: int = 0  # tokens decoded plainly because drafting did not pay
     log: list[dict[str, object]] = field(default_factory=list)
+    stretches: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) of each timed plain stretch
 
     def as_dict(self) -> dict[str, object]:
         return {"depth_histogram": {str(d): n for d, n in sorted(self.depths.items())},
-                "reasons": dict(self.reasons), "plain_tokens": self.plain_tokens, "choices": self.log}
+                "reasons": dict(self.reasons), "plain_tokens": self.plain_tokens, "choices": self.log,
+                "stretches": [(n, round(t, 6)) for n, t in self.stretches]}
 
 
 class DepthController:
@@ -215,6 +217,10 @@ class DepthController:
         d0, c0 = known[0] if known else (0, med.get(0, 1.0))
         return c0 * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
 
+    def next_plain_tokens(self) -> int:
+        """The length of the next plain stretch, were drafting to stop now."""
+        return min(self.off_max, self.off_min << self.fails)
+
     def rates(self, acc: list[float] | None = None) -> list[float]:
         """Expected tokens per second at every depth 0..N."""
         acc = self.acceptance() if acc is None else acc
@@ -247,7 +253,7 @@ class DepthController:
             # drafting that stops again soon after a stretch was a failed trial: the next stretch is longer
             self.fails = self.fails + 1 if self.since_plain < SUSTAIN else 0
             depth, reason = 0, "off"
-            plain = min(self.off_max, self.off_min << self.fails)
+            plain = self.next_plain_tokens()
         elif (stale := self._stale(best, rates)) is not None:
             depth, reason = stale, "refresh"
             # a drafting depth: two rounds, the first one a clean sample (the engine times a round as its depth's
@@ -259,7 +265,7 @@ class DepthController:
         else:
             depth, reason = best, "best"
         if depth == 0 and not plain:
-            plain = min(self.off_max, self.off_min << self.fails)
+            plain = self.next_plain_tokens()
         self.last_reason = reason
         choice = DepthChoice(depth, reason, tuple(acc), rates[depth], plain)
         self.stats.depths[depth] += 1
@@ -316,8 +322,9 @@ class DepthController:
         self.probe_next = True
         if self.last_reason != "refresh":  # a re-measuring stretch is no trial of drafting
             self.since_plain = 0
-        if seconds is not None and tokens:
+        if seconds is not None and tokens and seconds > 0:
             self.observe_cost(0, seconds / tokens)
+            self.stats.stretches.append((tokens, seconds))
 
     def _decay(self, rounds: int, long: bool = False) -> None:
         """Age the request's counts by `rounds` rounds (and the long-run counts, with `long`)."""
