@@ -192,30 +192,30 @@ class DepthController:
             if sum(k and not self.warmup_only[d] for d, k in enumerate(keep) if d) >= 2:
                 keep = [k and not (d and self.warmup_only[d]) for d, k in enumerate(keep)]
             med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
-            table = [self._cost(d, med) for d in range(self.max_depth + 1)]
+            table = self._table(med)
             # a deeper round does more work: noise must not make it look cheaper than a shallower one
             self._cost_table = table[:1] + nondecreasing(table[1:])
             self._cost_key = key
         return self._cost_table
 
-    def _cost(self, depth: int, med: dict[int, float]) -> float:
-        if depth == 0 and 0 in med:
-            return med[0]
+    def _table(self, med: dict[int, float]) -> list[float]:
+        """cost(d) for d = 0..N from the kept depths' medians (before the table is made non-decreasing)."""
         known = [(d, c) for d, c in med.items() if d > 0]
-        if len(known) >= 2:
-            n = len(known)
-            mx = sum(d for d, _ in known) / n
-            my = sum(c for _, c in known) / n
-            slope = max(0.0, sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known))
-            if depth > 0:
-                line = max(my + slope * (depth - mx), 1e-9)
-                if depth not in med:
-                    return line
-                own = len(self.samples[depth])  # the depth's own samples, against line_weight pseudo-samples
-                return (own * med[depth] + self.line_weight * line) / (own + self.line_weight)
-            known = [(mx, my)]  # depth 0 not measured: read off the mean point by the prior slope
-        d0, c0 = known[0] if known else (0, med.get(0, 1.0))
-        return c0 * (1.0 + self.cost_slope * depth) / (1.0 + self.cost_slope * d0)
+        if len(known) < 2:  # one point (a drafting depth, else the plain step), scaled by the prior slope
+            d0, c0 = known[0] if known else (0, med.get(0, 1.0))
+            return [med[0] if d == 0 and 0 in med else c0 * (1.0 + self.cost_slope * d) / (1.0 + self.cost_slope * d0)
+                    for d in range(self.max_depth + 1)]
+        n = len(known)
+        mx = sum(d for d, _ in known) / n
+        my = sum(c for _, c in known) / n
+        slope = max(0.0, sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known))
+        # depth 0 not measured: read off the mean point by the prior slope
+        table = [med.get(0, my * 1.0 / (1.0 + self.cost_slope * mx))]
+        for d in range(1, self.max_depth + 1):
+            line = max(my + slope * (d - mx), 1e-9)
+            own = len(self.samples[d]) if d in med else 0  # the depth's own samples, against line_weight pseudo-ones
+            table.append((own * med[d] + self.line_weight * line) / (own + self.line_weight) if own else line)
+        return table
 
     def next_plain_tokens(self) -> int:
         """The length of the next plain stretch, were drafting to stop now."""
