@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 from gguf import GGMLQuantizationType
 
+from qspec.cache import keep_compiled_graphs
 from qspec.config import ConfigError, preset
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, cells_needed, context_error
 from qspec.loader import (
@@ -555,6 +556,7 @@ def _wants_bench(argv: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    keep_compiled_graphs()
     with warnings.catch_warnings():
         # Loader warnings (fallback tokenizer, ignored tensors) become one plain line each.
         warnings.showwarning = lambda msg, *_a, **_k: _say(f"qspec: warning: {msg}")

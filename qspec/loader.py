@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qspec.cache import cache_dir
 from qspec.config import ModelConfig, preset
 from qspec.model.model import Model
 from qspec.tokenizer import Tokenizer
@@ -363,13 +364,6 @@ def gguf_qtypes(cfg: ModelConfig, dtype: torch.dtype, qtype: GGMLQuantizationTyp
 
 
 # ---- the embedded default model -----------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """$QSPEC_CACHE_DIR, else $XDG_CACHE_HOME/qspec, else ~/.cache/qspec (the tokenizer cache uses the same)."""
-    if os.environ.get("QSPEC_CACHE_DIR"):
-        return Path(os.environ["QSPEC_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qspec"
-
-
 def default_model_config() -> ModelConfig:
     return preset("tiny", vocab_size=QWEN_VOCAB, mtp=True)
 

