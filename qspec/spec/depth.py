@@ -56,8 +56,9 @@ EXPIRE = 4
 # plain stretch, and an estimate's noise alone would otherwise stop rounds that pay (scripts/depth_sim.py).
 STOP_MARGIN = 0.05
 # The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
-# request may be of another kind of text).
-START_FAILS = 2
+# request may be of another kind of text; where drafting does not pay, each probe costs ~1% of a 256-token request:
+# scripts/depth_sim.py, BENCHMARKS.md §8).
+START_FAILS = 3
 
 
 def nondecreasing(values: list[float]) -> list[float]:
