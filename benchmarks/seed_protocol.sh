@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths-a h200-fn8-depths-b h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-profile h200-q4km24-load h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-profile h200-q4km24-load h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -81,8 +81,13 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-auto-p30) bench merge "${fn8[@]}" --accept-profile p=0.3 \
         --arms "nospec,ours-mtp1:from=ours,draft=1,ours-mtp3:from=ours,draft=3,ours,ours-auto:from=ours,auto=1,draft=6" ;;
     #     auto:8 against plain and every fixed depth 1..8, per acceptance profile (scripts/gpu_depth.py: one process
-    #     per step, the model compiled once; two steps fit the time limit): geometric p (a fresh stream per generation,
-    #     the same for every arm), then the demo model's traces
+    #     per step, the model compiled once): geometric p (a fresh stream per generation, the same for every arm) and
+    #     the demo model's traces, all in one step (~400 s at 27da8b6: the first profile ~170 s with the compilation,
+    #     each next one ~35 s) or split in two
+    h200-fn8-depths) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
+        --profile p=0.3,fresh=1 --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 --profile p=0.85,fresh=1 \
+        --profile p=0.95,fresh=1 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
+        --profile trace=benchmarks/results/demo-accept-trace-prose-long.json ;;
     h200-fn8-depths-a) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
         --profile p=0.3,fresh=1 --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 --profile p=0.85,fresh=1 ;;
     h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
