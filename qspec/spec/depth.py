@@ -211,7 +211,7 @@ class DepthController:
         my = sum(c for _, c in known) / n
         slope = max(0.0, sum((d - mx) * (c - my) for d, c in known) / sum((d - mx) ** 2 for d, _ in known))
         # depth 0 not measured: read off the mean point by the prior slope
-        table = [med.get(0, my * 1.0 / (1.0 + self.cost_slope * mx))]
+        table = [med.get(0, my / (1.0 + self.cost_slope * mx))]
         for d in range(1, self.max_depth + 1):
             line = max(my + slope * (d - mx), 1e-9)
             own = len(self.samples[d]) if d in med else 0  # the depth's own samples, against line_weight pseudo-ones
