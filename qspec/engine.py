@@ -32,11 +32,13 @@ from qspec.spec.depth import DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
-# Rows of a plain stretch the draft head runs at a time when no CUDA graph runs them (with graphs: the depth-N extend's
-# N + 1 rows, whose graph exists). The head's cache is kept current over the stretch so that the probe after it drafts
-# as a round that never stopped would; batching the rows makes that cheap: on the demo model on the CPU one head step
-# costs 0.9 ms for 1 row and 1.1 ms for 32 rows, against 3.7 ms for a plain step (1% added to depth 0's cost, which
-# the controller's measurement of depth 0 includes).
+# Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
+# its own with graphs), and the rows of each of its steps at a stretch's end when no graph runs them (with graphs: the
+# depth-N extend's N + 1 rows, whose graph exists). The head's cache is kept current over the stretch so that the probe
+# after it drafts as a round that never stopped would; batching the rows makes that cheap: on the demo model on the
+# CPU one head step costs 0.9 ms for 1 row and 1.1 ms for 32 rows, against 3.7 ms for a plain step. On the H200, with
+# the extend's N + 1 rows per write, a long stretch was measurably slower per token than plain decoding (BENCHMARKS.md
+# §8); the controller's measurement of depth 0 includes what is left.
 CATCH_UP_ROWS = 32
 # The most prompt tokens the depth calibration prefills (each of its generations prefills again).
 CALIBRATION_PROMPT = 8192
@@ -334,19 +336,21 @@ class Engine:
     def _catch_up(self, rows: list[tuple[torch.Tensor, torch.Tensor]], start: int,
                   last: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The draft head over rows (committed token [1], the target's residual of the position before) at positions
-        start.., which the target committed without it, in chunks of _catch_up_rows(). Only the last row's output is
-        ever read (with `last`: its logits and residual are returned), so every chunk before the one that holds it
-        writes its K/V cells only (runner.mtp_write_kv: no MoE, no head). With graphs that last chunk is padded so
-        that the extend's graph runs it (padding writes cells past the rows, rewritten before any draft reads them)."""
+        start.., which the target committed without it: without `last`, all of them in one step that writes their K/V
+        cells only; with `last`, in chunks of _catch_up_rows(). Only the last row's output is ever read (with `last`:
+        its logits and residual are returned), so every chunk before the one that holds it writes its K/V cells only
+        (runner.mtp_write_kv: no MoE, no head). With graphs that last chunk is padded so that the extend's graph runs it
+        (padding writes cells past the rows, rewritten before any draft reads them)."""
         run, dev = self.runner, self.model.device
         n, W = len(rows), self._catch_up_rows()
         toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
         X = torch.cat([x for _, x in rows])
-        cuts = list(range(0, n, W))
-        for c in cuts if not last else cuts[:-1]:
-            run.mtp_write_kv(toks[c:c + W], X[c:c + W], start + c)
         if not last:
+            run.mtp_write_kv(toks, X, start)
             return None
+        cuts = list(range(0, n, W))
+        for c in cuts[:-1]:
+            run.mtp_write_kv(toks[c:c + W], X[c:c + W], start + c)
         if n == 1:  # the shape of a sampled draft step (its graph, with graphs)
             return run.mtp_step(toks, X, start, self.draft_lm_head)
         c = cuts[-1]
@@ -361,14 +365,14 @@ class Engine:
                        ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Plain decoding of up to n tokens after `tok` (emitted, not yet run), pipelined as in _decode but the last
         step, whose token the next round runs. The draft head runs each step's row (token, residual) in batches of
-        _catch_up_rows() along the way (their K/V cells only) and the rest at the end, all charged to depth 0's cost
+        CATCH_UP_ROWS along the way (their K/V cells only) and the rest at the end, all charged to depth 0's cost
         -> (the last emitted token, the head's logits and residual over it), or None when the request ended."""
         run, reader, ctl, dev = self.runner, self.reader, self.depth, self.model.device
         t0, eager0 = time.perf_counter(), run.graph_stats.eager
         logits, X = run.step(upload([tok], dev))
         run.keep(1, rollback=False)
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # rows at positions run.n_tokens - len(pending) + 1..
-        W = self._catch_up_rows()
+        W = CATCH_UP_ROWS
         done = 0
         while True:
             req.phase("decode")

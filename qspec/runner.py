@@ -28,6 +28,8 @@ from qspec.options import EngineOptions
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
 GRAPH_MAX_ROWS = 16
+# The draft head's write-only steps over a plain stretch (engine.CATCH_UP_ROWS rows) are captured up to this many rows.
+GRAPH_MAX_WRITE_ROWS = 32
 # Attention and indexer scoring read the cells below a bucket of this many tokens above the last
 # position, so their cost follows the context, while shapes (and graphs) change only per bucket.
 KV_BUCKET = 512
@@ -274,11 +276,11 @@ class Runner:
         def body(kv_len: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
             return lambda tok, h, p: self.model.mtp_write_kv(tok, h, p, self.cache, kv_len)
 
-        self._draft_rows(("mtp_kv",), tokens, H, start, [], body)
+        self._draft_rows(("mtp_kv",), tokens, H, start, [], body, GRAPH_MAX_WRITE_ROWS)
 
     def _draft_rows(self, kind: tuple, tokens: torch.Tensor, H: torch.Tensor, start: int, extra: list[torch.Tensor],
-                    body: Callable[[int], Callable[..., tuple[torch.Tensor, torch.Tensor]]]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    body: Callable[[int], Callable[..., tuple[torch.Tensor, torch.Tensor]]],
+                    graph_rows: int = GRAPH_MAX_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft-head rows at positions start.. through body(kv_len)(tokens, H, positions, *extra): the capacity
         check, and one CUDA graph per shape, keyed (kind[0], rows, KV bucket, *kind[1:])."""
         T = int(tokens.shape[0])
@@ -287,7 +289,7 @@ class Runner:
         dev = self.device
         inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev), *extra]
         kv_len = self.kv_len(start + T)
-        if self.use_graphs and T <= GRAPH_MAX_ROWS:
+        if self.use_graphs and T <= graph_rows:
             return self._run((kind[0], T, kv_len, *kind[1:]), body(kv_len), inputs)
         return body(kv_len)(*inputs)
 

@@ -29,9 +29,10 @@ from qspec.bench.report import write_json, write_markdown
 from qspec.bench.run import Protocol, run_protocol
 
 
-def arms_spec(max_depth: int) -> str:
-    fixed = ",".join(f"mtp{d}:from=ours,draft={d}" for d in range(1, max_depth + 1))
-    return f"nospec,{fixed},auto:from=ours,auto=1,draft={max_depth}"
+def arms_spec(max_depth: int, depths: list[int] | None = None) -> str:
+    """Plain decoding, the fixed depths (default 1..max_depth) and auto:max_depth."""
+    fixed = "".join(f"mtp{d}:from=ours,draft={d}," for d in (depths or range(1, max_depth + 1)))
+    return f"nospec,{fixed}auto:from=ours,auto=1,draft={max_depth}"
 
 
 def summary_line(label: str, result: dict[str, Any]) -> str:
@@ -58,13 +59,15 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (with --preset tiny)")
     ap.add_argument("--quant", default=None, help="the preset's matrices as blocks of this llama.cpp mix")
     ap.add_argument("--max-depth", type=int, default=8)
+    ap.add_argument("--fixed", type=lambda v: [int(d) for d in v.split(",")], default=None, metavar="D,D,...",
+                    help="the fixed depths to time beside plain decoding and auto (default: 1..max-depth)")
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--out", type=Path, required=True, help="directory for each profile's JSON and Markdown")
     a = ap.parse_args()
     profiles = [AcceptProfile.parse(s) for s in a.profile]  # a bad spec fails before the model is built
-    arms = parse_arms(arms_spec(a.max_depth))
+    arms = parse_arms(arms_spec(a.max_depth, a.fixed))
     a.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     model, tok, info = prepare_model(preset=a.preset, layers=a.layers, device=a.device,
