@@ -144,6 +144,9 @@ class KernelOptions:
     fuse_blocks: bool = option(True, "compile the step functions that multiply GGUF block weights too, each block "
                                "product one custom op among the generated kernels (off: those functions run "
                                "eagerly, small ops and all)", applies="CUDA, block weights, --compile", arm="fblk")
+    shared_stream: bool = option(True, "few-token steps run a block-typed shared expert on a second CUDA stream beside "
+                                 "the routing and the routed experts (the same kernels, overlapped)",
+                                 applies="CUDA, block weights", arm="shst")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

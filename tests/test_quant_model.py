@@ -401,3 +401,36 @@ def test_prefill_chunk_defaults_to_longer_steps_for_block_experts() -> None:
     assert Engine(blocks, EngineOptions(capacity=64)).prefill_chunk == BLOCK_PREFILL_CHUNK
     assert Engine(plain, EngineOptions(capacity=64)).prefill_chunk == PREFILL_CHUNK
     assert Engine(blocks, EngineOptions(capacity=64, prefill_chunk=16)).prefill_chunk == 16
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_shared_expert_apart_from_router_same_output(rows: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """With block shared-expert projections beside a float router, MoE.forward_side_stream (on CUDA: the shared
+    expert on a second stream) computes the very products and roundings of MoE.forward: bit-equal outputs."""
+    path = tmp_path_factory.mktemp("split") / "m.gguf"
+    write_model(path, tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256), quant="q4_k_m")
+    model, expanded = load_model(path, dequantize_all=False), load_model(path, dequantize_all=True)
+    assert all(m.split is not None for m in model.moe) and all(m.split is None for m in expanded.moe)
+    g = torch.Generator().manual_seed(rows)
+    for m in model.moe:
+        h = torch.randn(rows, model.cfg.hidden, generator=g)
+        assert torch.equal(m.forward_side_stream(h), m.forward(h))
+
+
+@pytest.mark.cuda
+def test_cuda_shared_stream_same_logits(tmp_path: Path) -> None:
+    """On the GPU, in CUDA graphs with the step functions compiled, the shared expert on its side stream leaves every
+    logit of plain decoding bit-equal and greedy MTP3 equal to plain decoding."""
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", device="cuda")
+    assert all(m.split is not None for m in model.moe)
+    prompt = list(range(3, 40))
+    runs = {on: Engine(model, EngineOptions(draft=0, capacity=CAP, shared_stream=on),
+                       EngineHooks(record_logits=True)).generate(prompt, 24) for on in (False, True)}
+    assert runs[True].tokens == runs[False].tokens and runs[True].graphs["replays"] > 0
+    for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
+        assert torch.equal(a, b)
+    spec = Engine(model, EngineOptions(draft=3, capacity=CAP, exact=False)).generate(prompt, 24)
+    agree = next((i for i, (a, b) in enumerate(zip(spec.tokens, runs[True].tokens, strict=True)) if a != b), None)
+    assert agree is None or agree > 8, (spec.tokens, runs[True].tokens)  # bf16: equal up to a near tie late on

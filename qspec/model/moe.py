@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -12,11 +13,44 @@ from qspec.kernels.qmatmul import expand, qmoe_few
 from qspec.kernels.route import route_top_k
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
-from qspec.model.ops import EXACT_MAX_ROWS, linear, row_exact, sigmoid, silu, stack_rows
+from qspec.model.ops import EXACT_MAX_ROWS, StackedWeight, linear, row_exact, sigmoid, silu, stack_rows
 from qspec.weights.qweight import QuantWeight
 
 # Decode/verify steps on the GPU route a few tokens without a host round trip (CUDA-graph safe).
 FEW_TOKENS = 16
+
+# Few-token steps of a file whose shared-expert projections are blocks and whose router is kept in a float type run the
+# shared expert on a second CUDA stream beside the router product, the routing and the routed experts (one chain of
+# small launches beside another, neither of which fills the GPU; vLLM and SGLang overlap shared experts so too). The
+# same kernels and roundings as one stream: only their order on the GPU changes (on the CPU the same functions run in
+# order, so the CPU tests run this path). A module flag (KernelSwitches).
+_SHARED_STREAM = True
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def shared_stream_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, few-token steps of block experts run the shared expert on a side stream (`on`) or not."""
+    return module_flag(__name__, "_SHARED_STREAM", on)
+
+
+@contextlib.contextmanager
+def _on_side_stream(dev: torch.device) -> Iterator[None]:
+    """Work inside the block runs on `dev`'s side stream, after everything queued so far on the current one; the
+    caller joins it back (`_join_side_stream`) before reading its outputs. On the CPU: in place, in order."""
+    if dev.type != "cuda":
+        yield
+        return
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        yield
+
+
+def _join_side_stream(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).wait_stream(_SIDE_STREAMS[dev])
 
 # Prefill's routed experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS kernels on Hopper for bf16, a loop
 # over the groups elsewhere): three launches per layer and no host sync, instead of five launches per expert. The
@@ -103,14 +137,44 @@ def moe_in(h: torch.Tensor, w_in: torch.Tensor, n_experts: int, ff: int
     return y[:, 2 * ff:2 * ff + n_experts], silu(g) * u, y[:, 2 * ff + n_experts:2 * ff + n_experts + 1]
 
 
+def _plus_shared(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor) -> torch.Tensor:
+    """routed is [T, D], or [T, k, D] weighted slot outputs still to be summed (the few-token path); the shared
+    expert's output `shared` [T, D] is weighted by sigmoid(gate_logit) [T, 1]."""
+    if routed.dim() == 3:
+        routed = sum_slots(routed)
+    return routed + shared * sigmoid(gate_logit)
+
+
 @fused
 def add_shared_expert(routed: torch.Tensor, act: torch.Tensor, gate_logit: torch.Tensor, down: torch.Tensor
                       ) -> torch.Tensor:
-    """routed is [T, D], or [T, k, D] weighted slot outputs still to be summed (the few-token path); the shared
-    expert's output is weighted by sigmoid(gate_logit) [T, 1]."""
-    if routed.dim() == 3:
-        routed = sum_slots(routed)
-    return routed + linear(act, down) * sigmoid(gate_logit)
+    """_plus_shared with the shared expert's down product of its activation `act`."""
+    return _plus_shared(routed, linear(act, down), gate_logit)
+
+
+@fused
+def add_shared_output(routed: torch.Tensor, shared: torch.Tensor, gate_logit: torch.Tensor) -> torch.Tensor:
+    """_plus_shared where the shared expert's output is computed already (MoE.forward_side_stream)."""
+    return _plus_shared(routed, shared, gate_logit)
+
+
+@fused
+def shared_expert(h: torch.Tensor, w_gate_up: torch.Tensor, ff: int, down: torch.Tensor) -> torch.Tensor:
+    """The shared expert's output down(silu(gate h) * up h) [T, D] (unweighted), w_gate_up = [gate ; up]: the ops
+    of moe_in and add_shared_expert that compute it."""
+    y = linear(h, w_gate_up)
+    return linear(silu(y[:, :ff]) * y[:, ff:2 * ff], down)
+
+
+def _router_split(w_in: object, shared_rows: int) -> tuple[object, torch.Tensor] | None:
+    """A stacked [shared gate ; shared up ; router ; gate_inp] whose shared rows are block parts and whose last part
+    is exactly the float [router ; gate_inp] -> (the shared rows' weight, the float part); else None."""
+    if not isinstance(w_in, StackedWeight) or not isinstance(w_in.parts[-1], torch.Tensor):
+        return None
+    blocks = w_in.parts[:-1]
+    if not all(isinstance(p, QuantWeight) for p in blocks) or sum(p.shape[0] for p in blocks) != shared_rows:
+        return None
+    return (blocks[0] if len(blocks) == 1 else StackedWeight(blocks)), w_in.parts[-1]
 
 
 class MoE(torch.nn.Module):
@@ -133,25 +197,44 @@ class MoE(torch.nn.Module):
         # all three as blocks: the few-token step is one kernel per projection with no host sync (kernels/qmatmul.py
         # qmoe_few), so it can be captured in a CUDA graph; a mixed set takes q_moe_slots, which cannot
         self.blocks_only = all(isinstance(m, QuantWeight) for m in (self.gate, self.up, self.down))
+        # block shared gate/up beside a float router: the two products can run apart (the side-stream path)
+        self.split = _router_split(self.w_in, 2 * self.sh_gate.shape[0])
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, self.router, self.n_used)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        T, D = h.shape
+        if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
+            return self.forward_side_stream(h)
         logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
         top_w, top_i = route_top_k(logits, self.n_used)
+        return add_shared_expert(self._routed(h, top_w, top_i), act, gate_logit, self.sh_down)
+
+    def forward_side_stream(self, h: torch.Tensor) -> torch.Tensor:
+        """forward, the shared expert on a side stream (on CUDA) while the router product, the routing and the
+        routed experts run on the current one; the same products and roundings (a file with `self.split`)."""
+        w_shared, w_router = self.split  # type: ignore[misc]
+        E = self.router.shape[0]
+        with _on_side_stream(h.device):
+            shared = shared_expert(h, w_shared, self.sh_gate.shape[0], self.sh_down)
+        r = linear(h, w_router)
+        top_w, top_i = route_top_k(r[:, :E], self.n_used)
+        routed = self._routed(h, top_w, top_i)
+        _join_side_stream(h.device)
+        return add_shared_output(routed, shared, r[:, E:E + 1])
+
+    def _routed(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+        """The routed experts' part of the output: [T, D], or [T, k, D] weighted slot outputs (few-token paths)."""
+        T = h.shape[0]
         if row_exact() and T <= EXACT_MAX_ROWS:
-            routed = self._per_token(h, top_w, top_i)
-        elif self.blocks_only and h.is_cuda and T <= FEW_TOKENS:
-            routed = qmoe_few(h, top_i, top_w, self.gate, self.up, self.down)  # type: ignore[arg-type]
-        elif self.quantized and h.is_cuda and T <= FEW_TOKENS:
-            routed = q_moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
-        elif h.is_cuda and T <= FEW_TOKENS:
-            routed = moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
-        else:
-            routed = self._grouped(h, top_w, top_i)
-        return add_shared_expert(routed, act, gate_logit, self.sh_down)
+            return self._per_token(h, top_w, top_i)
+        if self.blocks_only and h.is_cuda and T <= FEW_TOKENS:
+            return qmoe_few(h, top_i, top_w, self.gate, self.up, self.down)  # type: ignore[arg-type]
+        if self.quantized and h.is_cuda and T <= FEW_TOKENS:
+            return q_moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
+        if h.is_cuda and T <= FEW_TOKENS:
+            return moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
+        return self._grouped(h, top_w, top_i)
 
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
