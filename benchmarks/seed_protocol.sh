@@ -111,9 +111,9 @@ from=nospec,fblk=0,nospec,ours-mtp3-eager:from=ours,draft=3,fblk=0,ours-mtp3:fro
 ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-m) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
-    #     the shared expert on its side stream (the default) against one stream, plain decoding and MTP5
+    #     the shared expert on its side stream (the default) against one stream, plain decoding; MTP5 beside them
     h200-q4km48-shst) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
-        --arms "nospec,nospec-1stream:from=nospec,shst=0,ours,ours-1stream:from=ours,shst=0" ;;
+        --arms "nospec,nospec-1stream:from=nospec,shst=0,ours" ;;
     #     where a 48-layer Q4_K_M decode step's time goes (kernels per token, GPU busy and idle)
     h200-q4km48-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 48 \
         --quant q4_k_m --kinds decode --e2e 64 | tee "$out/$step.txt" ;;
