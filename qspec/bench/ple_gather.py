@@ -83,8 +83,9 @@ def time_graph(fn: Callable[[torch.Tensor], object], rows: list[torch.Tensor], n
 
 
 def time_eager(fn: Callable[[torch.Tensor], object], rows: list[torch.Tensor], n_rows: int, reps: int) -> float:
-    """Median µs per call of fn launched eagerly K times in a row (fresh rows per repetition)."""
+    """Median µs per call of fn launched eagerly K times in a row (fresh rows below n_rows per repetition)."""
     for r in rows:
+        r.random_(0, n_rows)  # the warm-up's rows too: a host table may hold fewer rows than the rows were drawn from
         fn(r)
     times = []
     for _ in range(reps):
