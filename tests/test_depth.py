@@ -122,6 +122,20 @@ def test_timed_stretches_are_cost_samples_and_counters() -> None:
     assert c.samples[0][-1] == pytest.approx(0.002) and c.stats.plain_tokens == 8
 
 
+def test_depth_0_costs_its_stretches_time_over_their_tokens() -> None:
+    """Depth 0's cost is the kept stretches' seconds over their tokens: one long stretch outweighs several short ones
+    (whose fixed cost per stretch raises their per-token rate), where a median of per-stretch rates would not."""
+    c = controller(3)
+    c.forget_cost(0)
+    for _ in range(3):
+        c.plain_done(8, 8 * 0.0015)  # short: 1.5 ms a token
+    c.plain_done(128, 128 * 0.0010)  # long: 1.0 ms a token
+    assert c.cost(0) == pytest.approx((3 * 8 * 0.0015 + 128 * 0.0010) / (3 * 8 + 128))
+    c.forget_cost(0)
+    c.plain_done(4, 0.004)
+    assert c.cost(0) == pytest.approx(0.001) and list(c.plain_weights) == [4.0]
+
+
 def test_a_probe_is_two_rounds_and_the_choice_after_sees_the_first() -> None:
     """The engine picks a round's successor before the round's outcome: the probe's second round is fixed, and the
     choice that follows it sees the first round's acceptance."""
@@ -337,7 +351,7 @@ def test_auto_engine_counters_and_calibration(tiny_model: Model, monkeypatch: py
     for depth in range(3):
         ctl.forget_cost(depth)
         ctl.observe_cost(depth, 1.0 + 0.45 * depth)
-    monkeypatch.setattr(ctl, "observe_cost", lambda depth, seconds: None)
+    monkeypatch.setattr(ctl, "observe_cost", lambda *args: None)
     g = eng.generate(prompt, 20)
     assert g.tokens == ref
     assert g.depth["reasons"].get("off", 0) > 0 and g.depth["plain_tokens"] > 0

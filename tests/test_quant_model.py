@@ -420,17 +420,14 @@ def test_shared_expert_apart_from_router_same_output(rows: int, tmp_path_factory
 @pytest.mark.cuda
 def test_cuda_shared_stream_same_logits(tmp_path: Path) -> None:
     """On the GPU, in CUDA graphs with the step functions compiled, the shared expert on its side stream leaves every
-    logit of plain decoding bit-equal and greedy MTP3 equal to plain decoding."""
+    logit of plain decoding bit-equal to one stream's (greedy MTP with it: test_cuda_block_model_in_graphs)."""
     cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
     write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
     model = load_model(tmp_path / "m.gguf", device="cuda")
     assert all(m.split is not None for m in model.moe)
     prompt = list(range(3, 40))
     runs = {on: Engine(model, EngineOptions(draft=0, capacity=CAP, shared_stream=on),
-                       EngineHooks(record_logits=True)).generate(prompt, 24) for on in (False, True)}
+                       EngineHooks(record_logits=True)).generate(prompt, 12) for on in (False, True)}
     assert runs[True].tokens == runs[False].tokens and runs[True].graphs["replays"] > 0
     for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
         assert torch.equal(a, b)
-    spec = Engine(model, EngineOptions(draft=3, capacity=CAP, exact=False)).generate(prompt, 24)
-    agree = next((i for i, (a, b) in enumerate(zip(spec.tokens, runs[True].tokens, strict=True)) if a != b), None)
-    assert agree is None or agree > 8, (spec.tokens, runs[True].tokens)  # bf16: equal up to a near tie late on

@@ -15,7 +15,8 @@ argmax_d E(d) / cost(d).
   request starts from what the engine's text accepted (its first rounds, which often accept less than its later
   ones, do not stop drafting on their own), and a long plain stretch, over which the request's counts decay, brings
   the estimate back to that, not to `prior`.
-- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier), and for
+- Cost: the median of the last seconds measured per round at each depth (robust to a graph capture's outlier; depth 0:
+  the last stretches' seconds over their tokens, so long stretches weigh as the tokens they decoded), and for
   the drafting depths a line through those medians, each depth's own median weighed in against the line as its samples
   count against `line_weight` pseudo-samples: the line tempers one depth's noise, the depth's own samples keep a real
   step in the costs (a verify of 5 rows reading many more experts than one of 4) that a line would smooth away
@@ -116,6 +117,8 @@ class DepthController:
         self.prior_decay, self.carry, self.stale_after = prior_decay, carry, stale_after
         self.line_weight = line_weight
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
+        # the tokens behind each depth-0 sample (its stretch's length): depth 0 costs their token-weighted mean
+        self.plain_weights: deque[float] = deque(maxlen=window)
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
         self.force: int | None = None  # a fixed depth (calibration), still measured
@@ -171,7 +174,7 @@ class DepthController:
         return total
 
     def cost(self, depth: int) -> float:
-        """Seconds per round at `depth`. Depth 0 (a plain step): its measured median. Drafting depths: a line
+        """Seconds per round at `depth`. Depth 0 (a plain step): `plain_cost`. Drafting depths: a line
         a + b * d (b >= 0) through the measured depths' medians, which tempers one depth's noisy samples (a loaded
         host) with its neighbours', blended with the depth's own median (line_weight), never falling with depth; one
         measured depth, or only the plain step, scales by 1 + cost_slope * d. Relative units (1 + cost_slope * d)
@@ -192,12 +195,22 @@ class DepthController:
             # generations can measure a cost that rises differently with depth (scripts/depth_sim.py --flat)
             if sum(k and not self.warmup_only[d] for d, k in enumerate(keep) if d) >= 2:
                 keep = [k and not (d and self.warmup_only[d]) for d, k in enumerate(keep)]
-            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if s and keep[d]}
+            med = {d: statistics.median(s) for d, s in enumerate(self.samples) if d and s and keep[d]}
+            if self.samples[0] and keep[0]:
+                med[0] = self.plain_cost()
             table = self._table(med)
             # a deeper round does more work: noise must not make it look cheaper than a shallower one
             self._cost_table = table[:1] + nondecreasing(table[1:])
             self._cost_key = key
         return self._cost_table
+
+    def plain_cost(self) -> float:
+        """Seconds per plainly decoded token: the kept stretches' total time over their total tokens. Not a median of
+        per-stretch rates: a stretch's fixed cost (its last head step, the pipeline's restart) weighs on a short
+        one's rate, and the warm-up's short stretches would otherwise price the requests' long ones (BENCHMARKS.md
+        §8)."""
+        w = self.plain_weights
+        return sum(c * n for c, n in zip(self.samples[0], w, strict=True)) / sum(w)
 
     def _table(self, med: dict[int, float]) -> list[float]:
         """cost(d) for d = 0..N from the kept depths' medians (before the table is made non-decreasing)."""
@@ -297,22 +310,28 @@ class DepthController:
 
     def forget_cost(self, depth: int) -> None:
         self.samples[depth].clear()
+        if depth == 0:
+            self.plain_weights.clear()
         self._version += 1
 
-    def observe_cost(self, depth: int, seconds: float) -> None:
-        """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token). A stale depth's old
-        samples go (the host's load may have changed since) when the new one is within RENEW_RANGE of their median;
-        further off, it joins them: one hiccup (a collection pause, a capture the engine did not see) must not
-        replace a depth's whole history."""
-        if seconds <= 0:
+    def observe_cost(self, depth: int, seconds: float, tokens: int = 1) -> None:
+        """A round at `depth` took `seconds` (depth 0: seconds per plainly decoded token, over a stretch of `tokens`).
+        A stale depth's old samples go (the host's load may have changed since) when the new one is within
+        RENEW_RANGE of their median; further off, it joins them: one hiccup (a collection pause, a capture the
+        engine did not see) must not replace a depth's whole history."""
+        if seconds <= 0 or tokens <= 0:
             return
         samples = self.samples[depth]
         self.warmup_only[depth] = self.force is not None
         if self.renew[depth]:
             if not samples or 1 / RENEW_RANGE <= seconds / statistics.median(samples) <= RENEW_RANGE:
                 samples.clear()
+                if depth == 0:
+                    self.plain_weights.clear()
             self.renew[depth] = False
         samples.append(seconds)
+        if depth == 0:
+            self.plain_weights.append(float(tokens))
         self._version += 1
         self.measured_at[depth] = self.tick
 
@@ -324,7 +343,7 @@ class DepthController:
         if self.last_reason != "refresh":  # a re-measuring stretch is no trial of drafting
             self.since_plain = 0
         if seconds is not None and tokens and seconds > 0:
-            self.observe_cost(0, seconds / tokens)
+            self.observe_cost(0, seconds / tokens, tokens)
             self.stats.stretches.append((tokens, seconds))
 
     def _decay(self, rounds: int, long: bool = False) -> None:
