@@ -298,9 +298,23 @@ class Engine:
                     ctl.force = d
                     if tokens > 0:
                         self.generate(prompt, tokens)
+            self._warm_stretch_writes(len(prompt))
         finally:
             ctl.force, hooks.accept_hook = None, hook
             ctl.forget_acceptance()  # the warm-up's text is not the requests'
+
+    def _warm_stretch_writes(self, start: int) -> None:
+        """Compile and capture the plain stretches' write-only head step (CATCH_UP_ROWS rows, at the context of the
+        warm-up's prompt) before a request: the warm-up's stretches are too short to run it, and its first use inside
+        a request stalled that request (BENCHMARKS.md §8). The cells it writes are rewritten before any draft reads
+        them (every request prefills again)."""
+        run, dev = self.runner, self.model.device
+        if not run.use_graphs or start + CATCH_UP_ROWS > self.opts.capacity:
+            return
+        toks = torch.zeros(CATCH_UP_ROWS, dtype=torch.long, device=dev)
+        H = torch.zeros(CATCH_UP_ROWS, self.model.cfg.hc_dim, dtype=self.model.dtype, device=dev)
+        for _ in range(2):  # the runner captures a shape's graph at its second use
+            run.mtp_write_kv(toks, H, start)
 
     def _next_depth(self) -> int:
         """The depth of a round: the fixed N, or the controller's choice (which, for 0, sets the plain stretch)."""
