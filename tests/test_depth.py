@@ -133,7 +133,7 @@ def test_depth_0_costs_its_stretches_time_over_their_tokens() -> None:
     assert c.cost(0) == pytest.approx((3 * 8 * 0.0015 + 128 * 0.0010) / (3 * 8 + 128))
     c.forget_cost(0)
     c.plain_done(4, 0.004)
-    assert c.cost(0) == pytest.approx(0.001) and list(c.plain_weights) == [4.0]
+    assert c.cost(0) == pytest.approx(0.001) and list(c.weights[0]) == [4.0]
 
 
 def test_a_probe_is_two_rounds_and_the_choice_after_sees_the_first() -> None:

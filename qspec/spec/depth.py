@@ -117,8 +117,8 @@ class DepthController:
         self.prior_decay, self.carry, self.stale_after = prior_decay, carry, stale_after
         self.line_weight = line_weight
         self.samples: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
-        # the tokens behind each depth-0 sample (its stretch's length): depth 0 costs their token-weighted mean
-        self.plain_weights: deque[float] = deque(maxlen=window)
+        # what each sample stands for: one round, or a plain stretch's tokens (depth 0 costs its samples' weighted mean)
+        self.weights: list[deque[float]] = [deque(maxlen=window) for _ in range(max_depth + 1)]
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
         self.force: int | None = None  # a fixed depth (calibration), still measured
@@ -209,7 +209,7 @@ class DepthController:
         per-stretch rates: a stretch's fixed cost (its last head step, the pipeline's restart) weighs on a short
         one's rate, and the warm-up's short stretches would otherwise price the requests' long ones (BENCHMARKS.md
         §8)."""
-        w = self.plain_weights
+        w = self.weights[0]
         return sum(c * n for c, n in zip(self.samples[0], w, strict=True)) / sum(w)
 
     def _table(self, med: dict[int, float]) -> list[float]:
@@ -310,8 +310,7 @@ class DepthController:
 
     def forget_cost(self, depth: int) -> None:
         self.samples[depth].clear()
-        if depth == 0:
-            self.plain_weights.clear()
+        self.weights[depth].clear()
         self._version += 1
 
     def observe_cost(self, depth: int, seconds: float, tokens: int = 1) -> None:
@@ -326,12 +325,10 @@ class DepthController:
         if self.renew[depth]:
             if not samples or 1 / RENEW_RANGE <= seconds / statistics.median(samples) <= RENEW_RANGE:
                 samples.clear()
-                if depth == 0:
-                    self.plain_weights.clear()
+                self.weights[depth].clear()
             self.renew[depth] = False
         samples.append(seconds)
-        if depth == 0:
-            self.plain_weights.append(float(tokens))
+        self.weights[depth].append(float(tokens))
         self._version += 1
         self.measured_at[depth] = self.tick
 
