@@ -59,27 +59,6 @@ def torch_references() -> contextlib.AbstractContextManager[None]:
 _PDL = False
 
 
-# Weight kernels ask the L2 for all of a program's weight bytes first (`prefetch_l2`): a program that walks its rows
-# in dependent steps keeps few bytes in flight, and with PDL the request goes out before `pdl_start`, while the kernel
-# before it still runs (weights are never written during a step). The engine sets it (EngineOptions.l2_prefetch).
-_L2_PREFETCH = True
-PREFETCH_LINE = 128  # bytes a prefetch asks for (the L2's line)
-PREFETCH_MAX_LINES = 256  # lines per weight row at most (a longer row's first ones)
-
-
-def l2_prefetch_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, the weight kernels prefetch their programs' weight bytes into the L2 (`on`) or not."""
-    return module_flag(__name__, "_L2_PREFETCH", on)
-
-
-def prefetch_lines(row_bytes: int) -> int:
-    """The PF constexpr of a weight kernel whose programs read `row_bytes` bytes of each of their rows: the lines
-    per row to prefetch (a power of two), or 0 (off, the interpreter, which runs no PTX)."""
-    if not _L2_PREFETCH or INTERPRET or row_bytes <= 0:
-        return 0
-    return min(next_pow2(-(-row_bytes // PREFETCH_LINE)), PREFETCH_MAX_LINES)
-
-
 def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Launch the Triton kernels with programmatic dependent launch inside the block (where the GPU has it)."""
     return module_flag(__name__, "_PDL", on)
@@ -152,18 +131,6 @@ if HAS_TRITON:
         if PDL:  # (the branch is compiled only when PDL is set, so other backends never meet tl.extra.cuda)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(ptr, rowb, span, rmask, LINES: tl.constexpr):
-        """Ask the L2 for bytes rowb .. rowb + span of every row (rowb [R]: byte offsets from the byte pointer ptr;
-        rows outside rmask ask for the first row's), a 128-byte line per request and at most LINES lines a row
-        (prefetch_lines). Nothing is read into registers and nothing waits; LINES = 0: nothing."""
-        if LINES > 0:
-            j = tl.arange(0, LINES)[None, :]
-            first = tl.where(rmask, rowb, tl.min(rowb, axis=0))
-            at = ptr + (first[:, None] + tl.minimum(j * 128, span - 1))
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                      is_pure=False, pack=1)
 
     @triton.jit
     def dot_acc(a, b, acc, UPCAST: tl.constexpr):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, prefetch_lines, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
@@ -73,12 +73,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, prefetch_l2, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                      M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     OUT_DT: tl.constexpr, PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
@@ -86,10 +87,6 @@ if HAS_TRITON:
         im = tl.arange(0, MP)
         k_lo = tl.program_id(1) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        es: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_l2(w_ptr.to(tl.pointer_type(tl.int8)), (n.to(tl.int64) * w_n + k_lo) * es, (k_hi - k_lo) * es,
-                    nmask, PF)  # before the wait: weights are never written during a step
-        pdl_start(PDL)
         if M == 1:
             prod = tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BK):
@@ -196,12 +193,9 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
     bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
     mp = 1 if M == 1 else triton.next_power_of_2(M)
 
-    pf = prefetch_lines(min(k_split, K) * w.element_size())
-
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
         _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
-                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, PF=pf, num_warps=warps,
-                                                  **pdl_launch(x))
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps, **pdl_launch(x))
     return _with_splits(x, N, split, launch)
 
 

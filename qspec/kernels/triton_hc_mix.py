@@ -25,7 +25,7 @@ inputs and outputs); the rest stays in f32, as inductor keeps it.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, prefetch_lines, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 from qspec.model.ops import linear
 
 MAX_ROWS = 8
@@ -40,7 +40,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, prefetch_l2, round_to
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
     def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
@@ -66,19 +66,17 @@ if HAS_TRITON:
     def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                        BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
-                       PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
-        # mat-vec does (triton_gemv.py); the rows are prefetched before the wait (weights: never written in a step)
+        # mat-vec does (triton_gemv.py)
+        pdl_start(PDL)
         i = tl.arange(0, SP * BD)
         s = i // BD
         d = tl.program_id(0) * BD + i % BD
         fmask = (s < S) & (d < D)
         f = s * D + d
         urow = up_ptr + f.to(tl.int64)[:, None] * R
-        es: tl.constexpr = up_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_l2(up_ptr.to(tl.pointer_type(tl.int8)), f.to(tl.int64) * R * es, R * es, fmask, PF)
-        pdl_start(PDL)
         kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
         if M == 1:
@@ -158,6 +156,5 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int
     mp = 16 if tc else triton.next_power_of_2(M)
     _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=mp, S=S, SP=next_pow2(S),
                                           BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
-                                          PF=prefetch_lines(rank * up.element_size()), num_warps=warps,
-                                          **pdl_launch(y))
+                                          num_warps=warps, **pdl_launch(y))
     return h

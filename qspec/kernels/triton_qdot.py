@@ -45,9 +45,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, prefetch_lines, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -90,7 +89,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, prefetch_l2, round_q8, round_to
+    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
 
     @triton.jit
     def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -384,18 +383,14 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
                         y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, SB: tl.constexpr = 0, PF: tl.constexpr = 0,
-                        PDL: tl.constexpr = False):
+                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
-        output (one split) or the split's f32 partial sums (y_s: a split's stride). SB: bytes per 256-weight step;
-        PF: lines per row prefetched before the wait for the kernel before (triton_common.prefetch_lines)."""
+        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
+        pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
-        prefetch_l2(wb_ptr, n.to(tl.int64) * w_n + k_lo * SB, tl.minimum((k_hi - k_lo) * SB, w_n - k_lo * SB), nmask,
-                    PF)
-        pdl_start(PDL)
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
@@ -419,16 +414,14 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             PF: tl.constexpr = 0, PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]; gate's and up's steps alternate in one loop (their rows prefetched first: PF lines each)."""
+        e = top_i[t, j]; gate's and up's steps alternate in one loop."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
-        prefetch_l2(gb_ptr, grow, g_f, fmask, PF)
-        prefetch_l2(ub_ptr, urow, u_f, fmask, PF)
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
                                  urow, fmask, D, BN, QG, QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
@@ -437,12 +430,10 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
                           KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
-                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PF: tl.constexpr = 0,
-                          PDL: tl.constexpr = False):
+                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
-        prefetch_l2(db_ptr, e * d_e + dd.to(tl.int64) * d_d, d_d, dmask, PF)
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
@@ -481,12 +472,6 @@ def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return raw, raw.view(torch.float16), wi, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wi
 
 
-def step_bytes(qtype: int) -> int:
-    """Bytes of a weight row's 256-weight step of type qtype (a super-block, or eight 32-weight blocks)."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-    return 256 // block * size
-
-
 def _sm_count(x: torch.Tensor) -> int:
     return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
 
@@ -512,12 +497,11 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: in
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
     split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
     out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
-    sb = step_bytes(qtype)
     _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
         *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
         M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, SB=sb,
-        PF=prefetch_lines(min(share * sb, raw.stride(0))), num_warps=cfg.warps, **pdl_launch(y))
+        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
+        **pdl_launch(y))
     if split > 1:
         block = 1024
         _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
@@ -582,11 +566,10 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
         ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw,
-        PF=prefetch_lines(max(gr.stride(1), ur.stride(1))), **pdl_launch(h))
+        **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
     _qdot_down_kernel[(triton.cdiv(D, down_rows), T_ * k)](
         *quantize_x_triton(act), top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0),
-        dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw,
-        PF=prefetch_lines(dr.stride(1)), **pdl_launch(h))
+        dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
     return y
