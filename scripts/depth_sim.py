@@ -104,20 +104,22 @@ def calibrated(costs: list[float], flat: float) -> list[float]:
 
 def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, requests: int, tokens: int,
             noise: float, seed: int, flat: float = 1.0, plain_overhead: float = 1.0,
-            controller: dict[str, float] | None = None, plain_fixed: float = 0.0) -> tuple[float, Counter]:
+            controller: dict[str, float] | None = None, plain_fixed: float = 0.0,
+            per_request: list[float] | None = None) -> tuple[float, Counter]:
     """Simulated tokens per second of a fixed depth (None: the controller, max depth 6) over the requests, and the
     controller's depth histogram (depth 0 counted in plainly decoded tokens). As in the engine, the controller
     chooses a round's successor before the round's outcome is known (the next draft chain is queued before the
     read-back), and its plain stretches cost `plain_overhead` times plain decoding (the draft head kept current) plus
-    `plain_fixed` plain tokens' time once per stretch (the pipeline's restart, the head's last catch-up)."""
+    `plain_fixed` plain tokens' time once per stretch (the pipeline's restart, the head's last catch-up). Each
+    request's own tokens per second go to `per_request`, when given."""
     ctl = None
     if depth is None:
         ctl = DepthController(len(costs) - 1, **(controller or {}))
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             ctl.force = d
             for _ in range(2):
-                if d == 0:  # its plain stretches are the shortest ones
-                    ctl.plain_done(ctl.off_min, c * (ctl.off_min * plain_overhead + plain_fixed))
+                if d == 0:  # one stretch of the longest length (Engine.calibrate_depths)
+                    ctl.plain_done(ctl.off_max, c * (ctl.off_max * plain_overhead + plain_fixed))
                 else:
                     ctl.observe_cost(d, c)
         ctl.force = None
@@ -131,7 +133,7 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
         source.start()
         if ctl is not None:
             ctl.start_request()
-        n = 0
+        n, t0 = 0, total_t
         d, plain = (depth, 1 if depth == 0 else 0) if ctl is None else _choice(ctl)
         while n < tokens:
             if d == 0:
@@ -154,6 +156,8 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
                 ctl.observe(d, k, costs[d] * math.exp(noise_rng.gauss(0, noise)))
             d, plain = nxt
         total_n += n
+        if per_request is not None:
+            per_request.append(n / (total_t - t0))
     return total_n / total_t, hist
 
 

@@ -122,6 +122,7 @@ class DepthController:
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
         self.force: int | None = None  # a fixed depth (calibration), still measured
+        self.force_plain = off_max  # the plain stretches' length while depth 0 is forced
         self.calibrated = False  # the engine measures every depth's cost before its first request
         self.renew = [False] * (max_depth + 1)  # a refresh is under way: its sample replaces the old ones
         self.warmup_only = [False] * (max_depth + 1)  # the depth's samples all come from the warm-up (forced depths)
@@ -252,6 +253,7 @@ class DepthController:
         plain = 0
         if self.force is not None:
             depth, reason = self.force, "forced"
+            plain = self.force_plain if depth == 0 else 0
         elif self.probe_next:
             # a probe is two rounds: the engine chooses a round's successor before the round's outcome is known
             # (the next draft chain is queued before the read-back), so only the choice after the second round
