@@ -287,13 +287,7 @@ class Engine:
         tokens = rounds * (o.draft + 1)
         # the prompt's tail, short enough to leave room for the generations (a prompt near the capacity leaves none)
         prompt = prompt[-max(1, min(CALIBRATION_PROMPT, o.capacity - cells_needed(0, tokens, o.draft))):]
-        room = o.capacity - cells_needed(len(prompt), 0, o.draft)
-        tokens = min(tokens, room)
-        # depth 0 as one stretch of the requests' longest (a stretch's fixed cost, its first step and the head's last,
-        # weighs on a short one: 8-token stretches priced plain decoding ~6% above what the requests' stretches
-        # cost on the H200, and drafting went on where it lost; BENCHMARKS.md §8)
-        plain = min(ctl.off_max + 2, room)
-        ctl.force_plain = max(plain - 2, 1)
+        tokens = min(tokens, o.capacity - cells_needed(len(prompt), 0, o.draft))
         hooks = self.hooks
         hook, hooks.accept_hook = hooks.accept_hook, None  # a replayed acceptance is the request's, not the warm-up's
         try:
@@ -302,9 +296,8 @@ class Engine:
                     if p == 1:
                         ctl.forget_cost(d)
                     ctl.force = d
-                    n = plain if d == 0 else tokens
-                    if n > 0:
-                        self.generate(prompt, n)
+                    if tokens > 0:
+                        self.generate(prompt, tokens)
             self._warm_stretch_writes(len(prompt))
         finally:
             ctl.force, hooks.accept_hook = None, hook

@@ -118,8 +118,8 @@ def run_arm(costs: list[float], source: Geometric | Trace, depth: int | None, re
         for d, c in enumerate(calibrated(costs, flat)):  # the engine's calibration, before the first request
             ctl.force = d
             for _ in range(2):
-                if d == 0:  # one stretch of the longest length (Engine.calibrate_depths)
-                    ctl.plain_done(ctl.off_max, c * (ctl.off_max * plain_overhead + plain_fixed))
+                if d == 0:  # its plain stretches are the shortest ones
+                    ctl.plain_done(ctl.off_min, c * (ctl.off_min * plain_overhead + plain_fixed))
                 else:
                     ctl.observe_cost(d, c)
         ctl.force = None

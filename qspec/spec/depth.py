@@ -56,9 +56,10 @@ EXPIRE = 4
 # Drafting stops only when its best depth's expected rate is this far below plain decoding's: a stop costs a whole
 # plain stretch, and an estimate's noise alone would otherwise stop rounds that pay (scripts/depth_sim.py).
 STOP_MARGIN = 0.05
-# The most failed trials a request inherits: its first plain stretch is at most off_min << START_FAILS tokens (a new
-# request may be of another kind of text; where drafting does not pay, each probe costs ~1% of a 256-token request:
-# scripts/depth_sim.py, BENCHMARKS.md §8).
+# The most failed trials a request inherits: its first plain stretch is at most off_min << (START_FAILS + 1) tokens,
+# the last doubling when the request before it stopped drafting again within SUSTAIN rounds of a stretch (a new
+# request may be of another kind of text; where drafting does not pay, each probe costs ~1% of a 256-token request;
+# without that doubling p = 0.3 lost 0.6% in scripts/depth_sim.py; BENCHMARKS.md §8).
 START_FAILS = 3
 
 
@@ -122,7 +123,6 @@ class DepthController:
         self.measured_at = [0] * (max_depth + 1)  # the choice count at each depth's last cost sample
         self.tick = 0  # choices made (plain stretches and rounds), over all requests
         self.force: int | None = None  # a fixed depth (calibration), still measured
-        self.force_plain = off_max  # the plain stretches' length while depth 0 is forced
         self.calibrated = False  # the engine measures every depth's cost before its first request
         self.renew = [False] * (max_depth + 1)  # a refresh is under way: its sample replaces the old ones
         self.warmup_only = [False] * (max_depth + 1)  # the depth's samples all come from the warm-up (forced depths)
@@ -253,7 +253,6 @@ class DepthController:
         plain = 0
         if self.force is not None:
             depth, reason = self.force, "forced"
-            plain = self.force_plain if depth == 0 else 0
         elif self.probe_next:
             # a probe is two rounds: the engine chooses a round's successor before the round's outcome is known
             # (the next draft chain is queued before the read-back), so only the choice after the second round
