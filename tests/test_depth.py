@@ -463,6 +463,12 @@ def test_depth_sim_script(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert depth_sim.main() == 0
     out = capsys.readouterr().out
     assert "| cpu-demo | p=0.85 |" in out and "| cpu-demo | prose |" in out and "worst auto / best fixed" in out
+    assert "slowest tenth of requests / best" in out
+    # each request's own rate: plain decoding's is one token per plain step, whatever the request
+    per: list[float] = []
+    costs = depth_sim.COSTS["cpu-demo"]
+    rate, _ = depth_sim.run_arm(costs, depth_sim.Geometric(0.5), 0, 3, 16, 0.0, 0, per_request=per)
+    assert len(per) == 3 and all(r == pytest.approx(1 / costs[0]) for r in per) and rate == pytest.approx(per[0])
     # a trace with random phases: each request starts somewhere else, the same seed the same places
     a, b = (depth_sim.sources(["prose"], phase=True)["prose"](3) for _ in range(2))
     starts = []
