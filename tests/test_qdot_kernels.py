@@ -16,6 +16,8 @@ tests marked `cuda` run the compiled kernels at the model's shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from conftest import routing, row_len, run_interp_tests
@@ -150,6 +152,18 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
         assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), 10, config=cfg), y[i:i + 1])
     y1 = qdot_matmul_triton(x, w.raw, int(qt), 10, config=(8, 4, 1, 1))  # no split
     assert rel_err(y1, y) <= TIGHT
+    assert_split_sums_agree(lambda: qdot_matmul_triton(x, w.raw, int(qt), 10, config=cfg), y)
+
+
+def assert_split_sums_agree(product: Callable[[], torch.Tensor], y: torch.Tensor) -> None:
+    """y, computed with the split's partial sums added by the row blocks' last programs, equals the second kernel's
+    sums bit for bit, and every arrival counter is back at 0 (split_counters' invariant)."""
+    from qspec.kernels import triton_common
+
+    with triton_common.split_sum_mode(False):
+        assert torch.equal(product(), y)
+    assert triton_common._COUNTER_RINGS[y.device][1] > 0, "the in-kernel sums took counters"
+    assert not triton_common._COUNTER_RINGS[y.device][0].any()
 
 
 @interp
@@ -241,6 +255,8 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
+    if N < 16 * 8 * torch.cuda.get_device_properties(0).multi_processor_count:  # QDOT_CONFIG splits K
+        assert_split_sums_agree(lambda: qdot_matmul_triton(xb, w.raw, int(qt), N), yk)
 
 
 @pytest.mark.cuda

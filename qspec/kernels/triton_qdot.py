@@ -22,9 +22,10 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
 `_qdot_rows` walks K for BN weight rows and M <= MAX_ROWS x rows: each step's weight words are decoded once, then
 every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
-blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
+blocks leave SMs idle: f32 partial sums added in split order by the row block's last program to finish,
+triton_common.store_split); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
-A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
+A product is thus two launches (quantize x, the product; three with the second sum kernel); the products of one x
 (`qdot_stacked_triton`) share its quantize launch.
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
@@ -46,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, run_split, tl_dtype
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -89,7 +90,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
+    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to, store_split
 
     @triton.jit
     def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -381,11 +382,13 @@ if HAS_TRITON:
         return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
-    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
-                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
-        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
-        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, cnt_ptr, N, K,
+                        STEPS, w_n, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
+                        ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PARTS: tl.constexpr = 0,
+                        PDL: tl.constexpr = False):
+        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows. PARTS 0: one
+        split, the output y written; 1: the split's f32 partial sums into p [S, M, N];
+        2: the same, and the row block's last split to finish adds them into y (store_split)."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
@@ -394,21 +397,8 @@ if HAS_TRITON:
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                          n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
-        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
-        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
-
-    @triton.jit
-    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
-                          PDL: tl.constexpr = False):
-        """y [M, N] (row stride y_m) = the sum of the S partial sums p [S, M * N], added in split order (the same
-        for any row count)."""
-        pdl_start(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < total
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(0, S):
-            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
-        tl.store(y_ptr + (i // N) * y_m + i % N, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+        store_split(acc, y_ptr, im[:, None] * y_m + n[None, :], p_ptr, im[:, None] * N + n[None, :], cnt_ptr, N,
+                    (im[:, None] < M) & nmask[None, :], M, OUT_DT, PARTS)
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
@@ -496,16 +486,14 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: in
     if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
     split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
-    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
-    _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
-        *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
-        M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
-        **pdl_launch(y))
-    if split > 1:
-        block = 1024
-        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
-                                                         OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
+    blocks = triton.cdiv(n, cfg.rows)
+
+    def launch(parts: torch.Tensor, counters: torch.Tensor, stored: int) -> None:
+        _qdot_mv_kernel[(blocks, split)](
+            *xquant, *_views(raw), y, parts, counters, n, K, share, raw.stride(0), y.stride(0), M=M, MP=next_pow2(M),
+            BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype),
+            UNROLL=cfg.unroll, PARTS=stored, num_warps=cfg.warps, **pdl_launch(y))
+    run_split(y, split, blocks, launch)
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
