@@ -181,6 +181,7 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
         assert rel_err(y1, qdot_matmul_torch(x, w.raw, int(qt), 12, K)) <= TIGHT
         for unroll in (2, 4):
             assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, unroll)), y1)
+        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, 2, 3)), y1)
 
 
 @interp
@@ -255,6 +256,8 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
+    for stages in (2, 3):  # software pipelining moves loads, never the sums
+        assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, config=(16, 2, 8, 2, stages)), yk), stages
     if N < 16 * 8 * torch.cuda.get_device_properties(0).multi_processor_count:  # QDOT_CONFIG splits K
         assert_split_sums_agree(lambda: qdot_matmul_triton(xb, w.raw, int(qt), N), yk)
 
@@ -282,7 +285,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3)):
+        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3), (8, 2, 5, 16, 3, 3)):  # the last software-pipelined
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
         # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
         # the same numbers to rounding, not the same bits

@@ -62,6 +62,7 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
+    stages: int = 1  # software-pipelined iterations (>1: the loads of later iterations go out early, via shared memory)
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
@@ -78,6 +79,7 @@ class MoeConfig(NamedTuple):
     unroll: int = 1  # 256-weight steps per loop iteration (gate's and up's steps alternate: twice the bytes in flight)
     down_rows: int = 0  # down's weight rows per program (0: rows)
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
+    stages: int = 1  # software-pipelined iterations of both loops (QdotConfig.stages)
 
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
@@ -322,15 +324,17 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
-        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
+        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it.
+        STAGES > 1 software-pipelines those iterations (Triton copies later iterations' words to shared memory
+        asynchronously), the same operations in the same order."""
         acc = _acc_zeros(MP, BN, QT)
         kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
-        for kb0 in range(kb_lo, kb_main, UNROLL):
+        for kb0 in tl.range(kb_lo, kb_main, UNROLL, num_stages=STAGES):
             for u in tl.static_range(UNROLL):
                 acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                                  rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
@@ -360,7 +364,7 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
                           bw_ptr, brow, nmask, K, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1):
         """Two one-x-row products over all of K in one loop, [1, BN] each: _qdot_rows of the weight rows a (type QA,
         byte offsets arow) and b (QB, brow), each step of a followed by the same step of b, so twice the bytes are
         in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits."""
@@ -368,7 +372,7 @@ if HAS_TRITON:
         acc_b = _acc_zeros(1, BN, QB)
         steps = tl.cdiv(K, 256)
         kb_main = steps // UNROLL * UNROLL
-        for kb0 in range(0, kb_main, UNROLL):
+        for kb0 in tl.range(0, kb_main, UNROLL, num_stages=STAGES):
             for u in tl.static_range(UNROLL):
                 acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
                                    arow, nmask, K, kb0 + u, 1, 1, QA, ASM)
@@ -385,7 +389,7 @@ if HAS_TRITON:
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, cnt_ptr, N, K,
                         STEPS, w_n, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
                         ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PARTS: tl.constexpr = 0,
-                        PDL: tl.constexpr = False):
+                        STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows. PARTS 0: one
         split, the output y written; 1: the split's f32 partial sums into p [S, M, N];
         2: the same, and the row block's last split to finish adds them into y (store_split)."""
@@ -395,7 +399,7 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL, STAGES)
         im = tl.arange(0, MP)
         store_split(acc, y_ptr, im[:, None] * y_m + n[None, :], p_ptr, im[:, None] * N + n[None, :], cnt_ptr, N,
                     (im[:, None] < M) & nmask[None, :], M, OUT_DT, PARTS)
@@ -404,7 +408,7 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             PDL: tl.constexpr = False):
+                             STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]; gate's and up's steps alternate in one loop."""
         pdl_start(PDL)
@@ -413,21 +417,23 @@ if HAS_TRITON:
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
-                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL)
+                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL, STAGES)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
                           KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
-                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
+                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
+                          PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
-                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM, UNROLL)
+                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM, UNROLL,
+                         STAGES)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
                  mask=dmask[None, :])
 
@@ -492,7 +498,7 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: in
         _qdot_mv_kernel[(blocks, split)](
             *xquant, *_views(raw), y, parts, counters, n, K, share, raw.stride(0), y.stride(0), M=M, MP=next_pow2(M),
             BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype),
-            UNROLL=cfg.unroll, PARTS=stored, num_warps=cfg.warps, **pdl_launch(y))
+            UNROLL=cfg.unroll, PARTS=stored, STAGES=cfg.stages, num_warps=cfg.warps, **pdl_launch(y))
     run_split(y, split, blocks, launch)
 
 
@@ -546,7 +552,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     k = top_i.shape[1]
     F = gr.shape[1]
     cfg = MoeConfig(*(config or QDOT_MOE_CONFIG))
-    kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
+    kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "STAGES": cfg.stages, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
