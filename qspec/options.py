@@ -147,9 +147,6 @@ class KernelOptions:
     shared_stream: bool = option(True, "few-token steps run a block-typed shared expert on a second CUDA stream beside "
                                  "the routing and the routed experts (the same kernels, overlapped)",
                                  applies="CUDA, block weights", arm="shst")
-    split_sum_in_kernel: bool = option(True, "a product split over K adds its partial sums in the last program of "
-                                       "each row block (off: in a second kernel; the same numbers)", applies="CUDA",
-                                       arm="ssum")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

@@ -58,7 +58,6 @@ class KernelSwitches:
     int8_dot: bool = True  # qmatmul.INT8_DOT: one-row block products (and few-token experts) through int8 rows
     fuse_blocks: bool = True  # fuse._BLOCKS: functions called with block weights compile too
     shared_stream: bool = True  # moe._SHARED_STREAM: block shared experts of few-token steps on a side stream
-    split_sum_in_kernel: bool = True  # triton_common._SPLIT_SUM_IN_KERNEL: split products add their own partial sums
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
@@ -70,7 +69,7 @@ class KernelSwitches:
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
                    mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks,
-                   shared_stream=opts.shared_stream, split_sum_in_kernel=opts.split_sum_in_kernel)
+                   shared_stream=opts.shared_stream)
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -79,8 +78,7 @@ class KernelSwitches:
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
-                fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
-                triton_common.split_sum_mode(self.split_sum_in_kernel):
+                fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream):
             yield
 
 

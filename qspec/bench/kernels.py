@@ -34,7 +34,6 @@ from typing import NoReturn
 import torch
 import torch.nn.functional as F
 
-from qspec.kernels import triton_common
 from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
@@ -508,13 +507,10 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     ref = x.double() @ W.double().t()
     got = kernel(x, W, cfg)
     e = rel_err(got, ref)
-    with triton_common.split_sum_mode(False):  # split shares' sums by the second kernel: the same bits
-        same_sums = torch.equal(kernel(x, W, cfg), got)
-    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt and same_sums
+    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt
     row = Row(f"{'gemm few' if few else 'gemv'} {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}"
               + (f" cfg={config}" if config else ""), ok,
-              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})"
-              + ("" if same_sums else "; in-kernel split sums differ from the second kernel's"))
+              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: F.linear(x, W))

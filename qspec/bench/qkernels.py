@@ -26,7 +26,6 @@ from functools import partial
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qspec.kernels import triton_common
 from qspec.weights.quantize import quantize
 
 T = GGMLQuantizationType
@@ -275,10 +274,9 @@ def sweep(rows: list[tuple]) -> None:
 
 QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (16, 2, 8, 1), (16, 2, 8, 2),
                 (128, 8, 1, 1))
-# the one-row product's software pipelining around the default (rows, warps, programs per SM or 0 for no split, steps
-# per iteration, pipelined iterations), on every decode shape and the model's block types
-QDOT_ONE_ROW_CONFIGS = ((16, 2, 8, 2), (16, 2, 8, 2, 2), (16, 2, 8, 2, 3), (16, 2, 8, 1, 3), (16, 2, 8, 1, 4),
-                        (32, 4, 4, 2, 3), (16, 2, 0, 2, 3), (8, 2, 8, 2, 3))
+# the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
+# iteration), on every decode shape and the model's block types
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (8, 2, 8, 2), (64, 4, 0, 2), (8, 2, 0, 2))
 QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
 
 
@@ -301,14 +299,12 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
                 mark = "*" if QdotConfig(*cfg) == QDOT_CONFIG else ""
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
-            with triton_common.split_sum_mode(False):  # the default config, split shares summed by a second kernel
-                us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n) for r in raws])
-            _row(rows, "int8 default, 2nd sum kernel", qt.name, f"{name} {n}x{k}", us, nbytes, bf_us, n * k * 2)
             del raws
-# the experts' (rows, warps[, gate/up steps per iteration, down's rows, down's steps per iteration, pipelined
-# iterations]): software pipelining around the default (8, 2, 5, 16, 3)
-QDOT_MOE_CONFIGS = ((8, 2, 5, 16, 3), (8, 2, 5, 16, 3, 2), (8, 2, 5, 16, 3, 3), (8, 2, 2, 16, 3, 3),
-                    (8, 2, 1, 16, 1, 4), (16, 4, 5, 16, 3, 3), (4, 2, 5, 16, 3, 3))
+# the experts' (rows, warps[, gate/up steps per iteration, down's rows, down's steps per iteration]): around the
+# default (8, 2, 5, 16, 3): narrower and wider blocks, fewer and more steps per iteration, down unrolled over its whole
+# K (640: three steps) in 8 to 32 rows
+QDOT_MOE_CONFIGS = ((8, 2), (4, 2, 5), (8, 2, 2), (8, 2, 5), (8, 2, 10), (16, 4, 5), (8, 2, 5, 8, 3), (8, 2, 5, 16, 3),
+                    (4, 2, 5, 16, 3), (8, 2, 10, 32, 3), (16, 4, 10, 16, 3))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:
@@ -354,18 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
-    ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
-                    "engine does on Hopper and later)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
-    with triton_common.pdl_mode(args.pdl and triton_common.pdl_supported(torch.device("cuda"))):
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     shapes = list(QUICK_SHAPES if args.quick else SHAPES)
     types = (T.Q4_K, T.Q8_0) if args.quick else TYPES
     print(f"# {torch.cuda.get_device_name()}; µs per call (CUDA-graph replay, weights from HBM); GB/s = bytes read "

@@ -9,7 +9,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -57,58 +57,6 @@ def torch_references() -> contextlib.AbstractContextManager[None]:
 # writes are visible. Every kernel here waits before it touches memory, so the order of reads and writes is the
 # stream's, as without PDL.
 _PDL = False
-
-
-# A product split over K writes f32 partial sums per share; the last program of each row block to finish adds them in
-# share order (`last_arrival`), where a second kernel did before (one launch fewer per split product: in a CUDA graph
-# a launch costs a few microseconds however little it does, BENCHMARKS.md §5c). The engine sets it
-# (EngineOptions.split_sum_in_kernel); off, the second kernel adds them, with the same numbers.
-_SPLIT_SUM_IN_KERNEL = True
-SPLIT_COUNTERS = 1 << 20  # int32 arrival counters per device (4 MB): a launch takes one per row block from the ring
-_COUNTER_RINGS: dict[torch.device, list] = {}
-
-
-def split_sum_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, split products add their partial sums in their own last programs (`on`) or in a second
-    kernel."""
-    return module_flag(__name__, "_SPLIT_SUM_IN_KERNEL", on)
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 arrival counters for one split launch (one per row block), or None: switched off, or a CUDA
-    graph is being captured before the ring exists (its memory would belong to the graph's pool).
-
-    Invariant: between launches every counter of the ring is 0 (the program that takes one to S - 1 puts it back).
-    Launches take consecutive slots, so two launches share a counter only 2^20 slots apart; the kernels that may run
-    at once (the two streams of one step) are a few launches apart."""
-    if not _SPLIT_SUM_IN_KERNEL or n > SPLIT_COUNTERS:
-        return None
-    ring = _COUNTER_RINGS.get(device)
-    if ring is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ring = _COUNTER_RINGS[device] = [torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device), 0]
-    start = ring[1] if ring[1] + n <= SPLIT_COUNTERS else 0
-    ring[1] = start + n
-    return ring[0][start:start + n]
-
-
-def run_split(y: torch.Tensor, split: int, blocks: int,
-              launch: Callable[[torch.Tensor, torch.Tensor, int], None]) -> None:
-    """Run a product into y [M, N] (row stride free) whose programs are (row block, K share): launch(p, counters,
-    PARTS) launches it with the STORE_SPLIT arguments (`store_split`); with several shares and the in-kernel sum
-    off, a second kernel adds the f32 partial sums p [split, M, N] in share order."""
-    if split == 1:
-        launch(y, y, 0)
-        return
-    M, N = y.shape
-    parts = torch.empty(split, M, N, dtype=torch.float32, device=y.device)
-    counters = split_counters(y.device, blocks)
-    launch(parts, parts if counters is None else counters, 1 if counters is None else 2)
-    if counters is None:
-        block = 1024
-        _sum_parts_kernel[(triton.cdiv(M * N, block),)](parts, y, split, M * N, N, y.stride(0), BLOCK=block,
-                                                         OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
 
 
 def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -183,49 +131,6 @@ if HAS_TRITON:
         if PDL:  # (the branch is compiled only when PDL is set, so other backends never meet tl.extra.cuda)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def last_arrival(cnt_ptr, S):
-        """Called by each of the S programs that share the counter at cnt_ptr once its partial sums are stored: True
-        in the last of them to arrive, which then sees the others' stores (the CTA barrier orders this program's
-        stores before its GPU-scope release; the acquire half orders the loads after); that one resets the counter
-        to 0 for the next launch (split_counters' invariant). Load the partial sums with cache_modifier=".cg"."""
-        tl.debug_barrier()
-        last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == S - 1
-        tl.store(cnt_ptr, 0, mask=last)
-        return last
-
-    @triton.jit
-    def store_split(acc, y_ptr, y_off, p_ptr, p_off, cnt_ptr, N, mask, M: tl.constexpr, OUT_DT: tl.constexpr,
-                    PARTS: tl.constexpr):
-        """The output tile of a program (row block, K share) of a product y [M, N] (run_split): PARTS 0 (one share)
-        acc rounded into y at offsets y_off; 1: acc into the share's f32 partial sums p [S, M, N] at offsets p_off
-        (a second kernel adds them); 2: the same, and the row block's last share to finish adds the S partial sums
-        in share order (as the second kernel would) into y (cnt_ptr: a zeroed counter per row block)."""
-        if PARTS == 0:
-            tl.store(y_ptr + y_off, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(p_ptr + tl.program_id(1) * M * N + p_off, acc, mask=mask)
-            if PARTS == 2:
-                S = tl.num_programs(1)
-                if last_arrival(cnt_ptr + tl.program_id(0), S):
-                    total = tl.zeros_like(acc)
-                    for s in range(0, S):
-                        total += tl.load(p_ptr + s * M * N + p_off, mask=mask, other=0.0, cache_modifier=".cg")
-                    tl.store(y_ptr + y_off, round_to(total, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
-                          PDL: tl.constexpr = False):
-        """y [M, N] (row stride y_m) = the sum of the S partial sums p [S, M * N], added in split order (the same
-        for any row count)."""
-        pdl_start(PDL)
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < total
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(0, S):
-            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
-        tl.store(y_ptr + (i // N) * y_m + i % N, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def dot_acc(a, b, acc, UPCAST: tl.constexpr):

@@ -7,17 +7,17 @@ row it keeps a [BN, BK] f32 accumulator of products (no reduction inside the loo
 reduces each row's products per step. Products accumulate in f32 and round once to x's dtype.
 
 `plan` keeps every SM busy (a set number of programs per SM) by narrowing BN (down to 1 row per program)
-before it splits K: split programs write f32 partial sums that the row block's last program adds in split order
-(deterministic; triton_common.store_split), and when that took a second kernel, on the H200 the launch cost more
-than the split saved. BK grows as BN shrinks, so each step
+before it splits K: a split needs a second kernel (`_sum_splits_kernel`, adding f32 partial sums in split
+order, deterministic), and on the H200 that launch cost more than the split saved. BK grows as BN shrinks, so each step
 still loads ~TILE elements. The plan depends on N and K only, never on M.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, run_split, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
@@ -73,12 +73,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, store_split
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, N, K, K_SPLIT, x_m, w_n, y_m,
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                      M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     OUT_DT: tl.constexpr, PARTS: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
@@ -106,14 +106,13 @@ if HAS_TRITON:
                     x = tl.load(x_ptr + m * x_m + k, mask=kmask, other=0.0).to(tl.float32)
                     p = tl.sum(w * x[None, :], axis=1)
                     acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
-        store_split(acc, y_ptr, im[:, None] * y_m + n[None, :], p_ptr, im[:, None] * N + n[None, :], cnt_ptr, N,
-                    (im[:, None] < M) & nmask[None, :], M, OUT_DT, PARTS)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
-    def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, p_ptr, cnt_ptr, N, K, K_SPLIT, x_m, w_n, y_m,
+    def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                          M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PARTS: tl.constexpr = 0,
-                         PDL: tl.constexpr = False):
+                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         # 2..8 rows: x^T padded to 16 columns, so each K step is one tensor-core product [BN, BK] @ [BK, 16]
         # and the loop does no per-row reductions (the mat-vec kernel's M > 1 path spent its time on those).
         pdl_start(PDL)
@@ -131,8 +130,19 @@ if HAS_TRITON:
             w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptr + im[None, :] * x_m + k[:, None], mask=(im[None, :] < M) & kmask[:, None], other=0.0)
             acc = dot_acc(w, xt, acc, UPCAST)
-        store_split(acc, y_ptr, im[None, :] * y_m + n[:, None], p_ptr, im[None, :] * N + n[:, None], cnt_ptr, N,
-                    nmask[:, None] & (im[None, :] < M), M, OUT_DT, PARTS)
+        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
+
+    @triton.jit
+    def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        pdl_start(PDL)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < MN
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(S):
+            acc += tl.load(p_ptr + s * p_s + i, mask=mask, other=0.0)
+        tl.store(y_ptr + i, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -183,14 +193,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
     bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
     mp = 1 if M == 1 else triton.next_power_of_2(M)
 
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-
-    def launch(parts: torch.Tensor, counters: torch.Tensor, stored: int) -> None:
-        _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, parts, counters, N, K, k_split, x.stride(0), w.stride(0),
-                                                  y.stride(0), M=M, MP=mp, BN=bn, BK=bk, OUT_DT=tl_dtype(y.dtype),
-                                                  PARTS=stored, num_warps=warps, **pdl_launch(x))
-    run_split(y, split, triton.cdiv(N, bn), launch)
-    return y
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps, **pdl_launch(x))
+    return _with_splits(x, N, split, launch)
 
 
 def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
@@ -204,12 +210,25 @@ def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
     bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K)) or TUNED_FEW_PDL.get((N, K), DEFAULT_FEW_CONFIG)
     bk, split, k_split = plan_k(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
 
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s,
+                                                      y.stride(-2), M=M, BN=bn, BK=bk, STAGES=stages, OUT_DT=dt,
+                                                      UPCAST=INTERPRET, num_warps=warps, **pdl_launch(x))
+    return _with_splits(x, N, split, launch)
 
-    def launch(parts: torch.Tensor, counters: torch.Tensor, stored: int) -> None:
-        _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, parts, counters, N, K, k_split, x.stride(0),
-                                                      w.stride(0), y.stride(0), M=M, BN=bn, BK=bk, STAGES=stages,
-                                                      OUT_DT=tl_dtype(y.dtype), UPCAST=INTERPRET, PARTS=stored,
-                                                      num_warps=warps, **pdl_launch(x))
-    run_split(y, split, triton.cdiv(N, bn), launch)
+
+def _with_splits(x: torch.Tensor, N: int, split: int,
+                 launch: Callable[[torch.Tensor, int, object], None]) -> torch.Tensor:
+    """Run `launch` into y directly, or into f32 partial sums per K share that a second kernel adds in order."""
+    M = x.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    dt = tl_dtype(x.dtype)
+    if split == 1:
+        launch(y, 0, dt)
+        return y
+    part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    launch(part, part.stride(0), tl.float32)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block,
+                                                     **pdl_launch(part))
     return y

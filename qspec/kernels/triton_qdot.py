@@ -22,10 +22,9 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
 `_qdot_rows` walks K for BN weight rows and M <= MAX_ROWS x rows: each step's weight words are decoded once, then
 every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
-blocks leave SMs idle: f32 partial sums added in split order by the row block's last program to finish,
-triton_common.store_split); `_qdot_gate_up_kernel` and
+blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
-A product is thus two launches (quantize x, the product; three with the second sum kernel); the products of one x
+A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
 (`qdot_stacked_triton`) share its quantize launch.
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
@@ -47,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, run_split, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -62,7 +61,6 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
-    stages: int = 1  # software-pipelined iterations (>1: the loads of later iterations go out early, via shared memory)
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
@@ -79,7 +77,6 @@ class MoeConfig(NamedTuple):
     unroll: int = 1  # 256-weight steps per loop iteration (gate's and up's steps alternate: twice the bytes in flight)
     down_rows: int = 0  # down's weight rows per program (0: rows)
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
-    stages: int = 1  # software-pipelined iterations of both loops (QdotConfig.stages)
 
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
@@ -92,7 +89,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to, store_split
+    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
 
     @triton.jit
     def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -324,17 +321,15 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
-        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it.
-        STAGES > 1 software-pipelines those iterations (Triton copies later iterations' words to shared memory
-        asynchronously), the same operations in the same order."""
+        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
         acc = _acc_zeros(MP, BN, QT)
         kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
-        for kb0 in tl.range(kb_lo, kb_main, UNROLL, num_stages=STAGES):
+        for kb0 in range(kb_lo, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
                 acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                                  rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
@@ -364,7 +359,7 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
                           bw_ptr, brow, nmask, K, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """Two one-x-row products over all of K in one loop, [1, BN] each: _qdot_rows of the weight rows a (type QA,
         byte offsets arow) and b (QB, brow), each step of a followed by the same step of b, so twice the bytes are
         in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits."""
@@ -372,7 +367,7 @@ if HAS_TRITON:
         acc_b = _acc_zeros(1, BN, QB)
         steps = tl.cdiv(K, 256)
         kb_main = steps // UNROLL * UNROLL
-        for kb0 in tl.range(0, kb_main, UNROLL, num_stages=STAGES):
+        for kb0 in range(0, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
                 acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
                                    arow, nmask, K, kb0 + u, 1, 1, QA, ASM)
@@ -386,29 +381,40 @@ if HAS_TRITON:
         return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
-    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, cnt_ptr, N, K,
-                        STEPS, w_n, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                        ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PARTS: tl.constexpr = 0,
-                        STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
-        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows. PARTS 0: one
-        split, the output y written; 1: the split's f32 partial sums into p [S, M, N];
-        2: the same, and the row block's last split to finish adds them into y (store_split)."""
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
+                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
+        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
+        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL, STAGES)
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
-        store_split(acc, y_ptr, im[:, None] * y_m + n[None, :], p_ptr, im[:, None] * N + n[None, :], cnt_ptr, N,
-                    (im[:, None] < M) & nmask[None, :], M, OUT_DT, PARTS)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+
+    @triton.jit
+    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+        """y [M, N] (row stride y_m) = the sum of the S partial sums p [S, M * N], added in split order (the same
+        for any row count)."""
+        pdl_start(PDL)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
+        tl.store(y_ptr + (i // N) * y_m + i % N, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]; gate's and up's steps alternate in one loop."""
         pdl_start(PDL)
@@ -417,23 +423,21 @@ if HAS_TRITON:
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
-                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL, STAGES)
+                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
                           KS, ti_m, tw_m, d_e, d_d, BN: tl.constexpr, QD: tl.constexpr, ASM: tl.constexpr,
-                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, STAGES: tl.constexpr = 1,
-                          PDL: tl.constexpr = False):
+                          OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """y[t, j, :] = top_w[t, j] * down_e . act[pair] (act quantized) for BN output features, rounded once."""
         pdl_start(PDL)
         pair, t, j, e, dd, dmask = expert_pair(ti_ptr, ti_m, KS, D, BN)
         wt = tl.load(tw_ptr + t * tw_m + j).to(tl.float32)
         acc = _qdot_rows(xq_ptr + pair * (F // 4), xd_ptr + pair * (F // 32), xs_ptr + pair * (F // 32),
                          xg_ptr + pair * (F // 16), 0, 0, 0, db_ptr, dh_ptr, di_ptr, dw_ptr,
-                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM, UNROLL,
-                         STAGES)
+                         e * d_e + dd.to(tl.int64) * d_d, dmask, F, 0, tl.cdiv(F, 256), 1, 1, BN, QD, ASM, UNROLL)
         tl.store(y_ptr + pair * D + dd[None, :], round_to(acc * wt, OUT_DT).to(y_ptr.dtype.element_ty),
                  mask=dmask[None, :])
 
@@ -492,14 +496,16 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: in
     if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
     split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
-    blocks = triton.cdiv(n, cfg.rows)
-
-    def launch(parts: torch.Tensor, counters: torch.Tensor, stored: int) -> None:
-        _qdot_mv_kernel[(blocks, split)](
-            *xquant, *_views(raw), y, parts, counters, n, K, share, raw.stride(0), y.stride(0), M=M, MP=next_pow2(M),
-            BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm, OUT_DT=tl_dtype(y.dtype),
-            UNROLL=cfg.unroll, PARTS=stored, STAGES=cfg.stages, num_warps=cfg.warps, **pdl_launch(y))
-    run_split(y, split, blocks, launch)
+    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
+    _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
+        *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
+        M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
+        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
+        **pdl_launch(y))
+    if split > 1:
+        block = 1024
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
+                                                         OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
@@ -552,7 +558,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     k = top_i.shape[1]
     F = gr.shape[1]
     cfg = MoeConfig(*(config or QDOT_MOE_CONFIG))
-    kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "STAGES": cfg.stages, "num_warps": cfg.warps}
+    kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
