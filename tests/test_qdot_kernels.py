@@ -153,11 +153,10 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
 
 
 @interp
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0])
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q5_0])
 def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> None:
-    """Steps per loop iteration (UNROLL) and loading each step's bytes a step ahead (AHEAD: Q4_K/Q5_K; the other
-    types ignore it) change the schedule, never the sum: 7 steps unrolled by 2 and 4 (a remainder each time), or
-    loaded ahead, with and without a split, equal one step per iteration bit for bit."""
+    """Steps per loop iteration (UNROLL) change the schedule, never the sum: 7 steps unrolled by 2 and 4 (a
+    remainder each time), with and without a split, equal one step per iteration bit for bit."""
     from qspec.kernels.triton_qdot import qdot_matmul_triton
 
     K = 7 * 256
@@ -168,7 +167,6 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
         assert rel_err(y1, qdot_matmul_torch(x, w.raw, int(qt), 12, K)) <= TIGHT
         for unroll in (2, 4):
             assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, unroll)), y1)
-        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, 1, True)), y1)
 
 
 @interp
@@ -206,7 +204,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    for cfg in ((32, 4, 2), (32, 4, 2, 16, 3), (32, 4, 1, 0, 0, True)) if T_ == 1 else ((32, 4, 3),):
+    for cfg in ((32, 4, 2), (32, 4, 2, 16, 3)) if T_ == 1 else ((32, 4, 3),):
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
@@ -243,7 +241,6 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
-    assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, config=(16, 2, 8, 1, True)), yk), "loaded ahead"
 
 
 @pytest.mark.cuda
@@ -269,7 +266,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3), (8, 2, 1, 16, 3, True)):  # the last: gate/up loaded a step ahead
+        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3)):
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
         # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
         # the same numbers to rounding, not the same bits

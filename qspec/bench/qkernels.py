@@ -26,7 +26,6 @@ from functools import partial
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from qspec.kernels import triton_common
 from qspec.weights.quantize import quantize
 
 T = GGMLQuantizationType
@@ -275,26 +274,22 @@ def sweep(rows: list[tuple]) -> None:
 
 QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (16, 2, 8, 1), (16, 2, 8, 2),
                 (128, 8, 1, 1))
-# the one-row product's loop unrolling, split-K rule and loads a step ahead (rows, warps, programs per SM or 0 for no
-# split, steps per iteration, ahead), on every decode shape and the model's block types
-QDOT_ONE_ROW_CONFIGS = ((16, 2, 8, 2), (16, 2, 8, 1), (16, 2, 8, 1, True), (32, 4, 4, 1, True), (8, 2, 8, 1, True),
-                        (16, 2, 0, 1, True), (16, 2, 4, 1, True))
+# the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
+# iteration), on every decode shape and the model's block types
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (8, 2, 8, 2), (64, 4, 0, 2), (8, 2, 0, 2))
 QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
-QUICK_ONE_ROW = (("gdn_in", "gdn_out", "qsa_in", "router_shared"), (T.Q4_K,))  # --quick: the shapes and the type
 
 
-def qdot_one_row_sweep(rows: list[tuple], quick: bool = False) -> None:
-    """The one-row int8 product (decode) over QDOT_ONE_ROW_CONFIGS, each shape and type (quick: QUICK_ONE_ROW's);
-    the row marked * is the default. The experts' 640-wide down rows (Q5_0/Q8_0) are the 2,560 x 640 shape."""
+def qdot_one_row_sweep(rows: list[tuple]) -> None:
+    """The one-row int8 product (decode) over QDOT_ONE_ROW_CONFIGS, each shape and type; the row marked * is the
+    default. The experts' 640-wide down rows (Q5_0/Q8_0) are the 2,560 x 640 shape."""
     from qspec.kernels.triton_qdot import QDOT_CONFIG, QdotConfig, qdot_matmul_triton
 
     shapes = dict(SHAPES, expert_down=(2560, 640))
     del shapes["ple_kv"]
-    if quick:
-        shapes = {name: shapes[name] for name in QUICK_ONE_ROW[0]}
     for name, (n, k) in shapes.items():
         x, bf_us = _bf16_matvec(1, n, k)
-        for qt in QUICK_ONE_ROW[1] if quick else QDOT_ONE_ROW_TYPES:
+        for qt in QDOT_ONE_ROW_TYPES:
             if qt.name.endswith("_K") and k % 256:
                 continue
             raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
@@ -305,10 +300,11 @@ def qdot_one_row_sweep(rows: list[tuple], quick: bool = False) -> None:
                 _row(rows, "int8 " + "/".join(map(str, cfg)) + mark, qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)
             del raws
-# the experts' (rows, warps[, gate/up steps per iteration, down's rows, down's steps per iteration, gate/up loaded a
-# step ahead]): around the default (8, 2, 5, 16, 3), one step per iteration with and without the loads ahead
-QDOT_MOE_CONFIGS = ((8, 2, 5, 16, 3), (8, 2, 1, 16, 3), (8, 2, 1, 16, 3, True), (4, 2, 1, 16, 3, True),
-                    (16, 4, 1, 16, 3, True), (16, 2, 1, 16, 3, True))
+# the experts' (rows, warps[, gate/up steps per iteration, down's rows, down's steps per iteration]): around the
+# default (8, 2, 5, 16, 3): narrower and wider blocks, fewer and more steps per iteration, down unrolled over its whole
+# K (640: three steps) in 8 to 32 rows
+QDOT_MOE_CONFIGS = ((8, 2), (4, 2, 5), (8, 2, 2), (8, 2, 5), (8, 2, 10), (16, 4, 5), (8, 2, 5, 8, 3), (8, 2, 5, 16, 3),
+                    (4, 2, 5, 16, 3), (8, 2, 10, 32, 3), (16, 4, 10, 16, 3))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:
@@ -334,13 +330,12 @@ def qdot_sweep(rows: list[tuple]) -> None:
     qdot_moe_sweep(rows)
 
 
-def qdot_moe_sweep(rows: list[tuple], quick: bool = False) -> None:
-    """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens (quick: Q4_K
-    gate/up only)."""
+def qdot_moe_sweep(rows: list[tuple]) -> None:
+    """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens."""
     for cfg in QDOT_MOE_CONFIGS:
         for t in (1, 6):
             r: list[tuple] = []
-            bench_moe(r, (T.Q4_K,) if quick else (T.Q4_K, T.Q6_K), t, quiet=True, qdot_config=cfg)
+            bench_moe(r, (T.Q4_K, T.Q6_K), t, quiet=True, qdot_config=cfg)
             for row in r[1::2]:
                 rows.append(row)
                 print(f"int8 moe {cfg} t={t} {row[1]}: {row[3]:.2f} µs, {row[4]:.0f} GB/s (bf16 {row[5]:.2f} µs)",
@@ -349,25 +344,17 @@ def qdot_moe_sweep(rows: list[tuple], quick: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qspec.bench.qkernels", description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only (--qdot-one-row, "
-                    "--qdot-moe: QUICK_ONE_ROW's shapes, Q4_K only)")
+    ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
     ap.add_argument("--sweep", action="store_true", help="only the kernel configs, three shapes")
     ap.add_argument("--qdot-sweep", action="store_true", help="only the int8-activation kernels' configs")
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
-    ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
-                    "engine does on Hopper and later)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
-    with triton_common.pdl_mode(args.pdl and triton_common.pdl_supported(torch.device("cuda"))):
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     shapes = list(QUICK_SHAPES if args.quick else SHAPES)
     types = (T.Q4_K, T.Q8_0) if args.quick else TYPES
     print(f"# {torch.cuda.get_device_name()}; µs per call (CUDA-graph replay, weights from HBM); GB/s = bytes read "
@@ -382,10 +369,10 @@ def _run(args: argparse.Namespace) -> int:
         qdot_sweep(rows)
         return 0
     if args.qdot_one_row:
-        qdot_one_row_sweep(rows, args.quick)
+        qdot_one_row_sweep(rows)
         return 0
     if args.qdot_moe:
-        qdot_moe_sweep(rows, args.quick)
+        qdot_moe_sweep(rows)
         return 0
     if args.expand:
         bench_expand(rows)

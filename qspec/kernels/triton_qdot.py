@@ -61,7 +61,6 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
-    ahead: bool = False  # Q4_K/Q5_K: a step's weight bytes are loaded one step ahead, into registers (unroll unused)
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
@@ -78,7 +77,6 @@ class MoeConfig(NamedTuple):
     unroll: int = 1  # 256-weight steps per loop iteration (gate's and up's steps alternate: twice the bytes in flight)
     down_rows: int = 0  # down's weight rows per program (0: rows)
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
-    ahead: bool = False  # gate/up (both Q4_K/Q5_K): each step's bytes loaded one step ahead (QdotConfig.ahead)
 
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
@@ -141,67 +139,49 @@ if HAS_TRITON:
         return tl.where(im == m, acc + t[:, :, :, None], acc)
 
     @triton.jit
-    def _k45_raw(ww_ptr, wh_ptr, base, nmask, QT: tl.constexpr):
-        """Q4_K/Q5_K: the super-blocks at byte offsets base [BN] as loaded, nothing computed from them (so that a
-        later step's loads can go out before this step's arithmetic): (qs words WO = 0 and 4 of each 32-byte chunk c
-        [BN, 4, 4]; Q5_K's qh words WO.. [BN, 1, 4] (Q4_K: the qs words again, unused); scale words 1..3 [BN, 1];
-        f16 d and dmin [BN, 1])."""
+    def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
+        """Q4_K/Q5_K: (d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S of the super-blocks at byte
+        offsets base; the 12 scale bytes are words 1..3 of the block."""
+        j = 2 * tl.arange(0, 4)[None, :] + S
+        w0 = (base // 4)[:, None]
+        m2 = nmask[:, None]
+        a = _byte(tl.load(ww_ptr + w0 + 1, mask=m2, other=0), j % 4)
+        b = _byte(tl.load(ww_ptr + w0 + 2, mask=m2, other=0), j % 4)
+        e = _byte(tl.load(ww_ptr + w0 + 3, mask=m2, other=0), j % 4)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = tl.load(wh_ptr + base // 2, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        dmin = tl.load(wh_ptr + base // 2 + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        return d * sc, dmin * mn
+
+    @triton.jit
+    def _k45_nibbles(ww_ptr, base, nmask, WO: tl.constexpr, QT: tl.constexpr):
+        """Q4_K/Q5_K: words WO..WO+3 of each 32-byte chunk c of the super-blocks at byte offsets base [BN] ->
+        (low, high) nibble words [BN, 4, 4] (sub-blocks 2c and 2c + 1), 5th bits OR-ed in for Q5_K."""
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         m3 = nmask[:, None, None]
-        qs = ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + v
-        wa = tl.load(qs, mask=m3, other=0)
-        wb = tl.load(qs + 4, mask=m3, other=0)
-        if QT == 13:
-            qh = ww_ptr + ((base + 16) // 4)[:, None, None] + v
-            qa = tl.load(qh, mask=m3, other=0)
-            qb = tl.load(qh + 4, mask=m3, other=0)
-        else:
-            qa = wa
-            qb = wb
-        w0 = (base // 4)[:, None]
-        m2 = nmask[:, None]
-        s1 = tl.load(ww_ptr + w0 + 1, mask=m2, other=0)
-        s2 = tl.load(ww_ptr + w0 + 2, mask=m2, other=0)
-        s3 = tl.load(ww_ptr + w0 + 3, mask=m2, other=0)
-        d = tl.load(wh_ptr + base // 2, mask=nmask, other=0.0)[:, None]
-        dmin = tl.load(wh_ptr + base // 2 + 1, mask=nmask, other=0.0)[:, None]
-        return wa, wb, qa, qb, s1, s2, s3, d, dmin
-
-    @triton.jit
-    def _k45_scales(s1, s2, s3, d, dmin, S: tl.constexpr):
-        """Q4_K/Q5_K: (d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from _k45_raw's scale words
-        (the 12 scale bytes are words 1..3 of the block) and f16 d, dmin."""
-        j = 2 * tl.arange(0, 4)[None, :] + S
-        a = _byte(s1, j % 4)
-        b = _byte(s2, j % 4)
-        e = _byte(s3, j % 4)
-        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
-        return d.to(tl.float32) * sc, dmin.to(tl.float32) * mn
-
-    @triton.jit
-    def _k45_nibbles(words, qh, QT: tl.constexpr):
-        """Q4_K/Q5_K: qs words [BN, 4, 4] of _k45_raw (chunk c: sub-blocks 2c and 2c + 1) -> (low, high) nibble
-        words, 5th bits from qh OR-ed in for Q5_K."""
-        c = tl.arange(0, 4)[None, :, None]
+        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
+                        other=0)
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + WO + v, mask=m3, other=0)
             lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
             hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
         return lo, hi
 
     @triton.jit
-    def _k45_dot(acc, wa, wb, qa, qb, s1, s2, s3, d, dmin, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, kb,
-                 M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q4_K / Q5_K super-block kb of BN rows (_k45_raw's words), for every x row; acc [BN, 4, MP] (per row,
-        chunk, x row: summed over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so
-        the integer sums need no exchange between threads."""
-        lo_a, hi_a = _k45_nibbles(wa, qa, QT)
-        lo_b, hi_b = _k45_nibbles(wb, qb, QT)
-        dsl, dml = _k45_scales(s1, s2, s3, d, dmin, 0)
-        dsh, dmh = _k45_scales(s1, s2, s3, d, dmin, 1)
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
+        over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
+        need no exchange between threads."""
+        base = rowb + kb * (144 if QT == 12 else 176)
+        lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
+        lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
+        dsl, dml = _k45_scales(wh_ptr, ww_ptr, base, nmask, 0)
+        dsh, dmh = _k45_scales(wh_ptr, ww_ptr, base, nmask, 1)
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         c2 = tl.arange(0, 4)[None, :]
@@ -215,15 +195,6 @@ if HAS_TRITON:
                     - dmh * tl.load(xs_ptr + xb + 1)))
             acc = _add_col(acc, t, m, MP)
         return acc
-
-    @triton.jit
-    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
-                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q4_K / Q5_K super-block kb of BN rows, loaded and multiplied (_k45_raw, _k45_dot)."""
-        wa, wb, qa, qb, s1, s2, s3, d, dmin = _k45_raw(ww_ptr, wh_ptr, rowb + kb * (144 if QT == 12 else 176), nmask,
-                                                       QT)
-        return _k45_dot(acc, wa, wb, qa, qb, s1, s2, s3, d, dmin, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, kb, M, MP, QT,
-                        ASM)
 
     @triton.jit
     def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
@@ -350,69 +321,22 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1, AHEAD: tl.constexpr = False):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
-        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it.
-        AHEAD (Q4_K/Q5_K): one step per iteration, the next step's bytes loaded before this step's arithmetic."""
+        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
         acc = _acc_zeros(MP, BN, QT)
-        if AHEAD and (QT == 12 or QT == 13):
-            acc = _k45_rows_ahead(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb_lo, kb_hi, M,
-                                  MP, QT, ASM)
-        else:
-            kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
-            for kb0 in range(kb_lo, kb_main, UNROLL):
-                for u in tl.static_range(UNROLL):
-                    acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr,
-                                     ww_ptr, rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
-            for kb in range(kb_main, kb_hi):
+        kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
+        for kb0 in range(kb_lo, kb_main, UNROLL):
+            for u in tl.static_range(UNROLL):
                 acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                                 rowb, nmask, K, kb, M, MP, QT, ASM)
+                                 rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
+        for kb in range(kb_main, kb_hi):
+            acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                             rowb, nmask, K, kb, M, MP, QT, ASM)
         return _acc_rows(acc, QT)
-
-    @triton.jit
-    def _live(nmask, kb, steps):
-        """The rows of nmask where step kb exists (kb < steps), as a row mask (a scalar condition broadcast)."""
-        return nmask & ((nmask.to(tl.int32) * 0 + kb) < steps)
-
-    @triton.jit
-    def _k45_rows_ahead(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb_lo, kb_hi,
-                        M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """_qdot_rows's steps kb_lo .. kb_hi - 1 for Q4_K/Q5_K with each step's bytes in registers one step early
-        (the loads of step kb + 1 have no use before step kb's arithmetic, so they are in flight during it); past
-        the last step nothing is read (masked)."""
-        bs: tl.constexpr = 144 if QT == 12 else 176
-        first = _live(nmask, kb_lo, kb_hi)
-        wa, wb, qa, qb, s1, s2, s3, d, dmin = _k45_raw(ww_ptr, wh_ptr, rowb + kb_lo * bs, first, QT)
-        for kb in range(kb_lo, kb_hi):
-            na, nb, nqa, nqb, n1, n2, n3, nd, ndm = _k45_raw(ww_ptr, wh_ptr, rowb + (kb + 1) * bs,
-                                                             _live(nmask, kb + 1, kb_hi), QT)
-            acc = _k45_dot(acc, wa, wb, qa, qb, s1, s2, s3, d, dmin, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, kb, M, MP, QT,
-                           ASM)
-            wa, wb, qa, qb, s1, s2, s3, d, dmin = na, nb, nqa, nqb, n1, n2, n3, nd, ndm
-        return acc
-
-    @triton.jit
-    def _k45_pair_ahead(acc_a, acc_b, xq_ptr, xd_ptr, xs_ptr, ah_ptr, aw_ptr, arow, bh_ptr, bw_ptr, brow, nmask, steps,
-                        QA: tl.constexpr, QB: tl.constexpr, ASM: tl.constexpr):
-        """_qdot_rows_paired's steps for two Q4_K/Q5_K products of one x row, each step's bytes of both loaded one
-        step early (as _k45_rows_ahead)."""
-        sa: tl.constexpr = 144 if QA == 12 else 176
-        sb: tl.constexpr = 144 if QB == 12 else 176
-        live = _live(nmask, 0, steps)
-        a0, a1, a2, a3, a4, a5, a6, a7, a8 = _k45_raw(aw_ptr, ah_ptr, arow, live, QA)
-        b0, b1, b2, b3, b4, b5, b6, b7, b8 = _k45_raw(bw_ptr, bh_ptr, brow, live, QB)
-        for kb in range(0, steps):
-            nxt = _live(nmask, kb + 1, steps)
-            n0, n1, n2, n3, n4, n5, n6, n7, n8 = _k45_raw(aw_ptr, ah_ptr, arow + (kb + 1) * sa, nxt, QA)
-            m0, m1, m2, m3, m4, m5, m6, m7, m8 = _k45_raw(bw_ptr, bh_ptr, brow + (kb + 1) * sb, nxt, QB)
-            acc_a = _k45_dot(acc_a, a0, a1, a2, a3, a4, a5, a6, a7, a8, xq_ptr, xd_ptr, xs_ptr, 0, 0, kb, 1, 1, QA, ASM)
-            acc_b = _k45_dot(acc_b, b0, b1, b2, b3, b4, b5, b6, b7, b8, xq_ptr, xd_ptr, xs_ptr, 0, 0, kb, 1, 1, QB, ASM)
-            a0, a1, a2, a3, a4, a5, a6, a7, a8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
-            b0, b1, b2, b3, b4, b5, b6, b7, b8 = m0, m1, m2, m3, m4, m5, m6, m7, m8
-        return acc_a, acc_b
 
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
@@ -435,18 +359,13 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
                           bw_ptr, brow, nmask, K, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1, AHEAD: tl.constexpr = False):
+                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """Two one-x-row products over all of K in one loop, [1, BN] each: _qdot_rows of the weight rows a (type QA,
         byte offsets arow) and b (QB, brow), each step of a followed by the same step of b, so twice the bytes are
-        in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits.
-        AHEAD (both Q4_K/Q5_K): each step's bytes of both loaded one step early (_k45_pair_ahead)."""
+        in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits."""
         acc_a = _acc_zeros(1, BN, QA)
         acc_b = _acc_zeros(1, BN, QB)
         steps = tl.cdiv(K, 256)
-        if AHEAD and (QA == 12 or QA == 13) and (QB == 12 or QB == 13):
-            acc_a, acc_b = _k45_pair_ahead(acc_a, acc_b, xq_ptr, xd_ptr, xs_ptr, ah_ptr, aw_ptr, arow, bh_ptr, bw_ptr,
-                                           brow, nmask, steps, QA, QB, ASM)
-            steps = 0  # (the loops below run no step)
         kb_main = steps // UNROLL * UNROLL
         for kb0 in range(0, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
@@ -464,8 +383,7 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
                         y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, AHEAD: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
         output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
         pdl_start(PDL)
@@ -474,7 +392,7 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL, AHEAD)
+                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
         im = tl.arange(0, MP)
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
@@ -496,7 +414,7 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             AHEAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                             PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]; gate's and up's steps alternate in one loop."""
         pdl_start(PDL)
@@ -505,7 +423,7 @@ if HAS_TRITON:
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
-                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL, AHEAD)
+                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL)
         a = g / (1.0 + tl.exp(-g)) * u
         tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
 
@@ -582,7 +500,7 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: in
     _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
         *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
         M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, AHEAD=cfg.ahead, num_warps=cfg.warps,
+        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
         **pdl_launch(y))
     if split > 1:
         block = 1024
@@ -647,7 +565,8 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), AHEAD=cfg.ahead, **kw, **pdl_launch(h))
+        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw,
+        **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
     _qdot_down_kernel[(triton.cdiv(D, down_rows), T_ * k)](
