@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from qspec.kernels import triton_common
 from qspec.weights.quantize import quantize
 
 T = GGMLQuantizationType
@@ -350,11 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
+    ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
+                    "engine does on Hopper and later)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("qspec: error: qkernels needs a CUDA device", file=sys.stderr)
         return 2
     torch.set_grad_enabled(False)
+    with triton_common.pdl_mode(args.pdl and triton_common.pdl_supported(torch.device("cuda"))):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     shapes = list(QUICK_SHAPES if args.quick else SHAPES)
     types = (T.Q4_K, T.Q8_0) if args.quick else TYPES
     print(f"# {torch.cuda.get_device_name()}; µs per call (CUDA-graph replay, weights from HBM); GB/s = bytes read "
