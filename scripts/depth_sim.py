@@ -202,7 +202,9 @@ def main() -> int:
                     help="DepthController keyword arguments for auto (e.g. regime_weight=4)")
     ap.add_argument("--out", help="also write the table (markdown) here")
     a = ap.parse_args()
-    controller = {k: float(v) for k, v in (kv.split("=") for kv in a.controller.split(",") if kv)}
+    # integers stay integers (off_min and off_max shift and compare as stretch lengths)
+    controller = {k: int(v) if v.lstrip("-").isdigit() else float(v)
+                  for k, v in (kv.split("=") for kv in a.controller.split(",") if kv)}
     lines = ["| costs | acceptance | best fixed (tok/s) | plain | auto | auto / best "
              "| slowest tenth of requests / best | auto / plain | auto's depths |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
