@@ -40,6 +40,8 @@ from qspec.spec.stats import SpecStats
 # the extend's N + 1 rows per write, a long stretch was measurably slower per token than plain decoding (BENCHMARKS.md
 # §8); the controller's measurement of depth 0 includes what is left.
 CATCH_UP_ROWS = 32
+# The longest plain stretch of the automatic depth over its first (EngineOptions.draft_auto_stretch).
+STRETCH_GROWTH = 16
 # The most prompt tokens the depth calibration prefills (each of its generations prefills again).
 CALIBRATION_PROMPT = 8192
 
@@ -149,7 +151,9 @@ class Engine:
                              switches=KernelSwitches.resolve(self.opts, model.device))
         self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
         # the depth controller outlives requests: the costs it measured are the device's, not the request's
-        self.depth = DepthController(self.opts.draft) if self.opts.draft_auto else None
+        stretch = self.opts.draft_auto_stretch
+        self.depth = (DepthController(self.opts.draft, off_min=stretch, off_max=STRETCH_GROWTH * stretch)
+                      if self.opts.draft_auto else None)
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:

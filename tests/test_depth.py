@@ -333,6 +333,20 @@ def test_draft_head_is_current_after_plain_stretches(tiny_model: Model, monkeypa
     torch.testing.assert_close(got.v[1:m], want.v[1:m], rtol=1e-5, atol=1e-5)
 
 
+def test_stretch_option_sets_the_plain_stretches(tiny_model: Model) -> None:
+    """--draft-auto-stretch is the first plain stretch's length, the longest STRETCH_GROWTH times it; out of range it
+    is refused by name."""
+    from qspec.engine import STRETCH_GROWTH
+    from qspec.options import OptionError
+
+    eng = Engine(tiny_model, EngineOptions(draft=3, draft_auto=True, draft_auto_stretch=24, capacity=CAP))
+    assert eng.depth is not None and (eng.depth.off_min, eng.depth.off_max) == (24, 24 * STRETCH_GROWTH)
+    assert eng.depth.next_plain_tokens() == 24
+    for bad in (0, 5000):
+        with pytest.raises(OptionError, match="draft_auto_stretch"):
+            EngineOptions(draft=3, draft_auto=True, draft_auto_stretch=bad)
+
+
 def test_auto_engine_counters_and_calibration(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = list(range(3, 12))
     ref = plain(tiny_model, prompt, 20)
