@@ -166,7 +166,9 @@ if HAS_TRITON:
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
-            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + WO + v, mask=m3, other=0)
+            # loaded per chunk too (the same 16 bytes for the 4 chunks: L1 hits), so qh has the words' layout and no
+            # exchange between threads is needed
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + c * 0 + WO + v, mask=m3, other=0)
             lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
             hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
         return lo, hi
