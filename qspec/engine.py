@@ -28,7 +28,7 @@ from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
-from qspec.spec.depth import DepthController
+from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
 
@@ -40,8 +40,6 @@ from qspec.spec.stats import SpecStats
 # the extend's N + 1 rows per write, a long stretch was measurably slower per token than plain decoding (BENCHMARKS.md
 # §8); the controller's measurement of depth 0 includes what is left.
 CATCH_UP_ROWS = 32
-# The longest plain stretch of the automatic depth over its first (EngineOptions.draft_auto_stretch).
-STRETCH_GROWTH = 16
 # The most prompt tokens the depth calibration prefills (each of its generations prefills again).
 CALIBRATION_PROMPT = 8192
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from qspec.model.model import CacheOptions
+from qspec.spec.depth import FIRST_STRETCH, STRETCH_GROWTH
 
 MAX_DRAFT = 8
 MAX_MIXER_ROWS = 8  # kernels/triton_hc_mix.MAX_ROWS (a test checks they agree; importing it here would load Triton)
@@ -176,10 +177,10 @@ class EngineOptions(KernelOptions):
     draft_auto: bool = option(False, "choose each round's depth in 0..--draft, the one with the most expected tokens "
                               "per second from this request's acceptance and the measured round costs (spec/depth.py; "
                               "the CLI's --draft auto[:N] sets it)", applies="with draft", arm="auto")
-    draft_auto_stretch: int = option(8, "tokens decoded plainly when the automatic depth stops drafting, before it "
-                                     "drafts again to measure; each such trial that finds drafting still does not "
-                                     "pay doubles it, up to 16x", check=in_range(1, 4096), applies="with draft auto",
-                                     arm="stretch", metavar="TOKENS")
+    draft_auto_stretch: int = option(FIRST_STRETCH, "tokens decoded plainly when the automatic depth stops drafting, "
+                                     "before it drafts again to measure; each such trial that finds drafting still "
+                                     f"does not pay doubles it, up to {STRETCH_GROWTH}x", check=in_range(1, 4096),
+                                     applies="with draft auto", arm="stretch", metavar="TOKENS")
     capacity: int = option(4096, "context capacity in tokens (a multiple of 4)", check=_multiple_of_4,
                            aliases=("--ctx",), metavar="TOKENS")
     kv_type: str = option("f32", "KV cache type", choices=("f32", "f16", "bf16", "q8_0"))

@@ -336,8 +336,8 @@ def test_draft_head_is_current_after_plain_stretches(tiny_model: Model, monkeypa
 def test_stretch_option_sets_the_plain_stretches(tiny_model: Model) -> None:
     """--draft-auto-stretch is the first plain stretch's length, the longest STRETCH_GROWTH times it; out of range it
     is refused by name."""
-    from qspec.engine import STRETCH_GROWTH
     from qspec.options import OptionError
+    from qspec.spec.depth import STRETCH_GROWTH
 
     eng = Engine(tiny_model, EngineOptions(draft=3, draft_auto=True, draft_auto_stretch=24, capacity=CAP))
     assert eng.depth is not None and (eng.depth.off_min, eng.depth.off_max) == (24, 24 * STRETCH_GROWTH)

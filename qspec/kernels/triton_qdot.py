@@ -138,7 +138,7 @@ if HAS_TRITON:
         return tl.where(im == m, acc + t[None, :, :], acc)
 
     @triton.jit
-    def _add_col4(acc, t, m, MP: tl.constexpr):
+    def _add_row4(acc, t, m, MP: tl.constexpr):
         """acc [MP, BN, A, B] with t [BN, A, B] added to x row m."""
         im = tl.arange(0, MP)[:, None, None, None]
         return tl.where(im == m, acc + t[None, :, :, :], acc)
@@ -238,7 +238,7 @@ if HAS_TRITON:
             xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
             t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
             t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
-            acc = _add_col4(acc, d * t, m, MP)
+            acc = _add_row4(acc, d * t, m, MP)
         return acc
 
     @triton.jit

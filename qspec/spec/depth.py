@@ -56,6 +56,10 @@ EXPIRE = 4
 # Drafting stops only when its best depth's expected rate is this far below plain decoding's: a stop costs a whole
 # plain stretch, and an estimate's noise alone would otherwise stop rounds that pay (scripts/depth_sim.py).
 STOP_MARGIN = 0.05
+# Plain stretches (depth 0): the first one's tokens, and how many times longer the longest is (each failed trial
+# doubles the stretch). EngineOptions.draft_auto_stretch sets the first for the engine.
+FIRST_STRETCH = 8
+STRETCH_GROWTH = 16
 # The most failed trials a request inherits: its first plain stretch is at most off_min << (START_FAILS + 1) tokens,
 # the last doubling when the request before it stopped drafting again within SUSTAIN rounds of a stretch (a new
 # request may be of another kind of text; where drafting does not pay, each probe costs ~1% of a 256-token request;
@@ -103,7 +107,8 @@ class DepthStats:
 
 class DepthController:
     def __init__(self, max_depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, decay: float = 0.97,
-                 cost_slope: float = COST_SLOPE, off_min: int = 8, off_max: int = 128, window: int = 8,
+                 cost_slope: float = COST_SLOPE, off_min: int = FIRST_STRETCH,
+                 off_max: int = FIRST_STRETCH * STRETCH_GROWTH, window: int = 8,
                  prior_decay: float = 0.995, carry: float = 12.0, stale_after: int = 96,
                  line_weight: float = 2.0) -> None:
         if not 1 <= max_depth <= 8:
