@@ -33,7 +33,8 @@ axis is contiguous), so the integer sums need no shuffles and the f32 per-run te
 Static counts of the compiled K loop for sm_90 at one row, 32 rows per program, 4 warps (ptxas SASS, instructions
 per weight per thread): Q4_K 2.5, Q4_0 2.7, Q8_0 3.2, Q5_0 3.8, Q6_K 4.0; the H200 issues about 33 T instructions
 a second, i.e. 3.9 (Q4_K), 5.7 (Q6_K), 7.4 (Q8_0) per weight at 4.8 TB/s. Several rows cost about two dp4a per 8
-weights per row more; no term moves between threads at any row count (_acc_zeros: where each type keeps the x rows).
+weights per row more, and from 4 rows on the per-row accumulation moves through shared memory for the halfword
+types (not yet tuned).
 
 dp4a is PTX (`tl.inline_asm_elementwise`); the interpreter runs no PTX, so there (and on the GPU with DP4A_ASM off,
 for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by byte.
@@ -132,16 +133,10 @@ if HAS_TRITON:
         return tl.where(im == m, acc + t[:, :, None], acc)
 
     @triton.jit
-    def _add_row(acc, t, m, MP: tl.constexpr):
-        """acc [MP, BN, C] with t [BN, C] added to x row m."""
-        im = tl.arange(0, MP)[:, None, None]
-        return tl.where(im == m, acc + t[None, :, :], acc)
-
-    @triton.jit
-    def _add_row4(acc, t, m, MP: tl.constexpr):
-        """acc [MP, BN, A, B] with t [BN, A, B] added to x row m."""
-        im = tl.arange(0, MP)[:, None, None, None]
-        return tl.where(im == m, acc + t[None, :, :, :], acc)
+    def _add_col4(acc, t, m, MP: tl.constexpr):
+        """acc [BN, A, B, MP] with t [BN, A, B] added to column m."""
+        im = tl.arange(0, MP)[None, None, None, :]
+        return tl.where(im == m, acc + t[:, :, :, None], acc)
 
     @triton.jit
     def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
@@ -206,10 +201,10 @@ if HAS_TRITON:
     @triton.jit
     def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
                  M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
-        """Q6_K super-block kb of BN rows, for every x row; acc [MP, BN, 2, 2] per (x row, row, half h, 16-weight
-        group g of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each
-        thread: word 4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2) with the bit pair 2t of qh
-        word h. The unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum over the group (xg)."""
+        """Q6_K super-block kb of BN rows, for every x row; acc [BN, 2, 2, MP] per (row, half h, 16-weight group g
+        of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each thread: word
+        4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2) with the bit pair 2t of qh word h. The
+        unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum over the group (xg)."""
         v = tl.arange(0, 4)[:, None, None, None]
         h = tl.arange(0, 2)[None, None, :, None]
         g = tl.arange(0, 2)[None, None, None, :]
@@ -238,7 +233,7 @@ if HAS_TRITON:
             xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
             t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
             t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
-            acc = _add_row4(acc, d * t, m, MP)
+            acc = _add_col4(acc, d * t, m, MP)
         return acc
 
     @triton.jit
@@ -298,7 +293,7 @@ if HAS_TRITON:
     def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
                   M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
         """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows (two runs of four), for every x row;
-        acc [MP, BN, 4]."""
+        acc [BN, 4, MP]."""
         blk = kb * 8 + tl.arange(0, 4)[None, :]
         ma = blk < K // 32
         mb = blk + 4 < K // 32
@@ -308,7 +303,7 @@ if HAS_TRITON:
             xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
             t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
                  + _b32_dot(db, lob, hib, xq, xd, xs, blk + 4, mb, QT, ASM))
-            acc = _add_row(acc, t, m, MP)
+            acc = _add_col(acc, t, m, MP)
         return acc
 
     @triton.jit
@@ -347,28 +342,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
-        """The accumulators of _qdot_rows for type QT. The halfword-loaded types keep the x rows outermost, so their
-        steps' terms [BN, ...] keep their threads' layout for every x row (innermost, from 4 rows on a term went
-        through shared memory at every row); Q4_K/Q5_K keep them innermost (outermost, the experts' 8-row
-        programs exchanged their terms instead)."""
+        """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
         if QT == 14:
-            acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
-        elif QT == 12 or QT == 13:
-            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
         else:
-            acc = tl.zeros([MP, BN, 4], dtype=tl.float32)
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         return acc
 
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr):
         """[MP, BN]: the accumulators summed over their other axes."""
         if QT == 14:
-            out = tl.sum(tl.sum(acc, axis=3), axis=2)
-        elif QT == 12 or QT == 13:
-            out = tl.trans(tl.sum(acc, axis=1))
+            out = tl.sum(tl.sum(acc, axis=2), axis=1)
         else:
-            out = tl.sum(acc, axis=2)
-        return out
+            out = tl.sum(acc, axis=1)
+        return tl.trans(out)
 
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
