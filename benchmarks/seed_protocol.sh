@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-shst h200-fn8-stretch h200-q4km48-profile h200-q4km24-load h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-shst h200-fn8-stretch h200-q4km48-profile h200-q4km24-load h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -93,6 +93,9 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
         --profile p=0.95,fresh=1 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
         --profile trace=benchmarks/results/demo-accept-trace-prose-long.json ;;
+    #     first plain stretches of 8 tokens (auto, the default) against 16 (auto-s16), beside plain decoding and MTP2/3
+    h200-fn8-depths-stretch) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 3 --gen-tokens 256 \
+        --max-depth 6 --fixed 2,3 --stretches 16 --out "$out/$step" --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 ;;
     h200-q4km48-depths) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 48 --quant q4_k_m \
         --max-depth 6 --reps 1 --gen-tokens 256 --out "$out/$step" --profile p=0.85,fresh=1 \
         --profile p=0.5,fresh=1 ;;

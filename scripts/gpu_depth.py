@@ -29,15 +29,17 @@ from qspec.bench.report import write_json, write_markdown
 from qspec.bench.run import Protocol, run_protocol
 
 
-def arms_spec(max_depth: int, depths: list[int] | None = None) -> str:
-    """Plain decoding, the fixed depths (default 1..max_depth) and auto:max_depth."""
+def arms_spec(max_depth: int, depths: list[int] | None = None, stretches: list[int] | None = None) -> str:
+    """Plain decoding, the fixed depths (default 1..max_depth), auto:max_depth and auto:max_depth with each other
+    first plain stretch (arms auto-sN)."""
     fixed = "".join(f"mtp{d}:from=ours,draft={d}," for d in (depths or range(1, max_depth + 1)))
-    return f"nospec,{fixed}auto:from=ours,auto=1,draft={max_depth}"
+    others = "".join(f",auto-s{n}:from=ours,auto=1,draft={max_depth},stretch={n}" for n in stretches or [])
+    return f"nospec,{fixed}auto:from=ours,auto=1,draft={max_depth}{others}"
 
 
 def summary_line(label: str, result: dict[str, Any]) -> str:
     med = {r["arm"]: r["decode_tps_median"] for r in result["summary"]}
-    fixed = {n: v for n, v in med.items() if n != "auto"}
+    fixed = {n: v for n, v in med.items() if not n.startswith("auto")}
     best = max(fixed, key=fixed.__getitem__)
     auto = med["auto"]
     hist: Counter[str] = Counter()  # the depths auto chose, over its measured runs
@@ -46,6 +48,8 @@ def summary_line(label: str, result: dict[str, Any]) -> str:
             hist.update(r["depth"].get("depth_histogram", {}))
     ratios = [f"auto/best({best}) {auto / fixed[best]:.3f}"]
     ratios += [f"auto/{n} {auto / fixed[n]:.3f}" for n in ("mtp3", "mtp5", "nospec") if n in fixed]
+    ratios += [f"{n}/best {v / fixed[best]:.3f}, {n}/nospec {v / fixed['nospec']:.3f}" for n, v in med.items()
+               if n.startswith("auto-")]
     return (f"{label}: " + " ".join(f"{n} {v:.1f}" for n, v in med.items()) + " | " + ", ".join(ratios)
             + f" | auto's depths {dict(sorted(hist.items()))}")
 
@@ -61,13 +65,15 @@ def main() -> int:
     ap.add_argument("--max-depth", type=int, default=8)
     ap.add_argument("--fixed", type=lambda v: [int(d) for d in v.split(",")], default=None, metavar="D,D,...",
                     help="the fixed depths to time beside plain decoding and auto (default: 1..max-depth)")
+    ap.add_argument("--stretches", type=lambda v: [int(n) for n in v.split(",")], default=None, metavar="N,N,...",
+                    help="more auto arms, each with this first plain stretch (--draft-auto-stretch)")
     ap.add_argument("--gen-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--out", type=Path, required=True, help="directory for each profile's JSON and Markdown")
     a = ap.parse_args()
     profiles = [AcceptProfile.parse(s) for s in a.profile]  # a bad spec fails before the model is built
-    arms = parse_arms(arms_spec(a.max_depth, a.fixed))
+    arms = parse_arms(arms_spec(a.max_depth, a.fixed, a.stretches))
     a.out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     model, tok, info = prepare_model(preset=a.preset, layers=a.layers, device=a.device,
