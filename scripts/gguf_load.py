@@ -78,6 +78,29 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _report_so_far(out: dict[str, Any]) -> None:
+    """The child's results so far, one line each time (a time limit that cuts the run keeps what was measured)."""
+    print(RESULT + json.dumps(out), flush=True)
+
+
+def _measure_in_child(a: argparse.Namespace, tokens: int) -> dict[str, Any] | None:
+    """load() in a fresh process, its lines echoed as they come; the last result it reported (None: none, or a
+    failed child, whose output then goes to stderr)."""
+    cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
+    lines: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ) as child:
+        assert child.stdout is not None
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith(RESULT):
+                print(line, end="", flush=True)
+    results = [x for x in lines if x.startswith(RESULT)]
+    if child.returncode or not results:
+        print("".join(lines), file=sys.stderr)
+        return None
+    return json.loads(results[-1][len(RESULT):])
+
+
 def load(a: argparse.Namespace) -> dict[str, Any]:
     from qspec.engine import Engine, EngineOptions
     from qspec.loader import load_model
@@ -92,6 +115,7 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
                            "weights": model.weights_summary}
     if dev.type == "cuda":
         out["device_bytes"] = torch.cuda.memory_allocated()
+    _report_so_far(out)
     eng = Engine(model, EngineOptions(draft=0, capacity=1024))
     prompt = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     stamps: list[float] = []
@@ -102,6 +126,7 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     out["first_token_s"], out["second_token_s"], out["third_token_s"] = (x - t1 for x in stamps)
     out["first_prefill_s"] = first.prefill_s
     out["compile_times"] = _compile_times()
+    _report_so_far(out)
     if a.tokens:
         out["decode_tps_second_request"] = eng.generate(prompt, a.tokens).decode_tps
     out["peak_rss_end"] = peak_rss()
@@ -156,22 +181,16 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.load_only:
-        print(RESULT + json.dumps(load(a)), flush=True)
+        _report_so_far(load(a))
         return 0
     res = write(a) | {"tokens": a.tokens, "device": a.device}
     print(f"wrote {res['file_bytes'] / 2 ** 30:.2f} GiB in {res['write_s']:.1f} s", flush=True)
     for i in range(2):  # a fresh process each time: the first compiles into empty caches, the second reuses them
         drop_cached_pages(a.file)
-        child = subprocess.run([sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device,
-                                "--tokens", str(a.tokens if i == 0 else 0)], capture_output=True, text=True,
-                               env=os.environ)
-        line = next((x for x in child.stdout.splitlines() if x.startswith(RESULT)), None)
-        if child.returncode or line is None:
-            print(child.stdout + child.stderr, file=sys.stderr)
-            return child.returncode or 1
-        run = json.loads(line[len(RESULT):])
+        run = _measure_in_child(a, a.tokens if i == 0 else 0)
+        if run is None:
+            return 1
         res |= run if i == 0 else {"warm": run}
-        print(RESULT + json.dumps(run), flush=True)  # in the log too, should a later step be cut short
     text = report(res)
     print(text)
     if a.out:
