@@ -57,9 +57,12 @@ EXPIRE = 4
 # plain stretch, and an estimate's noise alone would otherwise stop rounds that pay (scripts/depth_sim.py).
 STOP_MARGIN = 0.05
 # Plain stretches (depth 0): the first one's tokens, and how many times longer the longest is (each failed trial
-# doubles the stretch). EngineOptions.draft_auto_stretch sets the first for the engine.
-FIRST_STRETCH = 8
-STRETCH_GROWTH = 16
+# doubles the stretch). EngineOptions.draft_auto_stretch sets the first for the engine. 16 / 128 rather than 8 / 128:
+# each stretch has a fixed cost (its start and its last head step), which shorter first stretches pay more often
+# where drafting does not pay; a longest of 256 would also win there, but lose where acceptance rises mid-request,
+# the stretch then outlasting the change (scripts/depth_sim.py and the H200's p = 0.5 runs, BENCHMARKS.md §8).
+FIRST_STRETCH = 16
+STRETCH_GROWTH = 8
 # The most failed trials a request inherits: its first plain stretch is at most off_min << (START_FAILS + 1) tokens,
 # the last doubling when the request before it stopped drafting again within SUSTAIN rounds of a stretch (a new
 # request may be of another kind of text; where drafting does not pay, each probe costs ~1% of a 256-token request;
