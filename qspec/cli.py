@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.cache import keep_compiled_graphs
+from qspec.compile_clock import CompileClock, CompileTimes
 from qspec.config import ConfigError, preset
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, cells_needed, context_error
 from qspec.loader import (
@@ -199,6 +200,16 @@ def _print_summary(g: Generation, draft: int, stamps: list[float] | None = None)
                                                    enumerate(s.acceptance_by_position())))
 
 
+def _print_first_token(t0: float, stamps: list[float], compiled: CompileTimes) -> None:
+    """When the first token came, and how much of the request was compiling (a fresh process's first request)."""
+    if not stamps:
+        return
+    line = f"first token {stamps[0] - t0:.2f} s after the request began"
+    if compiled.total_s >= 0.05:
+        line += f"; {compiled.total_s:.1f} s of the request compiled ({compiled.describe()}; cached for later runs)"
+    _say(line)
+
+
 # what the --stats counters mean (the pooled-key counters are per pooling ratio r: one key per r tokens)
 _POOLED_HELP = ("updates: steps that rebuilt pooled keys; rows_real: keys materialized because their block is new "
                 "or changed; rows_filler: padding rows that keep every update one shape (--pad-target); "
@@ -315,10 +326,13 @@ def cmd_run(a: argparse.Namespace) -> int:
         stamps.append(time.perf_counter())
         _write_text(out, stream.push(t))
 
-    g = engine.generate(ids, samp.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids), on_token=on_token)
+    t0 = time.perf_counter()
+    with CompileClock() as clock:
+        g = engine.generate(ids, samp.max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids), on_token=on_token)
     _write_text(out, stream.flush() + "\n")
 
     _print_summary(g, opts.draft, stamps)
+    _print_first_token(t0, stamps, clock.times())
     if a.stats:
         _print_stats(g, opts.draft)
     if a.json:
@@ -326,6 +340,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         options = {k: v for k, v in vars(a).items() if k != "func"} | resolved | {"model": str(path),
                                                                                "device": model.device.type}
         doc = generation_json(g, tok.decode(g.tokens, skip_special=True), options)
+        doc["first_token_s"] = stamps[0] - t0 if stamps else None
+        doc["compile"] = clock.times().as_dict()
         Path(a.json).write_text(json.dumps(doc, indent=2, ensure_ascii=False), encoding="utf-8")
     return 0
 
@@ -347,8 +363,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
         t0 = time.perf_counter()
-        engine.generate(ids, n)
-        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s")
+        with CompileClock() as clock:
+            engine.generate(ids, n)
+        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = a.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions; "
          "GET /v1/models, /health)")

@@ -58,6 +58,8 @@ def test_run_streams_text_and_reports(models: dict[str, Path], capsys: pytest.Ca
     assert doc["prompt_tokens"] == len(tok.encode(PROMPT)) and doc["generated_tokens"] == len(doc["tokens"])
     assert f"prompt: {doc['prompt_tokens']} tokens" in err and re.search(r"prefill .* tok/s", err)
     assert f"generated: {len(doc['tokens'])} tokens" in err and re.search(r"decode .* tok/s", err)
+    assert re.search(r"first token [\d.]+ s after the request began", err)
+    assert 0 < doc["first_token_s"] < doc["prefill_s"] + doc["decode_s"] + 1 and "triton_s" in doc["compile"]
     c = counters(err)
     spec = doc["spec"]
     assert (c["rounds"], c["drafted"], c["accepted"]) == (spec["rounds"], spec["drafted"], spec["accepted"])

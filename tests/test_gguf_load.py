@@ -32,4 +32,9 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["file_bytes"] == f.stat().st_size and res["layers"] == 2
     assert res["load_s"] > 0 and res["peak_rss"] >= res["rss_before_load"] > 0 and res["decode_tps_second_request"] > 0
-    assert "first token" in out.with_suffix(".md").read_text()
+    assert 0 < res["first_token_s"] <= res["second_token_s"] <= res["third_token_s"]
+    warm = res["warm"]  # the second fresh process: the same load, its first tokens, no decode-speed request
+    assert warm["load_s"] > 0 and warm["first_token_s"] > 0 and "decode_tps_second_request" not in warm
+    assert {"torch_s", "triton_s", "triton_kernels"} <= res["first_request_compile"].keys()
+    md = out.with_suffix(".md").read_text()
+    assert "first / second / third token" in md and "caches warm" in md and "Compiled in the first process" in md

@@ -1,0 +1,101 @@
+"""Seconds a process spends compiling, so that a first request's time can be reported apart from steady decoding:
+torch.compile's (dynamo's own record, inductor's code generation included) and Triton's JIT compilations of the
+kernels qspec and fla launch (Triton's compile hooks, which also see a compilation answered from Triton's disk
+cache: then it takes milliseconds). On the CPU the kernels run in Triton's interpreter and nothing is compiled.
+
+The two may overlap where inductor compiles a Triton kernel in this process rather than in its workers, and neither
+counts an autotuner's benchmarking of the variants it compiled (fla's kernels tune at their first call)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+_DYNAMO_TOTAL = "_compile.compile_inner"  # dynamo's record of one torch.compile'd frame's whole compilation
+
+
+@dataclass
+class CompileTimes:
+    torch_s: float | None = None  # None: this torch keeps no record
+    triton_s: float = 0.0
+    triton_kernels: int = 0
+    by_kernel: Counter[str] = field(default_factory=Counter)  # Triton seconds per kernel name
+
+    @property
+    def total_s(self) -> float:
+        return (self.torch_s or 0.0) + self.triton_s
+
+    def describe(self) -> str:
+        torch_part = "torch.compile not recorded" if self.torch_s is None else f"torch.compile {self.torch_s:.1f} s"
+        return f"{torch_part}, Triton {self.triton_s:.1f} s for {self.triton_kernels} kernel variants"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"torch_s": self.torch_s, "triton_s": self.triton_s, "triton_kernels": self.triton_kernels,
+                "triton_by_kernel": dict(self.by_kernel.most_common())}
+
+
+def _dynamo_seconds() -> float | None:
+    try:  # a private record (torch 2.x): report its absence rather than fail
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return None
+    return float(sum(compilation_time_metrics.get(_DYNAMO_TOTAL, [])))
+
+
+def _triton_runtime_knobs() -> Any | None:
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one older than its knobs (3.4)
+        return None
+    return knobs.runtime if hasattr(knobs.runtime, "jit_post_compile_hook") else None
+
+
+class CompileClock:
+    """`with CompileClock() as clock: ...`, then `clock.times()`: what was compiled inside the block (the hooks of
+    another tool stay called)."""
+
+    def __init__(self) -> None:
+        self._times = CompileTimes()
+        self._started: dict[tuple[str, str], float] = {}
+        self._dynamo0: float | None = None
+        self._knobs: Any | None = None
+        self._saved: tuple[Any, Any] = (None, None)
+
+    def __enter__(self) -> CompileClock:
+        self._dynamo0 = _dynamo_seconds()
+        self._knobs = _triton_runtime_knobs()
+        if self._knobs is not None:
+            pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
+            self._knobs.jit_cache_hook = self._chain(pre, self._before)
+            self._knobs.jit_post_compile_hook = self._chain(post, self._after)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._saved
+        now = _dynamo_seconds()
+        if now is not None and self._dynamo0 is not None:
+            self._times.torch_s = now - self._dynamo0
+
+    def times(self) -> CompileTimes:
+        return self._times
+
+    @staticmethod
+    def _chain(other: Any, mine: Any) -> Any:
+        def hook(**kw: Any) -> bool | None:
+            mine(**kw)
+            return other(**kw) if other is not None else None  # a true answer (skip compiling) is the other tool's
+        return hook
+
+    def _before(self, *, key: Any, fn: Any, **_: Any) -> None:
+        self._started[(fn.name, str(key))] = time.perf_counter()
+
+    def _after(self, *, key: Any, fn: Any, **_: Any) -> None:
+        t0 = self._started.pop((fn.name, str(key)), None)
+        if t0 is not None:
+            dt = time.perf_counter() - t0
+            self._times.triton_s += dt
+            self._times.triton_kernels += 1
+            self._times.by_kernel[fn.name] += dt

@@ -1,0 +1,56 @@
+"""The compile clock: torch.compile's seconds from dynamo's record, Triton's from its compile hooks (called here as
+Triton's JIT calls them: the CPU interprets kernels and compiles none), another tool's hooks kept."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qspec.compile_clock import CompileClock
+
+knobs = pytest.importorskip("triton").knobs
+
+
+def _compile_as_triton_does(name: str, key: str, seconds: float) -> None:
+    """What JITFunction._do_compile does around a compilation: the pre hook, the compile, the post hook."""
+    fn = SimpleNamespace(name=name)
+    assert not knobs.runtime.jit_cache_hook(key=key, repr=name, fn=fn, compile={}, is_manual_warmup=False,
+                                            already_compiled=False)
+    time.sleep(seconds)
+    knobs.runtime.jit_post_compile_hook(key=key, repr=name, fn=fn, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+
+
+def test_triton_compilations_are_timed_per_kernel_and_the_hooks_restored() -> None:
+    seen: list[str] = []
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append("pre") and None
+    try:
+        with CompileClock() as clock:
+            _compile_as_triton_does("_qdot_mv_kernel", "a", 0.02)
+            _compile_as_triton_does("_qdot_mv_kernel", "b", 0.01)
+            _compile_as_triton_does("_gdn_kernel", "a", 0.01)
+        t = clock.times()
+        assert t.triton_kernels == 3 and seen == ["pre"] * 3  # the other tool's hook still called
+        assert t.by_kernel["_qdot_mv_kernel"] >= 0.03 and t.by_kernel["_gdn_kernel"] >= 0.01
+        assert t.triton_s == pytest.approx(sum(t.by_kernel.values()))
+        assert knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_post_compile_hook is before[1]
+        assert "3 kernel variants" in t.describe() and t.as_dict()["triton_kernels"] == 3
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
+def test_torch_compile_seconds_inside_the_block_only() -> None:
+    f = torch.compile(lambda x: x.sin() * 2 + 1, backend="aot_eager")
+    f(torch.randn(3))  # compiled before the clock starts: not counted
+    with CompileClock() as clock:
+        f(torch.randn(3))
+    assert clock.times().torch_s == pytest.approx(0.0, abs=1e-9)
+    g = torch.compile(lambda x: x.cos() - 1, backend="aot_eager")
+    with CompileClock() as clock:
+        g(torch.randn(5))
+    t = clock.times()
+    assert t.torch_s is not None and t.torch_s > 0 and t.triton_kernels == 0 and t.total_s == t.torch_s
