@@ -93,9 +93,10 @@ hcrows=1,ours-again:from=ours" ;;
     h200-fn8-depths-b) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 2 --gen-tokens 256 --out "$out/$step" \
         --profile p=0.95,fresh=1 --profile trace=benchmarks/results/demo-accept-trace-code-long.json \
         --profile trace=benchmarks/results/demo-accept-trace-prose-long.json ;;
-    #     first plain stretches of 8 tokens (auto, the default) against 16 (auto-s16), beside plain decoding and MTP2/3
+    #     first plain stretches of 16 tokens (auto, the default; the longest 8 times that) against 8 and 32 (auto-s8,
+    #     auto-s32), beside plain decoding and MTP2/3
     h200-fn8-depths-stretch) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 8 --reps 3 --gen-tokens 256 \
-        --max-depth 6 --fixed 2,3 --stretches 16 --out "$out/$step" --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 ;;
+        --max-depth 6 --fixed 2,3 --stretches 8,32 --out "$out/$step" --profile p=0.5,fresh=1 --profile p=0.7,fresh=1 ;;
     h200-q4km48-depths) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gpu_depth.py --layers 48 --quant q4_k_m \
         --max-depth 6 --reps 1 --gen-tokens 256 --out "$out/$step" --profile p=0.85,fresh=1 \
         --profile p=0.5,fresh=1 ;;
@@ -117,10 +118,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     the shared expert on its side stream (the default) against one stream, plain decoding; MTP5 beside them
     h200-q4km48-shst) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,nospec-1stream:from=nospec,shst=0,ours" ;;
-    #     --draft auto with 8-token first plain stretches (the default) against 16, beside plain decoding, at p = 0.5
+    #     --draft auto with 16-token first plain stretches (the default) against 8, beside plain decoding, at p = 0.5
     #     (another profile: BENCH_ARGS="--accept-profile p=0.7")
     h200-fn8-stretch) bench merge "${fn8[@]}" --accept-profile p=0.5 --reps 3 --gen-tokens 256 \
-        --arms "nospec,auto:from=ours,auto=1,draft=6,auto-s16:from=ours,auto=1,draft=6,stretch=16" ;;
+        --arms "nospec,auto:from=ours,auto=1,draft=6,auto-s8:from=ours,auto=1,draft=6,stretch=8" ;;
     #     where a 48-layer Q4_K_M decode step's time goes (kernels per token, GPU busy and idle)
     h200-q4km48-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 48 \
         --quant q4_k_m --kinds decode --e2e 64 | tee "$out/$step.txt" ;;
