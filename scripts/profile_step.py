@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.prompt import build_prompt
+from qspec.compile_clock import CompileClock
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.kernels import gdn_conv, gemv, hc_mix
 from qspec.model import fuse
@@ -98,8 +99,12 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
             return Engine(model, opts, EngineHooks(accept_hook=hook))
         eng = engine(False)
         t = time.perf_counter()
-        eng.generate(prompt, 4)
-        print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s", flush=True)
+        with CompileClock() as clock:
+            eng.generate(prompt, 4)
+        compiled = clock.times()
+        slowest = ", ".join(f"{n} {s:.1f} s" for n, s in compiled.by_kernel.most_common(8))
+        print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s; compiling: "
+              f"{compiled.describe()} (slowest: {slowest or 'none'})", flush=True)
         one = step_fn(eng, kind, a.draft)
         with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(1 if kind == "prefill" else 3):  # warm kernels (a prefill step grows the context)
