@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-shst h200-fn8-stretch h200-q4km48-profile h200-q4km24-load h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-shst h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -123,6 +123,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     h200-fn8-stretch) bench merge "${fn8[@]}" --accept-profile p=0.5 --reps 3 --gen-tokens 256 \
         --arms "nospec,auto:from=ours,auto=1,draft=6,auto-s8:from=ours,auto=1,draft=6,stretch=8" ;;
     #     where a 48-layer Q4_K_M decode step's time goes (kernels per token, GPU busy and idle)
+    #     where a plain stretch's time goes beyond plain decoding's (8 layers: auto:6 held at depth 0 against draft 0,
+    #     256 tokens each, profiled)
+    h200-fn8-stretch-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 8 \
+        --kinds decode --draft 6 --e2e 256 --e2e-stretch | tee "$out/$step.txt" ;;
     h200-q4km48-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 48 \
         --quant q4_k_m --kinds decode --e2e 64 | tee "$out/$step.txt" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;

@@ -70,6 +70,10 @@ def main() -> int:
                          "host pipelined as in the benchmarks), timed, then again under the profiler: wall time per "
                          "token against the GPU's kernel time per token; after the verify kind: the same for MTP "
                          "rounds (--draft, Q4 draft head, replayed acceptance p=0.85), per round")
+    ap.add_argument("--e2e-stretch", action="store_true",
+                    help="with --e2e, after the decode kind: the same N tokens through an automatic-depth engine (up "
+                         "to --draft) held at depth 0, one plain stretch (the draft head kept current), against "
+                         "plain decoding")
     ap.add_argument("--preset", default="flash-next")
     ap.add_argument("--quant", choices=sorted(MIXES), help="matrices as blocks in this llama.cpp file type's mix")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself (no kernel rows)")
@@ -92,7 +96,7 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     print(f"model built in {time.perf_counter() - t:.1f} s", flush=True)
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     for kind in kinds:
-        def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None, **over: bool) -> Engine:
+        def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None, **over: bool | int) -> Engine:
             opts = EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
                                  draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
                                  fused_attention=a.fused_attention, **over)
@@ -148,6 +152,14 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
                     print((f"{label}: " if label else "") + end_to_end(
                         engine(True, hook=AcceptProfile.parse("p=0.85").hook(), **over), prompt, a.e2e, a.top,
                         profiled=i == len(arms) - 1), flush=True)
+        if a.e2e and a.e2e_stretch and kind == "decode":
+            with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
+                s = engine(True, kind="stretch", draft_auto=True, draft_auto_stretch=4096)
+                s.calibrate_depths(prompt)  # a request would calibrate, forcing each depth in turn
+                assert s.depth is not None
+                s.depth.force = 0  # then every choice is a plain stretch, as long as the request
+                print("plain stretch: " + end_to_end(s, prompt, a.e2e, a.top), flush=True)
+            del s
         del eng, g, one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -190,7 +202,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
     prefill): kernel time per token or round and the host calls that take most."""
     eng.generate(prompt, n)  # every KV bucket's graph captured
     run = eng.runner
-    host = {"step": 0.0, "keep": 0.0, "mtp_step": 0.0, "mtp_chain": 0.0}
+    host = {"step": 0.0, "keep": 0.0, "mtp_step": 0.0, "mtp_chain": 0.0, "mtp_write_kv": 0.0}
     decoding = []  # set at the first token: the prefill's steps are not counted
 
     def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
@@ -206,7 +218,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
     gen = eng.generate(prompt, n, on_token=lambda _: decoding.append(True))
     for name in host:
         delattr(run, name)  # the instance attributes: back to the methods
-    unit, per_unit = ("round", gen.spec.rounds) if eng.opts.draft else ("token", n)
+    unit, per_unit = ("round", gen.spec.rounds) if gen.spec.rounds else ("token", n)
     per = ", ".join(f"runner.{k} {v / per_unit * 1e3:.3f} ms" for k, v in host.items() if v)
     lines = [f"end to end, {n} tokens after a {len(prompt)}-token prompt, draft {eng.opts.draft}: "
              f"{gen.decode_tps:.2f} tok/s, {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} ({per_unit} {unit}s); "
@@ -217,7 +229,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
         if eng.opts.draft:
             lines.append(replay_alone(eng, "mtp", times=times))
             lines.append(replay_alone(eng, "chain", times=times))
-        alone = graphs_per_unit(times, eng.opts.draft)
+        alone = graphs_per_unit(times, eng.opts.draft if gen.spec.rounds else 0)  # a plain stretch: per token
         if alone is not None:
             wall = gen.decode_s / per_unit * 1e3
             lines.append(f"the graphs one {unit} replays, alone: {alone:.3f} ms; end to end {wall:.3f} ms, so "
@@ -234,7 +246,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
             prof.start()
     gen = eng.generate(prompt, n, on_token=start)
     prof.stop()
-    per_unit = gen.spec.rounds if eng.opts.draft else n
+    per_unit = gen.spec.rounds or n
     lines.append(f"profiled: {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} (profiler overhead included)")
     lines.append(kernel_table(prof, per_unit, top).replace("per step", f"per {unit}"))
     lines.append(gap_table(prof, per_unit, top, unit))

@@ -36,3 +36,23 @@ def test_gap_table_busy_is_the_union_and_gaps_name_their_kernels() -> None:
 
 def test_gap_table_without_gpu_events() -> None:
     assert load_script("profile_step").gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
+
+
+def test_profile_step_runs_on_the_cpu_with_a_plain_stretch(tmp_path: object) -> None:
+    """The script end to end at the tiny preset (a smoke run: no GPU rows), plain decoding and an automatic-depth
+    engine held at depth 0 (one plain stretch, timed per token, not per round)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "profile_step.py"), "--preset", "tiny", "--device",
+                        "cpu", "--layers", "2", "--prompt", "64", "--steps", "1", "--kinds", "decode", "--draft", "3",
+                        "--e2e", "8", "--e2e-stretch", "--top", "3"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(root)), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "decode: first request (prefill, compilation)" in r.stdout and "compiling: torch.compile" in r.stdout
+    assert "end to end, 8 tokens after a 64-token prompt, draft 0:" in r.stdout
+    stretch = next(x for x in r.stdout.splitlines() if x.startswith("plain stretch: "))
+    assert "draft 3:" in stretch and "ms per token (8 tokens)" in stretch
