@@ -233,9 +233,11 @@ class Engine:
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""
-        o, run, dev, step = self.opts, self.runner, self.model.device, self.prefill_chunk
-        ids = torch.tensor(prompt, dtype=torch.long)
-        P = len(prompt)
+        with self.runner.prefill_scope():
+            return self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk)
+
+    def _prefill_chunks(self, ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
         logits, H = None, None
         for s in range(0, P, step):
             chunk = ids[s:s + step]

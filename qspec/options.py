@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from qspec.model.fuse import MAX_ROWS as MAX_FUSED_ROWS
 from qspec.model.model import CacheOptions
 from qspec.spec.depth import FIRST_STRETCH, STRETCH_GROWTH
 
@@ -125,6 +126,10 @@ class KernelOptions:
     cuda_graphs: bool = option(True, "capture the decode/verify/draft steps as CUDA graphs", applies="CUDA")
     compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile)",
                            applies="CUDA")
+    compile_prefill: bool = option(True, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
+                                   "rows: longer ones run eagerly anyway); off: a short prompt prefills eagerly, so a "
+                                   "fresh process's first token waits only for what decoding compiles",
+                                   applies="CUDA, --compile", arm="cpre")
     compile_backend: str = option("inductor", "torch.compile backend; another one also applies on the CPU (tests: "
                                   "aot_eager)", flag=False)
     gemv: bool = option(True, "one-row 16-bit products through the Triton mat-vec and one-row hyper-connection mixers "

@@ -49,6 +49,7 @@ class KernelSwitches:
 
     row_exact: bool = False  # ops._ROW_EXACT: products row by row (EngineOptions.exact)
     fused: bool = False  # fuse._ON: torch.compile the steps' small ops
+    compile_prefill: bool = True  # fuse._ON inside Runner.prefill_scope too
     compile_backend: str = "inductor"  # fuse._BACKEND
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON
@@ -65,6 +66,7 @@ class KernelSwitches:
         a backend other than inductor; PDL and grouped GEMMs need their GPUs)."""
         return cls(row_exact=opts.exact,
                    fused=opts.compile and (device.type == "cuda" or opts.compile_backend != "inductor"),
+                   compile_prefill=opts.compile_prefill,
                    compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
@@ -125,6 +127,13 @@ class Runner:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def prefill_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Around a prompt's steps: unless KernelSwitches.compile_prefill, their small ops run eagerly (a step of up
+        to fuse.MAX_ROWS rows would otherwise compile shapes that plain decoding never runs again)."""
+        if self.switches.compile_prefill:
+            return contextlib.nullcontext()
+        return fuse.fused_mode(False, self.switches.compile_backend)
 
     def reset(self) -> None:
         """Forget the sequence. Buffers are cleared in place, so captured graphs stay valid."""

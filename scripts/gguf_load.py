@@ -7,7 +7,9 @@ from the disk, as on a first run) and reports: the load's wall time, the process
 host footprint; the file's pages are not kept), the device memory after it, then the first token of a 64-token
 prompt (compilation and graph capture included) and the decode speed of the next 128 tokens (plain, greedy). A
 second fresh process then loads it again (pages dropped again) with the compilation caches the first one left on
-the disk: the first token a user sees on a later start.
+the disk: the first token a user sees on a later start. Both use compilation caches of their own (a new directory,
+removed at the end), so the first is cold on any machine; `--no-compile-prefill` prefills eagerly, `--reuse-file`
+skips the write when the file is there.
 
     PYTHONPATH=. python scripts/gguf_load.py --layers 32 --quant q4_k_m --file /tmp/fn32.gguf --out RESULT_PREFIX
 
@@ -20,8 +22,10 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -84,12 +88,13 @@ def _report_so_far(out: dict[str, Any]) -> None:
     print(RESULT + json.dumps(out), flush=True)
 
 
-def _measure_in_child(a: argparse.Namespace, tokens: int) -> dict[str, Any] | None:
+def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str]) -> dict[str, Any] | None:
     """load() in a fresh process, its lines echoed as they come; the last result it reported (None: none, or a
     failed child, whose output then goes to stderr)."""
     cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
+    cmd += ["--no-compile-prefill"] if not a.compile_prefill else []
     lines: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ) as child:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as child:
         assert child.stdout is not None
         for line in child.stdout:
             lines.append(line)
@@ -117,7 +122,7 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     if dev.type == "cuda":
         out["device_bytes"] = torch.cuda.memory_allocated()
     _report_so_far(out)
-    eng = Engine(model, EngineOptions(draft=0, capacity=1024))
+    eng = Engine(model, EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill))
     prompt = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     stamps: list[float] = []
     t1 = time.perf_counter()
@@ -179,20 +184,32 @@ def main() -> int:
     ap.add_argument("--file", required=True, help="the GGUF to write, then load")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens of the second request")
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
+    ap.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
+                    help="the prompt prefills eagerly (EngineOptions.compile_prefill off)")
+    ap.add_argument("--reuse-file", action="store_true", help="load --file as it is when it exists (no write)")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.load_only:
         _report_so_far(load(a))
         return 0
-    res = write(a) | {"tokens": a.tokens, "device": a.device}
-    print(f"wrote {res['file_bytes'] / 2 ** 30:.2f} GiB in {res['write_s']:.1f} s", flush=True)
+    if a.reuse_file and os.path.exists(a.file):
+        res = {"layers": a.layers, "quant": a.quant, "file_bytes": os.path.getsize(a.file), "write_s": 0.0}
+    else:
+        res = write(a)
+    res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill}
+    print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
+          f"in {res['write_s']:.1f} s", flush=True)
+    # compilation caches of their own, empty at first, whatever earlier runs left on this machine
+    caches = tempfile.mkdtemp(prefix="gguf_load-caches-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     for i in range(2):  # a fresh process each time: the first compiles into empty caches, the second reuses them
         drop_cached_pages(a.file)
-        run = _measure_in_child(a, a.tokens if i == 0 else 0)
+        run = _measure_in_child(a, a.tokens if i == 0 else 0, env)
         if run is None:
             return 1
         res |= run if i == 0 else {"warm": run}
+    shutil.rmtree(caches, ignore_errors=True)
     text = report(res)
     print(text)
     if a.out:

@@ -45,6 +45,34 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
     assert not untraced, f"never traced: {untraced}"
 
 
+@pytest.mark.parametrize("draft", [0, 2])
+def test_compile_prefill_off_prefills_eagerly(model, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                              draft: int) -> None:
+    """With compile_prefill off, the prompt's steps (the target's and the draft head's over the prompt) run their
+    small ops eagerly and every later step is still fused; on, a short prompt's steps are fused too. The tokens and
+    logits are the same either way (the compilation is stubbed out here: only where fusion is on is checked)."""
+    monkeypatch.setattr(fuse, "_compile", lambda fn, backend, pdl: fn)  # no dynamo: the same function
+    seen: list[tuple[int, bool]] = []  # (rows, fusion on) of every step scope
+    step_rows = fuse.step_rows
+    monkeypatch.setattr(fuse, "step_rows", lambda rows: seen.append((rows, fuse.enabled())) or step_rows(rows))
+    prompt = list(range(3, 40))
+    out = {}
+    for on in (True, False):
+        for f in fuse.REGISTRY:
+            f.compiled.clear()
+        seen.clear()
+        out[on] = Engine(model, EngineOptions(draft=draft, capacity=256, compile_backend="stub", compile_prefill=on),
+                         EngineHooks(record_logits=True)).generate(prompt, 6)
+        long = [f for r, f in seen if r >= len(prompt) - 1]  # the prompt's steps (target: 37 rows, head: 36)
+        assert len(long) == (2 if draft else 1) and all(f == on for f in long), (on, seen)
+        assert all(f for r, f in seen if r < len(prompt) - 1), seen  # decode, draft, verify and extend steps
+    assert out[True].tokens == out[False].tokens
+    for a, b in zip(out[True].logits, out[False].logits, strict=True):
+        assert torch.equal(a, b)
+    for f in fuse.REGISTRY:
+        f.compiled.clear()
+
+
 def test_fusion_scope(model) -> None:  # type: ignore[no-untyped-def]
     """Prefill-sized steps run eagerly; the CPU default compiles nothing (inductor is for CUDA only)."""
     with fuse.fused_mode(True, "eager"):
