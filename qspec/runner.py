@@ -159,6 +159,8 @@ class Runner:
         another graph. The engine's order does so (a graph's inputs are copied into its buffers before it replays)."""
         if not self.use_graphs:
             return fn(*inputs)
+        # a graph records the kernels of its capture: a shape run fused and unfused (prefill_scope) keeps two
+        key = (*key, fuse.enabled())
         st = self.graph_stats
         g = self.graphs.get(key)
         if g is not None:
