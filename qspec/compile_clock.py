@@ -62,19 +62,24 @@ class CompileClock:
         self._dynamo0: float | None = None
         self._knobs: Any | None = None
         self._saved: tuple[Any, Any] = (None, None)
+        self._mine: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> CompileClock:
         self._dynamo0 = _dynamo_seconds()
         self._knobs = _triton_runtime_knobs()
         if self._knobs is not None:
             pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
-            self._knobs.jit_cache_hook = self._chain(pre, self._before)
-            self._knobs.jit_post_compile_hook = self._chain(post, self._after)
+            self._mine = (self._chain(pre, self._before), self._chain(post, self._after))
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._mine
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._knobs is not None:
-            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._saved
+            # each hook back to what it was, unless another tool replaced ours meanwhile (then its hook stays)
+            if self._knobs.jit_cache_hook is self._mine[0]:
+                self._knobs.jit_cache_hook = self._saved[0]
+            if self._knobs.jit_post_compile_hook is self._mine[1]:
+                self._knobs.jit_post_compile_hook = self._saved[1]
         now = _dynamo_seconds()
         if now is not None and self._dynamo0 is not None:
             self._times.torch_s = now - self._dynamo0
