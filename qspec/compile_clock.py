@@ -27,13 +27,17 @@ class CompileTimes:
     def total_s(self) -> float:
         return (self.torch_s or 0.0) + self.triton_s
 
-    def describe(self) -> str:
+    def describe(self, slowest: int = 0) -> str:
+        """One line; with `slowest`, that many Triton kernels named, the slowest to compile first."""
         torch_part = "torch.compile not recorded" if self.torch_s is None else f"torch.compile {self.torch_s:.1f} s"
-        return f"{torch_part}, Triton {self.triton_s:.1f} s for {self.triton_kernels} kernel variants"
+        line = f"{torch_part}, Triton {self.triton_s:.1f} s for {self.triton_kernels} kernel variants"
+        if slowest and self.by_kernel:
+            line += " (slowest: " + ", ".join(f"{n} {t:.1f} s" for n, t in self.by_kernel.most_common(slowest)) + ")"
+        return line
 
     def as_dict(self) -> dict[str, Any]:
         return {"torch_s": self.torch_s, "triton_s": self.triton_s, "triton_kernels": self.triton_kernels,
-                "triton_by_kernel": dict(self.by_kernel.most_common())}
+                "triton_by_kernel": dict(self.by_kernel.most_common()), "described": self.describe(slowest=8)}
 
 
 def _dynamo_seconds() -> float | None:

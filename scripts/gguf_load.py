@@ -142,14 +142,6 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _compiled_line(c: dict[str, Any]) -> str:
-    """The first process's first request: what compiled, the slowest Triton kernels first."""
-    top = ", ".join(f"{n} {t:.1f} s" for n, t in list(c["triton_by_kernel"].items())[:8])
-    torch_s = "not recorded" if c["torch_s"] is None else f"{c['torch_s']:.1f} s"
-    return (f"Compiled in the first process's first request: torch.compile {torch_s}, Triton {c['triton_s']:.1f} s "
-            f"for {c['triton_kernels']} kernel variants ({top})")
-
-
 def report(res: dict[str, Any]) -> str:
     gib = 2 ** 30
     lines = [f"# Loading a {res['layers']}-layer {res['quant']} GGUF ({res['file_bytes'] / gib:.2f} GiB)", "",
@@ -171,7 +163,8 @@ def report(res: dict[str, Any]) -> str:
     lines += [
               f"| plain decoding, second request, {res['tokens']} tokens | {res['decode_tps_second_request']:.2f} "
               f"tok/s |", f"| peak resident host memory at the end | {res['peak_rss_end'] / gib:.2f} GiB |",
-              "", f"Weights as loaded: {res['weights']}", "", _compiled_line(res["first_request_compile"])]
+              "", f"Weights as loaded: {res['weights']}", "", "Compiled in the first process's first request: "
+              + res["first_request_compile"]["described"]]
     return "\n".join(lines) + "\n"
 
 

@@ -105,10 +105,8 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
         t = time.perf_counter()
         with CompileClock() as clock:
             eng.generate(prompt, 4)
-        compiled = clock.times()
-        slowest = ", ".join(f"{n} {s:.1f} s" for n, s in compiled.by_kernel.most_common(8))
         print(f"{kind}: first request (prefill, compilation) {time.perf_counter() - t:.1f} s; compiling: "
-              f"{compiled.describe()} (slowest: {slowest or 'none'})", flush=True)
+              f"{clock.times().describe(slowest=8)}", flush=True)
         one = step_fn(eng, kind, a.draft)
         with fuse.fused_mode(a.compile), gemv.enabled_mode(a.gemv):
             for _ in range(1 if kind == "prefill" else 3):  # warm kernels (a prefill step grows the context)

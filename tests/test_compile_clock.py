@@ -39,6 +39,9 @@ def test_triton_compilations_are_timed_per_kernel_and_the_hooks_restored() -> No
         assert t.triton_s == pytest.approx(sum(t.by_kernel.values()))
         assert knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_post_compile_hook is before[1]
         assert "3 kernel variants" in t.describe() and t.as_dict()["triton_kernels"] == 3
+        one = t.describe(slowest=1)  # the slowest kernel only: _qdot_mv_kernel's two variants took longer
+        assert "(slowest: _qdot_mv_kernel " in one and one.endswith(" s)") and "_gdn_kernel" not in one
+        assert "(slowest: _qdot_mv_kernel" in t.as_dict()["described"]
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
 

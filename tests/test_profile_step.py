@@ -38,7 +38,7 @@ def test_gap_table_without_gpu_events() -> None:
     assert load_script("profile_step").gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
 
 
-def test_profile_step_runs_on_the_cpu_with_a_plain_stretch(tmp_path: object) -> None:
+def test_profile_step_runs_on_the_cpu_with_a_plain_stretch() -> None:
     """The script end to end at the tiny preset (a smoke run: no GPU rows), plain decoding and an automatic-depth
     engine held at depth 0 (one plain stretch, timed per token, not per round)."""
     import os
