@@ -16,7 +16,9 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -24,11 +26,13 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.cache import keep_compiled_graphs
+from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock, CompileTimes
-from qspec.config import ConfigError, preset
+from qspec.config import ConfigError, ModelConfig, preset
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, cells_needed, context_error
 from qspec.loader import (
     QWEN_VOCAB,
+    default_dtype,
     default_model_file,
     default_model_path,
     demo_model_path,
@@ -38,7 +42,7 @@ from qspec.loader import (
     tokenizer_for_vocab,
     write_model,
 )
-from qspec.model.model import CacheOptions
+from qspec.model.model import CacheOptions, Model
 from qspec.options import (
     OptionError,
     SamplingOptions,
@@ -274,8 +278,10 @@ def _mtp_label(model: Any, draft: int) -> str:
     return "MTP head not loaded (--draft 0)" if model.cfg.has_mtp and not draft else "no MTP"
 
 
-def _load(a: argparse.Namespace, opts: EngineOptions) -> tuple[Path, Tokenizer, Engine]:
-    """The model, its tokenizer and an engine from the options `run` and `serve` share (`opts`: checked already)."""
+def _load(a: argparse.Namespace, opts: EngineOptions, prompt: Callable[[Tokenizer, ModelConfig], list[int]]
+          ) -> tuple[Path, Tokenizer, Engine]:
+    """The model, its tokenizer and an engine from the options `run` and `serve` share (`opts`: checked already).
+    `prompt`: the first request's prompt, which a stand-in may compile for while the weights load."""
     hook = _accept_hook(a.accept_profile, opts.draft)
     dev = _device(a.device)
     path = _model_path(a.model)
@@ -283,9 +289,20 @@ def _load(a: argparse.Namespace, opts: EngineOptions) -> tuple[Path, Tokenizer, 
     tok = load_tokenizer(path)
     tok_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None,
-                       with_mtp=None if opts.draft else False, hnorm_per_stream=a.hnorm_per_stream,
-                       draft_path=a.draft_model if opts.draft else None, quantize=a.quantize)
+    dtype = DTYPES[a.dtype] if a.dtype else default_dtype(dev)
+
+    def load() -> Model:
+        return load_model(path, device=dev, dtype=dtype, with_mtp=None if opts.draft else False,
+                          hnorm_per_stream=a.hnorm_per_stream, draft_path=a.draft_model if opts.draft else None,
+                          quantize=a.quantize)
+    if (dev.type == "cuda" and opts.compile and opts.compile_ahead and path.is_file()
+            and not (opts.draft and a.draft_model)):
+        # the stand-in drafts from the full head: a draft vocabulary's head compiles in the first request
+        model = load_compiling_ahead(path, load, replace(opts, draft_vocab=None), partial(prompt, tok), device=dev,
+                                     dtype=dtype, with_mtp=bool(opts.draft), hnorm_per_stream=a.hnorm_per_stream,
+                                     say=_say)
+    else:
+        model = load()
     load_s = time.perf_counter() - t0
     if opts.draft and model.mtp is None:
         raise UsageError(f"--draft {opts.draft} needs MTP weights and {path} has none (use --draft 0, "
@@ -310,11 +327,17 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 def cmd_run(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
     samp = _sampling_options(a)
-    path, tok, engine = _load(a, opts)
+
+    def request_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
+        ids = _prompt_ids(tok, a.prompt, cfg.vocab_size, a.chat)
+        if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
+            raise UsageError(context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
+                                           names=_REQUEST_NAMES))
+        return ids
+
+    path, tok, engine = _load(a, opts, request_ids)
     model = engine.model
-    ids = _prompt_ids(tok, a.prompt, model.cfg.vocab_size, a.chat)
-    if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
-        raise UsageError(context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity, names=_REQUEST_NAMES))
+    ids = request_ids(tok, model.cfg)
     sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
                       generator=torch.Generator().manual_seed(samp.seed))
 
@@ -346,6 +369,11 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
+    """The server's warm-up prompt."""
+    return tok.encode("Hello", add_special=True) or [0]
+
+
 # ---- qspec serve -----------------------------------------------------------------------------------------------------
 def cmd_serve(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
@@ -357,8 +385,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
                          "pip install 'qspec[server]'") from None
     sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
-    path, tok, engine = _load(a, opts)
-    ids = tok.encode("Hello", add_special=True) or [0]
+    path, tok, engine = _load(a, opts, _warmup_ids)
+    ids = _warmup_ids(tok, engine.model.cfg)
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
     if a.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it

@@ -195,7 +195,9 @@ class Runner:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         saved = copy.deepcopy(self.cache.snap_stats)
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a capture forbids this thread's unsafe calls only, so a weight load in another thread
+        # (qspec/compile_ahead.py) may allocate and copy meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outs = fn(*bufs)
         self.cache.snap_stats = saved
         self.graphs[key] = _Graph(graph, bufs, outs, snap)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from qspec.bench.device_model import bench_config, device_tensor
+from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock
 from qspec.config import ModelConfig
 from qspec.weights.gguf_io import write_gguf
@@ -93,6 +94,7 @@ def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str]) -
     failed child, whose output then goes to stderr)."""
     cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
     cmd += ["--no-compile-prefill"] if not a.compile_prefill else []
+    cmd += ["--compile-ahead"] if a.compile_ahead else []
     lines: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as child:
         assert child.stdout is not None
@@ -112,18 +114,38 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     from qspec.loader import load_model
 
     dev = torch.device(a.device)
+    opts = EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill)
+
+    def prompt_for(cfg: ModelConfig) -> list[int]:
+        return torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    alone: list[float] = []
+
+    def timed_load() -> Any:
+        t = time.perf_counter()
+        m = load_model(a.file, device=dev, progress=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        alone.append(time.perf_counter() - t)
+        return m
+
     rss0 = peak_rss()
+    said: list[str] = []
     t0 = time.perf_counter()
-    model = load_model(a.file, device=dev, progress=False)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "rss_before_load": rss0, "peak_rss": peak_rss(),
-                           "weights": model.weights_summary}
+    with CompileClock() as clock:
+        model = (load_compiling_ahead(Path(a.file), timed_load, opts, prompt_for, device=dev, dtype=torch.bfloat16,
+                                      with_mtp=False, say=said.append)
+                 if a.compile_ahead else timed_load())
+    out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "load_alone_s": alone[0], "rss_before_load": rss0,
+                           "peak_rss": peak_rss(), "weights": model.weights_summary}
+    if a.compile_ahead:
+        out["stand_in"] = " ".join(said)
+        out["stand_in_compile"] = clock.times().as_dict()
     if dev.type == "cuda":
         out["device_bytes"] = torch.cuda.memory_allocated()
     _report_so_far(out)
-    eng = Engine(model, EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill))
-    prompt = torch.randint(0, model.cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng = Engine(model, opts)
+    prompt = prompt_for(model.cfg)
     stamps: list[float] = []
     t1 = time.perf_counter()
     with CompileClock() as clock:
@@ -153,6 +175,9 @@ def report(res: dict[str, Any]) -> str:
              f"({res['rss_before_load'] / gib:.2f}) |"]
     if "device_bytes" in res:
         lines.append(f"| device memory after the load | {res['device_bytes'] / gib:.2f} GiB |")
+    if res.get("compile_ahead"):
+        lines.append(f"| the load alone; with a stand-in compiling beside it, until both ended | "
+                     f"{res['load_alone_s']:.1f} s; {res['load_s']:.1f} s ({res['stand_in_compile']['described']}) |")
     lines += [f"| first / second / third token of a 64-token prompt after the load (compilation, graph capture) | "
               f"{res['first_token_s']:.1f} / {res['second_token_s']:.1f} / {res['third_token_s']:.1f} s |"]
     if "warm" in res:
@@ -179,6 +204,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
                     help="the prompt prefills eagerly (EngineOptions.compile_prefill off)")
+    ap.add_argument("--compile-ahead", action="store_true",
+                    help="compile on a stand-in while the weights load (qspec/compile_ahead.py), as `qspec run` does")
     ap.add_argument("--reuse-file", action="store_true", help="load --file as it is when it exists (no write)")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
     a = ap.parse_args()
@@ -190,7 +217,8 @@ def main() -> int:
         res = {"layers": a.layers, "quant": a.quant, "file_bytes": os.path.getsize(a.file), "write_s": 0.0}
     else:
         res = write(a)
-    res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill}
+    res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill,
+            "compile_ahead": a.compile_ahead}
     print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
           f"in {res['write_s']:.1f} s", flush=True)
     # compilation caches of their own, empty at first, whatever earlier runs left on this machine

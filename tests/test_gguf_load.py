@@ -21,7 +21,7 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     f, out = tmp_path / "m.gguf", tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(root))
     r = subprocess.run([sys.executable, str(root / "scripts" / "gguf_load.py"), "--preset", "tiny", "--layers", "2",
-                        "--device", "cpu", "--file", str(f), "--tokens", "8", "--out", str(out)],
+                        "--device", "cpu", "--file", str(f), "--tokens", "8", "--out", str(out), "--compile-ahead"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = bench_config("tiny", layers=2)
@@ -31,10 +31,12 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     assert blocks and all(plan[n] == q for n, q in blocks.items())  # the mix's types (at this size, its fallbacks)
     res = json.loads(out.with_suffix(".json").read_text())
     assert res["file_bytes"] == f.stat().st_size and res["layers"] == 2
+    assert res["load_s"] >= res["load_alone_s"] > 0 and "stand-in" in res["stand_in"]
     assert res["load_s"] > 0 and res["peak_rss"] >= res["rss_before_load"] > 0 and res["decode_tps_second_request"] > 0
     assert 0 < res["first_token_s"] <= res["second_token_s"] <= res["third_token_s"]
     warm = res["warm"]  # the second fresh process: the same load, its first tokens, no decode-speed request
     assert warm["load_s"] > 0 and warm["first_token_s"] > 0 and "decode_tps_second_request" not in warm
     assert {"torch_s", "triton_s", "triton_kernels"} <= res["first_request_compile"].keys()
     md = out.with_suffix(".md").read_text()
+    assert "with a stand-in compiling beside it" in md
     assert "first / second / third token" in md and "caches warm" in md and "Compiled in the first process" in md

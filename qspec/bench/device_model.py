@@ -17,7 +17,7 @@ import math
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -91,18 +91,23 @@ def device_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, device
 
 
 def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                          seed: int = 0, quant: str | None = None, progress: bool = False) -> dict[str, Any]:
-    """Every canonical tensor of `cfg` on `device` in `dtype`; the n-gram table as a DeviceRowTable.
+                          seed: int = 0, quant: str | None = None, progress: bool = False,
+                          plan: Mapping[str, GGMLQuantizationType] | None = None,
+                          with_mtp: bool | None = None) -> dict[str, Any]:
+    """Every canonical tensor of `cfg` (the MTP block's per `with_mtp`, see tensor_shapes) on `device` in `dtype`;
+    the n-gram table as a DeviceRowTable.
 
     `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0): the matrices a GGUF of that llama.cpp file type
     holds as blocks become `QuantWeight`s of their types, quantized on the device as each tensor is drawn (one
-    16-bit tensor at a time), as a loaded GGUF of that type would hold them. `progress`: counts on stderr."""
+    16-bit tensor at a time), as a loaded GGUF of that type would hold them. `plan` gives each tensor's type
+    instead (a file's own, for instance). `progress`: counts on stderr."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
-    plan = mix_plan(quant, cfg) if quant is not None else {}
+    if plan is None:
+        plan = mix_plan(quant, cfg) if quant is not None else {}
     w: dict[str, Any] = {}
-    shapes = tensor_shapes(cfg)
+    shapes = tensor_shapes(cfg, with_mtp)
     t0 = time.perf_counter()
     for i, (name, shape) in enumerate(shapes.items()):
         t = device_tensor(cfg, name, shape, device=dev, dtype=dtype, seed=seed)
@@ -114,7 +119,7 @@ def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype
             del t
         else:
             w[name] = t
-        if progress and (i + 1) % 64 == 0 or i + 1 == len(shapes):
+        if progress and ((i + 1) % 64 == 0 or i + 1 == len(shapes)):
             print(f"qspec: generated {i + 1}/{len(shapes)} tensors in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
     return w

@@ -37,7 +37,7 @@ from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qt
 from qspec.weights.names import mtp_shapes, tensor_shapes, writable_shapes
 from qspec.weights.quant_mix import keep_packed
 from qspec.weights.quantize import quantize
-from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight, row_bytes
 
 PLE_TABLE = "per_layer_token_embd.weight"
 GGUF_MAGIC = b"GGUF"
@@ -281,7 +281,8 @@ def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dty
     raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(-1).view(np.uint8)))  # the one host copy
     _drop_pages(t.data)
     if packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES:
-        return QuantWeight.from_blocks(raw.to(device), t.tensor_type, shape)
+        blocks = raw.view(*shape[:-1], row_bytes(t.tensor_type, shape[-1]))  # shaped on the host: no device copy
+        return QuantWeight.from_blocks(blocks.to(device), t.tensor_type, shape)
     return dequantize(raw.to(device), t.tensor_type, shape, dtype)
 
 
@@ -442,6 +443,16 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
     (n_mtp_layers included), even when the MTP tensors are skipped."""
     p = Path(path)
     reader = _open(p)
+    cfg = _file_config(p, reader)
+    if with_mtp and not cfg.has_mtp:
+        raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
+    with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    skip = None if with_mtp or not cfg.has_mtp else f"blk.{cfg.mtp_layer}."
+    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress)
+
+
+def _file_config(p: Path, reader: _CheckedReader) -> ModelConfig:
+    """The config a full (not draft-only) `qwen4exp` GGUF describes, checked."""
     have = {t.name for t in reader.tensors}
     if "token_embd.weight" not in have and any(".nextn." in n for n in have):
         raise WeightsError(f"{p}: draft-only GGUF (MTP block only, no token_embd.weight); load it with "
@@ -449,12 +460,27 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
     cfg = _config(reader, _ne_rows(reader, "token_embd.weight"), _ne_rows(reader, PLE_TABLE))
     if "token_embd.weight" not in have:
         raise WeightsError(f"{p}: missing tensor 'token_embd.weight'")
-    cfg = _hf_extras(cfg).validate()
-    if with_mtp and not cfg.has_mtp:
-        raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
-    with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
-    skip = None if with_mtp or not cfg.has_mtp else f"blk.{cfg.mtp_layer}."
-    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress)
+    return _hf_extras(cfg).validate()
+
+
+def read_gguf_layout(path: str | os.PathLike[str]
+                     ) -> tuple[ModelConfig, dict[str, GGMLQuantizationType], dict[str, int]]:
+    """From the header alone (no tensor data read): (config, the file's type and the bytes of each canonical tensor
+    it holds). A fused gate_up tensor gives each half its type and half its bytes; an aliased head is absent."""
+    p = Path(path)
+    reader = _open(p)
+    cfg = _file_config(p, reader)
+    types: dict[str, GGMLQuantizationType] = {}
+    nbytes: dict[str, int] = {}
+    for t in reader.tensors:
+        if t.name.endswith(".ffn_gate_up_exps.weight"):
+            blk = t.name.rsplit(".", 2)[0]
+            for half in ("gate", "up"):
+                types[f"{blk}.ffn_{half}_exps.weight"] = t.tensor_type
+                nbytes[f"{blk}.ffn_{half}_exps.weight"] = int(t.n_bytes) // 2
+        else:
+            types[t.name], nbytes[t.name] = t.tensor_type, int(t.n_bytes)
+    return cfg, types, nbytes
 
 
 # Hyperparameters a draft block must share with the target it is attached to.

@@ -51,10 +51,13 @@ class QuantWeight:
 
     @classmethod
     def from_blocks(cls, raw: torch.Tensor, qtype: GGMLQuantizationType, shape: Sequence[int]) -> QuantWeight:
-        """From a tensor's bytes in file order (any uint8 shape with the right number of bytes)."""
+        """From a tensor's bytes in file order (any uint8 shape with the right number of bytes). The blocks get a
+        storage of their own when `raw` had another shape: compiled functions guard on a view's base, so weights
+        loaded, generated or quantized must all look alike to them (qspec/compile_ahead.py relies on it)."""
         shape = tuple(int(s) for s in shape)
         qt = GGMLQuantizationType(qtype)
-        return cls(raw.reshape(*shape[:-1], row_bytes(qt, shape[-1])), qt, shape)
+        blocks = raw.reshape(*shape[:-1], row_bytes(qt, shape[-1]))
+        return cls(blocks.clone() if blocks._base is not None else blocks, qt, shape)
 
     @property
     def device(self) -> torch.device:
