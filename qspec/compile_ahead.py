@@ -10,9 +10,11 @@ prompt, which compiles what the real model's first request would (dynamo's compi
 kernels stay in the process, inductor's and Triton's files on the disk), and is freed before the real engine
 allocates its cache.
 
-It runs only where it can help and cannot harm: CUDA, compilation on, a GGUF file, and room on the device for the
-file and the stand-in together. A failure of the stand-in is reported and the load goes on; a failure of the load
-is the load's error.
+It runs only when asked (`--compile-ahead`) and where it can: CUDA, compilation on, a GGUF file, and room on the
+device for the file and the stand-in together. It is off by default: on the H200 the real model's first request
+then compiled nothing, but a process whose caches were already warm recompiled Triton's kernels on the stand-in,
+unexplained so far (BENCHMARKS.md §5c). A failure of the stand-in is reported and the load goes on; a failure of
+the load is the load's error.
 """
 
 from __future__ import annotations

@@ -130,9 +130,10 @@ class KernelOptions:
                                    "rows: longer ones run eagerly anyway); off: a short prompt prefills eagerly, so a "
                                    "fresh process's first token waits only for what decoding compiles",
                                    applies="CUDA, --compile", arm="cpre")
-    compile_ahead: bool = option(True, "while a GGUF loads, compile the first request's steps on a stand-in of a "
+    compile_ahead: bool = option(False, "while a GGUF loads, compile the first request's steps on a stand-in of a "
                                  "few layers with random weights in the file's types (when the device has room for "
-                                 "both)", applies="CUDA, --compile, GGUF")
+                                 "both); off by default: with warm caches it recompiled Triton's kernels "
+                                 "(BENCHMARKS.md §5c)", applies="CUDA, --compile, GGUF")
     compile_backend: str = option("inductor", "torch.compile backend; another one also applies on the CPU (tests: "
                                   "aot_eager)", flag=False)
     gemv: bool = option(True, "one-row 16-bit products through the Triton mat-vec and one-row hyper-connection mixers "
