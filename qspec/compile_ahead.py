@@ -179,14 +179,13 @@ def load_compiling_ahead(path: Path, load: Callable[[], Model], opts: EngineOpti
     try:
         small, w = stand_in_weights(cfg, types, nbytes, device=device, dtype=dtype, with_mtp=with_mtp)
         stand_in = Model(small, w, with_mtp=with_mtp, hnorm_per_stream=hnorm_per_stream)
-        del w
         warm_on_stand_in(stand_in, opts, ids)
         say(f"qspec: compiled on a {len(layers)}-layer stand-in while the weights loaded "
             f"({time.perf_counter() - t0:.1f} s)")
     except Exception as e:  # the stand-in only saves time: the load goes on without it
         say(f"qspec: compiling on a stand-in failed ({type(e).__name__}: {e}); the first request compiles")
     finally:
-        stand_in = None
+        stand_in = w = None  # its memory back before the real engine allocates its cache
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
