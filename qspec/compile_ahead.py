@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.config import ModelConfig, ple_head_tables
+from qspec.config import ModelConfig, pad_rows, ple_head_tables
 from qspec.model.model import Model
 from qspec.options import EngineOptions
 from qspec.weights.gguf_io import PLE_TABLE
@@ -71,9 +71,8 @@ def stand_in_config(cfg: ModelConfig, layers: list[int], with_mtp: bool) -> Mode
     }
     if cfg.has_ple:
         offsets, sizes = ple_head_tables(cfg.ple_heads, STAND_IN_NGRAM_BASE)
-        rows = sum(sizes)
         over |= {"ple_layer": layers.index(cfg.ple_layer), "ple_head_offsets": offsets, "ple_head_vocab": sizes,
-                 "ple_rows": -(-rows // 128) * 128}
+                 "ple_rows": pad_rows(sum(sizes), 128)}
     return cfg.with_(**over).validate()
 
 
@@ -109,15 +108,13 @@ def stand_in_plan(cfg: ModelConfig, layers: list[int], types: Mapping[str, GGMLQ
     return plan, total
 
 
-def stand_in_weights(cfg: ModelConfig, types: Mapping[str, GGMLQuantizationType], nbytes: Mapping[str, int], *,
+def stand_in_weights(cfg: ModelConfig, layers: list[int], plan: Mapping[str, GGMLQuantizationType], *,
                      device: torch.device, dtype: torch.dtype, with_mtp: bool) -> tuple[ModelConfig, dict[str, Any]]:
-    """The stand-in of a file (its config, types and sizes from `read_gguf_layout`): its config and random weights
-    drawn on `device`, blocks of the file's types where the file has blocks."""
+    """The stand-in of a file of config `cfg` (its `layers` and `plan` from stand_in_layers and stand_in_plan): its
+    config and random weights drawn on `device`, blocks of the file's types where the file has blocks."""
     from qspec.bench.device_model import device_random_weights
 
-    layers = stand_in_layers(cfg, types)
     small = stand_in_config(cfg, layers, with_mtp)
-    plan, _ = stand_in_plan(cfg, layers, types, nbytes)
     return small, device_random_weights(small, device=device, dtype=dtype, plan=plan, with_mtp=with_mtp)
 
 
@@ -168,7 +165,7 @@ def load_compiling_ahead(path: Path, load: Callable[[], Model], opts: EngineOpti
     ids = prompt(cfg)
     with_mtp = with_mtp and cfg.has_mtp
     layers = stand_in_layers(cfg, types)
-    _, stand_in_bytes = stand_in_plan(cfg, layers, types, nbytes)
+    plan, stand_in_bytes = stand_in_plan(cfg, layers, types, nbytes)
     file_bytes = sum(b for n, b in nbytes.items() if n != PLE_TABLE)
     if not _room_for(file_bytes, stand_in_bytes, device):
         say("qspec: no room on the device for a stand-in beside the weights: the first request compiles")
@@ -177,7 +174,7 @@ def load_compiling_ahead(path: Path, load: Callable[[], Model], opts: EngineOpti
     t0 = time.perf_counter()
     loader.start()
     try:
-        small, w = stand_in_weights(cfg, types, nbytes, device=device, dtype=dtype, with_mtp=with_mtp)
+        small, w = stand_in_weights(cfg, layers, plan, device=device, dtype=dtype, with_mtp=with_mtp)
         stand_in = Model(small, w, with_mtp=with_mtp, hnorm_per_stream=hnorm_per_stream)
         warm_on_stand_in(stand_in, opts, ids)
         say(f"qspec: compiled on a {len(layers)}-layer stand-in while the weights loaded "

@@ -225,7 +225,8 @@ def ple_head_tables(n_heads: int, vocab_base: int, ple_index: int = 0) -> tuple[
     return tuple(offsets), tuple(sizes)
 
 
-def _pad_rows(total: int, divisor: int) -> int:
+def pad_rows(total: int, divisor: int) -> int:
+    """`total` rounded up to a multiple of `divisor` (the n-gram table's rows)."""
     return -(-total // divisor) * divisor
 
 
@@ -416,7 +417,7 @@ def _hf_ple(src: _Reader, v: dict[str, Any]) -> dict[str, Any]:
     return dict(ple_layer=ple_ids[0] - 1, ple_embed_dim=src.get("ple_embed_dim", int, v["hidden"]),
                 ple_multipliers=ple_multipliers(v["vocab_size"], v["ngram_size"], 0, seed),
                 ple_head_offsets=offsets, ple_head_vocab=sizes,
-                ple_rows=_pad_rows(sum(sizes), src.get("make_ngram_vocab_size_divisible_by", int, 128)), extra=extra)
+                ple_rows=pad_rows(sum(sizes), src.get("make_ngram_vocab_size_divisible_by", int, 128)), extra=extra)
 
 
 def from_hf_config(cfg: Any) -> ModelConfig:
@@ -586,7 +587,7 @@ def preset(name: str, *, layers: int | None = None, experts: int | None = None,
         ple_embed_dim=base["ple_embed_dim"] if ple_layer >= 0 else 0,
         ple_multipliers=ple_multipliers(vocab, 3) if ple_layer >= 0 else (),
         ple_head_offsets=offsets if ple_layer >= 0 else (), ple_head_vocab=sizes if ple_layer >= 0 else (),
-        ple_rows=_pad_rows(sum(sizes), 128) if ple_layer >= 0 else 0,
+        ple_rows=pad_rows(sum(sizes), 128) if ple_layer >= 0 else 0,
         eos_token_id=248044 if vocab > 248044 else vocab - 1,
         n_mtp_layers=1 if mtp else 0,
         extra={"ngram_vocab_size_base": ngram_base, "seed": 1234},

@@ -55,10 +55,11 @@ def test_stand_in_has_one_layer_of_each_kind(q4km_file: Path) -> None:
 
 def test_stand_in_model_holds_the_file_types(q4km_file: Path) -> None:
     cfg, types, nbytes = read_gguf_layout(q4km_file)
-    small, w = ca.stand_in_weights(cfg, types, nbytes, device=torch.device("cpu"), dtype=torch.float32,
+    layers = ca.stand_in_layers(cfg, types)
+    plan, _ = ca.stand_in_plan(cfg, layers, types, nbytes)
+    small, w = ca.stand_in_weights(cfg, layers, plan, device=torch.device("cpu"), dtype=torch.float32,
                                    with_mtp=True)
     assert set(w) == set(tensor_shapes(small))
-    plan, _ = ca.stand_in_plan(cfg, ca.stand_in_layers(cfg, types), types, nbytes)
     packed = {n: v.qtype for n, v in w.items() if isinstance(v, QuantWeight)}
     assert len(packed) > 10 and all(plan[n] == q for n, q in packed.items())
 
@@ -117,3 +118,17 @@ def test_load_errors_and_prompt_errors_are_the_callers(q4km_file: Path) -> None:
         ca.load_compiling_ahead(q4km_file, lambda: loads.append(1), OPTS, bad_prompt, device=torch.device("cpu"),
                                 dtype=torch.float32, with_mtp=True, say=lambda m: None)
     assert not loads  # nothing started
+
+
+def test_block_weights_own_their_storage_without_copying_what_already_does() -> None:
+    """Compiled functions guard on a view's base, so a QuantWeight's blocks never are a view; blocks that already
+    have their shape and storage are kept as they are (a load does not copy each tensor twice on the device)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from qspec.weights.qweight import row_bytes
+
+    shaped = torch.zeros(4, row_bytes(Q.Q8_0, 64), dtype=torch.uint8)
+    assert QuantWeight.from_blocks(shaped, Q.Q8_0, (4, 64)).raw is shaped
+    for raw in (shaped.reshape(-1), shaped.reshape(-1).clone(), shaped[:, :]):
+        w = QuantWeight.from_blocks(raw, Q.Q8_0, (4, 64))
+        assert w.raw._base is None and tuple(w.raw.shape) == tuple(shaped.shape)

@@ -56,7 +56,8 @@ class QuantWeight:
         loaded, generated or quantized must all look alike to them (qspec/compile_ahead.py relies on it)."""
         shape = tuple(int(s) for s in shape)
         qt = GGMLQuantizationType(qtype)
-        blocks = raw.reshape(*shape[:-1], row_bytes(qt, shape[-1]))
+        want = (*shape[:-1], row_bytes(qt, shape[-1]))
+        blocks = raw if tuple(raw.shape) == want else raw.reshape(want)  # reshape to the same shape is a view too
         return cls(blocks.clone() if blocks._base is not None else blocks, qt, shape)
 
     @property
