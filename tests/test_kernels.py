@@ -175,6 +175,24 @@ def test_gdn_planes_reference(T: int, Hq: int, Hv: int, dk: int, dv: int) -> Non
         assert torch.equal(o2, o) and torch.equal(work2, work)
 
 
+@pytest.mark.parametrize("T,Hq,Hv", [(20, 2, 4), (1, 4, 4)])
+def test_gdn_final_only_writes_the_last_state_alone(T: int, Hq: int, Hv: int) -> None:
+    """A prompt's rows (more than the planes): the outputs of every row and the state after the last, in plane
+    base, the other planes untouched."""
+    q, k, v, g, beta, ssm = gdn_inputs(T, Hq, Hv, 8, 8, 4, seed=T + Hq)
+    live, base = torch.tensor(1), torch.tensor(2)
+    work = ssm.clone()
+    o = gdn_recurrent_planes(q, k, v, g, beta, work, live, base, final_only=True)
+    o_ref, states = gdn_simple(q, k, v, g, beta, ssm[1])
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(work[2].double(), states[-1], rtol=1e-5, atol=1e-6)
+    keep = [0, 1, 3]
+    assert torch.equal(work[keep], ssm[keep])
+    if T > ssm.shape[0]:  # without final_only every row needs its plane
+        with pytest.raises(ValueError, match="rows do not fit"):
+            gdn_recurrent_planes(q, k, v, g, beta, ssm.clone(), live, base)
+
+
 def test_gdn_planes_matches_model_path() -> None:
     """The reference is what GatedDeltaNet.forward does for a short step."""
     q, k, v, g, beta, ssm = gdn_inputs(4, 4, 4, 16, 16, 8, seed=3)

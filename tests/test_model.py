@@ -245,6 +245,17 @@ for T, Hk, Hv, dk, dv in ((3, 2, 4, 16, 24), (2, 1, 3, 16, 8), (1, 2, 4, 32, 20)
     o_tri = gdn_recurrent_planes_triton(q, k, v, alpha, beta, s_tri, live, base, gates, block_v=16)
     assert o_tri.shape == (T, Hv, dv) and (o_tri - o_ref).abs().max().item() < 1e-4, (T, Hk, Hv, dk, dv)
     assert (s_tri - s_ref).abs().max().item() < 1e-4 and torch.equal(s_tri[:4], ssm[:4])
+    # a prompt's rows, more than the planes: only the last state, to plane base
+    P = torch.randn(2, Hv, dk, dv, generator=g)
+    n = 3 * T + 7
+    qn, kn = [torch.nn.functional.normalize(torch.randn(n, Hk, dk, generator=g), dim=-1) for _ in range(2)]
+    vn, an, bn = torch.randn(n, Hv, dv, generator=g), torch.randn(n, Hv, generator=g), torch.randn(n, Hv, generator=g)
+    p_ref, p_tri = P.clone(), P.clone()
+    one, zero = torch.tensor(1), torch.tensor(0)
+    o_ref = gdn_recurrent_planes_torch(qn, kn, vn, an, bn, p_ref, one, zero, gates, final_only=True)
+    o_tri = gdn_recurrent_planes_triton(qn, kn, vn, an, bn, p_tri, one, zero, gates, block_v=16, final_only=True)
+    assert (o_tri - o_ref).abs().max().item() < 1e-4 and (p_tri - p_ref).abs().max().item() < 1e-4
+    assert torch.equal(p_tri[1], P[1]) and not torch.equal(p_tri[0], P[0])
 print("gdn kernels ok")
 """
 

@@ -9,6 +9,10 @@ programs are independent: each loads its own slice of plane `live` before it wri
 and no other program touches that slice. The reads and writes may therefore share one buffer
 (the recurrent cache's ping-pong planes). The matrix-vector products are broadcast-multiply +
 reductions: with one token at a time there is no M >= 16 operand for tensor cores.
+
+With `final_only` (a short prompt's prefill) only the state after the last row is written, to plane `base`, so
+the row count is not bounded by the planes: the model runs prompts of up to `FINAL_MAX_ROWS` rows here instead of
+in fla's chunked kernels, whose compilation is most of a fresh process's first request (BENCHMARKS.md §5c).
 """
 
 import torch
@@ -17,6 +21,9 @@ from qspec.kernels.gdn_recurrent import gdn_gates, gdn_recurrent_torch
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, use_triton
 
 MAX_ROWS = 16
+# The most rows of a final-state-only call: its rows run one after another, so past a few hundred the chunked form
+# is faster (a 128-row prompt takes the loop ~128 times a decode row's recurrence, still under a prefill's products)
+FINAL_MAX_ROWS = 128
 DEFAULT_BV = 32
 
 if HAS_TRITON:
@@ -29,7 +36,7 @@ if HAS_TRITON:
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    FINAL: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_start(PDL)
         h = tl.program_id(1)
         hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
@@ -59,11 +66,14 @@ if HAS_TRITON:
             S = S + kt[:, None] * u[None, :]
             ot = tl.sum(S * qt[:, None], axis=0)
             tl.store(o_ptr + t * o_t + h * o_h + iv, ot, mask=vmask)
-            tl.store(ssm_ptr + (base + t) * s_p + head + tile, S, mask=tmask)
+            if not FINAL:
+                tl.store(ssm_ptr + (base + t) * s_p + head + tile, S, mask=tmask)
+        if FINAL:
+            tl.store(ssm_ptr + base * s_p + head + tile, S, mask=tmask)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-           ssm: torch.Tensor) -> None:
+           ssm: torch.Tensor, final_only: bool = False) -> None:
     T, Hq, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
     if k.shape != q.shape or v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv):
@@ -73,25 +83,25 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
         raise ValueError(f"ssm {tuple(ssm.shape)} does not fit Hv={Hv} dk={dk} dv={dv} (q heads {Hq})")
     if ssm.dtype != torch.float32:
         raise ValueError("the state must be f32")
-    if not 1 <= T <= ssm.shape[0]:
+    if T < 1 or (not final_only and T > ssm.shape[0]):
         raise ValueError(f"{T} rows do not fit {ssm.shape[0]} planes")
 
 
 def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
-                               base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None
-                               ) -> torch.Tensor:
+                               base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               final_only: bool = False) -> torch.Tensor:
     """Reference: what GatedDeltaNet.forward does today for a short step (gather, recurrence, scatter)."""
     if gates is not None:
         beta, g = gdn_gates(beta, g, *gates)
-    _check(q, k, v, g, beta, ssm)
+    _check(q, k, v, g, beta, ssm, final_only)
     T, Hq = q.shape[:2]
     rep = v.shape[1] // Hq
     if rep > 1:
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
     S0 = ssm.index_select(0, live.view(1))[0]
-    o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
-    ssm.index_copy_(0, base + torch.arange(T, device=ssm.device), states)
+    o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=not final_only)
+    ssm.index_copy_(0, base.view(1) if final_only else base + torch.arange(T, device=ssm.device), states)
     return o
 
 
@@ -99,17 +109,18 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
                                 gates: tuple[torch.Tensor, torch.Tensor] | None = None,
                                 block_v: int = DEFAULT_BV, num_warps: int = 4,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+                                out: torch.Tensor | None = None, final_only: bool = False) -> torch.Tensor:
     """The Triton kernel; same contract as `gdn_recurrent_planes`."""
-    _check(q, k, v, g, beta, ssm)
+    _check(q, k, v, g, beta, ssm, final_only)
     a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
     if gates is not None and any(t.shape != (v.shape[1],) or t.dtype != torch.float32 or not t.is_contiguous()
                                  for t in gates):
         raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={v.shape[1]}]")
     T, Hq, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    if T > MAX_ROWS:
-        raise ValueError(f"{T} rows: the per-row kernel is for at most {MAX_ROWS} (use the chunked form)")
+    most = FINAL_MAX_ROWS if final_only else MAX_ROWS
+    if T > most:
+        raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim")
@@ -124,15 +135,18 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                       g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
                       ssm.stride(0), ssm.stride(1), ssm.stride(2),
-                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, num_warps=num_warps,
+                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, FINAL=final_only,
+                      num_warps=num_warps,
                       **pdl_launch(q))
     return o
 
 
 def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
-                         gates: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Gated delta rule over T <= 16 rows, reading plane `live` and writing row t's state to plane base + t.
+                         gates: tuple[torch.Tensor, torch.Tensor] | None = None, final_only: bool = False
+                         ) -> torch.Tensor:
+    """Gated delta rule over T <= 16 rows, reading plane `live` and writing row t's state to plane base + t
+    (final_only: T <= FINAL_MAX_ROWS rows, only the last row's state, to plane base).
 
     q, k [T, Hq, dk] f32 (L2-normed, q scaled; Hq = Hv when the caller expanded the key heads, or the
     k-head count, value head h then reading key head h % Hq, llama.cpp's tiled order); v [T, Hv, dv];
@@ -140,6 +154,6 @@ def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     beta logits (any float dtype) and the kernel computes the gates itself (`gdn_gates`: two kernels fewer per
     step); ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
     Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
-    if use_triton(q) and q.shape[0] <= MAX_ROWS:
-        return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates)
-    return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates)
+    if use_triton(q) and q.shape[0] <= (FINAL_MAX_ROWS if final_only else MAX_ROWS):
+        return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates, final_only=final_only)
+    return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates, final_only)

@@ -11,7 +11,8 @@ from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
-from qspec.kernels.triton_gdn import gdn_recurrent_planes
+from qspec.kernels.triton_common import use_triton
+from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_recurrent_planes
 from qspec.model.fuse import fused
 from qspec.model.ops import linear, rms_norm, sigmoid, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
@@ -65,10 +66,12 @@ class GatedDeltaNet(torch.nn.Module):
             q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, dk, dv)
         else:
             q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, dk, dv)
-        if h.is_cuda and not last_only:
-            # Triton: state tile in registers across the rows, each row's state to its rollback plane; the kernel
+        if h.is_cuda and (not last_only or (use_triton(h) and T <= FINAL_MAX_ROWS)):
+            # Triton: state tile in registers across the rows, each row's state to its rollback plane (a short
+            # prompt: only the last one, so its prefill compiles none of fla's chunked kernels); the kernel
             # computes the gates from the raw logits
-            o = gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias))
+            o = gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias),
+                                     final_only=last_only)
             return gdn_out(o, z, self.norm, self.out, c.rms_eps)
         beta, g = gdn_gates(b_logit, a_logit, self.a, self.dt_bias)
         rep = Hv // Hk
