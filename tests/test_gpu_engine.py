@@ -219,6 +219,24 @@ def test_logits_match_the_cpu(setup: Setup) -> None:
 
 
 @pytest.mark.cuda
+def test_short_prompt_recurrence_equals_the_chunked_form(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of up to FINAL_MAX_ROWS rows prefills GDN through the per-row kernel (the last state kept), a longer
+    one through the chunked form: the logits of every row agree, and so do those of a decode step after them."""
+    import qspec.model.gdn as gdn
+
+    def two_steps() -> tuple[torch.Tensor, torch.Tensor]:
+        r = Runner(setup.gpu, CacheOptions(capacity=128, kv_type=setup.kv))
+        return r.step(IDS)[0].float().cpu(), r.step(IDS[:1])[0].float().cpu()
+
+    assert IDS.numel() <= gdn.FINAL_MAX_ROWS
+    per_row = two_steps()
+    monkeypatch.setattr(gdn, "FINAL_MAX_ROWS", 0)
+    chunked = two_steps()
+    for a, b in zip(per_row, chunked, strict=True):
+        assert rel_diff(a, b) < setup.tol, rel_diff(a, b)
+
+
+@pytest.mark.cuda
 def test_plain_decoding_replays_graphs(setup: Setup) -> None:
     assert setup.plain.graphs["replays"] > 0, setup.plain.graphs
 
