@@ -19,8 +19,12 @@ On the CPU (`--device cpu --layers 1 --preset tiny`) it is a smoke run of itself
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import resource
 import shutil
 import subprocess
@@ -89,10 +93,12 @@ def _report_so_far(out: dict[str, Any]) -> None:
     print(RESULT + json.dumps(out), flush=True)
 
 
-def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str]) -> dict[str, Any] | None:
+def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str], profile: Path | None = None
+                      ) -> dict[str, Any] | None:
     """load() in a fresh process, its lines echoed as they come; the last result it reported (None: none, or a
-    failed child, whose output then goes to stderr)."""
+    failed child, whose output then goes to stderr). profile: where the child writes its first request's profile."""
     cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
+    cmd += ["--profile-first", str(profile)] if profile else []
     cmd += ["--no-compile-prefill"] if not a.compile_prefill else []
     cmd += ["--compile-ahead"] if a.compile_ahead else []
     lines: list[str] = []
@@ -148,8 +154,11 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     prompt = prompt_for(model.cfg)
     stamps: list[float] = []
     t1 = time.perf_counter()
-    with CompileClock() as clock:
+    prof = cProfile.Profile() if a.profile_first else None
+    with CompileClock() as clock, prof or contextlib.nullcontext():
         first = eng.generate(prompt, 3, on_token=lambda _t: stamps.append(time.perf_counter()))
+    if prof is not None:
+        _write_profile(prof, a.profile_first)
     # the first token ends the prefill; the second is the first decode step (its shape's compilation), the third
     # the first replay of what that step compiled
     out["first_token_s"], out["second_token_s"], out["third_token_s"] = (x - t1 for x in stamps)
@@ -162,6 +171,13 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
         out["second_request_compile"] = clock.times().as_dict()
     out["peak_rss_end"] = peak_rss()
     return out
+
+
+def _write_profile(prof: cProfile.Profile, path: Path) -> None:
+    """The functions that took the most time, with what they called, by cumulative time."""
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(80)
+    path.write_text(text.getvalue())
 
 
 def report(res: dict[str, Any]) -> str:
@@ -207,7 +223,10 @@ def main() -> int:
     ap.add_argument("--compile-ahead", action="store_true",
                     help="compile on a stand-in while the weights load (qspec/compile_ahead.py), as `qspec run` does")
     ap.add_argument("--reuse-file", action="store_true", help="load --file as it is when it exists (no write)")
+    ap.add_argument("--profile-warm", type=Path, metavar="FILE",
+                    help="profile the warm process's first request (cProfile, which slows it) into FILE")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
+    ap.add_argument("--profile-first", type=Path, help=argparse.SUPPRESS)  # the child: profile its first request
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.load_only:
@@ -226,7 +245,7 @@ def main() -> int:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     for i in range(2):  # a fresh process each time: the first compiles into empty caches, the second reuses them
         drop_cached_pages(a.file)
-        run = _measure_in_child(a, a.tokens if i == 0 else 0, env)
+        run = _measure_in_child(a, a.tokens if i == 0 else 0, env, a.profile_warm if i else None)
         if run is None:
             return 1
         res |= run if i == 0 else {"warm": run}

@@ -21,7 +21,8 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     f, out = tmp_path / "m.gguf", tmp_path / "r"
     env = dict(os.environ, PYTHONPATH=str(root))
     r = subprocess.run([sys.executable, str(root / "scripts" / "gguf_load.py"), "--preset", "tiny", "--layers", "2",
-                        "--device", "cpu", "--file", str(f), "--tokens", "8", "--out", str(out), "--compile-ahead"],
+                        "--device", "cpu", "--file", str(f), "--tokens", "8", "--out", str(out), "--compile-ahead",
+                        "--profile-warm", str(tmp_path / "warm.prof.txt")],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = bench_config("tiny", layers=2)
@@ -40,3 +41,4 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     md = out.with_suffix(".md").read_text()
     assert "with a stand-in compiling beside it" in md
     assert "first / second / third token" in md and "caches warm" in md and "Compiled in the first process" in md
+    assert "generate" in (tmp_path / "warm.prof.txt").read_text()  # the warm first request's profile
