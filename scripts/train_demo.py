@@ -27,6 +27,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from qspec.engine import Engine, EngineOptions
 from qspec.loader import truncated_qwen_tokenizer
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
+from qspec.tokenizer import Tokenizer
 from qspec.weights import load_model_weights, write_gguf
 from qspec.weights.gguf_io import GGMLQuantizationType
 
@@ -67,7 +69,7 @@ def corpus(tok, held_out_every: int = 20) -> tuple[torch.Tensor, torch.Tensor, i
     return torch.tensor(train), torch.tensor(held), len(files)
 
 
-def batches(ids: torch.Tensor, batch: int, length: int, rng: random.Random):  # noqa: ANN201
+def batches(ids: torch.Tensor, batch: int, length: int, rng: random.Random) -> Iterator[torch.Tensor]:
     while True:
         starts = [rng.randrange(0, len(ids) - length - 1) for _ in range(batch)]
         yield torch.stack([ids[s:s + length + 1] for s in starts])
@@ -138,29 +140,13 @@ class MTPHead(nn.Module):
         return self.hyper_connection_mixer(X)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="qspec/assets/demo-q8_0.gguf")
-    ap.add_argument("--trunk-minutes", type=float, default=25.0)
-    ap.add_argument("--mtp-minutes", type=float, default=10.0)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    torch.manual_seed(a.seed)
-    rng = random.Random(a.seed)
-    hf.Qwen4ExpTextQSAIndexer.forward = dense_indexer
-
-    cfg = demo_config()
-    tok = truncated_qwen_tokenizer(VOCAB)
-    train_ids, held_ids, n_files = corpus(tok)
-    print(f"corpus: {n_files} stdlib files, {len(train_ids)} training tokens, {len(held_ids)} held out", flush=True)
-    hcfg = {k: v for k, v in to_hf_config(cfg).items()
+def train_trunk(a: argparse.Namespace, data: Iterator[torch.Tensor]) -> tuple[nn.Module, int]:
+    """The tiny trunk, trained from scratch on the corpus -> (model in eval mode, its steps)."""
+    hcfg = {k: v for k, v in to_hf_config(demo_config()).items()
             if k not in ("architectures", "model_type", "torch_dtype", "mtp_num_hidden_layers",
                          "mtp_use_dedicated_embeddings")}
     model = transformers.Qwen4ExpForCausalLM(transformers.Qwen4ExpTextConfig(**hcfg))
     model.train()
-    data = batches(train_ids, a.batch, a.length, rng)
 
     def trunk_loss() -> torch.Tensor:
         x = next(data)
@@ -169,8 +155,27 @@ def main() -> int:
     steps = train(list(model.parameters()), trunk_loss, a.trunk_minutes, int(a.trunk_minutes * 60 / 1.3), 3e-3,
                   "trunk")
     model.eval()
+    return model, steps
 
-    # the MTP head on the frozen trunk: H is the residual bundle the trunk's output mixer reads
+
+def mtp_head_loss(model: nn.Module, head: nn.Module, grab: dict[str, torch.Tensor], x: torch.Tensor
+                  ) -> torch.Tensor:
+    """The head's next-next-token loss on batch x, over the frozen trunk's residuals (grabbed by a hook)."""
+    B, T = x.shape
+    with torch.no_grad():
+        model.model(x[:, :-1], use_cache=False)
+        H = grab["H"]  # [B, T-1, S*D]: residual after token j
+        pos = torch.arange(1, T - 1)[None, None].expand(3, B, -1)  # rows: token j+1 at position j+1
+        pe = model.model.rotary_emb(H, pos)
+    out = head(model.model.embed_tokens(x[:, 1:-1]), H[:, :-1], pe)
+    logits = model.lm_head(out)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
+
+
+def train_mtp_head(a: argparse.Namespace, model: nn.Module, data: Iterator[torch.Tensor]
+                   ) -> tuple[Callable[[torch.Tensor], torch.Tensor], nn.Module, int]:
+    """The MTP head on the frozen trunk (H is the residual bundle the trunk's output mixer reads) -> (its loss on a
+    batch, the head in eval mode, its steps)."""
     for p in model.parameters():
         p.requires_grad_(False)
     grab: dict[str, torch.Tensor] = {}
@@ -181,31 +186,15 @@ def main() -> int:
     last_attn = max(i for i, t in enumerate(model.config.layer_types) if t != "linear_attention")
     head.layers[0].load_state_dict(model.model.layers[last_attn].state_dict(), strict=False)
     head.hyper_connection_mixer.load_state_dict(model.model.hyper_connection_mixer.state_dict())
-
-    def mtp_loss(x: torch.Tensor | None = None) -> torch.Tensor:
-        x = next(data) if x is None else x
-        B, T = x.shape
-        with torch.no_grad():
-            model.model(x[:, :-1], use_cache=False)
-            H = grab["H"]  # [B, T-1, S*D]: residual after token j
-            pos = torch.arange(1, T - 1)[None, None].expand(3, B, -1)  # rows: token j+1 at position j+1
-            pe = model.model.rotary_emb(H, pos)
-        out = head(model.model.embed_tokens(x[:, 1:-1]), H[:, :-1], pe)
-        logits = model.lm_head(out)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 2:].reshape(-1))
-
-    mtp_steps = train([p for p in head.parameters() if p.requires_grad], mtp_loss, a.mtp_minutes,
-                      int(a.mtp_minutes * 60 / 1.0), 3e-3, "mtp")
+    steps = train([p for p in head.parameters() if p.requires_grad], lambda: mtp_head_loss(model, head, grab,
+                  next(data)), a.mtp_minutes, int(a.mtp_minutes * 60 / 1.0), 3e-3, "mtp")
     head.eval()
+    return (lambda x: mtp_head_loss(model, head, grab, x)), head, steps
 
-    # held-out losses
-    with torch.no_grad():
-        hx = torch.stack([held_ids[i:i + a.length + 1] for i in range(0, 8 * a.length, a.length)])
-        held_trunk = model(hx, labels=hx, use_cache=False).loss.item()
-        held_mtp = mtp_loss(hx).item()
-    print(f"held out: trunk loss {held_trunk:.3f}, mtp loss {held_mtp:.3f} (nats/token)", flush=True)
 
-    out = Path(a.out)
+def write_demo_gguf(out: Path, model: nn.Module, head: nn.Module, tok: Tokenizer, description: str) -> None:
+    """The trunk and the head saved as an HF checkpoint, read back by qspec's loader and written as a Q8_0 GGUF with
+    the tokenizer in its metadata."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -215,25 +204,22 @@ def main() -> int:
         (d / "config.json").write_text(json.dumps(conf))
         mtp = {f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()}
         save_file(mtp, str(d / "mtp.safetensors"))
-        trunk_files = sorted(d.glob("model*.safetensors"))
         weight_map: dict[str, str] = {}
-        for f in trunk_files:
+        for f in sorted(d.glob("model*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
                 weight_map.update({k: f.name for k in h.keys()})  # noqa: SIM118
         weight_map.update({k: "mtp.safetensors" for k in mtp})
         (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         qcfg, w = load_model_weights(d)
-        meta = {"general.name": "qspec-demo", "general.description": (
-            f"qspec demo model: tiny qwen4exp + MTP head trained on the Python {sys.version_info.major}."
-            f"{sys.version_info.minor} standard library ({steps} trunk steps, {mtp_steps} MTP steps of "
-            f"{a.batch}x{a.length} tokens; held-out loss {held_trunk:.3f} trunk, {held_mtp:.3f} MTP)")}
+        meta = {"general.name": "qspec-demo", "general.description": description}
         write_gguf(out, qcfg, w, qtypes=GGMLQuantizationType.Q8_0, extra_kv={**tok.to_gguf_metadata(VOCAB), **meta})
     print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB)", flush=True)
 
-    # checks: qspec (from the GGUF) against transformers, and speculative == plain with the head's acceptance
+
+def check_demo(out: Path, model: nn.Module, tok: Tokenizer, ids: torch.Tensor) -> None:
+    """qspec (from the GGUF) against transformers, and speculative == plain with the head's acceptance."""
     qcfg, w = load_model_weights(out)
     qm = Model(qcfg, w)
-    ids = held_ids[:200]
     with torch.no_grad():
         want = model(ids[None], use_cache=False).logits[0]
     got = Runner(qm, CacheOptions(capacity=256)).step(ids)[0]
@@ -248,6 +234,38 @@ def main() -> int:
               f"{[round(x, 2) for x in g.spec.acceptance_by_position()]}, tokens/round {g.spec.tokens_per_round:.2f}",
               flush=True)
     print(tok.decode(prompt + plain.tokens))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="qspec/assets/demo-q8_0.gguf")
+    ap.add_argument("--trunk-minutes", type=float, default=25.0)
+    ap.add_argument("--mtp-minutes", type=float, default=10.0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    torch.manual_seed(a.seed)
+    rng = random.Random(a.seed)
+    hf.Qwen4ExpTextQSAIndexer.forward = dense_indexer
+
+    tok = truncated_qwen_tokenizer(VOCAB)
+    train_ids, held_ids, n_files = corpus(tok)
+    print(f"corpus: {n_files} stdlib files, {len(train_ids)} training tokens, {len(held_ids)} held out", flush=True)
+    data = batches(train_ids, a.batch, a.length, rng)
+    model, steps = train_trunk(a, data)
+    mtp_loss, head, mtp_steps = train_mtp_head(a, model, data)
+    with torch.no_grad():
+        hx = torch.stack([held_ids[i:i + a.length + 1] for i in range(0, 8 * a.length, a.length)])
+        held_trunk = model(hx, labels=hx, use_cache=False).loss.item()
+        held_mtp = mtp_loss(hx).item()
+    print(f"held out: trunk loss {held_trunk:.3f}, mtp loss {held_mtp:.3f} (nats/token)", flush=True)
+    out = Path(a.out)
+    write_demo_gguf(out, model, head, tok, (
+        f"qspec demo model: tiny qwen4exp + MTP head trained on the Python {sys.version_info.major}."
+        f"{sys.version_info.minor} standard library ({steps} trunk steps, {mtp_steps} MTP steps of "
+        f"{a.batch}x{a.length} tokens; held-out loss {held_trunk:.3f} trunk, {held_mtp:.3f} MTP)"))
+    check_demo(out, model, tok, held_ids[:200])
     return 0
 
 
