@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
+from qspec import precompile
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
+from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
 from qspec.model.model import Model
 from qspec.model.mtp import DraftHead, q4_head
@@ -153,6 +156,7 @@ class Engine:
         self.depth = (DepthController(self.opts.draft, off_min=stretch, off_max=STRETCH_GROWTH * stretch)
                       if self.opts.draft_auto else None)
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
+        self._precompiled = False  # the first request queued the steps' products for compilation (_precompile)
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -211,10 +215,13 @@ class Engine:
             self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
+        ahead = self._precompile()
         logits, H = self._prefill(prompt)
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
         prefill_s = time.perf_counter() - t0
+        if ahead is not None:
+            ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
 
         t1 = req.mark = time.perf_counter()
         if not req.emit(tok):
@@ -230,6 +237,15 @@ class Engine:
         return Generation(req.out, len(prompt), prefill_s, decode_s, req.stats, reason, pooled,
                           cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
                           req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {})
+
+    def _precompile(self) -> Future | None:
+        """On this engine's first request, with block weights on CUDA: the decode and verify steps' block products
+        queued for compilation beside the prefill (qspec/precompile.py)."""
+        if self._precompiled or not self.opts.precompile or self.model.device.type != "cuda" \
+                or not triton_enabled() or not self.model.has_blocks:
+            return None
+        self._precompiled = True
+        return precompile.start(self.model, {1, self.opts.draft + 1})
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""

@@ -134,6 +134,9 @@ class KernelOptions:
                                  "few layers with random weights in the file's types (when the device has room for "
                                  "both); off by default: with warm caches it recompiled Triton's kernels "
                                  "(BENCHMARKS.md §5c)", applies="CUDA, --compile, GGUF")
+    precompile: bool = option(True, "on a model's first request, compile the decode and verify steps' block products "
+                              "in threads while the prompt prefills (off: each kernel compiles at its first launch, "
+                              "one after another)", applies="CUDA, block weights", arm="precomp")
     compile_backend: str = option("inductor", "torch.compile backend; another one also applies on the CPU (tests: "
                                   "aot_eager)", flag=False)
     gemv: bool = option(True, "one-row 16-bit products through the Triton mat-vec and one-row hyper-connection mixers "

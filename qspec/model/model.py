@@ -151,6 +151,7 @@ class Model(torch.nn.Module):
         if any(m.quantized and not m.blocks_only for m in moes):
             self.graph_safe = False
         self.weights_summary = ""  # what the loader kept in which format (loader.load_model fills it in)
+        self.has_blocks = any(isinstance(v, QuantWeight) for v in w.values())  # GGUF blocks kept packed
         self.step_bytes = step_bytes(w, cfg)  # weight bytes a one-token step reads (bandwidth limits)
 
     # ---- caches ----------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""Compiling the decode steps' block products while a first request prefills.
+
+A fresh process compiles each Triton kernel variant at its first launch, one after another, and the step that
+launches it waits: a block-weight model's first decode step waits for its int8 products' variants (about a second
+each, one per block type, row count and kernel; BENCHMARKS.md §5c) after the prefill has waited for its own. The
+variants the decode and verify steps will need are known once the model is loaded: the products of its block
+matrices at one row (and at the verify's rows when drafting) and its routed experts at those token counts. So on a
+model's first request a thread calls those products on zeros under `compile_only`, where each Triton launch
+becomes a compilation of the same variant (the same arguments, so the same specialisation) submitted to a pool of
+threads, and nothing runs. Triton's compiler spends most of its time outside the interpreter lock, so the variants
+compile side by side, and beside the prefill. The engine waits for them before its first decode step; a product
+the guess missed compiles at its launch, as before.
+
+`compile_only` is per thread: kernels other threads launch meanwhile (the prefill's) are not affected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from qspec.kernels.qmatmul import qmoe_few
+from qspec.model.ops import StackedWeight, linear
+from qspec.weights.qweight import QuantWeight
+
+_local = threading.local()  # .queued: this thread's queued compilations while compile_only is active
+_lock = threading.Lock()
+_state: dict[str, Any] = {"pool": None, "patched": False}
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _lock:
+        if _state["pool"] is None:
+            _state["pool"] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                                thread_name_prefix="qspec-compile")
+        return _state["pool"]
+
+
+def _route_launches() -> bool:
+    """JITFunction.run through a wrapper that queues instead of launching inside compile_only, and an autotuned
+    kernel skipped there (its tuning would time launches that do not run); once per process. False where Triton is
+    missing."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    with _lock:
+        if not _state["patched"]:
+            launch, tune = JITFunction.run, Autotuner.run
+
+            def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+                queued: list[Future] | None = getattr(_local, "queued", None)
+                if queued is None or kwargs.get("warmup"):
+                    return launch(self, *args, **kwargs)
+                kwargs["warmup"] = True  # compile the variant these arguments select; launch nothing
+                queued.append(_pool().submit(launch, self, *args, **kwargs))
+                return None
+
+            def run_tuned(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return None if getattr(_local, "queued", None) is not None else tune(self, *args, **kwargs)
+
+            JITFunction.run, Autotuner.run = run, run_tuned
+            _state["patched"] = True
+    return True
+
+
+@contextlib.contextmanager
+def compile_only() -> Iterator[list[Future]]:
+    """Inside the block this thread's Triton launches compile their variants on the pool instead of running (their
+    outputs stay unwritten); yields the list of the queued compilations. Without Triton: nothing is queued."""
+    if not _route_launches() or getattr(_local, "queued", None) is not None:
+        yield []
+        return
+    _local.queued = queued = []
+    try:
+        yield queued
+    finally:
+        _local.queued = None
+
+
+def _weights(obj: object, seen: set[int]) -> Iterator[tuple[str, object, object]]:
+    """(kind, weight, owner) for every block matrix ("linear") and routed-expert module ("experts") reachable from
+    obj through attributes, lists, tuples and dicts."""
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, QuantWeight):
+        if len(obj.shape) == 2:
+            yield "linear", obj, None
+        return
+    if isinstance(obj, StackedWeight):
+        if any(isinstance(p, QuantWeight) for p in obj.parts):
+            yield "linear", obj, None
+        return
+    experts = [getattr(obj, n, None) for n in ("gate", "up", "down")]
+    if all(isinstance(e, QuantWeight) and len(e.shape) == 3 for e in experts):
+        yield "experts", obj, experts
+    items: Iterable[object]
+    if isinstance(obj, dict):
+        items = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        items = obj
+    elif isinstance(obj, torch.nn.Module) or hasattr(obj, "__dict__"):
+        items = vars(obj).values()
+    else:
+        return
+    for v in items:
+        yield from _weights(v, seen)
+
+
+def step_products(model: Any, rows: Iterable[int]) -> list[Callable[[], object]]:
+    """Calls of the products a step of each row count runs on the model's block weights, on zeros: every block
+    matrix (one product each; the token and n-gram tables, read by rows, are left out) and every routed-expert
+    module (its top-k experts, all expert 0)."""
+    skip = {id(model.embed)}
+    seen = set(skip) | {id(getattr(model, "ple", None))}
+    found = list(_weights(model, seen))
+    dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
+    calls: list[Callable[[], object]] = []
+    for m in sorted(set(rows)):
+        for kind, w, experts in found:
+            if kind == "linear":
+                calls.append(lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w))
+            else:
+                g, u, d = experts
+                calls.append(lambda m=m, g=g, u=u, d=d: qmoe_few(
+                    torch.zeros(m, g.shape[-1], dtype=dt, device=dev), torch.zeros(m, k, dtype=torch.long, device=dev),
+                    torch.ones(m, k, dtype=dt, device=dev), g, u, d))
+    return calls
+
+
+def start(model: Any, rows: Iterable[int]) -> Future:
+    """Queue the compilation of `step_products(model, rows)`'s kernels, from a thread of its own; the returned future
+    ends when every one has compiled. A product or compilation that fails here is left to the step, which compiles
+    it at its launch (one warning names it)."""
+    calls = step_products(model, rows)
+    done: Future = Future()
+
+    def queue_all() -> None:
+        try:
+            with torch.inference_mode(), compile_only() as queued:
+                for call in calls:
+                    call()
+            for f in queued:
+                f.result()
+        except Exception as e:  # noqa: BLE001 (an optimisation: the step compiles what is left at its launch)
+            warnings.warn(f"compiling a step's products ahead: {type(e).__name__}: {e}", stacklevel=1)
+        done.set_result(None)
+
+    threading.Thread(target=queue_all, name="qspec-precompile", daemon=True).start()
+    return done

@@ -1,0 +1,106 @@
+"""qspec/precompile.py: which products a first request compiles ahead, and compile_only's routing of Triton launches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from qspec import precompile
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.kernels.triton_common import HAS_TRITON
+from qspec.loader import load_model, write_model
+from qspec.model.ops import StackedWeight
+from qspec.weights.qweight import QuantWeight
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_products_are_every_block_matrix_and_expert_set(tmp_path: Path) -> None:
+    """The walk finds the head, each layer's block matrices and each MoE's experts (the MTP block's too), never the
+    token table; each call runs (here on the CPU's reference paths) at every row count asked for."""
+    write_model(tmp_path / "m.gguf", tiny_config(mtp=True), quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    found = list(precompile._weights(model, {id(model.embed), id(model.ple)}))
+    linear = [w for kind, w, _ in found if kind == "linear"]
+    experts = [owner for kind, owner, _ in found if kind == "experts"]
+    assert any(w is model.lm_head for w in linear) and not any(w is model.embed for w in linear)
+    assert all(isinstance(w, (QuantWeight, StackedWeight)) for w in linear)
+    assert {id(m) for m in experts} == {id(m) for m in [*model.moe, model.mtp.moe]}
+    for layer in model.layers:  # every layer contributes its mixer's block products
+        assert any(w is v for w in linear for v in vars(layer).values())
+    calls = precompile.step_products(model, [1, 4])
+    assert len(calls) == 2 * len(found)
+    with torch.inference_mode():
+        for call in calls:
+            call()
+
+
+_ROUTING = """
+import threading
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+from qspec import precompile
+
+seen = []
+def record(self, *args, **kwargs):
+    seen.append((kwargs["warmup"], threading.current_thread().name))
+JITFunction.run = record  # stands for Triton's launch (no GPU here)
+
+@triton.jit
+def k(x_ptr, N: tl.constexpr):
+    pass
+
+k[(1,)](None, N=4)
+with precompile.compile_only() as queued:
+    assert k[(1,)](None, N=8) is None
+assert [f.result() for f in queued] == [None] and len(queued) == 1
+k[(1,)](None, N=4)
+assert seen[0] == (False, "MainThread") and seen[2] == (False, "MainThread"), seen
+assert seen[1][0] is True and seen[1][1].startswith("qspec-compile"), seen
+print("routing ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_compile_only_queues_a_compilation_instead_of_the_launch(tmp_path: Path) -> None:
+    """Inside compile_only a launch becomes the same call with warmup=True on the pool's thread; outside it, and
+    before and after, launches are untouched (a fresh process: the routing is installed once per process)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    script = tmp_path / "routing.py"  # Triton reads a kernel's source from its file
+    script.write_text(_ROUTING)
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "routing ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_engine_precompiles_only_block_models_on_cuda(tmp_path: Path) -> None:
+    """On the CPU nothing is queued (the first request's future is None) and the output is unchanged."""
+    write_model(tmp_path / "m.gguf", tiny_config(mtp=True), quant="q8_0")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    assert model.has_blocks
+    eng = Engine(model, EngineOptions(draft=0, capacity=64))
+    assert eng._precompile() is None
+
+
+@pytest.mark.cuda
+def test_cuda_precompiled_first_request_same_tokens(tmp_path: Path) -> None:
+    """On the GPU the first request of a block model compiles its steps' products ahead, without a warning, and
+    decodes exactly what an engine without it decodes."""
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", device="cuda")
+    prompt = list(range(3, 40))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = {on: Engine(model, EngineOptions(draft=3, capacity=128, precompile=on),
+                           EngineHooks(record_logits=True)).generate(prompt, 16) for on in (True, False)}
+    assert not [w for w in caught if "compiling a step's products ahead" in str(w.message)]
+    assert runs[True].tokens == runs[False].tokens
