@@ -100,6 +100,7 @@ def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str], p
     cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
     cmd += ["--profile-first", str(profile)] if profile else []
     cmd += ["--no-compile-prefill"] if not a.compile_prefill else []
+    cmd += ["--no-precompile"] if not a.precompile else []
     cmd += ["--compile-ahead"] if a.compile_ahead else []
     lines: list[str] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as child:
@@ -120,7 +121,7 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     from qspec.loader import load_model
 
     dev = torch.device(a.device)
-    opts = EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill)
+    opts = EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill, precompile=a.precompile)
 
     def prompt_for(cfg: ModelConfig) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -220,6 +221,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
                     help="the prompt prefills eagerly (EngineOptions.compile_prefill off)")
+    ap.add_argument("--no-precompile", dest="precompile", action="store_false",
+                    help="no compiling of the decode step's products beside the prefill (EngineOptions.precompile off)")
     ap.add_argument("--compile-ahead", action="store_true",
                     help="compile on a stand-in while the weights load (qspec/compile_ahead.py), as `qspec run` does")
     ap.add_argument("--reuse-file", action="store_true", help="load --file as it is when it exists (no write)")
@@ -236,7 +239,7 @@ def main() -> int:
         res = {"layers": a.layers, "quant": a.quant, "file_bytes": os.path.getsize(a.file), "write_s": 0.0}
     else:
         res = write(a)
-    res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill,
+    res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill, "precompile": a.precompile,
             "compile_ahead": a.compile_ahead}
     print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
           f"in {res['write_s']:.1f} s", flush=True)
