@@ -143,10 +143,14 @@ def start(model: Any, rows: Iterable[int]) -> Future:
     it at its launch (one warning names it)."""
     calls = step_products(model, rows)
     done: Future = Future()
+    dev = model.device
 
     def queue_all() -> None:
         try:
-            with torch.inference_mode(), compile_only() as queued:
+            # a stream of its own: the zeros and whatever runs on them stay off the stream a graph capture of the
+            # main thread watches
+            stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+            with torch.inference_mode(), torch.cuda.stream(stream), compile_only() as queued:
                 for call in calls:
                     call()
             for f in queued:
