@@ -27,6 +27,7 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
 from qspec.model.model import Model
+from qspec.model.moe import FEW_TOKENS
 from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
@@ -215,7 +216,7 @@ class Engine:
             self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
-        ahead = self._precompile()
+        ahead = self._precompile(min(len(prompt), self.prefill_chunk))
         logits, H = self._prefill(prompt)
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
@@ -238,14 +239,16 @@ class Engine:
                           cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
                           req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {})
 
-    def _precompile(self) -> Future | None:
-        """On this engine's first request, with block weights on CUDA: the decode and verify steps' block products
-        queued for compilation beside the prefill (qspec/precompile.py)."""
+    def _precompile(self, prompt_rows: int) -> Future | None:
+        """On this engine's first request, with block weights on CUDA: the block products of the prompt's first step
+        (`prompt_rows`) and of the decode and verify steps queued for compilation beside the prefill
+        (qspec/precompile.py)."""
         if self._precompiled or not self.opts.precompile or self.model.device.type != "cuda" \
                 or not triton_enabled() or not self.model.has_blocks:
             return None
         self._precompiled = True
-        return precompile.start(self.model, {1, self.opts.draft + 1})
+        steps = [1, self.opts.draft + 1]
+        return precompile.start(self.model, [prompt_rows, *steps], {*steps, *range(1, FEW_TOKENS + 1)})
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""

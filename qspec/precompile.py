@@ -1,15 +1,16 @@
-"""Compiling the decode steps' block products while a first request prefills.
+"""Compiling a first request's block products in threads while its prompt prefills.
 
 A fresh process compiles each Triton kernel variant at its first launch, one after another, and the step that
 launches it waits: a block-weight model's first decode step waits for its int8 products' variants (about a second
 each, one per block type, row count and kernel; BENCHMARKS.md §5c) after the prefill has waited for its own. The
-variants the decode and verify steps will need are known once the model is loaded: the products of its block
-matrices at one row (and at the verify's rows when drafting) and its routed experts at those token counts. So on a
-model's first request a thread calls those products on zeros under `compile_only`, where each Triton launch
-becomes a compilation of the same variant (the same arguments, so the same specialisation) submitted to a pool of
-threads, and nothing runs. Triton's compiler spends most of its time outside the interpreter lock, so the variants
-compile side by side, and beside the prefill. The engine waits for them before its first decode step; a product
-the guess missed compiles at its launch, as before.
+variants are known once the model is loaded and the prompt's length is: the products of its block matrices at the
+prompt's first step's rows, at one row and at the verify's rows when drafting, and its routed experts at the
+few-token counts among those. So on a model's first request a thread calls those products on zeros under
+`compile_only`, where each Triton launch becomes a compilation of the same variant (the same arguments, so the same
+specialisation) submitted to a pool of threads, and nothing runs. Triton's compiler spends most of its time outside
+the interpreter lock, so the variants compile side by side, and beside the prefill (which compiles a variant itself
+when it gets there first). The engine waits for them before its first decode step; a product the guess missed
+compiles at its launch, as before.
 
 `compile_only` is per thread: kernels other threads launch meanwhile (the prefill's) are not affected.
 """
@@ -20,7 +21,7 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -116,32 +117,30 @@ def _weights(obj: object, seen: set[int]) -> Iterator[tuple[str, object, object]
         yield from _weights(v, seen)
 
 
-def step_products(model: Any, rows: Iterable[int]) -> list[Callable[[], object]]:
-    """Calls of the products a step of each row count runs on the model's block weights, on zeros: every block
-    matrix (one product each; the token and n-gram tables, read by rows, are left out) and every routed-expert
-    module (its top-k experts, all expert 0)."""
-    skip = {id(model.embed)}
-    seen = set(skip) | {id(getattr(model, "ple", None))}
-    found = list(_weights(model, seen))
+def step_products(model: Any, rows: Sequence[int], expert_rows: Container[int]) -> list[Callable[[], object]]:
+    """Calls of the products steps of these row counts run on the model's block weights, on zeros: every block
+    matrix at each of `rows` (one product each; the token and n-gram tables, read by rows, are left out) and every
+    routed-expert module at those of `rows` also in `expert_rows` (its top-k experts, all expert 0)."""
+    found = list(_weights(model, {id(model.embed), id(getattr(model, "ple", None))}))
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
+    mats = [w for kind, w, _ in found if kind == "linear"]
+    experts = [e for kind, _, e in found if kind == "experts"]
     calls: list[Callable[[], object]] = []
-    for m in sorted(set(rows)):
-        for kind, w, experts in found:
-            if kind == "linear":
-                calls.append(lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w))
-            else:
-                g, u, d = experts
-                calls.append(lambda m=m, g=g, u=u, d=d: qmoe_few(
-                    torch.zeros(m, g.shape[-1], dtype=dt, device=dev), torch.zeros(m, k, dtype=torch.long, device=dev),
-                    torch.ones(m, k, dtype=dt, device=dev), g, u, d))
+    for m in dict.fromkeys(rows):  # in the order given (the prompt's rows first: the prefill needs them first)
+        calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
+        if m not in expert_rows:
+            continue
+        calls += [lambda m=m, g=g, u=u, d=d: qmoe_few(
+            torch.zeros(m, g.shape[-1], dtype=dt, device=dev), torch.zeros(m, k, dtype=torch.long, device=dev),
+            torch.ones(m, k, dtype=dt, device=dev), g, u, d) for g, u, d in experts]
     return calls
 
 
-def start(model: Any, rows: Iterable[int]) -> Future:
-    """Queue the compilation of `step_products(model, rows)`'s kernels, from a thread of its own; the returned future
-    ends when every one has compiled. A product or compilation that fails here is left to the step, which compiles
-    it at its launch (one warning names it)."""
-    calls = step_products(model, rows)
+def start(model: Any, rows: Sequence[int], expert_rows: Container[int]) -> Future:
+    """Queue the compilation of `step_products(model, rows, expert_rows)`'s kernels, from a thread of its own; the
+    returned future ends when every one has compiled. A product or compilation that fails here is left to the step,
+    which compiles it at its launch (one warning names it)."""
+    calls = step_products(model, rows, expert_rows)
     done: Future = Future()
     dev = model.device
 

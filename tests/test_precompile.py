@@ -35,8 +35,8 @@ def test_step_products_are_every_block_matrix_and_expert_set(tmp_path: Path) -> 
     assert {id(m) for m in experts} == {id(m) for m in [*model.moe, model.mtp.moe]}
     for layer in model.layers:  # every layer contributes its mixer's block products
         assert any(w is v for w in linear for v in vars(layer).values())
-    calls = precompile.step_products(model, [1, 4])
-    assert len(calls) == 2 * len(found)
+    calls = precompile.step_products(model, [40, 1, 4], {1, 4})
+    assert len(calls) == 3 * len(linear) + 2 * len(experts)
     with torch.inference_mode():
         for call in calls:
             call()
@@ -87,7 +87,7 @@ def test_engine_precompiles_only_block_models_on_cuda(tmp_path: Path) -> None:
     model = load_model(tmp_path / "m.gguf", dequantize_all=False)
     assert model.has_blocks
     eng = Engine(model, EngineOptions(draft=0, capacity=64))
-    assert eng._precompile() is None
+    assert eng._precompile(8) is None
 
 
 @pytest.mark.cuda
