@@ -137,7 +137,7 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     #     load time, peak host memory, first tokens, decode; then a second fresh process with the compilation caches
     #     warm (24 layers, 41.6 GiB: no 48-layer file fits the disk; over 370 s at 10617d2, the write and each
     #     process's load included; LOAD_LAYERS=16 for a 29.1 GiB file; LOAD_KEEP=1 keeps the file for a second
-    #     run, LOAD_ARGS="--reuse-file --no-compile-prefill" loads it again with the prompt prefilled eagerly)
+    #     run, LOAD_ARGS="--reuse-file --compile-prefill" loads it again with the prompt's steps compiled)
     h200-q4km24-load) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --layers "${LOAD_LAYERS:-24}" --quant q4_k_m ${LOAD_ARGS:-} \
         --file "${LOAD_FILE:-/var/tmp/qspec-load.gguf}" --out "$out/$step"; rc=$?; [ -n "${LOAD_KEEP:-}" ] || rm -f "${LOAD_FILE:-/var/tmp/qspec-load.gguf}"
         exit $rc ;;

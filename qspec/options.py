@@ -126,10 +126,10 @@ class KernelOptions:
     cuda_graphs: bool = option(True, "capture the decode/verify/draft steps as CUDA graphs", applies="CUDA")
     compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile)",
                            applies="CUDA")
-    compile_prefill: bool = option(True, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
-                                   "rows: longer ones run eagerly anyway); off: a short prompt prefills eagerly, so a "
-                                   "fresh process's first token waits only for what decoding compiles",
-                                   applies="CUDA, --compile", arm="cpre")
+    compile_prefill: bool = option(False, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
+                                   "rows: longer ones run eagerly anyway): shapes that plain decoding never runs "
+                                   "again, so a fresh process's first token then waits for their compilation too "
+                                   "(BENCHMARKS.md §5c)", applies="CUDA, --compile", arm="cpre")
     compile_ahead: bool = option(False, "while a GGUF loads, compile the first request's steps on a stand-in of a "
                                  "few layers with random weights in the file's types (when the device has room for "
                                  "both); off by default: with warm caches it recompiled Triton's kernels "

@@ -49,7 +49,7 @@ class KernelSwitches:
 
     row_exact: bool = False  # ops._ROW_EXACT: products row by row (EngineOptions.exact)
     fused: bool = False  # fuse._ON: torch.compile the steps' small ops
-    compile_prefill: bool = True  # fuse._ON inside Runner.prefill_scope too
+    compile_prefill: bool = False  # fuse._ON inside Runner.prefill_scope too
     compile_backend: str = "inductor"  # fuse._BACKEND
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON

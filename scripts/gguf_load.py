@@ -8,8 +8,8 @@ host footprint; the file's pages are not kept), the device memory after it, then
 prompt (compilation and graph capture included) and the decode speed of the next 128 tokens (plain, greedy). A
 second fresh process then loads it again (pages dropped again) with the compilation caches the first one left on
 the disk: the first token a user sees on a later start. Both use compilation caches of their own (a new directory,
-removed at the end), so the first is cold on any machine; `--no-compile-prefill` prefills eagerly, `--reuse-file`
-skips the write when the file is there.
+removed at the end), so the first is cold on any machine; `--compile-prefill` compiles the prompt's steps,
+`--reuse-file` skips the write when the file is there.
 
     PYTHONPATH=. python scripts/gguf_load.py --layers 32 --quant q4_k_m --file /tmp/fn32.gguf --out RESULT_PREFIX
 
@@ -99,7 +99,7 @@ def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str], p
     failed child, whose output then goes to stderr). profile: where the child writes its first request's profile."""
     cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
     cmd += ["--profile-first", str(profile)] if profile else []
-    cmd += ["--no-compile-prefill"] if not a.compile_prefill else []
+    cmd += ["--compile-prefill"] if a.compile_prefill else []
     cmd += ["--no-precompile"] if not a.precompile else []
     cmd += ["--compile-ahead"] if a.compile_ahead else []
     lines: list[str] = []
@@ -219,8 +219,8 @@ def main() -> int:
     ap.add_argument("--file", required=True, help="the GGUF to write, then load")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens of the second request")
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
-    ap.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false",
-                    help="the prompt prefills eagerly (EngineOptions.compile_prefill off)")
+    ap.add_argument("--compile-prefill", action="store_true",
+                    help="the prompt's steps compile their small ops too (EngineOptions.compile_prefill on)")
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="no compiling of the decode step's products beside the prefill (EngineOptions.precompile off)")
     ap.add_argument("--compile-ahead", action="store_true",

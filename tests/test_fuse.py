@@ -118,7 +118,7 @@ def test_block_weights_trace_inside_fused_functions(tmp_path) -> None:  # type: 
     write_model(path, tiny_config(mtp=True), quant="q4_k_m")
     model = load_model(path, dequantize_all=False)
     prompt = list(range(3, 45))
-    kw = dict(draft=3, capacity=256, kv_type="q8_0")
+    kw = dict(draft=3, capacity=256, kv_type="q8_0", compile_prefill=True)  # the prompt's steps call moe_in
     ref = Engine(model, EngineOptions(**kw), EngineHooks(record_logits=True)).generate(prompt, 10)
     for on in (False, True):
         for f in fuse.REGISTRY:
@@ -149,7 +149,7 @@ def test_inductor_compiles_functions_with_block_weights(tmp_path) -> None:  # ty
     write_model(tmp_path / "m.gguf", tiny_config(mtp=True), quant="q4_k_m")
     model = load_model(tmp_path / "m.gguf", dequantize_all=False)
     prompt = list(range(3, 30))
-    kw = dict(draft=2, capacity=256, kv_type="q8_0")
+    kw = dict(draft=2, capacity=256, kv_type="q8_0", compile_prefill=True)  # the prompt's steps call moe_in
     ref = Engine(model, EngineOptions(**kw), EngineHooks(record_logits=True)).generate(prompt, 6)
     got = Engine(model, EngineOptions(compile_backend=compile_fx, fuse_blocks=True, **kw),
                  EngineHooks(record_logits=True)).generate(prompt, 6)
