@@ -158,6 +158,7 @@ class Engine:
                       if self.opts.draft_auto else None)
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
         self._precompiled = False  # the first request queued the steps' products for compilation (_precompile)
+        self._ahead: Future | None = None  # those compilations, until a decode step has waited for them
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -216,16 +217,17 @@ class Engine:
             self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
-        ahead = self._precompile(min(len(prompt), self.prefill_chunk))
+        self._precompile(min(len(prompt), self.prefill_chunk))
         logits, H = self._prefill(prompt)
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
         prefill_s = time.perf_counter() - t0
-        if ahead is not None:
-            ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
 
         t1 = req.mark = time.perf_counter()
         if not req.emit(tok):
+            if self._ahead is not None:  # after the first token: only the steps after it need these kernels
+                self._ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
+                self._ahead = None
             if o.draft:
                 self._speculate(req, tok, H, len(prompt), sampler)
             else:
@@ -239,16 +241,16 @@ class Engine:
                           cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
                           req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {})
 
-    def _precompile(self, prompt_rows: int) -> Future | None:
+    def _precompile(self, prompt_rows: int) -> None:
         """On this engine's first request, with block weights on CUDA: the block products of the prompt's first step
         (`prompt_rows`) and of the decode and verify steps queued for compilation beside the prefill
-        (qspec/precompile.py)."""
+        (qspec/precompile.py); the first decode step waits for `_ahead`."""
         if self._precompiled or not self.opts.precompile or self.model.device.type != "cuda" \
                 or not triton_enabled() or not self.model.has_blocks:
-            return None
+            return
         self._precompiled = True
         steps = [1, self.opts.draft + 1]
-        return precompile.start(self.model, [prompt_rows, *steps], {*steps, *range(1, FEW_TOKENS + 1)})
+        self._ahead = precompile.start(self.model, [prompt_rows, *steps], {*steps, *range(1, FEW_TOKENS + 1)})
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""

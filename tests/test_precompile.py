@@ -82,12 +82,13 @@ def test_compile_only_queues_a_compilation_instead_of_the_launch(tmp_path: Path)
 
 
 def test_engine_precompiles_only_block_models_on_cuda(tmp_path: Path) -> None:
-    """On the CPU nothing is queued (the first request's future is None) and the output is unchanged."""
+    """On the CPU nothing is queued for the first request."""
     write_model(tmp_path / "m.gguf", tiny_config(mtp=True), quant="q8_0")
     model = load_model(tmp_path / "m.gguf", dequantize_all=False)
     assert model.has_blocks
     eng = Engine(model, EngineOptions(draft=0, capacity=64))
-    assert eng._precompile(8) is None
+    eng._precompile(8)
+    assert eng._ahead is None and not eng._precompiled
 
 
 @pytest.mark.cuda
