@@ -27,7 +27,6 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
 from qspec.model.model import Model
-from qspec.model.moe import FEW_TOKENS
 from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
@@ -249,8 +248,7 @@ class Engine:
                 or not triton_enabled() or not self.model.has_blocks:
             return
         self._precompiled = True
-        steps = [1, self.opts.draft + 1]
-        self._ahead = precompile.start(self.model, [prompt_rows, *steps], {*steps, *range(1, FEW_TOKENS + 1)})
+        self._ahead = precompile.start(self.model, [prompt_rows, 1, self.opts.draft + 1])
 
     def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""

@@ -21,13 +21,14 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from qspec.kernels.qmatmul import qmoe_few
+from qspec.model.moe import FEW_TOKENS
 from qspec.model.ops import StackedWeight, linear
 from qspec.weights.qweight import QuantWeight
 
@@ -117,10 +118,11 @@ def _weights(obj: object, seen: set[int]) -> Iterator[tuple[str, object, object]
         yield from _weights(v, seen)
 
 
-def step_products(model: Any, rows: Sequence[int], expert_rows: Container[int]) -> list[Callable[[], object]]:
+def step_products(model: Any, rows: Sequence[int]) -> list[Callable[[], object]]:
     """Calls of the products steps of these row counts run on the model's block weights, on zeros: every block
     matrix at each of `rows` (one product each; the token and n-gram tables, read by rows, are left out) and every
-    routed-expert module at those of `rows` also in `expert_rows` (its top-k experts, all expert 0)."""
+    routed-expert module at those of `rows` its few-token kernels take (moe.FEW_TOKENS; its top-k experts, all
+    expert 0)."""
     found = list(_weights(model, {id(model.embed), id(getattr(model, "ple", None))}))
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
@@ -128,7 +130,7 @@ def step_products(model: Any, rows: Sequence[int], expert_rows: Container[int]) 
     calls: list[Callable[[], object]] = []
     for m in dict.fromkeys(rows):  # in the order given (the prompt's rows first: the prefill needs them first)
         calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
-        if m not in expert_rows:
+        if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
         calls += [lambda m=m, g=g, u=u, d=d: qmoe_few(
             torch.zeros(m, g.shape[-1], dtype=dt, device=dev), torch.zeros(m, k, dtype=torch.long, device=dev),
@@ -136,11 +138,11 @@ def step_products(model: Any, rows: Sequence[int], expert_rows: Container[int]) 
     return calls
 
 
-def start(model: Any, rows: Sequence[int], expert_rows: Container[int]) -> Future:
-    """Queue the compilation of `step_products(model, rows, expert_rows)`'s kernels, from a thread of its own; the
-    returned future ends when every one has compiled. A product or compilation that fails here is left to the step,
+def start(model: Any, rows: Sequence[int]) -> Future:
+    """Queue the compilation of `step_products(model, rows)`'s kernels, from a thread of its own; the returned
+    future ends when every one has compiled. A product or compilation that fails here is left to the step,
     which compiles it at its launch (one warning names it)."""
-    calls = step_products(model, rows, expert_rows)
+    calls = step_products(model, rows)
     done: Future = Future()
     dev = model.device
 

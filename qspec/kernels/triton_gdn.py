@@ -72,6 +72,10 @@ if HAS_TRITON:
             tl.store(ssm_ptr + base * s_p + head + tile, S, mask=tmask)
 
 
+def _most_rows(final_only: bool) -> int:
+    return FINAL_MAX_ROWS if final_only else MAX_ROWS
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            ssm: torch.Tensor, final_only: bool = False) -> None:
     T, Hq, dk = q.shape
@@ -118,7 +122,7 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={v.shape[1]}]")
     T, Hq, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
-    most = FINAL_MAX_ROWS if final_only else MAX_ROWS
+    most = _most_rows(final_only)
     if T > most:
         raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -154,6 +158,6 @@ def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     beta logits (any float dtype) and the kernel computes the gates itself (`gdn_gates`: two kernels fewer per
     step); ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
     Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
-    if use_triton(q) and q.shape[0] <= (FINAL_MAX_ROWS if final_only else MAX_ROWS):
+    if use_triton(q) and q.shape[0] <= _most_rows(final_only):
         return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates, final_only=final_only)
     return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates, final_only)
