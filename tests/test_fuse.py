@@ -40,7 +40,7 @@ def test_fused_steps_equal_eager(model) -> None:  # type: ignore[no-untyped-def]
         assert len(got.draft_logits) == len(ref.draft_logits) == (len(ref.logits) if draft else 0)
         for a, b in zip(got.draft_logits, ref.draft_logits, strict=True):
             assert a.shape == (1, model.cfg.vocab_size) and torch.equal(a, b)
-    untraced = [f.__name__ for f in fuse.REGISTRY if (backend, False, None) not in f.compiled
+    untraced = [f.__name__ for f in fuse.REGISTRY if not any(key[:3] == (backend, False, None) for key in f.compiled)
                 and f.__name__ not in BLOCK_ONLY]
     assert not untraced, f"never traced: {untraced}"
 
@@ -51,7 +51,7 @@ def test_compile_prefill_off_prefills_eagerly(model, monkeypatch: pytest.MonkeyP
     """With compile_prefill off, the prompt's steps (the target's and the draft head's over the prompt) run their
     small ops eagerly and every later step is still fused; on, a short prompt's steps are fused too. The tokens and
     logits are the same either way (the compilation is stubbed out here: only where fusion is on is checked)."""
-    monkeypatch.setattr(fuse, "_compile", lambda fn, backend, pdl: fn)  # no dynamo: the same function
+    monkeypatch.setattr(fuse, "_compile", lambda fn, backend, pdl, dynamic: fn)  # no dynamo: the same function
     seen: list[tuple[int, bool]] = []  # (rows, fusion on) of every step scope
     step_rows = fuse.step_rows
     monkeypatch.setattr(fuse, "step_rows", lambda rows: seen.append((rows, fuse.enabled())) or step_rows(rows))
@@ -103,7 +103,8 @@ def test_inductor_compiles_every_fused_function(model) -> None:  # type: ignore[
         assert got.tokens == ref.tokens and len(got.logits) == len(ref.logits) > 0
         for a, b in zip(got.logits + got.draft_logits, ref.logits + ref.draft_logits, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    uncompiled = [f.__name__ for f in fuse.REGISTRY if (compile_fx, False, None) not in f.compiled
+    uncompiled = [f.__name__ for f in fuse.REGISTRY
+                  if not any(key[:3] == (compile_fx, False, None) for key in f.compiled)
                   and f.__name__ not in BLOCK_ONLY]
     assert not uncompiled, f"never compiled: {uncompiled}"
 
@@ -182,3 +183,31 @@ def test_block_wrappers_have_code_objects_of_their_own(monkeypatch: pytest.Monke
             assert torch.equal(scaled(x, w), scaled.eager(x, w))
     assert len(scaled.compiled) == 3
     fuse.REGISTRY.remove(scaled)
+
+
+def test_step_functions_compile_static_sizes_once_per_row_count(model) -> None:  # type: ignore[no-untyped-def]
+    """Step functions compile with static sizes (one graph per row count and weight layout), the context-sized ones
+    with symbolic sizes: decoding past a KV bucket recompiles no step function, and a second request at the same
+    row counts compiles no graph."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def graphs() -> dict[str, int]:
+        return {f.__name__: len(_debug_get_cache_entry_list(f.eager.__code__)) for f in fuse.REGISTRY}
+
+    for f in fuse.REGISTRY:
+        f.compiled.clear()
+    torch._dynamo.reset()
+    kw = dict(draft=2, capacity=1024, kv_type="q8_0", compile_backend="aot_eager")
+    Engine(model, EngineOptions(**kw)).generate(list(range(3, 70)), 120)  # every step's row count, one KV bucket
+    first = graphs()
+    Engine(model, EngineOptions(**kw)).generate(list(range(5, 80)), 480)  # past runner.KV_BUCKET
+    second = graphs()
+    modes = {(f.__name__, key[3]) for f in fuse.REGISTRY for key in f.compiled}
+    context = {name for name, dynamic in modes if dynamic}
+    assert "attend" in context and ("hc_combine_mix", False) in modes, modes
+    assert context <= {"attend", "causal_mask", "block_mask", "select_blocks"}, context
+    assert {n: c for n, c in second.items() if n not in context} == {n: c for n, c in first.items() if n not in context}
+    Engine(model, EngineOptions(**kw)).generate(list(range(7, 90)), 480)
+    assert graphs() == second
+    for f in fuse.REGISTRY:
+        f.compiled.clear()

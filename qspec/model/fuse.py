@@ -14,10 +14,15 @@ raw byte tensors are the compiled graph's inputs, rebuilt into weights inside, a
 opaque custom op (qspec::qmatmul) between the generated kernels (the default: what it buys is in BENCHMARKS.md
 §5c). Off, such a call runs eagerly, small ops and all.
 
-Each function compiles with symbolic sizes (`dynamic=True`): one graph serves every row count above 1
-and every KV bucket, so a request that crosses into a new bucket does not stop to compile (with static
-sizes it did: ~13 s in the middle of a benchmark run). Compilation happens on the first eager use; the
-runner captures a CUDA graph only on a shape's second use, so capture replays already-compiled code.
+Sizes. A function whose inputs grow with the context (the KV cells, the pooled blocks: `fused(context_sized=True)`)
+compiles with symbolic sizes (`dynamic=True`): one graph serves every KV bucket, so a request that crosses into a
+new bucket does not stop to compile (with static sizes it did: ~13 s in the middle of a benchmark run). Every other
+function compiles with static sizes for steps of up to STATIC_MAX_ROWS rows: one graph per row count, and a step
+has few (decode and draft steps 1, verify and extend N + 1 and N), while dynamo traces a static graph several times
+faster than a symbolic one, whose every size is reasoned about with sympy (a warm process re-traces every graph;
+BENCHMARKS.md §5c). Larger steps (a prompt's, under compile_prefill) compile symbolic sizes, one graph for any
+prompt. Compilation happens on the first eager use; the runner captures a CUDA graph only on a shape's second use,
+so capture replays already-compiled code.
 """
 
 from __future__ import annotations
@@ -38,8 +43,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Steps with more rows than this (prefill chunks) run eagerly: their ops are few and large.
 MAX_ROWS = 64
+# Steps of up to this many rows compile functions with static sizes (the module docstring).
+STATIC_MAX_ROWS = 16
 
 _ON = False
+_ROWS = 0  # rows of the current step (step_rows)
 _BLOCKS = True  # compile functions called with GGUF block weights too (KernelSwitches.fuse_blocks)
 REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check each one is traced)
 # Tests trace the functions on the CPU with dynamo's "aot_eager" backend (no code generation), which
@@ -51,9 +59,16 @@ def enabled() -> bool:
     return _ON
 
 
-def step_rows(rows: int) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def step_rows(rows: int) -> Iterator[None]:
     """Scope of one forward step of `rows` rows: fusion stays on only for step-sized ones."""
-    return fused_mode(_ON and rows <= MAX_ROWS, _BACKEND)
+    global _ROWS
+    old, _ROWS = _ROWS, rows
+    try:
+        with fused_mode(_ON and rows <= MAX_ROWS, _BACKEND):
+            yield
+    finally:
+        _ROWS = old
 
 
 @contextlib.contextmanager
@@ -117,12 +132,13 @@ def _with_blocks(fn: Callable[..., Any], specs: tuple[BlockSpec, ...]) -> Callab
 
 
 def _configure() -> None:
-    # Sizes 0 and 1 specialise even with symbolic sizes, and a guard can fail on a new stride or dtype;
-    # past the default limit of 8 graphs dynamo would silently run a function eagerly.
+    # A static-size function compiles a graph per row count and weight layout (a mixer's `w_in` differs between its
+    # kinds, the MTP layer's projections from the trunk's), and a guard can fail on a new stride or dtype; past the
+    # default limit of 8 graphs dynamo would silently run a function eagerly.
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
-            setattr(cfg, name, 64)
+            setattr(cfg, name, 256)
 
 
 def inductor_has_pdl() -> bool:
@@ -132,18 +148,21 @@ def inductor_has_pdl() -> bool:
     return hasattr(inductor_config.triton, "enable_pdl")
 
 
-def _compile(fn: Callable[..., Any], backend: str, pdl: bool) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], backend: str, pdl: bool, dynamic: bool) -> Callable[..., Any]:
     _configure()
     if pdl and backend == "inductor" and inductor_has_pdl():
         # generated kernels wait (griddepcontrol) before their first access, as triton_common.pdl_start does
-        return torch.compile(fn, fullgraph=True, dynamic=True, options={"triton.enable_pdl": True})
-    return torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
+        return torch.compile(fn, fullgraph=True, dynamic=dynamic, options={"triton.enable_pdl": True})
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=backend)
 
 
-def fused(fn: F) -> F:
+def fused(fn: F | None = None, *, context_sized: bool = False) -> Any:
     """Run `fn` through torch.compile while fused mode is on and its first argument is on CUDA; eagerly otherwise,
-    and when an argument holds GGUF blocks unless `blocks_mode` is on (the module docstring).
+    and when an argument holds GGUF blocks unless `blocks_mode` is on (the module docstring). `@fused` or
+    `@fused(context_sized=True)` for a function whose input sizes grow with the context (symbolic sizes).
     With PDL on (triton_common.pdl_mode) a second compilation emits PDL launches."""
+    if fn is None:
+        return functools.partial(fused, context_sized=context_sized)
     compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
     @functools.wraps(fn)
@@ -154,10 +173,11 @@ def fused(fn: F) -> F:
         blocks = any(sp is not None for sp in specs)
         if blocks and not _BLOCKS:
             return fn(*args, **kw)
-        key = (_BACKEND, triton_common.pdl_on(args[0]), specs if blocks else None)
+        dynamic = context_sized or _ROWS > STATIC_MAX_ROWS
+        key = (_BACKEND, triton_common.pdl_on(args[0]), specs if blocks else None, dynamic)
         c = compiled.get(key)
         if c is None:
-            c = compiled[key] = _compile(_with_blocks(fn, specs) if blocks else fn, _BACKEND, key[1])
+            c = compiled[key] = _compile(_with_blocks(fn, specs) if blocks else fn, _BACKEND, key[1], dynamic)
         if blocks:
             return c(*(x for a, sp in zip(args, specs, strict=True) for x in _flatten(a, sp)), **kw)
         return c(*args, **kw)

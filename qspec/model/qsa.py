@@ -127,7 +127,7 @@ def qsa_qkv(h: torch.Tensor, w_in: torch.Tensor, q_norm: torch.Tensor, k_norm: t
     return q, gate, k, y[:, nq + nk:nq + 2 * nk].unflatten(-1, (Hkv, d)), y[:, nq + 2 * nk:]
 
 
-@fused
+@fused(context_sized=True)
 def causal_mask(pos: torch.Tensor, n: int, key_lo: int) -> torch.Tensor:
     """Boolean [T, n]: cells key_lo..pos of each row."""
     key_pos = torch.arange(n, device=pos.device)
@@ -148,7 +148,7 @@ def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
     return s.masked_fill(~vis, float("-inf")), vis, nb_vis
 
 
-@fused
+@fused(context_sized=True)
 def block_mask(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
                Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float, n: int, key_lo: int) -> torch.Tensor:
     """Indexer selection as a boolean [T, n] over the first n cells: the n_top best-scoring complete blocks
@@ -163,7 +163,7 @@ def block_mask(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torc
     return (in_blocks | tail) & (key_pos[None, :] >= key_lo)
 
 
-@fused
+@fused(context_sized=True)
 def select_blocks(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, iq_norm: torch.Tensor,
                   Kb: torch.Tensor, r: int, heads: int, n_top: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The same selection as block ids [T, n_top] (-1 where fewer blocks are visible) and each row's first
@@ -184,7 +184,7 @@ def mask_to_ids(chosen: torch.Tensor, n_top: int) -> torch.Tensor:
     return out.scatter(1, slot, torch.where(chosen, ids, -1))[:, :n_top]
 
 
-@fused
+@fused(context_sized=True)
 def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor,
            wo: torch.Tensor) -> torch.Tensor:
     """Masked GQA softmax attention of q [T, H, d] over K, V [n, Hkv, d], gated by sigmoid(gate), projected by wo."""
