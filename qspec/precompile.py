@@ -13,16 +13,23 @@ when it gets there first). The engine waits for them before its first decode ste
 compiles at its launch, as before.
 
 `compile_only` is per thread: kernels other threads launch meanwhile (the prefill's) are not affected.
+
+Once every variant has compiled, a marker file in Triton's cache directory records it (`_marker`: its name hashes the
+products' layout, the rows, the device, Triton's version and the kernels' sources). A later process finds its kernels
+there and skips the thread, whose calls would only load them, holding the interpreter lock while the first decode
+step is traced (BENCHMARKS.md §5c). Clearing Triton's cache clears the marker with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,12 +145,46 @@ def step_products(model: Any, rows: Sequence[int]) -> list[Callable[[], object]]
     return calls
 
 
+def _triton_cache_dir() -> Path | None:
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return Path(knobs.cache.dir)
+
+
+def _marker(model: Any, rows: Sequence[int]) -> Path | None:
+    """The file in Triton's cache directory that says `step_products(model, rows)`'s variants compiled into it."""
+    cache = _triton_cache_dir()
+    if cache is None:
+        return None
+    import triton
+
+    def layout(w: object) -> object:
+        if isinstance(w, StackedWeight):
+            return [layout(p) for p in w.parts]
+        return (int(w.qtype) if isinstance(w, QuantWeight) else str(w.dtype), tuple(w.shape))  # type: ignore[attr-defined]
+
+    found = _weights(model, {id(model.embed), id(getattr(model, "ple", None))})
+    key = hashlib.sha256(repr((sorted({repr(layout(w) if e is None else [layout(x) for x in e]) for _, w, e in found}),
+                               list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
+                               if model.device.type == "cuda" else None, triton.__version__)).encode())
+    for src in sorted((Path(__file__).parent / "kernels").glob("triton_*.py")):
+        key.update(src.read_bytes())
+    return cache / f"qspec-precompiled-{key.hexdigest()[:32]}"
+
+
 def start(model: Any, rows: Sequence[int]) -> Future:
     """Queue the compilation of `step_products(model, rows)`'s kernels, from a thread of its own; the returned
     future ends when every one has compiled. A product or compilation that fails here is left to the step,
-    which compiles it at its launch (one warning names it)."""
-    calls = step_products(model, rows)
+    which compiles it at its launch (one warning names it). Where the marker says an earlier process compiled them
+    into Triton's cache, nothing is queued."""
     done: Future = Future()
+    marker = _marker(model, rows)
+    if marker is not None and marker.exists():
+        done.set_result(None)
+        return done
+    calls = step_products(model, rows)
     dev = model.device
 
     def queue_all() -> None:
@@ -156,6 +197,9 @@ def start(model: Any, rows: Sequence[int]) -> Future:
                     call()
             for f in queued:
                 f.result()
+            if marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
         except Exception as e:  # noqa: BLE001 (an optimisation: the step compiles what is left at its launch)
             warnings.warn(f"compiling a step's products ahead: {type(e).__name__}: {e}", stacklevel=1)
         done.set_result(None)

@@ -105,3 +105,27 @@ def test_cuda_precompiled_first_request_same_tokens(tmp_path: Path) -> None:
                            EngineHooks(record_logits=True)).generate(prompt, 16) for on in (True, False)}
     assert not [w for w in caught if "compiling a step's products ahead" in str(w.message)]
     assert runs[True].tokens == runs[False].tokens
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_marker_in_tritons_cache_skips_the_thread_once_compiled(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the thread has compiled a model's products, a marker in Triton's cache directory records it and a later
+    start queues nothing; another row set or another block layout has a marker of its own."""
+    monkeypatch.setattr(precompile, "_triton_cache_dir", lambda: tmp_path / "triton")
+    models = {}
+    for q in ("q4_k_m", "q8_0"):
+        write_model(tmp_path / f"{q}.gguf", tiny_config(mtp=True), quant=q)
+        models[q] = load_model(tmp_path / f"{q}.gguf", dequantize_all=False)
+    m = models["q4_k_m"]
+    marker = precompile._marker(m, [8, 1])
+    assert marker is not None and not marker.exists()
+    assert len({marker, precompile._marker(m, [8, 1, 4]), precompile._marker(models["q8_0"], [8, 1])}) == 3
+    precompile.start(m, [8, 1]).result(timeout=300)
+    assert marker.exists()
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("queued although the marker exists")
+
+    monkeypatch.setattr(precompile, "step_products", refuse)
+    assert precompile.start(m, [8, 1]).result(timeout=5) is None
