@@ -141,6 +141,8 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     h200-q4km24-load) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --layers "${LOAD_LAYERS:-24}" --quant q4_k_m ${LOAD_ARGS:-} \
         --file "${LOAD_FILE:-/var/tmp/qspec-load.gguf}" --out "$out/$step"; rc=$?; [ -n "${LOAD_KEEP:-}" ] || rm -f "${LOAD_FILE:-/var/tmp/qspec-load.gguf}"
         exit $rc ;;
-    h200-q8048) bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
+    # (the Q8_0 weights fill 127.66 GiB: the allocator's expandable segments keep a 3 GiB scratch from failing on
+    #  fragmentation)
+    h200-q8048) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
