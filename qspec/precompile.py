@@ -125,12 +125,18 @@ def _weights(obj: object, seen: set[int]) -> Iterator[tuple[str, object, object]
         yield from _weights(v, seen)
 
 
-def step_products(model: Any, rows: Sequence[int]) -> list[Callable[[], object]]:
+def _block_weights(model: Any) -> list[tuple[str, object, object]]:
+    """_weights of the model, the token and n-gram tables (read by rows, not multiplied) left out."""
+    return list(_weights(model, {id(model.embed), id(getattr(model, "ple", None))}))
+
+
+def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object, object]] | None = None
+                  ) -> list[Callable[[], object]]:
     """Calls of the products steps of these row counts run on the model's block weights, on zeros: every block
     matrix at each of `rows` (one product each; the token and n-gram tables, read by rows, are left out) and every
     routed-expert module at those of `rows` its few-token kernels take (moe.FEW_TOKENS; its top-k experts, all
-    expert 0)."""
-    found = list(_weights(model, {id(model.embed), id(getattr(model, "ple", None))}))
+    expert 0). found: the model's `_block_weights`, when the caller has them."""
+    found = _block_weights(model) if found is None else found
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
     experts = [e for kind, _, e in found if kind == "experts"]
@@ -153,8 +159,9 @@ def _triton_cache_dir() -> Path | None:
     return Path(knobs.cache.dir)
 
 
-def _marker(model: Any, rows: Sequence[int]) -> Path | None:
-    """The file in Triton's cache directory that says `step_products(model, rows)`'s variants compiled into it."""
+def _marker(model: Any, rows: Sequence[int], found: list[tuple[str, object, object]]) -> Path | None:
+    """The file in Triton's cache directory that says `step_products(model, rows)`'s variants compiled into it
+    (found: the model's `_block_weights`)."""
     cache = _triton_cache_dir()
     if cache is None:
         return None
@@ -165,7 +172,6 @@ def _marker(model: Any, rows: Sequence[int]) -> Path | None:
             return [layout(p) for p in w.parts]
         return (int(w.qtype) if isinstance(w, QuantWeight) else str(w.dtype), tuple(w.shape))  # type: ignore[attr-defined]
 
-    found = _weights(model, {id(model.embed), id(getattr(model, "ple", None))})
     key = hashlib.sha256(repr((sorted({repr(layout(w) if e is None else [layout(x) for x in e]) for _, w, e in found}),
                                list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
                                if model.device.type == "cuda" else None, triton.__version__)).encode())
@@ -180,11 +186,12 @@ def start(model: Any, rows: Sequence[int]) -> Future:
     which compiles it at its launch (one warning names it). Where the marker says an earlier process compiled them
     into Triton's cache, nothing is queued."""
     done: Future = Future()
-    marker = _marker(model, rows)
+    found = _block_weights(model)
+    marker = _marker(model, rows, found)
     if marker is not None and marker.exists():
         done.set_result(None)
         return done
-    calls = step_products(model, rows)
+    calls = step_products(model, rows, found)
     dev = model.device
 
     def queue_all() -> None:

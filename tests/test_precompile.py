@@ -118,9 +118,12 @@ def test_a_marker_in_tritons_cache_skips_the_thread_once_compiled(tmp_path: Path
         write_model(tmp_path / f"{q}.gguf", tiny_config(mtp=True), quant=q)
         models[q] = load_model(tmp_path / f"{q}.gguf", dequantize_all=False)
     m = models["q4_k_m"]
-    marker = precompile._marker(m, [8, 1])
+    def marker_of(model: object, rows: list[int]) -> Path | None:
+        return precompile._marker(model, rows, precompile._block_weights(model))
+
+    marker = marker_of(m, [8, 1])
     assert marker is not None and not marker.exists()
-    assert len({marker, precompile._marker(m, [8, 1, 4]), precompile._marker(models["q8_0"], [8, 1])}) == 3
+    assert len({marker, marker_of(m, [8, 1, 4]), marker_of(models["q8_0"], [8, 1])}) == 3
     precompile.start(m, [8, 1]).result(timeout=300)
     assert marker.exists()
 
