@@ -170,20 +170,28 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
 
 
 @interp
-def test_interp_stacked_products_quantize_x_once() -> None:
+@pytest.mark.parametrize("K,rows,M", [(512, (24, 16, 8), 1), (1024, (256, 16, 8), 3)])
+def test_interp_stacked_products_quantize_x_once(K: int, rows: tuple[int, int, int], M: int) -> None:
     """Parts of several types multiplying one x: each part's columns equal its own product, bit for bit (the same
-    quantized x), written in place; and ops.linear on a StackedWeight of those parts gives their products (here on
-    the CPU: each part's reference)."""
-    from qspec.kernels.triton_qdot import qdot_matmul_triton, qdot_stacked_triton
+    quantized x, the same split of K), written in place, whether two parts share a launch (each with its own split:
+    2 and 4 in the second case) or not; and ops.linear on a StackedWeight of those parts gives their products (here
+    on the CPU: each part's reference)."""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.triton_qdot import _split, qdot_matmul_triton, qdot_stacked_triton
     from qspec.model.ops import linear, stack_rows
 
-    K = 512
-    ws = [qweight(T.Q5_K, (24, K), 1), qweight(T.Q4_K, (16, K), 2), qweight(T.Q8_0, (8, K), 3)]
-    x = torch.randn(1, K).bfloat16()
-    y = qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws])
-    assert y.shape == (1, 48) and y.dtype == torch.bfloat16
+    ws = [qweight(qt, (n, K), i) for i, (qt, n) in enumerate(zip((T.Q5_K, T.Q4_K, T.Q8_0), rows, strict=True))]
+    x = torch.randn(M, K).bfloat16()
+    cfg = triton_qdot.QDOT_CONFIG
+    splits = [_split(w.shape[0], K, cfg.rows, cfg.per_sm, x)[0] for w in ws[:2]]
+    assert splits == ([2, 2] if K == 512 else [2, 4])
     ref = torch.cat([qdot_matmul_triton(x, w.raw, int(w.qtype), w.shape[0]) for w in ws], dim=-1)
-    assert torch.equal(y, ref)
+    for paired in (True, False):
+        with module_flag(triton_qdot.__name__, "PAIR_PARTS", paired):
+            y = qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws])
+        assert y.shape == (M, sum(rows)) and y.dtype == torch.bfloat16
+        assert torch.equal(y, ref)
     W, _ = stack_rows(*ws)
     assert len(W.parts) == 3  # type: ignore[union-attr]
     assert rel_err(linear(x, W), torch.cat([qmatmul_torch(x, w) for w in ws], dim=-1)) <= TOL16[torch.bfloat16]

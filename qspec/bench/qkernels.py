@@ -5,6 +5,7 @@
     python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
     python -m qspec.bench.qkernels --qdot-one-row  # the one-row int8 product: loop unrolling, split-K, tiles
     python -m qspec.bench.qkernels --expand     # only the block expansion of prefill, step tiles against runs
+    python -m qspec.bench.qkernels --stacked    # a Q4_K_M GDN input stack: its two types in one launch or two
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -331,6 +332,33 @@ def qdot_sweep(rows: list[tuple]) -> None:
     qdot_moe_sweep(rows)
 
 
+# GDN's input projections in a Q4_K_M file at the flash-next geometry: qkv (10,240 rows) in Q5_K, the output gate
+# (6,144) and the beta / alpha logits (2 x 48) in Q4_K, one x of 2,560
+GDN_IN_Q4KM = ((T.Q5_K, 10240), (T.Q4_K, 6240))
+
+
+def bench_stacked(rows: list[tuple], reps: int = 5) -> None:
+    """One-row stacked products whose parts differ in type: both parts in one product launch and one sum launch
+    (triton_qdot.PAIR_PARTS) against a launch pair per part, alternated `reps` times in this process (same x, the
+    same weight copies)."""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
+
+    k = HIDDEN
+    n = sum(r for _, r in GDN_IN_Q4KM)
+    x, bf_us = _bf16_matvec(1, n, k)
+    one = [_quantized(qt, r, k, seed=i) for i, (qt, r) in enumerate(GDN_IN_Q4KM)]
+    nbytes = sum(r.numel() for r in one) + (k + n) * 2
+    copies = [[(_quantized(qt, r, k, seed=10 * c + i), int(qt)) for i, (qt, r) in enumerate(GDN_IN_Q4KM)]
+              for c in range(_copies(nbytes))]
+    shape = "+".join(f"{qt.name}:{r}" for qt, r in GDN_IN_Q4KM) + f"x{k}"
+    for rep in range(reps):
+        for paired in (True, False):
+            with module_flag(triton_qdot.__name__, "PAIR_PARTS", paired):
+                us = graph_us([partial(triton_qdot.qdot_stacked_triton, x, parts) for parts in copies])
+            _row(rows, f"{'pair' if paired else 'apart'} r{rep}", "mix", shape, us, nbytes, bf_us, n * k * 2)
+
+
 def qdot_moe_sweep(rows: list[tuple]) -> None:
     """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens."""
     for cfg in QDOT_MOE_CONFIGS:
@@ -351,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
+    ap.add_argument("--stacked", action="store_true", help="only a Q4_K_M GDN input stack (two types): one launch "
+                    "for both parts against one per part")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -384,6 +414,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.expand:
         bench_expand(rows)
+        return 0
+    if args.stacked:
+        bench_stacked(rows)
         return 0
     bench_quantize(rows)
     bench_matvec(rows, shapes, types, 1)

@@ -25,7 +25,8 @@ one row at a time and must get the same numbers). `_qdot_mv_kernel` is the produ
 blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
 A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
-(`qdot_stacked_triton`) share its quantize launch.
+(`qdot_stacked_triton`) share its quantize launch, and two of them of different types share the product's launch
+and the sum's (each part keeps its own split of K, so its numbers do not change).
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
 the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
@@ -84,6 +85,10 @@ class MoeConfig(NamedTuple):
 # loops, which are gone since).
 QDOT_MOE_CONFIG = MoeConfig(8, 2, 5, 16, 3)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
+# Stacked products whose parts differ in type (GDN's input projections in a Q4_K_M file: qkv in Q5_K, the rest
+# Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
+# product and one sum launch per part (A/B runs). The numbers are the same either way.
+PAIR_PARTS = True
 
 if HAS_TRITON:
     import triton
@@ -383,33 +388,54 @@ if HAS_TRITON:
         return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
-    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, N, K, STEPS, w_n, y_s,
-                        y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                        OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1, PDL: tl.constexpr = False):
-        """Program (row block, split): steps split*STEPS .. of K for BN weight rows and all M x rows; writes the
-        output (one split) or the split's f32 partial sums (y_s: a split's stride)."""
-        pdl_start(PDL)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        nmask = n < N
-        k_lo = tl.program_id(1) * STEPS
-        k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
-        acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                         n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
-        im = tl.arange(0, MP)
-        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
-        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+    def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, blk, N, K, STEPS, S,
+                      w_n, y_s, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
+                      ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr):
+        """Row block blk, split program_id(1) (< S: a part with fewer splits than the grid leaves the rest idle) of
+        one block matrix: steps split*STEPS .. of K for BN weight rows and all M x rows -> the output (one split) or
+        the split's f32 partial sums (y_s: a split's stride); y_ptr points at the part's first column."""
+        if tl.program_id(1) < S:
+            n = blk * BN + tl.arange(0, BN)
+            nmask = n < N
+            k_lo = tl.program_id(1) * STEPS
+            k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
+            acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
+                             n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
+            im = tl.arange(0, MP)
+            out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+            tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
-    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
+    def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
+                        y_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, y_s, y_m,
+                        M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
+                        TWO: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
+                        PDL: tl.constexpr = False):
+        """Program (row block, split) of one block matrix A, or (TWO) of two that multiply the same x, each its own
+        type, in one launch: row blocks 0 .. BLOCKS_A - 1 are A's (columns 0 .. NA - 1 of the output), the rest
+        B's (columns NA ..); each part keeps the split of K it would have alone (S_A / S_B shares of STEPS_A /
+        STEPS_B steps), so its numbers are those of its own launch."""
+        pdl_start(PDL)
+        blk = tl.program_id(0)
+        if TWO and blk >= BLOCKS_A:
+            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr, y_ptr + NA, blk - BLOCKS_A,
+                          NB, K, STEPS_B, S_B, wb_n, y_s, y_m, M, MP, BN, QB, ASM, OUT_DT, UNROLL)
+        else:
+            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, y_ptr, blk, NA, K, STEPS_A,
+                          S_A, wa_n, y_s, y_m, M, MP, BN, QA, ASM, OUT_DT, UNROLL)
+
+    @triton.jit
+    def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, NA, S_B, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
                           PDL: tl.constexpr = False):
-        """y [M, N] (row stride y_m) = the sum of the S partial sums p [S, M * N], added in split order (the same
-        for any row count)."""
+        """y [M, N] (row stride y_m) = the sum of the partial sums p [S, M * N], added in split order (the same
+        for any row count): S of them for the columns below NA, S_B for the rest (two parts of one launch)."""
         pdl_start(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
+        count = tl.where(i % N < NA, S, S_B)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(0, S):
-            acc += tl.load(p_ptr + s * total + i, mask=mask, other=0.0)
+        for s in range(0, tl.maximum(S, S_B)):
+            acc = tl.where(s < count, acc + tl.load(p_ptr + s * total + i, mask=mask & (s < count), other=0.0), acc)
         tl.store(y_ptr + (i // N) * y_m + i % N, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -490,24 +516,36 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     return triton.cdiv(steps, share), share
 
 
-def _qdot_into(y: torch.Tensor, xquant: QuantizedX, raw: torch.Tensor, qtype: int, cfg: QdotConfig,
-               asm: bool | None) -> None:
-    """y [M, N] (row stride free: a column slice of a wider output) = x @ W^T, x given quantized."""
+Part = tuple[torch.Tensor, int]  # a block matrix: (raw blocks [N, row_bytes], GGML type)
+
+
+def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: QdotConfig, asm: bool | None) -> None:
+    """y [M, N_A (+ N_B)] (row stride free: columns of a wider output) = x @ [A; B]^T, x given quantized: one block
+    matrix, or two (each its own type) in one launch and one partial-sum launch."""
     M, n = y.shape
     K = xquant[0].shape[1] * 4
-    if raw.dim() != 2 or raw.shape[0] != n or raw.stride(1) != 1 or y.stride(1) != 1:
-        raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {tuple(raw.shape)}, N {n}")
-    split, share = _split(n, K, cfg.rows, cfg.per_sm, y)
-    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=y.device)
-    _qdot_mv_kernel[(triton.cdiv(n, cfg.rows), split)](
-        *xquant, *_views(raw), out, n, K, share, raw.stride(0), out.stride(0) if split > 1 else 0, out.stride(-2),
-        M=M, MP=next_pow2(M), BN=cfg.rows, QT=int(qtype), ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if split == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
+    if (not 1 <= len(parts) <= 2 or any(r.dim() != 2 or r.stride(1) != 1 for r, _ in parts)
+            or sum(r.shape[0] for r, _ in parts) != n or y.stride(1) != 1):
+        raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {[tuple(r.shape) for r, _ in parts]}, N {n}")
+    (ra, qa), (rb, qb) = parts[0], parts[-1]
+    two = len(parts) == 2
+    na, nb = ra.shape[0], rb.shape[0] if two else 0
+    split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y)
+    split_b, share_b = _split(nb, K, cfg.rows, cfg.per_sm, y) if two else (split_a, share_a)
+    splits = max(split_a, split_b)
+    out = y if splits == 1 else torch.empty(splits, M, n, dtype=torch.float32, device=y.device)
+    blocks_a = triton.cdiv(na, cfg.rows)
+    _qdot_mv_kernel[(blocks_a + triton.cdiv(nb, cfg.rows), splits)](
+        *xquant, *_views(ra), *_views(rb), out, K, na, nb, blocks_a, share_a, share_b, split_a, split_b,
+        ra.stride(0), rb.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
+        M=M, MP=next_pow2(M), BN=cfg.rows, QA=int(qa), QB=int(qb), TWO=two, ASM=_asm() if asm is None else asm,
+        OUT_DT=tl_dtype(y.dtype) if splits == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
         **pdl_launch(y))
-    if split > 1:
+    if splits > 1:
         block = 1024
-        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split, M * n, n, y.stride(0), BLOCK=block,
-                                                         OUT_DT=tl_dtype(y.dtype), num_warps=4, **pdl_launch(y))
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split_a, M * n, n, y.stride(0), na, split_b,
+                                                         BLOCK=block, OUT_DT=tl_dtype(y.dtype), num_warps=4,
+                                                         **pdl_launch(y))
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
@@ -517,17 +555,19 @@ def _check_x(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _stacked(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], config: tuple | None,
-             asm: bool | None) -> torch.Tensor:
-    """The parts' products of one x into the columns of one output, x quantized once."""
+def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool | None) -> torch.Tensor:
+    """The parts' products of one x into the columns of one output, x quantized once; the parts go two by two to
+    one launch each (PAIR_PARTS; else one by one)."""
     x = _check_x(x)
     cfg = QdotConfig(*(config or QDOT_CONFIG))
     y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
     xquant = quantize_x_triton(x)
-    o = 0
-    for raw, qtype in parts:
-        _qdot_into(y[:, o:o + raw.shape[0]], xquant, raw, qtype, cfg, asm)
-        o += raw.shape[0]
+    o, step = 0, 2 if PAIR_PARTS else 1
+    for i in range(0, len(parts), step):
+        group = parts[i:i + step]
+        n = sum(r.shape[0] for r, _ in group)
+        _qdot_into(y[:, o:o + n], xquant, group, cfg, asm)
+        o += n
     return y
 
 
@@ -541,7 +581,7 @@ def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, c
     return _stacked(x, [(raw, qtype)], config, asm)
 
 
-def qdot_stacked_triton(x: torch.Tensor, parts: list[tuple[torch.Tensor, int]],
+def qdot_stacked_triton(x: torch.Tensor, parts: list[Part],
                         config: tuple | None = None) -> torch.Tensor:
     """x [M, K] @ [W_0; W_1; ...]^T -> [M, sum N_i] in x.dtype: the products of several block matrices (each its
     own type) that multiply the same x, with x quantized once and each product written into its columns (no
