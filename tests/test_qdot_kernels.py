@@ -220,6 +220,41 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= LOOSE
 
 
+def _route_then_quantize(T_: int, E: int, D: int, Fd: int, k: int, device: str) -> None:
+    """The routing kernel with the token rows to quantize in its launch: the same routing, bit for bit, as without
+    them, the rows quantized exactly as the quantizer's own launch does, and the routed experts reading them give
+    the outputs of the experts quantizing h themselves."""
+    from qspec.kernels.route import route_top_k_quantized
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton, quantize_x_triton
+
+    g = torch.Generator().manual_seed(T_)
+    logits = torch.randn(T_, E, generator=g).bfloat16().to(device)
+    h = torch.randn(T_, D, generator=g).bfloat16().to(device)
+    w0, i0, none = route_top_k_quantized(logits, k, None)
+    w1, i1, hq = route_top_k_quantized(logits, k, h)
+    assert none is None and hq is not None
+    assert torch.equal(w0, w1) and torch.equal(i0, i1)
+    for got, want in zip(hq, quantize_x_triton(h), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    experts = [qweight(T.Q4_K, (E, Fd, D), 40, device), qweight(T.Q4_K, (E, Fd, D), 41, device),
+               qweight(T.Q8_0, (E, D, Fd), 42, device)]
+    parts = [(w.raw, int(w.qtype)) for w in experts]
+    assert torch.equal(qdot_moe_few_triton(h, i1, w1, *parts, hquant=hq), qdot_moe_few_triton(h, i1, w1, *parts))
+
+
+@interp
+def test_interp_routing_quantizes_the_rows_in_its_launch() -> None:
+    _route_then_quantize(2, 40, 256, 32, 2, "cpu")
+
+
+@pytest.mark.cuda
+def test_cuda_routing_quantizes_the_rows_in_its_launch() -> None:
+    """As the interpreted test, compiled at the model's sizes (512 experts, top-10, 2,560-wide rows): the routing
+    launched with FMA fusion off for the quantizer equals the routing launched with it on."""
+    for T_ in (1, 6):
+        _route_then_quantize(T_, 512, 2560, 640, 10, "cuda")
+
+
 # ---- CUDA: the compiled kernels at the model's shapes ----------------------------------------------------------
 
 MATRICES = [(T.Q6_K, 248320, 2560), (T.Q4_K, 248320, 2560), (T.Q4_K, 2560, 6144), (T.Q5_K, 2560, 6144),

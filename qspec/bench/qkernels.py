@@ -5,7 +5,8 @@
     python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
     python -m qspec.bench.qkernels --qdot-one-row  # the one-row int8 product: loop unrolling, split-K, tiles
     python -m qspec.bench.qkernels --expand     # only the block expansion of prefill, step tiles against runs
-    python -m qspec.bench.qkernels --stacked    # a Q4_K_M GDN input stack: its two types in one launch or two
+    python -m qspec.bench.qkernels --shared-launches  # two types of a GDN input stack, the routing with h's
+                                                      # quantization: in one launch each or two
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -359,6 +360,28 @@ def bench_stacked(rows: list[tuple], reps: int = 5) -> None:
             _row(rows, f"{'pair' if paired else 'apart'} r{rep}", "mix", shape, us, nbytes, bf_us, n * k * 2)
 
 
+def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
+    """The routing of t tokens (512 experts, top-10) with h's quantization for the routed experts in its launch
+    (route.route_top_k_quantized) against the routing then the quantizer's own launch, alternated in this process;
+    each row's comparison columns ("bf16 µs") hold the two launches' time."""
+    from qspec.kernels.route import route_top_k, route_top_k_quantized
+    from qspec.kernels.triton_qdot import quantize_x_triton
+
+    for t in (1, 6):
+        calls = []
+        for i in range(ROUTINGS):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            logits = torch.randn(t, EXPERTS, device="cuda", generator=g).bfloat16()
+            h = torch.randn(t, HIDDEN, device="cuda", generator=g).bfloat16()
+            calls.append((logits, h))
+        nbytes = t * (EXPERTS + HIDDEN) * 2
+        for rep in range(reps):
+            one = graph_us([partial(route_top_k_quantized, lg, TOP_K, h) for lg, h in calls])
+            two = graph_us([c for lg, h in calls for c in (partial(route_top_k, lg, TOP_K),
+                                                            partial(quantize_x_triton, h))]) * 2
+            _row(rows, f"one r{rep}", "bf16", f"route+quant t={t}", one, nbytes, two, nbytes)
+
+
 def qdot_moe_sweep(rows: list[tuple]) -> None:
     """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens."""
     for cfg in QDOT_MOE_CONFIGS:
@@ -379,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-one-row", action="store_true", help="only the one-row int8 product's unroll/split grid")
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
-    ap.add_argument("--stacked", action="store_true", help="only a Q4_K_M GDN input stack (two types): one launch "
-                    "for both parts against one per part")
+    ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
+                    "launches: a Q4_K_M GDN input stack's two types, the routing and h's quantization")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -415,8 +438,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.expand:
         bench_expand(rows)
         return 0
-    if args.stacked:
+    if args.shared_launches:
         bench_stacked(rows)
+        bench_route_quantize(rows)
         return 0
     bench_quantize(rows)
     bench_matvec(rows, shapes, types, 1)

@@ -225,15 +225,27 @@ def _gathered(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g: tupl
     return (y * top_w.float().unsqueeze(-1)).to(h.dtype)
 
 
+def int8_experts(h: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> bool:
+    """Whether `qmoe_few` runs these rows through the int8-activation kernels (which read h quantized)."""
+    return _int8_experts(h, gate.raw, int(gate.qtype), int(up.qtype), int(down.qtype))
+
+
+def _int8_experts(h: torch.Tensor, g_raw: torch.Tensor, g_qt: int, u_qt: int, d_qt: int) -> bool:
+    return h.shape[0] <= MOE_MAX_ROWS and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt)
+
+
 @torch.library.custom_op("qspec::qmoe_few", mutates_args=())
 def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw: torch.Tensor, g_qt: int,
-                u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
+                u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int, hquant: list[torch.Tensor]
+                ) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] of the routed experts whose blocks are g_raw/u_raw [E, F, row_bytes] and
-    d_raw [E, D, row_bytes]."""
-    if h.shape[0] <= MOE_MAX_ROWS and g_raw.shape[1] % 32 == 0 and _int8_for(h, g_qt, u_qt, d_qt):
+    d_raw [E, D, row_bytes]; hquant: h already quantized for the int8 kernels (route.route_top_k_quantized), or
+    empty."""
+    if _int8_experts(h, g_raw, g_qt, u_qt, d_qt):
         from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
-        return qdot_moe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt))
+        return qdot_moe_few_triton(h, top_i, top_w, (g_raw, g_qt), (u_raw, u_qt), (d_raw, d_qt),
+                                   hquant=tuple(hquant) or None)
     if (use_triton(h) and h.shape[0] <= MOE_MAX_ROWS and all(_kernel_takes(q) for q in (g_qt, u_qt, d_qt))):
         from qspec.kernels.triton_qmatmul import qmoe_few_triton
 
@@ -243,16 +255,19 @@ def qmoe_few_op(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw
 
 @qmoe_few_op.register_fake
 def _qmoe_few_shape(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g_raw: torch.Tensor, g_qt: int,
-                    u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int) -> torch.Tensor:
+                    u_raw: torch.Tensor, u_qt: int, d_raw: torch.Tensor, d_qt: int, hquant: list[torch.Tensor]
+                    ) -> torch.Tensor:
     return h.new_empty(top_i.shape[0], top_i.shape[1], h.shape[1])
 
 
 def qmoe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: QuantWeight, up: QuantWeight,
-             down: QuantWeight) -> torch.Tensor:
+             down: QuantWeight, hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """top_w[t, j] * down_e(silu(gate_e h_t) * up_e h_t), e = top_i[t, j]: the weighted slot outputs [T, k, D] in
     h.dtype, as moe_few.moe_slots returns them for 16-bit weights (sum them with moe_few.sum_slots). h [T, D];
     top_i [T, k] int64; top_w [T, k]; gate/up [E, F, D], down [E, D, F] as QuantWeights. Computed in f32 and rounded
-    once (the intermediate silu(g) * u stays f32), so it matches `qmoe_few_torch` up to f32 summation order."""
+    once (the intermediate silu(g) * u stays f32), so it matches `qmoe_few_torch` up to f32 summation order.
+    hquant: h quantized already (where `int8_experts` holds; route.route_top_k_quantized), read instead of
+    quantizing h again."""
     _check_experts(h, top_i, top_w, gate, up, down)
     return torch.ops.qspec.qmoe_few(h, top_i, top_w, gate.raw, int(gate.qtype), up.raw, int(up.qtype), down.raw,
-                                    int(down.qtype))
+                                    int(down.qtype), list(hquant or ()))

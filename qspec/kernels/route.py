@@ -25,10 +25,21 @@ def route_top_k_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """As `route_top_k_torch`; the Triton kernel on CUDA. Equal probabilities go to the lower expert id."""
+    top_w, top_i, _ = route_top_k_quantized(logits, k, None)
+    return top_w, top_i
+
+
+def route_top_k_quantized(logits: torch.Tensor, k: int, h: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """route_top_k, and where the Triton kernel runs the token rows h [T, D] (16-bit, D a multiple of 32) quantized
+    per 32 for the routed experts' int8 kernels in the same launch (as triton_qdot.quantize_x_triton returns them;
+    qmatmul.qmoe_few's hquant); None without h or elsewhere."""
     if logits.dim() != 2 or not 0 < k <= logits.shape[1]:
         raise ValueError(f"routing needs logits [T, E] and 0 < k <= E: {tuple(logits.shape)}, k={k}")
     if use_triton(logits) and logits.shape[1] <= MAX_EXPERTS and logits.stride(1) == 1:
         from qspec.kernels.triton_route import route_top_k_triton
 
-        return route_top_k_triton(logits, k)
-    return route_top_k_torch(logits, k)
+        if h is not None and h.stride(1) != 1:
+            h = h.contiguous()
+        return route_top_k_triton(logits, k, h)
+    return (*route_top_k_torch(logits, k), None)

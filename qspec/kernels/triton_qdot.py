@@ -97,13 +97,11 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
 
     @triton.jit
-    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row m, block chunk): per 32 elements q = floor(x * (127 / amax) + 0.5), d = amax / 127 and
-        s = d * sum(q), and the integer sums of q per 16 (launched without FMA fusion: qdot.quantize_x_torch's
-        roundings)."""
-        pdl_start(PDL)
-        m = tl.program_id(0)
-        b = tl.program_id(1) * BB + tl.arange(0, BB)
+    def quant_x_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, chunk, x_m, KB, BB: tl.constexpr):
+        """Blocks chunk*BB .. of x's row m (row stride x_m, KB blocks of 32 a row): per 32 elements
+        q = floor(x * (127 / amax) + 0.5), d = amax / 127 and s = d * sum(q), and the integer sums of q per 16
+        (its kernel is launched without FMA fusion: qdot.quantize_x_torch's roundings)."""
+        b = chunk * BB + tl.arange(0, BB)
         i = tl.arange(0, 32)
         bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
@@ -114,6 +112,12 @@ if HAS_TRITON:
         g16 = tl.sum(tl.reshape(q.to(tl.int32), [BB, 2, 16]), axis=2)
         j = tl.arange(0, 2)[None, :]
         tl.store(g_ptr + m * KB * 2 + b[:, None] * 2 + j, g16, mask=bmask[:, None])
+
+    @triton.jit
+    def _quant_x_kernel(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, x_m, KB, BB: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row m, block chunk): quant_x_blocks."""
+        pdl_start(PDL)
+        quant_x_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, tl.program_id(0), tl.program_id(1), x_m, KB, BB)
 
     @triton.jit
     def _w16(wi_ptr, hoff, mask):
@@ -474,20 +478,30 @@ def _asm() -> bool:
     return DP4A_ASM and not INTERPRET
 
 
+def quantized_x_buffers(M: int, K: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Empty outputs of the activation quantizer for x [M, K]: int8 q [M, K], f32 d and s [M, K/32], int32 sums per
+    16 [M, K/16]."""
+    KB = K // 32
+    return (torch.empty(M, K, dtype=torch.int8, device=device), torch.empty(M, KB, dtype=torch.float32, device=device),
+            torch.empty(M, KB, dtype=torch.float32, device=device),
+            torch.empty(M, 2 * KB, dtype=torch.int32, device=device))
+
+
+def quant_chunk(K: int) -> int:
+    """32-element blocks per quantizing program for rows of K elements."""
+    return min(QUANT_BLOCKS, next_pow2(K // 32))
+
+
 def quantize_x_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 32, last dim contiguous) -> (int8 words [M, K/4] int32, d [M, K/32] f32,
     s [M, K/32] f32, int32 sums per 16 [M, K/16]), as qdot.quantize_x_torch."""
     M, K = x.shape
     if K % 32 or x.stride(1) != 1:
         raise ValueError(f"quantize_x: x {tuple(x.shape)} stride {x.stride()}")
-    KB = K // 32
-    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
-    d = torch.empty(M, KB, dtype=torch.float32, device=x.device)
-    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
-    g = torch.empty(M, 2 * KB, dtype=torch.int32, device=x.device)
-    bb = min(QUANT_BLOCKS, next_pow2(KB))
-    _quant_x_kernel[(M, triton.cdiv(KB, bb))](x, q, d, s, g, x.stride(0), KB, BB=bb, num_warps=4,
-                                              enable_fp_fusion=False, **pdl_launch(x))
+    q, d, s, g = quantized_x_buffers(M, K, x.device)
+    bb = quant_chunk(K)
+    _quant_x_kernel[(M, triton.cdiv(K // 32, bb))](x, q, d, s, g, x.stride(0), K // 32, BB=bb, num_warps=4,
+                                                   enable_fp_fusion=False, **pdl_launch(x))
     return q.view(torch.int32), d, s, g
 
 
@@ -591,10 +605,12 @@ def qdot_stacked_triton(x: torch.Tensor, parts: list[Part],
 
 def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
                         up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
-                        config: tuple | None = None, asm: bool | None = None) -> torch.Tensor:
+                        config: tuple | None = None, asm: bool | None = None,
+                        hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
     as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG).
-    Four launches: quantize h, gate/up, quantize the f32 act, down."""
+    Four launches: quantize h, gate/up, quantize the f32 act, down; three with hquant, h quantized already (as
+    quantize_x_triton returns it)."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
@@ -602,7 +618,10 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     cfg = MoeConfig(*(config or QDOT_MOE_CONFIG))
     kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
-    hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    if hquant is None:
+        hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
+    elif hquant[0].shape != (T_, D // 4):
+        raise ValueError(f"qdot_moe_few: h {tuple(h.shape)}, quantized h words {tuple(hquant[0].shape)}")
     act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from qspec.kernels.moe_few import ExpertWeight, expert_ffn, moe_few_torch, moe_slots, sum_slots
-from qspec.kernels.qmatmul import expand, qmoe_few
-from qspec.kernels.route import route_top_k
+from qspec.kernels.qmatmul import expand, int8_experts, qmoe_few
+from qspec.kernels.route import route_top_k, route_top_k_quantized
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
 from qspec.model.ops import EXACT_MAX_ROWS, StackedWeight, linear, row_exact, sigmoid, silu, stack_rows
@@ -207,8 +207,7 @@ class MoE(torch.nn.Module):
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
             return self.forward_side_stream(h)
         logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
-        top_w, top_i = route_top_k(logits, self.n_used)
-        return add_shared_expert(self._routed(h, top_w, top_i), act, gate_logit, self.sh_down)
+        return add_shared_expert(self._routed(h, *self._top_k(logits, h)), act, gate_logit, self.sh_down)
 
     def forward_side_stream(self, h: torch.Tensor) -> torch.Tensor:
         """forward, the shared expert on a side stream (on CUDA) while the router product, the routing and the
@@ -218,18 +217,33 @@ class MoE(torch.nn.Module):
         with _on_side_stream(h.device):
             shared = shared_expert(h, w_shared, self.sh_gate.shape[0], self.sh_down)
         r = linear(h, w_router)
-        top_w, top_i = route_top_k(r[:, :E], self.n_used)
-        routed = self._routed(h, top_w, top_i)
+        routed = self._routed(h, *self._top_k(r[:, :E], h))
         _join_side_stream(h.device)
         return add_shared_output(routed, shared, r[:, E:E + 1])
 
-    def _routed(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-        """The routed experts' part of the output: [T, D], or [T, k, D] weighted slot outputs (few-token paths)."""
+    def _block_few(self, h: torch.Tensor) -> bool:
+        """Whether `_routed` sends these rows to qmoe_few (the few-token kernels of block experts)."""
+        return (self.blocks_only and h.is_cuda and h.shape[0] <= FEW_TOKENS
+                and not (row_exact() and h.shape[0] <= EXACT_MAX_ROWS))
+
+    def _top_k(self, logits: torch.Tensor, h: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The routing (weights, ids), and h quantized in the routing's launch when the routed experts will read it
+        so (qmatmul.int8_experts): the quantizer's own launch would wait for the routing."""
+        quantize = self._block_few(h) and int8_experts(h, self.gate, self.up, self.down)  # type: ignore[arg-type]
+        if not quantize:
+            return (*route_top_k(logits, self.n_used), None)
+        return route_top_k_quantized(logits, self.n_used, h)
+
+    def _routed(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The routed experts' part of the output: [T, D], or [T, k, D] weighted slot outputs (few-token paths);
+        hquant: h quantized for qmoe_few's int8 kernels, or None."""
         T = h.shape[0]
         if row_exact() and T <= EXACT_MAX_ROWS:
             return self._per_token(h, top_w, top_i)
-        if self.blocks_only and h.is_cuda and T <= FEW_TOKENS:
-            return qmoe_few(h, top_i, top_w, self.gate, self.up, self.down)  # type: ignore[arg-type]
+        if self._block_few(h):
+            return qmoe_few(h, top_i, top_w, self.gate, self.up, self.down, hquant)  # type: ignore[arg-type]
         if self.quantized and h.is_cuda and T <= FEW_TOKENS:
             return q_moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         if h.is_cuda and T <= FEW_TOKENS:
