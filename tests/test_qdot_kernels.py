@@ -314,3 +314,22 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
         # the same numbers to rounding, not the same bits
         assert rel_err(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, 32, 3)), yb) <= MOE_TIGHT
+
+
+@pytest.mark.cuda
+def test_cuda_stacked_pair_real_shapes() -> None:
+    """A Q4_K_M GDN input stack (qkv 10,240 rows in Q5_K, 6,240 in Q4_K, K = 2,560; their splits of K differ): both
+    parts in one launch equal each part's own launch, bit for bit, and the int8 reference."""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.triton_qdot import qdot_stacked_triton
+
+    K = 2560
+    ws = [qweight(T.Q5_K, (10240, K), 60, "cuda", 8192), qweight(T.Q4_K, (6240, K), 61, "cuda", 8192)]
+    parts = [(w.raw, int(w.qtype)) for w in ws]
+    x = torch.randn(1, K, device="cuda").bfloat16()
+    y = qdot_stacked_triton(x, parts)
+    with module_flag(triton_qdot.__name__, "PAIR_PARTS", False):
+        assert torch.equal(qdot_stacked_triton(x, parts), y)
+    ref = torch.cat([qdot_matmul_torch(x.float(), w.raw, int(w.qtype), w.shape[0], K) for w in ws], dim=-1)
+    assert rel_err(y, ref) <= TOL16[torch.bfloat16]
