@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from qspec.kernels.qmatmul import qmoe_few
+from qspec.kernels.qmatmul import int8_experts, qmoe_few
+from qspec.kernels.route import route_top_k_quantized
 from qspec.model.moe import FEW_TOKENS
 from qspec.model.ops import StackedWeight, linear
 from qspec.weights.qweight import QuantWeight
@@ -134,8 +135,9 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
                   ) -> list[Callable[[], object]]:
     """Calls of the products steps of these row counts run on the model's block weights, on zeros: every block
     matrix at each of `rows` (one product each; the token and n-gram tables, read by rows, are left out) and every
-    routed-expert module at those of `rows` its few-token kernels take (moe.FEW_TOKENS; its top-k experts, all
-    expert 0). found: the model's `_block_weights`, when the caller has them."""
+    routed-expert module at those of `rows` its few-token kernels take (moe.FEW_TOKENS), with their routing (on
+    zero logits: experts 0 .. k-1; its launch quantizes the rows for the experts' int8 kernels). found: the model's
+    `_block_weights`, when the caller has them."""
     found = _block_weights(model) if found is None else found
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
@@ -145,10 +147,19 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
         calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
         if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
-        calls += [lambda m=m, g=g, u=u, d=d: qmoe_few(
-            torch.zeros(m, g.shape[-1], dtype=dt, device=dev), torch.zeros(m, k, dtype=torch.long, device=dev),
-            torch.ones(m, k, dtype=dt, device=dev), g, u, d) for g, u, d in experts]
+        calls += [lambda m=m, g=g, u=u, d=d: _experts_step(m, g, u, d, k, dt) for g, u, d in experts]
     return calls
+
+
+def _experts_step(m: int, gate: QuantWeight, up: QuantWeight, down: QuantWeight, k: int, dt: torch.dtype
+                  ) -> torch.Tensor:
+    """A few-token step's routing and routed experts on zeros, as MoE runs them: the routing launch quantizes the
+    rows too where the experts' int8 kernels read them."""
+    dev = gate.raw.device
+    h = torch.zeros(m, gate.shape[-1], dtype=dt, device=dev)
+    logits = torch.zeros(m, gate.shape[0], dtype=dt, device=dev)
+    top_w, top_i, hquant = route_top_k_quantized(logits, k, h if int8_experts(h, gate, up, down) else None)
+    return qmoe_few(h, top_i, top_w, gate, up, down, hquant)
 
 
 def _triton_cache_dir() -> Path | None:
