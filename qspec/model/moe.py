@@ -231,9 +231,7 @@ class MoE(torch.nn.Module):
         """The routing (weights, ids), and h quantized in the routing's launch when the routed experts will read it
         so (qmatmul.int8_experts): the quantizer's own launch would wait for the routing."""
         quantize = self._block_few(h) and int8_experts(h, self.gate, self.up, self.down)  # type: ignore[arg-type]
-        if not quantize:
-            return (*route_top_k(logits, self.n_used), None)
-        return route_top_k_quantized(logits, self.n_used, h)
+        return route_top_k_quantized(logits, self.n_used, h if quantize else None)
 
     def _routed(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
                 hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
