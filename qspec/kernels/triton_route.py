@@ -70,7 +70,7 @@ def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = No
         raise ValueError(f"route and quantize: logits {tuple(logits.shape)}, h {tuple(h.shape)} stride {h.stride()}")
     D = 0 if h is None else h.shape[1]
     q, d, s, g = quantized_x_buffers(T, D, logits.device) if h is not None else (top_w,) * 4
-    bb = quant_chunk(D) if D else 1
+    bb = quant_chunk(D)
     if T:
         BE = next_pow2(E)
         _route_kernel[(T, 1 + triton.cdiv(D // 32, bb))](
