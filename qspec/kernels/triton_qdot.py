@@ -11,11 +11,13 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
 - Q4_K / Q5_K (144 / 176-byte blocks, rows whole 32-bit words): qs word w of 32-byte chunk c holds in its low
   nibbles elements 4w..4w+3 of sub-block 2c and in its high nibbles those of sub-block 2c+1; Q5_K's 5th bits are
   bit j of qh word w's bytes for sub-block j. A super-block step is two [BN, 4, 4] runs of words.
-- Q6_K (210 bytes, 2-byte aligned: words from two 16-bit loads): ql word (h, tt, w) gives in its low nibbles
+- Q6_K (210 bytes, 2-byte aligned: words from two 16-bit loads, or one 32-bit load in the even-numbered blocks of
+  rows of whole words, which start on a word): ql word (h, tt, w) gives in its low nibbles
   elements h*128 + 32*tt + 4w.. and in its high ones those at + 64; qh word (h, w) the two high bits of each at
   bit 2t of its bytes. dp4a takes the unsigned 6-bit q; 32 * (x's integer sum over the 16-weight group) turns the
   integer dot into that of q - 32.
-- Q8_0 / Q4_0 / Q5_0 (34 / 18 / 22-byte blocks, 2-byte aligned): a step is 8 blocks; Q8_0's 8 words per block are
+- Q8_0 / Q4_0 / Q5_0 (34 / 18 / 22-byte blocks, 2-byte aligned): a step is 8 blocks, its even and its odd ones
+  apart (in rows of whole words an odd block's words start on a word: 32-bit loads); Q8_0's 8 words per block are
   signed bytes; Q4_0/Q5_0's 4 words give elements 4w.. (low nibbles) and 16 + 4w.. (high); Q5_0's 4-bit groups of
   qh are spread to bit 4 of four bytes by one multiply (the shifted copies do not overlap, so nothing carries).
 
@@ -208,7 +210,7 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb,
+    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb,
                  M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
         """Q6_K super-block kb of BN rows, for every x row; acc [BN, 2, 2, MP] per (row, half h, 16-weight group g
         of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each thread: word
@@ -220,9 +222,7 @@ if HAS_TRITON:
         m4 = nmask[None, :, None, None]
         base = rowb + kb * 210
         hw = (base // 2)[None, :, None, None] + h * 32 + (4 * g + v) * 2
-        ql0 = _w16(wi_ptr, hw, m4)  # runs t = 0 (low nibbles) and 2 (high)
-        ql1 = _w16(wi_ptr, hw + 16, m4)  # runs t = 1 and 3
-        qh = _w16(wi_ptr, hw + 64 - h * 16, m4)
+        ql0, ql1, qh = _q6_words(wi_ptr, ww_ptr, hw, hw + 64 - h * 16, m4, kb % 2 == 0)
         q0 = (ql0 & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
         q1 = (ql1 & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
         q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
@@ -246,6 +246,22 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _q6_words(wi_ptr, ww_ptr, hql, hqh, mask, even):
+        """Q6_K's ql words at even halfword offsets hql (runs t = 0 and 2) and hql + 16 (t = 1 and 3), qh's at hqh:
+        32-bit loads where the rows are whole words (ww_ptr the int32 view: an even block count) and the block's
+        index is even (its 210 bytes then start on a word), else pairs of 16-bit loads."""
+        if ww_ptr.dtype.element_ty == tl.int32:
+            if even:
+                ql0 = tl.load(ww_ptr + hql // 2, mask=mask, other=0)
+                ql1 = tl.load(ww_ptr + hql // 2 + 8, mask=mask, other=0)
+                qh = tl.load(ww_ptr + hqh // 2, mask=mask, other=0)
+            else:
+                ql0, ql1, qh = _w16(wi_ptr, hql, mask), _w16(wi_ptr, hql + 16, mask), _w16(wi_ptr, hqh, mask)
+        else:
+            ql0, ql1, qh = _w16(wi_ptr, hql, mask), _w16(wi_ptr, hql + 16, mask), _w16(wi_ptr, hqh, mask)
+        return ql0, ql1, qh
+
+    @triton.jit
     def _q6_run(q, xw, xg, xb, sc, ASM: tl.constexpr):
         """One run of 32 weights per (row, h, g): dx * (sc * (dot(q, x) - 32 * sum(x))) [BN, 2, 2]."""
         isum = tl.sum(dp4a(q, tl.load(xw), tl.zeros_like(q), ASM), axis=0) - 32 * tl.load(xg)
@@ -257,18 +273,21 @@ if HAS_TRITON:
         return ((v & 15) * 0x2040810) & 0x10101010
 
     @triton.jit
-    def _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, bmask, QT: tl.constexpr):
-        """Q8_0 / Q4_0 / Q5_0 blocks blk [1, 4] of BN rows -> (d [BN, 4], words [W, BN, 4] for dp4a: Q8_0's signed
-        bytes twice; Q4_0/Q5_0's elements 4w.. and 16 + 4w..). A block's words lie on the first axis, which the
-        halfword loads leave inside each thread (no exchange for the sums)."""
+    def _b32_load(wh_ptr, wi_ptr, ww_ptr, rowb, nmask, blk, bmask, QT: tl.constexpr, ODD: tl.constexpr):
+        """Q8_0 / Q4_0 / Q5_0 blocks blk [1, 4] (all odd when ODD, all even otherwise) of BN rows -> (d [BN, 4],
+        words [W, BN, 4] for dp4a: Q8_0's signed bytes twice; Q4_0/Q5_0's elements 4w.. and 16 + 4w..). A block's
+        words lie on the first axis, which the halfword loads leave inside each thread (no exchange for the sums).
+        The three sizes are 2 mod 4 bytes, so in rows of whole words (ww_ptr the int32 view) an odd block's words
+        (qs and Q5_0's qh, at bytes 2 and 6) start on a word: one 32-bit load each instead of two 16-bit ones."""
         W: tl.constexpr = 8 if QT == 8 else 4  # words per block
         bs: tl.constexpr = 34 if QT == 8 else (18 if QT == 2 else 22)
         qs_at: tl.constexpr = 1 if QT != 6 else 3  # halfwords
+        WORDS: tl.constexpr = ODD and ww_ptr.dtype.element_ty == tl.int32
         w = tl.arange(0, W)[:, None, None]
         m2 = nmask[:, None] & bmask
         hb = (rowb[:, None] + blk * bs) // 2  # [BN, 4] halfword offset of each block
         d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
-        words = _w16(wi_ptr, hb[None, :, :] + qs_at + 2 * w, m2[None, :, :])
+        words = _word(wi_ptr, ww_ptr, hb[None, :, :] + qs_at + 2 * w, m2[None, :, :], WORDS)
         if QT == 8:
             lo = words
             hi = words
@@ -276,10 +295,20 @@ if HAS_TRITON:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
             if QT == 6:
-                qh = _w16(wi_ptr, hb + 1, m2)[None, :, :]
+                qh = _word(wi_ptr, ww_ptr, hb + 1, m2, WORDS)[None, :, :]
                 lo = lo | _spread5(qh >> (4 * w))
                 hi = hi | _spread5(qh >> (16 + 4 * w))
         return d, lo, hi
+
+    @triton.jit
+    def _word(wi_ptr, ww_ptr, hoff, mask, WORDS: tl.constexpr):
+        """The 32-bit word at halfword offset hoff: one 32-bit load where WORDS says it starts on a word (ww_ptr the
+        int32 view), else two 16-bit loads."""
+        if WORDS:
+            w = tl.load(ww_ptr + hoff // 2, mask=mask, other=0)
+        else:
+            w = _w16(wi_ptr, hoff, mask)
+        return w
 
     @triton.jit
     def _b32_dot(d, lo, hi, xq_ptr, xd_ptr, xs_ptr, blk, bmask, QT: tl.constexpr, ASM: tl.constexpr):
@@ -299,19 +328,19 @@ if HAS_TRITON:
         return t
 
     @triton.jit
-    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K,
+    def _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K,
                   M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows (two runs of four), for every x row;
-        acc [BN, 4, MP]."""
-        blk = kb * 8 + tl.arange(0, 4)[None, :]
+        """Q8_0 / Q4_0 / Q5_0: blocks kb*8 .. kb*8 + 7 of BN rows (the four even ones and the four odd ones), for
+        every x row; acc [BN, 4, MP]."""
+        blk = kb * 8 + 2 * tl.arange(0, 4)[None, :]
         ma = blk < K // 32
-        mb = blk + 4 < K // 32
-        da, loa, hia = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk, ma, QT)
-        db, lob, hib = _b32_load(wh_ptr, wi_ptr, rowb, nmask, blk + 4, mb, QT)
+        mb = blk + 1 < K // 32
+        da, loa, hia = _b32_load(wh_ptr, wi_ptr, ww_ptr, rowb, nmask, blk, ma, QT, False)
+        db, lob, hib = _b32_load(wh_ptr, wi_ptr, ww_ptr, rowb, nmask, blk + 1, mb, QT, True)
         for m in tl.static_range(M):
             xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
             t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
-                 + _b32_dot(db, lob, hib, xq, xd, xs, blk + 4, mb, QT, ASM))
+                 + _b32_dot(db, lob, hib, xq, xd, xs, blk + 1, mb, QT, ASM))
             acc = _add_col(acc, t, m, MP)
         return acc
 
@@ -322,11 +351,11 @@ if HAS_TRITON:
         if QT == 12 or QT == 13:
             acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
         elif QT == 14:
-            acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, rowb, nmask, kb, M,
-                           MP, ASM)
+            acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
+                           kb, M, MP, ASM)
         else:
-            acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, rowb, nmask, kb, K, M, MP, QT,
-                            ASM)
+            acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,
+                            QT, ASM)
         return acc
 
     @triton.jit
