@@ -312,8 +312,10 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         for cfg in ((8, 2, 2), (8, 2, 5, 16, 3)):
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
         # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
-        # the same numbers to rounding, not the same bits
-        assert rel_err(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, 32, 3)), yb) <= MOE_TIGHT
+        # the same numbers to rounding, not the same bits; the output is bf16, so an element can also round to the
+        # neighbouring bf16 value (one at the largest element is 2^-8 of it: seen at Q4_K/Q5_0, 4647467)
+        got16 = qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, 32, 3))
+        assert rel_err(got16, yb) <= MOE_TIGHT + 2.0 ** -8
 
 
 @pytest.mark.cuda
