@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from gguf import GGMLQuantizationType as T
 
-from qspec.bench.qkernels import EXPERT_FF, EXPERTS, HIDDEN, ROUTINGS, TOP_K, _copies, _quantized, graph_us
+from qspec.bench.qkernels import HIDDEN, _copies, _quantized, expert_blocks, expert_routes, graph_us
 from qspec.kernels import qdot
 from qspec.kernels import triton_qdot as new
 
@@ -71,14 +71,10 @@ def products(old: ModuleType, types: list[T]) -> None:
 def experts(old: ModuleType) -> None:
     print(f"{'experts':<14} {'t':>2} {'old us':>9} {'new us':>9} {'old/new':>8} {'relerr old':>11}")
     for gq, dq in ((T.Q4_K, T.Q5_0), (T.Q6_K, T.Q8_0)):
-        gate = _quantized(gq, EXPERTS * EXPERT_FF, HIDDEN, 1).view(EXPERTS, EXPERT_FF, -1)
-        up = _quantized(gq, EXPERTS * EXPERT_FF, HIDDEN, 2).view(EXPERTS, EXPERT_FF, -1)
-        down = _quantized(dq, EXPERTS * HIDDEN, EXPERT_FF, 3).view(EXPERTS, HIDDEN, -1)
+        gate, up, down = expert_blocks(gq, dq)
         parts = ((gate, int(gq)), (up, int(gq)), (down, int(dq)))
         for t in (1, 6):
-            g = torch.Generator(device="cuda").manual_seed(t)
-            routes = [(torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K] for _ in range(t)]),
-                       torch.rand(t, TOP_K, device="cuda", generator=g).bfloat16()) for _ in range(ROUTINGS)]
+            routes = expert_routes(t)
             h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
             y_old = old.qdot_moe_few_triton(h, *routes[0], *parts)
             e_old = _rel(new.qdot_moe_few_triton(h, *routes[0], *parts), y_old)

@@ -148,6 +148,21 @@ def bench_quantize(rows: list[tuple]) -> None:
             xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
             us = graph_us([partial(quantize_x_triton, x) for x in xs])
             _row(rows, f"quantize m={m}", "bf16", f"{k}", us, m * k * 3 + m * k // 32 * 8, 1.0, 0)
+def expert_routes(t: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """ROUTINGS routings (top-k ids, bf16 weights) of t tokens, seeded by t: a different one per call of a graph, so
+    the chosen experts come from HBM, not the L2."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    return [(torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K] for _ in range(t)]),
+             torch.rand(t, TOP_K, device="cuda", generator=g).bfloat16()) for _ in range(ROUTINGS)]
+
+
+def expert_blocks(qt: GGMLQuantizationType, dq: GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
+    """Random gate, up (type qt) and down (type dq) blocks of all the experts: [E, rows, row_bytes] each."""
+    return (_quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 1).view(EXPERTS, EXPERT_FF, -1),
+            _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 2).view(EXPERTS, EXPERT_FF, -1),
+            _quantized(dq, EXPERTS * HIDDEN, EXPERT_FF, 3).view(EXPERTS, HIDDEN, -1))
+
+
 def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False,
               qdot_config: tuple | None = None) -> None:
     """The routed experts of a t-token step (E=512, top-10) against the bf16 moe_slots, f32-expansion then int8
@@ -157,10 +172,7 @@ def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False,
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
     from qspec.kernels.triton_qmatmul import qmoe_few_triton
 
-    g = torch.Generator(device="cuda").manual_seed(t)
-    # a different routing per call (ROUTINGS of them in a graph), so the chosen experts come from HBM, not the L2
-    routes = [(torch.stack([torch.randperm(EXPERTS, device="cuda", generator=g)[:TOP_K] for _ in range(t)]),
-               torch.rand(t, TOP_K, device="cuda", generator=g).bfloat16()) for _ in range(ROUTINGS)]
+    routes = expert_routes(t)
     h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
     distinct = sum(int(ti.unique().numel()) for ti, _ in routes) / ROUTINGS
     bf = [torch.randn(EXPERTS, EXPERT_FF, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
@@ -170,9 +182,7 @@ def bench_moe(rows: list[tuple], types: tuple, t: int, quiet: bool = False,
     del bf
     for qt in types:
         dq = _down_type(qt)
-        gate = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 1).view(EXPERTS, EXPERT_FF, -1)
-        up = _quantized(qt, EXPERTS * EXPERT_FF, HIDDEN, 2).view(EXPERTS, EXPERT_FF, -1)
-        down = _quantized(dq, EXPERTS * HIDDEN, EXPERT_FF, 3).view(EXPERTS, HIDDEN, -1)
+        gate, up, down = expert_blocks(qt, dq)
         nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
         label = qt.name if dq == qt else f"{qt.name}/{dq.name}"
         parts = ((gate, int(qt)), (up, int(qt)), (down, int(dq)))
