@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-two h200-q4km48-shst h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-two h200-q4km48-shst h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -143,6 +143,10 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     h200-q4km24-load) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --layers "${LOAD_LAYERS:-24}" --quant q4_k_m ${LOAD_ARGS:-} \
         --file "${LOAD_FILE:-/var/tmp/qspec-load.gguf}" --out "$out/$step"; rc=$?; [ -n "${LOAD_KEEP:-}" ] || rm -f "${LOAD_FILE:-/var/tmp/qspec-load.gguf}"
         exit $rc ;;
+    #     the first tokens of fresh processes (empty compilation caches, then warm) at 48 layers: no 48-layer file
+    #     fits the disk, so each process builds the model on the device (scripts/gguf_load.py --drawn)
+    h200-q4km48-first) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --drawn --layers 48 --quant q4_k_m \
+        --tokens 64 --out "$out/$step" ;;
     # (the Q8_0 weights fill 127.66 GiB: the allocator's expandable segments keep a 3 GiB scratch from failing on
     #  fragmentation)
     h200-q8048) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from qspec.bench.device_model import bench_config, device_tensor
+from qspec.bench.device_model import bench_config, device_random_model, device_tensor
 from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock
 from qspec.config import ModelConfig
@@ -97,7 +97,9 @@ def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str], p
                       ) -> dict[str, Any] | None:
     """load() in a fresh process, its lines echoed as they come; the last result it reported (None: none, or a
     failed child, whose output then goes to stderr). profile: where the child writes its first request's profile."""
-    cmd = [sys.executable, __file__, "--load-only", "--file", a.file, "--device", a.device, "--tokens", str(tokens)]
+    cmd = [sys.executable, __file__, "--load-only", "--device", a.device, "--tokens", str(tokens)]
+    cmd += ["--drawn", "--preset", a.preset, "--layers", str(a.layers), "--quant", a.quant] if a.drawn else [
+        "--file", a.file]
     cmd += ["--profile-first", str(profile)] if profile else []
     cmd += ["--compile-prefill"] if a.compile_prefill else []
     cmd += ["--no-precompile"] if not a.precompile else []
@@ -130,7 +132,11 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
 
     def timed_load() -> Any:
         t = time.perf_counter()
-        m = load_model(a.file, device=dev, progress=False)
+        if a.drawn:
+            m = device_random_model(bench_config(a.preset, layers=a.layers), device=dev, dtype=torch.bfloat16,
+                                    quant=a.quant)
+        else:
+            m = load_model(a.file, device=dev, progress=False)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         alone.append(time.perf_counter() - t)
@@ -185,13 +191,18 @@ def _write_profile(prof: cProfile.Profile, path: Path) -> None:
 
 def report(res: dict[str, Any]) -> str:
     gib = 2 ** 30
-    lines = [f"# Loading a {res['layers']}-layer {res['quant']} GGUF ({res['file_bytes'] / gib:.2f} GiB)", "",
-             "| step | result |", "|---|---:|",
-             f"| write (drawn and quantized on the device) | {res['write_s']:.1f} s |",
-             f"| load, pages dropped from the cache first | {res['load_alone_s']:.1f} s "
-             f"({res['file_bytes'] / gib / max(res['load_alone_s'], 1e-9):.2f} GiB/s) |",
-             f"| peak resident host memory after the load (before it) | {res['peak_rss'] / gib:.2f} GiB "
-             f"({res['rss_before_load'] / gib:.2f}) |"]
+    if res.get("drawn"):
+        lines = [f"# First tokens of a {res['layers']}-layer {res['quant']} model built on the device (no file)", "",
+                 "| step | result |", "|---|---:|",
+                 f"| the weights drawn and quantized on the device | {res['load_alone_s']:.1f} s |"]
+    else:
+        lines = [f"# Loading a {res['layers']}-layer {res['quant']} GGUF ({res['file_bytes'] / gib:.2f} GiB)", "",
+                 "| step | result |", "|---|---:|",
+                 f"| write (drawn and quantized on the device) | {res['write_s']:.1f} s |",
+                 f"| load, pages dropped from the cache first | {res['load_alone_s']:.1f} s "
+                 f"({res['file_bytes'] / gib / max(res['load_alone_s'], 1e-9):.2f} GiB/s) |"]
+    lines += [f"| peak resident host memory after the load (before it) | {res['peak_rss'] / gib:.2f} GiB "
+              f"({res['rss_before_load'] / gib:.2f}) |"]
     if "device_bytes" in res:
         lines.append(f"| device memory after the load | {res['device_bytes'] / gib:.2f} GiB |")
     if res.get("compile_ahead"):
@@ -218,7 +229,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--quant", default="q4_k_m", choices=sorted(MIXES))
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--file", required=True, help="the GGUF to write, then load")
+    ap.add_argument("--file", help="the GGUF to write, then load (required unless --drawn)")
+    ap.add_argument("--drawn", action="store_true",
+                    help="no file: each process builds the model on the device (random weights quantized there in "
+                         "--quant's types), for first tokens of a model whose file does not fit the disk")
     ap.add_argument("--tokens", type=int, default=128, help="decoded tokens of the second request")
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--compile-prefill", action="store_true",
@@ -233,23 +247,31 @@ def main() -> int:
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
     ap.add_argument("--profile-first", type=Path, help=argparse.SUPPRESS)  # the child: profile its first request
     a = ap.parse_args()
+    if a.file is None and not a.drawn:
+        ap.error("--file is required unless --drawn")
     torch.set_grad_enabled(False)
     if a.load_only:
         _report_so_far(load(a))
         return 0
-    if a.reuse_file and os.path.exists(a.file):
+    if a.drawn:
+        if a.compile_ahead:
+            ap.error("--drawn builds the model on the device: there is no file load for --compile-ahead to overlap")
+        res = {"layers": a.layers, "quant": a.quant, "file_bytes": 0, "write_s": 0.0, "drawn": True}
+    elif a.reuse_file and os.path.exists(a.file):
         res = {"layers": a.layers, "quant": a.quant, "file_bytes": os.path.getsize(a.file), "write_s": 0.0}
     else:
         res = write(a)
     res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill, "precompile": a.precompile,
             "compile_ahead": a.compile_ahead}
-    print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
-          f"in {res['write_s']:.1f} s", flush=True)
+    if not a.drawn:
+        print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
+              f"in {res['write_s']:.1f} s", flush=True)
     # compilation caches of their own, empty at first, whatever earlier runs left on this machine
     caches = tempfile.mkdtemp(prefix="gguf_load-caches-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     for i in range(2):  # a fresh process each time: the first compiles into empty caches, the second reuses them
-        drop_cached_pages(a.file)
+        if not a.drawn:
+            drop_cached_pages(a.file)
         run = _measure_in_child(a, a.tokens if i == 0 else 0, env, a.profile_warm if i else None)
         if run is None:
             return 1
