@@ -150,19 +150,28 @@ if HAS_TRITON:
         return tl.where(im == m, acc + t[:, :, :, None], acc)
 
     @triton.jit
-    def _k45_scales(wh_ptr, ww_ptr, base, nmask, S: tl.constexpr):
-        """Q4_K/Q5_K: (d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S of the super-blocks at byte
-        offsets base; the 12 scale bytes are words 1..3 of the block."""
+    def _k45_header(ww_ptr, base, nmask):
+        """Q4_K/Q5_K: the first 16 bytes of the super-blocks at byte offsets base [BN] (d, dmin, the 12 scale bytes)
+        as words [BN, 4, 4]: every chunk's thread loads its row's four words with one 16-byte load. (Loaded word by
+        word, and d and dmin as halfwords, they were eight loads per step, each a sector of its own per row: on the
+        H200 the products were bound by L1 wavefronts, BENCHMARKS.md §5b.)"""
+        v = tl.arange(0, 4)[None, None, :]
+        c = tl.arange(0, 4)[None, :, None]
+        return tl.load(ww_ptr + (base // 4)[:, None, None] + c * 0 + v, mask=nmask[:, None, None], other=0)
+
+    @triton.jit
+    def _k45_scales(hdr, S: tl.constexpr):
+        """(d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from the header words hdr [BN, 4, 4]."""
+        v = tl.arange(0, 4)[None, None, :]
+        w0 = tl.sum(tl.where(v == 0, hdr, 0), axis=2)  # the word axis is inside each thread: register picks
         j = 2 * tl.arange(0, 4)[None, :] + S
-        w0 = (base // 4)[:, None]
-        m2 = nmask[:, None]
-        a = _byte(tl.load(ww_ptr + w0 + 1, mask=m2, other=0), j % 4)
-        b = _byte(tl.load(ww_ptr + w0 + 2, mask=m2, other=0), j % 4)
-        e = _byte(tl.load(ww_ptr + w0 + 3, mask=m2, other=0), j % 4)
+        a = _byte(tl.sum(tl.where(v == 1, hdr, 0), axis=2), j % 4)
+        b = _byte(tl.sum(tl.where(v == 2, hdr, 0), axis=2), j % 4)
+        e = _byte(tl.sum(tl.where(v == 3, hdr, 0), axis=2), j % 4)
         sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
         mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
-        d = tl.load(wh_ptr + base // 2, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        dmin = tl.load(wh_ptr + base // 2 + 1, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         return d * sc, dmin * mn
 
     @triton.jit
@@ -185,7 +194,7 @@ if HAS_TRITON:
         return lo, hi
 
     @triton.jit
-    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb,
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb,
                   M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
         """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
         over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
@@ -193,8 +202,9 @@ if HAS_TRITON:
         base = rowb + kb * (144 if QT == 12 else 176)
         lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
         lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
-        dsl, dml = _k45_scales(wh_ptr, ww_ptr, base, nmask, 0)
-        dsh, dmh = _k45_scales(wh_ptr, ww_ptr, base, nmask, 1)
+        hdr = _k45_header(ww_ptr, base, nmask)
+        dsl, dml = _k45_scales(hdr, 0)
+        dsh, dmh = _k45_scales(hdr, 1)
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         c2 = tl.arange(0, 4)[None, :]
@@ -349,7 +359,7 @@ if HAS_TRITON:
                    K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
         """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
         if QT == 12 or QT == 13:
-            acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
+            acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
         elif QT == 14:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            kb, M, MP, ASM)
