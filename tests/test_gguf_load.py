@@ -42,3 +42,20 @@ def test_gguf_load_writes_loads_and_reports(tmp_path: Path) -> None:
     assert "with a stand-in compiling beside it" in md
     assert "first / second / third token" in md and "caches warm" in md and "Compiled in the first process" in md
     assert "generate" in (tmp_path / "warm.prof.txt").read_text()  # the warm first request's profile
+
+
+def test_gguf_load_drawn_builds_on_the_device_without_a_file(tmp_path: Path) -> None:
+    """--drawn: no file is written or read; each fresh process builds the model itself, and the report says so."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r"
+    env = dict(os.environ, PYTHONPATH=str(root))
+    cmd = [sys.executable, str(root / "scripts" / "gguf_load.py"), "--preset", "tiny", "--layers", "1", "--device",
+           "cpu", "--quant", "q8_0", "--drawn", "--tokens", "4", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert res["drawn"] and res["file_bytes"] == 0 and "Q8_0 (blocks)" in res["weights"]
+    assert 0 < res["first_token_s"] <= res["second_token_s"] and res["warm"]["first_token_s"] > 0
+    assert "built on the device (no file)" in out.with_suffix(".md").read_text()
+    bad = subprocess.run(cmd[:-5], capture_output=True, text=True, env=env, timeout=60)  # neither --file nor --drawn
+    assert bad.returncode == 2 and "--file is required unless --drawn" in bad.stderr
