@@ -152,6 +152,34 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
     assert rel_err(y1, y) <= TIGHT
 
 
+def test_default_config_by_matrix() -> None:
+    """A vocabulary-sized Q6_K matrix alone takes the head's config; anything else (smaller, another type, a stack)
+    the default; never anything about x."""
+    from qspec.kernels.triton_qdot import HEAD_ROWS, QDOT_CONFIG, QDOT_CONFIG_Q6K_HEAD, _default_config
+
+    head, small = torch.empty(HEAD_ROWS, 1, dtype=torch.uint8), torch.empty(HEAD_ROWS - 1, 1, dtype=torch.uint8)
+    assert _default_config([(head, int(T.Q6_K))]) == QDOT_CONFIG_Q6K_HEAD != QDOT_CONFIG
+    assert _default_config([(small, int(T.Q6_K))]) == QDOT_CONFIG
+    assert _default_config([(head, int(T.Q4_K))]) == QDOT_CONFIG
+    assert _default_config([(head, int(T.Q6_K)), (small, int(T.Q6_K))]) == QDOT_CONFIG
+
+
+@interp
+def test_interp_q6k_head_config() -> None:
+    """The Q6_K head's programs (32 rows, two per thread) against the reference, a partial last row block, each
+    row's result whatever M."""
+    from qspec.kernels.triton_qdot import QDOT_CONFIG_Q6K_HEAD, qdot_matmul_triton
+
+    K = 768
+    w = qweight(T.Q6_K, (40, K), seed=13)
+    x = torch.randn(3, K)
+    y = qdot_matmul_triton(x, w.raw, int(T.Q6_K), 40, config=QDOT_CONFIG_Q6K_HEAD)
+    assert rel_err(y, qdot_matmul_torch(x, w.raw, int(T.Q6_K), 40, K)) <= TIGHT
+    for i in range(3):
+        assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(T.Q6_K), 40, config=QDOT_CONFIG_Q6K_HEAD),
+                           y[i:i + 1])
+
+
 @interp
 @pytest.mark.parametrize("qt", [T.Q4_K, T.Q6_K, T.Q5_0])
 def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> None:
@@ -309,13 +337,15 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((8, 2, 2), (8, 2, 5, 16, 3)):
+        for cfg in ((4, 1, 2, 16, 3), (4, 1, 10, 16, 1)):  # the default's programs, other unrolls: the same sums
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
-        # 16-row, 4-warp programs add the f32 block sums in another order on the GPU (seen at Q4_K and Q5_K, 24b0225):
-        # the same numbers to rounding, not the same bits; the output is bf16, so an element can also round to the
-        # neighbouring bf16 value (one at the largest element is 2^-8 of it: seen at Q4_K/Q5_0, 4647467)
-        got16 = qdot_moe_few_triton(hb, top_i, twb, *parts, config=(16, 4, 10, 32, 3))
-        assert rel_err(got16, yb) <= MOE_TIGHT + 2.0 ** -8
+        # programs of other shapes may add the f32 block sums in another order on the GPU (16 rows, 4 warps: seen at
+        # Q4_K and Q5_K, 24b0225): the same numbers to rounding, not the same bits; the output is bf16, so an element
+        # can also round to the neighbouring bf16 value (one at the largest element is 2^-8 of it: seen at Q4_K/Q5_0,
+        # 4647467)
+        for cfg in ((8, 2, 5, 16, 3), (16, 4, 10, 32, 3)):
+            got_cfg = qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg)
+            assert rel_err(got_cfg, yb) <= MOE_TIGHT + 2.0 ** -8, (T_, cfg)
 
 
 @pytest.mark.cuda

@@ -289,7 +289,7 @@ QDOT_CONFIGS = ((16, 4, 4, 1), (32, 4, 4, 1), (32, 4, 8, 1), (64, 4, 2, 1), (16,
                 (128, 8, 1, 1))
 # the one-row product's loop unrolling and split-K rule (rows, warps, programs per SM or 0 for no split, steps per
 # iteration), on every decode shape and the model's block types
-QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (8, 2, 8, 2), (64, 4, 0, 2), (8, 2, 0, 2))
+QDOT_ONE_ROW_CONFIGS = ((32, 4, 4, 1), (16, 2, 8, 2), (32, 2, 8, 2), (8, 2, 8, 2), (64, 4, 0, 2), (8, 2, 0, 2))
 QDOT_ONE_ROW_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q5_0)
 
 
@@ -317,7 +317,7 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
 # default (8, 2, 5, 16, 3): narrower and wider blocks, fewer and more steps per iteration, down unrolled over its whole
 # K (640: three steps) in 8 to 32 rows
 QDOT_MOE_CONFIGS = ((8, 2), (4, 2, 5), (8, 2, 2), (8, 2, 5), (8, 2, 10), (16, 4, 5), (8, 2, 5, 8, 3), (8, 2, 5, 16, 3),
-                    (4, 2, 5, 16, 3), (8, 2, 10, 32, 3), (16, 4, 10, 16, 3))
+                    (4, 2, 5, 16, 3), (8, 2, 10, 32, 3), (16, 4, 10, 16, 3), (4, 1, 5, 16, 3), (8, 1, 5, 16, 3))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:

@@ -70,6 +70,12 @@ class QdotConfig(NamedTuple):
 # the decode shapes and block types, and every one without a split was slower, the narrow matrices most (BENCHMARKS.md
 # §5b).
 QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
+# A Q6_K matrix of a vocabulary's rows (the LM head) takes 32-row programs, two rows per thread: the x words a thread
+# loads serve both rows, and the grid still fills the GPU many times over. On the H200 the Q6_K LM head ran x1.100
+# faster so; the GDN-sized Q6_K products x0.938-1.052 and the Q4_K ones x0.885-0.917 (BENCHMARKS.md §5b).
+QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
+HEAD_ROWS = 1 << 16
+Q6_K = 14  # GGMLQuantizationType.Q6_K
 
 
 class MoeConfig(NamedTuple):
@@ -84,8 +90,9 @@ class MoeConfig(NamedTuple):
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
 # in 16-row programs were the fastest at 1 and 6 tokens (and alternating gate's and up's steps in one loop beat two
-# loops, which are gone since).
-QDOT_MOE_CONFIG = MoeConfig(8, 2, 5, 16, 3)
+# loops, which are gone since). Since the super-block headers take one load, 4-row one-warp programs (twice the
+# programs of 8-row two-warp ones: a one-token step fills under a wave) beat 8 rows by x1.090 at 1 token, x1.076 at 6.
+QDOT_MOE_CONFIG = MoeConfig(4, 1, 5, 16, 3)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 # Stacked products whose parts differ in type (GDN's input projections in a Q4_K_M file: qkv in Q5_K, the rest
 # Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
@@ -612,7 +619,7 @@ def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool
     """The parts' products of one x into the columns of one output, x quantized once; the parts go two by two to
     one launch each (PAIR_PARTS; else one by one)."""
     x = _check_x(x)
-    cfg = QdotConfig(*(config or QDOT_CONFIG))
+    cfg = QdotConfig(*config) if config else _default_config(parts)
     y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
     xquant = quantize_x_triton(x)
     o, step = 0, 2 if PAIR_PARTS else 1
@@ -622,6 +629,13 @@ def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool
         _qdot_into(y[:, o:o + n], xquant, group, cfg, asm)
         o += n
     return y
+
+
+def _default_config(parts: list[Part]) -> QdotConfig:
+    """The config of a product by its matrices alone (never by x's row count, which row-exact mode varies)."""
+    if len(parts) == 1 and int(parts[0][1]) == Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
+        return QDOT_CONFIG_Q6K_HEAD
+    return QDOT_CONFIG
 
 
 def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, config: tuple | None = None,
