@@ -3,7 +3,8 @@
 
     ncu --profile-from-start off --clock-control none --cache-control all \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats python scripts/ncu_kernels.py
+        --section WarpStateStats --log-file ncu.txt python scripts/ncu_kernels.py
+    python scripts/ncu_kernels.py --summarize ncu.txt     # one line per kernel: the figures that say what bounds it
 
 Shapes (one token unless named): the int8 block products of a GDN layer's input (16,480 x 2,560, Q4_K) and output
 (2,560 x 6,144, Q4_K) and of the Q6_K LM head (248,320 x 2,560) with their quantize and partial-sum launches; the
@@ -14,6 +15,8 @@ routed experts of 1 and 6 tokens (Q4_K gate/up, Q5_0 down, 512 x 640 x 2,560, to
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as T
@@ -55,10 +58,37 @@ def _calls(which: set[str]) -> list:
     return calls
 
 
+# the Nsight Compute metrics of the summary, as its text log names them, and their columns
+SUMMARY = {"Duration": "µs", "DRAM Throughput": "DRAM %", "L1/TEX Cache Throughput": "L1 %",
+           "Achieved Occupancy": "occ. %", "Registers Per Thread": "regs"}
+
+
+def summarize(log: Path) -> str:
+    """One markdown row per kernel launch of an `ncu --log-file` text: its grid and the SUMMARY metrics."""
+    rows = ["| kernel (grid) | " + " | ".join(SUMMARY.values()) + " |", "|---|" + "---:|" * len(SUMMARY)]
+    name, vals = "", {}
+    for line in [*log.read_text().splitlines(), "  END (0)x(0), Context"]:
+        head = re.match(r"  (\S+) (\([\d, ]+\))x\([\d, ]+\), Context", line)
+        if head:
+            if name:
+                rows.append(f"| {name} | " + " | ".join(vals.get(k, "-") for k in SUMMARY) + " |")
+            name, vals = f"{head[1]} {head[2]}", {}
+            continue
+        for metric in SUMMARY:
+            m = re.match(rf"\s+{re.escape(metric)}\s+\S+\s+([\d.,]+)$", line)
+            if m and metric not in vals:
+                vals[metric] = m[1]
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="gdn_in,gdn_out,lm_head,experts1,experts6,mixer,bf16_head")
+    p.add_argument("--summarize", type=Path, metavar="NCU_LOG", help="print the summary of an ncu text log and exit")
     args = p.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
     calls = _calls(set(args.only.split(",")))
     for _, c in calls:  # compile and warm up outside the profiled range
         c()

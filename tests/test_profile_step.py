@@ -3,6 +3,7 @@ starts before the one ahead of it ends) and the gaps are attributed to the kerne
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -56,3 +57,24 @@ def test_profile_step_runs_on_the_cpu_with_a_plain_stretch() -> None:
     assert "end to end, 8 tokens after a 64-token prompt, draft 0:" in r.stdout
     stretch = next(x for x in r.stdout.splitlines() if x.startswith("plain stretch: "))
     assert "draft 3:" in stretch and "ms per token (8 tokens)" in stretch
+
+
+def test_ncu_summary_one_row_per_launch(tmp_path: Path) -> None:
+    """scripts/ncu_kernels.py --summarize: each launch's grid and metrics from an ncu text log, in order; a metric the
+    log lacks is '-', and a later section's metric of the same name does not overwrite the first."""
+    nk = load_script("ncu_kernels")
+    log = tmp_path / "ncu.txt"
+    log.write_text("""==PROF== Connected
+  _a_kernel (10, 2, 1)x(64, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    DRAM Throughput                   %        39.88
+    Duration                         us        12.45
+    L1/TEX Cache Throughput           %        84.39
+    Registers Per Thread             register/thread              60
+    Achieved Occupancy                        %        44.50
+    Duration                         us        99.99
+  _b_kernel (3, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Duration                         us         1,234.5
+""")
+    rows = nk.summarize(log).splitlines()
+    assert rows[2] == "| _a_kernel (10, 2, 1) | 12.45 | 39.88 | 84.39 | 44.50 | 60 |"
+    assert rows[3] == "| _b_kernel (3, 1, 1) | 1,234.5 | - | - | - | - |" and len(rows) == 4
