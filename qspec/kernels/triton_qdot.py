@@ -48,6 +48,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from gguf import GGMLQuantizationType
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
@@ -75,7 +76,6 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 # faster so; the GDN-sized Q6_K products x0.938-1.052 and the Q4_K ones x0.885-0.917 (BENCHMARKS.md §5b).
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
-Q6_K = 14  # GGMLQuantizationType.Q6_K
 
 
 class MoeConfig(NamedTuple):
@@ -159,22 +159,23 @@ if HAS_TRITON:
     @triton.jit
     def _k45_header(ww_ptr, base, nmask):
         """Q4_K/Q5_K: the first 16 bytes of the super-blocks at byte offsets base [BN] (d, dmin, the 12 scale bytes)
-        as words [BN, 4, 4]: every chunk's thread loads its row's four words with one 16-byte load. (Loaded word by
-        word, and d and dmin as halfwords, they were eight loads per step, each a sector of its own per row: on the
-        H200 the products were bound by L1 wavefronts, BENCHMARKS.md §5b.)"""
+        as its four words, each [BN, 4] (the same for every chunk c): every chunk's thread loads its row's words with
+        one 16-byte load. (Loaded word by word, and d and dmin as halfwords, they were eight loads per step, each a
+        sector of its own per row: on the H200 the products were bound by L1 wavefronts, BENCHMARKS.md §5b.)"""
         v = tl.arange(0, 4)[None, None, :]
         c = tl.arange(0, 4)[None, :, None]
-        return tl.load(ww_ptr + (base // 4)[:, None, None] + c * 0 + v, mask=nmask[:, None, None], other=0)
+        hdr = tl.load(ww_ptr + (base // 4)[:, None, None] + c * 0 + v, mask=nmask[:, None, None], other=0)
+        # the word axis is inside each thread: these sums are register picks
+        return (tl.sum(tl.where(v == 0, hdr, 0), axis=2), tl.sum(tl.where(v == 1, hdr, 0), axis=2),
+                tl.sum(tl.where(v == 2, hdr, 0), axis=2), tl.sum(tl.where(v == 3, hdr, 0), axis=2))
 
     @triton.jit
-    def _k45_scales(hdr, S: tl.constexpr):
-        """(d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from the header words hdr [BN, 4, 4]."""
-        v = tl.arange(0, 4)[None, None, :]
-        w0 = tl.sum(tl.where(v == 0, hdr, 0), axis=2)  # the word axis is inside each thread: register picks
+    def _k45_scales(w0, w1, w2, w3, S: tl.constexpr):
+        """(d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from the header's words (_k45_header)."""
         j = 2 * tl.arange(0, 4)[None, :] + S
-        a = _byte(tl.sum(tl.where(v == 1, hdr, 0), axis=2), j % 4)
-        b = _byte(tl.sum(tl.where(v == 2, hdr, 0), axis=2), j % 4)
-        e = _byte(tl.sum(tl.where(v == 3, hdr, 0), axis=2), j % 4)
+        a = _byte(w1, j % 4)
+        b = _byte(w2, j % 4)
+        e = _byte(w3, j % 4)
         sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
         mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
         d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -209,9 +210,9 @@ if HAS_TRITON:
         base = rowb + kb * (144 if QT == 12 else 176)
         lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
         lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
-        hdr = _k45_header(ww_ptr, base, nmask)
-        dsl, dml = _k45_scales(hdr, 0)
-        dsh, dmh = _k45_scales(hdr, 1)
+        w0, w1, w2, w3 = _k45_header(ww_ptr, base, nmask)
+        dsl, dml = _k45_scales(w0, w1, w2, w3, 0)
+        dsh, dmh = _k45_scales(w0, w1, w2, w3, 1)
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         c2 = tl.arange(0, 4)[None, :]
@@ -633,7 +634,7 @@ def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool
 
 def _default_config(parts: list[Part]) -> QdotConfig:
     """The config of a product by its matrices alone (never by x's row count, which row-exact mode varies)."""
-    if len(parts) == 1 and int(parts[0][1]) == Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
+    if len(parts) == 1 and parts[0][1] == GGMLQuantizationType.Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
         return QDOT_CONFIG_Q6K_HEAD
     return QDOT_CONFIG
 
