@@ -38,13 +38,14 @@ def _calls(which: set[str]) -> list:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             raw = _quantized(qt, n, k, seed=1)
             calls.append((name, lambda x=x, raw=raw, qt=qt, n=n: qdot_matmul_triton(x, raw, int(qt), n)))
-    for t in (1, 6):
-        if f"experts{t}" in which:
-            gate, up, down = expert_blocks(T.Q4_K, T.Q5_0)
-            ti, tw = expert_routes(t)[0]
-            h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
-            parts = ((gate, int(T.Q4_K)), (up, int(T.Q4_K)), (down, int(T.Q5_0)))
-            calls.append((f"experts{t}", lambda h=h, ti=ti, tw=tw, parts=parts: qdot_moe_few_triton(h, ti, tw, *parts)))
+    tokens = [t for t in (1, 6) if f"experts{t}" in which]
+    if tokens:  # one set of expert blocks for every token count
+        gate, up, down = expert_blocks(T.Q4_K, T.Q5_0)
+        parts = ((gate, int(T.Q4_K)), (up, int(T.Q4_K)), (down, int(T.Q5_0)))
+    for t in tokens:
+        ti, tw = expert_routes(t)[0]
+        h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        calls.append((f"experts{t}", lambda h=h, ti=ti, tw=tw: qdot_moe_few_triton(h, ti, tw, *parts)))
     if "mixer" in which:
         sd = MIX_STREAMS * HIDDEN
         xn = torch.randn(1, sd, device="cuda", dtype=torch.bfloat16)
@@ -65,19 +66,18 @@ SUMMARY = {"Duration": "µs", "DRAM Throughput": "DRAM %", "L1/TEX Cache Through
 
 def summarize(log: Path) -> str:
     """One markdown row per kernel launch of an `ncu --log-file` text: its grid and the SUMMARY metrics."""
-    rows = ["| kernel (grid) | " + " | ".join(SUMMARY.values()) + " |", "|---|" + "---:|" * len(SUMMARY)]
-    name, vals = "", {}
-    for line in [*log.read_text().splitlines(), "  END (0)x(0), Context"]:
+    launches: list[tuple[str, dict[str, str]]] = []
+    for line in log.read_text().splitlines():
         head = re.match(r"  (\S+) (\([\d, ]+\))x\([\d, ]+\), Context", line)
         if head:
-            if name:
-                rows.append(f"| {name} | " + " | ".join(vals.get(k, "-") for k in SUMMARY) + " |")
-            name, vals = f"{head[1]} {head[2]}", {}
+            launches.append((f"{head[1]} {head[2]}", {}))
             continue
         for metric in SUMMARY:
             m = re.match(rf"\s+{re.escape(metric)}\s+\S+\s+([\d.,]+)$", line)
-            if m and metric not in vals:
-                vals[metric] = m[1]
+            if m and launches and metric not in launches[-1][1]:
+                launches[-1][1][metric] = m[1]
+    rows = ["| kernel (grid) | " + " | ".join(SUMMARY.values()) + " |", "|---|" + "---:|" * len(SUMMARY)]
+    rows += [f"| {name} | " + " | ".join(vals.get(k, "-") for k in SUMMARY) + " |" for name, vals in launches]
     return "\n".join(rows)
 
 
