@@ -75,9 +75,10 @@ def batches(ids: torch.Tensor, batch: int, length: int, rng: random.Random) -> I
         yield torch.stack([ids[s:s + length + 1] for s in starts])
 
 
-def dense_indexer(self, hidden_states, position_embeddings, attention_mask, cache):  # noqa: ANN001, ANN201
+def dense_indexer(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):  # noqa: ANN001, ANN003, ANN201, ARG001
     """The QSA indexer when its budget covers the whole context: every visible token is selected (what the
-    reference computes then, without its per-query Python loop)."""
+    reference computes then, without its per-query Python loop). The keyword arguments the attention forwards
+    (`output_router_logits` and the like, which vary between transformers releases) do not change that."""
     if hidden_states.shape[1] > self.token_budget:
         raise ValueError("dense_indexer: the context exceeds the indexer budget")
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
