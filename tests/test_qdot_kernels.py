@@ -230,7 +230,8 @@ def test_interp_stacked_products_quantize_x_once(K: int, rows: tuple[int, int, i
 @pytest.mark.parametrize("T_", [1, 3])
 def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType, T_: int) -> None:
     """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step),
-    D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled configs give the same bits."""
+    D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled configs and the default's
+    program shape give the same bits."""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
     E, Fd, D, k = 5, 96, 768, 2
@@ -240,7 +241,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    for cfg in ((32, 4, 2), (32, 4, 2, 16, 3)) if T_ == 1 else ((32, 4, 3),):
+    for cfg in ((32, 4, 2, 16, 3), None) if T_ == 1 else ((32, 4, 3),):  # None: QDOT_MOE_CONFIG, the default
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
