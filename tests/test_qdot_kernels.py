@@ -249,6 +249,25 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= LOOSE
 
 
+@interp
+def test_interp_qdot_moe_split_gate_up() -> None:
+    """Gate/up's K (D = 768: three 256-weight steps) in shares of 2 + 1 or 1 + 1 + 1 steps, their partial sums added
+    and silu-ed by the act quantizer: the unsplit numbers to f32 rounding; within a split, any unroll gives the same
+    bits. (Narrow experts, F = 32, keep the interpreter's work small.)"""
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+
+    E, Fd, D, k = 3, 32, 768, 2
+    gate, up, down = qweight(T.Q4_K, (E, Fd, D), 70), qweight(T.Q6_K, (E, Fd, D), 71), qweight(T.Q8_0, (E, D, Fd), 72)
+    h = torch.randn(2, D, generator=torch.Generator().manual_seed(73))
+    top_i, top_w = routing(2, E, k, seed=74)
+    parts = ((gate.raw, int(T.Q4_K)), (up.raw, int(T.Q6_K)), (down.raw, int(T.Q8_0)))
+    want = qdot_moe_few_torch(h, top_i, top_w, *parts)
+    for splits in (2, 3):
+        got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 64, 1, splits))
+        assert rel_err(got, want) <= MOE_TIGHT, splits
+        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2, 64, 1, splits)), got)
+
+
 def _route_then_quantize(T_: int, E: int, D: int, Fd: int, k: int, device: str) -> None:
     """The routing kernel with the token rows to quantize in its launch: the same routing, bit for bit, as without
     them, the rows quantized exactly as the quantizer's own launch does, and the routed experts reading them give
@@ -344,9 +363,11 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         # Q4_K and Q5_K, 24b0225): the same numbers to rounding, not the same bits; the output is bf16, so an element
         # can also round to the neighbouring bf16 value (one at the largest element is 2^-8 of it: seen at Q4_K/Q5_0,
         # 4647467)
-        for cfg in ((8, 2, 5, 16, 3), (16, 4, 10, 32, 3)):
+        for cfg in ((8, 2, 5, 16, 3), (16, 4, 10, 32, 3), (4, 1, 5, 16, 3, 2), (4, 1, 2, 16, 3, 5)):
             got_cfg = qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg)
             assert rel_err(got_cfg, yb) <= MOE_TIGHT + 2.0 ** -8, (T_, cfg)
+        # gate/up's K in five shares (the act quantizer adds them): another unroll inside a share, the same bits
+        assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 1, 16, 3, 5)), got_cfg), T_
 
 
 @pytest.mark.cuda

@@ -25,7 +25,9 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
 every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
 blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
-`_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down).
+`_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down; with
+MoeConfig.splits > 1 gate/up's K runs in shares, a program each, whose partial sums `_act_quant_kernel` adds in a
+fixed order before the silu and the quantization).
 A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
 (`qdot_stacked_triton`) share its quantize launch, and two of them of different types share the product's launch
 and the sum's (each part keeps its own split of K, so its numbers do not change).
@@ -86,6 +88,9 @@ class MoeConfig(NamedTuple):
     unroll: int = 1  # 256-weight steps per loop iteration (gate's and up's steps alternate: twice the bytes in flight)
     down_rows: int = 0  # down's weight rows per program (0: rows)
     down_unroll: int = 0  # down's steps per loop iteration (0: unroll; its K, the experts' width, is a few steps)
+    splits: int = 1  # gate/up's K (the model width) in this many shares, a program each; the act quantizer adds
+    # their partial sums in share order (more, shorter programs for a few-token step; the split depends on the
+    # matrices only, so a row's numbers do not depend on the token count)
 
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
@@ -114,6 +119,12 @@ if HAS_TRITON:
         i = tl.arange(0, 32)
         bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+        _quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB)
+
+    @triton.jit
+    def _quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB: tl.constexpr):
+        """f32 blocks x [BB, 32] (blocks b of row m, those in bmask stored) quantized as quant_x_blocks says."""
+        i = tl.arange(0, 32)
         q, d = round_q8(x)
         tl.store(q_ptr + m * KB * 32 + b[:, None] * 32 + i[None, :], q.to(tl.int8), mask=bmask[:, None])
         tl.store(d_ptr + m * KB + b, d, mask=bmask)
@@ -416,22 +427,22 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
-                          bw_ptr, brow, nmask, K, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
+                          bw_ptr, brow, nmask, K, kb_lo, kb_hi, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
                           ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
-        """Two one-x-row products over all of K in one loop, [1, BN] each: _qdot_rows of the weight rows a (type QA,
-        byte offsets arow) and b (QB, brow), each step of a followed by the same step of b, so twice the bytes are
-        in flight per iteration; each product adds its steps in _qdot_rows's order, so the results are its bits."""
+        """Two one-x-row products over the 256-weight steps kb_lo .. kb_hi - 1 in one loop, [1, BN] each: _qdot_rows
+        of the weight rows a (type QA, byte offsets arow) and b (QB, brow), each step of a followed by the same step
+        of b, so twice the bytes are in flight per iteration; each product adds its steps in _qdot_rows's order, so
+        the results are its bits."""
         acc_a = _acc_zeros(1, BN, QA)
         acc_b = _acc_zeros(1, BN, QB)
-        steps = tl.cdiv(K, 256)
-        kb_main = steps // UNROLL * UNROLL
-        for kb0 in range(0, kb_main, UNROLL):
+        kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
+        for kb0 in range(kb_lo, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
                 acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
                                    arow, nmask, K, kb0 + u, 1, 1, QA, ASM)
                 acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
                                    brow, nmask, K, kb0 + u, 1, 1, QB, ASM)
-        for kb in range(kb_main, steps):
+        for kb in range(kb_main, kb_hi):
             acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow,
                                nmask, K, kb, 1, 1, QA, ASM)
             acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr, brow,
@@ -491,20 +502,50 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
-                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, BN: tl.constexpr,
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, STEPS, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             PDL: tl.constexpr = False):
+                             SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
-        e = top_i[t, j]; gate's and up's steps alternate in one loop."""
+        e = top_i[t, j]; gate's and up's steps alternate in one loop. SPLIT: program_id(2) = share s takes STEPS
+        steps of D and stores its partial sums of gate and up to act [S, pairs, 2, F] (_act_quant_kernel adds
+        them)."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
         xg = xg_ptr + t * (D // 16)
         grow, urow = e * g_e + f.to(tl.int64) * g_f, e * u_e + f.to(tl.int64) * u_f
+        if SPLIT:
+            kb_lo = tl.program_id(2) * STEPS
+            kb_hi = tl.minimum(kb_lo + STEPS, tl.cdiv(D, 256))
+        else:
+            kb_lo = 0
+            kb_hi = tl.cdiv(D, 256)
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
-                                 urow, fmask, D, BN, QG, QU, ASM, UNROLL)
-        a = g / (1.0 + tl.exp(-g)) * u
-        tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+                                 urow, fmask, D, kb_lo, kb_hi, BN, QG, QU, ASM, UNROLL)
+        if SPLIT:
+            row = (tl.program_id(2) * tl.num_programs(1) + pair) * 2
+            tl.store(act_ptr + row * F + f[None, :], g, mask=fmask[None, :])
+            tl.store(act_ptr + (row + 1) * F + f[None, :], u, mask=fmask[None, :])
+        else:
+            a = g / (1.0 + tl.exp(-g)) * u
+            tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
+
+    @triton.jit
+    def _act_quant_kernel(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, F, S, BB: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (pair, block chunk): act = silu(gate) * up from the S shares' partial sums p [S, pairs, 2, F]
+        (added in share order), quantized as quant_x_blocks does (launched without FMA fusion, as it is)."""
+        pdl_start(PDL)
+        pair = tl.program_id(0)
+        b = tl.program_id(1) * BB + tl.arange(0, BB)
+        bmask = b < F // 32
+        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        g = tl.zeros([BB, 32], dtype=tl.float32)
+        u = tl.zeros([BB, 32], dtype=tl.float32)
+        for s in range(0, S):
+            row = (s * tl.num_programs(0) + pair) * 2
+            g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0)
+            u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0)
+        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
@@ -663,8 +704,8 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
                         hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
     as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG).
-    Four launches: quantize h, gate/up, quantize the f32 act, down; three with hquant, h quantized already (as
-    quantize_x_triton returns it)."""
+    Four launches: quantize h, gate/up, quantize the f32 act (with config.splits > 1: add gate's and up's partial
+    sums, silu and quantize), down; three with hquant, h quantized already (as quantize_x_triton returns it)."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
@@ -676,15 +717,34 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
         hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     elif hquant[0].shape != (T_, D // 4):
         raise ValueError(f"qdot_moe_few: h {tuple(h.shape)}, quantized h words {tuple(hquant[0].shape)}")
-    act = torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
+    splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits)
+    act = torch.empty(splits, T_ * k, 2, F, dtype=torch.float32, device=h.device) if splits > 1 else \
+        torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
-    _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k)](
+    _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k, splits)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), BN=cfg.rows, QG=int(gq), QU=int(uq), **kw,
+        ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq), QU=int(uq), SPLIT=splits > 1, **kw,
         **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
     _qdot_down_kernel[(triton.cdiv(D, down_rows), T_ * k)](
-        *quantize_x_triton(act), top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0),
-        dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
+        *(_act_quantize(act) if splits > 1 else quantize_x_triton(act)), top_i, top_w, *_views(dr), y, D, F, k,
+        top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq),
+        OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
     return y
+
+
+def _split_shares(steps: int, splits: int) -> tuple[int, int]:
+    """(shares, steps per share) of `steps` 256-weight steps in about `splits` shares, none empty."""
+    share = triton.cdiv(steps, max(1, splits))
+    return triton.cdiv(steps, share), share
+
+
+def _act_quantize(partial: torch.Tensor) -> QuantizedX:
+    """silu(gate) * up from the shares' partial sums [S, pairs, 2, F], quantized as quantize_x_triton quantizes."""
+    S, pairs, _, F = partial.shape
+    q, d, s, g = quantized_x_buffers(pairs, F, partial.device)
+    bb = quant_chunk(F)
+    _act_quant_kernel[(pairs, triton.cdiv(F // 32, bb))](partial, q, d, s, g, F, S, BB=bb, num_warps=4,
+                                                         enable_fp_fusion=False, **pdl_launch(partial))
+    return q.view(torch.int32), d, s, g
