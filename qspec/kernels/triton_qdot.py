@@ -613,9 +613,7 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, 
     want = per_sm * _sm_count(x)
     if want == 0:
         return 1, steps
-    split = 1 if blocks >= want else min(steps, triton.cdiv(want, blocks))
-    share = triton.cdiv(steps, split)
-    return triton.cdiv(steps, share), share
+    return _split_shares(steps, 1 if blocks >= want else min(steps, triton.cdiv(want, blocks)))
 
 
 Part = tuple[torch.Tensor, int]  # a block matrix: (raw blocks [N, row_bytes], GGML type)
