@@ -226,6 +226,29 @@ def test_interp_stacked_products_quantize_x_once(K: int, rows: tuple[int, int, i
 
 
 @interp
+def test_interp_split_sums_in_the_product_launch() -> None:
+    """A split product's partial sums added by each row block's last program (SUM_IN_PRODUCT) equal those added by
+    the sum launch, bit for bit: one part split in 3 shares beside one not split (its programs write the output
+    directly), one part alone; and every arrival counter is back at 0 after each launch."""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.triton_qdot import _split, qdot_stacked_triton
+
+    K, cfg = 768, (8, 4, 2, 1)  # 8 programs wanted: 8 rows split K in 3 shares, 64 rows (8 blocks) do not
+    ws = [qweight(T.Q5_K, (8, K), 70), qweight(T.Q4_K, (64, K), 71)]
+    assert [_split(w.shape[0], K, 8, 2, torch.empty(0))[0] for w in ws] == [3, 1]
+    x = torch.randn(2, K).bfloat16()
+    for parts in ([(w.raw, int(w.qtype)) for w in ws], [(ws[0].raw, int(T.Q5_K))]):
+        with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+            apart = qdot_stacked_triton(x, parts, cfg)
+        here = qdot_stacked_triton(x, parts, cfg)
+        assert torch.equal(here, apart)
+        assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
+    ref = torch.cat([qdot_matmul_torch(x.float(), w.raw, int(w.qtype), w.shape[0], K) for w in ws], dim=-1)
+    assert rel_err(qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws], cfg), ref) <= TOL16[torch.bfloat16]
+
+
+@interp
 @pytest.mark.parametrize("gt,dt", [(T.Q4_K, T.Q5_0), (T.Q6_K, T.Q8_0), (T.Q5_K, T.Q4_0)])
 @pytest.mark.parametrize("T_", [1, 3])
 def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType, T_: int) -> None:
@@ -374,7 +397,8 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
 @pytest.mark.cuda
 def test_cuda_stacked_pair_real_shapes() -> None:
     """A Q4_K_M GDN input stack (qkv 10,240 rows in Q5_K, 6,240 in Q4_K, K = 2,560; their splits of K differ): both
-    parts in one launch equal each part's own launch, bit for bit, and the int8 reference."""
+    parts in one launch equal each part's own launch, bit for bit, and the int8 reference; the partial sums added in
+    the product's launch equal those of a sum launch, also when replayed in a CUDA graph."""
     from qspec.kernels import triton_qdot
     from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import qdot_stacked_triton
@@ -386,5 +410,19 @@ def test_cuda_stacked_pair_real_shapes() -> None:
     y = qdot_stacked_triton(x, parts)
     with module_flag(triton_qdot.__name__, "PAIR_PARTS", False):
         assert torch.equal(qdot_stacked_triton(x, parts), y)
+    with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+        assert torch.equal(qdot_stacked_triton(x, parts), y), "the partial sums added by a launch of their own"
     ref = torch.cat([qdot_matmul_torch(x.float(), w.raw, int(w.qtype), w.shape[0], K) for w in ws], dim=-1)
     assert rel_err(y, ref) <= TOL16[torch.bfloat16]
+    # in a CUDA graph, replayed: each replay finds the arrival counters at 0 again
+    out = torch.empty_like(y)
+    qdot_stacked_triton(x, parts)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(qdot_stacked_triton(x, parts))
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, y)
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())

@@ -5,8 +5,9 @@
     python -m qspec.bench.qkernels --qdot-sweep # configs of the int8-activation kernels, dp4a against its emulation
     python -m qspec.bench.qkernels --qdot-one-row  # the one-row int8 product: loop unrolling, split-K, tiles
     python -m qspec.bench.qkernels --expand     # only the block expansion of prefill, step tiles against runs
-    python -m qspec.bench.qkernels --shared-launches  # two types of a GDN input stack, the routing with h's
-                                                      # quantization: in one launch each or two
+    python -m qspec.bench.qkernels --shared-launches  # split products' partial sums, two types of a GDN input
+                                                      # stack, the routing with h's quantization: in one launch
+                                                      # each or two
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -372,6 +373,30 @@ def bench_stacked(rows: list[tuple], reps: int = 5) -> None:
             _row(rows, f"{'pair' if paired else 'apart'} r{rep}", "mix", shape, us, nbytes, bf_us, n * k * 2)
 
 
+# one-row products that split K at the model's shapes (shares on the H200: 6, 10, 3, 2) and their Q4_K_M types
+SPLIT_SUM_SHAPES = (("gdn_out", T.Q4_K), ("router_shared", T.Q4_K), ("expert_down", T.Q5_0), ("qsa_in", T.Q4_K))
+
+
+def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
+    """One-row products that split K with their partial sums added in the product's launch (triton_qdot.SUM_IN_PRODUCT)
+    against a sum launch of their own, alternated `reps` times in this process (the same x and weight copies)."""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
+
+    shapes = dict(SHAPES, expert_down=(HIDDEN, EXPERT_FF))
+    for name, qt in SPLIT_SUM_SHAPES:
+        n, k = shapes[name]
+        x, bf_us = _bf16_matvec(1, n, k)
+        raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+        nbytes = raws[0].numel() + (k + n) * 2
+        for rep in range(reps):
+            for here in (True, False):
+                with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", here):
+                    us = graph_us([partial(triton_qdot.qdot_matmul_triton, x, r, int(qt), n) for r in raws])
+                _row(rows, f"{'here' if here else 'apart'} r{rep}", qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
+                     n * k * 2)
+
+
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
     """The routing of t tokens (512 experts, top-10) with h's quantization for the routed experts in its launch
     (route.route_top_k_quantized) against the routing then the quantizer's own launch, alternated in this process;
@@ -415,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
     ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
-                    "launches: a Q4_K_M GDN input stack's two types, the routing and h's quantization")
+                    "launches: split products' partial sums, a Q4_K_M GDN input stack's two types, the routing and "
+                    "h's quantization")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -451,6 +477,7 @@ def _run(args: argparse.Namespace) -> int:
         bench_expand(rows)
         return 0
     if args.shared_launches:
+        bench_split_sums(rows)
         bench_stacked(rows)
         bench_route_quantize(rows)
         return 0

@@ -24,13 +24,14 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
 `_qdot_rows` walks K for BN weight rows and M <= MAX_ROWS x rows: each step's weight words are decoded once, then
 every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
 one row at a time and must get the same numbers). `_qdot_mv_kernel` is the product (split over K when the row
-blocks leave SMs idle: f32 partial sums added in a fixed order by `_sum_parts_kernel`); `_qdot_gate_up_kernel` and
+blocks leave SMs idle: f32 partial sums added in a fixed order by the block's last program to finish, or by
+`_sum_parts_kernel` a launch later); `_qdot_gate_up_kernel` and
 `_qdot_down_kernel` are the routed experts (h quantized once, the f32 silu(g) * u quantized again before down; with
 MoeConfig.splits > 1 gate/up's K runs in shares, a program each, whose partial sums `_act_quant_kernel` adds in a
 fixed order before the silu and the quantization).
-A product is thus up to three launches (quantize x, the product, the partial sums); the products of one x
+A product is thus two launches (quantize x, the product; three with the partial sums apart); the products of one x
 (`qdot_stacked_triton`) share its quantize launch, and two of them of different types share the product's launch
-and the sum's (each part keeps its own split of K, so its numbers do not change).
+and the sum's if apart (each part keeps its own split of K, so its numbers do not change).
 
 Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
 the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
@@ -47,12 +48,13 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -103,6 +105,12 @@ QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 # Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
 # product and one sum launch per part (A/B runs). The numbers are the same either way.
 PAIR_PARTS = True
+# A product that splits K adds its partial sums in its own launch: the program of a row block that finishes last (an
+# atomic arrival count per block) adds the block's shares in split order; False: a second launch adds them
+# (_sum_parts_kernel; A/B runs). The numbers are the same either way. A module flag (KernelSwitches).
+SUM_IN_PRODUCT = True
+COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 if HAS_TRITON:
     import triton
@@ -450,12 +458,16 @@ if HAS_TRITON:
         return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
-    def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, blk, N, K, STEPS, S,
-                      w_n, y_s, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                      ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr):
+    def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, blk, N, K,
+                      STEPS, S, w_n, p_s, p_m, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
+                      QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr,
+                      PARTS: tl.constexpr, SUM_HERE: tl.constexpr):
         """Row block blk, split program_id(1) (< S: a part with fewer splits than the grid leaves the rest idle) of
-        one block matrix: steps split*STEPS .. of K for BN weight rows and all M x rows -> the output (one split) or
-        the split's f32 partial sums (y_s: a split's stride); y_ptr points at the part's first column."""
+        one block matrix: steps split*STEPS .. of K for BN weight rows and all M x rows -> the output y, or (PARTS:
+        the launch splits K) the split's f32 partial sums p [S, M, p_m] (p_s: a split's stride); y_ptr and p_ptr
+        point at the part's first column. SUM_HERE: the split's program that arrives last at the block's counter
+        c_ptr[0] adds the partial sums in split order into y and resets the counter (and a part not split writes y
+        directly); else _sum_parts_kernel adds them, a launch later."""
         if tl.program_id(1) < S:
             n = blk * BN + tl.arange(0, BN)
             nmask = n < N
@@ -464,27 +476,51 @@ if HAS_TRITON:
             acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
                              n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
             im = tl.arange(0, MP)
-            out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
-            tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
+            mask = (im[:, None] < M) & nmask[None, :]
+            if not PARTS or (SUM_HERE and S == 1):
+                tl.store(y_ptr + im[:, None] * y_m + n[None, :], round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty),
+                         mask=mask)
+            else:
+                part = p_ptr + im[:, None] * p_m + n[None, :]
+                tl.store(part + tl.program_id(1) * p_s, acc, mask=mask)
+                if SUM_HERE:
+                    _sum_if_last(part, c_ptr, y_ptr + im[:, None] * y_m + n[None, :], mask, S, p_s, OUT_DT)
+
+    @triton.jit
+    def _sum_if_last(part, c_ptr, out, mask, S, p_s, OUT_DT: tl.constexpr):
+        """Count this split's arrival at c_ptr[0]; the last of the S adds the partial sums part[s * p_s] in split
+        order (as _sum_parts_kernel does) into out and sets the counter back to 0 for the next launch. Every thread's
+        partial-sum stores happen before the count (barrier, then a release), and the last program's loads after it
+        (acquire; .cg reads L2, where the other SMs' stores are)."""
+        tl.debug_barrier()
+        if tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu") == S - 1:
+            acc = tl.zeros(part.shape, dtype=tl.float32)
+            for s in range(0, S):
+                acc = acc + tl.load(part + s * p_s, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, round_to(acc, OUT_DT).to(out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
-                        y_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, y_s, y_m,
+                        y_ptr, p_ptr, c_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, p_s, y_m,
                         M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
                         TWO: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
-                        PDL: tl.constexpr = False):
+                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row block, split) of one block matrix A, or (TWO) of two that multiply the same x, each its own
         type, in one launch: row blocks 0 .. BLOCKS_A - 1 are A's (columns 0 .. NA - 1 of the output), the rest
         B's (columns NA ..); each part keeps the split of K it would have alone (S_A / S_B shares of STEPS_A /
-        STEPS_B steps), so its numbers are those of its own launch."""
+        STEPS_B steps), so its numbers are those of its own launch. PARTS: partial sums p [S, M, NA + NB]; c_ptr: a
+        zeroed arrival counter per row block (SUM_HERE)."""
         pdl_start(PDL)
         blk = tl.program_id(0)
         if TWO and blk >= BLOCKS_A:
-            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr, y_ptr + NA, blk - BLOCKS_A,
-                          NB, K, STEPS_B, S_B, wb_n, y_s, y_m, M, MP, BN, QB, ASM, OUT_DT, UNROLL)
+            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr, y_ptr + NA, p_ptr + NA,
+                          c_ptr + blk, blk - BLOCKS_A, NB, K, STEPS_B, S_B, wb_n, p_s, NA + NB, y_m, M, MP, BN,
+                          QB, ASM, OUT_DT, UNROLL, PARTS, SUM_HERE)
         else:
-            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, y_ptr, blk, NA, K, STEPS_A,
-                          S_A, wa_n, y_s, y_m, M, MP, BN, QA, ASM, OUT_DT, UNROLL)
+            _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, y_ptr, p_ptr, c_ptr + blk,
+                          blk, NA, K, STEPS_A, S_A, wa_n, p_s, NA + NB, y_m, M, MP, BN, QA, ASM, OUT_DT, UNROLL,
+                          PARTS, SUM_HERE)
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, NA, S_B, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
@@ -633,19 +669,41 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
     split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y)
     split_b, share_b = _split(nb, K, cfg.rows, cfg.per_sm, y) if two else (split_a, share_a)
     splits = max(split_a, split_b)
-    out = y if splits == 1 else torch.empty(splits, M, n, dtype=torch.float32, device=y.device)
     blocks_a = triton.cdiv(na, cfg.rows)
-    _qdot_mv_kernel[(blocks_a + triton.cdiv(nb, cfg.rows), splits)](
-        *xquant, *_views(ra), *_views(rb), out, K, na, nb, blocks_a, share_a, share_b, split_a, split_b,
-        ra.stride(0), rb.stride(0), out.stride(0) if splits > 1 else 0, out.stride(-2),
+    blocks = blocks_a + triton.cdiv(nb, cfg.rows)
+    parts = torch.empty(splits, M, n, dtype=torch.float32, device=y.device) if splits > 1 else y
+    sum_here = splits > 1 and SUM_IN_PRODUCT and blocks <= COUNTER_SLOTS
+    _qdot_mv_kernel[(blocks, splits)](
+        *xquant, *_views(ra), *_views(rb), y, parts, _arrival_counters(y) if sum_here else parts, K, na, nb,
+        blocks_a, share_a, share_b, split_a, split_b, ra.stride(0), rb.stride(0), parts.stride(0), y.stride(0),
         M=M, MP=next_pow2(M), BN=cfg.rows, QA=int(qa), QB=int(qb), TWO=two, ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype) if splits == 1 else tl.float32, UNROLL=cfg.unroll, num_warps=cfg.warps,
+        OUT_DT=tl_dtype(y.dtype), UNROLL=cfg.unroll, PARTS=splits > 1, SUM_HERE=sum_here, num_warps=cfg.warps,
         **pdl_launch(y))
-    if splits > 1:
+    if splits > 1 and not sum_here:
         block = 1024
-        _sum_parts_kernel[(triton.cdiv(M * n, block),)](out, y, split_a, M * n, n, y.stride(0), na, split_b,
+        _sum_parts_kernel[(triton.cdiv(M * n, block),)](parts, y, split_a, M * n, n, y.stride(0), na, split_b,
                                                          BLOCK=block, OUT_DT=tl_dtype(y.dtype), num_warps=4,
                                                          **pdl_launch(y))
+
+
+def sums_in_product_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, SUM_IN_PRODUCT is `on` (EngineOptions.sums_in_product; the runner sets it around every
+    step)."""
+    return module_flag(__name__, "SUM_IN_PRODUCT", on)
+
+
+def _arrival_counters(y: torch.Tensor) -> torch.Tensor:
+    """The zeroed int32 arrival counters of a split product launched now on y's device and current stream.
+
+    Invariant: between launches every counter is 0 (each block's last program resets its own), so the launches
+    that follow one another on a stream share one buffer; a launch on another stream (the shared expert's side
+    stream) may run at the same time, so each stream has its own. Made on a stream's first split product (in a
+    CUDA graph's capture, its zeroing is captured too, which a replay repeats harmlessly)."""
+    stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
+    key = (y.device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=y.device)
+    return _COUNTERS[key]
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
