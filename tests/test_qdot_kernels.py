@@ -164,6 +164,14 @@ def test_default_config_by_matrix() -> None:
     assert _default_config([(head, int(T.Q6_K)), (small, int(T.Q6_K))]) == QDOT_CONFIG
 
 
+def test_default_moe_config_by_gate_type() -> None:
+    """Q4_K gate/up take their own experts' config (K in shares), other types the general one."""
+    from qspec.kernels.triton_qdot import QDOT_MOE_CONFIG, QDOT_MOE_CONFIG_Q4K, moe_config
+
+    assert moe_config(int(T.Q4_K)) == QDOT_MOE_CONFIG_Q4K and QDOT_MOE_CONFIG_Q4K.splits > 1
+    assert all(moe_config(int(t)) == QDOT_MOE_CONFIG for t in (T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0))
+
+
 @interp
 def test_interp_q6k_head_config() -> None:
     """The Q6_K head's programs (32 rows, two per thread) against the reference, a partial last row block, each
@@ -255,7 +263,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     """The experts through int8 activations; F = 96 makes the down rows three 32-weight blocks (a partial step),
     D = 768 three 256-weight steps (a whole and a partial unrolled iteration). Unrolled configs and the default's
     program shape give the same bits."""
-    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+    from qspec.kernels.triton_qdot import moe_config, qdot_moe_few_triton
 
     E, Fd, D, k = 5, 96, 768, 2
     gate, up, down = qweight(gt, (E, Fd, D), 30), qweight(gt, (E, Fd, D), 31), qweight(dt, (E, D, Fd), 32)
@@ -264,8 +272,12 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     parts = ((gate.raw, int(gt)), (up.raw, int(gt)), (down.raw, int(dt)))
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4))
     assert got.shape == (T_, k, D)
-    for cfg in ((32, 4, 2, 16, 3), None) if T_ == 1 else ((32, 4, 3),):  # None: QDOT_MOE_CONFIG, the default
-        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), got), cfg
+    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2, 16, 3) if T_ == 1 else
+                                           (32, 4, 3)), got)
+    if T_ == 1:  # no config: the gate type's default (moe_config), the bits of its split of K in 32-row programs
+        split = moe_config(int(gt)).splits
+        want = got if split == 1 else qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 16, 3, split))
+        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts), want), split
     # the f32 intermediate is rounded to int8 again before the down product: an element within f32 rounding of a
     # code boundary may land one code apart in kernel and reference (~1e-4 of the output), so not TIGHT here
     assert rel_err(got, qdot_moe_few_torch(h, top_i, top_w, *parts)) <= MOE_TIGHT
@@ -364,7 +376,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
     MOE_TIGHT, the intermediate's requantization may round an element one code differently), the dispatch with bf16 h
     against the f32 reference (LOOSE)."""
     from qspec.kernels.qmatmul import qmoe_few
-    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+    from qspec.kernels.triton_qdot import moe_config, qdot_moe_few_triton
 
     E, Fd, D, k = 512, 640, 2560, 10
     gate, up = qweight(gt, (E, Fd, D), 50, "cuda", 8192), qweight(gt, (E, Fd, D), 51, "cuda", 8192)
@@ -380,7 +392,8 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         assert torch.equal(yb, qdot_moe_few_triton(hb, top_i, twb, *parts)), (T_, "the dispatch takes the int8 kernels")
         assert rel_err(yb, qmoe_few_torch(hb, top_i, twb, gate, up, down)) <= LOOSE, T_
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, asm=False), yb), (T_, "dp4a emulation")
-        for cfg in ((4, 1, 2, 16, 3), (4, 1, 10, 16, 1)):  # the default's programs, other unrolls: the same sums
+        default = moe_config(int(gt))
+        for cfg in (default._replace(unroll=2), default._replace(unroll=1, down_unroll=1)):  # the same sums
             assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=cfg), yb), (T_, cfg)
         # programs of other shapes may add the f32 block sums in another order on the GPU (16 rows, 4 warps: seen at
         # Q4_K and Q5_K, 24b0225): the same numbers to rounding, not the same bits; the output is bf16, so an element

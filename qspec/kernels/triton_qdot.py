@@ -100,6 +100,9 @@ class MoeConfig(NamedTuple):
 # loops, which are gone since). Since the super-block headers take one load, 4-row one-warp programs (twice the
 # programs of 8-row two-warp ones: a one-token step fills under a wave) beat 8 rows by x1.090 at 1 token, x1.076 at 6.
 QDOT_MOE_CONFIG = MoeConfig(4, 1, 5, 16, 3)
+# Q4_K gate/up (every layer of a Q4_K_M file): 8-row one-warp programs with K in two shares (the act quantizer adds
+# them) were faster still, at 1 token and at 6 (BENCHMARKS.md §5b); with Q6_K gate/up they lost at 6 tokens.
+QDOT_MOE_CONFIG_Q4K = MoeConfig(8, 1, 5, 16, 3, 2)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 # Stacked products whose parts differ in type (GDN's input projections in a Q4_K_M file: qkv in Q5_K, the rest
 # Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
@@ -754,19 +757,25 @@ def qdot_stacked_triton(x: torch.Tensor, parts: list[Part],
     return _stacked(x, parts, config, None)
 
 
+def moe_config(gate_type: int) -> MoeConfig:
+    """The routed experts' default config by the gate/up block type (never by the token count)."""
+    return QDOT_MOE_CONFIG_Q4K if gate_type == GGMLQuantizationType.Q4_K else QDOT_MOE_CONFIG
+
+
 def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: tuple[torch.Tensor, int],
                         up: tuple[torch.Tensor, int], down: tuple[torch.Tensor, int],
                         config: tuple | None = None, asm: bool | None = None,
                         hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Weighted slot outputs [T, k, D] in h.dtype through int8 activations (qdot.qdot_moe_few_torch); gate/up/down
-    as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default QDOT_MOE_CONFIG).
+    as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default moe_config(gate's
+    type)).
     Four launches: quantize h, gate/up, quantize the f32 act (with config.splits > 1: add gate's and up's partial
     sums, silu and quantize), down; three with hquant, h quantized already (as quantize_x_triton returns it)."""
     (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
     k = top_i.shape[1]
     F = gr.shape[1]
-    cfg = MoeConfig(*(config or QDOT_MOE_CONFIG))
+    cfg = MoeConfig(*config) if config else moe_config(gate[1])
     kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     if hquant is None:
