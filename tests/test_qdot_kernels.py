@@ -288,7 +288,10 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
 def test_interp_qdot_moe_split_gate_up() -> None:
     """Gate/up's K (D = 768: three 256-weight steps) in shares of 2 + 1 or 1 + 1 + 1 steps, their partial sums added
     and silu-ed by the act quantizer: the unsplit numbers to f32 rounding; within a split, any unroll gives the same
-    bits. (Narrow experts, F = 32, keep the interpreter's work small.)"""
+    bits, and the act quantized inside gate/up's launch or in its own gives the same bits. (Narrow experts, F = 32,
+    keep the interpreter's work small.)"""
+    from qspec.kernels import triton_qdot
+    from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
     E, Fd, D, k = 3, 32, 768, 2
@@ -301,6 +304,13 @@ def test_interp_qdot_moe_split_gate_up() -> None:
         got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 64, 1, splits))
         assert rel_err(got, want) <= MOE_TIGHT, splits
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2, 64, 1, splits)), got)
+    # the act quantized by each 32-feature group's last program (4 row blocks a group, in each of 3 shares) or by
+    # the act quantizer's own launch: the same bits; the counters are left at 0
+    cfg = (8, 1, 1, 64, 1, 3)
+    with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+        apart = qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg)
+    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), apart)
+    assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
 
 
 def _route_then_quantize(T_: int, E: int, D: int, Fd: int, k: int, device: str) -> None:
