@@ -161,9 +161,8 @@ class KernelOptions:
                                  "the routing and the routed experts (the same kernels, overlapped)",
                                  applies="CUDA, block weights", arm="shst")
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
-                                   "launch (each row block's last program to finish adds them), and the routed "
-                                   "experts' gate/up so split quantize silu(gate) * up in theirs (off: a second "
-                                   "launch each)", applies="CUDA, block weights", arm="ssum")
+                                   "launch (each row block's last program to finish adds them; off: a second "
+                                   "launch)", applies="CUDA, block weights", arm="ssum")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

@@ -307,9 +307,10 @@ def test_interp_qdot_moe_split_gate_up() -> None:
     # the act quantized by each 32-feature group's last program (4 row blocks a group, in each of 3 shares) or by
     # the act quantizer's own launch: the same bits; the counters are left at 0
     cfg = (8, 1, 1, 64, 1, 3)
-    with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
-        apart = qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg)
-    assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), apart)
+    with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True):
+        with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+            apart = qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg)
+        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), apart)
     assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
 
 

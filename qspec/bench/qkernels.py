@@ -399,7 +399,8 @@ def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
 
 def bench_moe_act_quantize(rows: list[tuple], reps: int = 2) -> None:
     """The routed experts of Q4_K gate/up (their default: K in shares) with the act quantized in gate/up's launch
-    (SUM_IN_PRODUCT) against its own launch, 1 and 6 tokens, alternated `reps` times in this process."""
+    (ACT_QUANT_IN_GATE_UP with SUM_IN_PRODUCT) against its own launch, 1 and 6 tokens, alternated `reps` times in
+    this process."""
     from qspec.kernels import triton_qdot
     from qspec.kernels.triton_common import module_flag
 
@@ -407,7 +408,8 @@ def bench_moe_act_quantize(rows: list[tuple], reps: int = 2) -> None:
         for rep in range(reps):
             for here in (True, False):
                 r: list[tuple] = []
-                with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", here):
+                with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True), \
+                        module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", here):
                     bench_moe(r, (T.Q4_K,), t, quiet=True)
                 row = r[-1]
                 rows.append(row)

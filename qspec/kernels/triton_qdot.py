@@ -109,11 +109,14 @@ QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 # product and one sum launch per part (A/B runs). The numbers are the same either way.
 PAIR_PARTS = True
 # A product that splits K adds its partial sums in its own launch: the program of a row block that finishes last (an
-# atomic arrival count per block) adds the block's shares in split order; so do the experts' split gate/up launches,
-# per 32-feature group, which then also quantize silu(gate) * up for down. False: a second launch does it
-# (_sum_parts_kernel, _act_quant_kernel; A/B runs). The numbers are the same either way. A module flag
-# (KernelSwitches).
+# atomic arrival count per block) adds the block's shares in split order; False: a second launch adds them
+# (_sum_parts_kernel; A/B runs). The numbers are the same either way. A module flag (KernelSwitches).
 SUM_IN_PRODUCT = True
+# The experts' gate/up launches with K in shares also add the shares and quantize silu(gate) * up for down (each
+# 32-feature group's last program) under SUM_IN_PRODUCT, instead of _act_quant_kernel's launch. Off: not yet run on a
+# GPU (interpreter-tested; `qkernels --shared-launches` times it). On, those launches run without FMA fusion whichever
+# way the act is quantized, so SUM_IN_PRODUCT keeps their bits too.
+ACT_QUANT_IN_GATE_UP = False
 COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -796,8 +799,8 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default moe_config(gate's
     type)).
     Four launches: quantize h, gate/up, quantize the f32 act (with config.splits > 1: add gate's and up's partial
-    sums, silu and quantize; inside gate/up's launch with SUM_IN_PRODUCT), down; one fewer with hquant, h quantized
-    already (as quantize_x_triton returns it)."""
+    sums, silu and quantize; inside gate/up's launch with ACT_QUANT_IN_GATE_UP), down; one fewer with hquant, h
+    quantized already (as quantize_x_triton returns it)."""
     dr, dq = down
     T_, D = h.shape
     k, F = top_i.shape[1], gate[0].shape[1]
@@ -821,22 +824,21 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
 def _gate_up(hquant: QuantizedX, top_i: torch.Tensor, gate: Part, up: Part, cfg: MoeConfig, kw: dict,
              h: torch.Tensor) -> QuantizedX:
     """The experts' gate/up launch -> silu(gate) * up quantized for down: by the act quantizer's launch after it
-    (quantize_x_triton, or _act_quantize adding K's shares), or with K in shares and SUM_IN_PRODUCT, inside it
-    (each 32-feature group's last program). A split launch runs without FMA fusion either way, so both give the
-    same bits (its quantization rounds as quantize_x_torch does)."""
+    (quantize_x_triton, or _act_quantize adding K's shares), or with K in shares, ACT_QUANT_IN_GATE_UP and
+    SUM_IN_PRODUCT, inside it (each 32-feature group's last program)."""
     (gr, gq), (ur, uq) = gate, up
     (T_, D), k, F = h.shape, top_i.shape[1], gr.shape[1]
     pairs = T_ * k
     splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits)
     act = torch.empty(splits, pairs, 2, F, dtype=torch.float32, device=h.device) if splits > 1 else \
         torch.empty(pairs, F, dtype=torch.float32, device=h.device)
-    here = (splits > 1 and SUM_IN_PRODUCT and cfg.rows <= 32 and 32 % cfg.rows == 0
-            and pairs * (F // 32) <= COUNTER_SLOTS)
+    unfused = splits > 1 and ACT_QUANT_IN_GATE_UP  # its quantization must round as quantize_x_torch does
+    here = unfused and SUM_IN_PRODUCT and 32 % cfg.rows == 0 and pairs * (F // 32) <= COUNTER_SLOTS
     actq = quantized_x_buffers(pairs, F, h.device) if here else (act,) * 4
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), pairs, splits)](
         *hquant, top_i, *_views(gr), *_views(ur), act, *actq, _arrival_counters(h) if here else act, D, F, k,
         top_i.stride(0), gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq),
-        QU=int(uq), SPLIT=splits > 1, QUANT_HERE=here, enable_fp_fusion=splits == 1, **kw, **pdl_launch(h))
+        QU=int(uq), SPLIT=splits > 1, QUANT_HERE=here, enable_fp_fusion=not unfused, **kw, **pdl_launch(h))
     if here:
         return actq[0].view(torch.int32), *actq[1:]
     return _act_quantize(act) if splits > 1 else quantize_x_triton(act)
