@@ -120,8 +120,8 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     the shared expert on its side stream (the default) against one stream, plain decoding; MTP5 beside them
     h200-q4km48-shst) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,nospec-1stream:from=nospec,shst=0,ours" ;;
-    #     split products' partial sums (and the split experts' act quantization) in the product's launch (the
-    #     default) against launches of their own, plain decoding, 3 runs each
+    #     split products' partial sums added in the product's launch (the default) against a launch of their own,
+    #     plain decoding, 3 runs each (h200-q4km48-ssum-3ab9df5 ran MTP5 beside them)
     h200-q4km48-ssum) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,ssum=0" ;;
     #     --draft auto with 16-token first plain stretches (the default) against 8, beside plain decoding, at p = 0.5
