@@ -385,8 +385,10 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
 def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizationType) -> None:
     """E = 512 experts of 640 x 2560, top-10, 1..16 tokens: the kernels against the int8 reference (f32 h:
     MOE_TIGHT, the intermediate's requantization may round an element one code differently), the dispatch with bf16 h
-    against the f32 reference (LOOSE)."""
+    against the f32 reference (LOOSE); configs against the default; the act quantized in gate/up's launch."""
+    from qspec.kernels import triton_qdot
     from qspec.kernels.qmatmul import qmoe_few
+    from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import moe_config, qdot_moe_few_triton
 
     E, Fd, D, k = 512, 640, 2560, 10
@@ -416,6 +418,16 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         # gate/up's K in five shares (the act quantizer adds them): another unroll inside a share, the same bits
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 1, 16, 3, 5)),
                            qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 2, 16, 3, 5))), T_
+        # the act quantized in gate/up's launch (ACT_QUANT_IN_GATE_UP; its launches unfused either way): the bits of
+        # the act quantizer's own launch, the default's numbers to rounding, the counters left at 0
+        split = default._replace(splits=2)
+        with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True):
+            with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+                apart = qdot_moe_few_triton(hb, top_i, twb, *parts, config=split)
+            here = qdot_moe_few_triton(hb, top_i, twb, *parts, config=split)
+        assert torch.equal(here, apart) and rel_err(here, yb) <= MOE_TIGHT + 2.0 ** -8, T_
+        torch.cuda.synchronize()
+        assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values()), T_
 
 
 @pytest.mark.cuda
