@@ -588,15 +588,22 @@ if HAS_TRITON:
         tl.debug_barrier()
         if tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1:
             b = group + tl.arange(0, 1)
-            off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-            g = tl.zeros([1, 32], dtype=tl.float32)
-            u = tl.zeros([1, 32], dtype=tl.float32)
-            for s in range(0, S):
-                row = (s * pairs + pair) * 2
-                g += tl.load(p_ptr + row * F + off, cache_modifier=".cg")
-                u += tl.load(p_ptr + (row + 1) * F + off, cache_modifier=".cg")
-            _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, b >= 0, F // 32, 1)
+            _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, pairs, b, b >= 0, F, S, 1, ".cg")
             tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, pairs, b, bmask, F, S, BB: tl.constexpr,
+                       CACHE: tl.constexpr):
+        """Blocks b of `pair`'s act = silu(gate) * up, gate and up the S shares' partial sums p [S, pairs, 2, F]
+        added in share order, quantized as quant_x_blocks does (callers launch without FMA fusion)."""
+        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        g = tl.zeros([BB, 32], dtype=tl.float32)
+        u = tl.zeros([BB, 32], dtype=tl.float32)
+        for s in range(0, S):
+            row = (s * pairs + pair) * 2
+            g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0, cache_modifier=CACHE)
+            u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0, cache_modifier=CACHE)
+        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
 
     @triton.jit
     def _act_quant_kernel(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, F, S, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -605,15 +612,7 @@ if HAS_TRITON:
         pdl_start(PDL)
         pair = tl.program_id(0)
         b = tl.program_id(1) * BB + tl.arange(0, BB)
-        bmask = b < F // 32
-        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-        g = tl.zeros([BB, 32], dtype=tl.float32)
-        u = tl.zeros([BB, 32], dtype=tl.float32)
-        for s in range(0, S):
-            row = (s * tl.num_programs(0) + pair) * 2
-            g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0)
-            u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0)
-        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
+        _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, tl.num_programs(0), b, b < F // 32, F, S, BB, "")
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
