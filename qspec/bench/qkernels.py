@@ -8,6 +8,7 @@
     python -m qspec.bench.qkernels --shared-launches  # split products' partial sums, two types of a GDN input
                                                       # stack, the routing with h's quantization: in one launch
                                                       # each or two
+    python -m qspec.bench.qkernels --head-planes  # the Q6_K LM head in planes against the file's order
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -417,6 +418,35 @@ def bench_moe_act_quantize(rows: list[tuple], reps: int = 2) -> None:
                       f"{row[4]:.0f} GB/s", flush=True)
 
 
+# the Q6_K LM head's one-row configs timed in planes besides the default (rows, warps, programs per SM, unroll)
+HEAD_PLANES_CONFIGS = ((16, 2, 8, 2), (32, 4, 8, 2), (32, 2, 8, 4), (64, 4, 8, 2))
+
+
+def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
+    """The Q6_K LM head (248,320 x 2,560) with its rows in planes (QuantWeight.to_planes) against the file's order,
+    alternated `reps` times in this process: one row through the int8 kernel (the head's default config, and
+    HEAD_PLANES_CONFIGS in planes), six rows through the tensor-core kernel."""
+    from qspec.kernels.triton_qdot import QDOT_CONFIG_Q6K_HEAD, qdot_matmul_triton
+    from qspec.kernels.triton_qmatmul import qmm_triton
+    from qspec.weights.qweight import Q6_K_PLANES, QuantWeight
+
+    n, k = SHAPES["lm_head"]
+    blocks = [_quantized(T.Q6_K, n, k, seed=i) for i in range(_copies(n * k))]
+    planes = [QuantWeight(r, T.Q6_K, (n, k)).to_planes().raw for r in blocks]
+    layouts = (("file", blocks, int(T.Q6_K)), ("planes", planes, Q6_K_PLANES))
+    for m in (1, 6):
+        x, bf_us = _bf16_matvec(m, n, k)
+        for rep in range(reps):
+            for name, raws, code in layouts:
+                nbytes = raws[0].numel() + m * (k + n) * 2
+                cfgs = (QDOT_CONFIG_Q6K_HEAD, *HEAD_PLANES_CONFIGS) if code == Q6_K_PLANES else (QDOT_CONFIG_Q6K_HEAD,)
+                for cfg in cfgs if m == 1 else (None,):
+                    fn = partial(qdot_matmul_triton, config=cfg) if m == 1 else qmm_triton
+                    us = graph_us([partial(fn, x, r, code, n) for r in raws])
+                    label = f"{name} " + ("/".join(map(str, cfg)) if cfg else "tc")
+                    _row(rows, f"{label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
+
+
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
     """The routing of t tokens (512 experts, top-10) with h's quantization for the routed experts in its launch
     (route.route_top_k_quantized) against the routing then the quantizer's own launch, alternated in this process;
@@ -462,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
                     "launches: split products' partial sums, the experts' act quantizer, a Q4_K_M GDN input stack's "
                     "two types, the routing and h's quantization")
+    ap.add_argument("--head-planes", action="store_true", help="only the Q6_K LM head with its rows in planes "
+                    "against the file's order")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -495,6 +527,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.expand:
         bench_expand(rows)
+        return 0
+    if args.head_planes:
+        bench_head_planes(rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)

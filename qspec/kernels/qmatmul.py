@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from qspec.kernels.qdot import QDOT_QTYPES
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.weights.dequant import dequantize
-from qspec.weights.qweight import QuantWeight
+from qspec.weights.qweight import Q6_K_PLANES, QuantWeight, weight_of
 
 MAX_ROWS = 8  # the f32 mat-vec takes up to this many rows
 TC_MAX_ROWS = 16  # the 16-bit tensor-core kernel up to this many; more rows expand the weights by chunks
@@ -44,7 +44,7 @@ INT8_DOT = True
 # experts' kernels, which read a pair's expert once per token, were ahead at 1 and 6 tokens and take up to
 # MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
-_QDOT = frozenset(int(t) for t in QDOT_QTYPES)
+_QDOT = frozenset(int(t) for t in QDOT_QTYPES) | {Q6_K_PLANES}
 # The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
 # contiguous stores); False: triton_qmatmul's step-tile expansion (`dequant_triton`), for A/B runs. Both give
 # dequantize's f32 rounded once (the step tiles up to FMA contraction on the GPU).
@@ -65,7 +65,7 @@ def _int8_for(x: torch.Tensor, *qtypes: int) -> bool:
 def _kernel_takes(qtype: int) -> bool:
     from qspec.kernels.triton_qmatmul import KERNEL_QTYPES
 
-    return qtype in {int(q) for q in KERNEL_QTYPES}
+    return qtype in {int(q) for q in KERNEL_QTYPES} or qtype == Q6_K_PLANES
 
 
 def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -76,7 +76,8 @@ def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def _expand(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of blocks raw [n, row_bytes] -> [n, k] in dtype (the Triton expansion where it runs)."""
+    """Rows of blocks raw [n, row_bytes] (qtype: the kernels' type number) -> [n, k] in dtype (the Triton expansion
+    where it runs)."""
     if use_triton(raw) and _kernel_takes(qtype):
         if FAST_EXPAND:
             from qspec.kernels.triton_expand import expand_triton
@@ -85,14 +86,14 @@ def _expand(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.
         from qspec.kernels.triton_qmatmul import dequant_triton
 
         return dequant_triton(raw, qtype, k, dtype)
-    return dequantize(raw, qtype, (raw.shape[0], k), torch.float32).to(dtype)
+    return weight_of(raw, qtype, k).dequantize(torch.float32).to(dtype)
 
 
 def expand(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight [*lead, N, K] expanded to dtype (the Triton expansion where it runs): a bounded part of a
     larger weight, such as a group of experts for a prefill step's grouped GEMMs."""
     raw = w.raw.reshape(-1, w.raw.shape[-1])
-    return _expand(raw if raw.is_contiguous() else raw.contiguous(), int(w.qtype), w.shape[-1], dtype).view(w.shape)
+    return _expand(raw if raw.is_contiguous() else raw.contiguous(), w.code, w.shape[-1], dtype).view(w.shape)
 
 
 def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
@@ -113,7 +114,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 
 @torch.library.custom_op("qspec::qmatmul", mutates_args=())
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype."""
+    """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype (QuantWeight.code)."""
     M = x.shape[0]
     if 0 < M <= INT8_MAX_ROWS and _int8_for(x, qtype):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
@@ -140,7 +141,7 @@ def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"qmatmul: x {tuple(x.shape)} @ {w!r}^T")
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.qspec.qmatmul(x2, w.raw, int(w.qtype), w.shape[0], w.shape[1])
+    y = torch.ops.qspec.qmatmul(x2, w.raw, w.code, w.shape[0], w.shape[1])
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -170,7 +171,7 @@ def qmatmul_stacked(x: torch.Tensor, ws: list[QuantWeight]) -> torch.Tensor:
     if any(w.dim() != 2 or x.shape[-1] != w.shape[1] for w in ws):
         raise ValueError(f"qmatmul_stacked: x {tuple(x.shape)} @ {ws!r}^T")
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.qspec.qmatmul_stacked(x2, [w.raw for w in ws], [int(w.qtype) for w in ws],
+    y = torch.ops.qspec.qmatmul_stacked(x2, [w.raw for w in ws], [w.code for w in ws],
                                         [w.shape[0] for w in ws], x.shape[-1])
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -173,3 +173,21 @@ if HAS_TRITON:
         e = tl.load(ti_ptr + t * ti_m + j).to(tl.int64)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         return pair, t, j, e, n, n < N
+
+    @triton.jit
+    def q6_parts(kb, K, QT: tl.constexpr):
+        """Byte offsets inside a row of Q6_K super-block kb's ql (128 bytes), qh (64), int8 scales (16) and f16 d:
+        in the file's order (QT 14: 210-byte blocks one after another) or in planes (QT 114, qweight.Q6_K_PLANES:
+        every block's ql, then every qh, every scale, every d)."""
+        if QT == 114:
+            nb = K // 256
+            ql = kb * 128
+            qh = nb * 128 + kb * 64
+            sc = nb * 192 + kb * 16
+            d = nb * 208 + kb * 2
+        else:
+            ql = kb * 210
+            qh = ql + 128
+            sc = ql + 192
+            d = ql + 208
+        return ql, qh, sc, d

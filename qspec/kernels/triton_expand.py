@@ -32,14 +32,14 @@ import torch
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch
 
 # Bytes of one block (32 weights, or a K-quant super-block of 256) by GGML type number.
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210, 114: 210}  # 114: Q6_K in planes
 EXPAND_CONFIG = (16, 4)  # (rows per program, warps): 4096 weights a program, 32 per thread
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, round_to
+    from qspec.kernels.triton_common import pdl_start, q6_parts, round_to
     from qspec.kernels.triton_qdot import _i8, _spread5
 
     @triton.jit
@@ -100,8 +100,9 @@ if HAS_TRITON:
         return q, (d * sc)[None, :, :, None], (dmin * mn)[None, :, :, None]
 
     @triton.jit
-    def _q6_runs(rb, rh, rm, kb, P: tl.constexpr):
-        """Q6_K super-block kb of the rows at rb / rh (8- and 16-bit views, [BR]) -> (codes [8 // P, BR, 8, P],
+    def _q6_runs(rb, rh, rm, kb, K, QT: tl.constexpr, P: tl.constexpr):
+        """Q6_K super-block kb (QT 14 or, rows in planes, 114) of the rows at rb / rh (8- and 16-bit views, [BR]) ->
+        (codes [8 // P, BR, 8, P],
         d * sc [8 // P, BR, 8, 1] (the scale of each word's half)). Run j = 4h + 2n + t (half h of the block,
         nibble n, 32-byte part t): element l is nibble n of ql byte 64h + 32t + l, its two high bits bits 2(j % 4)
         of qh byte 128 + 32h + l; each half of a run has its int8 scale (byte 192 + 2j + half)."""
@@ -111,17 +112,17 @@ if HAS_TRITON:
         v = w % 4
         m4 = rm[None, :, None, None]
         h4 = rh[None, :, None, None]
-        base = kb * 210
+        ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
         h = j // 4
         u = j % 4
-        ql = _word(h4, h4, base + 64 * h + 32 * (u % 2) + 16 * s + 4 * v, m4, False)
-        qh = _word(h4, h4, base + 128 + 32 * h + 16 * s + 4 * v, m4, False)
+        ql = _word(h4, h4, ql_at + 64 * h + 32 * (u % 2) + 16 * s + 4 * v, m4, False)
+        qh = _word(h4, h4, qh_at + 32 * h + 16 * s + 4 * v, m4, False)
         q = ((ql >> (4 * (u // 2))) & 0x0F0F0F0F) | (((qh >> (2 * u)) & 0x03030303) << 4)
         j3 = tl.arange(0, 8)[None, :, None]
         s3 = tl.arange(0, 2)[None, None, :]
         m3 = rm[:, None, None]
-        sc = _i8(tl.load(rb[:, None, None] + base + 192 + 2 * j3 + s3, mask=m3, other=0).to(tl.int32))
-        d = _f16(rh, base + 208, rm)[:, None, None]
+        sc = _i8(tl.load(rb[:, None, None] + sc_at + 2 * j3 + s3, mask=m3, other=0).to(tl.int32))
+        d = _f16(rh, d_at, rm)[:, None, None]
         ds = d * sc.to(tl.float32)
         lo, hi = tl.split(ds)
         return q, tl.where(s == 0, lo[None, :, :, None], hi[None, :, :, None])
@@ -176,8 +177,8 @@ if HAS_TRITON:
         if QT == 12 or QT == 13:
             q, a, b = _k_runs(rh, ww_ptr + rowb // 4, rm, kb, QT, WORDS, P)
             w = a[:, :, :, :, None] * _weights(q, 0) - b[:, :, :, :, None]
-        elif QT == 14:
-            q, a = _q6_runs(wb_ptr + rowb, rh, rm, kb, P)
+        elif QT == 14 or QT == 114:
+            q, a = _q6_runs(wb_ptr + rowb, rh, rm, kb, K, QT, P)
             w = a[:, :, :, :, None] * _weights(q, 32)
         else:
             q, d, mn = _b32_runs(rh, rm, kb, K, QT, P)

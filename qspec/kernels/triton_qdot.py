@@ -55,6 +55,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
+from qspec.weights.qweight import Q6_K_PLANES
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -80,6 +81,7 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 # faster so; the GDN-sized Q6_K products x0.938-1.052 and the Q4_K ones x0.885-0.917 (BENCHMARKS.md §5b).
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
+_Q6K_CODES = (int(GGMLQuantizationType.Q6_K), Q6_K_PLANES)  # Q6_K in the file's order and in planes
 
 
 class MoeConfig(NamedTuple):
@@ -124,7 +126,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, round_q8, round_to
+    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, q6_parts, round_q8, round_to
 
     @triton.jit
     def quant_x_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, chunk, x_m, KB, BB: tl.constexpr):
@@ -255,32 +257,43 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb,
-                 M: tl.constexpr, MP: tl.constexpr, ASM: tl.constexpr):
-        """Q6_K super-block kb of BN rows, for every x row; acc [BN, 2, 2, MP] per (row, half h, 16-weight group g
-        of each 32-weight run). Words on the first axis (v), which the halfword loads leave inside each thread: word
-        4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2) with the bit pair 2t of qh word h. The
-        unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum over the group (xg)."""
+    def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K, kb,
+                 M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q6_K super-block kb of BN rows (QT 14, or 114: rows in planes), for every x row; acc [BN, 2, 2, MP] per
+        (row, half h, 16-weight group g of each 32-weight run). Words on the first axis (v), which the halfword
+        loads leave inside each thread: word 4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2)
+        with the bit pair 2t of qh word h. The unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum
+        over the group (xg)."""
         v = tl.arange(0, 4)[:, None, None, None]
         h = tl.arange(0, 2)[None, None, :, None]
         g = tl.arange(0, 2)[None, None, None, :]
         m4 = nmask[None, :, None, None]
-        base = rowb + kb * 210
-        hw = (base // 2)[None, :, None, None] + h * 32 + (4 * g + v) * 2
-        ql0, ql1, qh = _q6_words(wi_ptr, ww_ptr, hw, hw + 64 - h * 16, m4, kb % 2 == 0)
+        ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
+        h3 = tl.arange(0, 2)[None, :, None]
+        g3 = tl.arange(0, 2)[None, None, :]
+        m3 = nmask[:, None, None]
+        if QT == 114:  # every run starts 16-byte aligned: one 16-byte load per run of four words
+            rw = (rowb // 4)[None, :, None, None]
+            ql0 = tl.load(ww_ptr + rw + ql_at // 4 + h * 16 + 4 * g + v, mask=m4, other=0)
+            ql1 = tl.load(ww_ptr + rw + ql_at // 4 + 8 + h * 16 + 4 * g + v, mask=m4, other=0)
+            qh = tl.load(ww_ptr + rw + qh_at // 4 + h * 8 + 4 * g + v, mask=m4, other=0)
+            sw = ww_ptr + ((rowb + sc_at) // 4)[:, None, None] + 2 * h3  # scale bytes 8h .. 8h + 7
+            lo = tl.load(sw, mask=m3, other=0)
+            hi = tl.load(sw + 1, mask=m3, other=0)
+            s0, s1, s2, s3 = _i8(_byte(lo, g3)), _i8(_byte(lo, g3 + 2)), _i8(_byte(hi, g3)), _i8(_byte(hi, g3 + 2))
+        else:
+            hw = ((rowb + ql_at) // 2)[None, :, None, None] + h * 32 + (4 * g + v) * 2
+            ql0, ql1, qh = _q6_words(wi_ptr, ww_ptr, hw, hw + 64 - h * 16, m4, kb % 2 == 0)
+            sb = (rowb + sc_at)[:, None, None] + h3 * 8 + g3  # + 2t: run t's scale
+            s0 = _i8(tl.load(wb_ptr + sb, mask=m3, other=0).to(tl.int32))
+            s1 = _i8(tl.load(wb_ptr + sb + 2, mask=m3, other=0).to(tl.int32))
+            s2 = _i8(tl.load(wb_ptr + sb + 4, mask=m3, other=0).to(tl.int32))
+            s3 = _i8(tl.load(wb_ptr + sb + 6, mask=m3, other=0).to(tl.int32))
         q0 = (ql0 & 0x0F0F0F0F) | ((qh << 4) & 0x30303030)
         q1 = (ql1 & 0x0F0F0F0F) | ((qh << 2) & 0x30303030)
         q2 = ((ql0 >> 4) & 0x0F0F0F0F) | (qh & 0x30303030)
         q3 = ((ql1 >> 4) & 0x0F0F0F0F) | ((qh >> 2) & 0x30303030)
-        h3 = tl.arange(0, 2)[None, :, None]
-        g3 = tl.arange(0, 2)[None, None, :]
-        m3 = nmask[:, None, None]
-        sb = base[:, None, None] + 192 + h3 * 8 + g3  # + 2t: run t's scale
-        s0 = _i8(tl.load(wb_ptr + sb, mask=m3, other=0).to(tl.int32))
-        s1 = _i8(tl.load(wb_ptr + sb + 2, mask=m3, other=0).to(tl.int32))
-        s2 = _i8(tl.load(wb_ptr + sb + 4, mask=m3, other=0).to(tl.int32))
-        s3 = _i8(tl.load(wb_ptr + sb + 6, mask=m3, other=0).to(tl.int32))
-        d = tl.load(wh_ptr + base // 2 + 104, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
+        d = tl.load(wh_ptr + (rowb + d_at) // 2, mask=nmask, other=0.0).to(tl.float32)[:, None, None]
         for m in tl.static_range(M):
             xw = xq_ptr + m * x_m + kb * 64 + h * 32 + 4 * g + v  # + 8t: run t
             xg = xg_ptr + m * xg_m + kb * 16 + h3 * 8 + g3  # + 2t
@@ -395,9 +408,9 @@ if HAS_TRITON:
         """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
         if QT == 12 or QT == 13:
             acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
-        elif QT == 14:
+        elif QT == 14 or QT == 114:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
-                           kb, M, MP, ASM)
+                           K, kb, M, MP, QT, ASM)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,
                             QT, ASM)
@@ -426,7 +439,7 @@ if HAS_TRITON:
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
         """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
-        if QT == 14:
+        if QT == 14 or QT == 114:
             acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
         else:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
@@ -435,7 +448,7 @@ if HAS_TRITON:
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if QT == 14:
+        if QT == 14 or QT == 114:
             out = tl.sum(tl.sum(acc, axis=2), axis=1)
         else:
             out = tl.sum(acc, axis=1)
@@ -762,7 +775,7 @@ def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool
 
 def _default_config(parts: list[Part]) -> QdotConfig:
     """The config of a product by its matrices alone (never by x's row count, which row-exact mode varies)."""
-    if len(parts) == 1 and parts[0][1] == GGMLQuantizationType.Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
+    if len(parts) == 1 and parts[0][1] in _Q6K_CODES and parts[0][0].shape[0] >= HEAD_ROWS:
         return QDOT_CONFIG_Q6K_HEAD
     return QDOT_CONFIG
 

@@ -37,6 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch, tl_dtype
+from qspec.weights.qweight import Q6_K_PLANES
 
 T = GGMLQuantizationType
 # The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
@@ -60,7 +61,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, expert_pair, pdl_start, round_to
+    from qspec.kernels.triton_common import dot_acc, expert_pair, pdl_start, q6_parts, round_to
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
@@ -111,15 +112,15 @@ if HAS_TRITON:
             ds = d[:, None] * sc
             dm = dmin[:, None] * mn
             w = ds[:, :, None] * _i2f(q) - dm[:, :, None]
-        elif QT == 14:  # Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], d; element g*16 + l
-            base = kb * 210
+        elif QT == 14 or QT == 114:  # Q6_K: ql[128], qh[64], int8 scales[16], d (q6_parts); element g*16 + l
+            ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
             h = g // 8
-            ql = _u8(wb_ptr, r3 + base + h * 64 + (g % 4) * 16 + lo, m3)
-            qh = _u8(wb_ptr, r3 + base + 128 + h * 32 + (g % 2) * 16 + lo, m3)
+            ql = _u8(wb_ptr, r3 + ql_at + h * 64 + (g % 4) * 16 + lo, m3)
+            qh = _u8(wb_ptr, r3 + qh_at + h * 32 + (g % 2) * 16 + lo, m3)
             q = ((ql >> (((g % 8) // 4) * 4)) & 15) | (((qh >> (((g % 8) // 2) * 2)) & 3) << 4)
-            s = _u8(wb_ptr, r2 + base + 192 + gr, m2)
+            s = _u8(wb_ptr, r2 + sc_at + gr, m2)
             s = s - ((s >> 7) << 8)  # int8
-            d = _f16_at(wh_ptr, rowb + base + 208, nmask)
+            d = _f16_at(wh_ptr, rowb + d_at, nmask)
             ds = d[:, None] * s.to(tl.float32)
             w = ds[:, :, None] * (_i2f(q) - 32.0)
         else:  # 32-weight blocks: step kb holds blocks kb*8 + g
@@ -196,15 +197,16 @@ if HAS_TRITON:
         return wt, offs
 
     @triton.jit
-    def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN: tl.constexpr, DT: tl.constexpr):
+    def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
         """_q6_words6's step as [BN, 256] in dtype DT and its offsets [256]."""
-        wt, offs = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+        wt, offs = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT)
         return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
-    def _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb):
-        """Q6_K step kb of BN rows, its low nibbles and high bit pairs read as 16-bit words through the f16 view
-        (every block is 2-byte aligned) -> (f32 weights [BN, 2, 2, 4, 8, 2], their element offsets).
+    def _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr):
+        """Q6_K step kb of BN rows (QT 14, or 114: rows in planes), its low nibbles and high bit pairs read as 16-bit
+        words through the f16 view (every block is 2-byte aligned) -> (f32 weights [BN, 2, 2, 4, 8, 2], their
+        element offsets).
         Axes (h, s, g, p, b): byte b of word g*8 + p of half h's ql holds, in nibble s, element
         h*128 + s*64 + (g*8 + p)*2 + b (of sub-block h*8 + s*4 + g); its two high bits sit in qh byte
         h*32 + ((g % 2)*8 + p)*2 + b at bit 4s + 2*(g // 2)."""
@@ -214,18 +216,20 @@ if HAS_TRITON:
         p = tl.arange(0, 8)[None, None, None, None, :, None]
         b = tl.arange(0, 2)[None, None, None, None, None, :]
         m6 = nmask[:, None, None, None, None, None]
-        base = rowb + kb * 210
-        hb = (base // 2)[:, None, None, None, None, None]
-        ql = tl.load(wh_ptr + hb + h * 32 + g * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
-        qh = tl.load(wh_ptr + hb + 64 + h * 16 + (g % 2) * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True)
+        ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
+        hb = (rowb // 2)[:, None, None, None, None, None]
+        ql = tl.load(wh_ptr + hb + ql_at // 2 + h * 32 + g * 8 + p, mask=m6, other=0.0).to(tl.int16, bitcast=True)
+        ql = ql.to(tl.int32)
+        qh = tl.load(wh_ptr + hb + qh_at // 2 + h * 16 + (g % 2) * 8 + p, mask=m6, other=0.0).to(tl.int16,
+                                                                                                bitcast=True)
         qh = qh.to(tl.int32)
         q = ((ql >> (8 * b + 4 * s)) & 15) | (((qh >> (8 * b + 4 * s + 2 * (g // 2))) & 3) << 4)
         h4 = tl.arange(0, 2)[None, :, None, None]
         s4 = tl.arange(0, 2)[None, None, :, None]
         g4 = tl.arange(0, 4)[None, None, None, :]
-        sc = _u8(wb_ptr, base[:, None, None, None] + 192 + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
+        sc = _u8(wb_ptr, rowb[:, None, None, None] + sc_at + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
         sc = sc - ((sc >> 7) << 8)  # int8
-        d = _f16_at(wh_ptr, base + 208, nmask)[:, None, None, None]
+        d = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None]
         ds = (d * sc.to(tl.float32))[:, :, :, :, None, None]
         wt = ds * (_i2f(q) - 32.0)
         offs = kb * 256 + h * 128 + s * 64 + (g * 8 + p) * 2 + b
@@ -239,8 +243,8 @@ if HAS_TRITON:
         if QT == 12 or QT == 13:
             w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT)
             kmask = offs < K
-        elif QT == 14:
-            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, BN, DT)
+        elif QT == 14 or QT == 114:
+            w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, BN, DT)
             kmask = offs < K
         else:
             w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
@@ -281,10 +285,10 @@ if HAS_TRITON:
         token: 87 -> 65 µs), while the 32-bit-word decoder lost to it for Q4_K/Q5_K here (2560 x 6144: 18.9 ->
         29.1 µs), so those keep `_tile` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
         im = tl.arange(0, MP)
-        if M == 1 and QT == 14:
+        if M == 1 and (QT == 14 or QT == 114):
             prod6 = tl.zeros([BN, 2, 2, 4, 8, 2], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, 256)):
-                w6, o6 = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb)
+                w6, o6 = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT)
                 prod6 += w6 * tl.load(x_ptr + o6).to(tl.float32)
             acc = tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(prod6, axis=5), axis=4), axis=3), axis=2), axis=1)[None, :]
         elif M == 1:
@@ -365,7 +369,7 @@ def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _geom(qtype: int) -> tuple[int, int]:
-    g, length, _ = KERNEL_QTYPES[T(qtype)]
+    g, length, _ = KERNEL_QTYPES[T.Q6_K if qtype == Q6_K_PLANES else T(qtype)]
     return g, length
 
 

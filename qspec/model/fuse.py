@@ -88,14 +88,14 @@ def blocks_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return triton_common.module_flag(__name__, "_BLOCKS", on)
 
 
-# Per argument: None (passed as it is), ("q", qtype, shape) for a QuantWeight (its raw bytes are one input), or
+# Per argument: None (passed as it is), ("q", qtype, shape, planes) for a QuantWeight (its raw bytes are one input), or
 # ("s", parts) for a StackedWeight, each part None (a 16-bit tensor) or ("q", ...).
 BlockSpec = tuple[Any, ...] | None
 
 
 def _block_spec(a: object) -> BlockSpec:
     if isinstance(a, QuantWeight):
-        return ("q", a.qtype, a.shape)
+        return ("q", a.qtype, a.shape, a.planes)
     if isinstance(a, ops.StackedWeight):
         return ("s", tuple(_block_spec(p) for p in a.parts))
     return None
@@ -114,7 +114,7 @@ def _rebuild(flat: Iterator[Any], spec: BlockSpec) -> Any:
     if spec is None:
         return next(flat)
     if spec[0] == "q":
-        return QuantWeight(next(flat), spec[1], spec[2])
+        return QuantWeight(next(flat), spec[1], spec[2], spec[3])
     return ops.StackedWeight(tuple(_rebuild(flat, ps) for ps in spec[1]))
 
 

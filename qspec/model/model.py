@@ -10,6 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig
 from qspec.kernels.conv_snapshot import SnapshotStats
@@ -34,6 +35,8 @@ from qspec.weights.traffic import step_bytes
 
 # An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
 DEVICE_TABLE_MAX_BYTES = 8 << 30
+# A Q6_K LM head on CUDA is held in planes (head_layout); False: in the file's order (A/B runs of the kernels).
+HEAD_PLANES = True
 
 
 def _nbytes(t: object) -> int:
@@ -104,6 +107,16 @@ class ModelCache:
 _rope_tables = fuse.fused(rope_tables)
 
 
+def head_layout(head: Weight, embed: object) -> Weight:
+    """The LM head as the products read it: a Q6_K head on CUDA with its rows in planes (QuantWeight.planes: 16-byte
+    loads instead of 2-byte-aligned ones; BENCHMARKS.md §5c), unless it is the embedding's tensor (a tied head
+    would then be held twice); any other head as it is. The planes are made a chunk of rows at a time."""
+    if (HEAD_PLANES and isinstance(head, QuantWeight) and head is not embed and head.qtype == GGMLQuantizationType.Q6_K
+            and head.device.type == "cuda"):
+        return head.to_planes()
+    return head
+
+
 class Model(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ple_table: RowTable | None = None,
                  *, with_mtp: bool | None = None, hnorm_per_stream: bool = False, pin_table: bool = True) -> None:
@@ -113,7 +126,7 @@ class Model(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed: torch.Tensor | QuantWeight = w["token_embd.weight"]
-        self.lm_head: Weight = w["output.weight"]
+        self.lm_head: Weight = head_layout(w["output.weight"], w["token_embd.weight"])
         # the compute dtype: the loader's, which every expanded tensor (norms are never blocks) has
         self.dtype = w["output_hc_norm.weight"].dtype
         self.device = self.embed.device

@@ -60,7 +60,7 @@ class DraftHead:
         if isinstance(head, Q4Weight):
             weight = Q4Weight(head.packed[ids].contiguous(), head.scales[ids].contiguous())
         elif isinstance(head, QuantWeight):
-            weight = QuantWeight(head.raw[ids].contiguous(), head.qtype, (ids.numel(), head.shape[-1]))
+            weight = head.select_rows(ids)
         else:
             weight = head[ids].contiguous()
         return cls(weight, ids, head.shape[0])

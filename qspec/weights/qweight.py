@@ -4,6 +4,12 @@
 logical torch shape (*lead, N, K). Rows are independent runs of whole blocks, so row slices, expert slices and
 row-wise concatenation need no re-encoding. The products that read the blocks live in kernels/qmatmul.py; this
 module only describes and reshapes the bytes, and expands them (`dequantize`, the kernels' reference).
+
+Q6_K rows may instead be held in planes (`planes`, `to_planes`): the same bytes of each row regrouped as all its
+blocks' ql, then all qh, then the int8 scales, then the f16 d, the row padded to a multiple of 16 bytes. A Q6_K
+block is 210 bytes, so in file order its parts start only 2-byte aligned; in planes every ql and qh run of a block
+starts 16-byte aligned and the kernels read them with 16-byte loads (the LM head, BENCHMARKS.md §5c). Rows stay
+independent runs, so row slices and row concatenation still need no re-encoding.
 """
 
 from __future__ import annotations
@@ -25,26 +31,54 @@ PACKED_QTYPES: frozenset[GGMLQuantizationType] = frozenset({
 })
 
 
-def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
-    """Bytes of one row of k weights; k must hold whole blocks."""
+# The kernels' type number of Q6_K rows held in planes (not a GGML type: those are below 64).
+Q6_K_PLANES = 114
+_Q6K = GGMLQuantizationType.Q6_K
+_PLANE_AT = ((0, 128), (128, 192), (192, 208), (208, 210))  # a Q6_K block's ql, qh, scales, d: byte ranges
+
+
+def row_bytes(qtype: GGMLQuantizationType, k: int, planes: bool = False) -> int:
+    """Bytes of one row of k weights (in planes: padded to a multiple of 16); k must hold whole blocks."""
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise WeightsError(f"{qtype.name}: row length {k} is not a multiple of the block size {block}")
-    return k // block * size
+    return -(-k // block * size // 16) * 16 if planes else k // block * size
+
+
+def _plane_sources(k: int, device: torch.device) -> torch.Tensor:
+    """For each byte of a Q6_K row in planes but the padding, its byte in the file's order: [k / 256 * 210]."""
+    nb = k // 256
+    blk = torch.arange(nb, device=device)[:, None] * 210
+    return torch.cat([(blk + torch.arange(lo, hi, device=device)).reshape(-1) for lo, hi in _PLANE_AT])
+
+
+def _regroup(raw: torch.Tensor, k: int, into_planes: bool, chunk_rows: int = 1 << 14) -> torch.Tensor:
+    """Q6_K rows raw [..., row bytes] between file order and planes, a chunk of rows at a time (bounded scratch)."""
+    src = _plane_sources(k, raw.device)
+    flat = raw.reshape(-1, raw.shape[-1])
+    out = torch.zeros(flat.shape[0], row_bytes(_Q6K, k, into_planes), dtype=torch.uint8, device=raw.device)
+    back = torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=raw.device))
+    for r in range(0, flat.shape[0], chunk_rows):
+        part = flat[r:r + chunk_rows]
+        out[r:r + chunk_rows, :src.numel()] = part[:, src] if into_planes else part[:, back]
+    return out.view(*raw.shape[:-1], out.shape[-1])
 
 
 @dataclass(frozen=True, eq=False)
 class QuantWeight:
-    raw: torch.Tensor  # uint8 [*lead, N, row_bytes(qtype, K)]
+    raw: torch.Tensor  # uint8 [*lead, N, row_bytes(qtype, K, planes)]
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # (*lead, N, K)
+    planes: bool = False  # Q6_K rows held in planes (module docstring), else in the file's order
 
     def __post_init__(self) -> None:
         qt = GGMLQuantizationType(self.qtype)
         if qt not in PACKED_QTYPES:
             raise WeightsError(f"{qt.name} is not kept packed (packed types: "
                                f"{', '.join(sorted(q.name for q in PACKED_QTYPES))})")
-        want = (*self.shape[:-1], row_bytes(qt, self.shape[-1]))
+        if self.planes and qt != _Q6K:
+            raise WeightsError(f"only Q6_K rows are held in planes, not {qt.name}")
+        want = (*self.shape[:-1], row_bytes(qt, self.shape[-1], self.planes))
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != want:
             raise WeightsError(f"{qt.name} weight of shape {self.shape} needs uint8 raw {want}, "
                                f"got {self.raw.dtype} {tuple(self.raw.shape)}")
@@ -65,6 +99,25 @@ class QuantWeight:
         return self.raw.device
 
     @property
+    def code(self) -> int:
+        """The kernels' type number: the GGML type, or Q6_K_PLANES."""
+        return Q6_K_PLANES if self.planes else int(self.qtype)
+
+    def to_planes(self) -> QuantWeight:
+        """A Q6_K weight with its rows in planes (the same values; itself if already so)."""
+        if self.planes:
+            return self
+        if self.qtype != _Q6K:
+            raise WeightsError(f"only Q6_K rows are held in planes, not {self.qtype.name}")
+        return QuantWeight(_regroup(self.raw, self.shape[-1], True), self.qtype, self.shape, True)
+
+    def to_blocks(self) -> QuantWeight:
+        """The weight with its rows in the file's order (itself if already so)."""
+        if not self.planes:
+            return self
+        return QuantWeight(_regroup(self.raw, self.shape[-1], False), self.qtype, self.shape)
+
+    @property
     def nbytes(self) -> int:
         return self.raw.numel()
 
@@ -73,36 +126,51 @@ class QuantWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights expanded to `dtype` (the products' reference, and the fallback for small parts)."""
-        return dequantize(self.raw, self.qtype, self.shape, dtype)
+        blocks = self.to_blocks()
+        return dequantize(blocks.raw, self.qtype, self.shape, dtype)
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.raw.to(device), self.qtype, self.shape)
+        return QuantWeight(self.raw.to(device), self.qtype, self.shape, self.planes)
 
     def __getitem__(self, i: int) -> QuantWeight:
         """Expert i of a stacked [E, N, K] weight (a view: no copy)."""
         if len(self.shape) < 3:
             raise IndexError("only stacked (expert) weights are indexed")
-        return QuantWeight(self.raw[i], self.qtype, self.shape[1:])
+        return QuantWeight(self.raw[i], self.qtype, self.shape[1:], self.planes)
 
     def experts(self, start: int, stop: int) -> QuantWeight:
         """Experts start:stop of a stacked [E, N, K] weight (a view: no copy)."""
         if len(self.shape) < 3:
             raise IndexError("only stacked (expert) weights have experts")
-        return QuantWeight(self.raw[start:stop], self.qtype, (stop - start, *self.shape[1:]))
+        return QuantWeight(self.raw[start:stop], self.qtype, (stop - start, *self.shape[1:]), self.planes)
 
     def rows(self, start: int, stop: int) -> QuantWeight:
         """Rows start:stop of the second-to-last dim (the halves of a fused gate_up tensor), contiguous."""
         return QuantWeight(self.raw[..., start:stop, :].contiguous(), self.qtype,
-                           (*self.shape[:-2], stop - start, self.shape[-1]))
+                           (*self.shape[:-2], stop - start, self.shape[-1]), self.planes)
+
+    def select_rows(self, ids: torch.Tensor) -> QuantWeight:
+        """The rows `ids` of a matrix, in that order (a copy)."""
+        if self.dim() != 2:
+            raise WeightsError(f"select_rows takes a matrix, got {self!r}")
+        return QuantWeight(self.raw[ids].contiguous(), self.qtype, (ids.numel(), self.shape[-1]), self.planes)
 
     @staticmethod
     def cat_rows(parts: Sequence[QuantWeight]) -> QuantWeight:
-        """Matrices of one type and row length stacked by rows (one product instead of several)."""
-        qt, k = parts[0].qtype, parts[0].shape[-1]
-        if any(p.qtype != qt or p.shape[-1] != k or p.dim() != 2 for p in parts):
-            raise WeightsError("cat_rows needs 2-D weights of one type and row length")
+        """Matrices of one type, layout and row length stacked by rows (one product instead of several)."""
+        qt, k, planes = parts[0].qtype, parts[0].shape[-1], parts[0].planes
+        if any(p.qtype != qt or p.shape[-1] != k or p.dim() != 2 or p.planes != planes for p in parts):
+            raise WeightsError("cat_rows needs 2-D weights of one type, layout and row length")
         raw = torch.cat([p.raw for p in parts])
-        return QuantWeight(raw, qt, (raw.shape[0], k))
+        return QuantWeight(raw, qt, (raw.shape[0], k), planes)
 
     def __repr__(self) -> str:
-        return f"QuantWeight({self.qtype.name}, shape={self.shape}, device={self.device})"
+        layout = ", planes" if self.planes else ""
+        return f"QuantWeight({self.qtype.name}{layout}, shape={self.shape}, device={self.device})"
+
+
+def weight_of(raw: torch.Tensor, code: int, k: int) -> QuantWeight:
+    """The matrix of rows raw [N, row bytes] whose type is the kernels' number `code` (QuantWeight.code)."""
+    if code == Q6_K_PLANES:
+        return QuantWeight(raw, _Q6K, (raw.shape[0], k), True)
+    return QuantWeight(raw, GGMLQuantizationType(code), (raw.shape[0], k))
