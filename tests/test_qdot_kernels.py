@@ -288,10 +288,7 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
 def test_interp_qdot_moe_split_gate_up() -> None:
     """Gate/up's K (D = 768: three 256-weight steps) in shares of 2 + 1 or 1 + 1 + 1 steps, their partial sums added
     and silu-ed by the act quantizer: the unsplit numbers to f32 rounding; within a split, any unroll gives the same
-    bits, and the act quantized inside gate/up's launch or in its own gives the same bits. (Narrow experts, F = 32,
-    keep the interpreter's work small.)"""
-    from qspec.kernels import triton_qdot
-    from qspec.kernels.triton_common import module_flag
+    bits. (Narrow experts, F = 32, keep the interpreter's work small.)"""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
     E, Fd, D, k = 3, 32, 768, 2
@@ -304,14 +301,6 @@ def test_interp_qdot_moe_split_gate_up() -> None:
         got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 64, 1, splits))
         assert rel_err(got, want) <= MOE_TIGHT, splits
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2, 64, 1, splits)), got)
-    # the act quantized by each 32-feature group's last program (4 row blocks a group, in each of 3 shares) or by
-    # the act quantizer's own launch: the same bits; the counters are left at 0
-    cfg = (8, 1, 1, 64, 1, 3)
-    with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True):
-        with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
-            apart = qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg)
-        assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), apart)
-    assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
 
 
 def _route_then_quantize(T_: int, E: int, D: int, Fd: int, k: int, device: str) -> None:
@@ -385,10 +374,8 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
 def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizationType) -> None:
     """E = 512 experts of 640 x 2560, top-10, 1..16 tokens: the kernels against the int8 reference (f32 h:
     MOE_TIGHT, the intermediate's requantization may round an element one code differently), the dispatch with bf16 h
-    against the f32 reference (LOOSE); configs against the default; the act quantized in gate/up's launch."""
-    from qspec.kernels import triton_qdot
+    against the f32 reference (LOOSE)."""
     from qspec.kernels.qmatmul import qmoe_few
-    from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import moe_config, qdot_moe_few_triton
 
     E, Fd, D, k = 512, 640, 2560, 10
@@ -418,16 +405,6 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         # gate/up's K in five shares (the act quantizer adds them): another unroll inside a share, the same bits
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 1, 16, 3, 5)),
                            qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 2, 16, 3, 5))), T_
-        # the act quantized in gate/up's launch (ACT_QUANT_IN_GATE_UP; its launches unfused either way): the bits of
-        # the act quantizer's own launch, the default's numbers to rounding, the counters left at 0
-        split = default._replace(splits=2)
-        with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True):
-            with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
-                apart = qdot_moe_few_triton(hb, top_i, twb, *parts, config=split)
-            here = qdot_moe_few_triton(hb, top_i, twb, *parts, config=split)
-        assert torch.equal(here, apart) and rel_err(here, yb) <= MOE_TIGHT + 2.0 ** -8, T_
-        torch.cuda.synchronize()
-        assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values()), T_
 
 
 @pytest.mark.cuda

@@ -398,26 +398,6 @@ def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
                      n * k * 2)
 
 
-def bench_moe_act_quantize(rows: list[tuple], reps: int = 2) -> None:
-    """The routed experts of Q4_K gate/up (their default: K in shares) with the act quantized in gate/up's launch
-    (ACT_QUANT_IN_GATE_UP with SUM_IN_PRODUCT) against its own launch, 1 and 6 tokens, alternated `reps` times in
-    this process."""
-    from qspec.kernels import triton_qdot
-    from qspec.kernels.triton_common import module_flag
-
-    for t in (1, 6):
-        for rep in range(reps):
-            for here in (True, False):
-                r: list[tuple] = []
-                with module_flag(triton_qdot.__name__, "ACT_QUANT_IN_GATE_UP", True), \
-                        module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", here):
-                    bench_moe(r, (T.Q4_K,), t, quiet=True)
-                row = r[-1]
-                rows.append(row)
-                print(f"int8 moe act {'here' if here else 'apart'} r{rep} t={t} {row[1]}: {row[3]:.2f} µs, "
-                      f"{row[4]:.0f} GB/s", flush=True)
-
-
 # the Q6_K LM head's one-row configs timed in planes besides the default (rows, warps, programs per SM, unroll)
 HEAD_PLANES_CONFIGS = ((16, 2, 8, 2), (32, 4, 8, 2), (32, 2, 8, 4), (64, 4, 8, 2))
 
@@ -490,8 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--qdot-moe", action="store_true", help="only the routed experts' int8 kernel configs")
     ap.add_argument("--expand", action="store_true", help="only the block expansion (step tiles against runs)")
     ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
-                    "launches: split products' partial sums, the experts' act quantizer, a Q4_K_M GDN input stack's "
-                    "two types, the routing and h's quantization")
+                    "launches: split products' partial sums, a Q4_K_M GDN input stack's two types, the routing and "
+                    "h's quantization")
     ap.add_argument("--head-planes", action="store_true", help="only the Q6_K LM head with its rows in planes "
                     "against the file's order")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
@@ -533,7 +513,6 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.shared_launches:
         bench_split_sums(rows)
-        bench_moe_act_quantize(rows)
         bench_stacked(rows)
         bench_route_quantize(rows)
         return 0

@@ -114,11 +114,6 @@ PAIR_PARTS = True
 # atomic arrival count per block) adds the block's shares in split order; False: a second launch adds them
 # (_sum_parts_kernel; A/B runs). The numbers are the same either way. A module flag (KernelSwitches).
 SUM_IN_PRODUCT = True
-# The experts' gate/up launches with K in shares also add the shares and quantize silu(gate) * up for down (each
-# 32-feature group's last program) under SUM_IN_PRODUCT, instead of _act_quant_kernel's launch. Off: not yet run on a
-# GPU (interpreter-tested; `qkernels --shared-launches` times it). On, those launches run without FMA fusion whichever
-# way the act is quantized, so SUM_IN_PRODUCT keeps their bits too.
-ACT_QUANT_IN_GATE_UP = False
 COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -559,15 +554,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
-                             ui_ptr, uw_ptr, act_ptr, aq_ptr, ad_ptr, as_ptr, ag_ptr, c_ptr, D, F, KS, ti_m, g_e, g_f,
-                             u_e, u_f, STEPS, BN: tl.constexpr, QG: tl.constexpr, QU: tl.constexpr,
-                             ASM: tl.constexpr, UNROLL: tl.constexpr = 1, SPLIT: tl.constexpr = False,
-                             QUANT_HERE: tl.constexpr = False, PDL: tl.constexpr = False):
+                             ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, STEPS, BN: tl.constexpr,
+                             QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
+                             SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]; gate's and up's steps alternate in one loop. SPLIT: program_id(2) = share s takes STEPS
-        steps of D and stores its partial sums of gate and up to act [S, pairs, 2, F]; _act_quant_kernel adds them,
-        or (QUANT_HERE, BN dividing 32) the last program to arrive at a 32-feature group's counter c_ptr[pair,
-        group] adds that group's and quantizes it into aq/ad/as/ag (as _act_quant_kernel would)."""
+        steps of D and stores its partial sums of gate and up to act [S, pairs, 2, F] (_act_quant_kernel adds
+        them)."""
         pdl_start(PDL)
         pair, t, _, e, f, fmask = expert_pair(ti_ptr, ti_m, KS, F, BN)
         xq, xd, xs = xq_ptr + t * (D // 4), xd_ptr + t * (D // 32), xs_ptr + t * (D // 32)
@@ -585,38 +578,9 @@ if HAS_TRITON:
             row = (tl.program_id(2) * tl.num_programs(1) + pair) * 2
             tl.store(act_ptr + row * F + f[None, :], g, mask=fmask[None, :])
             tl.store(act_ptr + (row + 1) * F + f[None, :], u, mask=fmask[None, :])
-            if QUANT_HERE:
-                group = tl.program_id(0) * BN // 32
-                _act_quant_if_last(act_ptr, aq_ptr, ad_ptr, as_ptr, ag_ptr, c_ptr + pair * (F // 32) + group, pair,
-                                   tl.num_programs(1), group, F, tl.num_programs(2), tl.num_programs(2) * (32 // BN))
         else:
             a = g / (1.0 + tl.exp(-g)) * u
             tl.store(act_ptr + pair * F + f[None, :], a, mask=fmask[None, :])
-
-    @triton.jit
-    def _act_quant_if_last(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, c_ptr, pair, pairs, group, F, S, ARRIVALS):
-        """Count an arrival at c_ptr[0]; the last of ARRIVALS programs (the group's row blocks in every share) adds
-        the S shares' partial sums of block `group` of `pair` (p [S, pairs, 2, F]) in share order, takes silu(gate) *
-        up and quantizes it as _act_quant_kernel does, then sets the counter back to 0 (ordering: _sum_if_last)."""
-        tl.debug_barrier()
-        if tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1:
-            b = group + tl.arange(0, 1)
-            _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, pairs, b, b >= 0, F, S, 1, ".cg")
-            tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, pairs, b, bmask, F, S, BB: tl.constexpr,
-                       CACHE: tl.constexpr):
-        """Blocks b of `pair`'s act = silu(gate) * up, gate and up the S shares' partial sums p [S, pairs, 2, F]
-        added in share order, quantized as quant_x_blocks does (callers launch without FMA fusion)."""
-        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-        g = tl.zeros([BB, 32], dtype=tl.float32)
-        u = tl.zeros([BB, 32], dtype=tl.float32)
-        for s in range(0, S):
-            row = (s * pairs + pair) * 2
-            g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0, cache_modifier=CACHE)
-            u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0, cache_modifier=CACHE)
-        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
 
     @triton.jit
     def _act_quant_kernel(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, F, S, BB: tl.constexpr, PDL: tl.constexpr = False):
@@ -625,7 +589,15 @@ if HAS_TRITON:
         pdl_start(PDL)
         pair = tl.program_id(0)
         b = tl.program_id(1) * BB + tl.arange(0, BB)
-        _quantized_act(p_ptr, q_ptr, d_ptr, s_ptr, g_ptr, pair, tl.num_programs(0), b, b < F // 32, F, S, BB, "")
+        bmask = b < F // 32
+        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        g = tl.zeros([BB, 32], dtype=tl.float32)
+        u = tl.zeros([BB, 32], dtype=tl.float32)
+        for s in range(0, S):
+            row = (s * tl.num_programs(0) + pair) * 2
+            g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0)
+            u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0)
+        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
@@ -811,11 +783,11 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     as (raw [E, rows, row_bytes], qtype). config: MoeConfig's fields (the leading ones; default moe_config(gate's
     type)).
     Four launches: quantize h, gate/up, quantize the f32 act (with config.splits > 1: add gate's and up's partial
-    sums, silu and quantize; inside gate/up's launch with ACT_QUANT_IN_GATE_UP), down; one fewer with hquant, h
-    quantized already (as quantize_x_triton returns it)."""
-    dr, dq = down
+    sums, silu and quantize), down; three with hquant, h quantized already (as quantize_x_triton returns it)."""
+    (gr, gq), (ur, uq), (dr, dq) = gate, up, down
     T_, D = h.shape
-    k, F = top_i.shape[1], gate[0].shape[1]
+    k = top_i.shape[1]
+    F = gr.shape[1]
     cfg = MoeConfig(*config) if config else moe_config(gate[1])
     kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
@@ -823,37 +795,21 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
         hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     elif hquant[0].shape != (T_, D // 4):
         raise ValueError(f"qdot_moe_few: h {tuple(h.shape)}, quantized h words {tuple(hquant[0].shape)}")
-    actq = _gate_up(hquant, top_i, gate, up, cfg, kw, h)
+    splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits)
+    act = torch.empty(splits, T_ * k, 2, F, dtype=torch.float32, device=h.device) if splits > 1 else \
+        torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
+    _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k, splits)](
+        *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
+        ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq), QU=int(uq), SPLIT=splits > 1, **kw,
+        **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
     _qdot_down_kernel[(triton.cdiv(D, down_rows), T_ * k)](
-        *actq, top_i, top_w, *_views(dr), y, D, F, k, top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1),
-        BN=down_rows, QD=int(dq), OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
+        *(_act_quantize(act) if splits > 1 else quantize_x_triton(act)), top_i, top_w, *_views(dr), y, D, F, k,
+        top_i.stride(0), top_w.stride(0), dr.stride(0), dr.stride(1), BN=down_rows, QD=int(dq),
+        OUT_DT=tl_dtype(h.dtype), **kw, **pdl_launch(h))
     return y
-
-
-def _gate_up(hquant: QuantizedX, top_i: torch.Tensor, gate: Part, up: Part, cfg: MoeConfig, kw: dict,
-             h: torch.Tensor) -> QuantizedX:
-    """The experts' gate/up launch -> silu(gate) * up quantized for down: by the act quantizer's launch after it
-    (quantize_x_triton, or _act_quantize adding K's shares), or with K in shares, ACT_QUANT_IN_GATE_UP and
-    SUM_IN_PRODUCT, inside it (each 32-feature group's last program)."""
-    (gr, gq), (ur, uq) = gate, up
-    (T_, D), k, F = h.shape, top_i.shape[1], gr.shape[1]
-    pairs = T_ * k
-    splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits)
-    act = torch.empty(splits, pairs, 2, F, dtype=torch.float32, device=h.device) if splits > 1 else \
-        torch.empty(pairs, F, dtype=torch.float32, device=h.device)
-    unfused = splits > 1 and ACT_QUANT_IN_GATE_UP  # its quantization must round as quantize_x_torch does
-    here = unfused and SUM_IN_PRODUCT and 32 % cfg.rows == 0 and pairs * (F // 32) <= COUNTER_SLOTS
-    actq = quantized_x_buffers(pairs, F, h.device) if here else (act,) * 4
-    _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), pairs, splits)](
-        *hquant, top_i, *_views(gr), *_views(ur), act, *actq, _arrival_counters(h) if here else act, D, F, k,
-        top_i.stride(0), gr.stride(0), gr.stride(1), ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq),
-        QU=int(uq), SPLIT=splits > 1, QUANT_HERE=here, enable_fp_fusion=not unfused, **kw, **pdl_launch(h))
-    if here:
-        return actq[0].view(torch.int32), *actq[1:]
-    return _act_quantize(act) if splits > 1 else quantize_x_triton(act)
 
 
 def _split_shares(steps: int, splits: int) -> tuple[int, int]:
