@@ -109,7 +109,7 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     if quantize is not None:
         weights = quantize_weights(weights, quantize, cfg)
     model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream, pin_table=pin_table)
-    model.weights_summary = weights_summary(weights)
+    model.weights_summary = weights_summary(weights) + model.head_note()
     table = model.ple.table if model.ple is not None else None
     if isinstance(table, PinnedRowTable):  # the summary describes the file's table; say where the model put it
         model.weights_summary += (f"; n-gram table copied to page-locked host memory in {table.pin_seconds:.1f} s, "

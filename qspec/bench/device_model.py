@@ -131,5 +131,5 @@ def device_random_model(cfg: ModelConfig, *, device: torch.device | str, dtype: 
     `device_random_weights`."""
     w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant, progress=progress)
     model = Model(cfg, w)
-    model.weights_summary = weights_summary(w)
+    model.weights_summary = weights_summary(w) + model.head_note()
     return model

@@ -165,7 +165,13 @@ class Model(torch.nn.Module):
             self.graph_safe = False
         self.weights_summary = ""  # what the loader kept in which format (loader.load_model fills it in)
         self.has_blocks = any(isinstance(v, QuantWeight) for v in w.values())  # GGUF blocks kept packed
-        self.step_bytes = step_bytes(w, cfg)  # weight bytes a one-token step reads (bandwidth limits)
+        # weight bytes a one-token step reads (bandwidth limits), the head as held
+        self.step_bytes = step_bytes(w | {"output.weight": self.lm_head}, cfg)
+
+    def head_note(self) -> str:
+        """What the model holds otherwise than the loader did, for the weights summary: a head in planes."""
+        head = self.lm_head
+        return "; LM head's Q6_K rows in planes (16-byte-aligned runs)" if getattr(head, "planes", False) else ""
 
     # ---- caches ----------------------------------------------------------------------------------
     def new_cache(self, opts: CacheOptions) -> ModelCache:
