@@ -1,10 +1,11 @@
 """Q6_K rows held in planes (weights/qweight.py: QuantWeight.planes) and the kernels that read them.
 
 A planes row holds the same bytes as the file's row, regrouped (every block's ql, then qh, scales, d) and padded to
-16 bytes. Every product and expansion of a planes weight must give the file-order weight's result bit for bit: the
-kernels decode the same integers and scales and add them in the same order, only the loads differ. The Triton kernels
-run through the interpreter in a subprocess (`test_interpreted`); `cuda` tests run them compiled at the LM head's
-shape.
+16 bytes. The kernels decode the same integers and scales from either layout and add them in the same order, so
+interpreted (`test_interpreted`, in a subprocess) every product and expansion of a planes weight is the file-order
+weight's bit for bit. Compiled, the wider loads can give the tensors another thread layout and with it another order
+of the cross-thread sums: the `cuda` test, at the LM head's shape, holds the products to the file order's within f32
+summation error (bf16 outputs: one rounding) and the expansion, which sums nothing, bit for bit.
 """
 
 from __future__ import annotations
@@ -89,15 +90,15 @@ def test_interpreted() -> None:
     run_interp_tests(__file__)
 
 
-def _same_products(w: QuantWeight, device: str, int8: bool, rows: tuple[int, ...]) -> None:
-    p = w.to_planes()
+def _close_products(w: QuantWeight, p: QuantWeight, int8: bool, rows: tuple[int, ...]) -> None:
+    """The products of w and its planes p agree within f32 summation error (bf16: plus one rounding of the output)."""
     for m in rows:
-        for dt in (torch.bfloat16, torch.float32):
-            x = torch.randn(m, w.shape[1], device=device).to(dt)
+        for dt, tol in ((torch.bfloat16, 2.0 ** -8), (torch.float32, 1e-5)):
+            x = torch.randn(m, w.shape[1], device=w.device).to(dt)
             with int8_dot_mode(int8):
-                got = qmatmul_op(x, p.raw, Q6_K_PLANES, w.shape[0], w.shape[1])
-                want = qmatmul_op(x, w.raw, int(T.Q6_K), w.shape[0], w.shape[1])
-            assert torch.equal(got, want), (m, dt, int8)
+                got = qmatmul_op(x, p.raw, Q6_K_PLANES, w.shape[0], w.shape[1]).float()
+                want = qmatmul_op(x, w.raw, int(T.Q6_K), w.shape[0], w.shape[1]).float()
+            assert (got - want).abs().max() <= tol * want.abs().max(), (m, dt, int8)
 
 
 @interp
@@ -129,15 +130,14 @@ def test_interp_kernels_read_planes_as_the_file_order() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
-def test_cuda_head_in_planes_gives_the_file_order_bits() -> None:
+def test_cuda_head_in_planes_gives_the_file_order_products() -> None:
     """The LM head's shape (248,320 x 2,560; random rows tiled), compiled: one row (int8 kernel, f32 mat-vec),
-    2-6 rows (tensor cores), many rows (expansion), each bit for bit against the file order; head_layout makes the
-    planes on CUDA."""
+    2-6 rows (tensor cores), many rows (expansion) against the file order; head_layout makes the planes on CUDA."""
     n, k = 248320, 2560
     src = q6k(512, k, seed=5, device="cuda")
     w = QuantWeight(src.raw.repeat(n // 512, 1).contiguous(), T.Q6_K, (n, k))
     p = head_layout(w, object())
     assert p.planes and p.raw.shape == (n, 2112)
-    _same_products(w, "cuda", True, (1,))
-    _same_products(w, "cuda", False, (1, 2, 6, 40))
+    _close_products(w, p, True, (1,))
+    _close_products(w, p, False, (1, 2, 6, 40))
     assert torch.equal(expand(p, torch.bfloat16), expand(w, torch.bfloat16))

@@ -153,12 +153,14 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
 
 
 def test_default_config_by_matrix() -> None:
-    """A vocabulary-sized Q6_K matrix alone takes the head's config; anything else (smaller, another type, a stack)
-    the default; never anything about x."""
+    """A vocabulary-sized Q6_K matrix alone in the file's order takes the head's config; anything else (in planes,
+    smaller, another type, a stack) the default; never anything about x."""
     from qspec.kernels.triton_qdot import HEAD_ROWS, QDOT_CONFIG, QDOT_CONFIG_Q6K_HEAD, _default_config
+    from qspec.weights.qweight import Q6_K_PLANES
 
     head, small = torch.empty(HEAD_ROWS, 1, dtype=torch.uint8), torch.empty(HEAD_ROWS - 1, 1, dtype=torch.uint8)
     assert _default_config([(head, int(T.Q6_K))]) == QDOT_CONFIG_Q6K_HEAD != QDOT_CONFIG
+    assert _default_config([(head, Q6_K_PLANES)]) == QDOT_CONFIG
     assert _default_config([(small, int(T.Q6_K))]) == QDOT_CONFIG
     assert _default_config([(head, int(T.Q4_K))]) == QDOT_CONFIG
     assert _default_config([(head, int(T.Q6_K)), (small, int(T.Q6_K))]) == QDOT_CONFIG
@@ -203,6 +205,23 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
         assert rel_err(y1, qdot_matmul_torch(x, w.raw, int(qt), 12, K)) <= TIGHT
         for unroll in (2, 4):
             assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 12, config=(8, 4, per_sm, unroll)), y1)
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+def test_interp_wide_k_quant_rows(qt: GGMLQuantizationType) -> None:
+    """Q4_K/Q5_K rows read by eight threads each (QdotConfig.wide) against the reference: 3 steps, split and not,
+    a partial row block; each row's result whatever M; unrolling keeps its bits."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    K = 3 * 256
+    w = qweight(qt, (20, K), seed=12)
+    x = torch.randn(3, K)
+    for per_sm in (0, 8):
+        y = qdot_matmul_triton(x, w.raw, int(qt), 20, config=(16, 2, per_sm, 1, True))
+        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 20, K)) <= TIGHT
+        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 20, config=(16, 2, per_sm, 2, True)), y)
+        assert torch.equal(qdot_matmul_triton(x[1:2], w.raw, int(qt), 20, config=(16, 2, per_sm, 1, True)), y[1:2])
 
 
 @interp
@@ -367,6 +386,21 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qt,N,K", [(T.Q4_K, 16480, 2560), (T.Q5_K, 2560, 6144)])
+def test_cuda_qdot_wide_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None:
+    """Eight threads a row (QdotConfig.wide), compiled: the int8 reference (TIGHT) and row independence."""
+    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
+
+    w = qweight(qt, (N, K), seed=N, device="cuda", tile=8192)
+    for cfg in (QDOT_CONFIG._replace(wide=True), (32, 4, 8, 2, True)):
+        x = torch.randn(4, K, device="cuda")
+        y = qdot_matmul_triton(x, w.raw, int(qt), N, config=cfg)
+        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT, cfg
+        for i in range(4):
+            assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), N, config=cfg), y[i:i + 1]), (cfg, i)
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@
                                                       # stack, the routing with h's quantization: in one launch
                                                       # each or two
     python -m qspec.bench.qkernels --head-planes  # the Q6_K LM head in planes against the file's order
+    python -m qspec.bench.qkernels --qdot-wide    # one-row Q4_K/Q5_K products, eight threads a row against four
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -427,6 +428,35 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
                     _row(rows, f"{label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
 
 
+# one-row Q4_K/Q5_K products with eight threads a row (QdotConfig.wide) against the default's four
+WIDE_CONFIGS = ((16, 2, 8, 2, False), (8, 2, 8, 2, True), (16, 2, 8, 2, True), (32, 4, 8, 2, True))
+WIDE_SHAPES = (("qsa_in", T.Q4_K), ("gdn_out", T.Q4_K), ("router_shared", T.Q4_K), ("lm_head", T.Q4_K),
+               ("gdn_in", T.Q5_K))
+
+
+def bench_qdot_wide(rows: list[tuple], reps: int = 3) -> None:
+    """One-row Q4_K/Q5_K products over WIDE_CONFIGS at the model's shapes and the Q4_K_M GDN input stack, the configs
+    alternated `reps` times in this process (same x, same weight copies)."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton, qdot_stacked_triton
+
+    for name, qt in (*WIDE_SHAPES, ("gdn_in_pair", None)):
+        n, k = SHAPES.get(name, (sum(r for _, r in GDN_IN_Q4KM), HIDDEN))
+        x, bf_us = _bf16_matvec(1, n, k)
+        if qt is None:
+            copies = [[(_quantized(q, r, k, seed=10 * c + i), int(q)) for i, (q, r) in enumerate(GDN_IN_Q4KM)]
+                      for c in range(_copies(n * k // 2))]
+            calls = {cfg: [partial(qdot_stacked_triton, x, parts, cfg) for parts in copies] for cfg in WIDE_CONFIGS}
+            nbytes, label = sum(r.numel() for r, _ in copies[0]) + (k + n) * 2, "mix"
+        else:
+            raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k // 2))]
+            calls = {cfg: [partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws] for cfg in WIDE_CONFIGS}
+            nbytes, label = raws[0].numel() + (k + n) * 2, qt.name
+        for rep in range(reps):
+            for cfg, fns in calls.items():
+                tag = "/".join(str(int(c)) for c in cfg[:4]) + (" wide" if cfg[4] else "")
+                _row(rows, f"{tag} r{rep}", label, f"{name} {n}x{k}", graph_us(fns), nbytes, bf_us, n * k * 2)
+
+
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
     """The routing of t tokens (512 experts, top-10) with h's quantization for the routed experts in its launch
     (route.route_top_k_quantized) against the routing then the quantizer's own launch, alternated in this process;
@@ -472,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
                     "launches: split products' partial sums, a Q4_K_M GDN input stack's two types, the routing and "
                     "h's quantization")
+    ap.add_argument("--qdot-wide", action="store_true", help="only one-row Q4_K/Q5_K products with eight threads a "
+                    "row against four")
     ap.add_argument("--head-planes", action="store_true", help="only the Q6_K LM head with its rows in planes "
                     "against the file's order")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
@@ -507,6 +539,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.expand:
         bench_expand(rows)
+        return 0
+    if args.qdot_wide:
+        bench_qdot_wide(rows)
         return 0
     if args.head_planes:
         bench_head_planes(rows)
