@@ -208,23 +208,6 @@ def test_interp_unrolled_steps_give_the_same_bits(qt: GGMLQuantizationType) -> N
 
 
 @interp
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
-def test_interp_wide_k_quant_rows(qt: GGMLQuantizationType) -> None:
-    """Q4_K/Q5_K rows read by eight threads each (QdotConfig.wide) against the reference: 3 steps, split and not,
-    a partial row block; each row's result whatever M; unrolling keeps its bits."""
-    from qspec.kernels.triton_qdot import qdot_matmul_triton
-
-    K = 3 * 256
-    w = qweight(qt, (20, K), seed=12)
-    x = torch.randn(3, K)
-    for per_sm in (0, 8):
-        y = qdot_matmul_triton(x, w.raw, int(qt), 20, config=(16, 2, per_sm, 1, True))
-        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), 20, K)) <= TIGHT
-        assert torch.equal(qdot_matmul_triton(x, w.raw, int(qt), 20, config=(16, 2, per_sm, 2, True)), y)
-        assert torch.equal(qdot_matmul_triton(x[1:2], w.raw, int(qt), 20, config=(16, 2, per_sm, 1, True)), y[1:2])
-
-
-@interp
 @pytest.mark.parametrize("K,rows,M", [(512, (24, 16, 8), 1), (768, (256, 16, 8), 2)])
 def test_interp_stacked_products_quantize_x_once(K: int, rows: tuple[int, int, int], M: int) -> None:
     """Parts of several types multiplying one x: each part's columns equal its own product, bit for bit (the same
@@ -386,21 +369,6 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         for i in range(M):
             assert torch.equal(qdot_matmul_triton(xb[i:i + 1], w.raw, int(qt), N), yk[i:i + 1]), (M, i, "row")
     assert torch.equal(qdot_matmul_triton(xb, w.raw, int(qt), N, asm=False), yk), "dp4a emulation"
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("qt,N,K", [(T.Q4_K, 16480, 2560), (T.Q5_K, 2560, 6144)])
-def test_cuda_qdot_wide_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None:
-    """Eight threads a row (QdotConfig.wide), compiled: the int8 reference (TIGHT) and row independence."""
-    from qspec.kernels.triton_qdot import QDOT_CONFIG, qdot_matmul_triton
-
-    w = qweight(qt, (N, K), seed=N, device="cuda", tile=8192)
-    for cfg in (QDOT_CONFIG._replace(wide=True), (32, 4, 8, 2, True)):
-        x = torch.randn(4, K, device="cuda")
-        y = qdot_matmul_triton(x, w.raw, int(qt), N, config=cfg)
-        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT, cfg
-        for i in range(4):
-            assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), N, config=cfg), y[i:i + 1]), (cfg, i)
 
 
 @pytest.mark.cuda

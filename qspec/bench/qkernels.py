@@ -9,7 +9,6 @@
                                                       # stack, the routing with h's quantization: in one launch
                                                       # each or two
     python -m qspec.bench.qkernels --head-planes  # the Q6_K LM head in planes against the file's order
-    python -m qspec.bench.qkernels --qdot-wide    # one-row Q4_K/Q5_K products, eight threads a row against four
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -406,7 +405,7 @@ HEAD_PLANES_CONFIGS = ((16, 2, 8, 2), (32, 4, 8, 2), (32, 2, 8, 4), (64, 4, 8, 2
 def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
     """The Q6_K LM head (248,320 x 2,560) with its rows in planes (QuantWeight.to_planes) against the file's order,
     alternated `reps` times in this process: one row through the int8 kernel (the head's default config, and
-    HEAD_PLANES_CONFIGS in planes), six rows through the tensor-core kernel."""
+    HEAD_PLANES_CONFIGS in planes), six rows through the tensor-core kernel ("tc") and the int8 kernel ("int8")."""
     from qspec.kernels.triton_qdot import QDOT_CONFIG_Q6K_HEAD, qdot_matmul_triton
     from qspec.kernels.triton_qmatmul import qmm_triton
     from qspec.weights.qweight import Q6_K_PLANES, QuantWeight
@@ -421,40 +420,11 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
             for name, raws, code in layouts:
                 nbytes = raws[0].numel() + m * (k + n) * 2
                 cfgs = (QDOT_CONFIG_Q6K_HEAD, *HEAD_PLANES_CONFIGS) if code == Q6_K_PLANES else (QDOT_CONFIG_Q6K_HEAD,)
-                for cfg in cfgs if m == 1 else (None,):
-                    fn = partial(qdot_matmul_triton, config=cfg) if m == 1 else qmm_triton
+                for cfg in cfgs if m == 1 else (None, "int8"):
+                    fn = qmm_triton if cfg is None else partial(qdot_matmul_triton, config=None if m > 1 else cfg)
                     us = graph_us([partial(fn, x, r, code, n) for r in raws])
-                    label = f"{name} " + ("/".join(map(str, cfg)) if cfg else "tc")
+                    label = f"{name} " + ("tc" if cfg is None else cfg if m > 1 else "/".join(map(str, cfg)))
                     _row(rows, f"{label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
-
-
-# one-row Q4_K/Q5_K products with eight threads a row (QdotConfig.wide) against the default's four
-WIDE_CONFIGS = ((16, 2, 8, 2, False), (8, 2, 8, 2, True), (16, 2, 8, 2, True), (32, 4, 8, 2, True))
-WIDE_SHAPES = (("qsa_in", T.Q4_K), ("gdn_out", T.Q4_K), ("router_shared", T.Q4_K), ("lm_head", T.Q4_K),
-               ("gdn_in", T.Q5_K))
-
-
-def bench_qdot_wide(rows: list[tuple], reps: int = 3) -> None:
-    """One-row Q4_K/Q5_K products over WIDE_CONFIGS at the model's shapes and the Q4_K_M GDN input stack, the configs
-    alternated `reps` times in this process (same x, same weight copies)."""
-    from qspec.kernels.triton_qdot import qdot_matmul_triton, qdot_stacked_triton
-
-    for name, qt in (*WIDE_SHAPES, ("gdn_in_pair", None)):
-        n, k = SHAPES.get(name, (sum(r for _, r in GDN_IN_Q4KM), HIDDEN))
-        x, bf_us = _bf16_matvec(1, n, k)
-        if qt is None:
-            copies = [[(_quantized(q, r, k, seed=10 * c + i), int(q)) for i, (q, r) in enumerate(GDN_IN_Q4KM)]
-                      for c in range(_copies(n * k // 2))]
-            calls = {cfg: [partial(qdot_stacked_triton, x, parts, cfg) for parts in copies] for cfg in WIDE_CONFIGS}
-            nbytes, label = sum(r.numel() for r, _ in copies[0]) + (k + n) * 2, "mix"
-        else:
-            raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k // 2))]
-            calls = {cfg: [partial(qdot_matmul_triton, x, r, int(qt), n, cfg) for r in raws] for cfg in WIDE_CONFIGS}
-            nbytes, label = raws[0].numel() + (k + n) * 2, qt.name
-        for rep in range(reps):
-            for cfg, fns in calls.items():
-                tag = "/".join(str(int(c)) for c in cfg[:4]) + (" wide" if cfg[4] else "")
-                _row(rows, f"{tag} r{rep}", label, f"{name} {n}x{k}", graph_us(fns), nbytes, bf_us, n * k * 2)
 
 
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
@@ -502,8 +472,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-launches", action="store_true", help="only work that shares a launch against its own "
                     "launches: split products' partial sums, a Q4_K_M GDN input stack's two types, the routing and "
                     "h's quantization")
-    ap.add_argument("--qdot-wide", action="store_true", help="only one-row Q4_K/Q5_K products with eight threads a "
-                    "row against four")
     ap.add_argument("--head-planes", action="store_true", help="only the Q6_K LM head with its rows in planes "
                     "against the file's order")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
@@ -539,9 +507,6 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.expand:
         bench_expand(rows)
-        return 0
-    if args.qdot_wide:
-        bench_qdot_wide(rows)
         return 0
     if args.head_planes:
         bench_head_planes(rows)

@@ -69,7 +69,6 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
-    wide: bool = False  # Q4_K/Q5_K rows read by eight threads each (_k45_step_wide), not four
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
@@ -83,9 +82,6 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 # faster than 32-row ones there (BENCHMARKS.md §5b).
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
-# Q4_K/Q5_K products read each row by eight threads (QdotConfig.wide, _k45_step_wide) instead of four: a module flag
-# for A/B runs (`qkernels --qdot-wide` times the kernels).
-K45_WIDE = False
 
 
 class MoeConfig(NamedTuple):
@@ -198,8 +194,9 @@ if HAS_TRITON:
                 tl.sum(tl.where(v == 2, hdr, 0), axis=2), tl.sum(tl.where(v == 3, hdr, 0), axis=2))
 
     @triton.jit
-    def _k45_scales(w0, w1, w2, w3, j):
-        """(d * sc_j, dmin * m_j) for the sub-blocks j (broadcast against the header's words, _k45_header)."""
+    def _k45_scales(w0, w1, w2, w3, S: tl.constexpr):
+        """(d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from the header's words (_k45_header)."""
+        j = 2 * tl.arange(0, 4)[None, :] + S
         a = _byte(w1, j % 4)
         b = _byte(w2, j % 4)
         e = _byte(w3, j % 4)
@@ -238,8 +235,8 @@ if HAS_TRITON:
         lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
         lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
         w0, w1, w2, w3 = _k45_header(ww_ptr, base, nmask)
-        dsl, dml = _k45_scales(w0, w1, w2, w3, 2 * tl.arange(0, 4)[None, :])
-        dsh, dmh = _k45_scales(w0, w1, w2, w3, 2 * tl.arange(0, 4)[None, :] + 1)
+        dsl, dml = _k45_scales(w0, w1, w2, w3, 0)
+        dsh, dmh = _k45_scales(w0, w1, w2, w3, 1)
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         c2 = tl.arange(0, 4)[None, :]
@@ -252,44 +249,6 @@ if HAS_TRITON:
                  + (dsh * (tl.load(xd_ptr + xb + 1) * tl.sum(ih, axis=2).to(tl.float32))
                     - dmh * tl.load(xs_ptr + xb + 1)))
             acc = _add_col(acc, t, m, MP)
-        return acc
-
-    @triton.jit
-    def _k45_step_wide(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb,
-                       M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """_k45_step with eight threads a row: thread (c, half) loads words 4 * half .. + 3 of 32-byte chunk c, so a
-        warp's load reads 128 contiguous bytes of each of four rows (_k45_step's threads read every other 16 bytes of
-        eight rows: twice the L1 wavefronts). Each thread adds half a sub-block's integers; acc [BN, 4, 2, MP] per
-        (row, chunk, half, x row), the mins' term in half 0."""
-        base = rowb + kb * (144 if QT == 12 else 176)
-        c = tl.arange(0, 4)[None, :, None, None]
-        hf = tl.arange(0, 2)[None, None, :, None]
-        v = tl.arange(0, 4)[None, None, None, :]
-        m4 = nmask[:, None, None, None]
-        at = c * 8 + hf * 4 + v  # qs word of (chunk, half, v): 32 contiguous words
-        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None, None] + at, mask=m4, other=0)
-        lo = words & 0x0F0F0F0F
-        hi = (words >> 4) & 0x0F0F0F0F
-        if QT == 13:  # element 16 * half + 4v + i's 5th bits: qh word 4 * half + v, bit j for sub-block j
-            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None] + c * 0 + hf * 4 + v, mask=m4, other=0)
-            lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
-            hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
-        hdr = tl.load(ww_ptr + (base // 4)[:, None, None, None] + c * 0 + hf * 0 + v, mask=m4, other=0)
-        w0, w1 = tl.sum(tl.where(v == 0, hdr, 0), axis=3), tl.sum(tl.where(v == 1, hdr, 0), axis=3)
-        w2, w3 = tl.sum(tl.where(v == 2, hdr, 0), axis=3), tl.sum(tl.where(v == 3, hdr, 0), axis=3)
-        c3 = tl.arange(0, 4)[None, :, None]
-        dsl, dml = _k45_scales(w0, w1, w2, w3, 2 * c3)
-        dsh, dmh = _k45_scales(w0, w1, w2, w3, 2 * c3 + 1)
-        first = tl.arange(0, 2)[None, None, :] == 0
-        for m in tl.static_range(M):
-            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + hf * 4 + v  # x words of sub-block 2c; + 8: of 2c + 1
-            il = tl.sum(dp4a(lo, tl.load(xw), tl.zeros_like(lo), ASM), axis=3)
-            ih = tl.sum(dp4a(hi, tl.load(xw + 8), tl.zeros_like(hi), ASM), axis=3)
-            xb = m * xd_m + kb * 8 + 2 * c3
-            mins = dml * tl.load(xs_ptr + xb) + dmh * tl.load(xs_ptr + xb + 1)
-            t = (dsl * (tl.load(xd_ptr + xb) * il.to(tl.float32))
-                 + dsh * (tl.load(xd_ptr + xb + 1) * ih.to(tl.float32)) - tl.where(first, mins, 0.0))
-            acc = _add_col4(acc, t, m, MP)
         return acc
 
     @triton.jit
@@ -440,13 +399,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
-                   K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                   WIDE: tl.constexpr = False):
-        """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT; WIDE:
-        Q4_K/Q5_K by _k45_step_wide)."""
-        if (QT == 12 or QT == 13) and WIDE:
-            acc = _k45_step_wide(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
-        elif QT == 12 or QT == 13:
+                   K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
+        if QT == 12 or QT == 13:
             acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
         elif QT == 14 or QT == 114:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
@@ -459,38 +414,36 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1, WIDE: tl.constexpr = False):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
         thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
-        acc = _acc_zeros(MP, BN, QT, WIDE)
+        acc = _acc_zeros(MP, BN, QT)
         kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
         for kb0 in range(kb_lo, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
                 acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                                 rowb, nmask, K, kb0 + u, M, MP, QT, ASM, WIDE)
+                                 rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
         for kb in range(kb_main, kb_hi):
             acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                             rowb, nmask, K, kb, M, MP, QT, ASM, WIDE)
-        return _acc_rows(acc)
+                             rowb, nmask, K, kb, M, MP, QT, ASM)
+        return _acc_rows(acc, QT)
 
     @triton.jit
-    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, WIDE: tl.constexpr = False):
+    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
         """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
         if QT == 14 or QT == 114:
             acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
-        elif (QT == 12 or QT == 13) and WIDE:
-            acc = tl.zeros([BN, 4, 2, MP], dtype=tl.float32)
         else:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         return acc
 
     @triton.jit
-    def _acc_rows(acc):
+    def _acc_rows(acc, QT: tl.constexpr):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if len(acc.shape) == 4:
+        if QT == 14 or QT == 114:
             out = tl.sum(tl.sum(acc, axis=2), axis=1)
         else:
             out = tl.sum(acc, axis=1)
@@ -518,13 +471,13 @@ if HAS_TRITON:
                                nmask, K, kb, 1, 1, QA, ASM)
             acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr, brow,
                                nmask, K, kb, 1, 1, QB, ASM)
-        return _acc_rows(acc_a), _acc_rows(acc_b)
+        return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
 
     @triton.jit
     def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, blk, N, K,
                       STEPS, S, w_n, p_s, p_m, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
                       QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr,
-                      PARTS: tl.constexpr, SUM_HERE: tl.constexpr, WIDE: tl.constexpr):
+                      PARTS: tl.constexpr, SUM_HERE: tl.constexpr):
         """Row block blk, split program_id(1) (< S: a part with fewer splits than the grid leaves the rest idle) of
         one block matrix: steps split*STEPS .. of K for BN weight rows and all M x rows -> the output y, or (PARTS:
         the launch splits K) the split's f32 partial sums p [S, M, p_m] (p_s: a split's stride); y_ptr and p_ptr
@@ -537,7 +490,7 @@ if HAS_TRITON:
             k_lo = tl.program_id(1) * STEPS
             k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
             acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                             n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL, WIDE)
+                             n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
             im = tl.arange(0, MP)
             mask = (im[:, None] < M) & nmask[None, :]
             if not PARTS or (SUM_HERE and S == 1):
@@ -568,8 +521,7 @@ if HAS_TRITON:
                         y_ptr, p_ptr, c_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, p_s, y_m,
                         M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
                         TWO: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
-                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, WIDE: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row block, split) of one block matrix A, or (TWO) of two that multiply the same x, each its own
         type, in one launch: row blocks 0 .. BLOCKS_A - 1 are A's (columns 0 .. NA - 1 of the output), the rest
         B's (columns NA ..); each part keeps the split of K it would have alone (S_A / S_B shares of STEPS_A /
@@ -580,11 +532,11 @@ if HAS_TRITON:
         if TWO and blk >= BLOCKS_A:
             _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr, y_ptr + NA, p_ptr + NA,
                           c_ptr + blk, blk - BLOCKS_A, NB, K, STEPS_B, S_B, wb_n, p_s, NA + NB, y_m, M, MP, BN,
-                          QB, ASM, OUT_DT, UNROLL, PARTS, SUM_HERE, WIDE)
+                          QB, ASM, OUT_DT, UNROLL, PARTS, SUM_HERE)
         else:
             _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, y_ptr, p_ptr, c_ptr + blk,
                           blk, NA, K, STEPS_A, S_A, wa_n, p_s, NA + NB, y_m, M, MP, BN, QA, ASM, OUT_DT, UNROLL,
-                          PARTS, SUM_HERE, WIDE)
+                          PARTS, SUM_HERE)
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, NA, S_B, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
@@ -741,8 +693,7 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
         *xquant, *_views(ra), *_views(rb), y, parts, _arrival_counters(y) if sum_here else parts, K, na, nb,
         blocks_a, share_a, share_b, split_a, split_b, ra.stride(0), rb.stride(0), parts.stride(0), y.stride(0),
         M=M, MP=next_pow2(M), BN=cfg.rows, QA=int(qa), QB=int(qb), TWO=two, ASM=_asm() if asm is None else asm,
-        OUT_DT=tl_dtype(y.dtype), UNROLL=cfg.unroll, PARTS=splits > 1, SUM_HERE=sum_here, WIDE=cfg.wide,
-        num_warps=cfg.warps,
+        OUT_DT=tl_dtype(y.dtype), UNROLL=cfg.unroll, PARTS=splits > 1, SUM_HERE=sum_here, num_warps=cfg.warps,
         **pdl_launch(y))
     if splits > 1 and not sum_here:
         block = 1024
@@ -798,7 +749,7 @@ def _default_config(parts: list[Part]) -> QdotConfig:
     """The config of a product by its matrices alone (never by x's row count, which row-exact mode varies)."""
     if len(parts) == 1 and parts[0][1] == GGMLQuantizationType.Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
         return QDOT_CONFIG_Q6K_HEAD
-    return QDOT_CONFIG._replace(wide=K45_WIDE)
+    return QDOT_CONFIG
 
 
 def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, config: tuple | None = None,
