@@ -181,7 +181,7 @@ def _marker(model: Any, rows: Sequence[int], found: list[tuple[str, object, obje
     def layout(w: object) -> object:
         if isinstance(w, StackedWeight):
             return [layout(p) for p in w.parts]
-        return (int(w.qtype) if isinstance(w, QuantWeight) else str(w.dtype), tuple(w.shape))  # type: ignore[attr-defined]
+        return (w.code if isinstance(w, QuantWeight) else str(w.dtype), tuple(w.shape))  # type: ignore[attr-defined]
 
     key = hashlib.sha256(repr((sorted({repr(layout(w) if e is None else [layout(x) for x in e]) for _, w, e in found}),
                                list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
