@@ -109,7 +109,7 @@ _rope_tables = fuse.fused(rope_tables)
 
 def head_layout(head: Weight, embed: object) -> Weight:
     """The LM head as the products read it: a Q6_K head on CUDA with its rows in planes (QuantWeight.planes: 16-byte
-    loads instead of 2-byte-aligned ones; BENCHMARKS.md §5c), unless it is the embedding's tensor (a tied head
+    loads instead of 2-byte-aligned ones; BENCHMARKS.md §5b), unless it is the embedding's tensor (a tied head
     would then be held twice); any other head as it is. The planes are made a chunk of rows at a time."""
     if (HEAD_PLANES and isinstance(head, QuantWeight) and head is not embed and head.qtype == GGMLQuantizationType.Q6_K
             and head.device.type == "cuda"):

@@ -8,7 +8,7 @@ module only describes and reshapes the bytes, and expands them (`dequantize`, th
 Q6_K rows may instead be held in planes (`planes`, `to_planes`): the same bytes of each row regrouped as all its
 blocks' ql, then all qh, then the int8 scales, then the f16 d, the row padded to a multiple of 16 bytes. A Q6_K
 block is 210 bytes, so in file order its parts start only 2-byte aligned; in planes every ql and qh run of a block
-starts 16-byte aligned and the kernels read them with 16-byte loads (the LM head, BENCHMARKS.md §5c). Rows stay
+starts 16-byte aligned and the kernels read them with 16-byte loads (the LM head, BENCHMARKS.md §5b). Rows stay
 independent runs, so row slices and row concatenation still need no re-encoding.
 """
 
