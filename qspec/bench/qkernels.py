@@ -414,17 +414,22 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
     blocks = [_quantized(T.Q6_K, n, k, seed=i) for i in range(_copies(n * k))]
     planes = [QuantWeight(r, T.Q6_K, (n, k)).to_planes().raw for r in blocks]
     layouts = (("file", blocks, int(T.Q6_K)), ("planes", planes, Q6_K_PLANES))
+
+    def kernels(m: int, code: int) -> list[tuple[str, Callable[..., torch.Tensor]]]:
+        """(label, product) of what is timed for m rows of a layout."""
+        if m > 1:
+            return [("tc", qmm_triton), ("int8", qdot_matmul_triton)]
+        cfgs = (QDOT_CONFIG_Q6K_HEAD, *HEAD_PLANES_CONFIGS) if code == Q6_K_PLANES else (QDOT_CONFIG_Q6K_HEAD,)
+        return [("/".join(map(str, c)), partial(qdot_matmul_triton, config=c)) for c in cfgs]
+
     for m in (1, 6):
         x, bf_us = _bf16_matvec(m, n, k)
         for rep in range(reps):
             for name, raws, code in layouts:
                 nbytes = raws[0].numel() + m * (k + n) * 2
-                cfgs = (QDOT_CONFIG_Q6K_HEAD, *HEAD_PLANES_CONFIGS) if code == Q6_K_PLANES else (QDOT_CONFIG_Q6K_HEAD,)
-                for cfg in cfgs if m == 1 else (None, "int8"):
-                    fn = qmm_triton if cfg is None else partial(qdot_matmul_triton, config=None if m > 1 else cfg)
+                for label, fn in kernels(m, code):
                     us = graph_us([partial(fn, x, r, code, n) for r in raws])
-                    label = f"{name} " + ("tc" if cfg is None else cfg if m > 1 else "/".join(map(str, cfg)))
-                    _row(rows, f"{label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
+                    _row(rows, f"{name} {label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
 
 
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:

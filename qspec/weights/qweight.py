@@ -55,12 +55,12 @@ def _plane_sources(k: int, device: torch.device) -> torch.Tensor:
 def _regroup(raw: torch.Tensor, k: int, into_planes: bool, chunk_rows: int = 1 << 14) -> torch.Tensor:
     """Q6_K rows raw [..., row bytes] between file order and planes, a chunk of rows at a time (bounded scratch)."""
     src = _plane_sources(k, raw.device)
+    # each output byte's source column: planes gather the file's bytes; the file's order gathers them back
+    idx = src if into_planes else torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=raw.device))
     flat = raw.reshape(-1, raw.shape[-1])
     out = torch.zeros(flat.shape[0], row_bytes(_Q6K, k, into_planes), dtype=torch.uint8, device=raw.device)
-    back = torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=raw.device))
     for r in range(0, flat.shape[0], chunk_rows):
-        part = flat[r:r + chunk_rows]
-        out[r:r + chunk_rows, :src.numel()] = part[:, src] if into_planes else part[:, back]
+        out[r:r + chunk_rows, :idx.numel()] = flat[r:r + chunk_rows][:, idx]
     return out.view(*raw.shape[:-1], out.shape[-1])
 
 
