@@ -40,7 +40,7 @@ class CompileTimes:
                 "triton_by_kernel": dict(self.by_kernel.most_common()), "described": self.describe(slowest=8)}
 
 
-def _dynamo_seconds() -> float | None:
+def dynamo_seconds() -> float | None:
     try:  # a private record (torch 2.x): report its absence rather than fail
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
@@ -69,7 +69,7 @@ class CompileClock:
         self._mine: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> CompileClock:
-        self._dynamo0 = _dynamo_seconds()
+        self._dynamo0 = dynamo_seconds()
         self._knobs = _triton_runtime_knobs()
         if self._knobs is not None:
             pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
@@ -84,7 +84,7 @@ class CompileClock:
                 self._knobs.jit_cache_hook = self._saved[0]
             if self._knobs.jit_post_compile_hook is self._mine[1]:
                 self._knobs.jit_post_compile_hook = self._saved[1]
-        now = _dynamo_seconds()
+        now = dynamo_seconds()
         if now is not None and self._dynamo0 is not None:
             self._times.torch_s = now - self._dynamo0
 

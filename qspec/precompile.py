@@ -131,14 +131,33 @@ def _block_weights(model: Any) -> list[tuple[str, object, object]]:
     return list(_weights(model, {id(model.embed), id(getattr(model, "ple", None))}))
 
 
+def _layout(w: object) -> object:
+    """What a Triton variant of a product with `w` depends on: each block part's kernel type and shape, and whether
+    its bytes start 16-byte aligned (Triton specialises a pointer on that); a 16-bit part's dtype and shape."""
+    if isinstance(w, StackedWeight):
+        return tuple(_layout(p) for p in w.parts)
+    if isinstance(w, QuantWeight):
+        return w.code, tuple(w.shape), w.raw.data_ptr() % 16 == 0
+    return str(w.dtype), tuple(w.shape)  # type: ignore[attr-defined]
+
+
+def _distinct(found: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
+    """One entry of `found` per kind and layout: the layers' matrices of one layout compile the same variants."""
+    first: dict[tuple[str, object], tuple[str, object, object]] = {}
+    for kind, w, e in found:
+        first.setdefault((kind, _layout(w) if e is None else tuple(_layout(x) for x in e)), (kind, w, e))
+    return list(first.values())
+
+
 def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object, object]] | None = None
                   ) -> list[Callable[[], object]]:
-    """Calls of the products steps of these row counts run on the model's block weights, on zeros: every block
-    matrix at each of `rows` (one product each; the token and n-gram tables, read by rows, are left out) and every
-    routed-expert module at those of `rows` its few-token kernels take (moe.FEW_TOKENS), with their routing (on
-    zero logits: experts 0 .. k-1; its launch quantizes the rows for the experts' int8 kernels). found: the model's
-    `_block_weights`, when the caller has them."""
-    found = _block_weights(model) if found is None else found
+    """Calls of the products steps of these row counts run on the model's block weights, on zeros, one weight per
+    layout (`_distinct`: a 48-layer model's thousand products are a few dozen variants): every block matrix layout
+    at each of `rows` (the token and n-gram tables, read by rows, are left out) and every routed-expert layout at
+    those of `rows` its few-token kernels take (moe.FEW_TOKENS), with their routing (on zero logits: experts
+    0 .. k-1; its launch quantizes the rows for the experts' int8 kernels). found: the model's `_block_weights`,
+    when the caller has them."""
+    found = _distinct(_block_weights(model) if found is None else found)
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
     experts = [e for kind, _, e in found if kind == "experts"]
@@ -178,12 +197,7 @@ def _marker(model: Any, rows: Sequence[int], found: list[tuple[str, object, obje
         return None
     import triton
 
-    def layout(w: object) -> object:
-        if isinstance(w, StackedWeight):
-            return [layout(p) for p in w.parts]
-        return (w.code if isinstance(w, QuantWeight) else str(w.dtype), tuple(w.shape))  # type: ignore[attr-defined]
-
-    key = hashlib.sha256(repr((sorted({repr(layout(w) if e is None else [layout(x) for x in e]) for _, w, e in found}),
+    key = hashlib.sha256(repr((sorted({repr(_layout(w) if e is None else [_layout(x) for x in e]) for _, w, e in found}),
                                list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
                                if model.device.type == "cuda" else None, triton.__version__)).encode())
     for src in sorted((Path(__file__).parent / "kernels").glob("triton_*.py")):

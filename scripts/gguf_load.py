@@ -39,7 +39,7 @@ import torch
 
 from qspec.bench.device_model import bench_config, device_random_model, device_tensor
 from qspec.compile_ahead import load_compiling_ahead
-from qspec.compile_clock import CompileClock
+from qspec.compile_clock import CompileClock, dynamo_seconds
 from qspec.config import ModelConfig
 from qspec.weights.gguf_io import write_gguf
 from qspec.weights.names import tensor_shapes
@@ -162,8 +162,17 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     stamps: list[float] = []
     t1 = time.perf_counter()
     prof = cProfile.Profile() if a.profile_first else None
+    so_far: list[dict[str, float | None]] = []  # what had compiled by each token (the prefill's, each step's)
+
+    def on_token(_t: int) -> None:
+        stamps.append(time.perf_counter())
+        dynamo = dynamo_seconds()
+        so_far.append({"torch_s": None if dynamo is None or dynamo0 is None else dynamo - dynamo0,
+                       "triton_s": clock.times().triton_s, "triton_kernels": clock.times().triton_kernels})
+
+    dynamo0 = dynamo_seconds()
     with CompileClock() as clock, prof or contextlib.nullcontext():
-        first = eng.generate(prompt, 3, on_token=lambda _t: stamps.append(time.perf_counter()))
+        first = eng.generate(prompt, 3, on_token=on_token)
     if prof is not None:
         _write_profile(prof, a.profile_first)
     # the first token ends the prefill; the second is the first decode step (its shape's compilation), the third
@@ -171,6 +180,7 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     out["first_token_s"], out["second_token_s"], out["third_token_s"] = (x - t1 for x in stamps)
     out["first_prefill_s"] = first.prefill_s
     out["first_request_compile"] = clock.times().as_dict()
+    out["compiled_by_token"] = so_far
     _report_so_far(out)
     if a.tokens:
         with CompileClock() as clock:
@@ -220,6 +230,10 @@ def report(res: dict[str, Any]) -> str:
               f"tok/s |", f"| peak resident host memory at the end | {res['peak_rss_end'] / gib:.2f} GiB |",
               "", f"Weights as loaded: {res['weights']}", "", "Compiled in the first process's first request: "
               + res["first_request_compile"]["described"]]
+    if res.get("compiled_by_token"):
+        lines += ["", "Compiled by the first / second / third token (torch.compile s, Triton s, Triton variants): "
+                  + " / ".join(f"{c['torch_s'] or 0:.1f}, {c['triton_s']:.1f}, {c['triton_kernels']}"
+                               for c in res["compiled_by_token"])]
     return "\n".join(lines) + "\n"
 
 

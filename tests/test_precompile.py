@@ -35,8 +35,14 @@ def test_step_products_are_every_block_matrix_and_expert_set(tmp_path: Path) -> 
     assert {id(m) for m in experts} == {id(m) for m in [*model.moe, model.mtp.moe]}
     for layer in model.layers:  # every layer contributes its mixer's block products
         assert any(w is v for w in linear for v in vars(layer).values())
+    distinct = precompile._distinct(found)  # one weight per layout: the layers' repeats compile nothing new
+    layouts = {(kind, precompile._layout(w) if e is None else tuple(map(precompile._layout, e)))
+               for kind, w, e in found}
+    assert len(distinct) == len(layouts) < len(found)
+    assert {id(w) for _, w, _ in distinct} <= {id(w) for _, w, _ in found}
+    n_linear = sum(kind == "linear" for kind, _, _ in distinct)
     calls = precompile.step_products(model, [40, 1, 4])  # experts at the few-token counts only
-    assert len(calls) == 3 * len(linear) + 2 * len(experts)
+    assert len(calls) == 3 * n_linear + 2 * (len(distinct) - n_linear)
     with torch.inference_mode():
         for call in calls:
             call()
