@@ -197,7 +197,8 @@ def _marker(model: Any, rows: Sequence[int], found: list[tuple[str, object, obje
         return None
     import triton
 
-    key = hashlib.sha256(repr((sorted({repr(_layout(w) if e is None else [_layout(x) for x in e]) for _, w, e in found}),
+    layouts = sorted({repr(_layout(w) if e is None else [_layout(x) for x in e]) for _, w, e in found})
+    key = hashlib.sha256(repr((layouts,
                                list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
                                if model.device.type == "cuda" else None, triton.__version__)).encode())
     for src in sorted((Path(__file__).parent / "kernels").glob("triton_*.py")):

@@ -258,6 +258,8 @@ def main() -> int:
     ap.add_argument("--reuse-file", action="store_true", help="load --file as it is when it exists (no write)")
     ap.add_argument("--profile-warm", type=Path, metavar="FILE",
                     help="profile the warm process's first request (cProfile, which slows it) into FILE")
+    ap.add_argument("--profile-cold", type=Path, metavar="FILE",
+                    help="profile the cold process's first request (cProfile, which slows it) into FILE")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)  # the measuring child process
     ap.add_argument("--profile-first", type=Path, help=argparse.SUPPRESS)  # the child: profile its first request
     a = ap.parse_args()
@@ -286,7 +288,7 @@ def main() -> int:
     for i in range(2):  # a fresh process each time: the first compiles into empty caches, the second reuses them
         if not a.drawn:
             drop_cached_pages(a.file)
-        run = _measure_in_child(a, a.tokens if i == 0 else 0, env, a.profile_warm if i else None)
+        run = _measure_in_child(a, a.tokens if i == 0 else 0, env, a.profile_warm if i else a.profile_cold)
         if run is None:
             return 1
         res |= run if i == 0 else {"warm": run}
