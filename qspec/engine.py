@@ -26,6 +26,7 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.q4 import Q4Weight
 from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
+from qspec.model import fuse
 from qspec.model.model import Model
 from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
@@ -151,6 +152,9 @@ class Engine:
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
                              switches=KernelSwitches.resolve(self.opts, model.device))
         self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
+        sw = self.runner.switches
+        if sw.fused and model.device.type == "cuda" and sw.compile_backend == "inductor":
+            fuse.start_compile_workers()  # they start beside the first prefill, not in the first decode step
         # the depth controller outlives requests: the costs it measured are the device's, not the request's
         stretch = self.opts.draft_auto_stretch
         self.depth = (DepthController(self.opts.draft, off_min=stretch, off_max=STRETCH_GROWTH * stretch)

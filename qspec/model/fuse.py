@@ -53,6 +53,9 @@ REGISTRY: list[Callable[..., Any]] = []  # every @fused function (tests check ea
 # Tests trace the functions on the CPU with dynamo's "aot_eager" backend (no code generation), which
 # checks that each one is a single graph and that tracing changes no result.
 _BACKEND = "inductor"
+# Engines that will compile start inductor's worker processes when they are made (start_compile_workers); False:
+# at the first compilation, as torch does (A/B runs).
+WARM_WORKERS = True
 
 
 def enabled() -> bool:
@@ -146,6 +149,19 @@ def inductor_has_pdl() -> bool:
     import torch._inductor.config as inductor_config  # not necessarily imported before the first compilation
 
     return hasattr(inductor_config.triton, "enable_pdl")
+
+
+def start_compile_workers() -> None:
+    """Start inductor's compile worker processes now rather than at the first compiled step: each imports torch
+    (seconds), and the first step's generated kernels would wait for them. Where this torch has no such pool,
+    nothing happens."""
+    if not WARM_WORKERS:
+        return
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    maybe_warm_pool()
 
 
 def _compile(fn: Callable[..., Any], backend: str, pdl: bool, dynamic: bool) -> Callable[..., Any]:
