@@ -102,6 +102,7 @@ def _measure_in_child(a: argparse.Namespace, tokens: int, env: dict[str, str], p
         "--file", a.file]
     cmd += ["--profile-first", str(profile)] if profile else []
     cmd += ["--compile-prefill"] if a.compile_prefill else []
+    cmd += ["--no-compile"] if not a.compile else []
     cmd += ["--no-precompile"] if not a.precompile else []
     cmd += ["--compile-ahead"] if a.compile_ahead else []
     lines: list[str] = []
@@ -123,7 +124,8 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     from qspec.loader import load_model
 
     dev = torch.device(a.device)
-    opts = EngineOptions(draft=0, capacity=1024, compile_prefill=a.compile_prefill, precompile=a.precompile)
+    opts = EngineOptions(draft=0, capacity=1024, compile=a.compile, compile_prefill=a.compile_prefill,
+                         precompile=a.precompile)
 
     def prompt_for(cfg: ModelConfig) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -211,6 +213,8 @@ def report(res: dict[str, Any]) -> str:
                  f"| write (drawn and quantized on the device) | {res['write_s']:.1f} s |",
                  f"| load, pages dropped from the cache first | {res['load_alone_s']:.1f} s "
                  f"({res['file_bytes'] / gib / max(res['load_alone_s'], 1e-9):.2f} GiB/s) |"]
+    if not res.get("compile", True):
+        lines[0] += ", the steps' small ops not compiled (--no-compile)"
     lines += [f"| peak resident host memory after the load (before it) | {res['peak_rss'] / gib:.2f} GiB "
               f"({res['rss_before_load'] / gib:.2f}) |"]
     if "device_bytes" in res:
@@ -251,6 +255,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     ap.add_argument("--compile-prefill", action="store_true",
                     help="the prompt's steps compile their small ops too (EngineOptions.compile_prefill on)")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="no torch.compile of the steps' small ops (EngineOptions.compile off): nothing to trace "
+                         "before the first decode steps, slower steady decoding")
     ap.add_argument("--no-precompile", dest="precompile", action="store_false",
                     help="no compiling of the decode step's products beside the prefill (EngineOptions.precompile off)")
     ap.add_argument("--compile-ahead", action="store_true",
@@ -278,7 +285,7 @@ def main() -> int:
     else:
         res = write(a)
     res |= {"tokens": a.tokens, "device": a.device, "compile_prefill": a.compile_prefill, "precompile": a.precompile,
-            "compile_ahead": a.compile_ahead}
+            "compile_ahead": a.compile_ahead, "compile": a.compile}
     if not a.drawn:
         print(f"{'reused' if not res['write_s'] else 'wrote'} {res['file_bytes'] / 2 ** 30:.2f} GiB "
               f"in {res['write_s']:.1f} s", flush=True)
