@@ -44,6 +44,7 @@ from qspec.loader import (
 )
 from qspec.model.model import CacheOptions, Model
 from qspec.options import (
+    RUN_COMPILE_MIN_TOKENS,
     OptionError,
     SamplingOptions,
     add_arguments,
@@ -325,8 +326,11 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    opts = _engine_options(a)
     samp = _sampling_options(a)
+    uncompiled_short = a.compile is None and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
+    if a.compile is None:  # neither --compile nor --no-compile: compile where it pays (options.RUN_COMPILE_MIN_TOKENS)
+        a.compile = not uncompiled_short
+    opts = _engine_options(a)
 
     def request_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
         ids = _prompt_ids(tok, a.prompt, cfg.vocab_size, a.chat)
@@ -337,6 +341,9 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     path, tok, engine = _load(a, opts, request_ids)
     model = engine.model
+    if uncompiled_short and model.device.type == "cuda":
+        _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
+             "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
     ids = request_ids(tok, model.cfg)
     sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
                       generator=torch.Generator().manual_seed(samp.seed))
@@ -538,7 +545,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
     add_arguments(r, SamplingOptions)
     _add_engine_args(r)
-    r.set_defaults(func=cmd_run)
+    r.set_defaults(func=cmd_run, compile=None)  # None: decided by --max-tokens (cmd_run)
 
     sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")
     sv.add_argument("--host", default="127.0.0.1")

@@ -117,6 +117,12 @@ def _at_least(lo: int) -> Check:
     return check
 
 
+# `qspec run` (one request per process) compiles the steps' small ops only for requests of at least this many
+# tokens unless told: compiling costs a fresh process seconds to tens of seconds before its second token and a warm
+# one several, and pays back only over thousands of tokens (BENCHMARKS.md §5c).
+RUN_COMPILE_MIN_TOKENS = 4096
+
+
 @dataclass(frozen=True, kw_only=True)
 class KernelOptions:
     """Kernel and fast-path switches (how a step runs, not what it computes). Each one changes which kernels a step
@@ -124,8 +130,10 @@ class KernelOptions:
     resolves them against its device once (qspec.runner.KernelSwitches)."""
 
     cuda_graphs: bool = option(True, "capture the decode/verify/draft steps as CUDA graphs", applies="CUDA")
-    compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile)",
-                           applies="CUDA")
+    compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile; "
+                           f"`qspec run` compiles only requests of at least {RUN_COMPILE_MIN_TOKENS} --max-tokens "
+                           "unless this flag or --no-compile is given: a shorter run ends sooner without, "
+                           "BENCHMARKS.md §5c)", applies="CUDA")
     compile_prefill: bool = option(False, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
                                    "rows: longer ones run eagerly anyway): shapes that plain decoding never runs "
                                    "again, so a fresh process's first token then waits for their compilation too "

@@ -94,6 +94,31 @@ def test_steady_decode_speed_is_reported_apart_from_first_uses(capsys: pytest.Ca
     assert "decode steady" not in capsys.readouterr().err
 
 
+def test_run_compiles_only_long_requests_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`qspec run` compiles the steps' small ops for requests of RUN_COMPILE_MIN_TOKENS tokens or more; --compile and
+    --no-compile override that either way; `serve` compiles by default."""
+    import qspec.cli as cli
+    from qspec.options import RUN_COMPILE_MIN_TOKENS
+
+    seen: list[bool] = []
+
+    class Loaded(Exception):
+        pass
+
+    def load(_a: object, opts: object, _prompt: object) -> None:
+        seen.append(opts.compile)  # type: ignore[attr-defined]
+        raise Loaded
+
+    monkeypatch.setattr(cli, "_load", load)
+    n = str(RUN_COMPILE_MIN_TOKENS)
+    for argv in ([], ["--max-tokens", n], ["--compile"], ["--no-compile", "--max-tokens", n],
+                 ["--max-tokens", str(RUN_COMPILE_MIN_TOKENS - 1)]):
+        with pytest.raises(Loaded):
+            main(["run", PROMPT, *argv])
+    assert seen == [False, True, True, False, False]
+    assert cli.build_parser().parse_args(["serve"]).compile is True
+
+
 def test_greedy_speculative_prints_the_same_text_as_plain(models: dict[str, Path],
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     base = ["run", PROMPT, "--max-tokens", "8", *FAST]
