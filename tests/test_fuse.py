@@ -224,3 +224,20 @@ def test_step_functions_compile_static_sizes_once_per_row_count(model) -> None: 
     assert graphs() == second
     for f in fuse.REGISTRY:
         f.compiled.clear()
+
+
+def test_compile_workers_start_with_an_engine_that_will_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """start_compile_workers starts inductor's pool (once asked, and not with WARM_WORKERS off); an engine calls it only
+    where its steps will compile with inductor on CUDA, so a CPU engine starts none."""
+    import torch._inductor.async_compile as async_compile
+
+    calls: list[int] = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
+    fuse.start_compile_workers()
+    assert calls == [1]
+    monkeypatch.setattr(fuse, "WARM_WORKERS", False)
+    fuse.start_compile_workers()
+    assert calls == [1]
+    monkeypatch.setattr(fuse, "WARM_WORKERS", True)
+    Engine(build_model(tiny_config()), EngineOptions(draft=0, capacity=64))
+    assert calls == [1]

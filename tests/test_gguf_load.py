@@ -51,11 +51,17 @@ def test_gguf_load_drawn_builds_on_the_device_without_a_file(tmp_path: Path) -> 
     env = dict(os.environ, PYTHONPATH=str(root))
     cmd = [sys.executable, str(root / "scripts" / "gguf_load.py"), "--preset", "tiny", "--layers", "1", "--device",
            "cpu", "--quant", "q8_0", "--drawn", "--tokens", "4", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([*cmd, "--no-compile", "--profile-cold", str(tmp_path / "cold.prof.txt")], capture_output=True,
+                       text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.with_suffix(".json").read_text())
-    assert res["drawn"] and res["file_bytes"] == 0 and "Q8_0 (blocks)" in res["weights"]
+    assert res["drawn"] and res["file_bytes"] == 0 and "Q8_0 (blocks)" in res["weights"] and res["compile"] is False
     assert 0 < res["first_token_s"] <= res["second_token_s"] and res["warm"]["first_token_s"] > 0
-    assert "built on the device (no file)" in out.with_suffix(".md").read_text()
+    by_token = res["compiled_by_token"]  # what had compiled by each of the three first tokens, never decreasing
+    assert len(by_token) == 3 and all(a["triton_s"] <= b["triton_s"] for a, b in zip(by_token[:-1], by_token[1:],
+                                                                                      strict=True))
+    md = out.with_suffix(".md").read_text()
+    assert "built on the device (no file), the steps' small ops not compiled" in md and "Compiled by the first" in md
+    assert "generate" in (tmp_path / "cold.prof.txt").read_text()  # the cold first request's profile
     bad = subprocess.run(cmd[:-5], capture_output=True, text=True, env=env, timeout=60)  # neither --file nor --drawn
     assert bad.returncode == 2 and "--file is required unless --drawn" in bad.stderr
