@@ -5,7 +5,10 @@ launches it waits: a block-weight model's first decode step waits for its int8 p
 each, one per block type, row count and kernel; BENCHMARKS.md §5c) after the prefill has waited for its own. The
 variants are known once the model is loaded and the prompt's length is: the products of its block matrices at the
 prompt's first step's rows, at one row and at the verify's rows when drafting, and its routed experts at the
-few-token counts among those. So on a model's first request a thread calls those products on zeros under
+few-token counts among those; one matrix per block layout stands for the layers that share it (a variant depends on
+the layout, not on the layer: 48 layers' thousand products are a few dozen variants, and queuing them all had the
+pool compile one variant several times at once beside the prefill, BENCHMARKS.md §5c). So on a model's first request
+a thread calls those products on zeros under
 `compile_only`, where each Triton launch becomes a compilation of the same variant (the same arguments, so the same
 specialisation) submitted to a pool of threads, and nothing runs. Triton's compiler spends most of its time outside
 the interpreter lock, so the variants compile side by side, and beside the prefill (which compiles a variant itself
