@@ -6,8 +6,9 @@ each, one per block type, row count and kernel; BENCHMARKS.md §5c) after the pr
 variants are known once the model is loaded and the prompt's length is: the products of its block matrices at the
 prompt's first step's rows, at one row and at the verify's rows when drafting, and its routed experts at the
 few-token counts among those; one matrix per block layout stands for the layers that share it (a variant depends on
-the layout, not on the layer: 48 layers' thousand products are a few dozen variants, and queuing them all had the
-pool compile one variant several times at once beside the prefill, BENCHMARKS.md §5c). So on a model's first request
+the layout, not on the layer: 48 layers' thousand products are a few dozen variants; queuing them all cost a
+launch's Python work each, beside the prefill, and let pool threads compile one variant at once, since Triton's
+launch takes no lock; BENCHMARKS.md §5c). So on a model's first request
 a thread calls those products on zeros under
 `compile_only`, where each Triton launch becomes a compilation of the same variant (the same arguments, so the same
 specialisation) submitted to a pool of threads, and nothing runs. Triton's compiler spends most of its time outside
