@@ -327,7 +327,8 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 
 def cmd_run(a: argparse.Namespace) -> int:
     samp = _sampling_options(a)
-    uncompiled_short = a.compile is None and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
+    # --compile-ahead asks for compilation too
+    uncompiled_short = a.compile is None and not a.compile_ahead and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
     if a.compile is None:  # neither --compile nor --no-compile: compile where it pays (options.RUN_COMPILE_MIN_TOKENS)
         a.compile = not uncompiled_short
     opts = _engine_options(a)

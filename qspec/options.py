@@ -132,7 +132,8 @@ class KernelOptions:
     cuda_graphs: bool = option(True, "capture the decode/verify/draft steps as CUDA graphs", applies="CUDA")
     compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile; "
                            f"`qspec run` compiles only requests of at least {RUN_COMPILE_MIN_TOKENS} --max-tokens "
-                           "unless this flag or --no-compile is given: a shorter run ends sooner without, "
+                           "unless this flag, --no-compile or --compile-ahead is given: a shorter run ends sooner "
+                           "without, "
                            "BENCHMARKS.md §5c)", applies="CUDA")
     compile_prefill: bool = option(False, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
                                    "rows: longer ones run eagerly anyway): shapes that plain decoding never runs "

@@ -96,7 +96,7 @@ def test_steady_decode_speed_is_reported_apart_from_first_uses(capsys: pytest.Ca
 
 def test_run_compiles_only_long_requests_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """`qspec run` compiles the steps' small ops for requests of RUN_COMPILE_MIN_TOKENS tokens or more; --compile and
-    --no-compile override that either way; `serve` compiles by default."""
+    --no-compile override that either way, and --compile-ahead asks for it; `serve` compiles by default."""
     import qspec.cli as cli
     from qspec.options import RUN_COMPILE_MIN_TOKENS
 
@@ -112,10 +112,10 @@ def test_run_compiles_only_long_requests_unless_told(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cli, "_load", load)
     n = str(RUN_COMPILE_MIN_TOKENS)
     for argv in ([], ["--max-tokens", n], ["--compile"], ["--no-compile", "--max-tokens", n],
-                 ["--max-tokens", str(RUN_COMPILE_MIN_TOKENS - 1)]):
+                 ["--max-tokens", str(RUN_COMPILE_MIN_TOKENS - 1)], ["--compile-ahead"]):
         with pytest.raises(Loaded):
             main(["run", PROMPT, *argv])
-    assert seen == [False, True, True, False, False]
+    assert seen == [False, True, True, False, False, True]
     assert cli.build_parser().parse_args(["serve"]).compile is True
 
 
