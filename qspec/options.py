@@ -133,8 +133,7 @@ class KernelOptions:
     compile: bool = option(True, "fuse the steps' small ops with torch.compile (the first steps compile; "
                            f"`qspec run` compiles only requests of at least {RUN_COMPILE_MIN_TOKENS} --max-tokens "
                            "unless this flag, --no-compile or --compile-ahead is given: a shorter run ends sooner "
-                           "without, "
-                           "BENCHMARKS.md §5c)", applies="CUDA")
+                           "without, BENCHMARKS.md §5c)", applies="CUDA")
     compile_prefill: bool = option(False, f"compile prefill steps' small ops too (steps of up to {MAX_FUSED_ROWS} "
                                    "rows: longer ones run eagerly anyway): shapes that plain decoding never runs "
                                    "again, so a fresh process's first token then waits for their compilation too "
