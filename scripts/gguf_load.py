@@ -164,13 +164,15 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     stamps: list[float] = []
     t1 = time.perf_counter()
     prof = cProfile.Profile() if a.profile_first else None
-    so_far: list[dict[str, float | None]] = []  # what had compiled by each token (the prefill's, each step's)
+    so_far: list[dict[str, Any]] = []  # what had compiled by each token (the prefill's, each step's)
 
     def on_token(_t: int) -> None:
         stamps.append(time.perf_counter())
         dynamo = dynamo_seconds()
+        t = clock.times()
         so_far.append({"torch_s": None if dynamo is None or dynamo0 is None else dynamo - dynamo0,
-                       "triton_s": clock.times().triton_s, "triton_kernels": clock.times().triton_kernels})
+                       "triton_s": t.triton_s, "triton_kernels": t.triton_kernels,
+                       "triton_by_kernel": dict(t.by_kernel)})
 
     dynamo0 = dynamo_seconds()
     with CompileClock() as clock, prof or contextlib.nullcontext():
