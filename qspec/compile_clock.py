@@ -40,7 +40,7 @@ class CompileTimes:
                 "triton_by_kernel": dict(self.by_kernel.most_common()), "described": self.describe(slowest=8)}
 
 
-def dynamo_seconds() -> float | None:
+def _dynamo_seconds() -> float | None:
     try:  # a private record (torch 2.x): report its absence rather than fail
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
@@ -67,14 +67,16 @@ class CompileClock:
         self._knobs: Any | None = None
         self._saved: tuple[Any, Any] = (None, None)
         self._mine: tuple[Any, Any] = (None, None)
+        self._open = False  # inside the block
 
     def __enter__(self) -> CompileClock:
-        self._dynamo0 = dynamo_seconds()
+        self._dynamo0 = _dynamo_seconds()
         self._knobs = _triton_runtime_knobs()
         if self._knobs is not None:
             pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
             self._mine = (self._chain(pre, self._before), self._chain(post, self._after))
             self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._mine
+        self._open = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,12 +86,19 @@ class CompileClock:
                 self._knobs.jit_cache_hook = self._saved[0]
             if self._knobs.jit_post_compile_hook is self._mine[1]:
                 self._knobs.jit_post_compile_hook = self._saved[1]
-        now = dynamo_seconds()
-        if now is not None and self._dynamo0 is not None:
-            self._times.torch_s = now - self._dynamo0
+        self._count_torch()
+        self._open = False
 
     def times(self) -> CompileTimes:
+        """What compiled inside the block; asked inside it, what compiled so far."""
+        if self._open:
+            self._count_torch()
         return self._times
+
+    def _count_torch(self) -> None:
+        now = _dynamo_seconds()
+        if now is not None and self._dynamo0 is not None:
+            self._times.torch_s = now - self._dynamo0
 
     @staticmethod
     def _chain(other: Any, mine: Any) -> Any:

@@ -153,7 +153,7 @@ class Engine:
                              switches=KernelSwitches.resolve(self.opts, model.device))
         self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
         sw = self.runner.switches
-        if sw.fused and model.device.type == "cuda" and sw.compile_backend == "inductor":
+        if sw.fused and sw.compile_backend == "inductor":  # fused with inductor: on CUDA (KernelSwitches.resolve)
             fuse.start_compile_workers()  # they start beside the first prefill, not in the first decode step
         # the depth controller outlives requests: the costs it measured are the device's, not the request's
         stretch = self.opts.draft_auto_stretch

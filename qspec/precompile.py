@@ -145,11 +145,16 @@ def _layout(w: object) -> object:
     return str(w.dtype), tuple(w.shape)  # type: ignore[attr-defined]
 
 
+def _entry_layout(w: object, experts: object) -> object:
+    """The layout of one `_weights` entry: its matrix's, or its gate, up and down's."""
+    return _layout(w) if experts is None else tuple(_layout(x) for x in experts)  # type: ignore[attr-defined]
+
+
 def _distinct(found: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
     """One entry of `found` per kind and layout: the layers' matrices of one layout compile the same variants."""
     first: dict[tuple[str, object], tuple[str, object, object]] = {}
     for kind, w, e in found:
-        first.setdefault((kind, _layout(w) if e is None else tuple(_layout(x) for x in e)), (kind, w, e))
+        first.setdefault((kind, _entry_layout(w, e)), (kind, w, e))
     return list(first.values())
 
 
@@ -201,7 +206,7 @@ def _marker(model: Any, rows: Sequence[int], found: list[tuple[str, object, obje
         return None
     import triton
 
-    layouts = sorted({repr(_layout(w) if e is None else [_layout(x) for x in e]) for _, w, e in found})
+    layouts = sorted({repr(_entry_layout(w, e)) for _, w, e in found})
     key = hashlib.sha256(repr((layouts,
                                list(rows), str(model.dtype), torch.cuda.get_device_capability(model.device)
                                if model.device.type == "cuda" else None, triton.__version__)).encode())

@@ -39,7 +39,7 @@ import torch
 
 from qspec.bench.device_model import bench_config, device_random_model, device_tensor
 from qspec.compile_ahead import load_compiling_ahead
-from qspec.compile_clock import CompileClock, dynamo_seconds
+from qspec.compile_clock import CompileClock
 from qspec.config import ModelConfig
 from qspec.weights.gguf_io import write_gguf
 from qspec.weights.names import tensor_shapes
@@ -168,13 +168,8 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
 
     def on_token(_t: int) -> None:
         stamps.append(time.perf_counter())
-        dynamo = dynamo_seconds()
-        t = clock.times()
-        so_far.append({"torch_s": None if dynamo is None or dynamo0 is None else dynamo - dynamo0,
-                       "triton_s": t.triton_s, "triton_kernels": t.triton_kernels,
-                       "triton_by_kernel": dict(t.by_kernel)})
+        so_far.append(clock.times().as_dict())
 
-    dynamo0 = dynamo_seconds()
     with CompileClock() as clock, prof or contextlib.nullcontext():
         first = eng.generate(prompt, 3, on_token=on_token)
     if prof is not None:
