@@ -170,15 +170,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_col(acc, t, m, MP: tl.constexpr):
-        """acc [BN, C, MP] with t [BN, C] added to column m."""
+        """acc [BN, C, MP] with t [BN, C] added to column m (the layout of Q4_K/Q5_K's accumulators)."""
         im = tl.arange(0, MP)[None, None, :]
         return tl.where(im == m, acc + t[:, :, None], acc)
 
     @triton.jit
-    def _add_col4(acc, t, m, MP: tl.constexpr):
-        """acc [BN, A, B, MP] with t [BN, A, B] added to column m."""
-        im = tl.arange(0, MP)[None, None, None, :]
-        return tl.where(im == m, acc + t[:, :, :, None], acc)
+    def _add_row(acc, t, m, MP: tl.constexpr):
+        """acc [MP, *t's shape] with t ([BN, C] or [BN, A, B]) added to x row m's slice. The x row axis comes first
+        for the types whose step terms are sums over the words' leading axis (Q6_K, the 32-weight blocks): t then
+        has the layout of acc's slices, and no step moves its terms through shared memory to the accumulators'
+        layout (with the x row axis last, Triton 3.6 did that once per step, a barrier each; BENCHMARKS.md §5b)."""
+        if len(t.shape) == 2:
+            out = tl.where(tl.arange(0, MP)[:, None, None] == m, acc + t[None, :, :], acc)
+        else:
+            out = tl.where(tl.arange(0, MP)[:, None, None, None] == m, acc + t[None, :, :, :], acc)
+        return out
 
     @triton.jit
     def _k45_header(ww_ptr, base, nmask):
@@ -295,7 +301,7 @@ if HAS_TRITON:
             xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
             t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
             t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
-            acc = _add_col4(acc, d * t, m, MP)
+            acc = _add_row(acc, d * t, m, MP)
         return acc
 
     @triton.jit
@@ -394,7 +400,7 @@ if HAS_TRITON:
             xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
             t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
                  + _b32_dot(db, lob, hib, xq, xd, xs, blk + 1, mb, QT, ASM))
-            acc = _add_col(acc, t, m, MP)
+            acc = _add_row(acc, t, m, MP)
         return acc
 
     @triton.jit
@@ -434,20 +440,24 @@ if HAS_TRITON:
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
         """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
-        if QT == 14 or QT == 114:
-            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
-        else:
+        if QT == 12 or QT == 13:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+        elif QT == 14 or QT == 114:
+            acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
+        else:
+            acc = tl.zeros([MP, BN, 4], dtype=tl.float32)
         return acc
 
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if QT == 14 or QT == 114:
-            out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if QT == 12 or QT == 13:
+            out = tl.trans(tl.sum(acc, axis=1))
+        elif QT == 14 or QT == 114:
+            out = tl.sum(tl.sum(acc, axis=3), axis=2)
         else:
-            out = tl.sum(acc, axis=1)
-        return tl.trans(out)
+            out = tl.sum(acc, axis=2)
+        return out
 
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
