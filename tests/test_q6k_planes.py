@@ -141,3 +141,18 @@ def test_cuda_head_in_planes_gives_the_file_order_products() -> None:
     _close_products(w, p, True, (1,))
     _close_products(w, p, False, (1, 2, 6, 40))
     assert torch.equal(expand(p, torch.bfloat16), expand(w, torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+def test_cuda_head_in_planes_takes_the_int8_kernel_up_to_8_rows() -> None:
+    """2-8 bf16 rows of a Q6_K matrix in planes go to the int8 kernel (not the tensor cores): every row of the product
+    is, bit for bit, its own one-row product."""
+    k = 2560
+    src = q6k(512, k, seed=7, device="cuda")
+    p = QuantWeight(src.raw.repeat(16, 1).contiguous(), T.Q6_K, (8192, k)).to_planes()
+    x = torch.randn(8, k, device="cuda").bfloat16()
+    for m in (2, 6, 8):
+        y = qmatmul(x[:m], p)
+        for i in range(m):
+            assert torch.equal(y[i:i + 1], qmatmul(x[i:i + 1], p)), (m, i)

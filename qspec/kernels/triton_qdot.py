@@ -39,8 +39,9 @@ axis is contiguous), so the integer sums need no shuffles and the f32 per-run te
 Static counts of the compiled K loop for sm_90 at one row, 32 rows per program, 4 warps (ptxas SASS, instructions
 per weight per thread): Q4_K 2.5, Q4_0 2.7, Q8_0 3.2, Q5_0 3.8, Q6_K 4.0; the H200 issues about 33 T instructions
 a second, i.e. 3.9 (Q4_K), 5.7 (Q6_K), 7.4 (Q8_0) per weight at 4.8 TB/s. Several rows cost about two dp4a per 8
-weights per row more, and from 4 rows on the per-row accumulation moves through shared memory for the halfword
-types (not yet tuned).
+weights per row more. Triton 3.6 moves a step's terms through shared memory (a barrier per step) when they do not
+have the accumulators' layout: Q6_K's accumulators put the x row axis first for that (_add_row); the 32-weight block
+types' still meet it with the x row axis last, and lost more with it first (BENCHMARKS.md §5b).
 
 dp4a is PTX (`tl.inline_asm_elementwise`); the interpreter runs no PTX, so there (and on the GPU with DP4A_ASM off,
 for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by byte.
@@ -170,21 +171,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _add_col(acc, t, m, MP: tl.constexpr):
-        """acc [BN, C, MP] with t [BN, C] added to column m (the layout of Q4_K/Q5_K's accumulators)."""
+        """acc [BN, C, MP] with t [BN, C] added to column m."""
         im = tl.arange(0, MP)[None, None, :]
         return tl.where(im == m, acc + t[:, :, None], acc)
 
     @triton.jit
     def _add_row(acc, t, m, MP: tl.constexpr):
-        """acc [MP, *t's shape] with t ([BN, C] or [BN, A, B]) added to x row m's slice. The x row axis comes first
-        for the types whose step terms are sums over the words' leading axis (Q6_K, the 32-weight blocks): t then
-        has the layout of acc's slices, and no step moves its terms through shared memory to the accumulators'
-        layout (with the x row axis last, Triton 3.6 did that once per step, a barrier each; BENCHMARKS.md §5b)."""
-        if len(t.shape) == 2:
-            out = tl.where(tl.arange(0, MP)[:, None, None] == m, acc + t[None, :, :], acc)
-        else:
-            out = tl.where(tl.arange(0, MP)[:, None, None, None] == m, acc + t[None, :, :, :], acc)
-        return out
+        """acc [MP, BN, 2, 2] with t [BN, 2, 2] added to x row m's slice (Q6_K's accumulators: with the x row axis
+        first, t has the layout of acc's slices; with it last, Triton 3.6 moved every step's terms through shared
+        memory, a barrier each, and the LM head's one-row product ran x1.03 slower, six rows x1.37; BENCHMARKS.md
+        §5b. The 32-weight block types lost with it first, so they keep it last)."""
+        return tl.where(tl.arange(0, MP)[:, None, None, None] == m, acc + t[None, :, :, :], acc)
 
     @triton.jit
     def _k45_header(ww_ptr, base, nmask):
@@ -260,8 +257,8 @@ if HAS_TRITON:
     @triton.jit
     def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K, kb,
                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q6_K super-block kb of BN rows (QT 14, or 114: rows in planes), for every x row; acc [BN, 2, 2, MP] per
-        (row, half h, 16-weight group g of each 32-weight run). Words on the first axis (v), which the halfword
+        """Q6_K super-block kb of BN rows (QT 14, or 114: rows in planes), for every x row; acc [MP, BN, 2, 2] per
+        (x row, row, half h, 16-weight group g of each 32-weight run). Words on the first axis (v), which the halfword
         loads leave inside each thread: word 4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2)
         with the bit pair 2t of qh word h. The unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum
         over the group (xg)."""
@@ -400,7 +397,7 @@ if HAS_TRITON:
             xq, xd, xs = xq_ptr + m * x_m, xd_ptr + m * xd_m, xs_ptr + m * xd_m
             t = (_b32_dot(da, loa, hia, xq, xd, xs, blk, ma, QT, ASM)
                  + _b32_dot(db, lob, hib, xq, xd, xs, blk + 1, mb, QT, ASM))
-            acc = _add_row(acc, t, m, MP)
+            acc = _add_col(acc, t, m, MP)
         return acc
 
     @triton.jit
@@ -439,24 +436,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
-        """The accumulators of _qdot_rows for type QT (a column per x row, innermost)."""
-        if QT == 12 or QT == 13:
-            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
-        elif QT == 14 or QT == 114:
+        """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first, the others' innermost)."""
+        if QT == 14 or QT == 114:
             acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
         else:
-            acc = tl.zeros([MP, BN, 4], dtype=tl.float32)
+            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         return acc
 
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if QT == 12 or QT == 13:
-            out = tl.trans(tl.sum(acc, axis=1))
-        elif QT == 14 or QT == 114:
+        if QT == 14 or QT == 114:
             out = tl.sum(tl.sum(acc, axis=3), axis=2)
         else:
-            out = tl.sum(acc, axis=2)
+            out = tl.trans(tl.sum(acc, axis=1))
         return out
 
     @triton.jit
