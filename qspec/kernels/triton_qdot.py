@@ -184,6 +184,12 @@ if HAS_TRITON:
         return tl.where(tl.arange(0, MP)[:, None, None, None] == m, acc + t[None, :, :, :], acc)
 
     @triton.jit
+    def _add_col4(acc, t, m, MP: tl.constexpr):
+        """acc [BN, A, B, MP] with t [BN, A, B] added to column m (the experts' gate/up, _qdot_rows_paired: with the x
+        row axis first a Q6_K gate's sums changed in their last bits with the unroll on the GPU)."""
+        return tl.where(tl.arange(0, MP)[None, None, None, :] == m, acc + t[:, :, :, None], acc)
+
+    @triton.jit
     def _k45_header(ww_ptr, base, nmask):
         """Q4_K/Q5_K: the first 16 bytes of the super-blocks at byte offsets base [BN] (d, dmin, the 12 scale bytes)
         as its four words, each [BN, 4] (the same for every chunk c): every chunk's thread loads its row's words with
@@ -256,12 +262,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K, kb,
-                 M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q6_K super-block kb of BN rows (QT 14, or 114: rows in planes), for every x row; acc [MP, BN, 2, 2] per
-        (x row, row, half h, 16-weight group g of each 32-weight run). Words on the first axis (v), which the halfword
-        loads leave inside each thread: word 4g + v of run t of half h pairs ql word (h, t % 2) (nibble t // 2)
-        with the bit pair 2t of qh word h. The unsigned 6-bit q's dot is corrected to q - 32's by x's integer sum
-        over the group (xg)."""
+                 M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr, XFIRST: tl.constexpr):
+        """Q6_K super-block kb of BN rows (QT 14, or 114: rows in planes), for every x row; acc [MP, BN, 2, 2] (XFIRST)
+        or [BN, 2, 2, MP] per (x row, row, half h, 16-weight group g of each 32-weight run). Words on the first axis
+        (v), which the halfword loads leave inside each thread: word 4g + v of run t of half h pairs ql word
+        (h, t % 2) (nibble t // 2) with the bit pair 2t of qh word h. The unsigned 6-bit q's dot is corrected to
+        q - 32's by x's integer sum over the group (xg)."""
         v = tl.arange(0, 4)[:, None, None, None]
         h = tl.arange(0, 2)[None, None, :, None]
         g = tl.arange(0, 2)[None, None, None, :]
@@ -298,7 +304,10 @@ if HAS_TRITON:
             xb = xd_ptr + m * xd_m + kb * 8 + h3 * 4  # + t
             t = _q6_run(q0, xw, xg, xb, s0, ASM) + _q6_run(q1, xw + 8, xg + 2, xb + 1, s1, ASM)
             t += _q6_run(q2, xw + 16, xg + 4, xb + 2, s2, ASM) + _q6_run(q3, xw + 24, xg + 6, xb + 3, s3, ASM)
-            acc = _add_row(acc, d * t, m, MP)
+            if XFIRST:
+                acc = _add_row(acc, d * t, m, MP)
+            else:
+                acc = _add_col4(acc, d * t, m, MP)
         return acc
 
     @triton.jit
@@ -402,13 +411,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
-                   K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+                   K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
+                   XFIRST: tl.constexpr = True):
         """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
         if QT == 12 or QT == 13:
             acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
         elif QT == 14 or QT == 114:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
-                           K, kb, M, MP, QT, ASM)
+                           K, kb, M, MP, QT, ASM, XFIRST)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,
                             QT, ASM)
@@ -435,19 +445,23 @@ if HAS_TRITON:
         return _acc_rows(acc, QT)
 
     @triton.jit
-    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr):
-        """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first, the others' innermost)."""
-        if QT == 14 or QT == 114:
+    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True):
+        """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost)."""
+        if (QT == 14 or QT == 114) and XFIRST:
             acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
+        elif QT == 14 or QT == 114:
+            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
         else:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         return acc
 
     @triton.jit
-    def _acc_rows(acc, QT: tl.constexpr):
+    def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if QT == 14 or QT == 114:
+        if (QT == 14 or QT == 114) and XFIRST:
             out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        elif QT == 14 or QT == 114:
+            out = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))
         else:
             out = tl.trans(tl.sum(acc, axis=1))
         return out
@@ -458,23 +472,23 @@ if HAS_TRITON:
                           ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
         """Two one-x-row products over the 256-weight steps kb_lo .. kb_hi - 1 in one loop, [1, BN] each: _qdot_rows
         of the weight rows a (type QA, byte offsets arow) and b (QB, brow), each step of a followed by the same step
-        of b, so twice the bytes are in flight per iteration; each product adds its steps in _qdot_rows's order, so
-        the results are its bits."""
-        acc_a = _acc_zeros(1, BN, QA)
-        acc_b = _acc_zeros(1, BN, QB)
+        of b, so twice the bytes are in flight per iteration; each product adds its steps in _qdot_rows's order (Q6_K's
+        accumulators with the x row axis last, XFIRST off: _add_col4)."""
+        acc_a = _acc_zeros(1, BN, QA, False)
+        acc_b = _acc_zeros(1, BN, QB, False)
         kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
         for kb0 in range(kb_lo, kb_main, UNROLL):
             for u in tl.static_range(UNROLL):
                 acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
-                                   arow, nmask, K, kb0 + u, 1, 1, QA, ASM)
+                                   arow, nmask, K, kb0 + u, 1, 1, QA, ASM, False)
                 acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
-                                   brow, nmask, K, kb0 + u, 1, 1, QB, ASM)
+                                   brow, nmask, K, kb0 + u, 1, 1, QB, ASM, False)
         for kb in range(kb_main, kb_hi):
             acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow,
-                               nmask, K, kb, 1, 1, QA, ASM)
+                               nmask, K, kb, 1, 1, QA, ASM, False)
             acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr, brow,
-                               nmask, K, kb, 1, 1, QB, ASM)
-        return _acc_rows(acc_a, QA), _acc_rows(acc_b, QB)
+                               nmask, K, kb, 1, 1, QB, ASM, False)
+        return _acc_rows(acc_a, QA, False), _acc_rows(acc_b, QB, False)
 
     @triton.jit
     def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, blk, N, K,
