@@ -447,23 +447,23 @@ if HAS_TRITON:
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost)."""
-        if (QT == 14 or QT == 114) and XFIRST:
-            acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
-        elif QT == 14 or QT == 114:
-            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
-        else:
+        if QT != 14 and QT != 114:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+        elif XFIRST:
+            acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BN, 2, 2, MP], dtype=tl.float32)
         return acc
 
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if (QT == 14 or QT == 114) and XFIRST:
-            out = tl.sum(tl.sum(acc, axis=3), axis=2)
-        elif QT == 14 or QT == 114:
-            out = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))
-        else:
+        if QT != 14 and QT != 114:
             out = tl.trans(tl.sum(acc, axis=1))
+        elif XFIRST:
+            out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        else:
+            out = tl.trans(tl.sum(tl.sum(acc, axis=2), axis=1))
         return out
 
     @triton.jit
