@@ -405,7 +405,7 @@ HEAD_PLANES_CONFIGS = ((16, 2, 8, 2), (32, 4, 8, 2), (32, 2, 8, 4), (64, 4, 8, 2
 def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
     """The Q6_K LM head (248,320 x 2,560) with its rows in planes (QuantWeight.to_planes) against the file's order,
     alternated `reps` times in this process: one row through the int8 kernel (the head's default config, and
-    HEAD_PLANES_CONFIGS in planes), six rows through the tensor-core kernel ("tc") and the int8 kernel ("int8")."""
+    HEAD_PLANES_CONFIGS in planes), 2-8 rows through the tensor-core kernel ("tc") and the int8 kernel ("int8")."""
     from qspec.kernels.triton_qdot import QDOT_CONFIG_Q6K_HEAD, qdot_matmul_triton
     from qspec.kernels.triton_qmatmul import qmm_triton
     from qspec.weights.qweight import Q6_K_PLANES, QuantWeight
@@ -422,7 +422,7 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
         cfgs = (QDOT_CONFIG_Q6K_HEAD, *HEAD_PLANES_CONFIGS) if code == Q6_K_PLANES else (QDOT_CONFIG_Q6K_HEAD,)
         return [("/".join(map(str, c)), partial(qdot_matmul_triton, config=c)) for c in cfgs]
 
-    for m in (1, 6):
+    for m in (1, 2, 4, 6, 8):
         x, bf_us = _bf16_matvec(m, n, k)
         for rep in range(reps):
             for name, raws, code in layouts:
