@@ -879,3 +879,19 @@ def test_engine_sets_the_mixer_rows_for_its_requests(tiny_model: Model) -> None:
     assert seen and set(seen) == {2} and hc_mix._STEP_ROWS == 6
     with pytest.raises(ValueError, match="mixer_step_rows must be in 1..8, got 0"):
         EngineOptions(draft=2, capacity=64, mixer_step_rows=0)
+
+
+@pytest.mark.parametrize("given,kept", [(None, "1"), ("0", "0")])
+def test_kernels_keep_fma_contraction_unless_the_user_says(given: str | None, kept: str) -> None:
+    """Importing the kernels sets Triton's default FMA contraction on (3.10 turns it off by default), unless the
+    environment already chose."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    if given is not None:
+        env["TRITON_DEFAULT_FP_FUSION"] = given
+    code = "import os, qspec.kernels.triton_common; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == kept
