@@ -33,9 +33,11 @@ A product is thus two launches (quantize x, the product; three with the partial 
 (`qdot_stacked_triton`) share its quantize launch, and two of them of different types share the product's launch
 and the sum's if apart (each part keeps its own split of K, so its numbers do not change).
 
-Register layout: a thread holds whole 32-weight runs (Q4_K/Q5_K: two 16-byte vector loads per sub-block pair;
-the halfword-loaded types: the block's words on the tensor's first axis, which Triton keeps in one thread when no
-axis is contiguous), so the integer sums need no shuffles and the f32 per-run terms are summed once at the end.
+Register layout: a thread holds whole 32-weight runs where the loads allow it (Q4_K/Q5_K: two 16-byte vector loads
+per sub-block pair; Q6_K in planes: 16-byte loads of four words), so the integer sums need no shuffles and the f32
+per-run terms are summed once at the end. The 2-byte-aligned types keep a block's words on the tensor's first axis,
+but Triton 3.6 spreads that axis over 4-8 threads (the odd blocks' word loads are contiguous along it): their sums
+take shuffles and each step's terms move to the accumulators' layout (`scripts/kernel_layouts.py` counts such moves).
 Static counts of the compiled K loop for sm_90 at one row, 32 rows per program, 4 warps (ptxas SASS, instructions
 per weight per thread): Q4_K 2.5, Q4_0 2.7, Q8_0 3.2, Q5_0 3.8, Q6_K 4.0; the H200 issues about 33 T instructions
 a second, i.e. 3.9 (Q4_K), 5.7 (Q6_K), 7.4 (Q8_0) per weight at 4.8 TB/s. Several rows cost about two dp4a per 8
