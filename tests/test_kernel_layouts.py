@@ -34,4 +34,3 @@ def test_the_head_product_compiles_for_sm90_here() -> None:
     the x row axis first so that its steps' terms need no layout conversion inside the K loop."""
     r = load_script("kernel_layouts").product(114, 1)
     assert r.loop_conversions == 0 and r.registers > 0, r
-

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from qspec.kernels.qdot import QDOT_QTYPES
 from qspec.kernels.triton_common import module_flag, use_triton
+from qspec.kernels.triton_qdot import MAX_ROWS as QDOT_MAX_ROWS
 from qspec.weights.dequant import dequantize
 from qspec.weights.qweight import Q6_K_PLANES, QuantWeight, weight_of
 
@@ -44,9 +45,8 @@ INT8_DOT = True
 # experts' kernels, which read a pair's expert once per token, were ahead at 1 and 6 tokens and take up to
 # MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
-# The LM head in planes (Q6_K_PLANES) takes the int8 kernel up to 8 rows (triton_qdot.MAX_ROWS): six rows ran there
-# in 0.74x the tensor cores' time (BENCHMARKS.md §5b), and a row's numbers are those of its one-row product.
-INT8_MAX_ROWS_PLANES = 8
+# The LM head in planes (Q6_K_PLANES) takes the int8 kernel up to the kernel's QDOT_MAX_ROWS: six rows ran there in
+# 0.74x the tensor cores' time (BENCHMARKS.md §5b), and a row's numbers are those of its one-row product.
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES) | {Q6_K_PLANES}
 # The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
 # contiguous stores); False: triton_qmatmul's step-tile expansion (`dequant_triton`), for A/B runs. Both give
@@ -119,7 +119,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype (QuantWeight.code)."""
     M = x.shape[0]
-    if 0 < M <= (INT8_MAX_ROWS_PLANES if qtype == Q6_K_PLANES else INT8_MAX_ROWS) and _int8_for(x, qtype):
+    if 0 < M <= (QDOT_MAX_ROWS if qtype == Q6_K_PLANES else INT8_MAX_ROWS) and _int8_for(x, qtype):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
 
         return qdot_matmul_triton(x, raw.contiguous(), qtype, n)
