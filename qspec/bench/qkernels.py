@@ -9,6 +9,7 @@
                                                       # stack, the routing with h's quantization: in one launch
                                                       # each or two
     python -m qspec.bench.qkernels --head-planes  # the Q6_K LM head in planes against the file's order
+    python -m qspec.bench.qkernels --b32-planes   # Q8_0 / Q5_0 / Q4_0 in planes against the file's order
 
 Every call is timed as a CUDA-graph replay (no launch overhead, as the engine's steps run) over enough copies of the
 weights to exceed the L2, so each call reads its weights from HBM. GB/s counts the bytes a call must read (the
@@ -23,6 +24,7 @@ kernels of triton_qdot.py (x quantized per 32, dp4a; their time includes the qua
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -432,6 +434,72 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
                     _row(rows, f"{name} {label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
 
 
+# the routed experts timed with their 32-weight-block matrices in planes against the file's order: (gate/up, down)
+PLANES_EXPERTS = ((T.Q4_K, T.Q5_0), (T.Q4_K, T.Q8_0), (T.Q8_0, T.Q8_0))
+
+
+def _in_planes(raw: torch.Tensor, qt: GGMLQuantizationType, k: int) -> torch.Tensor:
+    from qspec.weights.qweight import QuantWeight
+
+    return QuantWeight(raw, qt, (*raw.shape[:-1], k)).to_planes().raw
+
+
+def bench_b32_planes(rows: list[tuple], reps: int = 2) -> None:
+    """Q8_0, Q5_0 and Q4_0 matrices with their rows in planes (QuantWeight.to_planes) against the file's order,
+    alternated `reps` times in this process: 1-8 rows through the int8 kernel and 2-8 through the tensor cores at
+    the step's shapes, the expansion of prefill, and the routed experts (PLANES_EXPERTS) at 1 and 6 tokens."""
+    from qspec.kernels.triton_expand import expand_triton
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+    from qspec.kernels.triton_qmatmul import qmm_triton
+    from qspec.weights.qweight import PLANES
+
+    for qt in (T.Q8_0, T.Q5_0, T.Q4_0):
+        for shape in ("gdn_in", "gdn_out", "router_shared"):
+            n, k = SHAPES[shape]
+            blocks = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+            layouts = (("file", blocks, int(qt)), ("planes", [_in_planes(r, qt, k) for r in blocks], PLANES + qt))
+            for m in (1, 2, 4, 6, 8):
+                x, bf_us = _bf16_matvec(m, n, k)
+                kernels = (("int8", qdot_matmul_triton),) + ((("tc", qmm_triton),) if m > 1 else ())
+                for rep in range(reps):
+                    for (name, raws, code), (label, fn) in itertools.product(layouts, kernels):
+                        us = graph_us([partial(fn, x, r, code, n) for r in raws])
+                        _row(rows, f"{name} {label} m={m} r{rep}", qt.name, f"{shape} {n}x{k}", us, raws[0].numel(),
+                             bf_us, n * k * 2)
+            for name, raws, code in layouts:
+                us = graph_us([partial(expand_triton, r, code, k, torch.bfloat16) for r in raws])
+                _row(rows, f"{name} expand", qt.name, f"{shape} {n}x{k}", us, raws[0].numel() + n * k * 2, 1.0, 0)
+            del blocks, layouts
+    for t in (1, 6):
+        for gq, dq in PLANES_EXPERTS:
+            _planes_experts_ab(rows, gq, dq, t, reps)
+
+
+def _planes_experts_ab(rows: list[tuple], gq: GGMLQuantizationType, dq: GGMLQuantizationType, t: int,
+                       reps: int) -> None:
+    """The routed experts of a t-token step (int8 kernels), their Q8_0/Q5_0/Q4_0 matrices in planes or not."""
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+    from qspec.weights.qweight import PLANES, PLANES_QTYPES
+
+    routes = expert_routes(t)
+    h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    distinct = sum(int(ti.unique().numel()) for ti, _ in routes) / ROUTINGS
+    gate, up, down = expert_blocks(gq, dq)
+    nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
+
+    def held(raw: torch.Tensor, qt: GGMLQuantizationType, k: int) -> tuple[torch.Tensor, int]:
+        b32 = qt in PLANES_QTYPES and qt != T.Q6_K
+        return (_in_planes(raw, qt, k), PLANES + qt) if b32 else (raw, int(qt))
+
+    layouts = (("file", ((gate, int(gq)), (up, int(gq)), (down, int(dq)))),
+               ("planes", (held(gate, gq, HIDDEN), held(up, gq, HIDDEN), held(down, dq, EXPERT_FF))))
+    for rep in range(reps):
+        for name, parts in layouts:
+            us = graph_us([partial(qdot_moe_few_triton, h, ti, tw, *parts) for ti, tw in routes])
+            _row(rows, f"{name} moe t={t} r{rep}", f"{gq.name}/{dq.name}", f"{EXPERTS}x{EXPERT_FF}x{HIDDEN}", us,
+                 nbytes, 1.0, 0)
+
+
 def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
     """The routing of t tokens (512 experts, top-10) with h's quantization for the routed experts in its launch
     (route.route_top_k_quantized) against the routing then the quantizer's own launch, alternated in this process;
@@ -479,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
                     "h's quantization")
     ap.add_argument("--head-planes", action="store_true", help="only the Q6_K LM head with its rows in planes "
                     "against the file's order")
+    ap.add_argument("--b32-planes", action="store_true", help="only Q8_0, Q5_0 and Q4_0 rows in planes against the "
+                    "file's order: products, expansion, routed experts")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -515,6 +585,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.head_planes:
         bench_head_planes(rows)
+        return 0
+    if args.b32_planes:
+        bench_b32_planes(rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)

@@ -24,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.weights.dequant import _k_low_nibbles, _k_scale_min, nibbles
+from qspec.weights.qweight import base_type, weight_of
 
 T = GGMLQuantizationType
 # The block types with an int8 kernel (llama.cpp's Q4_K_M, Q5_K_M, Q6_K and Q8_0 files, and the Q5_0/Q4_0 of rows
@@ -67,9 +68,10 @@ def int_weights(raw: torch.Tensor, qtype: int, n: int, k: int
     integer sum [n, k/32], a third part): for Q4_K/Q5_K the sub-blocks' d * sc and dmin * m; for Q6_K the int8
     scales of the 16-weight groups [n, k/16] (as f32) and d [n, k/256]; for Q8_0/Q4_0/Q5_0 d and None (Q4_0/Q5_0's
     offset is _OFFSET)."""
-    qt = T(qtype)
+    w = weight_of(raw, qtype, k).to_blocks()  # rows in planes: back in the file's order
+    qt = w.qtype
     bk, bs = _BLOCK_BYTES[qt]
-    b = raw.reshape(-1, bs)
+    b = w.raw.reshape(-1, bs)
     if qt in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
         sc, mn = _k_scale_min(b[:, 4:16])
@@ -123,7 +125,7 @@ def qdot_matmul_torch(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k:
                       chunk: int = 16384) -> torch.Tensor:
     """Reference of the int8 product: x [M, K] @ W^T -> [M, N] in x.dtype, W's blocks raw [N, row_bytes]
     (rows taken `chunk` at a time, so the real shapes fit)."""
-    qt = T(qtype)
+    qt = base_type(qtype)
     xq, xd, xs, _ = quantize_x_torch(x)
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for r in range(0, n, chunk):

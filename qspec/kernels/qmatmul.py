@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from qspec.kernels.qdot import QDOT_QTYPES
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.kernels.triton_qdot import MAX_ROWS as QDOT_MAX_ROWS
-from qspec.weights.dequant import dequantize
-from qspec.weights.qweight import Q6_K_PLANES, QuantWeight, weight_of
+from qspec.weights.qweight import PLANES, PLANES_QTYPES, QuantWeight, base_type, weight_of
 
 MAX_ROWS = 8  # the f32 mat-vec takes up to this many rows
 TC_MAX_ROWS = 16  # the 16-bit tensor-core kernel up to this many; more rows expand the weights by chunks
@@ -45,9 +44,10 @@ INT8_DOT = True
 # experts' kernels, which read a pair's expert once per token, were ahead at 1 and 6 tokens and take up to
 # MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
-# The LM head in planes (Q6_K_PLANES) takes the int8 kernel up to the kernel's QDOT_MAX_ROWS: six rows ran there in
-# 0.74x the tensor cores' time (BENCHMARKS.md §5b), and a row's numbers are those of its one-row product.
-_QDOT = frozenset(int(t) for t in QDOT_QTYPES) | {Q6_K_PLANES}
+# Matrices in planes (the Q6_K LM head, Q8_0 / Q5_0 / Q4_0 on CUDA) take the int8 kernel up to the kernel's
+# QDOT_MAX_ROWS: with whole runs in each thread it beat the tensor cores at 2-8 rows (BENCHMARKS.md §5b), and a row's
+# numbers are those of its one-row product.
+_QDOT = frozenset(int(t) for t in QDOT_QTYPES) | {PLANES + int(t) for t in PLANES_QTYPES}
 # The many-row products expand the weights with triton_expand.py's run kernel (whole 32-weight runs, wide loads,
 # contiguous stores); False: triton_qmatmul's step-tile expansion (`dequant_triton`), for A/B runs. Both give
 # dequantize's f32 rounded once (the step tiles up to FMA contraction on the GPU).
@@ -65,10 +65,15 @@ def _int8_for(x: torch.Tensor, *qtypes: int) -> bool:
             and all(int(q) in _QDOT for q in qtypes))
 
 
+def _int8_rows(*codes: int) -> int:
+    """The most rows a product of these kernel types takes to the int8 kernel."""
+    return QDOT_MAX_ROWS if all(c > PLANES for c in codes) else INT8_MAX_ROWS
+
+
 def _kernel_takes(qtype: int) -> bool:
     from qspec.kernels.triton_qmatmul import KERNEL_QTYPES
 
-    return qtype in {int(q) for q in KERNEL_QTYPES} or qtype == Q6_K_PLANES
+    return base_type(qtype) in KERNEL_QTYPES
 
 
 def qmatmul_torch(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -119,7 +124,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype (QuantWeight.code)."""
     M = x.shape[0]
-    if 0 < M <= (QDOT_MAX_ROWS if qtype == Q6_K_PLANES else INT8_MAX_ROWS) and _int8_for(x, qtype):
+    if 0 < M <= _int8_rows(qtype) and _int8_for(x, qtype):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
 
         return qdot_matmul_triton(x, raw.contiguous(), qtype, n)
@@ -155,7 +160,7 @@ def qmatmul_stacked_op(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[i
     int8 kernels quantize x once for all of them and write each product into its columns; elsewhere each part is
     qmatmul_op's product."""
     M = x.shape[0]
-    if 0 < M <= INT8_MAX_ROWS and _int8_for(x, *qtypes):
+    if 0 < M <= _int8_rows(*qtypes) and _int8_for(x, *qtypes):
         from qspec.kernels.triton_qdot import qdot_stacked_triton
 
         return qdot_stacked_triton(x, [(r.contiguous(), q) for r, q in zip(raws, qtypes, strict=True)])
@@ -217,9 +222,9 @@ def _gathered(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g: tupl
     T_, k = top_i.shape
     idx = top_i.reshape(-1)
 
-    def expand(raw: torch.Tensor, qtype: int, k_in: int) -> torch.Tensor:
+    def expand(raw: torch.Tensor, code: int, k_in: int) -> torch.Tensor:
         sel = raw[idx]
-        return dequantize(sel, qtype, (*sel.shape[:2], k_in), torch.float32)
+        return QuantWeight(sel, base_type(code), (*sel.shape[:2], k_in), code > PLANES).dequantize()
 
     D = h.shape[1]
     Fd = g[0].shape[1]
@@ -231,7 +236,7 @@ def _gathered(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g: tupl
 
 def int8_experts(h: torch.Tensor, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> bool:
     """Whether `qmoe_few` runs these rows through the int8-activation kernels (which read h quantized)."""
-    return _int8_experts(h, gate.raw, int(gate.qtype), int(up.qtype), int(down.qtype))
+    return _int8_experts(h, gate.raw, gate.code, up.code, down.code)
 
 
 def _int8_experts(h: torch.Tensor, g_raw: torch.Tensor, g_qt: int, u_qt: int, d_qt: int) -> bool:
@@ -273,5 +278,5 @@ def qmoe_few(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gate: Qu
     hquant: h quantized already (where `int8_experts` holds; route.route_top_k_quantized), read instead of
     quantizing h again."""
     _check_experts(h, top_i, top_w, gate, up, down)
-    return torch.ops.qspec.qmoe_few(h, top_i, top_w, gate.raw, int(gate.qtype), up.raw, int(up.qtype), down.raw,
-                                    int(down.qtype), list(hquant or ()))
+    return torch.ops.qspec.qmoe_few(h, top_i, top_w, gate.raw, gate.code, up.raw, up.code, down.raw, down.code,
+                                    list(hquant or ()))

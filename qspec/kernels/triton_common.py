@@ -178,6 +178,28 @@ if HAS_TRITON:
         return pair, t, j, e, n, n < N
 
     @triton.jit
+    def b32_parts(blk, K, QT: tl.constexpr):
+        """Byte offsets inside a row of 32-weight block(s) blk's f16 d, Q5_0's 32-bit qh and qs: in the file's order
+        (QT 8, 6, 2: Q8_0's 34-byte blocks d|qs, Q5_0's 22-byte d|qh|qs, Q4_0's 18-byte d|qs) or in planes (QT 108,
+        106, 102, qweight.PLANES + the type: every block's qs, then Q5_0's every qh, then every d, each plane
+        starting on 16 bytes)."""
+        if QT > 100:
+            nb = K // 32
+            qs_size: tl.constexpr = 32 if QT == 108 else 16
+            qs = blk * qs_size
+            qh = nb * qs_size + blk * 4
+            if QT == 106:
+                d = nb * qs_size + (nb * 4 + 15) // 16 * 16 + blk * 2
+            else:
+                d = nb * qs_size + blk * 2
+        else:
+            size: tl.constexpr = 34 if QT == 8 else (22 if QT == 6 else 18)
+            d = blk * size
+            qh = d + 2
+            qs = d + (6 if QT == 6 else 2)
+        return d, qh, qs
+
+    @triton.jit
     def q6_parts(kb, K, QT: tl.constexpr):
         """Byte offsets inside a row of Q6_K super-block kb's ql (128 bytes), qh (64), int8 scales (16) and f16 d:
         in the file's order (QT 14: 210-byte blocks one after another) or in planes (QT 114, qweight.Q6_K_PLANES:

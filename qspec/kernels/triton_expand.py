@@ -31,15 +31,16 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch
 
-# Bytes of one block (32 weights, or a K-quant super-block of 256) by GGML type number.
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210, 114: 210}  # 114: Q6_K in planes
+# Bytes of one block (32 weights, or a K-quant super-block of 256) by the kernels' type number (PLANES + the type:
+# rows in planes, qweight.py).
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210, 102: 18, 106: 22, 108: 34, 114: 210}
 EXPAND_CONFIG = (16, 4)  # (rows per program, warps): 4096 weights a program, 32 per thread
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, q6_parts, round_to
+    from qspec.kernels.triton_common import b32_parts, pdl_start, q6_parts, round_to
     from qspec.kernels.triton_qdot import _i8, _spread5
 
     @triton.jit
@@ -133,8 +134,6 @@ if HAS_TRITON:
         [8 // P, BR, 8, P], d [1, BR, 8, 1], m (Q4_1, Q5_1; else d again)). Element l = 16s + 4v + i (word
         w = 4s + v): nibble s of qs byte 4v + i (Q8_0: byte l); the 5th bit (Q5_*) is bit l of the little-endian
         qh word."""
-        bs: tl.constexpr = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else (24 if QT == 7 else 34)))
-        qs_at: tl.constexpr = 2 if (QT == 2 or QT == 8) else (4 if QT == 3 else (6 if QT == 6 else 8))
         j = tl.arange(0, 8)[None, None, :, None]
         w = P * tl.arange(0, 8 // P)[:, None, None, None] + tl.arange(0, P)[None, None, None, :]
         s = w // 4
@@ -142,16 +141,21 @@ if HAS_TRITON:
         jm = kb * 8 + j < K // 32
         m4 = rm[None, :, None, None] & jm
         h4 = rh[None, :, None, None]
-        bo = (kb * 8 + j) * bs
-        if QT == 8:
-            q = _word(h4, h4, bo + 2 + 16 * s + 4 * v, m4, False) ^ -2139062144  # ^ 0x80808080: int8 + 128
+        if QT == 3 or QT == 7:  # Q4_1 (20 bytes) / Q5_1 (24): d, m, Q5_1's qh, qs
+            d_at = (kb * 8 + j) * (20 if QT == 3 else 24)
+            qh_at = d_at + 4
+            qs_at = d_at + (4 if QT == 3 else 8)
+        else:  # Q4_0 / Q5_0 / Q8_0, in the file's order or in planes
+            d_at, qh_at, qs_at = b32_parts(kb * 8 + j, K, QT)
+        if QT == 8 or QT == 108:
+            q = _word(h4, h4, qs_at + 16 * s + 4 * v, m4, False) ^ -2139062144  # ^ 0x80808080: int8 + 128
         else:
-            q = (_word(h4, h4, bo + qs_at + 4 * v, m4, False) >> (4 * s)) & 0x0F0F0F0F
-            if QT == 6 or QT == 7:
-                qh = _word(h4, h4, bo + qs_at - 4, m4, False)
+            q = (_word(h4, h4, qs_at + 4 * v, m4, False) >> (4 * s)) & 0x0F0F0F0F
+            if QT == 6 or QT == 7 or QT == 106:
+                qh = _word(h4, h4, qh_at, m4, False)
                 q = q | _spread5(qh >> (16 * s + 4 * v))
-        d = _f16(h4, bo, m4)
-        mn = _f16(h4, bo + 2, m4) if (QT == 3 or QT == 7) else d
+        d = _f16(h4, d_at, m4)
+        mn = _f16(h4, d_at + 2, m4) if (QT == 3 or QT == 7) else d
         return q, d, mn
 
     @triton.jit
@@ -185,7 +189,7 @@ if HAS_TRITON:
             if QT == 3 or QT == 7:
                 w = d[:, :, :, :, None] * _weights(q, 0) + mn[:, :, :, :, None]
             else:
-                w = d[:, :, :, :, None] * _weights(q, 8 if QT == 2 else (16 if QT == 6 else 128))
+                w = d[:, :, :, :, None] * _weights(q, 8 if QT % 100 == 2 else (16 if QT % 100 == 6 else 128))
         if RNE_INT and DT == tl.bfloat16:
             w = round_to(w, DT)
         w = tl.reshape(w.to(DT), [8 // P, BR, 8, 4 * P])

@@ -124,7 +124,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dp4a, expert_pair, pdl_start, q6_parts, round_q8, round_to
+    from qspec.kernels.triton_common import b32_parts, dp4a, expert_pair, pdl_start, q6_parts, round_q8, round_to
 
     @triton.jit
     def quant_x_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, chunk, x_m, KB, BB: tl.constexpr):
@@ -412,6 +412,54 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _b32p_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, K,
+                   M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
+        """Q8_0 / Q5_0 / Q4_0 rows in planes (QT 108 / 106 / 102): blocks kb*8 .. kb*8 + 7 of BN rows, for every x
+        row; acc [BN, 8, MP]. The quants come as 16-byte runs of four words [BN, 8, 4] with the word axis inside each
+        thread (the integer sums need no exchange); the step's eight d (16 bytes) and Q5_0's qh (16 bytes for four
+        blocks) are loaded in that layout by every thread of a row and the block's word picked in registers, so no
+        value moves between threads (in the file's order Triton 3.6 moved each step's terms through shared memory)."""
+        j = tl.arange(0, 8)[None, :, None]
+        v = tl.arange(0, 4)[None, None, :]
+        blk = kb * 8 + j
+        bmask = blk < K // 32
+        m3 = nmask[:, None, None] & bmask
+        rw = (rowb // 4)[:, None, None]
+        _, qh_at, qs_at = b32_parts(blk, K, QT)
+        lo = tl.load(ww_ptr + rw + qs_at // 4 + v, mask=m3, other=0)
+        if QT == 108:  # signed bytes: elements 0..15, then 16..31
+            hi = tl.load(ww_ptr + rw + qs_at // 4 + 4 + v, mask=m3, other=0)
+        else:  # low nibbles: elements 4v.., high: 16 + 4v..
+            hi = (lo >> 4) & 0x0F0F0F0F
+            lo = lo & 0x0F0F0F0F
+            if QT == 106:  # bit i of the block's qh word is element i's 5th bit
+                qh4 = tl.load(ww_ptr + rw + qh_at // 16 * 4 + v, mask=m3, other=0)
+                qh = tl.sum(tl.where(v == blk % 4, qh4, 0), axis=2)[:, :, None]
+                lo = lo | _spread5(qh >> (4 * v))
+                hi = hi | _spread5(qh >> (16 + 4 * v))
+        d_at, _, _ = b32_parts(kb * 8 + j * 0, K, QT)  # the step's eight d: one 16-byte run
+        d4 = tl.load(ww_ptr + rw + d_at // 4 + v, mask=nmask[:, None, None] & (j >= 0), other=0)
+        dw = tl.sum(tl.where(v == j // 2, d4, 0), axis=2)
+        j2 = tl.arange(0, 8)[None, :]
+        d = ((dw >> (16 * (j2 % 2))) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        b2 = kb * 8 + j2
+        # x's words at the weights' shape (each row's threads load the same words): loaded as [1, 8, 4], a one-warp
+        # program (the experts' down) gave them a layout of their own and moved the weights to it every step
+        xoff = tl.broadcast_to(blk * 8 + v, lo.shape)
+        for m in tl.static_range(M):
+            xw = xq_ptr + m * x_m + xoff
+            isum = dp4a(lo, tl.load(xw, mask=bmask, other=0), tl.zeros_like(lo), ASM)
+            isum = tl.sum(dp4a(hi, tl.load(xw + 4, mask=bmask, other=0), isum, ASM), axis=2)
+            dx = tl.load(xd_ptr + m * xd_m + b2, mask=b2 < K // 32, other=0.0)
+            if QT == 108:
+                t = d * (dx * isum.to(tl.float32))
+            else:
+                sx = tl.load(xs_ptr + m * xd_m + b2, mask=b2 < K // 32, other=0.0)
+                t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 102 else 16.0) * sx)
+            acc = _add_col(acc, t, m, MP)
+        return acc
+
+    @triton.jit
     def _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                    K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
                    XFIRST: tl.constexpr = True):
@@ -421,6 +469,8 @@ if HAS_TRITON:
         elif QT == 14 or QT == 114:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            K, kb, M, MP, QT, ASM, XFIRST)
+        elif QT > 100:
+            acc = _b32p_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, K, M, MP, QT, ASM)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,
                             QT, ASM)
@@ -449,7 +499,9 @@ if HAS_TRITON:
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost)."""
-        if QT != 14 and QT != 114:
+        if QT > 100 and QT != 114:  # 32-weight blocks in planes
+            acc = tl.zeros([BN, 8, MP], dtype=tl.float32)
+        elif QT != 14 and QT != 114:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         elif XFIRST:
             acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)

@@ -37,7 +37,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch, tl_dtype
-from qspec.weights.qweight import Q6_K_PLANES
+from qspec.weights.qweight import base_type
 
 T = GGMLQuantizationType
 # The block types the kernels decode, with (G, L) of their 256-weight step and the bytes of one step.
@@ -61,7 +61,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, expert_pair, pdl_start, q6_parts, round_to
+    from qspec.kernels.triton_common import b32_parts, dot_acc, expert_pair, pdl_start, q6_parts, round_to
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
@@ -123,33 +123,41 @@ if HAS_TRITON:
             d = _f16_at(wh_ptr, rowb + d_at, nmask)
             ds = d[:, None] * s.to(tl.float32)
             w = ds[:, :, None] * (_i2f(q) - 32.0)
-        else:  # 32-weight blocks: step kb holds blocks kb*8 + g
-            bs = 18 if QT == 2 else (20 if QT == 3 else (22 if QT == 6 else (24 if QT == 7 else 34)))
+        elif QT == 2 or QT == 6 or QT == 8 or QT > 100:
+            w = _tile_b32(wb_ptr, wh_ptr, rowb, nmask, m3, kb, K, gr, lo, QT)
+        else:  # Q4_1 / Q5_1 (d, m, ...): step kb holds blocks kb*8 + g; weight l is nibble l // 16 of byte l % 16
+            bs = 20 if QT == 3 else 24
             blk = (kb * 8 + gr) * bs  # [1, G]
             bmask = m2 & (kb * 256 + gr * 32 < K)
             d = _f16_at(wh_ptr, r2 + blk, bmask)  # [BN, G]
+            mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
             b3 = r3 + blk[:, :, None]
-            if QT == 8:  # Q8_0: d, 32 int8
-                q = _u8(wb_ptr, b3 + 2 + lo, m3)
-                w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
-            elif QT == 3:  # Q4_1: d, m, 16 bytes: weight l is nibble l // 16 of byte l % 16
+            if QT == 3:  # 16 bytes
                 q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
-                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
-                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
-            elif QT == 7:  # Q5_1: d, m, qh (32 bits), 16 bytes
+            else:  # qh (32 bits), 16 bytes
                 q = (_u8(wb_ptr, b3 + 8 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
                 q = q | (((_u8(wb_ptr, b3 + 4 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
-                mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
-                w = d[:, :, None] * _i2f(q) + mn[:, :, None]
-            else:
-                qs_at = 2 if QT == 2 else 6
-                q = (_u8(wb_ptr, b3 + qs_at + lo % 16, m3) >> ((lo // 16) * 4)) & 15
-                if QT == 6:  # Q5_0: d, qh (32 bits, little-endian), 16 bytes
-                    q = q | (((_u8(wb_ptr, b3 + 2 + lo // 8, m3) >> (lo % 8)) & 1) << 4)
-                    w = d[:, :, None] * (_i2f(q) - 16.0)
-                else:
-                    w = d[:, :, None] * (_i2f(q) - 8.0)
+            w = d[:, :, None] * _i2f(q) + mn[:, :, None]
         return w, koff, kmask
+
+    @triton.jit
+    def _tile_b32(wb_ptr, wh_ptr, rowb, nmask, m3, kb, K, gr, lo, QT: tl.constexpr):
+        """_tile's f32 weights [BN, 8, 32] of Q8_0 / Q5_0 / Q4_0 blocks in the file's order or in planes (QT 108 /
+        106 / 102; b32_parts): gr [1, 8] the step's blocks, lo [1, 1, 32] the weights of a block, m3 which exist."""
+        d_at, qh_at, qs_at = b32_parts(kb * 8 + gr, K, QT)  # [1, 8]
+        d = _f16_at(wh_ptr, rowb[:, None] + d_at, nmask[:, None] & (kb * 256 + gr * 32 < K))  # [BN, 8]
+        b3 = rowb[:, None, None]
+        if QT == 8 or QT == 108:
+            q = _u8(wb_ptr, b3 + qs_at[:, :, None] + lo, m3)
+            w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
+        else:  # weight l is nibble l // 16 of byte l % 16
+            q = (_u8(wb_ptr, b3 + qs_at[:, :, None] + lo % 16, m3) >> ((lo // 16) * 4)) & 15
+            if QT == 6 or QT == 106:  # Q5_0's 5th bits: qh (32 bits, little-endian)
+                q = q | (((_u8(wb_ptr, b3 + qh_at[:, :, None] + lo // 8, m3) >> (lo % 8)) & 1) << 4)
+                w = d[:, :, None] * (_i2f(q) - 16.0)
+            else:
+                w = d[:, :, None] * (_i2f(q) - 8.0)
+        return w
 
     @triton.jit
     def _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
@@ -369,7 +377,7 @@ def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _geom(qtype: int) -> tuple[int, int]:
-    g, length, _ = KERNEL_QTYPES[T.Q6_K if qtype == Q6_K_PLANES else T(qtype)]
+    g, length, _ = KERNEL_QTYPES[base_type(qtype)]
     return g, length
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -37,6 +38,9 @@ from qspec.weights.traffic import step_bytes
 DEVICE_TABLE_MAX_BYTES = 8 << 30
 # A Q6_K LM head on CUDA is held in planes (head_layout); False: in the file's order (A/B runs of the kernels).
 HEAD_PLANES = True
+# Q8_0, Q5_0 and Q4_0 matrices on CUDA are held in planes (block_layouts); False: in the file's order (A/B runs).
+B32_PLANES = True
+_B32 = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_0})
 
 
 def _nbytes(t: object) -> int:
@@ -117,14 +121,30 @@ def head_layout(head: Weight, embed: object) -> Weight:
     return head
 
 
+def block_layouts(w: dict[str, Any]) -> None:
+    """Replace in w every Q8_0, Q5_0 and Q4_0 matrix on CUDA by its rows in planes (QuantWeight.to_planes: the int8
+    kernels read whole 16-byte runs and exchange nothing between threads; BENCHMARKS.md §5b), one tensor at a time:
+    where w holds the only reference, as the loaders' dicts do, the device holds a second copy of one tensor at
+    most. The token table (read by rows) and a head tied to it stay in the file's order."""
+    if not B32_PLANES:
+        return
+    embed = w.get("token_embd.weight")
+    for name, t in w.items():
+        if (isinstance(t, QuantWeight) and t.qtype in _B32 and not t.planes and t.device.type == "cuda"
+                and t is not embed):
+            w[name] = t.to_planes()
+
+
 class Model(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], ple_table: RowTable | None = None,
                  *, with_mtp: bool | None = None, hnorm_per_stream: bool = False, pin_table: bool = True) -> None:
         """pin_table: on CUDA, an n-gram table too large for the device is copied into page-locked host memory that
         the device reads by itself (weights/pinned.py), which keeps the steps graph-safe; off, it is gathered through
-        the host (the fallback wherever pinning cannot be done)."""
+        the host (the fallback wherever pinning cannot be done). w's Q8_0, Q5_0 and Q4_0 matrices on CUDA are
+        replaced in w by their planes (block_layouts)."""
         super().__init__()
         self.cfg = cfg
+        block_layouts(w)
         self.embed: torch.Tensor | QuantWeight = w["token_embd.weight"]
         self.lm_head: Weight = head_layout(w["output.weight"], w["token_embd.weight"])
         # the compute dtype: the loader's, which every expanded tensor (norms are never blocks) has

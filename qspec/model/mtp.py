@@ -31,7 +31,7 @@ def q4_head(head: Weight) -> Q4Weight:
     a head of another block type expanded and requantized a chunk of rows at a time; a 16-bit head quantized."""
     if isinstance(head, QuantWeight):
         if head.qtype == GGMLQuantizationType.Q4_0:
-            return Q4Weight.from_ggml(head.raw.reshape(-1), (head.shape[0], head.shape[1]))
+            return Q4Weight.from_ggml(head.to_blocks().raw.reshape(-1), (head.shape[0], head.shape[1]))
         N = head.shape[0]
         raw = torch.cat([quantize_q4_0(head.rows(i, min(i + _Q4_CHUNK_ROWS, N)).dequantize(torch.float32))
                          for i in range(0, N, _Q4_CHUNK_ROWS)])

@@ -196,7 +196,7 @@ def embed_rows(table: torch.Tensor | QuantWeight, tokens: torch.Tensor, dtype: t
     expanded (the table itself stays packed)."""
     if isinstance(table, QuantWeight):
         sub = table.raw.index_select(0, tokens.reshape(-1))
-        return QuantWeight(sub, table.qtype, (sub.shape[0], table.shape[-1])).dequantize(dtype).view(
+        return QuantWeight(sub, table.qtype, (sub.shape[0], table.shape[-1]), table.planes).dequantize(dtype).view(
             *tokens.shape, table.shape[-1])
     return table[tokens]
 

@@ -415,7 +415,7 @@ def weights_summary(w: Weights, host_peak: int | None = None) -> str:
             table = f"; n-gram table in host memory ({v.qtype.name}, {_size(v.nbytes)})"
             continue
         if isinstance(v, QuantWeight):
-            key, nbytes = f"{v.qtype.name} (blocks)", v.nbytes
+            key, nbytes = f"{v.qtype.name} ({'planes' if v.planes else 'blocks'})", v.nbytes
         elif isinstance(v, torch.Tensor):
             key, nbytes = str(v.dtype).removeprefix("torch."), v.numel() * v.element_size()
         else:

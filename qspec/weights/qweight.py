@@ -5,11 +5,13 @@ logical torch shape (*lead, N, K). Rows are independent runs of whole blocks, so
 row-wise concatenation need no re-encoding. The products that read the blocks live in kernels/qmatmul.py; this
 module only describes and reshapes the bytes, and expands them (`dequantize`, the kernels' reference).
 
-Q6_K rows may instead be held in planes (`planes`, `to_planes`): the same bytes of each row regrouped as all its
-blocks' ql, then all qh, then the int8 scales, then the f16 d, the row padded to a multiple of 16 bytes. A Q6_K
-block is 210 bytes, so in file order its parts start only 2-byte aligned; in planes every ql and qh run of a block
-starts 16-byte aligned and the kernels read them with 16-byte loads (the LM head, BENCHMARKS.md §5b). Rows stay
-independent runs, so row slices and row concatenation still need no re-encoding.
+Q6_K, Q8_0, Q5_0 and Q4_0 rows may instead be held in planes (`planes`, `to_planes`): the same bytes of each row
+regrouped part by part, every block's part after the other blocks' same part (Q6_K: ql, qh, scales, d; Q8_0 and
+Q4_0: qs, d; Q5_0: qs, qh, d), each plane starting on 16 bytes and the row padded to a multiple of 16. In the
+file's order these blocks (210, 34, 22, 18 bytes) leave their parts only 2-byte aligned; in planes every run of a
+block's quants starts on 16 bytes and the kernels read it with 16-byte loads (BENCHMARKS.md §5b). Rows stay
+independent runs, so row slices and row concatenation still need no re-encoding. The kernels know a weight in
+planes by its type number, PLANES + the GGML type (`code`).
 """
 
 from __future__ import annotations
@@ -31,36 +33,64 @@ PACKED_QTYPES: frozenset[GGMLQuantizationType] = frozenset({
 })
 
 
-# The kernels' type number of Q6_K rows held in planes (not a GGML type: those are below 64).
-Q6_K_PLANES = 114
+# The kernels' type number of rows held in planes: PLANES + the GGML type (GGML's numbers are below 64).
+PLANES = 100
 _Q6K = GGMLQuantizationType.Q6_K
-_PLANE_AT = ((0, 128), (128, 192), (192, 208), (208, 210))  # a Q6_K block's ql, qh, scales, d: byte ranges
+Q6_K_PLANES = PLANES + int(_Q6K)
+# Each type held in planes: its block's parts as byte ranges, in the order of the planes.
+_PLANE_AT: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
+    _Q6K: ((0, 128), (128, 192), (192, 208), (208, 210)),  # ql, qh, int8 scales, d
+    GGMLQuantizationType.Q8_0: ((2, 34), (0, 2)),  # qs, d
+    GGMLQuantizationType.Q5_0: ((6, 22), (2, 6), (0, 2)),  # qs, qh, d
+    GGMLQuantizationType.Q4_0: ((2, 18), (0, 2)),  # qs, d
+}
+PLANES_QTYPES = frozenset(_PLANE_AT)
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int, planes: bool = False) -> int:
-    """Bytes of one row of k weights (in planes: padded to a multiple of 16); k must hold whole blocks."""
+    """Bytes of one row of k weights (in planes: each plane padded to a multiple of 16); k must hold whole blocks."""
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         raise WeightsError(f"{qtype.name}: row length {k} is not a multiple of the block size {block}")
-    return -(-k // block * size // 16) * 16 if planes else k // block * size
+    if not planes:
+        return k // block * size
+    return sum(_pad16(k // block * (hi - lo)) for lo, hi in _plane_layout(qtype))
 
 
-def _plane_sources(k: int, device: torch.device) -> torch.Tensor:
-    """For each byte of a Q6_K row in planes but the padding, its byte in the file's order: [k / 256 * 210]."""
-    nb = k // 256
-    blk = torch.arange(nb, device=device)[:, None] * 210
-    return torch.cat([(blk + torch.arange(lo, hi, device=device)).reshape(-1) for lo, hi in _PLANE_AT])
+def _plane_layout(qtype: GGMLQuantizationType) -> tuple[tuple[int, int], ...]:
+    if qtype not in _PLANE_AT:
+        raise WeightsError(f"only {', '.join(q.name for q in _PLANE_AT)} rows are held in planes, not {qtype.name}")
+    return _PLANE_AT[qtype]
 
 
-def _regroup(raw: torch.Tensor, k: int, into_planes: bool, chunk_rows: int = 1 << 14) -> torch.Tensor:
-    """Q6_K rows raw [..., row bytes] between file order and planes, a chunk of rows at a time (bounded scratch)."""
-    src = _plane_sources(k, raw.device)
-    # each output byte's source column: planes gather the file's bytes; the file's order gathers them back
-    idx = src if into_planes else torch.empty_like(src).scatter_(0, src, torch.arange(src.numel(), device=raw.device))
+def _plane_bytes(qtype: GGMLQuantizationType, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst): byte src[i] of a row in the file's order is byte dst[i] of the row in planes (every byte but the
+    planes' padding)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = k // block
+    blk = torch.arange(nb, device=device)[:, None]
+    src, dst, at = [], [], 0
+    for lo, hi in _plane_layout(qtype):
+        part = torch.arange(hi - lo, device=device)[None, :]
+        src.append((blk * size + lo + part).reshape(-1))
+        dst.append((at + blk * (hi - lo) + part).reshape(-1))
+        at += _pad16(nb * (hi - lo))
+    return torch.cat(src), torch.cat(dst)
+
+
+def _regroup(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int, into_planes: bool,
+             chunk_rows: int = 1 << 14) -> torch.Tensor:
+    """Rows raw [..., row bytes] between the file's order and planes, a chunk of rows at a time (bounded scratch)."""
+    src, dst = _plane_bytes(qtype, k, raw.device)
+    take, put = (src, dst) if into_planes else (dst, src)
     flat = raw.reshape(-1, raw.shape[-1])
-    out = torch.zeros(flat.shape[0], row_bytes(_Q6K, k, into_planes), dtype=torch.uint8, device=raw.device)
+    out = torch.zeros(flat.shape[0], row_bytes(qtype, k, into_planes), dtype=torch.uint8, device=raw.device)
     for r in range(0, flat.shape[0], chunk_rows):
-        out[r:r + chunk_rows, :idx.numel()] = flat[r:r + chunk_rows][:, idx]
+        out[r:r + chunk_rows, put] = flat[r:r + chunk_rows][:, take]
     return out.view(*raw.shape[:-1], out.shape[-1])
 
 
@@ -69,15 +99,15 @@ class QuantWeight:
     raw: torch.Tensor  # uint8 [*lead, N, row_bytes(qtype, K, planes)]
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # (*lead, N, K)
-    planes: bool = False  # Q6_K rows held in planes (module docstring), else in the file's order
+    planes: bool = False  # rows held in planes (module docstring), else in the file's order
 
     def __post_init__(self) -> None:
         qt = GGMLQuantizationType(self.qtype)
         if qt not in PACKED_QTYPES:
             raise WeightsError(f"{qt.name} is not kept packed (packed types: "
                                f"{', '.join(sorted(q.name for q in PACKED_QTYPES))})")
-        if self.planes and qt != _Q6K:
-            raise WeightsError(f"only Q6_K rows are held in planes, not {qt.name}")
+        if self.planes:
+            _plane_layout(qt)
         want = (*self.shape[:-1], row_bytes(qt, self.shape[-1], self.planes))
         if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != want:
             raise WeightsError(f"{qt.name} weight of shape {self.shape} needs uint8 raw {want}, "
@@ -100,22 +130,21 @@ class QuantWeight:
 
     @property
     def code(self) -> int:
-        """The kernels' type number: the GGML type, or Q6_K_PLANES."""
-        return Q6_K_PLANES if self.planes else int(self.qtype)
+        """The kernels' type number: the GGML type, or PLANES + it for rows in planes."""
+        return PLANES + int(self.qtype) if self.planes else int(self.qtype)
 
     def to_planes(self) -> QuantWeight:
-        """A Q6_K weight with its rows in planes (the same values; itself if already so)."""
+        """The weight with its rows in planes (the same values; itself if already so)."""
         if self.planes:
             return self
-        if self.qtype != _Q6K:
-            raise WeightsError(f"only Q6_K rows are held in planes, not {self.qtype.name}")
-        return QuantWeight(_regroup(self.raw, self.shape[-1], True), self.qtype, self.shape, True)
+        _plane_layout(self.qtype)
+        return QuantWeight(_regroup(self.raw, self.qtype, self.shape[-1], True), self.qtype, self.shape, True)
 
     def to_blocks(self) -> QuantWeight:
         """The weight with its rows in the file's order (itself if already so)."""
         if not self.planes:
             return self
-        return QuantWeight(_regroup(self.raw, self.shape[-1], False), self.qtype, self.shape)
+        return QuantWeight(_regroup(self.raw, self.qtype, self.shape[-1], False), self.qtype, self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -171,6 +200,10 @@ class QuantWeight:
 
 def weight_of(raw: torch.Tensor, code: int, k: int) -> QuantWeight:
     """The matrix of rows raw [N, row bytes] whose type is the kernels' number `code` (QuantWeight.code)."""
-    if code == Q6_K_PLANES:
-        return QuantWeight(raw, _Q6K, (raw.shape[0], k), True)
-    return QuantWeight(raw, GGMLQuantizationType(code), (raw.shape[0], k))
+    planes = code > PLANES
+    return QuantWeight(raw, GGMLQuantizationType(code - PLANES if planes else code), (raw.shape[0], k), planes)
+
+
+def base_type(code: int) -> GGMLQuantizationType:
+    """The GGML type of the kernels' type number `code` (rows in planes or in the file's order)."""
+    return GGMLQuantizationType(code - PLANES if code > PLANES else code)
