@@ -6,8 +6,8 @@ loads wait for the step before it (how the Q6_K LM head lost to its own accumula
     python scripts/kernel_layouts.py --types 114,8 --rows 1,4,8
 
 One line per kernel: layout conversions inside its loops (Triton's TTGIR), barriers in the compiled code (SASS), and
-registers per thread. Type numbers are the kernels' (GGML's, 114 for Q6_K in planes). Triton's version decides the
-layouts: compare trees under the GPU machine's version.
+registers per thread. Type numbers are the kernels' (GGML's; 100 + GGML's for rows in planes: 114 Q6_K, 108 Q8_0,
+106 Q5_0, 102 Q4_0). Triton's version decides the layouts: compare trees under the GPU machine's version.
 """
 
 from __future__ import annotations
@@ -110,9 +110,11 @@ def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--types", default="12,13,114,14,8,6,2", help="kernel type numbers of the dense products")
+    ap.add_argument("--types", default="12,13,114,108,106,102,14,8,6,2", help="kernel type numbers of the dense "
+                    "products")
     ap.add_argument("--rows", default="1,4", help="x rows of the dense products")
-    ap.add_argument("--experts", default="12:6,14:8", help="gate:down type pairs of the routed experts ('' for none)")
+    ap.add_argument("--experts", default="12:106,12:108,12:6,14:8", help="gate:down type pairs of the routed experts "
+                    "('' for none)")
     a = ap.parse_args(argv)
     print(f"# triton {triton.__version__}, sm_90: layout conversions inside K loops, BAR.SYNC in SASS, registers")
     for qt in (int(t) for t in a.types.split(",")):

@@ -34,3 +34,11 @@ def test_the_head_product_compiles_for_sm90_here() -> None:
     the x row axis first so that its steps' terms need no layout conversion inside the K loop."""
     r = load_script("kernel_layouts").product(114, 1)
     assert r.loop_conversions == 0 and r.registers > 0, r
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_the_experts_down_in_planes_compiles_without_layout_moves() -> None:
+    """The routed experts' down kernel (one-warp programs) on Q5_0 rows in planes: x's words are loaded at the
+    weights' shape, so no step moves the weights to x's layout."""
+    _, down = load_script("kernel_layouts").experts(12, 106)
+    assert down.loop_conversions == 0 and down.registers > 0, down

@@ -250,8 +250,9 @@ def test_interp_b32_planes_products_experts_and_expansion() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
 def test_cuda_b32_planes_at_the_models_shapes() -> None:
     """Compiled, at the flash-next shapes: block_layouts puts a CUDA Q5_0 / Q8_0 matrix in planes (not the token
-    table); its 1-8-row products and the routed experts (512 x 2560 x 640 down, 1 and 6 tokens) agree with the file
-    order's within f32 summation error (bf16: one rounding); the expansion is bit-equal."""
+    table); its 1-8-row products (the int8 kernel: each row its one-row product's bits) and the routed experts
+    (512 x 2560 x 640 down, 1 and 6 tokens) agree with the int8 reference and the file order's within f32
+    summation error (bf16: one rounding); the expansion is bit-equal."""
     from qspec.kernels.qmatmul import qmoe_few
 
     for qt in (T.Q8_0, T.Q5_0):
@@ -282,7 +283,13 @@ def test_cuda_b32_planes_at_the_models_shapes() -> None:
 
 
 def _close_b32(w: QuantWeight, p: QuantWeight, rows: tuple[int, ...]) -> None:
+    """p's products (the int8 kernel up to 8 rows) against the int8 reference, and one row against the file order's
+    (the int8 kernel too), within f32 summation error and one bf16 rounding."""
+    from qspec.kernels.qdot import qdot_matmul_torch
+
+    n, k = w.shape
     for m in rows:
-        x = torch.randn(m, w.shape[1], device=w.device).bfloat16()
-        got, want = qmatmul(x, p).float(), qmatmul(x, w).float()
+        x = torch.randn(m, k, device=w.device).bfloat16()
+        got = qmatmul(x, p).float()
+        want = qdot_matmul_torch(x, w.raw, int(w.qtype), n, k).float() if m > 1 else qmatmul(x, w).float()
         assert (got - want).abs().max() <= 2.0 ** -7 * want.abs().max(), (w.qtype, m)
