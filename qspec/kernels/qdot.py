@@ -64,10 +64,10 @@ def _five(qh: torch.Tensor) -> torch.Tensor:
 
 def int_weights(raw: torch.Tensor, qtype: int, n: int, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Blocks raw [n, row_bytes] -> (the integers q [n, k] the kernels feed to dp4a, the f32 scale of each block's
-    integer sum [n, k/32], a third part): for Q4_K/Q5_K the sub-blocks' d * sc and dmin * m; for Q6_K the int8
-    scales of the 16-weight groups [n, k/16] (as f32) and d [n, k/256]; for Q8_0/Q4_0/Q5_0 d and None (Q4_0/Q5_0's
-    offset is _OFFSET)."""
+    """Blocks raw [n, row_bytes] (qtype: the kernels' type number, rows in planes too) -> (the integers q [n, k] the
+    kernels feed to dp4a, the f32 scale of each block's integer sum [n, k/32], a third part): for Q4_K/Q5_K the
+    sub-blocks' d * sc and dmin * m; for Q6_K the int8 scales of the 16-weight groups [n, k/16] (as f32) and
+    d [n, k/256]; for Q8_0/Q4_0/Q5_0 d and None (Q4_0/Q5_0's offset is _OFFSET)."""
     w = weight_of(raw, qtype, k).to_blocks()  # rows in planes: back in the file's order
     qt = w.qtype
     bk, bs = _BLOCK_BYTES[qt]

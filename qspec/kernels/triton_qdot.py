@@ -20,6 +20,8 @@ Word layouts (a word of the weights pairs with the x word of the same four eleme
   apart (in rows of whole words an odd block's words start on a word: 32-bit loads); Q8_0's 8 words per block are
   signed bytes; Q4_0/Q5_0's 4 words give elements 4w.. (low nibbles) and 16 + 4w.. (high); Q5_0's 4-bit groups of
   qh are spread to bit 4 of four bytes by one multiply (the shifted copies do not overlap, so nothing carries).
+  Rows in planes (type 100 + GGML's, qweight.py; CUDA's default): a block's quants are 16-byte runs (Q8_0 two),
+  the step's eight d one 16-byte run and Q5_0's qh one per four blocks (`_b32p_step`).
 
 `_qdot_rows` walks K for BN weight rows and M <= MAX_ROWS x rows: each step's weight words are decoded once, then
 every x row takes its dot products; row m's sum is built by the same operations for any M (row-exact mode computes
@@ -37,7 +39,8 @@ Register layout: a thread holds whole 32-weight runs where the loads allow it (Q
 per sub-block pair; Q6_K in planes: 16-byte loads of four words), so the integer sums need no shuffles and the f32
 per-run terms are summed once at the end. The 2-byte-aligned types keep a block's words on the tensor's first axis,
 but Triton 3.6 spreads that axis over 4-8 threads (the odd blocks' word loads are contiguous along it): their sums
-take shuffles and each step's terms move to the accumulators' layout (`scripts/kernel_layouts.py` counts such moves).
+take shuffles and each step's terms move to the accumulators' layout (`scripts/kernel_layouts.py` counts such moves);
+in planes a thread holds whole runs and nothing moves.
 Static counts of the compiled K loop for sm_90 at one row, 32 rows per program, 4 warps (ptxas SASS, instructions
 per weight per thread): Q4_K 2.5, Q4_0 2.7, Q8_0 3.2, Q5_0 3.8, Q6_K 4.0; the H200 issues about 33 T instructions
 a second, i.e. 3.9 (Q4_K), 5.7 (Q6_K), 7.4 (Q8_0) per weight at 4.8 TB/s. Several rows cost about two dp4a per 8

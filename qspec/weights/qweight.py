@@ -88,10 +88,12 @@ def _regroup(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int, into_planes
     src, dst = _plane_bytes(qtype, k, raw.device)
     take, put = (src, dst) if into_planes else (dst, src)
     flat = raw.reshape(-1, raw.shape[-1])
-    out = torch.zeros(flat.shape[0], row_bytes(qtype, k, into_planes), dtype=torch.uint8, device=raw.device)
+    # a storage of its own in the weight's shape (not a view: compiled functions guard on a view's base)
+    out = torch.zeros(*raw.shape[:-1], row_bytes(qtype, k, into_planes), dtype=torch.uint8, device=raw.device)
+    rows = out.view(-1, out.shape[-1])
     for r in range(0, flat.shape[0], chunk_rows):
-        out[r:r + chunk_rows, put] = flat[r:r + chunk_rows][:, take]
-    return out.view(*raw.shape[:-1], out.shape[-1])
+        rows[r:r + chunk_rows, put] = flat[r:r + chunk_rows][:, take]
+    return out
 
 
 @dataclass(frozen=True, eq=False)
