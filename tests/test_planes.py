@@ -210,6 +210,36 @@ def test_block_layouts_leave_cpu_weights_in_the_files_order() -> None:
     assert all(w[n] is before[n] for n in w)
 
 
+def test_block_layouts_choose_the_32_weight_block_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA (the weights' device faked here) every Q8_0 / Q5_0 / Q4_0 matrix goes to planes in place, experts
+    included; the token table and a head tied to it, other block types and 16-bit tensors stay; B32_PLANES off
+    leaves everything."""
+    from qspec.model import model as model_mod
+
+    monkeypatch.setattr(QuantWeight, "device", property(lambda self: torch.device("cuda")))
+    embed = b32(T.Q8_0, 4, 256, 1)
+    dense = torch.randn(4, 256)
+
+    def weights() -> dict[str, object]:
+        return {"token_embd.weight": embed, "output.weight": embed, "blk.0.attn_qkv.weight": b32(T.Q4_0, 4, 256, 3),
+                "blk.0.ffn_down_exps.weight": b32(T.Q5_0, 4, 256, 2, experts=2),
+                "blk.0.ffn_gate_exps.weight": q6k(4, 256, seed=4), "blk.0.ffn_gate_inp.weight": dense}
+
+    w = weights()
+    before = dict(w)
+    block_layouts(w)
+    assert w["token_embd.weight"] is embed and w["output.weight"] is embed
+    assert w["blk.0.ffn_gate_exps.weight"] is before["blk.0.ffn_gate_exps.weight"]
+    assert w["blk.0.ffn_gate_inp.weight"] is dense
+    for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_down_exps.weight"):
+        assert w[name].planes and torch.equal(w[name].to_blocks().raw, before[name].raw), name
+    monkeypatch.setattr(model_mod, "B32_PLANES", False)
+    w = weights()
+    before = dict(w)
+    block_layouts(w)
+    assert all(w[n] is before[n] for n in w)
+
+
 @interp
 def test_interp_b32_planes_products_experts_and_expansion() -> None:
     """Interpreted: the int8 product of b32 rows in planes equals the reference (f32 summation order aside) and the
