@@ -472,7 +472,7 @@ if HAS_TRITON:
         elif QT == 14 or QT == 114:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            K, kb, M, MP, QT, ASM, XFIRST)
-        elif QT > 100:
+        elif QT > 100:  # 32-weight blocks in planes (114 is taken above)
             acc = _b32p_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, K, M, MP, QT, ASM)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,

@@ -123,7 +123,7 @@ if HAS_TRITON:
             d = _f16_at(wh_ptr, rowb + d_at, nmask)
             ds = d[:, None] * s.to(tl.float32)
             w = ds[:, :, None] * (_i2f(q) - 32.0)
-        elif QT == 2 or QT == 6 or QT == 8 or QT > 100:
+        elif QT == 2 or QT == 6 or QT == 8 or QT > 100:  # 32-weight blocks (114 is taken above)
             w = _tile_b32(wb_ptr, wh_ptr, rowb, nmask, m3, kb, K, gr, lo, QT)
         else:  # Q4_1 / Q5_1 (d, m, ...): step kb holds blocks kb*8 + g; weight l is nibble l // 16 of byte l % 16
             bs = 20 if QT == 3 else 24
