@@ -479,7 +479,7 @@ def _planes_experts_ab(rows: list[tuple], gq: GGMLQuantizationType, dq: GGMLQuan
                        reps: int) -> None:
     """The routed experts of a t-token step (int8 kernels), their Q8_0/Q5_0/Q4_0 matrices in planes or not."""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
-    from qspec.weights.qweight import PLANES, PLANES_QTYPES
+    from qspec.weights.qweight import PLANES, PLANES_BLOCK32
 
     routes = expert_routes(t)
     h = torch.randn(t, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -488,8 +488,7 @@ def _planes_experts_ab(rows: list[tuple], gq: GGMLQuantizationType, dq: GGMLQuan
     nbytes = int(distinct * (2 * gate[0].numel() + down[0].numel()))
 
     def held(raw: torch.Tensor, qt: GGMLQuantizationType, k: int) -> tuple[torch.Tensor, int]:
-        b32 = qt in PLANES_QTYPES and qt != T.Q6_K
-        return (_in_planes(raw, qt, k), PLANES + qt) if b32 else (raw, int(qt))
+        return (_in_planes(raw, qt, k), PLANES + qt) if qt in PLANES_BLOCK32 else (raw, int(qt))
 
     layouts = (("file", ((gate, int(gq)), (up, int(gq)), (down, int(dq)))),
                ("planes", (held(gate, gq, HIDDEN), held(up, gq, HIDDEN), held(down, dq, EXPERT_FF))))

@@ -224,7 +224,7 @@ def _gathered(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g: tupl
 
     def expand(raw: torch.Tensor, code: int, k_in: int) -> torch.Tensor:
         sel = raw[idx]
-        return QuantWeight(sel, base_type(code), (*sel.shape[:2], k_in), code > PLANES).dequantize()
+        return weight_of(sel, code, k_in).dequantize()
 
     D = h.shape[1]
     Fd = g[0].shape[1]

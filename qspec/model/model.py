@@ -31,7 +31,7 @@ from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 from qspec.weights.gguf_io import HostRowTable
 from qspec.weights.pinned import PinError, PinnedRowTable
-from qspec.weights.qweight import QuantWeight
+from qspec.weights.qweight import PLANES_BLOCK32, QuantWeight
 from qspec.weights.traffic import step_bytes
 
 # An n-gram table up to this size is copied to the GPU; the real ~100 GB one stays on the host.
@@ -40,7 +40,6 @@ DEVICE_TABLE_MAX_BYTES = 8 << 30
 HEAD_PLANES = True
 # Q8_0, Q5_0 and Q4_0 matrices on CUDA are held in planes (block_layouts); False: in the file's order (A/B runs).
 B32_PLANES = True
-_B32 = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q4_0})
 
 
 def _nbytes(t: object) -> int:
@@ -130,7 +129,7 @@ def block_layouts(w: dict[str, Any]) -> None:
         return
     embed = w.get("token_embd.weight")
     for name, t in w.items():
-        if (isinstance(t, QuantWeight) and t.qtype in _B32 and not t.planes and t.device.type == "cuda"
+        if (isinstance(t, QuantWeight) and t.qtype in PLANES_BLOCK32 and not t.planes and t.device.type == "cuda"
                 and t is not embed):
             w[name] = t.to_planes()
 

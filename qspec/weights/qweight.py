@@ -45,6 +45,7 @@ _PLANE_AT: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
     GGMLQuantizationType.Q4_0: ((2, 18), (0, 2)),  # qs, d
 }
 PLANES_QTYPES = frozenset(_PLANE_AT)
+PLANES_BLOCK32 = PLANES_QTYPES - {_Q6K}  # the 32-weight block types among them
 
 
 def _pad16(n: int) -> int:
@@ -201,9 +202,9 @@ class QuantWeight:
 
 
 def weight_of(raw: torch.Tensor, code: int, k: int) -> QuantWeight:
-    """The matrix of rows raw [N, row bytes] whose type is the kernels' number `code` (QuantWeight.code)."""
-    planes = code > PLANES
-    return QuantWeight(raw, GGMLQuantizationType(code - PLANES if planes else code), (raw.shape[0], k), planes)
+    """The weight of rows raw [*lead, N, row bytes] of k weights whose type is the kernels' number `code`
+    (QuantWeight.code)."""
+    return QuantWeight(raw, base_type(code), (*raw.shape[:-1], k), code > PLANES)
 
 
 def base_type(code: int) -> GGMLQuantizationType:
