@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qspec.kernels.qdot import quantize_x_torch
 from qspec.kernels.triton_common import use_triton
 from qspec.weights.dequant import nibbles, quantize_q4_0
 
@@ -62,14 +63,11 @@ def q4_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
 
 def quantize_q8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> int8 q [M, K], f32 scales d [M, K/32] and int32 block sums [M, K/32]: per 32-element block,
-    q = floor(x * 127 / amax + 0.5) and d = amax / 127 (llama.cpp's q8_1 activations, rounding half up)."""
+    q = floor(x * (127 / amax) + 0.5) and d = amax / 127 (llama.cpp's q8_1 activations, rounding half up), with the
+    block products' roundings (qdot.quantize_x_torch: correctly rounded divisions, as the kernels')."""
     M, K = x.shape
-    xb = x.float().reshape(M, K // QK, QK)
-    amax = xb.abs().amax(-1)
-    ones = torch.ones_like(amax)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, ones), torch.zeros_like(amax))
-    q = torch.floor(xb * inv[..., None] + 0.5).clamp(-127, 127)
-    return q.to(torch.int8).reshape(M, K), amax / 127.0, q.sum(-1).to(torch.int32)
+    q, d, _, g16 = quantize_x_torch(x)
+    return q, d, g16.view(M, K // QK, 2).sum(-1, dtype=torch.int32)
 
 
 def q4_q8_matvec_torch(x: torch.Tensor, W: Q4Weight) -> torch.Tensor:
