@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qspec.kernels import gdn_conv, gemv, hc_mix, qmatmul, triton_common, triton_qdot
+from qspec.kernels import gdn_conv, gemv, hc_mix, qmatmul, triton_common
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
@@ -59,7 +59,7 @@ class KernelSwitches:
     int8_dot: bool = True  # qmatmul.INT8_DOT: one-row block products (and few-token experts) through int8 rows
     fuse_blocks: bool = True  # fuse._BLOCKS: functions called with block weights compile too
     shared_stream: bool = True  # moe._SHARED_STREAM: block shared experts of few-token steps on a side stream
-    sums_in_product: bool = True  # triton_qdot.SUM_IN_PRODUCT: split products add their shares in their launch
+    sums_in_product: bool = True  # triton_common.SUM_IN_PRODUCT: split products add their shares in their launch
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
@@ -82,7 +82,7 @@ class KernelSwitches:
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
                 fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
-                triton_qdot.sums_in_product_mode(self.sums_in_product):
+                triton_common.sums_in_product_mode(self.sums_in_product):
             yield
 
 

@@ -240,7 +240,7 @@ def test_interp_split_sums_in_the_product_launch() -> None:
     """A split product's partial sums added by each row block's last program (SUM_IN_PRODUCT) equal those added by
     the sum launch, bit for bit: one part split in 3 shares beside one not split (its programs write the output
     directly), one part alone; and every arrival counter is back at 0 after each launch."""
-    from qspec.kernels import triton_qdot
+    from qspec.kernels import triton_common
     from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import _split, qdot_stacked_triton
 
@@ -249,11 +249,11 @@ def test_interp_split_sums_in_the_product_launch() -> None:
     assert [_split(w.shape[0], K, 8, 2, torch.empty(0))[0] for w in ws] == [3, 1]
     x = torch.randn(2, K).bfloat16()
     for parts in ([(w.raw, int(w.qtype)) for w in ws], [(ws[0].raw, int(T.Q5_K))]):
-        with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+        with module_flag(triton_common.__name__, "SUM_IN_PRODUCT", False):
             apart = qdot_stacked_triton(x, parts, cfg)
         here = qdot_stacked_triton(x, parts, cfg)
         assert torch.equal(here, apart)
-        assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
+        assert all(int(c.abs().sum()) == 0 for c in triton_common._COUNTERS.values())
     ref = torch.cat([qdot_matmul_torch(x.float(), w.raw, int(w.qtype), w.shape[0], K) for w in ws], dim=-1)
     assert rel_err(qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws], cfg), ref) <= TOL16[torch.bfloat16]
 
@@ -414,7 +414,7 @@ def test_cuda_stacked_pair_real_shapes() -> None:
     """A Q4_K_M GDN input stack (qkv 10,240 rows in Q5_K, 6,240 in Q4_K, K = 2,560; their splits of K differ): both
     parts in one launch equal each part's own launch, bit for bit, and the int8 reference; the partial sums added in
     the product's launch equal those of a sum launch, also when replayed in a CUDA graph."""
-    from qspec.kernels import triton_qdot
+    from qspec.kernels import triton_common, triton_qdot
     from qspec.kernels.triton_common import module_flag
     from qspec.kernels.triton_qdot import qdot_stacked_triton
 
@@ -425,7 +425,7 @@ def test_cuda_stacked_pair_real_shapes() -> None:
     y = qdot_stacked_triton(x, parts)
     with module_flag(triton_qdot.__name__, "PAIR_PARTS", False):
         assert torch.equal(qdot_stacked_triton(x, parts), y)
-    with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", False):
+    with module_flag(triton_common.__name__, "SUM_IN_PRODUCT", False):
         assert torch.equal(qdot_stacked_triton(x, parts), y), "the partial sums added by a launch of their own"
     ref = torch.cat([qdot_matmul_torch(x.float(), w.raw, int(w.qtype), w.shape[0], K) for w in ws], dim=-1)
     assert rel_err(y, ref) <= TOL16[torch.bfloat16]
@@ -440,4 +440,4 @@ def test_cuda_stacked_pair_real_shapes() -> None:
         graph.replay()
         assert torch.equal(out, y)
     torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for c in triton_qdot._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in triton_common._COUNTERS.values())

@@ -48,7 +48,15 @@ from qspec.kernels.route import route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
 from qspec.kernels.triton_argmax import argmax_rows_triton
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_mode, pdl_on, torch_references, use_triton
+from qspec.kernels.triton_common import (
+    HAS_TRITON,
+    INTERPRET,
+    pdl_mode,
+    pdl_on,
+    sums_in_product_mode,
+    torch_references,
+    use_triton,
+)
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
 from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
@@ -506,11 +514,14 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     kernel, cfg = (gemm_few_triton if few else gemv_triton), config
     ref = x.double() @ W.double().t()
     got = kernel(x, W, cfg)
+    with sums_in_product_mode(False):  # a split of K's shares added by a launch of their own: the same bits
+        apart = kernel(x, W, cfg)
     e = rel_err(got, ref)
-    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt
+    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt and torch.equal(got, apart)
     row = Row(f"{'gemm few' if few else 'gemv'} {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}"
               + (f" cfg={config}" if config else ""), ok,
-              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
+              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e}); split sums in the launch "
+              f"{'equal' if torch.equal(got, apart) else 'DIFFER from'} a sum launch's")
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: F.linear(x, W))

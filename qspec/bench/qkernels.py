@@ -381,8 +381,9 @@ SPLIT_SUM_SHAPES = (("gdn_out", T.Q4_K), ("router_shared", T.Q4_K), ("expert_dow
 
 
 def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
-    """One-row products that split K with their partial sums added in the product's launch (triton_qdot.SUM_IN_PRODUCT)
-    against a sum launch of their own, alternated `reps` times in this process (the same x and weight copies)."""
+    """One-row products that split K with their partial sums added in the product's launch
+    (triton_common.SUM_IN_PRODUCT) against a sum launch of their own, alternated `reps` times in this process (the
+    same x and weight copies)."""
     from qspec.kernels import triton_qdot
     from qspec.kernels.triton_common import module_flag
 
@@ -394,7 +395,7 @@ def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
         nbytes = raws[0].numel() + (k + n) * 2
         for rep in range(reps):
             for here in (True, False):
-                with module_flag(triton_qdot.__name__, "SUM_IN_PRODUCT", here):
+                with module_flag(triton_common.__name__, "SUM_IN_PRODUCT", here):
                     us = graph_us([partial(triton_qdot.qdot_matmul_triton, x, r, int(qt), n) for r in raws])
                 _row(rows, f"{'here' if here else 'apart'} r{rep}", qt.name, f"{name} {n}x{k}", us, nbytes, bf_us,
                      n * k * 2)

@@ -109,6 +109,39 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+# A product that splits K (the int8 block products, triton_qdot; the 16-bit mat-vec, triton_gemv) adds its partial
+# sums in its own launch: the program of a row block that finishes last (an atomic arrival count per block) adds the
+# block's shares in split order; False: a second launch adds them (A/B runs). The numbers are the same either way.
+# A module flag (KernelSwitches: EngineOptions.sums_in_product).
+SUM_IN_PRODUCT = True
+COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def sums_in_product_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, SUM_IN_PRODUCT is `on` (the runner sets it around every step)."""
+    return module_flag(__name__, "SUM_IN_PRODUCT", on)
+
+
+def sums_in_product(blocks: int) -> bool:
+    """Whether a launch that splits K over `blocks` row blocks adds its shares itself (`sum_if_last`)."""
+    return SUM_IN_PRODUCT and blocks <= COUNTER_SLOTS
+
+
+def arrival_counters(y: torch.Tensor) -> torch.Tensor:
+    """The zeroed int32 arrival counters of a split product launched now on y's device and current stream.
+
+    Invariant: between launches every counter is 0 (each block's last program resets its own), so the launches
+    that follow one another on a stream share one buffer; a launch on another stream (the shared expert's side
+    stream) may run at the same time, so each stream has its own. Made on a stream's first split product (in a
+    CUDA graph's capture, its zeroing is captured too, which a replay repeats harmlessly)."""
+    stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
+    key = (y.device, stream)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=y.device)
+    return _COUNTERS[key]
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -144,6 +177,20 @@ if HAS_TRITON:
         else:
             out = tl.dot(a, b, acc)
         return out
+
+    @triton.jit
+    def sum_if_last(part, c_ptr, out, mask, S, p_s, OUT_DT: tl.constexpr):
+        """Count this split's arrival at c_ptr[0]; the last of the S adds the partial sums part[s * p_s] in split
+        order (as a separate sum launch would) into out and sets the counter back to 0 for the next launch. Every
+        thread's partial-sum stores happen before the count (barrier, then a release), and the last program's loads
+        after it (acquire; .cg reads L2, where the other SMs' stores are)."""
+        tl.debug_barrier()
+        if tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu") == S - 1:
+            acc = tl.zeros(part.shape, dtype=tl.float32)
+            for s in range(0, S):
+                acc = acc + tl.load(part + s * p_s, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out, round_to(acc, OUT_DT).to(out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def dp4a(a, b, c, ASM: tl.constexpr):

@@ -54,13 +54,20 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, module_flag, next_pow2, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import (
+    HAS_TRITON,
+    INTERPRET,
+    arrival_counters,
+    next_pow2,
+    pdl_launch,
+    sums_in_product,
+    tl_dtype,
+)
 
 DP4A_ASM = True  # dp4a by the PTX instruction on the GPU (False: the shift-and-multiply emulation, as interpreted)
 # Rows per call: up to 8 a row's numbers do not depend on the row count; at 16 the compiled reduction of the
@@ -116,18 +123,21 @@ QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
 # Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
 # product and one sum launch per part (A/B runs). The numbers are the same either way.
 PAIR_PARTS = True
-# A product that splits K adds its partial sums in its own launch: the program of a row block that finishes last (an
-# atomic arrival count per block) adds the block's shares in split order; False: a second launch adds them
-# (_sum_parts_kernel; A/B runs). The numbers are the same either way. A module flag (KernelSwitches).
-SUM_IN_PRODUCT = True
-COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import b32_parts, dp4a, expert_pair, pdl_start, q6_parts, round_q8, round_to
+    from qspec.kernels.triton_common import (
+        b32_parts,
+        dp4a,
+        expert_pair,
+        pdl_start,
+        q6_parts,
+        round_q8,
+        round_to,
+        sum_if_last,
+    )
 
     @triton.jit
     def quant_x_blocks(x_ptr, q_ptr, d_ptr, s_ptr, g_ptr, m, chunk, x_m, KB, BB: tl.constexpr):
@@ -574,21 +584,7 @@ if HAS_TRITON:
                 part = p_ptr + im[:, None] * p_m + n[None, :]
                 tl.store(part + tl.program_id(1) * p_s, acc, mask=mask)
                 if SUM_HERE:
-                    _sum_if_last(part, c_ptr, y_ptr + im[:, None] * y_m + n[None, :], mask, S, p_s, OUT_DT)
-
-    @triton.jit
-    def _sum_if_last(part, c_ptr, out, mask, S, p_s, OUT_DT: tl.constexpr):
-        """Count this split's arrival at c_ptr[0]; the last of the S adds the partial sums part[s * p_s] in split
-        order (as _sum_parts_kernel does) into out and sets the counter back to 0 for the next launch. Every thread's
-        partial-sum stores happen before the count (barrier, then a release), and the last program's loads after it
-        (acquire; .cg reads L2, where the other SMs' stores are)."""
-        tl.debug_barrier()
-        if tl.atomic_add(c_ptr, 1, sem="acq_rel", scope="gpu") == S - 1:
-            acc = tl.zeros(part.shape, dtype=tl.float32)
-            for s in range(0, S):
-                acc = acc + tl.load(part + s * p_s, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, round_to(acc, OUT_DT).to(out.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(c_ptr, 0, sem="relaxed", scope="gpu")
+                    sum_if_last(part, c_ptr, y_ptr + im[:, None] * y_m + n[None, :], mask, S, p_s, OUT_DT)
 
     @triton.jit
     def _qdot_mv_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
@@ -762,9 +758,9 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
     blocks_a = triton.cdiv(na, cfg.rows)
     blocks = blocks_a + triton.cdiv(nb, cfg.rows)
     parts = torch.empty(splits, M, n, dtype=torch.float32, device=y.device) if splits > 1 else y
-    sum_here = splits > 1 and SUM_IN_PRODUCT and blocks <= COUNTER_SLOTS
+    sum_here = splits > 1 and sums_in_product(blocks)
     _qdot_mv_kernel[(blocks, splits)](
-        *xquant, *_views(ra), *_views(rb), y, parts, _arrival_counters(y) if sum_here else parts, K, na, nb,
+        *xquant, *_views(ra), *_views(rb), y, parts, arrival_counters(y) if sum_here else parts, K, na, nb,
         blocks_a, share_a, share_b, split_a, split_b, ra.stride(0), rb.stride(0), parts.stride(0), y.stride(0),
         M=M, MP=next_pow2(M), BN=cfg.rows, QA=int(qa), QB=int(qb), TWO=two, ASM=_asm() if asm is None else asm,
         OUT_DT=tl_dtype(y.dtype), UNROLL=cfg.unroll, PARTS=splits > 1, SUM_HERE=sum_here, num_warps=cfg.warps,
@@ -774,26 +770,6 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
         _sum_parts_kernel[(triton.cdiv(M * n, block),)](parts, y, split_a, M * n, n, y.stride(0), na, split_b,
                                                          BLOCK=block, OUT_DT=tl_dtype(y.dtype), num_warps=4,
                                                          **pdl_launch(y))
-
-
-def sums_in_product_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, SUM_IN_PRODUCT is `on` (EngineOptions.sums_in_product; the runner sets it around every
-    step)."""
-    return module_flag(__name__, "SUM_IN_PRODUCT", on)
-
-
-def _arrival_counters(y: torch.Tensor) -> torch.Tensor:
-    """The zeroed int32 arrival counters of a split product launched now on y's device and current stream.
-
-    Invariant: between launches every counter is 0 (each block's last program resets its own), so the launches
-    that follow one another on a stream share one buffer; a launch on another stream (the shared expert's side
-    stream) may run at the same time, so each stream has its own. Made on a stream's first split product (in a
-    CUDA graph's capture, its zeroing is captured too, which a replay repeats harmlessly)."""
-    stream = torch.cuda.current_stream(y.device).cuda_stream if y.is_cuda else 0
-    key = (y.device, stream)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=y.device)
-    return _COUNTERS[key]
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
