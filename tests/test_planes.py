@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from qspec.kernels.qmatmul import expand, int8_dot_mode, qmatmul, qmatmul_op
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
-from qspec.model.model import block_layouts, head_layout
+from qspec.model.model import Model, block_layouts, head_layout
 from qspec.weights.dequant import WeightsError
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PLANES, Q6_K_PLANES, QuantWeight, row_bytes, weight_of
@@ -77,6 +77,17 @@ def test_only_a_cuda_q6k_head_of_its_own_goes_to_planes() -> None:
     assert head_layout(w, object()) is w  # on the CPU the products expand the file's blocks
     dense = torch.randn(4, 512)
     assert head_layout(dense, object()) is dense
+
+
+def test_head_note_names_a_head_that_head_layout_put_in_planes() -> None:
+    """The weights summary counts w's tensors, block_layouts' planes among them (a Q8_0 head too); head_note adds the
+    head only where head_layout held it otherwise than w, naming its type."""
+    from types import SimpleNamespace
+
+    p = q6k(4, 512, seed=2).to_planes()
+    assert Model.head_note(SimpleNamespace(_head_relaid=True, lm_head=p)) == (  # type: ignore[arg-type]
+        "; LM head's Q6_K rows in planes (16-byte-aligned runs)")
+    assert Model.head_note(SimpleNamespace(_head_relaid=False, lm_head=p)) == ""  # type: ignore[arg-type]
 
 
 def test_cpu_products_of_planes_equal_the_file_order_ones() -> None:

@@ -6,7 +6,6 @@ H200's 50 MB L2, so every call reads HBM as inside a real step. Rows go to the r
 """
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +26,8 @@ from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.q4 import Q4Weight, q4_q8_matvec_torch
 from qspec.kernels.triton_argmax import argmax_rows_triton
-from qspec.kernels.triton_common import pdl_mode, sums_in_product_mode
-from qspec.kernels.triton_gemv import TUNED_FEW, TUNED_FEW_PDL, gemm_few_triton, gemv_triton
+from qspec.kernels.triton_common import pdl_mode
+from qspec.kernels.triton_gemv import TUNED_FEW, gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_out_triton
 from qspec.kernels.triton_masked_attention import masked_attention_triton
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
@@ -318,43 +317,12 @@ def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...
         times.append((per_call(lambda i, cfg=cfg: kernel(x, Ws[i % copies], cfg)), cfg))
     times.sort()
     t_best, best = times[0]
-    with sums_in_product_mode(False):  # the best config with a split's shares added by a launch of their own
-        t_apart = per_call(lambda i: kernel(x, Ws[i % copies], best))
     gb = N * K * 2 / 1e3
     top = ", ".join(f"{cfg} {t:.2f}" for t, cfg in times[:5])
     R.add(Row(f"{kernel.__name__} sweep M={M} {name} {N}x{K}", bad == 0,
               f"cuBLAS {t_cublas:.2f} ({gb / t_cublas:.0f} GB/s), default {t_default:.2f}, best {t_best:.2f} us "
-              f"({gb / t_best:.0f} GB/s) cfg={best} (its sums in a launch of their own: {t_apart:.2f}); fastest: "
+              f"({gb / t_best:.0f} GB/s) cfg={best}; fastest: "
               f"{top}; {copies} copies; {bad} configs wrong"), variant=True)
-
-
-def _few_call(x: torch.Tensor, Ws: list[torch.Tensor], i: int) -> torch.Tensor:
-    return gemm_few_triton(x, Ws[i % len(Ws)])
-
-
-def split_sums_ab(R: Runner, rows: tuple[int, ...] = (6, 4), reps: int = 3) -> None:
-    """The few-row products whose default plan splits K (a verify's router, output mixer, ...), their shares added
-    in the product's launch (triton_common.SUM_IN_PRODUCT) against a sum launch of their own, alternated `reps`
-    times in one process, each a graph of 24 calls over weight copies that exceed the L2."""
-    print("\nsplit sums of the few-row products: here (in the launch) / apart, us per call")
-    for name, N, K in GEMV_SHAPES:
-        if (N, K) not in TUNED_FEW and (N, K) not in TUNED_FEW_PDL:
-            continue
-        copies = weight_copies(N * K * 2)
-        Ws = [(0.02 * torch.randn(N, K, device="cuda")).to(torch.bfloat16) for _ in range(copies)]
-        for M in rows:
-            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            call = partial(_few_call, x, Ws)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for _ in range(reps):
-                for here in (True, False):
-                    with sums_in_product_mode(here):
-                        times[here].append(graph_per_call(call))
-            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-            R.add(Row(f"split sums M={M} {name} {N}x{K}", True,
-                      f"here {med[True]:.2f} / apart {med[False]:.2f} us by median (x{med[False] / med[True]:.3f}); "
-                      f"here {[round(t, 2) for t in times[True]]}, apart {[round(t, 2) for t in times[False]]}"),
-                  variant=True)
 
 
 def gdn_block_sweep(R: Runner) -> None:
@@ -380,7 +348,6 @@ def moe_config_sweep(R: Runner) -> None:
 SWEEPS: dict[str, tuple[Callable[..., None], str]] = {
     "gemv_sweep": (gemv_sweep, "the one-row mat-vec's configs on the model's shapes"),
     "few_sweep": (few_sweep, "the few-rows (verify) product's configs"),
-    "split_sums_ab": (split_sums_ab, "the few-row products' split sums in their launch against a launch apart"),
     "few_ab": (few_ab, "the few-row products still on cuBLAS against the tensor-core kernel with PDL (Hopper)"),
     "q4_sweep": (q4_sweep, "the Q4 draft head's configs"),
     "moe_sweep": (moe_sweep, "the routed experts' kernels and configs at E=512"),

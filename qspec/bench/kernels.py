@@ -53,7 +53,6 @@ from qspec.kernels.triton_common import (
     INTERPRET,
     pdl_mode,
     pdl_on,
-    sums_in_product_mode,
     torch_references,
     use_triton,
 )
@@ -514,14 +513,11 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     kernel, cfg = (gemm_few_triton if few else gemv_triton), config
     ref = x.double() @ W.double().t()
     got = kernel(x, W, cfg)
-    with sums_in_product_mode(False):  # a split of K's shares added by a launch of their own: the same bits
-        apart = kernel(x, W, cfg)
     e = rel_err(got, ref)
-    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt and torch.equal(got, apart)
+    ok = e < TOL[dt] and got.shape == (M, N) and got.dtype == dt
     row = Row(f"{'gemm few' if few else 'gemv'} {name} M={M} N={N} K={K} {str(dt).removeprefix('torch.')}"
               + (f" cfg={config}" if config else ""), ok,
-              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e}); split sums in the launch "
-              f"{'equal' if torch.equal(got, apart) else 'DIFFER from'} a sum launch's")
+              f"rel err {e:.2e} vs f64 (cuBLAS {rel_err(F.linear(x, W), ref):.2e})")
     if timed and R.timing:
         if config is None:
             row.torch_us = R.bench(lambda: F.linear(x, W))

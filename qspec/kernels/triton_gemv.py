@@ -17,15 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from qspec.kernels.triton_common import (
-    HAS_TRITON,
-    INTERPRET,
-    arrival_counters,
-    next_pow2,
-    pdl_launch,
-    sums_in_product,
-    tl_dtype,
-)
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
@@ -81,12 +73,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to, sum_if_last
+    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, o_ptr, c_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m, o_m,
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                      M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     OUT_DT: tl.constexpr, O_DT: tl.constexpr, SUM_HERE: tl.constexpr, PDL: tl.constexpr = False):
+                     OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
@@ -114,14 +106,13 @@ if HAS_TRITON:
                     x = tl.load(x_ptr + m * x_m + k, mask=kmask, other=0.0).to(tl.float32)
                     p = tl.sum(w * x[None, :], axis=1)
                     acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
-        _store_rows(acc, y_ptr + im[:, None] * y_m + n[None, :], o_ptr + im[:, None] * o_m + n[None, :], c_ptr,
-                    (im[:, None] < M) & nmask[None, :], y_s, OUT_DT, O_DT, SUM_HERE)
+        out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
     @triton.jit
-    def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, o_ptr, c_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m, o_m,
+    def _gemm_few_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                          M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                         OUT_DT: tl.constexpr, O_DT: tl.constexpr, SUM_HERE: tl.constexpr, UPCAST: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
         # 2..8 rows: x^T padded to 16 columns, so each K step is one tensor-core product [BN, BK] @ [BK, 16]
         # and the loop does no per-row reductions (the mat-vec kernel's M > 1 path spent its time on those).
         pdl_start(PDL)
@@ -139,16 +130,8 @@ if HAS_TRITON:
             w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptr + im[None, :] * x_m + k[:, None], mask=(im[None, :] < M) & kmask[:, None], other=0.0)
             acc = dot_acc(w, xt, acc, UPCAST)
-        _store_rows(acc, y_ptr + im[None, :] * y_m + n[:, None], o_ptr + im[None, :] * o_m + n[:, None], c_ptr,
-                    nmask[:, None] & (im[None, :] < M), y_s, OUT_DT, O_DT, SUM_HERE)
-
-    @triton.jit
-    def _store_rows(acc, y, o, c_ptr, mask, y_s, OUT_DT: tl.constexpr, O_DT: tl.constexpr, SUM_HERE: tl.constexpr):
-        """Store a program's sums at y (the output, or with a split of K this share's f32 partial sums, y_s apart);
-        SUM_HERE: the row block's last share to finish adds the partial sums into the output o (`sum_if_last`)."""
-        tl.store(y + tl.program_id(1) * y_s, round_to(acc, OUT_DT).to(y.dtype.element_ty), mask=mask)
-        if SUM_HERE:
-            sum_if_last(y, c_ptr + tl.program_id(0), o, mask, tl.num_programs(1), y_s, O_DT)
+        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
+        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
 
     @triton.jit
     def _sum_splits_kernel(p_ptr, y_ptr, MN, S, p_s, OUT_DT: tl.constexpr, BLOCK: tl.constexpr,
@@ -210,12 +193,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
     bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
     mp = 1 if M == 1 else triton.next_power_of_2(M)
 
-    def launch(y: torch.Tensor, y_s: int, dt: object, o: torch.Tensor, c: torch.Tensor, here: bool) -> None:
-        _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, o, c, N, K, k_split, x.stride(0), w.stride(0), y_s,
-                                                  y.stride(-2), o.stride(0), M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt,
-                                                  O_DT=tl_dtype(o.dtype), SUM_HERE=here, num_warps=warps,
-                                                  **pdl_launch(x))
-    return _with_splits(x, N, split, triton.cdiv(N, bn), launch)
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps, **pdl_launch(x))
+    return _with_splits(x, N, split, launch)
 
 
 def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
@@ -229,29 +210,24 @@ def gemm_few_triton(x: torch.Tensor, w: torch.Tensor,
     bn, bk, warps, stages, per_sm = config or TUNED_FEW.get((N, K)) or TUNED_FEW_PDL.get((N, K), DEFAULT_FEW_CONFIG)
     bk, split, k_split = plan_k(N, K, bn, bk, per_sm * _sm_count(x.device.index or 0))
 
-    def launch(y: torch.Tensor, y_s: int, dt: object, o: torch.Tensor, c: torch.Tensor, here: bool) -> None:
-        _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, o, c, N, K, k_split, x.stride(0), w.stride(0), y_s,
-                                                      y.stride(-2), o.stride(0), M=M, BN=bn, BK=bk, STAGES=stages,
-                                                      OUT_DT=dt, O_DT=tl_dtype(o.dtype), SUM_HERE=here,
+    def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
+        _gemm_few_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s,
+                                                      y.stride(-2), M=M, BN=bn, BK=bk, STAGES=stages, OUT_DT=dt,
                                                       UPCAST=INTERPRET, num_warps=warps, **pdl_launch(x))
-    return _with_splits(x, N, split, triton.cdiv(N, bn), launch)
+    return _with_splits(x, N, split, launch)
 
 
-def _with_splits(x: torch.Tensor, N: int, split: int, blocks: int,
-                 launch: Callable[[torch.Tensor, int, object, torch.Tensor, torch.Tensor, bool], None]) -> torch.Tensor:
-    """Run `launch` into y directly, or into f32 partial sums per K share that the launch's last program of each
-    of the `blocks` row blocks adds in order (`sums_in_product`), or a second kernel."""
+def _with_splits(x: torch.Tensor, N: int, split: int,
+                 launch: Callable[[torch.Tensor, int, object], None]) -> torch.Tensor:
+    """Run `launch` into y directly, or into f32 partial sums per K share that a second kernel adds in order."""
     M = x.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     dt = tl_dtype(x.dtype)
     if split == 1:
-        launch(y, 0, dt, y, y, False)
+        launch(y, 0, dt)
         return y
     part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    if sums_in_product(blocks):
-        launch(part, part.stride(0), tl.float32, y, arrival_counters(y), True)
-        return y
-    launch(part, part.stride(0), tl.float32, y, y, False)
+    launch(part, part.stride(0), tl.float32)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, split, part.stride(0), OUT_DT=dt, BLOCK=block,
                                                      **pdl_launch(part))

@@ -128,10 +128,16 @@ def block_layouts(w: dict[str, Any]) -> None:
     if not B32_PLANES:
         return
     embed = w.get("token_embd.weight")
+    converted = False
     for name, t in w.items():
         if (isinstance(t, QuantWeight) and t.qtype in PLANES_BLOCK32 and not t.planes and t.device.type == "cuda"
                 and t is not embed):
             w[name] = t.to_planes()
+            converted = True
+    if converted:
+        # the freed file-order tensors stay reserved by torch's allocator, where a kernel's own device memory (Triton
+        # modules, autotuning buffers) cannot use them: a Q8_0 file of the whole model filled the H200 so
+        torch.cuda.empty_cache()
 
 
 class Model(torch.nn.Module):
@@ -146,6 +152,7 @@ class Model(torch.nn.Module):
         block_layouts(w)
         self.embed: torch.Tensor | QuantWeight = w["token_embd.weight"]
         self.lm_head: Weight = head_layout(w["output.weight"], w["token_embd.weight"])
+        self._head_relaid = self.lm_head is not w["output.weight"]  # held otherwise than w holds it (head_note)
         # the compute dtype: the loader's, which every expanded tensor (norms are never blocks) has
         self.dtype = w["output_hc_norm.weight"].dtype
         self.device = self.embed.device
@@ -188,9 +195,12 @@ class Model(torch.nn.Module):
         self.step_bytes = step_bytes(w | {"output.weight": self.lm_head}, cfg)
 
     def head_note(self) -> str:
-        """What the model holds otherwise than the loader did, for the weights summary: a head in planes."""
+        """What the model holds otherwise than the loader's dict says, for the weights summary: a head that
+        head_layout put in planes (block_layouts' planes replace w's entries, so the summary of w counts them)."""
         head = self.lm_head
-        return "; LM head's Q6_K rows in planes (16-byte-aligned runs)" if getattr(head, "planes", False) else ""
+        if not self._head_relaid or not isinstance(head, QuantWeight):
+            return ""
+        return f"; LM head's {GGMLQuantizationType(head.qtype).name} rows in planes (16-byte-aligned runs)"
 
     # ---- caches ----------------------------------------------------------------------------------
     def new_cache(self, opts: CacheOptions) -> ModelCache:
