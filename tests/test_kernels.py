@@ -726,9 +726,15 @@ def test_cuda_pooled_q4_moe() -> None:
     ref = moe_few_torch(h, top_i, top_w, moe.gate, moe.up, moe.down)
     out = moe_few(h, top_i, top_w, moe.gate, moe.up, moe.down)
     assert (out.float() - ref.float()).abs().max() <= 1e-2 * ref.float().abs().max()
-    logits = torch.randn(6, 300, device=dev).bfloat16()
+    # distinct bf16 logits (0.02 apart; random bf16 ones tie often enough to make the ids' order torch.topk's
+    # unspecified one), each row in its own order; then a row of equal logits: equal weights go to the lower id
+    grid = torch.linspace(-3, 3, 300, device=dev).bfloat16()
+    logits = torch.stack([grid[torch.randperm(300, device=dev)] for _ in range(6)])
+    assert all(len(torch.unique(r)) == 300 for r in logits)
     (w_ref, i_ref), (w, i) = route_top_k_torch(logits, 7), route_top_k(logits, 7)
     assert torch.equal(i, i_ref) and (w.float() - w_ref.float()).abs().max() <= 8e-3
+    _, i = route_top_k(torch.zeros(1, 300, device=dev).bfloat16(), 7)
+    assert i.tolist() == [list(range(7))]
 
 
 @pytest.mark.cuda
