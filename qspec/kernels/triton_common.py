@@ -113,7 +113,7 @@ def next_pow2(n: int) -> int:
 # that finishes last (an atomic arrival count per block) adds the block's shares in split order; False: a second
 # launch adds them (A/B runs). The numbers are the same either way. A module flag (KernelSwitches:
 # EngineOptions.sums_in_product). The 16-bit products' split sums stay a launch apart: in their launch they lost on
-# the few-row 2,560 x 6,144 and 2,560 x 5,120 products (BENCHMARKS.md §5b).
+# the few-row 2,560 x 6,144 and 2,560 x 5,120 products (BENCHMARKS.md §5c, tried and removed).
 SUM_IN_PRODUCT = True
 COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
