@@ -48,6 +48,14 @@ def graph_per_call(fn: Callable[[int], object], repeat: int = 24) -> float:
     return float(triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median")) * 1e3 / repeat
 
 
+def ranked(times: list[tuple[float, tuple]], spec: str = ".2f") -> tuple[float, tuple | None, str]:
+    """A sweep's timed (µs, config) pairs, sorted in place fastest first -> (the fastest µs, inf when none was timed;
+    its config or None; the five fastest as text)."""
+    times.sort()
+    t_best, best = times[0] if times else (float("inf"), None)
+    return t_best, best, ", ".join(f"{cfg} {format(t, spec)}" for t, cfg in times[:5])
+
+
 def weight_copies(n_bytes: int, most: int = 24) -> int:
     """How many copies of an n_bytes matrix a timed graph cycles through so that its calls read HBM, not the 50 MB
     L2: at least 160 MB of them, at most `most` (one call each), at least one."""
@@ -82,12 +90,12 @@ def attention_sweep(R: Runner, copies: int = 12) -> None:
                 continue
             times.append((graph_per_call(lambda i, c=cfg, s=sets: masked_attention_triton(*s[i % copies], config=c),
                                          copies), cfg))
-        times.sort()
+        _, _, top = ranked(times, ".1f")
         chosen = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
         dflt = next((t for t, c in times if c == chosen), None)
         print(f"  T={T} keep={keep}: default path {t_path:.1f} us; kernel's config {chosen} "
               f"{'-' if dflt is None else f'{dflt:.1f}'} us; best: "
-              + ", ".join(f"{c} {t:.1f}" for t, c in times[:5]) + (f"; failed: {bad}" if bad else ""), flush=True)
+              + top + (f"; failed: {bad}" if bad else ""), flush=True)
         best = times[0] if times else None
         R.add(Row(f"masked attention sweep T={T} keep={keep}", best is not None and not bad,
                   f"default path {t_path:.1f} us, default config {dflt} us, best {best}; {len(grid)} configs, "
@@ -222,13 +230,12 @@ def hc_out_sweep(R: Runner, D: int = 2560, S: int = 4, rank: int = 320, N: int =
                 continue
             times.append((graph_per_call(lambda i, y=y, Xn=Xn, cfg=cfg: hc_out_triton(y, Xn, ups[i % copies], rank, D,
                                                                                        S, cfg)), cfg))
-        times.sort()
+        t_best, _, top = ranked(times)
         t_default = graph_per_call(lambda i, y=y, Xn=Xn: hc_out_triton(y, Xn, ups[i % copies], rank, D, S))
         gb = S * D * rank * 2 / 1e3
-        top = ", ".join(f"{cfg} {t:.2f}" for t, cfg in times[:5])
         R.add(Row(f"hc out sweep M={M} D={D} S={S} rank={rank}", not bad,
-                  f"default {t_default:.2f} us, best {times[0][0]:.2f} us ({gb / times[0][0]:.0f} GB/s); fastest: "
-                  f"{top}; {len(grid)} configs, wrong: {bad}"), variant=True)
+                  f"default {t_default:.2f} us, best {t_best:.2f} us ({gb / t_best:.0f} GB/s); fastest: {top}; "
+                  f"{len(grid)} configs, wrong: {bad}"), variant=True)
 
 
 def _shapes(only: str | None) -> tuple[tuple[str, int, int], ...]:
@@ -315,14 +322,12 @@ def _sweep_shape(R: Runner, name: str, N: int, K: int, grid: list[tuple[int, ...
             bad += 1
             continue
         times.append((per_call(lambda i, cfg=cfg: kernel(x, Ws[i % copies], cfg)), cfg))
-    times.sort()
-    t_best, best = times[0]
+    t_best, best, top = ranked(times)
     gb = N * K * 2 / 1e3
-    top = ", ".join(f"{cfg} {t:.2f}" for t, cfg in times[:5])
     R.add(Row(f"{kernel.__name__} sweep M={M} {name} {N}x{K}", bad == 0,
               f"cuBLAS {t_cublas:.2f} ({gb / t_cublas:.0f} GB/s), default {t_default:.2f}, best {t_best:.2f} us "
-              f"({gb / t_best:.0f} GB/s) cfg={best}; fastest: "
-              f"{top}; {copies} copies; {bad} configs wrong"), variant=True)
+              f"({gb / t_best:.0f} GB/s) cfg={best}; fastest: {top}; {copies} copies; {bad} configs wrong"),
+          variant=True)
 
 
 def gdn_block_sweep(R: Runner) -> None:
