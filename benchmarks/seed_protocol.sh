@@ -124,12 +124,12 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     plain decoding, 3 runs each (h200-q4km48-ssum-3ab9df5 ran MTP5 beside them)
     h200-q4km48-ssum) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,ssum=0" ;;
-    #     the weight kernels' loads before the PDL wait (the default) against none, and the next kernel scheduled
-    #     before the wait, plain decoding in one process; at 48 layers Q4_K_M and at 8 layers bf16
+    #     the weight kernels' loads before the PDL wait (the default) against none, plain decoding in one process; at
+    #     48 layers Q4_K_M and at 8 layers bf16
     h200-q4km48-pre) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
-        --arms "nospec,nospec-nopre:from=nospec,pre=0,nospec-edl:from=nospec,edl=1" ;;
+        --arms "nospec,nospec-nopre:from=nospec,pre=0" ;;
     h200-fn8-pre) bench merge "${fn8[@]}" --reps 2 --gen-tokens 256 \
-        --arms "nospec,nospec-nopre:from=nospec,pre=0,nospec-edl:from=nospec,edl=1" ;;
+        --arms "nospec,nospec-nopre:from=nospec,pre=0" ;;
     #     --draft auto with 16-token first plain stretches (the default) against 8, beside plain decoding, at p = 0.5
     #     (another profile: BENCH_ARGS="--accept-profile p=0.7")
     h200-fn8-stretch) bench merge "${fn8[@]}" --accept-profile p=0.5 --reps 3 --gen-tokens 256 \

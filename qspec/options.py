@@ -172,11 +172,8 @@ class KernelOptions:
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")
     preload: bool = option(True, "the 16-bit mat-vec and the mixers' output kernel load their first step's weights "
-                           "(a whole program's share where it fits in registers) before waiting for the kernel "
+                           "(a one-row program's whole share where it fits in registers) before waiting for the kernel "
                            "before them (with PDL, while it still runs)", applies="CUDA, with --pdl", arm="pre")
-    pdl_early: bool = option(False, "with PDL, each kernel lets the next one be scheduled before it waits for the one "
-                             "before it, not after (the next one's preloads start earlier; its programs hold SM room "
-                             "longer)", applies="CUDA, with --pdl", arm="edl")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

@@ -69,8 +69,9 @@ def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
 
 # Weight kernels load their first K step's weights before `pdl_start` (`PRELOAD` constexpr): the weights are never
 # written during a step, so with PDL those loads run while the kernel before is still running and the wait ends with
-# the weights in registers. Where a program's whole share of K fits in PRELOAD_PER_THREAD elements a thread, the
-# launcher widens the step to all of it (`preload_step`). A module flag (KernelSwitches: EngineOptions.preload).
+# the weights in registers. A one-row program whose whole share of K fits in PRELOAD_PER_THREAD elements a thread
+# loads all of it so (`preload_step`); wider tiles padded past their share left lanes idle and ran slower
+# (BENCHMARKS.md §5c). A module flag (KernelSwitches: EngineOptions.preload).
 _PRELOAD = True
 PRELOAD_PER_THREAD = 64
 
@@ -88,9 +89,9 @@ def preload_on(t: torch.Tensor) -> bool:
 
 def preload_step(bk: int, span: int, rows: int, warps: int) -> int:
     """The K step of a preloading program of `rows` weight rows whose share of K is `span` elements: the whole share
-    when it fits PRELOAD_PER_THREAD elements a thread, else `bk`."""
+    for one row when it fits PRELOAD_PER_THREAD elements a thread, else `bk`."""
     whole = next_pow2(span)
-    return whole if bk < whole and rows * whole <= PRELOAD_PER_THREAD * 32 * warps else bk
+    return whole if rows == 1 and bk < whole <= PRELOAD_PER_THREAD * 32 * warps else bk
 
 
 def pdl_supported(dev: torch.device) -> bool:
@@ -116,20 +117,9 @@ def pdl_on(t: torch.Tensor) -> bool:
     return _PDL and pdl_supported(t.device) and not torch.compiler.is_compiling()
 
 
-# With PDL, a kernel lets the next one be scheduled before it waits for the one before it (`pdl_start`, PDL = 2)
-# instead of after: the next kernel's preloads (_PRELOAD) then start one kernel earlier, and its programs hold SM
-# room longer. A module flag (KernelSwitches: EngineOptions.pdl_early).
-_PDL_EARLY = False
-
-
-def pdl_early_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, kernels launched with PDL let the next one be scheduled before they wait (`on`)."""
-    return module_flag(__name__, "_PDL_EARLY", on)
-
-
-def pdl_launch(t: torch.Tensor) -> dict[str, int | bool]:
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
     """Launch keywords for a kernel that takes the `PDL` constexpr (and calls `pdl_start(PDL)` first)."""
-    return {"PDL": 2 if _PDL_EARLY else 1, "launch_pdl": True} if pdl_on(t) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if pdl_on(t) else {"PDL": False}
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -200,13 +190,10 @@ if HAS_TRITON:
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
-        """A kernel's first memory access but weights: with PDL, wait until the kernel before it has finished (its
-        writes visible) and let the next kernel be scheduled (after the wait; PDL = 2: before it). Without PDL,
-        nothing."""
-        if PDL == 2:  # (the branches compile only when PDL is set, so other backends never meet tl.extra.cuda)
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        elif PDL:
+        """Before a kernel's first memory access (weight loads aside, `_PRELOAD`): with PDL, wait until the kernel
+        before it has finished (its writes visible), then let the next kernel be scheduled. Without PDL, nothing.
+        (Scheduling the next kernel before the wait was slower: BENCHMARKS.md §5c, tried and removed.)"""
+        if PDL:  # (the branch is compiled only when PDL is set, so other backends never meet tl.extra.cuda)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 

@@ -25,7 +25,7 @@ inputs and outputs); the rest stays in f32, as inductor keeps it.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, preload_on, preload_step, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, preload_on, tl_dtype
 from qspec.model.ops import linear
 
 MAX_ROWS = 8
@@ -163,8 +163,6 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int
     h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
     bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
     pre = M == 1 and preload_on(y)  # (several rows: the first step stays after the wait)
-    if pre:
-        bk = preload_step(bk, rank, next_pow2(S) * bd, warps)
     # several 16-bit rows on tensor cores when the tile is at least 16 x 16; f32 keeps FMA products (tl.dot would
     # round them to tf32)
     tc = M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
