@@ -171,9 +171,6 @@ class KernelOptions:
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")
-    preload: bool = option(True, "the 16-bit mat-vec and the mixers' output kernel load their first step's weights "
-                           "(a one-row program's whole share where it fits in registers) before waiting for the kernel "
-                           "before them (with PDL, while it still runs)", applies="CUDA, with --pdl", arm="pre")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

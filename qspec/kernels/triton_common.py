@@ -67,33 +67,6 @@ def pdl_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_PDL", on)
 
 
-# Weight kernels load their first K step's weights before `pdl_start` (`PRELOAD` constexpr): the weights are never
-# written during a step, so with PDL those loads run while the kernel before is still running and the wait ends with
-# the weights in registers. A one-row program whose whole share of K fits in PRELOAD_PER_THREAD elements a thread
-# loads all of it so (`preload_step`); wider tiles padded past their share left lanes idle and ran slower
-# (BENCHMARKS.md §5c). A module flag (KernelSwitches: EngineOptions.preload).
-_PRELOAD = True
-PRELOAD_PER_THREAD = 64
-
-
-def preload_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, weight kernels launched with PDL load their first step's weights before the wait (`on`)."""
-    return module_flag(__name__, "_PRELOAD", on)
-
-
-def preload_on(t: torch.Tensor) -> bool:
-    """The PRELOAD constexpr of a weight kernel launched now for tensors on t's device: with PDL (without it the
-    kernel before has finished anyway), and under the interpreter (the CPU tests run the same code path)."""
-    return _PRELOAD and (pdl_on(t) or INTERPRET)
-
-
-def preload_step(bk: int, span: int, rows: int, warps: int) -> int:
-    """The K step of a preloading program of `rows` weight rows whose share of K is `span` elements: the whole share
-    for one row when it fits PRELOAD_PER_THREAD elements a thread, else `bk`."""
-    whole = next_pow2(span)
-    return whole if rows == 1 and bk < whole <= PRELOAD_PER_THREAD * 32 * warps else bk
-
-
 def pdl_supported(dev: torch.device) -> bool:
     """Whether kernels launched on `dev` can use PDL: an NVIDIA device of compute capability 9 or more, not the
     interpreter."""
@@ -190,9 +163,8 @@ if HAS_TRITON:
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
-        """Before a kernel's first memory access (weight loads aside, `_PRELOAD`): with PDL, wait until the kernel
-        before it has finished (its writes visible), then let the next kernel be scheduled. Without PDL, nothing.
-        (Scheduling the next kernel before the wait was slower: BENCHMARKS.md §5c, tried and removed.)"""
+        """A kernel's first statement: with PDL, wait until the kernel before it has finished (its writes visible),
+        then let the next kernel be scheduled. Without PDL, nothing."""
         if PDL:  # (the branch is compiled only when PDL is set, so other backends never meet tl.extra.cuda)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()

@@ -17,15 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from qspec.kernels.triton_common import (
-    HAS_TRITON,
-    INTERPRET,
-    next_pow2,
-    pdl_launch,
-    preload_on,
-    preload_step,
-    tl_dtype,
-)
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 
 # (most rows per program, elements per K step (TILE), warps, programs wanted per SM)
 DEFAULT_CONFIG = (32, 8192, 4, 2)
@@ -84,23 +76,10 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
-    def _gemv_step(acc, w, x_ptr, x_m, k, kmask, im, M: tl.constexpr):
-        """acc plus one K step's products of the f32 weights w [BN, BK]: one row keeps them elementwise ([BN, BK],
-        reduced once after the loop), several rows sum each row's per step ([MP, BN])."""
-        if M == 1:
-            x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            acc += w * x[None, :]
-        else:
-            for m in tl.static_range(M):
-                x = tl.load(x_ptr + m * x_m + k, mask=kmask, other=0.0).to(tl.float32)
-                p = tl.sum(w * x[None, :], axis=1)
-                acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
-        return acc
-
-    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, K_SPLIT, x_m, w_n, y_s, y_m,
                      M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     OUT_DT: tl.constexpr, PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                     OUT_DT: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = w_ptr + n.to(tl.int64)[:, None] * w_n  # [BN, 1]
@@ -108,26 +87,25 @@ if HAS_TRITON:
         im = tl.arange(0, MP)
         k_lo = tl.program_id(1) * K_SPLIT
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        if PRELOAD:  # the first step's weights load before the wait (triton_common._PRELOAD)
-            k = k_lo + kk
-            kmask = k < k_hi
-            w_first = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        pdl_start(PDL)
         if M == 1:
-            acc = tl.zeros([BN, BK], dtype=tl.float32)
+            prod = tl.zeros([BN, BK], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BK):
+                k = k0 + kk
+                kmask = k < k_hi
+                w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+                prod += w * x[None, :]
+            acc = tl.sum(prod, axis=1)[None, :]  # [1, BN]
         else:
             acc = tl.zeros([MP, BN], dtype=tl.float32)
-        start = k_lo
-        if PRELOAD:
-            acc = _gemv_step(acc, w_first.to(tl.float32), x_ptr, x_m, k, kmask, im, M)
-            start = k_lo + BK
-        for k0 in range(start, k_hi, BK):
-            k = k0 + kk
-            kmask = k < k_hi
-            w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            acc = _gemv_step(acc, w, x_ptr, x_m, k, kmask, im, M)
-        if M == 1:
-            acc = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+            for k0 in range(k_lo, k_hi, BK):
+                k = k0 + kk
+                kmask = k < k_hi
+                w = tl.load(wrow + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                for m in tl.static_range(M):
+                    x = tl.load(x_ptr + m * x_m + k, mask=kmask, other=0.0).to(tl.float32)
+                    p = tl.sum(w * x[None, :], axis=1)
+                    acc = tl.where(im[:, None] == m, acc + p[None, :], acc)
         out = y_ptr + tl.program_id(1) * y_s + im[:, None] * y_m + n[None, :]
         tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=(im[:, None] < M) & nmask[None, :])
 
@@ -214,14 +192,10 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, i
     max_bn, tile, warps, per_sm = config or TUNED.get((N, K), DEFAULT_CONFIG)
     bn, bk, split, k_split = plan(N, K, max_bn, tile, per_sm * _sm_count(x.device.index or 0))
     mp = 1 if M == 1 else triton.next_power_of_2(M)
-    pre = preload_on(x)
-    if pre and M == 1:  # (several rows keep their step: each row's sums are reduced per step)
-        bk = preload_step(bk, k_split, bn, warps)
 
     def launch(y: torch.Tensor, y_s: int, dt: object) -> None:
         _gemv_kernel[(triton.cdiv(N, bn), split)](x, w, y, N, K, k_split, x.stride(0), w.stride(0), y_s, y.stride(-2),
-                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, PRELOAD=pre, num_warps=warps,
-                                                  **pdl_launch(x))
+                                                  M=M, MP=mp, BN=bn, BK=bk, OUT_DT=dt, num_warps=warps, **pdl_launch(x))
     return _with_splits(x, N, split, launch)
 
 

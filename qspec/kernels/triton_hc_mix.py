@@ -25,7 +25,7 @@ inputs and outputs); the rest stays in f32, as inductor keeps it.
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, preload_on, tl_dtype
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
 from qspec.model.ops import linear
 
 MAX_ROWS = 8
@@ -63,22 +63,14 @@ if HAS_TRITON:
         tl.store(xn_ptr + f, round_to(x * r * g, DT).to(xn_ptr.dtype.element_ty), mask=dmask)
 
     @triton.jit
-    def _up_step(prod, u, y_ptr, k, R, S: tl.constexpr, DT: tl.constexpr):
-        """prod [rows, BK] plus one rank step's products of the f32 `up` rows u with silu(y[k] / S), the up
-        product's input rounded to DT (one row)."""
-        kmask = k < R
-        a = tl.load(y_ptr + k, mask=kmask, other=0.0).to(tl.float32) / S
-        a = round_to(a * tl.sigmoid(a), DT)
-        return prod + u * a[None, :]
-
-    @triton.jit
     def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                        BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
-                       PRELOAD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
-        # mat-vec does (triton_gemv.py); one row: the first step's `up` rows load before the wait (PRELOAD)
+        # mat-vec does (triton_gemv.py)
+        pdl_start(PDL)
         i = tl.arange(0, SP * BD)
         s = i // BD
         d = tl.program_id(0) * BD + i % BD
@@ -87,19 +79,15 @@ if HAS_TRITON:
         urow = up_ptr + f.to(tl.int64)[:, None] * R
         kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
-        if PRELOAD:
-            u_first = tl.load(urow + kk[None, :], mask=fmask[:, None] & (kk < R)[None, :], other=0.0)
-        pdl_start(PDL)
         if M == 1:
             prod = tl.zeros([SP * BD, BK], dtype=tl.float32)
-            start = 0
-            if PRELOAD:
-                prod = _up_step(prod, u_first.to(tl.float32), y_ptr, kk, R, S, DT)
-                start = BK
-            for k0 in range(start, R, BK):
+            for k0 in range(0, R, BK):
                 k = k0 + kk
-                u = tl.load(urow + k[None, :], mask=fmask[:, None] & (k < R)[None, :], other=0.0).to(tl.float32)
-                prod = _up_step(prod, u, y_ptr, k, R, S, DT)
+                kmask = k < R
+                u = tl.load(urow + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                a = tl.load(y_ptr + k, mask=kmask, other=0.0).to(tl.float32) / S
+                a = round_to(a * tl.sigmoid(a), DT)  # silu(y / S), the up product's input
+                prod += u * a[None, :]
             logits = tl.sum(prod, axis=1)[None, :]  # [1, SP*BD]
         elif TC:  # several 16-bit rows: one tensor-core product per K step, the rows as MP = 16 columns
             acc = tl.zeros([SP * BD, MP], dtype=tl.float32)
@@ -162,12 +150,11 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int
     M, D, S = Xn.shape[0], hidden, count
     h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
     bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
-    pre = M == 1 and preload_on(y)  # (several rows: the first step stays after the wait)
     # several 16-bit rows on tensor cores when the tile is at least 16 x 16; f32 keeps FMA products (tl.dot would
     # round them to tf32)
     tc = M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
     mp = 16 if tc else triton.next_power_of_2(M)
     _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=mp, S=S, SP=next_pow2(S),
                                           BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
-                                          PRELOAD=pre, num_warps=warps, **pdl_launch(y))
+                                          num_warps=warps, **pdl_launch(y))
     return h
