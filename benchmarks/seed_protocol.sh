@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -115,6 +115,8 @@ from=nospec,fblk=0,nospec,ours-mtp3-eager:from=ours,draft=3,fblk=0,ours-mtp3:fro
 ours-auto:from=ours,auto=1,draft=6" ;;
     h200-q4km48-m) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 \
         --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
+    #     the seed's protocol in full (512 generated, 3 runs per arm, the baseline MTP3 beside ours at depths 3 and 5)
+    h200-q4km48-seed) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours" ;;
     #     plain decoding and MTP5 only: fits a 600 s call on a machine without compilation caches
     h200-q4km48-two) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec,ours" ;;
     #     the shared expert on its side stream (the default) against one stream, plain decoding; MTP5 beside them
