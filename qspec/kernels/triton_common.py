@@ -144,6 +144,17 @@ def arrival_counters(y: torch.Tensor) -> torch.Tensor:
 
 
 if HAS_TRITON:
+    from gguf import GGMLQuantizationType as _T
+
+    from qspec.weights.qweight import PLANES
+
+    # The block kernels' type numbers (their QT constexpr; qweight.code): GGML's for rows in the file's order,
+    # PLANES + GGML's for rows held in planes. Constexprs, so each `QT == QT_Q4_K` is decided when a kernel compiles.
+    QT_Q4_0, QT_Q4_1, QT_Q5_0, QT_Q5_1, QT_Q8_0, QT_Q4_K, QT_Q5_K, QT_Q6_K = (
+        tl.constexpr(int(t)) for t in (_T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0, _T.Q4_K, _T.Q5_K, _T.Q6_K))
+    QT_PLANES = tl.constexpr(PLANES)
+    QT_Q4_0_PLANES, QT_Q5_0_PLANES, QT_Q8_0_PLANES, QT_Q6_K_PLANES = (
+        tl.constexpr(PLANES + int(t)) for t in (_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.Q6_K))
 
     @triton.jit
     def round_to(x, DT: tl.constexpr):
@@ -231,20 +242,20 @@ if HAS_TRITON:
         (QT 8, 6, 2: Q8_0's 34-byte blocks d|qs, Q5_0's 22-byte d|qh|qs, Q4_0's 18-byte d|qs) or in planes (QT 108,
         106, 102, qweight.PLANES + the type: every block's qs, then Q5_0's every qh, then every d, each plane
         starting on 16 bytes)."""
-        if QT > 100:
+        if QT > QT_PLANES:
             nb = K // 32
-            qs_size: tl.constexpr = 32 if QT == 108 else 16
+            qs_size: tl.constexpr = 32 if QT == QT_Q8_0_PLANES else 16
             qs = blk * qs_size
             qh = nb * qs_size + blk * 4
-            if QT == 106:
+            if QT == QT_Q5_0_PLANES:
                 d = nb * qs_size + (nb * 4 + 15) // 16 * 16 + blk * 2
             else:
                 d = nb * qs_size + blk * 2
         else:
-            size: tl.constexpr = 34 if QT == 8 else (22 if QT == 6 else 18)
+            size: tl.constexpr = 34 if QT == QT_Q8_0 else (22 if QT == QT_Q5_0 else 18)
             d = blk * size
             qh = d + 2
-            qs = d + (6 if QT == 6 else 2)
+            qs = d + (6 if QT == QT_Q5_0 else 2)
         return d, qh, qs
 
     @triton.jit
@@ -252,7 +263,7 @@ if HAS_TRITON:
         """Byte offsets inside a row of Q6_K super-block kb's ql (128 bytes), qh (64), int8 scales (16) and f16 d:
         in the file's order (QT 14: 210-byte blocks one after another) or in planes (QT 114, qweight.Q6_K_PLANES:
         every block's ql, then every qh, every scale, every d)."""
-        if QT == 114:
+        if QT == QT_Q6_K_PLANES:
             nb = K // 256
             ql = kb * 128
             qh = nb * 128 + kb * 64

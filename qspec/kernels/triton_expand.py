@@ -28,19 +28,39 @@ Offsets inside a row are int32; each row's base is int64 once (stacked experts p
 from __future__ import annotations
 
 import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch
+from qspec.weights.qweight import PLANES, PLANES_QTYPES
 
 # Bytes of one block (32 weights, or a K-quant super-block of 256) by the kernels' type number (PLANES + the type:
 # rows in planes, qweight.py).
-BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 7: 24, 8: 34, 12: 144, 13: 176, 14: 210, 102: 18, 106: 22, 108: 34, 114: 210}
+_EXPANDED = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+BLOCK_BYTES = ({int(t): GGML_QUANT_SIZES[t][1] for t in _EXPANDED}
+               | {PLANES + int(t): GGML_QUANT_SIZES[t][1] for t in PLANES_QTYPES})
 EXPAND_CONFIG = (16, 4)  # (rows per program, warps): 4096 weights a program, 32 per thread
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import b32_parts, pdl_start, q6_parts, round_to
+    from qspec.kernels.triton_common import (
+        QT_Q4_1,
+        QT_Q4_K,
+        QT_Q5_0,
+        QT_Q5_0_PLANES,
+        QT_Q5_1,
+        QT_Q5_K,
+        QT_Q6_K,
+        QT_Q6_K_PLANES,
+        QT_Q8_0,
+        QT_Q8_0_PLANES,
+        b32_parts,
+        pdl_start,
+        q6_parts,
+        round_to,
+    )
     from qspec.kernels.triton_qdot import _i8, _spread5
 
     @triton.jit
@@ -76,7 +96,7 @@ if HAS_TRITON:
         """Q4_K / Q5_K super-block kb of the rows at rh / rw (16- and 32-bit views, [BR]) -> (codes
         [8 // P, BR, 8, P], d * sc [1, BR, 8, 1], dmin * m [1, BR, 8, 1]). Run j's element l is nibble j % 2 of qs byte
         (j // 2) * 32 + l; for Q5_K bit j of qh byte l is its 5th bit."""
-        sb: tl.constexpr = 144 if QT == 12 else 176
+        sb: tl.constexpr = 144 if QT == QT_Q4_K else 176
         j = tl.arange(0, 8)[None, None, :, None]
         w = P * tl.arange(0, 8 // P)[:, None, None, None] + tl.arange(0, P)[None, None, None, :]
         m4 = rm[None, :, None, None]
@@ -84,8 +104,8 @@ if HAS_TRITON:
         w4 = rw[None, :, None, None]
         base = kb * sb
         wo = kb * (sb // 4) + (j // 2) * 8 + w  # in words: lets the compiler see 8-byte aligned pairs
-        q = (_word4(h4, w4, wo + (4 if QT == 12 else 12), m4, WORDS) >> (4 * (j % 2))) & 0x0F0F0F0F
-        if QT == 13:
+        q = (_word4(h4, w4, wo + (4 if QT == QT_Q4_K else 12), m4, WORDS) >> (4 * (j % 2))) & 0x0F0F0F0F
+        if QT == QT_Q5_K:
             qh = _word4(h4, w4, kb * (sb // 4) + 4 + w, m4, WORDS)
             q = q | (((qh >> j) & 0x01010101) << 4)
         # the 6-bit scales and mins (dequant._k_scale_min) of bytes 4..15: three words per row
@@ -141,21 +161,21 @@ if HAS_TRITON:
         jm = kb * 8 + j < K // 32
         m4 = rm[None, :, None, None] & jm
         h4 = rh[None, :, None, None]
-        if QT == 3 or QT == 7:  # Q4_1 (20 bytes) / Q5_1 (24): d, m, Q5_1's qh, qs
-            d_at = (kb * 8 + j) * (20 if QT == 3 else 24)
+        if QT == QT_Q4_1 or QT == QT_Q5_1:  # Q4_1 (20 bytes) / Q5_1 (24): d, m, Q5_1's qh, qs
+            d_at = (kb * 8 + j) * (20 if QT == QT_Q4_1 else 24)
             qh_at = d_at + 4
-            qs_at = d_at + (4 if QT == 3 else 8)
+            qs_at = d_at + (4 if QT == QT_Q4_1 else 8)
         else:  # Q4_0 / Q5_0 / Q8_0, in the file's order or in planes
             d_at, qh_at, qs_at = b32_parts(kb * 8 + j, K, QT)
-        if QT == 8 or QT == 108:
+        if QT == QT_Q8_0 or QT == QT_Q8_0_PLANES:
             q = _word(h4, h4, qs_at + 16 * s + 4 * v, m4, False) ^ -2139062144  # ^ 0x80808080: int8 + 128
         else:
             q = (_word(h4, h4, qs_at + 4 * v, m4, False) >> (4 * s)) & 0x0F0F0F0F
-            if QT == 6 or QT == 7 or QT == 106:
+            if QT == QT_Q5_0 or QT == QT_Q5_1 or QT == QT_Q5_0_PLANES:
                 qh = _word(h4, h4, qh_at, m4, False)
                 q = q | _spread5(qh >> (16 * s + 4 * v))
         d = _f16(h4, d_at, m4)
-        mn = _f16(h4, d_at + 2, m4) if (QT == 3 or QT == 7) else d
+        mn = _f16(h4, d_at + 2, m4) if (QT == QT_Q4_1 or QT == QT_Q5_1) else d
         return q, d, mn
 
     @triton.jit
@@ -178,15 +198,15 @@ if HAS_TRITON:
         P: tl.constexpr = 2 if DT.primitive_bitwidth == 16 else 1  # words per 16-byte store
         rowb = n.to(tl.int64) * w_n  # the row's first byte: int64 once per row, int32 offsets after
         rh = wh_ptr + rowb // 2
-        if QT == 12 or QT == 13:
+        if QT == QT_Q4_K or QT == QT_Q5_K:
             q, a, b = _k_runs(rh, ww_ptr + rowb // 4, rm, kb, QT, WORDS, P)
             w = a[:, :, :, :, None] * _weights(q, 0) - b[:, :, :, :, None]
-        elif QT == 14 or QT == 114:
+        elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
             q, a = _q6_runs(wb_ptr + rowb, rh, rm, kb, K, QT, P)
             w = a[:, :, :, :, None] * _weights(q, 32)
         else:
             q, d, mn = _b32_runs(rh, rm, kb, K, QT, P)
-            if QT == 3 or QT == 7:
+            if QT == QT_Q4_1 or QT == QT_Q5_1:
                 w = d[:, :, :, :, None] * _weights(q, 0) + mn[:, :, :, :, None]
             else:
                 w = d[:, :, :, :, None] * _weights(q, 8 if QT % 100 == 2 else (16 if QT % 100 == 6 else 128))
@@ -212,7 +232,7 @@ def expand_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype,
         return y
     wh = raw.view(torch.int16)
     # 32-bit loads where every word the kernel reads is 4-byte aligned (rows of whole words, aligned start)
-    words = qt in (12, 13) and raw.storage_offset() % 4 == 0 and raw.stride(0) % 4 == 0 and row_bytes % 4 == 0
+    words = qt in (T.Q4_K, T.Q5_K) and raw.storage_offset() % 4 == 0 and raw.stride(0) % 4 == 0 and row_bytes % 4 == 0
     ww = raw.view(torch.int32) if words else wh
     br, warps = config or EXPAND_CONFIG
     _expand_kernel[(triton.cdiv(n, br), triton.cdiv(k, 256))](

@@ -129,6 +129,17 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qspec.kernels.triton_common import (
+        QT_PLANES,
+        QT_Q4_0,
+        QT_Q4_0_PLANES,
+        QT_Q4_K,
+        QT_Q5_0,
+        QT_Q5_0_PLANES,
+        QT_Q5_K,
+        QT_Q6_K,
+        QT_Q6_K_PLANES,
+        QT_Q8_0,
+        QT_Q8_0_PLANES,
         b32_parts,
         dp4a,
         expert_pair,
@@ -237,11 +248,11 @@ if HAS_TRITON:
         c = tl.arange(0, 4)[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
         m3 = nmask[:, None, None]
-        words = tl.load(ww_ptr + ((base + (16 if QT == 12 else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
+        words = tl.load(ww_ptr + ((base + (16 if QT == QT_Q4_K else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
                         other=0)
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
-        if QT == 13:  # bit j of each qh byte is the 5th bit of sub-block j's element
+        if QT == QT_Q5_K:  # bit j of each qh byte is the 5th bit of sub-block j's element
             # loaded per chunk too (the same 16 bytes for the 4 chunks: L1 hits), so qh has the words' layout and no
             # exchange between threads is needed
             qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + c * 0 + WO + v, mask=m3, other=0)
@@ -255,7 +266,7 @@ if HAS_TRITON:
         """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
         over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
         need no exchange between threads."""
-        base = rowb + kb * (144 if QT == 12 else 176)
+        base = rowb + kb * (144 if QT == QT_Q4_K else 176)
         lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
         lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
         w0, w1, w2, w3 = _k45_header(ww_ptr, base, nmask)
@@ -291,7 +302,7 @@ if HAS_TRITON:
         h3 = tl.arange(0, 2)[None, :, None]
         g3 = tl.arange(0, 2)[None, None, :]
         m3 = nmask[:, None, None]
-        if QT == 114:  # every run starts 16-byte aligned: one 16-byte load per run of four words
+        if QT == QT_Q6_K_PLANES:  # every run starts 16-byte aligned: one 16-byte load per run of four words
             rw = (rowb // 4)[None, :, None, None]
             ql0 = tl.load(ww_ptr + rw + ql_at // 4 + h * 16 + 4 * g + v, mask=m4, other=0)
             ql1 = tl.load(ww_ptr + rw + ql_at // 4 + 8 + h * 16 + 4 * g + v, mask=m4, other=0)
@@ -359,22 +370,22 @@ if HAS_TRITON:
         words lie on the first axis, which the halfword loads leave inside each thread (no exchange for the sums).
         The three sizes are 2 mod 4 bytes, so in rows of whole words (ww_ptr the int32 view) an odd block's words
         (qs and Q5_0's qh, at bytes 2 and 6) start on a word: one 32-bit load each instead of two 16-bit ones."""
-        W: tl.constexpr = 8 if QT == 8 else 4  # words per block
-        bs: tl.constexpr = 34 if QT == 8 else (18 if QT == 2 else 22)
-        qs_at: tl.constexpr = 1 if QT != 6 else 3  # halfwords
+        W: tl.constexpr = 8 if QT == QT_Q8_0 else 4  # words per block
+        bs: tl.constexpr = 34 if QT == QT_Q8_0 else (18 if QT == QT_Q4_0 else 22)
+        qs_at: tl.constexpr = 1 if QT != QT_Q5_0 else 3  # halfwords
         WORDS: tl.constexpr = ODD and ww_ptr.dtype.element_ty == tl.int32
         w = tl.arange(0, W)[:, None, None]
         m2 = nmask[:, None] & bmask
         hb = (rowb[:, None] + blk * bs) // 2  # [BN, 4] halfword offset of each block
         d = tl.load(wh_ptr + hb, mask=m2, other=0.0).to(tl.float32)
         words = _word(wi_ptr, ww_ptr, hb[None, :, :] + qs_at + 2 * w, m2[None, :, :], WORDS)
-        if QT == 8:
+        if QT == QT_Q8_0:
             lo = words
             hi = words
         else:
             lo = words & 0x0F0F0F0F
             hi = (words >> 4) & 0x0F0F0F0F
-            if QT == 6:
+            if QT == QT_Q5_0:
                 qh = _word(wi_ptr, ww_ptr, hb + 1, m2, WORDS)[None, :, :]
                 lo = lo | _spread5(qh >> (4 * w))
                 hi = hi | _spread5(qh >> (16 + 4 * w))
@@ -393,18 +404,18 @@ if HAS_TRITON:
     @triton.jit
     def _b32_dot(d, lo, hi, xq_ptr, xd_ptr, xs_ptr, blk, bmask, QT: tl.constexpr, ASM: tl.constexpr):
         """The f32 terms [BN, 4] of blocks blk for one x row (xq_ptr .. at that row)."""
-        W: tl.constexpr = 8 if QT == 8 else 4
+        W: tl.constexpr = 8 if QT == QT_Q8_0 else 4
         xw = xq_ptr + blk[None, :, :] * 8 + tl.arange(0, W)[:, None, None]
         xmask = bmask[None, :, :]
         dx = tl.load(xd_ptr + blk, mask=bmask, other=0.0)
-        if QT == 8:
+        if QT == QT_Q8_0:
             isum = tl.sum(dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM), axis=0)
             t = d * (dx * isum.to(tl.float32))
         else:
             isum = dp4a(lo, tl.load(xw, mask=xmask, other=0), tl.zeros_like(lo), ASM)
             isum = tl.sum(dp4a(hi, tl.load(xw + 4, mask=xmask, other=0), isum, ASM), axis=0)
             sx = tl.load(xs_ptr + blk, mask=bmask, other=0.0)
-            t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 2 else 16.0) * sx)
+            t = d * (dx * isum.to(tl.float32) - (8.0 if QT == QT_Q4_0 else 16.0) * sx)
         return t
 
     @triton.jit
@@ -440,12 +451,12 @@ if HAS_TRITON:
         rw = (rowb // 4)[:, None, None]
         _, qh_at, qs_at = b32_parts(blk, K, QT)
         lo = tl.load(ww_ptr + rw + qs_at // 4 + v, mask=m3, other=0)
-        if QT == 108:  # signed bytes: elements 0..15, then 16..31
+        if QT == QT_Q8_0_PLANES:  # signed bytes: elements 0..15, then 16..31
             hi = tl.load(ww_ptr + rw + qs_at // 4 + 4 + v, mask=m3, other=0)
         else:  # low nibbles: elements 4v.., high: 16 + 4v..
             hi = (lo >> 4) & 0x0F0F0F0F
             lo = lo & 0x0F0F0F0F
-            if QT == 106:  # bit i of the block's qh word is element i's 5th bit
+            if QT == QT_Q5_0_PLANES:  # bit i of the block's qh word is element i's 5th bit
                 qh4 = tl.load(ww_ptr + rw + qh_at // 16 * 4 + v, mask=m3, other=0)
                 qh = tl.sum(tl.where(v == blk % 4, qh4, 0), axis=2)[:, :, None]
                 lo = lo | _spread5(qh >> (4 * v))
@@ -464,11 +475,11 @@ if HAS_TRITON:
             isum = dp4a(lo, tl.load(xw, mask=bmask, other=0), tl.zeros_like(lo), ASM)
             isum = tl.sum(dp4a(hi, tl.load(xw + 4, mask=bmask, other=0), isum, ASM), axis=2)
             dx = tl.load(xd_ptr + m * xd_m + b2, mask=b2 < K // 32, other=0.0)
-            if QT == 108:
+            if QT == QT_Q8_0_PLANES:
                 t = d * (dx * isum.to(tl.float32))
             else:
                 sx = tl.load(xs_ptr + m * xd_m + b2, mask=b2 < K // 32, other=0.0)
-                t = d * (dx * isum.to(tl.float32) - (8.0 if QT == 102 else 16.0) * sx)
+                t = d * (dx * isum.to(tl.float32) - (8.0 if QT == QT_Q4_0_PLANES else 16.0) * sx)
             acc = _add_col(acc, t, m, MP)
         return acc
 
@@ -477,12 +488,12 @@ if HAS_TRITON:
                    K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
                    XFIRST: tl.constexpr = True):
         """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
-        if QT == 12 or QT == 13:
+        if QT == QT_Q4_K or QT == QT_Q5_K:
             acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
-        elif QT == 14 or QT == 114:
+        elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            K, kb, M, MP, QT, ASM, XFIRST)
-        elif QT > 100:  # 32-weight blocks in planes (114 is taken above)
+        elif QT > QT_PLANES:  # 32-weight blocks in planes (114 is taken above)
             acc = _b32p_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, K, M, MP, QT, ASM)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,
@@ -512,9 +523,9 @@ if HAS_TRITON:
     @triton.jit
     def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost)."""
-        if QT > 100 and QT != 114:  # 32-weight blocks in planes
+        if QT > QT_PLANES and QT != QT_Q6_K_PLANES:  # 32-weight blocks in planes
             acc = tl.zeros([BN, 8, MP], dtype=tl.float32)
-        elif QT != 14 and QT != 114:
+        elif QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
             acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
         elif XFIRST:
             acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
@@ -525,7 +536,7 @@ if HAS_TRITON:
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True):
         """[MP, BN]: the accumulators summed over their other axes."""
-        if QT != 14 and QT != 114:
+        if QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
             out = tl.trans(tl.sum(acc, axis=1))
         elif XFIRST:
             out = tl.sum(tl.sum(acc, axis=3), axis=2)

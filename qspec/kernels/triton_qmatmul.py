@@ -61,7 +61,25 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import b32_parts, dot_acc, expert_pair, pdl_start, q6_parts, round_to
+    from qspec.kernels.triton_common import (
+        QT_PLANES,
+        QT_Q4_0,
+        QT_Q4_1,
+        QT_Q4_K,
+        QT_Q5_0,
+        QT_Q5_0_PLANES,
+        QT_Q5_K,
+        QT_Q6_K,
+        QT_Q6_K_PLANES,
+        QT_Q8_0,
+        QT_Q8_0_PLANES,
+        b32_parts,
+        dot_acc,
+        expert_pair,
+        pdl_start,
+        q6_parts,
+        round_to,
+    )
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
@@ -93,12 +111,12 @@ if HAS_TRITON:
         m3 = nmask[:, None, None] & kmask[None, :, :]
         r2 = rowb[:, None]
         r3 = rowb[:, None, None]
-        if QT == 12 or QT == 13:  # Q4_K (144 bytes) / Q5_K (176): d, dmin, 12 bytes of 6-bit scales and mins, ...
-            sb = 144 if QT == 12 else 176
+        if QT == QT_Q4_K or QT == QT_Q5_K:  # Q4_K (144 bytes) / Q5_K (176): d, dmin, 12 bytes of 6-bit scales, mins...
+            sb = 144 if QT == QT_Q4_K else 176
             base = kb * sb
-            qs_at = 16 if QT == 12 else 48
+            qs_at = 16 if QT == QT_Q4_K else 48
             q = (_u8(wb_ptr, r3 + base + qs_at + (g // 2) * 32 + lo, m3) >> ((g % 2) * 4)) & 15
-            if QT == 13:  # bit j of qh[l] is the 5th bit of sub-block j's element l
+            if QT == QT_Q5_K:  # bit j of qh[l] is the 5th bit of sub-block j's element l
                 q = q | (((_u8(wb_ptr, r3 + base + 16 + lo, m3) >> g) & 1) << 4)
             d = _f16_at(wh_ptr, rowb + base, nmask)
             dmin = _f16_at(wh_ptr, rowb + base + 2, nmask)
@@ -112,7 +130,7 @@ if HAS_TRITON:
             ds = d[:, None] * sc
             dm = dmin[:, None] * mn
             w = ds[:, :, None] * _i2f(q) - dm[:, :, None]
-        elif QT == 14 or QT == 114:  # Q6_K: ql[128], qh[64], int8 scales[16], d (q6_parts); element g*16 + l
+        elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:  # Q6_K: ql[128], qh[64], int8 scales[16], d (q6_parts); g*16 + l
             ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
             h = g // 8
             ql = _u8(wb_ptr, r3 + ql_at + h * 64 + (g % 4) * 16 + lo, m3)
@@ -123,16 +141,16 @@ if HAS_TRITON:
             d = _f16_at(wh_ptr, rowb + d_at, nmask)
             ds = d[:, None] * s.to(tl.float32)
             w = ds[:, :, None] * (_i2f(q) - 32.0)
-        elif QT == 2 or QT == 6 or QT == 8 or QT > 100:  # 32-weight blocks (114 is taken above)
+        elif QT == QT_Q4_0 or QT == QT_Q5_0 or QT == QT_Q8_0 or QT > QT_PLANES:  # 32-weight blocks (114 is taken above)
             w = _tile_b32(wb_ptr, wh_ptr, rowb, nmask, m3, kb, K, gr, lo, QT)
         else:  # Q4_1 / Q5_1 (d, m, ...): step kb holds blocks kb*8 + g; weight l is nibble l // 16 of byte l % 16
-            bs = 20 if QT == 3 else 24
+            bs = 20 if QT == QT_Q4_1 else 24
             blk = (kb * 8 + gr) * bs  # [1, G]
             bmask = m2 & (kb * 256 + gr * 32 < K)
             d = _f16_at(wh_ptr, r2 + blk, bmask)  # [BN, G]
             mn = _f16_at(wh_ptr, r2 + blk + 2, bmask)
             b3 = r3 + blk[:, :, None]
-            if QT == 3:  # 16 bytes
+            if QT == QT_Q4_1:  # 16 bytes
                 q = (_u8(wb_ptr, b3 + 4 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
             else:  # qh (32 bits), 16 bytes
                 q = (_u8(wb_ptr, b3 + 8 + lo % 16, m3) >> ((lo // 16) * 4)) & 15
@@ -147,12 +165,12 @@ if HAS_TRITON:
         d_at, qh_at, qs_at = b32_parts(kb * 8 + gr, K, QT)  # [1, 8]
         d = _f16_at(wh_ptr, rowb[:, None] + d_at, nmask[:, None] & (kb * 256 + gr * 32 < K))  # [BN, 8]
         b3 = rowb[:, None, None]
-        if QT == 8 or QT == 108:
+        if QT == QT_Q8_0 or QT == QT_Q8_0_PLANES:
             q = _u8(wb_ptr, b3 + qs_at[:, :, None] + lo, m3)
             w = d[:, :, None] * (_i2f(q ^ 0x80) - 128.0)  # int8 from its byte
         else:  # weight l is nibble l // 16 of byte l % 16
             q = (_u8(wb_ptr, b3 + qs_at[:, :, None] + lo % 16, m3) >> ((lo // 16) * 4)) & 15
-            if QT == 6 or QT == 106:  # Q5_0's 5th bits: qh (32 bits, little-endian)
+            if QT == QT_Q5_0 or QT == QT_Q5_0_PLANES:  # Q5_0's 5th bits: qh (32 bits, little-endian)
                 q = q | (((_u8(wb_ptr, b3 + qh_at[:, :, None] + lo // 8, m3) >> (lo % 8)) & 1) << 4)
                 w = d[:, :, None] * (_i2f(q) - 16.0)
             else:
@@ -171,8 +189,8 @@ if HAS_TRITON:
         """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
         -> (f32 weights [BN, 4, 8, 2, 4] on the axes (c, w, s, i), their element offsets): weight i of word w of
         chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
-        sb = 144 if QT == 12 else 176
-        qs_at = 16 if QT == 12 else 48
+        sb = 144 if QT == QT_Q4_K else 176
+        qs_at = 16 if QT == QT_Q4_K else 48
         c = tl.arange(0, 4)[None, :, None, None, None]
         w = tl.arange(0, 8)[None, None, :, None, None]
         s = tl.arange(0, 2)[None, None, None, :, None]
@@ -181,7 +199,7 @@ if HAS_TRITON:
         base = rowb + kb * sb  # [BN] byte offsets of the super-block
         word = tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5, other=0)
         q = (word >> (8 * i + 4 * s)) & 15
-        if QT == 13:  # bit 2c + s of qh byte w*4 + i
+        if QT == QT_Q5_K:  # bit 2c + s of qh byte w*4 + i
             qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
             q = q | (((qh >> (8 * i + 2 * c + s)) & 1) << 4)
         # the 6-bit scale and min of sub-block j = 2c + s, as in _tile
@@ -248,10 +266,10 @@ if HAS_TRITON:
               BN: tl.constexpr, DT: tl.constexpr):
         """Step kb of BN rows as [BN, 256] weights in DT, their element offsets [256] and which exist [256], by the
         fastest decoder of the type (32-bit words for Q4_K/Q5_K, 16-bit words for Q6_K, bytes otherwise)."""
-        if QT == 12 or QT == 13:
+        if QT == QT_Q4_K or QT == QT_Q5_K:
             w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT)
             kmask = offs < K
-        elif QT == 14 or QT == 114:
+        elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
             w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, BN, DT)
             kmask = offs < K
         else:
@@ -293,7 +311,7 @@ if HAS_TRITON:
         token: 87 -> 65 µs), while the 32-bit-word decoder lost to it for Q4_K/Q5_K here (2560 x 6144: 18.9 ->
         29.1 µs), so those keep `_tile` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
         im = tl.arange(0, MP)
-        if M == 1 and (QT == 14 or QT == 114):
+        if M == 1 and (QT == QT_Q6_K or QT == QT_Q6_K_PLANES):
             prod6 = tl.zeros([BN, 2, 2, 4, 8, 2], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, 256)):
                 w6, o6 = _q6_words6(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT)
