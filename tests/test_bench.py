@@ -278,6 +278,7 @@ def test_bench_merge_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert r["decode_tps"] == pytest.approx(8 / r["decode_s"])
         for key in ("acceptance_by_position", "spec", "pooled", "snapshots", "rounds", "prefill_tps"):
             assert key in r
+        assert r["graph_captures"] == 0  # the CPU captures no CUDA graphs
     by_arm = {r["arm"]: r for r in res["runs"]}
     assert len(by_arm["ours"]["acceptance_by_position"]) == 5 and by_arm["ours"]["spec"]["rounds"] > 0
     assert len(by_arm["baseline"]["acceptance_by_position"]) == 3
@@ -287,8 +288,20 @@ def test_bench_merge_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert summ["ours"]["decode_tps_min"] <= summ["ours"]["decode_tps_median"] <= summ["ours"]["decode_tps_max"]
     md = (out / "r.md").read_text()
     assert REPLAYED_LABEL in md and "| Configuration | Decode speed, tok/s median [min–max] | vs baseline |" in md
+    assert "captured CUDA graphs" not in md
     assert md in capsys.readouterr().out
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_names_runs_that_captured_graphs() -> None:
+    """A timed run that captured CUDA graphs (a shape its warm-up missed) is named with its count; others are not."""
+    from qspec.bench.report import _captured_runs
+
+    runs = [{"arm": "baseline", "rep": r, "prompt_tokens": 4096, "graph_captures": c} for r, c in enumerate((9, 0, 2))]
+    runs.append({"arm": "nospec", "rep": 0, "prompt_tokens": 4096})  # a record written before the field existed
+    (line,) = _captured_runs(runs)
+    assert "baseline @4K run 1: 9; baseline @4K run 3: 2" in line and "run 2" not in line and "nospec" not in line
+    assert _captured_runs(runs[1:2]) == []
 
 
 def test_bench_sweep_api(tmp_path: Path) -> None:

@@ -57,6 +57,17 @@ def _arm_label(arms: list[dict[str, Any]], name: str) -> str:
     return name
 
 
+def _captured_runs(runs: list[dict[str, Any]]) -> list[str]:
+    """A line naming the runs that captured CUDA graphs while timed, or none: their decode time includes compiling
+    and capturing shapes the warm-up did not meet, so they do not measure steady decoding."""
+    hit = [f"{r['arm']} @{k_tokens(r['prompt_tokens'])} run {r['rep'] + 1}: {r['graph_captures']}" for r in runs
+           if r.get("graph_captures")]
+    if not hit:
+        return []
+    return ["- **Runs that captured CUDA graphs while timed** (step shapes the warm-up did not meet; compiling and "
+            f"capturing them is inside the run's decode time), captures per run: {'; '.join(hit)}"]
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The seed-style table (configuration | decode tok/s median [min–max] | vs reference) plus details."""
     proto, env, arms = result["protocol"], result["environment"], result["arms"]
@@ -88,6 +99,7 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("complete") is False:
         planned = len(proto["prompt_tokens"]) * proto["reps"] * len(arms)
         lines.append(f"- **Incomplete**: the process stopped after {len(result['runs'])} of {planned} runs")
+    lines += _captured_runs(result["runs"])
     lines.append("")
     by = {(s["arm"], s["prompt_tokens"]): s for s in summary}
     names = [a["name"] for a in arms]

@@ -199,6 +199,9 @@ def _run_record(arm: Arm, rep: int, prompt: BenchPrompt, gen: Generation, n_requ
         "depth": gen.depth,  # an automatic-depth arm's choices (spec/depth.py)
         "output_sha256": hashlib.sha256(",".join(map(str, gen.tokens)).encode()).hexdigest(),
         "peak_memory_bytes": peak_mem,
+        # CUDA graphs captured during this run: step shapes the warm-up did not meet, compiled and captured inside
+        # the timed decode (the report names such runs)
+        "graph_captures": int(gen.graphs.get("captures", 0)),
     }
 
 
