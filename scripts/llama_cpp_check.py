@@ -27,6 +27,7 @@ from qspec.config import preset
 from qspec.loader import demo_model_path, load_model, tokenizer_for_vocab, write_model
 from qspec.model.model import CacheOptions, Model
 from qspec.runner import Runner
+from qspec.weights import load_model_weights, write_gguf
 
 PROMPT_TOKENS = 48
 DECODE_TOKENS = 16
@@ -144,6 +145,11 @@ def main() -> None:
             cfg = preset("tiny", vocab_size=TINY_VOCAB, mtp=mtp, indexer_budget=budget)
             write_model(path, cfg, seed=3, tokenizer=tok, **kw)
             rows.append(compare(f"tiny (vocab {TINY_VOCAB}), {label}", path, 2))
+            if kw:  # the same weights expanded to f32 in the file: what is left is llama.cpp's own rounding
+                expanded = Path(tmp) / "expanded.gguf"
+                write_gguf(expanded, *load_model_weights(path, dequantize_all=True),
+                           extra_kv=tok.to_gguf_metadata(TINY_VOCAB))
+                rows.append(compare(f"tiny (vocab {TINY_VOCAB}), {label} expanded to f32", expanded, 2))
     text = "\n".join(rows) + "\n"
     print(text)
     if a.out:
