@@ -135,14 +135,16 @@ def main() -> None:
             "|---|---|---:|---:|---:|---:|"]
     rows.append(compare("demo model (shipped, Q8_0)", demo_model_path(), 1))
     tok, _ = tokenizer_for_vocab(TINY_VOCAB)  # llama.cpp loads no file without a tokenizer
-    dense = PROMPT_TOKENS + DECODE_TOKENS  # a QSA budget that keeps every step's attention dense
-    cases = [("f32, with the MTP block", True, dense, {}), ("f32", False, dense, {}),
-             ("Q8_0 mix", False, dense, {"quant": "q8_0"}), ("Q4_K_M mix", False, dense, {"quant": "q4_k_m"}),
-             ("f32, QSA budget 16: sparse from the 20th token", False, 16, {})]
+    dense = {"indexer_budget": PROMPT_TOKENS + DECODE_TOKENS}  # a QSA budget that keeps every step's attention dense
+    # rows of 256 (whole K-quant super-blocks: the Q4_K_M mix's Q4_K, Q5_K and Q6_K; at width 64 they fall back)
+    wide = dense | {"hidden": 256, "ple_embed_dim": 256, "expert_ff": 256, "shared_ff": 256}
+    cases = [("f32, with the MTP block", dense | {"mtp": True}, {}), ("f32", dense, {}),
+             ("Q8_0 mix", dense, {"quant": "q8_0"}), ("width 256, Q4_K_M mix", wide, {"quant": "q4_k_m"}),
+             ("f32, QSA budget 16: sparse from the 20th token", {}, {})]
     with tempfile.TemporaryDirectory() as tmp:
-        for label, mtp, budget, kw in cases:
+        for label, overrides, kw in cases:
             path = Path(tmp) / "m.gguf"
-            cfg = preset("tiny", vocab_size=TINY_VOCAB, mtp=mtp, indexer_budget=budget)
+            cfg = preset("tiny", **{"vocab_size": TINY_VOCAB, "mtp": False} | overrides)
             write_model(path, cfg, seed=3, tokenizer=tok, **kw)
             rows.append(compare(f"tiny (vocab {TINY_VOCAB}), {label}", path, 2))
             if kw:  # the same weights expanded to f32 in the file: what is left is llama.cpp's own rounding
