@@ -58,19 +58,23 @@ def qspec_greedy(model: Model, ids: list[int], n: int) -> list[int]:
 
 
 _LOG: list[str] = []
+_LOG_CALLBACK: list[object] = []  # the registered ctypes callback: it must outlive the call that registers it
 
 
 def _capture_llama_log() -> None:
-    """llama.cpp's log lines go to _LOG (the reason a load fails is only logged)."""
+    """llama.cpp's log lines go to _LOG (the reason a load fails is only logged); registered once."""
     import ctypes
 
     import llama_cpp
+
+    if _LOG_CALLBACK:
+        return
 
     @llama_cpp.llama_log_callback
     def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         _LOG.append(text.decode(errors="replace"))
 
-    _capture_llama_log.keep = keep  # type: ignore[attr-defined]  # the callback must outlive this call
+    _LOG_CALLBACK.append(keep)
     llama_cpp.llama_log_set(keep, ctypes.c_void_p())
 
 

@@ -46,6 +46,8 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qspec.kernels.triton_common import (
+        QT_Q4_0,
+        QT_Q4_0_PLANES,
         QT_Q4_1,
         QT_Q4_K,
         QT_Q5_0,
@@ -208,8 +210,10 @@ if HAS_TRITON:
             q, d, mn = _b32_runs(rh, rm, kb, K, QT, P)
             if QT == QT_Q4_1 or QT == QT_Q5_1:
                 w = d[:, :, :, :, None] * _weights(q, 0) + mn[:, :, :, :, None]
-            else:
-                w = d[:, :, :, :, None] * _weights(q, 8 if QT % 100 == 2 else (16 if QT % 100 == 6 else 128))
+            else:  # the stored integer minus 8 (Q4_0), 16 (Q5_0) or 128 (Q8_0's bytes read unsigned)
+                q4: tl.constexpr = QT == QT_Q4_0 or QT == QT_Q4_0_PLANES
+                q5: tl.constexpr = QT == QT_Q5_0 or QT == QT_Q5_0_PLANES
+                w = d[:, :, :, :, None] * _weights(q, 8 if q4 else (16 if q5 else 128))
         if RNE_INT and DT == tl.bfloat16:
             w = round_to(w, DT)
         w = tl.reshape(w.to(DT), [8 // P, BR, 8, 4 * P])
