@@ -171,6 +171,9 @@ class KernelOptions:
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")
+    norm_quant: bool = option(True, "a one-row GDN step norms, gates and rounds its row to int8 for the output "
+                              "product in one launch (off: the compiled norm, then the product's own quantizer)",
+                              applies="CUDA, block weights", arm="nq")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "

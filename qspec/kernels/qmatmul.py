@@ -70,6 +70,11 @@ def _int8_rows(*codes: int) -> int:
     return QDOT_MAX_ROWS if all(c > PLANES for c in codes) else INT8_MAX_ROWS
 
 
+def int8_product(x: torch.Tensor, qtype: int) -> bool:
+    """Whether the product of rows x [M, K] with a block matrix of kernel type `qtype` runs on the int8 kernel."""
+    return 0 < x.shape[0] <= _int8_rows(qtype) and _int8_for(x, qtype)
+
+
 def _kernel_takes(qtype: int) -> bool:
     from qspec.kernels.triton_qmatmul import KERNEL_QTYPES
 
@@ -124,7 +129,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype (QuantWeight.code)."""
     M = x.shape[0]
-    if 0 < M <= _int8_rows(qtype) and _int8_for(x, qtype):
+    if int8_product(x, qtype):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
 
         return qdot_matmul_triton(x, raw.contiguous(), qtype, n)

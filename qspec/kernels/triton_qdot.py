@@ -159,10 +159,10 @@ if HAS_TRITON:
         i = tl.arange(0, 32)
         bmask = b < KB
         x = tl.load(x_ptr + m * x_m + b[:, None] * 32 + i[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
-        _quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB)
+        quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB)
 
     @triton.jit
-    def _quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB: tl.constexpr):
+    def quantized_store(x, q_ptr, d_ptr, s_ptr, g_ptr, m, b, bmask, KB, BB: tl.constexpr):
         """f32 blocks x [BB, 32] (blocks b of row m, those in bmask stored) quantized as quant_x_blocks says."""
         i = tl.arange(0, 32)
         q, d = round_q8(x)
@@ -678,7 +678,7 @@ if HAS_TRITON:
             row = (s * tl.num_programs(0) + pair) * 2
             g += tl.load(p_ptr + row * F + off, mask=bmask[:, None], other=0.0)
             u += tl.load(p_ptr + (row + 1) * F + off, mask=bmask[:, None], other=0.0)
-        _quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
+        quantized_store(g / (1.0 + tl.exp(-g)) * u, q_ptr, d_ptr, s_ptr, g_ptr, pair, b, bmask, F // 32, BB)
 
     @triton.jit
     def _qdot_down_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, tw_ptr, db_ptr, dh_ptr, di_ptr, dw_ptr, y_ptr, D, F,
@@ -794,9 +794,14 @@ def _stacked(x: torch.Tensor, parts: list[Part], config: tuple | None, asm: bool
     """The parts' products of one x into the columns of one output, x quantized once; the parts go two by two to
     one launch each (PAIR_PARTS; else one by one)."""
     x = _check_x(x)
+    return qdot_quantized_triton(quantize_x_triton(x), parts, x.dtype, config, asm)
+
+
+def qdot_quantized_triton(xquant: QuantizedX, parts: list[Part], dtype: torch.dtype, config: tuple | None = None,
+                          asm: bool | None = None) -> torch.Tensor:
+    """_stacked's products for x given quantized (as quantize_x_triton returns it) -> [M, sum N_i] in dtype."""
     cfg = QdotConfig(*config) if config else _default_config(parts)
-    y = torch.empty(x.shape[0], sum(r.shape[0] for r, _ in parts), dtype=x.dtype, device=x.device)
-    xquant = quantize_x_triton(x)
+    y = torch.empty(xquant[0].shape[0], sum(r.shape[0] for r, _ in parts), dtype=dtype, device=xquant[0].device)
     o, step = 0, 2 if PAIR_PARTS else 1
     for i in range(0, len(parts), step):
         group = parts[i:i + step]

@@ -8,13 +8,14 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels import gated_norm
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
 from qspec.kernels.triton_common import use_triton
 from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_recurrent_planes
 from qspec.model.fuse import fused
-from qspec.model.ops import linear, rms_norm, sigmoid, stack_rows
+from qspec.model.ops import Weight, linear, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
 
 
@@ -72,7 +73,7 @@ class GatedDeltaNet(torch.nn.Module):
             # computes the gates from the raw logits
             o = gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias),
                                      final_only=last_only)
-            return gdn_out(o, z, self.norm, self.out, c.rms_eps)
+            return gdn_output(o, z, self.norm, self.out, c.rms_eps)
         beta, g = gdn_gates(b_logit, a_logit, self.a, self.dt_bias)
         rep = Hv // Hk
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # value head n reads key head n % Hk
@@ -83,7 +84,7 @@ class GatedDeltaNet(torch.nn.Module):
         else:
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.step_planes(T), states)
-        return gdn_out(o, z, self.norm, self.out, c.rms_eps)
+        return gdn_output(o, z, self.norm, self.out, c.rms_eps)
 
 
 @fused
@@ -100,9 +101,15 @@ def gdn_in(h: torch.Tensor, w_in: torch.Tensor, C: int, Cv: int, Hv: int
 gdn_conv_qkv = fused(gdn_conv_qkv_torch)
 
 
+def gdn_output(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, w_out: Weight, eps: float) -> torch.Tensor:
+    """The layer's output from the recurrence's o [T, Hv, dv] and the gate z: a one-row step with block weights
+    norms and quantizes its row in one launch for the product (kernels/gated_norm.py), anything else `gdn_out`."""
+    if gated_norm.kernel_takes(o, z, norm, w_out):
+        return gated_norm.gated_norm_product(o, z, norm, w_out, eps)  # type: ignore[arg-type]
+    return gdn_out(o, z, norm, w_out, eps)
+
+
 @fused
 def gdn_out(o: torch.Tensor, z: torch.Tensor, norm: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
     """Sigmoid-gated RMSNorm per value head (o [T, Hv, dv] f32), then the output projection."""
-    T = o.shape[0]
-    o = rms_norm(o, norm, eps) * sigmoid(z.reshape(o.shape).float())
-    return linear(o.reshape(T, -1).to(z.dtype), w_out)
+    return linear(gated_norm.gated_norm_torch(o, z, norm, eps), w_out)
