@@ -248,6 +248,7 @@ def end_to_end(eng: Engine, prompt: list[int], n: int, top: int, profiled: bool 
     lines.append(f"profiled: {gen.decode_s / per_unit * 1e3:.3f} ms per {unit} (profiler overhead included)")
     lines.append(kernel_table(prof, per_unit, top).replace("per step", f"per {unit}"))
     lines.append(gap_table(prof, per_unit, top, unit))
+    lines.append(span_table(prof, per_unit, top, unit))
     cpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
     cpu.sort(key=lambda e: -e.self_cpu_time_total)
     lines.append(f"  host calls by self time per {unit}:")
@@ -284,6 +285,33 @@ def gap_table(prof: profile, per_unit: int, top: int, unit: str) -> str:
     for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         g.sort()
         lines.append(f"  {sum(g) / per_unit:9.1f} us  x{len(g) / per_unit:5.1f}  {g[len(g) // 2]:7.1f}  {a} -> {b}")
+    return "\n".join(lines)
+
+
+def span_table(prof: profile, per_unit: int, top: int, unit: str) -> str:
+    """What each kernel adds to the GPU's busy time: kernels taken by end time, each credited with the part of its
+    interval that no kernel ending before it covers. With PDL a kernel starts while the one ahead runs and waits, so
+    its own duration overcounts; here it is credited from the end of the one ahead. Overlapping kernels of two
+    streams: the overlap goes to the one that ends first. The credits add up to `gap_table`'s busy time."""
+    ev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.end)
+    added: dict[str, list[float]] = {}
+    merged: list[list[float]] = []  # the union of the intervals so far, in order
+    for e in ev:
+        t0, t1 = e.time_range.start, e.time_range.end
+        covered, lo = 0.0, t0
+        while merged and merged[-1][1] >= t0:  # the union's pieces that reach into [t0, t1], merged into one
+            s0, s1 = merged.pop()
+            covered += max(0.0, s1 - max(s0, t0))
+            lo = min(lo, s0)
+        merged.append([lo, t1])
+        added.setdefault(e.name[:90], []).append(t1 - t0 - covered)
+    total = sum(sum(v) for v in added.values())
+    lines = [f"  busy time added per kernel (by end time): {total / per_unit / 1e3:.3f} ms per {unit}; "
+             f"us per {unit}, launches per {unit}, median us added: kernel"]
+    for name, v in sorted(added.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        v.sort()
+        lines.append(f"  {sum(v) / per_unit:9.1f} us  x{len(v) / per_unit:6.1f}  {v[len(v) // 2]:7.2f}  {name}")
     return "\n".join(lines)
 
 

@@ -35,6 +35,18 @@ def test_gap_table_busy_is_the_union_and_gaps_name_their_kernels() -> None:
     assert len(rows) == 3
 
 
+def test_span_table_credits_each_kernel_with_what_it_adds() -> None:
+    """The same events by end time: a adds its 1000 µs; c (inside b, ending first) its 400; b (PDL, started inside a)
+    only what a and c leave of it, 600; e 995, d 2000, a 1000 again: the credits sum to the busy time."""
+    ps = load_script("profile_step")
+    events = [_kernel("b", 800.0, 2000.0), _kernel("a", 0.0, 1000.0), _kernel("c", 1500.0, 1900.0),
+              _kernel("d", 7000.0, 9000.0), _kernel("e", 2005.0, 3000.0), _kernel("a", 14000.0, 15000.0)]
+    out = ps.span_table(SimpleNamespace(events=lambda: events), 2, 10, "round")
+    assert "2.998 ms per round" in out.splitlines()[0]
+    rows = {r.split()[-1]: float(r.split()[0]) for r in out.splitlines()[1:]}
+    assert rows == {"a": 1000.0, "d": 1000.0, "e": 497.5, "b": 300.0, "c": 200.0}
+
+
 def test_gap_table_without_gpu_events() -> None:
     assert load_script("profile_step").gap_table(SimpleNamespace(events=lambda: []), 1, 5, "round") == "  no GPU events"
 
