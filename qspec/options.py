@@ -168,6 +168,10 @@ class KernelOptions:
     shared_stream: bool = option(True, "few-token steps run a block-typed shared expert on a second CUDA stream beside "
                                  "the routing and the routed experts (the same kernels, overlapped)",
                                  applies="CUDA, block weights", arm="shst")
+    shared_pair: bool = option(True, "few-token steps run a block-typed shared expert with the routed experts' types "
+                               "as one more routed pair in the experts' launches, weighted by its sigmoid gate (off: "
+                               "its own products, --shared-stream says where)", applies="CUDA, block weights",
+                               arm="shpair")
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")

@@ -417,16 +417,65 @@ def test_shared_expert_apart_from_router_same_output(rows: int, tmp_path_factory
         assert torch.equal(m.forward_side_stream(h), m.forward(h))
 
 
+def test_shared_expert_as_one_more_routed_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the shared expert's blocks match the routed experts' (every layer of a Q4_K_M file), MoE holds it as
+    expert E of their tensors, the model's own entries views of those (nothing held twice), and
+    MoE.forward_shared_pair (routing with a k + 1-th slot of weight sigmoid(gate logit), the experts' launches over
+    all slots) gives MoE.forward's output up to rounding order; a file with another type for it is left apart."""
+    from qspec.model import moe
+
+    monkeypatch.setattr(moe, "MERGE_DEVICES", ("cpu",))  # merged on CUDA only in use: the host's tensors map the file
+    write_model(tmp_path / "m.gguf", tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256),
+                quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    assert all(m.merged is not None for m in model.moe)
+    g = torch.Generator().manual_seed(0)
+    for m in model.moe:
+        E = m.gate.shape[0]
+        assert all(x.shape[0] == E + 1 for x in m.merged)
+        assert m.gate.raw.data_ptr() == m.merged[0].raw.data_ptr()
+        assert m.sh_down.raw.data_ptr() == m.merged[2].raw[E].data_ptr()
+        h = torch.randn(3, model.cfg.hidden, generator=g)
+        torch.testing.assert_close(m.forward_shared_pair(h), m.forward(h), rtol=1e-4, atol=1e-5)
+    w = {"blk.0.ffn_gate_exps.weight": model.moe[0].gate, "blk.0.ffn_up_exps.weight": model.moe[0].up,
+         "blk.0.ffn_down_exps.weight": model.moe[0].down, "blk.0.ffn_gate_shexp.weight": model.moe[0].sh_gate,
+         "blk.0.ffn_up_shexp.weight": model.moe[0].sh_up, "blk.0.ffn_down_shexp.weight": torch.zeros(256, 256)}
+    assert moe.merge_shared_expert(dict(w), "blk.0") is None
+
+
+@pytest.mark.cuda
+def test_cuda_shared_pair_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU, in CUDA graphs, plain decoding and MTP3 with the shared expert as one more routed pair: the merged
+    path runs, and tokens and logits stay those of the shared expert apart (up to its rounding order)."""
+    from qspec.model import moe
+
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", device="cuda")
+    assert all(m.merged is not None for m in model.moe)
+    calls = []
+    pair = moe.MoE.forward_shared_pair
+    monkeypatch.setattr(moe.MoE, "forward_shared_pair", lambda self, h: calls.append(1) or pair(self, h))
+    prompt = list(range(3, 40))
+    for draft in (0, 3):
+        runs = {on: Engine(model, EngineOptions(draft=draft, capacity=CAP, shared_pair=on),
+                           EngineHooks(record_logits=True)).generate(prompt, 12) for on in (False, True)}
+        assert calls and runs[True].graphs["replays"] > 0
+        assert runs[True].tokens == runs[False].tokens
+        for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
+
+
 @pytest.mark.cuda
 def test_cuda_shared_stream_same_logits(tmp_path: Path) -> None:
-    """On the GPU, in CUDA graphs with the step functions compiled, the shared expert on its side stream leaves every
-    logit of plain decoding bit-equal to one stream's (greedy MTP with it: test_cuda_block_model_in_graphs)."""
+    """On the GPU, in CUDA graphs with the step functions compiled, the shared expert on its side stream (not merged
+    into the routed pairs) leaves every logit of plain decoding bit-equal to one stream's."""
     cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
     write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
     model = load_model(tmp_path / "m.gguf", device="cuda")
     assert all(m.split is not None for m in model.moe)
     prompt = list(range(3, 40))
-    runs = {on: Engine(model, EngineOptions(draft=0, capacity=CAP, shared_stream=on),
+    runs = {on: Engine(model, EngineOptions(draft=0, capacity=CAP, shared_stream=on, shared_pair=False),
                        EngineHooks(record_logits=True)).generate(prompt, 12) for on in (False, True)}
     assert runs[True].tokens == runs[False].tokens and runs[True].graphs["replays"] > 0
     for a, b in zip(runs[True].logits, runs[False].logits, strict=True):

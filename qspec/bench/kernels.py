@@ -44,7 +44,7 @@ from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch, q4_q8_matvec_torch
-from qspec.kernels.route import route_top_k_torch
+from qspec.kernels.route import route_top_k_shared_torch, route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
 from qspec.kernels.top_blocks import top_blocks_mask_torch
 from qspec.kernels.triton_argmax import argmax_rows_triton
@@ -472,19 +472,20 @@ def check_moe(R: Runner, M: int, D: int, Fd: int, E: int, k: int, dt: torch.dtyp
 
 # ---- 6. MoE routing ----------------------------------------------------------------------------------------------
 
-def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool = False) -> None:
-    """Expert ids must match exactly (the random logits have no near-ties); weights by relative error."""
-    logits = torch.randn(T, E + 7, device=R.device).to(dt)[:, 3:3 + E]  # a strided slice, as the step passes it
-    w_ref, i_ref = route_top_k_torch(logits, k)
-    w, i, _ = route_top_k_triton(logits, k)
+def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool = False, shared: bool = False) -> None:
+    """Expert ids must match exactly (the random logits have no near-ties); weights by relative error. shared: one
+    more logit column, the shared expert's gate, and its slot after the k picked (route_top_k_shared_torch)."""
+    logits = torch.randn(T, E + 7, device=R.device).to(dt)[:, 3:3 + E + shared]  # a strided slice, as steps pass it
+    w_ref, i_ref = (route_top_k_shared_torch if shared else route_top_k_torch)(logits, k)
+    w, i, _ = route_top_k_triton(logits, k, shared=shared)
     e = rel_err(w, w_ref)
     # 16-bit logits tie often (512 draws, 8 mantissa bits); the two implementations may order equal experts
     # differently, so the picked experts must have the reference's probabilities, rank by rank
-    probs = torch.softmax(logits.float(), -1)
-    same_p = torch.equal(probs.gather(1, i), probs.gather(1, i_ref))
-    ok = same_p and e < TOL[dt]
+    probs = torch.softmax(logits[:, :E].float(), -1)
+    same_p = torch.equal(probs.gather(1, i[:, :k]), probs.gather(1, i_ref[:, :k]))
+    ok = same_p and e < TOL[dt] and i.shape == i_ref.shape and torch.equal(i[:, k:], i_ref[:, k:])
     ties = int((i != i_ref).sum())
-    row = Row(f"route_top_k T={T} E={E} k={k} {str(dt).removeprefix('torch.')}", ok,
+    row = Row(f"route_top_k T={T} E={E} k={k} {str(dt).removeprefix('torch.')}{' +shared' if shared else ''}", ok,
               f"picked probabilities {'equal' if same_p else 'DIFFER'} ({ties} ids differ among ties), "
               f"weights rel err {e:.2e}")
     if timed and R.timing:
@@ -919,9 +920,12 @@ def route_checks(R: Runner, small: bool) -> None:
     if small:
         check_route(R, 3, 64, 4, torch.float32)
         check_route(R, 2, 50, 3, torch.bfloat16)
+        check_route(R, 3, 60, 7, torch.bfloat16, shared=True)
         return
     check_route(R, 1, 512, 10, torch.bfloat16, timed=True)
     check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
+    check_route(R, 1, 512, 10, torch.bfloat16, shared=True)
+    check_route(R, 6, 512, 10, torch.bfloat16, shared=True)
     check_route(R, 64, 512, 10, torch.float32)
     check_route(R, 5, 300, 7, torch.float16)
 

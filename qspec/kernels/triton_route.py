@@ -22,8 +22,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_row(x_ptr, w_ptr, i_ptr, E, t, x_t, w_t, i_t, K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
-                   DT: tl.constexpr):
-        """Token t's softmax over its E logits, top K, renormalised (the module docstring)."""
+                   DT: tl.constexpr, SHARED: tl.constexpr):
+        """Token t's softmax over its E logits, top K, renormalised (the module docstring); SHARED: slot K holds
+        expert id E with weight sigmoid(logit E), the shared expert's gate."""
         e = tl.arange(0, BE)
         x = tl.load(x_ptr + t * x_t + e, mask=e < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
@@ -40,32 +41,39 @@ if HAS_TRITON:
             p = tl.where(e == idx, -2.0, p)
         top_w = top_w / tl.sum(top_w, axis=0)  # unused slots hold 0
         kmask = slot < K
+        if SHARED:
+            gate = tl.load(x_ptr + t * x_t + E + slot * 0).to(tl.float32)
+            top_w = tl.where(slot == K, 1.0 / (1.0 + tl.exp(-gate)), top_w)
+            top_i = tl.where(slot == K, E, top_i)
+            kmask = slot <= K
         tl.store(w_ptr + t * w_t + slot, round_to(top_w, DT).to(w_ptr.dtype.element_ty), mask=kmask)
         tl.store(i_ptr + t * i_t + slot, top_i.to(tl.int64), mask=kmask)
 
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, i_ptr, E, x_t, w_t, i_t, h_ptr, q_ptr, d_ptr, s_ptr, g_ptr, h_t, KB,
                       K: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, BB: tl.constexpr = 32,
-                      PDL: tl.constexpr = False):
+                      SHARED: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (token t, 0): its routing; (t, c > 0): chunk c - 1 of h's row t quantized."""
         pdl_start(PDL)
         t = tl.program_id(0)
         if tl.program_id(1) > 0:
             quant_x_blocks(h_ptr, q_ptr, d_ptr, s_ptr, g_ptr, t, tl.program_id(1) - 1, h_t, KB, BB)
         else:
-            _route_row(x_ptr, w_ptr, i_ptr, E, t, x_t, w_t, i_t, K, BE, BK, DT)
+            _route_row(x_ptr, w_ptr, i_ptr, E, t, x_t, w_t, i_t, K, BE, BK, DT, SHARED)
 
 
-def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = None
+def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = None, shared: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """logits [T, E] with a contiguous last dim (checked by `route_top_k`) -> (weights [T, k], ids [T, k], h [T, D]
     quantized as triton_qdot.quantize_x_triton returns it, or None without h); h: 16-bit rows, D a multiple of 32,
-    contiguous rows."""
+    contiguous rows. shared: logits [T, E + 1], the last column the shared expert's gate logit, and k + 1 slots out
+    (route.route_top_k_shared_torch)."""
     from qspec.kernels.triton_qdot import quant_chunk, quantized_x_buffers
 
     T, E = logits.shape
-    top_w = torch.empty(T, k, dtype=logits.dtype, device=logits.device)
-    top_i = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    E -= shared
+    top_w = torch.empty(T, k + shared, dtype=logits.dtype, device=logits.device)
+    top_i = torch.empty(T, k + shared, dtype=torch.int64, device=logits.device)
     if h is not None and (h.shape[0] != T or h.shape[1] % 32 or h.stride(1) != 1):
         raise ValueError(f"route and quantize: logits {tuple(logits.shape)}, h {tuple(h.shape)} stride {h.stride()}")
     D = 0 if h is None else h.shape[1]
@@ -76,6 +84,7 @@ def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = No
         _route_kernel[(T, 1 + triton.cdiv(D // 32, bb))](
             logits, top_w, top_i, E, logits.stride(0), top_w.stride(0), top_i.stride(0),
             logits if h is None else h, q, d, s, g, D if h is None else h.stride(0), D // 32,
-            K=k, BE=BE, BK=next_pow2(k), DT=tl_dtype(logits.dtype), BB=bb, num_warps=4 if BE <= 1024 else 8,
+            K=k, BE=BE, BK=next_pow2(k + shared), DT=tl_dtype(logits.dtype), BB=bb, SHARED=shared,
+            num_warps=4 if BE <= 1024 else 8,
             enable_fp_fusion=h is None, **pdl_launch(logits))
     return top_w, top_i, None if h is None else (q.view(torch.int32), d, s, g)

@@ -28,6 +28,23 @@ _SHARED_STREAM = True
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+# Few-token steps of a file whose shared expert has the routed experts' block types and shapes (every layer of
+# llama.cpp's mixes) run it as one more routed pair: its blocks are held as expert E of the routed experts' tensors
+# (the loader's tensors become views of them, so nothing is held twice), the routing adds it to each token's slots with
+# weight sigmoid(its gate logit), and the experts' launches compute it beside the routed ones: no side stream, no
+# launches of its own. Its numbers round as a routed expert's do (weighted in the down launch, summed with the slots).
+# A module flag (KernelSwitches); off: the side stream above.
+_SHARED_PAIR = True
+# Devices on which MoE merges such a shared expert into the routed experts' tensors (a copy of each: on the host the
+# loader's tensors are views of the mapped file, which a copy would read whole).
+MERGE_DEVICES = ("cuda",)
+
+
+def shared_pair_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, few-token steps run a merged shared expert as one more routed pair (on) or apart (off)."""
+    return module_flag(__name__, "_SHARED_PAIR", on)
+
+
 def shared_stream_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Inside the block, few-token steps of block experts run the shared expert on a side stream (`on`) or not."""
     return module_flag(__name__, "_SHARED_STREAM", on)
@@ -158,6 +175,9 @@ def add_shared_output(routed: torch.Tensor, shared: torch.Tensor, gate_logit: to
     return _plus_shared(routed, shared, gate_logit)
 
 
+add_slots = fused(sum_slots)  # the k + 1 weighted slots of forward_shared_pair, summed and rounded once
+
+
 @fused
 def shared_expert(h: torch.Tensor, w_gate_up: torch.Tensor, ff: int, down: torch.Tensor) -> torch.Tensor:
     """The shared expert's output down(silu(gate h) * up h) [T, D] (unweighted), w_gate_up = [gate ; up]: the ops
@@ -177,10 +197,33 @@ def _router_split(w_in: object, shared_rows: int) -> tuple[object, torch.Tensor]
     return (blocks[0] if len(blocks) == 1 else StackedWeight(blocks)), w_in.parts[-1]
 
 
+_PAIRS = (("ffn_gate_exps", "ffn_gate_shexp"), ("ffn_up_exps", "ffn_up_shexp"), ("ffn_down_exps", "ffn_down_shexp"))
+
+
+def merge_shared_expert(w: dict[str, torch.Tensor], b: str) -> tuple[QuantWeight, ...] | None:
+    """Layer b's routed gate/up/down [E, ...] with the shared expert's as expert E [E + 1, ...] (copies), w's entries
+    replaced by views of them (the originals freed where w held the only reference), when all six are blocks of
+    matching types and shapes on one of MERGE_DEVICES; else None, w unchanged."""
+    pairs = [(w[f"{b}.{r}.weight"], w[f"{b}.{sh}.weight"]) for r, sh in _PAIRS]
+    if not all(isinstance(r, QuantWeight) and isinstance(sh, QuantWeight) and r.dim() == 3 and r.code == sh.code
+               and tuple(r.shape[1:]) == tuple(sh.shape) and r.device == sh.device
+               and r.device.type in MERGE_DEVICES for r, sh in pairs):
+        return None
+    merged = []
+    for (r_name, sh_name), (r, sh) in zip(_PAIRS, pairs, strict=True):
+        E = r.shape[0]
+        m = QuantWeight(torch.cat([r.raw, sh.raw[None]]), r.qtype, (E + 1, *r.shape[1:]), r.planes)
+        w[f"{b}.{r_name}.weight"], w[f"{b}.{sh_name}.weight"] = m.experts(0, E), m[E]  # type: ignore[assignment]
+        merged.append(m)
+    return tuple(merged)
+
+
 class MoE(torch.nn.Module):
     def __init__(self, w: dict[str, torch.Tensor], b: str, n_used: int) -> None:
         super().__init__()
         self.n_used = n_used
+        # the shared expert as expert E of the routed experts' tensors, where it can be (merge_shared_expert)
+        self.merged = merge_shared_expert(w, b)
         # the router and the shared expert's gate, up and gate_inp all read h: one product. The two kept in a float
         # type in a GGUF (the router, gate_inp) sit side by side, so that with block-typed gate and up they make one
         # 16-bit part beside one block part (ops.StackedWeight), not three parts.
@@ -204,6 +247,8 @@ class MoE(torch.nn.Module):
         return route(h, self.router, self.n_used)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if _SHARED_PAIR and self.merged is not None and self.split is not None and self._block_few(h):
+            return self.forward_shared_pair(h)
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
             return self.forward_side_stream(h)
         logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
@@ -220,6 +265,18 @@ class MoE(torch.nn.Module):
         routed = self._routed(h, *self._top_k(r[:, :E], h))
         _join_side_stream(h.device)
         return add_shared_output(routed, shared, r[:, E:E + 1])
+
+    def forward_shared_pair(self, h: torch.Tensor) -> torch.Tensor:
+        """forward with the shared expert as one more routed pair (a file with `self.merged` and `self.split`): the
+        router's product gives its gate logit beside the routers', the routing adds slot k (expert E, weight
+        sigmoid(gate logit)), and the routed experts' launches compute all k + 1 pairs."""
+        _, w_router = self.split  # type: ignore[misc]
+        gate, up, down = self.merged  # type: ignore[misc]
+        E = self.router.shape[0]
+        r = linear(h, w_router)[:, :E + 1]  # the router's logits, then the shared expert's gate logit
+        quantize = h.is_cuda and int8_experts(h, gate, up, down)
+        top_w, top_i, hq = route_top_k_quantized(r, self.n_used, h if quantize else None, shared=True)
+        return add_slots(qmoe_few(h, top_i, top_w, gate, up, down, hq))
 
     def _block_few(self, h: torch.Tensor) -> bool:
         """Whether `_routed` sends these rows to qmoe_few (the few-token kernels of block experts)."""
