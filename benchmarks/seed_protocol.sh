@@ -144,7 +144,7 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     h200-fn8-stretch-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 8 \
         --kinds decode --draft 6 --e2e 256 --e2e-stretch | tee "$out/$step.txt" ;;
     h200-q4km48-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 48 \
-        --quant q4_k_m --kinds decode --e2e 64 | tee "$out/$step.txt" ;;
+        --quant q4_k_m --kinds decode --e2e 64 --top 45 | tee "$out/$step.txt" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\

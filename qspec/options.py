@@ -168,16 +168,15 @@ class KernelOptions:
     shared_stream: bool = option(True, "few-token steps run a block-typed shared expert on a second CUDA stream beside "
                                  "the routing and the routed experts (the same kernels, overlapped)",
                                  applies="CUDA, block weights", arm="shst")
-    shared_pair: bool = option(True, "few-token steps run a block-typed shared expert with the routed experts' types "
-                               "as one more routed pair in the experts' launches, weighted by its sigmoid gate (off: "
-                               "its own products, --shared-stream says where)", applies="CUDA, block weights",
-                               arm="shpair")
+    shared_pair: bool = option(True, "few-token steps run a shared expert of the routed experts' block types as one "
+                               "more routed pair, weighted by its sigmoid gate (off: its own products)",
+                               applies="CUDA, block weights", arm="shpair")
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")
-    norm_quant: bool = option(True, "a one-row GDN step norms, gates and rounds its row to int8 for the output "
-                              "product in one launch (off: the compiled norm, then the product's own quantizer)",
-                              applies="CUDA, block weights", arm="nq")
+    norm_quant: bool = option(True, "one-row GDN steps norm, gate and round to int8 for the output product in "
+                              "one launch (off: compiled, then the product's quantizer)", applies="CUDA, block weights",
+                              arm="nq")
     kv_write_kernel: bool = option(True, "q8_0 KV writes in one Triton launch per layer and step (off: the compiled "
                                    "quantization and four index copies)", applies="CUDA, --kv-type q8_0", arm="kvw")
     fused_attention: bool | None = option(None, "masked attention (QSA's dense path, the MTP head) in one pass over "
