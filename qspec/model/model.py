@@ -189,6 +189,8 @@ class Model(torch.nn.Module):
         moes = [*self.moe, *([self.mtp.moe] if self.mtp is not None else [])]
         if any(m.quantized and not m.blocks_only for m in moes):
             self.graph_safe = False
+        if any(m.merged is not None for m in moes) and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the merged experts' freed tensors back to the driver, as in block_layouts
         self.weights_summary = ""  # what the loader kept in which format (loader.load_model fills it in)
         self.has_blocks = any(isinstance(v, QuantWeight) for v in w.values())  # GGUF blocks kept packed
         # weight bytes a one-token step reads (bandwidth limits), the head as held

@@ -204,18 +204,23 @@ def merge_shared_expert(w: dict[str, torch.Tensor], b: str) -> tuple[QuantWeight
     """Layer b's routed gate/up/down [E, ...] with the shared expert's as expert E [E + 1, ...] (copies), w's entries
     replaced by views of them (the originals freed where w held the only reference), when all six are blocks of
     matching types and shapes on one of MERGE_DEVICES; else None, w unchanged."""
-    pairs = [(w[f"{b}.{r}.weight"], w[f"{b}.{sh}.weight"]) for r, sh in _PAIRS]
-    if not all(isinstance(r, QuantWeight) and isinstance(sh, QuantWeight) and r.dim() == 3 and r.code == sh.code
-               and tuple(r.shape[1:]) == tuple(sh.shape) and r.device == sh.device
-               and r.device.type in MERGE_DEVICES for r, sh in pairs):
+    if not all(_mergeable(w[f"{b}.{r}.weight"], w[f"{b}.{sh}.weight"]) for r, sh in _PAIRS):
         return None
     merged = []
-    for (r_name, sh_name), (r, sh) in zip(_PAIRS, pairs, strict=True):
+    for r_name, sh_name in _PAIRS:  # one at a time: one routed tensor's copy is the only extra memory at any moment
+        r, sh = w[f"{b}.{r_name}.weight"], w[f"{b}.{sh_name}.weight"]
         E = r.shape[0]
         m = QuantWeight(torch.cat([r.raw, sh.raw[None]]), r.qtype, (E + 1, *r.shape[1:]), r.planes)
+        del r, sh
         w[f"{b}.{r_name}.weight"], w[f"{b}.{sh_name}.weight"] = m.experts(0, E), m[E]  # type: ignore[assignment]
         merged.append(m)
     return tuple(merged)
+
+
+def _mergeable(routed: object, shared: object) -> bool:
+    return (isinstance(routed, QuantWeight) and isinstance(shared, QuantWeight) and routed.dim() == 3
+            and routed.code == shared.code and tuple(routed.shape[1:]) == tuple(shared.shape)
+            and routed.device == shared.device and routed.device.type in MERGE_DEVICES)
 
 
 class MoE(torch.nn.Module):
