@@ -493,7 +493,7 @@ if HAS_TRITON:
         elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            K, kb, M, MP, QT, ASM, XFIRST)
-        elif QT > QT_PLANES:  # 32-weight blocks in planes (114 is taken above)
+        elif QT > QT_PLANES:  # 32-weight blocks in planes (Q6_K's are taken above)
             acc = _b32p_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, K, M, MP, QT, ASM)
         else:
             acc = _b32_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, kb, K, M, MP,

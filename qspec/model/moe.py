@@ -279,8 +279,7 @@ class MoE(torch.nn.Module):
         gate, up, down = self.merged  # type: ignore[misc]
         E = self.router.shape[0]
         r = linear(h, w_router)[:, :E + 1]  # the router's logits, then the shared expert's gate logit
-        quantize = h.is_cuda and int8_experts(h, gate, up, down)
-        top_w, top_i, hq = route_top_k_quantized(r, self.n_used, h if quantize else None, shared=True)
+        top_w, top_i, hq = self._top_k(r, h, shared=True)
         return add_slots(qmoe_few(h, top_i, top_w, gate, up, down, hq))
 
     def _block_few(self, h: torch.Tensor) -> bool:
@@ -288,12 +287,13 @@ class MoE(torch.nn.Module):
         return (self.blocks_only and h.is_cuda and h.shape[0] <= FEW_TOKENS
                 and not (row_exact() and h.shape[0] <= EXACT_MAX_ROWS))
 
-    def _top_k(self, logits: torch.Tensor, h: torch.Tensor
+    def _top_k(self, logits: torch.Tensor, h: torch.Tensor, shared: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """The routing (weights, ids), and h quantized in the routing's launch when the routed experts will read it
-        so (qmatmul.int8_experts): the quantizer's own launch would wait for the routing."""
+        """The routing (weights, ids; shared: with the shared expert's slot, route.route_top_k_shared_torch), and h
+        quantized in the routing's launch when the routed experts will read it so (qmatmul.int8_experts): the
+        quantizer's own launch would wait for the routing."""
         quantize = self._block_few(h) and int8_experts(h, self.gate, self.up, self.down)  # type: ignore[arg-type]
-        return route_top_k_quantized(logits, self.n_used, h if quantize else None)
+        return route_top_k_quantized(logits, self.n_used, h if quantize else None, shared)
 
     def _routed(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
                 hquant: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
