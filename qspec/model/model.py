@@ -270,7 +270,7 @@ class Model(torch.nn.Module):
                 y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
                           upd_rope.get(r), kv_len=kv_len, sparse=cache.opts.sparse_attention)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
-            pending = (self.moe[i](h), inj)
+            pending = (self.moe[i](h, slots=True), inj)  # the next mixer adds the slots (hc_mix.combine_torch)
         if logit_rows is None:
             X, out, _ = self.mixer.combine_mix(X, pending)
         else:

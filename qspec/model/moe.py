@@ -40,6 +40,17 @@ _SHARED_PAIR = True
 MERGE_DEVICES = ("cuda",)
 
 
+# The shared pair's k + 1 weighted slot outputs go to the next hyper-connection mixer unsummed where the caller lets
+# them (MoE.forward(slots=True)): the mixer's prep kernel adds them as it adds the block output into the residual
+# streams (triton_hc_mix.py), one launch fewer per layer. A module flag (KernelSwitches); off: add_slots here.
+_SLOTS_TO_MIXER = True
+
+
+def slots_to_mixer_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, MoE.forward(slots=True) may return the shared pair's slots unsummed (on) or not (off)."""
+    return module_flag(__name__, "_SLOTS_TO_MIXER", on)
+
+
 def shared_pair_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     """Inside the block, few-token steps run a merged shared expert as one more routed pair (on) or apart (off)."""
     return module_flag(__name__, "_SHARED_PAIR", on)
@@ -251,9 +262,11 @@ class MoE(torch.nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, self.router, self.n_used)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, slots: bool = False) -> torch.Tensor:
+        """h [T, D] -> [T, D]; slots: the caller takes [T, k + 1, D] weighted slot outputs too, still to be added
+        (`sum_slots`: a hyper-connection mixer's combine adds them, hyper.block_output)."""
         if _SHARED_PAIR and self.merged is not None and self.split is not None and self._block_few(h):
-            return self.forward_shared_pair(h)
+            return self.forward_shared_pair(h, slots=slots)
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
             return self.forward_side_stream(h)
         logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
@@ -271,16 +284,17 @@ class MoE(torch.nn.Module):
         _join_side_stream(h.device)
         return add_shared_output(routed, shared, r[:, E:E + 1])
 
-    def forward_shared_pair(self, h: torch.Tensor) -> torch.Tensor:
+    def forward_shared_pair(self, h: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """forward with the shared expert as one more routed pair (a file with `self.merged` and `self.split`): the
         router's product gives its gate logit beside the routers', the routing adds slot k (expert E, weight
-        sigmoid(gate logit)), and the routed experts' launches compute all k + 1 pairs."""
+        sigmoid(gate logit)), and the routed experts' launches compute all k + 1 pairs. slots: as `forward`."""
         _, w_router = self.split  # type: ignore[misc]
         gate, up, down = self.merged  # type: ignore[misc]
         E = self.router.shape[0]
         r = linear(h, w_router)[:, :E + 1]  # the router's logits, then the shared expert's gate logit
         top_w, top_i, hq = self._top_k(r, h, shared=True)
-        return add_slots(qmoe_few(h, top_i, top_w, gate, up, down, hq))
+        out = qmoe_few(h, top_i, top_w, gate, up, down, hq)
+        return out if slots and _SLOTS_TO_MIXER else add_slots(out)
 
     def _block_few(self, h: torch.Tensor) -> bool:
         """Whether `_routed` sends these rows to qmoe_few (the few-token kernels of block experts)."""
