@@ -452,7 +452,10 @@ def test_shared_expert_as_one_more_routed_pair(tmp_path: Path, monkeypatch: pyte
 @pytest.mark.cuda
 def test_cuda_shared_pair_same_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On the GPU, in CUDA graphs, plain decoding and MTP3 with the shared expert as one more routed pair: the merged
-    path runs, and tokens and logits stay those of the shared expert apart (up to its rounding order)."""
+    path runs, and tokens and logits stay those of the shared expert apart up to its rounding order (tokens equal, or
+    equal up to a near tie of the run apart; logits close up to there)."""
+    from test_gpu_engine import NEAR_TIE, _steps_before, first_diff, same_or_tie
+
     from qspec.model import moe
 
     cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
@@ -467,8 +470,11 @@ def test_cuda_shared_pair_same_tokens(tmp_path: Path, monkeypatch: pytest.Monkey
         runs = {on: Engine(model, EngineOptions(draft=draft, capacity=CAP, shared_pair=on),
                            EngineHooks(record_logits=True)).generate(prompt, 12) for on in (False, True)}
         assert calls and runs[True].graphs["replays"] > 0
-        assert runs[True].tokens == runs[False].tokens
-        for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
+        ok, why = same_or_tie(runs[True].tokens, runs[False], draft, NEAR_TIE)
+        assert ok, why
+        cut = first_diff(runs[True].tokens, runs[False].tokens)
+        steps = len(runs[False].logits) if cut is None else _steps_before(runs[False], draft, cut)
+        for a, b in zip(runs[True].logits[:steps], runs[False].logits[:steps], strict=True):
             torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
 
 

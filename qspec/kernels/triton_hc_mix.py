@@ -143,9 +143,12 @@ def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     Xn = torch.empty_like(X)
     yp, ip = pending if pending is not None else (X, X)
     slots = yp.shape[1] if yp.dim() == 3 else 1
+    bd = next_pow2(D)
+    # 256 features a warp (8 per thread): a thread holds its features of X and of every slot row at once
+    warps = min(16, max(4, bd // 256))
     _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), yp.stride(1) if slots > 1 else 0,
-                            ip.stride(0), S=S, HAS_PENDING=pending is not None, SLOTS=slots, BD=next_pow2(D),
-                            DT=tl_dtype(dt), YDT=tl_dtype(yp.dtype), num_warps=4, **pdl_launch(X))
+                            ip.stride(0), S=S, HAS_PENDING=pending is not None, SLOTS=slots, BD=bd,
+                            DT=tl_dtype(dt), YDT=tl_dtype(yp.dtype), num_warps=warps, **pdl_launch(X))
     y = linear(Xn, w_in)
     return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
 

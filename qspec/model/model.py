@@ -19,7 +19,7 @@ from qspec.kernels.q4 import Q4Weight, q4_matvec
 from qspec.kernels.triton_common import triton_enabled
 from qspec.model import fuse
 from qspec.model.gdn import GatedDeltaNet
-from qspec.model.hyper import HyperMixer, hc_combine
+from qspec.model.hyper import HyperMixer, hc_combine, settled
 from qspec.model.moe import MoE
 from qspec.model.mtp import DraftHead, MTPHead, spread_logits
 from qspec.model.ops import Weight, embed_rows, linear, rope_tables
@@ -259,7 +259,7 @@ class Model(torch.nn.Module):
         for i in range(c.n_layers):
             if i == c.ple_layer and self.ple is not None:
                 if pending is not None:
-                    X, pending = hc_combine(X, *pending), None
+                    X, pending = hc_combine(X, *settled(pending)), None
                 X = self.ple(X, tokens, rc.ple, rc, fused, stats)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
             layer = self.layers[i]
@@ -274,7 +274,7 @@ class Model(torch.nn.Module):
         if logit_rows is None:
             X, out, _ = self.mixer.combine_mix(X, pending)
         else:
-            X = X if pending is None else hc_combine(X, *pending)
+            X = X if pending is None else hc_combine(X, *settled(pending))
             out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
 

@@ -13,6 +13,7 @@ from qspec.kernels.qmatmul import expand, int8_experts, qmoe_few
 from qspec.kernels.route import route_top_k, route_top_k_quantized
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
+from qspec.model.hyper import add_slots
 from qspec.model.ops import EXACT_MAX_ROWS, StackedWeight, linear, row_exact, sigmoid, silu, stack_rows
 from qspec.weights.qweight import QuantWeight
 
@@ -186,9 +187,6 @@ def add_shared_output(routed: torch.Tensor, shared: torch.Tensor, gate_logit: to
     return _plus_shared(routed, shared, gate_logit)
 
 
-add_slots = fused(sum_slots)  # the k + 1 weighted slots of forward_shared_pair, summed and rounded once
-
-
 @fused
 def shared_expert(h: torch.Tensor, w_gate_up: torch.Tensor, ff: int, down: torch.Tensor) -> torch.Tensor:
     """The shared expert's output down(silu(gate h) * up h) [T, D] (unweighted), w_gate_up = [gate ; up]: the ops
@@ -264,7 +262,7 @@ class MoE(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """h [T, D] -> [T, D]; slots: the caller takes [T, k + 1, D] weighted slot outputs too, still to be added
-        (`sum_slots`: a hyper-connection mixer's combine adds them, hyper.block_output)."""
+        (`sum_slots`; a hyper-connection mixer's combine adds them: hyper.settled, triton_hc_mix.py)."""
         if _SHARED_PAIR and self.merged is not None and self.split is not None and self._block_few(h):
             return self.forward_shared_pair(h, slots=slots)
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
