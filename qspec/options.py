@@ -171,10 +171,6 @@ class KernelOptions:
     shared_pair: bool = option(True, "few-token steps run a shared expert of the routed experts' block types as one "
                                "more routed pair, weighted by its sigmoid gate (off: its own products)",
                                applies="CUDA, block weights", arm="shpair")
-    slots_to_mixer: bool = option(True, "the shared pair's weighted slot outputs are added by the next "
-                                  "hyper-connection mixer's first kernel as it adds the block output into the "
-                                  "residual streams (off: a launch of their own)", applies="CUDA, block weights",
-                                  arm="slmix")
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")

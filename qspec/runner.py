@@ -62,7 +62,6 @@ class KernelSwitches:
     sums_in_product: bool = True  # triton_common.SUM_IN_PRODUCT: split products add their shares in their launch
     norm_quant: bool = True  # gated_norm._ON: one-row GDN outputs normed and quantized in one launch
     shared_pair: bool = True  # moe._SHARED_PAIR: a merged block shared expert as one more routed pair
-    slots_to_mixer: bool = True  # moe._SLOTS_TO_MIXER: the shared pair's slots summed by the next mixer's kernel
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
@@ -76,8 +75,7 @@ class KernelSwitches:
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
                    mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks,
                    shared_stream=opts.shared_stream, sums_in_product=opts.sums_in_product,
-                   norm_quant=opts.norm_quant, shared_pair=opts.shared_pair,
-                   slots_to_mixer=opts.slots_to_mixer)
+                   norm_quant=opts.norm_quant, shared_pair=opts.shared_pair)
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -88,7 +86,7 @@ class KernelSwitches:
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
                 fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
                 triton_common.sums_in_product_mode(self.sums_in_product), gated_norm.kernel_mode(self.norm_quant), \
-                moe.shared_pair_mode(self.shared_pair), moe.slots_to_mixer_mode(self.slots_to_mixer):
+                moe.shared_pair_mode(self.shared_pair):
             yield
 
 

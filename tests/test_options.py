@@ -153,23 +153,22 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
     d = KernelSwitches()
     assert (ops._ROW_EXACT, fuse._ON, fuse._BACKEND, gdn_conv._ON, triton_common._PDL, moe._GROUPED_MM,
             hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS, moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT,
-            gated_norm._ON, moe._SHARED_PAIR, moe._SLOTS_TO_MIXER) == (
+            gated_norm._ON, moe._SHARED_PAIR) == (
         d.row_exact, d.fused, d.compile_backend, d.gdn_conv_kernel, d.pdl, d.grouped_mm, d.mixer_step_rows, d.int8_dot,
-        d.fuse_blocks, d.shared_stream, d.sums_in_product, d.norm_quant, d.shared_pair,
-        d.slots_to_mixer)
+        d.fuse_blocks, d.shared_stream, d.sums_in_product, d.norm_quant, d.shared_pair)
     assert gemv._ON == (d.gemv and triton_common.triton_enabled())
     assert d.mixer_step_rows == EngineOptions().mixer_step_rows and MAX_MIXER_ROWS == hc_mix.MAX_ROWS
     assert KernelSwitches.resolve(EngineOptions(), torch.device("cpu")) == d
     on = KernelSwitches(row_exact=True, gemv=False, gdn_conv_kernel=False, mixer_step_rows=2, int8_dot=False,
                         fuse_blocks=False, shared_stream=False, sums_in_product=False, norm_quant=False,
-                        shared_pair=False, slots_to_mixer=False)
+                        shared_pair=False)
     with on.apply():
         assert (ops._ROW_EXACT, gemv._ON, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS,
-                moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR,
-                moe._SLOTS_TO_MIXER) == (True, False, False, 2, False, False, False, False, False, False, False)
+                moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR) == (
+            True, False, False, 2, False, False, False, False, False, False)
     assert (ops._ROW_EXACT, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS, moe._SHARED_STREAM,
-            triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR, moe._SLOTS_TO_MIXER) == (
-        False, True, 6, True, True, True, True, True, True, True)
+            triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR) == (
+        False, True, 6, True, True, True, True, True, True)
 
 
 def test_plain_decoding_needs_no_draft_cells(tiny_model: Model) -> None:

@@ -13,7 +13,6 @@ import contextlib
 import torch
 
 from qspec.kernels import gemv
-from qspec.kernels.moe_few import sum_slots
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.kernels.triton_hc_mix import MAX_ROWS
 from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
@@ -38,10 +37,7 @@ def step_rows_mode(rows: int) -> contextlib.AbstractContextManager[None]:
 
 
 def combine_torch(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) -> torch.Tensor:
-    """X_s += inj_s * y for every stream s, inj = 2 sigmoid(logits / S); X [T, S*D], y [T, D], logits [T, S].
-    y may also be the MoE's weighted slot outputs [T, k, D] (MoE.forward(slots=True)): summed first, `sum_slots`."""
-    if y.dim() == 3:
-        y = sum_slots(y)
+    """X_s += inj_s * y for every stream s, inj = 2 sigmoid(logits / S); X [T, S*D], y [T, D], logits [T, S]."""
     inj = 2 * sigmoid(inj_logits / inj_logits.shape[-1])
     return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
 

@@ -61,8 +61,8 @@ def moe_few_torch(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, gat
 def sum_slots(slots: torch.Tensor) -> torch.Tensor:
     """[M, k, D] weighted slot outputs -> [M, D]: summed in f32 slot by slot, rounded once to their dtype.
 
-    Explicit adds in slot order, not a reduction: the same bits whatever the row count and wherever the sum runs
-    (compiled, or in the next mixer's prep kernel, triton_hc_mix.py)."""
+    Explicit adds in slot order, not a reduction: the same bits whatever the row count, eager or compiled (one
+    pointwise kernel then, BENCHMARKS.md §5c)."""
     acc = slots[:, 0].float()
     for j in range(1, slots.shape[1]):
         acc = acc + slots[:, j].float()

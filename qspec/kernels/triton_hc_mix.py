@@ -43,9 +43,9 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
 
     @triton.jit
-    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, yp_k, ip_m,
-                        S: tl.constexpr, HAS_PENDING: tl.constexpr, SLOTS: tl.constexpr, BD: tl.constexpr,
-                        DT: tl.constexpr, YDT: tl.constexpr, PDL: tl.constexpr = False):
+    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
+                        S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+                        PDL: tl.constexpr = False):
         pdl_start(PDL)
         m = tl.program_id(0)
         s = tl.program_id(1)
@@ -56,10 +56,6 @@ if HAS_TRITON:
         if HAS_PENDING:
             inj = 2.0 * tl.sigmoid(tl.load(ip_ptr + m * ip_m + s).to(tl.float32) / S)
             y = tl.load(yp_ptr + m * yp_m + d, mask=dmask, other=0.0).to(tl.float32)
-            if SLOTS > 1:  # the MoE's weighted slot outputs: moe_few.sum_slots' adds, in its order, rounded once
-                for j in tl.static_range(1, SLOTS):
-                    y += tl.load(yp_ptr + m * yp_m + j * yp_k + d, mask=dmask, other=0.0).to(tl.float32)
-                y = round_to(y, YDT)
             x = round_to(x + y * inj, DT)
             tl.store(xo_ptr + f, x.to(xo_ptr.dtype.element_ty), mask=dmask)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -128,10 +124,8 @@ def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
                        w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float,
                        out_config: tuple[int, int, int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """M <= MAX_ROWS rows: X [M, S*D] contiguous, pending (y, injection logits [M, S], each with contiguous rows) or
-    None -> (combined X, h [M, D], w_in's outputs [M, N]: the columns past `rank` are the injection logits).
-    y is the block output [M, D], or the MoE's weighted slot outputs [M, k, D], which the prep kernel sums as
-    `moe_few.sum_slots` does (the same f32 adds in the same order, rounded once to y's dtype)."""
+    """M <= MAX_ROWS rows: X [M, S*D] contiguous, pending (y [M, D], injection logits [M, S], each with contiguous
+    rows) or None -> (combined X, h [M, D], w_in's outputs [M, N]: the columns past `rank` are the injection logits)."""
     S, D = count, hidden
     M = X.shape[0]
     if (not 0 < M <= MAX_ROWS or X.shape[1] != S * D or not X.is_contiguous() or w_in.shape[1] != S * D
@@ -142,13 +136,12 @@ def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tenso
     Xo = torch.empty_like(X) if pending is not None else X
     Xn = torch.empty_like(X)
     yp, ip = pending if pending is not None else (X, X)
-    slots = yp.shape[1] if yp.dim() == 3 else 1
     bd = next_pow2(D)
-    # 256 features a warp (8 per thread): a thread holds its features of X and of every slot row at once
-    warps = min(16, max(4, bd // 256))
-    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), yp.stride(1) if slots > 1 else 0,
-                            ip.stride(0), S=S, HAS_PENDING=pending is not None, SLOTS=slots, BD=bd,
-                            DT=tl_dtype(dt), YDT=tl_dtype(yp.dtype), num_warps=warps, **pdl_launch(X))
+    # 256 features a warp (8 a thread, one 16-byte load of 16-bit X): at the real width 16 warps, where 4 left each
+    # thread 32 features of every row it loads (BENCHMARKS.md §5c, the prep kernel)
+    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), ip.stride(0), S=S,
+                            HAS_PENDING=pending is not None, BD=bd, DT=tl_dtype(dt),
+                            num_warps=min(16, max(4, bd // 256)), **pdl_launch(X))
     y = linear(Xn, w_in)
     return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
 

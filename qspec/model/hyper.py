@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from qspec.kernels.hc_mix import combine_torch, mix_step_triton, mix_torch, step_eligible
-from qspec.kernels.moe_few import sum_slots
 from qspec.model.fuse import fused
 from qspec.model.ops import stack_rows
 
@@ -36,29 +35,18 @@ class HyperMixer(torch.nn.Module):
         block in a decode step; a one-row step runs both on Triton kernels (kernels/hc_mix.py).
         -> (combined X, h, injection logits or None)."""
         args = (self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
-        if step_eligible(X, self.w_in):  # its prep kernel adds the MoE's slots too
+        if step_eligible(X, self.w_in):
             X, h, y = mix_step_triton(X, pending, *args)
         elif pending is None:
             h, y = hc_mix(X, *args)
         else:
-            X, h, y = hc_combine_mix(X, *settled(pending), *args)
+            X, h, y = hc_combine_mix(X, pending[0], pending[1], *args)
         return X, h, y[..., self.rank:self.rank + self.count] if self.has_inject else None
 
 
 # The math lives with its Triton kernels (kernels/hc_mix.py); steps of several rows run it compiled.
 hc_mix = fused(mix_torch)
 hc_combine = fused(combine_torch)
-add_slots = fused(sum_slots)  # the MoE's weighted slot outputs, summed and rounded once, in a launch of its own
-
-
-def settled(pending: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pending block output with the MoE's weighted slot outputs [T, k, D] (MoE.forward(slots=True)) summed to
-    [T, D] in their own launch: a compiled function that fused the sum into the combine would keep it in f32 instead
-    of rounding it to y's dtype (inductor does not emulate that rounding), and the logits would depend on where the
-    slots were summed."""
-    if pending[0].dim() == 2:
-        return pending
-    return add_slots(pending[0]), pending[1]
 
 
 @fused

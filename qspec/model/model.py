@@ -19,7 +19,7 @@ from qspec.kernels.q4 import Q4Weight, q4_matvec
 from qspec.kernels.triton_common import triton_enabled
 from qspec.model import fuse
 from qspec.model.gdn import GatedDeltaNet
-from qspec.model.hyper import HyperMixer, hc_combine, settled
+from qspec.model.hyper import HyperMixer, hc_combine
 from qspec.model.moe import MoE
 from qspec.model.mtp import DraftHead, MTPHead, spread_logits
 from qspec.model.ops import Weight, embed_rows, linear, rope_tables
@@ -259,7 +259,7 @@ class Model(torch.nn.Module):
         for i in range(c.n_layers):
             if i == c.ple_layer and self.ple is not None:
                 if pending is not None:
-                    X, pending = hc_combine(X, *settled(pending)), None
+                    X, pending = hc_combine(X, *pending), None
                 X = self.ple(X, tokens, rc.ple, rc, fused, stats)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
             layer = self.layers[i]
@@ -270,11 +270,11 @@ class Model(torch.nn.Module):
                 y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
                           upd_rope.get(r), kv_len=kv_len, sparse=cache.opts.sparse_attention)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
-            pending = (self.moe[i](h, slots=True), inj)  # the next mixer adds the slots (hc_mix.combine_torch)
+            pending = (self.moe[i](h), inj)
         if logit_rows is None:
             X, out, _ = self.mixer.combine_mix(X, pending)
         else:
-            X = X if pending is None else hc_combine(X, *settled(pending))
+            X = X if pending is None else hc_combine(X, *pending)
             out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
 

@@ -13,7 +13,6 @@ from qspec.kernels.qmatmul import expand, int8_experts, qmoe_few
 from qspec.kernels.route import route_top_k, route_top_k_quantized
 from qspec.kernels.triton_common import module_flag, nvidia_major
 from qspec.model.fuse import fused
-from qspec.model.hyper import add_slots
 from qspec.model.ops import EXACT_MAX_ROWS, StackedWeight, linear, row_exact, sigmoid, silu, stack_rows
 from qspec.weights.qweight import QuantWeight
 
@@ -39,17 +38,6 @@ _SHARED_PAIR = True
 # Devices on which MoE merges such a shared expert into the routed experts' tensors (a copy of each: on the host the
 # loader's tensors are views of the mapped file, which a copy would read whole).
 MERGE_DEVICES = ("cuda",)
-
-
-# The shared pair's k + 1 weighted slot outputs go to the next hyper-connection mixer unsummed where the caller lets
-# them (MoE.forward(slots=True)): the mixer's prep kernel adds them as it adds the block output into the residual
-# streams (triton_hc_mix.py), one launch fewer per layer. A module flag (KernelSwitches); off: add_slots here.
-_SLOTS_TO_MIXER = True
-
-
-def slots_to_mixer_mode(on: bool) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, MoE.forward(slots=True) may return the shared pair's slots unsummed (on) or not (off)."""
-    return module_flag(__name__, "_SLOTS_TO_MIXER", on)
 
 
 def shared_pair_mode(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -187,6 +175,9 @@ def add_shared_output(routed: torch.Tensor, shared: torch.Tensor, gate_logit: to
     return _plus_shared(routed, shared, gate_logit)
 
 
+add_slots = fused(sum_slots)  # the k + 1 weighted slots of forward_shared_pair, summed and rounded once
+
+
 @fused
 def shared_expert(h: torch.Tensor, w_gate_up: torch.Tensor, ff: int, down: torch.Tensor) -> torch.Tensor:
     """The shared expert's output down(silu(gate h) * up h) [T, D] (unweighted), w_gate_up = [gate ; up]: the ops
@@ -260,11 +251,9 @@ class MoE(torch.nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, self.router, self.n_used)
 
-    def forward(self, h: torch.Tensor, slots: bool = False) -> torch.Tensor:
-        """h [T, D] -> [T, D]; slots: the caller takes [T, k + 1, D] weighted slot outputs too, still to be added
-        (`sum_slots`; a hyper-connection mixer's combine adds them: hyper.settled, triton_hc_mix.py)."""
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         if _SHARED_PAIR and self.merged is not None and self.split is not None and self._block_few(h):
-            return self.forward_shared_pair(h, slots=slots)
+            return self.forward_shared_pair(h)
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
             return self.forward_side_stream(h)
         logits, act, gate_logit = moe_in(h, self.w_in, self.router.shape[0], self.sh_gate.shape[0])
@@ -282,17 +271,16 @@ class MoE(torch.nn.Module):
         _join_side_stream(h.device)
         return add_shared_output(routed, shared, r[:, E:E + 1])
 
-    def forward_shared_pair(self, h: torch.Tensor, slots: bool = False) -> torch.Tensor:
+    def forward_shared_pair(self, h: torch.Tensor) -> torch.Tensor:
         """forward with the shared expert as one more routed pair (a file with `self.merged` and `self.split`): the
         router's product gives its gate logit beside the routers', the routing adds slot k (expert E, weight
-        sigmoid(gate logit)), and the routed experts' launches compute all k + 1 pairs. slots: as `forward`."""
+        sigmoid(gate logit)), and the routed experts' launches compute all k + 1 pairs."""
         _, w_router = self.split  # type: ignore[misc]
         gate, up, down = self.merged  # type: ignore[misc]
         E = self.router.shape[0]
         r = linear(h, w_router)[:, :E + 1]  # the router's logits, then the shared expert's gate logit
         top_w, top_i, hq = self._top_k(r, h, shared=True)
-        out = qmoe_few(h, top_i, top_w, gate, up, down, hq)
-        return out if slots and _SLOTS_TO_MIXER else add_slots(out)
+        return add_slots(qmoe_few(h, top_i, top_w, gate, up, down, hq))
 
     def _block_few(self, h: torch.Tensor) -> bool:
         """Whether `_routed` sends these rows to qmoe_few (the few-token kernels of block experts)."""

@@ -117,5 +117,5 @@ class MTPHead(torch.nn.Module):
             X, y = X.index_select(0, row), y.index_select(0, row)
             inj = None if inj is None else inj.index_select(0, row)
         X, h, inj = self.mix_ffn.combine_mix(X, (y, inj))
-        X, out, _ = self.mix_head.combine_mix(X, (self.moe(h, slots=True), inj))
+        X, out, _ = self.mix_head.combine_mix(X, (self.moe(h), inj))
         return out, X
