@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -134,6 +134,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     decoding and MTP5, 2 runs each
     h200-q4km48-shpair) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,shpair=0,ours,ours-apart:from=ours,shpair=0" ;;
+    #     QSA reading only the indexer's chosen blocks and the tail (--sparse-attention) against the masked dense
+    #     pass (the default), plain decoding and MTP5, 2 runs each
+    h200-q4km48-sparse) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
+        --arms "nospec,nospec-sparse:from=nospec,sparse=1,ours,ours-sparse:from=ours,sparse=1" ;;
     #     --draft auto with 16-token first plain stretches (the default) against 8, beside plain decoding, at p = 0.5
     #     (another profile: BENCH_ARGS="--accept-profile p=0.7")
     h200-fn8-stretch) bench merge "${fn8[@]}" --accept-profile p=0.5 --reps 3 --gen-tokens 256 \
