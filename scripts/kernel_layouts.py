@@ -6,8 +6,13 @@ loads wait for the step before it (how the Q6_K LM head lost to its own accumula
     python scripts/kernel_layouts.py --types 114,8 --rows 1,4,8
 
 One line per kernel: layout conversions inside its loops (Triton's TTGIR), barriers in the compiled code (SASS), and
-registers per thread. Type numbers are the kernels' (GGML's; 100 + GGML's for rows in planes: 114 Q6_K, 108 Q8_0,
-106 Q5_0, 102 Q4_0). Triton's version decides the layouts: compare trees under the GPU machine's version.
+registers per thread; then the census of its K loop (the largest loop in the SASS, predicated copies counted) per
+256-weight step: instructions, global loads by width, dp4a and integer ALU instructions a thread issues, and the
+program's thread instructions per weight byte it reads. At 4.2 TB/s an H200 SM's share of the bytes is ~16 a clock,
+against 128 thread instructions issued (4 schedulers) and 64 integer lanes a clock: 8 instructions or 4 integer ones
+per byte would use all of them. Type
+numbers are the kernels' (GGML's; 100 + GGML's for rows in planes: 114 Q6_K, 108 Q8_0, 106 Q5_0, 102 Q4_0). Triton's
+version decides the code: compare trees under the GPU machine's version.
 """
 
 from __future__ import annotations
@@ -33,10 +38,25 @@ VIEWS = {"b": "*u8", "h": "*fp16", "i": "*i16", "w": "*i32"}
 ALIGNED = {"D", "F", "K", "g_e", "g_f", "u_e", "u_f", "d_e", "d_d", "wa_n", "wb_n", "y_m"}  # multiples of 16
 
 
+class LoopCensus(NamedTuple):
+    """What one thread issues in a kernel's largest loop, for one iteration."""
+    instructions: int
+    loads: dict[int, int]  # global loads by width in bits
+    dp4a: int
+    int_alu: int
+
+
 class Layouts(NamedTuple):
     loop_conversions: int
     barriers: int
     registers: int
+    loop: LoopCensus
+
+
+# weight bytes per 256-weight step of a row, by kernel type number (planes hold the same bytes, padding aside)
+STEP_BYTES = {12: 144, 13: 176, 14: 210, 8: 272, 6: 176, 2: 144, 114: 210, 108: 272, 106: 176, 102: 144}
+_INT_ALU = ("LOP3", "SHF", "IADD3", "IMAD", "PRMT", "SGXT", "LEA", "VIADD", "IMNMX", "BMSK", "BFI", "IABS")
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
 
 
 def _signature(fn: Any, constants: dict[str, Any]) -> tuple[dict[str, str], dict[tuple[int], list]]:
@@ -70,6 +90,36 @@ def loop_conversions(ttgir: str) -> int:
     return count
 
 
+def _load_bits(op: str) -> int:
+    """The width of a global load: LDG.E.128 -> 128, LDG.E.64 -> 64, LDG.E.U16 -> 16, LDG.E.S8 -> 8, LDG.E -> 32."""
+    for part in op.split(".")[1:]:
+        if part in ("128", "64"):
+            return int(part)
+        if part in ("U16", "S16"):
+            return 16
+        if part in ("U8", "S8"):
+            return 8
+    return 32
+
+
+def loop_census(sass: str) -> LoopCensus:
+    """The census of the largest loop in `sass` (cuobjdump -sass): the instructions from a backward branch's target
+    to the branch, for one iteration."""
+    code = [(int(a, 16), op, rest) for a, op, rest in _SASS_LINE.findall(sass)]
+    loops = [(target, addr) for addr, op, rest in code if op == "BRA"
+             for target in [int(t, 16) for t in re.findall(r"0x([0-9a-f]+)", rest)] if target < addr]
+    if not loops:
+        return LoopCensus(0, {}, 0, 0)
+    lo, hi = max(loops, key=lambda t: t[1] - t[0])
+    body = [op for addr, op, _ in code if lo <= addr <= hi]
+    loads: dict[int, int] = {}
+    for op in body:
+        if op.startswith("LDG"):
+            loads[_load_bits(op)] = loads.get(_load_bits(op), 0) + 1
+    return LoopCensus(len(body), dict(sorted(loads.items(), reverse=True)),
+                      sum(op.startswith("IDP.4A") for op in body), sum(op.startswith(_INT_ALU) for op in body))
+
+
 def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -86,7 +136,20 @@ def compile_layouts(fn: Any, constants: dict[str, Any], warps: int) -> Layouts:
                        options={"num_warps": warps, "launch_pdl": True, "enable_fp_fusion": True})
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs = re.search(r"REG:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
-    return Layouts(loop_conversions(c.asm["ttgir"]), sass.count("BAR.SYNC"), int(regs.group(1)) if regs else -1)
+    return Layouts(loop_conversions(c.asm["ttgir"]), sass.count("BAR.SYNC"), int(regs.group(1)) if regs else -1,
+                   loop_census(sass))
+
+
+def census_text(c: LoopCensus, unroll: int, threads: int, step_bytes: int | None = None) -> str:
+    """A loop census per 256-weight step (the loop does `unroll` of them); step_bytes: the weight bytes the whole
+    program reads per step, for the integer instructions per byte."""
+    loads = " ".join(f"{n / unroll:g}x{bits}" for bits, n in c.loads.items()) or "none"
+    text = (f"per step {c.instructions / unroll:g} instructions, loads {loads}, dp4a {c.dp4a / unroll:g}, "
+            f"int {c.int_alu / unroll:g}")
+    if step_bytes:
+        per_byte = threads / unroll / step_bytes
+        text += f"; per weight byte {c.instructions * per_byte:.2f} instructions, {c.int_alu * per_byte:.2f} int"
+    return text
 
 
 def product(qtype: int, rows: int) -> Layouts:
@@ -117,16 +180,23 @@ def main(argv: list[str] | None = None) -> int:
                     "('' for none)")
     a = ap.parse_args(argv)
     print(f"# triton {triton.__version__}, sm_90: layout conversions inside K loops, BAR.SYNC in SASS, registers")
+    cfg = q.QDOT_CONFIG
     for qt in (int(t) for t in a.types.split(",")):
         for m in (int(r) for r in a.rows.split(",")):
             r = product(qt, m)
+            loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * STEP_BYTES[qt])
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
-                  f"{r.registers} registers", flush=True)
+                  f"{r.registers} registers; {loop}", flush=True)
     for pair in filter(None, a.experts.split(",")):
         gate, down = (int(t) for t in pair.split(":"))
-        for name, r in zip(("gate/up", "down"), experts(gate, down), strict=True):
-            print(f"experts  {name:<7} {gate if name == 'gate/up' else down:>3}: {r.loop_conversions:>3} conversions, "
-                  f"{r.barriers:>3} barriers, {r.registers} registers", flush=True)
+        mc = q.moe_config(gate)
+        gate_up, down_k = experts(gate, down)
+        # gate/up: a program's rows of gate and of up each step; down: one-warp programs
+        for name, qt, r, unroll, threads, step_bytes in (
+                ("gate/up", gate, gate_up, mc.unroll, mc.warps * 32, 2 * mc.rows * STEP_BYTES[gate]),
+                ("down", down, down_k, mc.down_unroll or mc.unroll, 32, (mc.down_rows or mc.rows) * STEP_BYTES[down])):
+            print(f"experts  {name:<7} {qt:>3}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
+                  f"{r.registers} registers; {census_text(r.loop, unroll, threads, step_bytes)}", flush=True)
     return 0
 
 

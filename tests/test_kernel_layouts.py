@@ -23,6 +23,31 @@ TTGIR = """\
 """
 
 
+SASS = """\
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                    /* 0x00000a00ff017b82 */
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;          /* 0x0000000402047981 */
+        /*0020*/                   BRA 0x50 ;                                /* 0x0000000000087947 */
+        /*0030*/                   LDG.E R8, desc[UR4][R2.64] ;              /* 0x0000000402087981 */
+        /*0040*/              @!P0 LDG.E.128 R12, desc[UR4][R2.64+0x10] ;    /* 0x0000000402 */
+        /*0050*/                   LOP3.LUT R9, R8, 0xf0f0f0f, RZ, 0xc0, !PT ;  /* 0x0f0f0f0f08097812 */
+        /*0060*/                   IDP.4A.S8.S8 R10, R9, R4, R10 ;           /* 0x0000000409 */
+        /*0070*/                   LDG.E.U16 R11, desc[UR4][R2.64] ;         /* 0x0000000402 */
+        /*0080*/                   SHF.R.U32.HI R9, RZ, 0x4, R8 ;            /* 0x00000004ff */
+        /*0090*/               @P1 BRA 0x30 ;                                /* 0xfffffff800 */
+        /*00a0*/                   LDG.E.64 R2, desc[UR4][R6.64] ;           /* 0x0000000406 */
+        /*00b0*/                   BRA 0xa0 ;                                /* 0xfffffffc00 */
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_loop_census_reads_the_largest_loop() -> None:
+    """The largest backward branch's body (0x30..0x90, predicated loads counted), not the loads before it or the
+    one-instruction loop after it; forward branches are not loops."""
+    c = load_script("kernel_layouts").loop_census(SASS)
+    assert c.instructions == 7 and c.loads == {128: 1, 32: 1, 16: 1} and c.dp4a == 1 and c.int_alu == 2, c
+    assert load_script("kernel_layouts").loop_census("no code").instructions == 0
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_loop_conversions_counts_the_ones_inside_loops() -> None:
     assert load_script("kernel_layouts").loop_conversions(TTGIR) == 3
@@ -34,6 +59,7 @@ def test_the_head_product_compiles_for_sm90_here() -> None:
     the x row axis first so that its steps' terms need no layout conversion inside the K loop."""
     r = load_script("kernel_layouts").product(114, 1)
     assert r.loop_conversions == 0 and r.registers > 0, r
+    assert r.loop.dp4a > 0 and r.loop.loads and r.loop.int_alu < r.loop.instructions, r.loop
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
