@@ -26,10 +26,12 @@ from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from qspec.kernels import triton_qdot as q
+from qspec.weights.qweight import PLANES
 
 # pointer arguments by name (the weight views end in b/h/i/w: uint8, f16, int16, int32 words)
 POINTERS = {"xq": "*i32", "xd": "*fp32", "xs": "*fp32", "xg": "*i32", "ti": "*i64", "tw": "*bf16", "act": "*fp32",
@@ -53,8 +55,6 @@ class Layouts(NamedTuple):
     loop: LoopCensus
 
 
-# weight bytes per 256-weight step of a row, by kernel type number (planes hold the same bytes, padding aside)
-STEP_BYTES = {12: 144, 13: 176, 14: 210, 8: 272, 6: 176, 2: 144, 114: 210, 108: 272, 106: 176, 102: 144}
 _INT_ALU = ("LOP3", "SHF", "IADD3", "IMAD", "PRMT", "SGXT", "LEA", "VIADD", "IMNMX", "BMSK", "BFI", "IABS")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
 
@@ -90,6 +90,12 @@ def loop_conversions(ttgir: str) -> int:
     return count
 
 
+def row_step_bytes(qtype: int) -> int:
+    """A row's weight bytes per 256-weight step, by kernel type number (planes hold the same bytes, padding aside)."""
+    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype - PLANES if qtype > PLANES else qtype)]
+    return 256 // size * nbytes
+
+
 def _load_bits(op: str) -> int:
     """The width of a global load: LDG.E.128 -> 128, LDG.E.64 -> 64, LDG.E.U16 -> 16, LDG.E.S8 -> 8, LDG.E -> 32."""
     for part in op.split(".")[1:]:
@@ -113,9 +119,8 @@ def loop_census(sass: str) -> LoopCensus:
     lo, hi = max(loops, key=lambda t: t[1] - t[0])
     body = [op for addr, op, _ in code if lo <= addr <= hi]
     loads: dict[int, int] = {}
-    for op in body:
-        if op.startswith("LDG"):
-            loads[_load_bits(op)] = loads.get(_load_bits(op), 0) + 1
+    for bits in (_load_bits(op) for op in body if op.startswith("LDG")):
+        loads[bits] = loads.get(bits, 0) + 1
     return LoopCensus(len(body), dict(sorted(loads.items(), reverse=True)),
                       sum(op.startswith("IDP.4A") for op in body), sum(op.startswith(_INT_ALU) for op in body))
 
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     for qt in (int(t) for t in a.types.split(",")):
         for m in (int(r) for r in a.rows.split(",")):
             r = product(qt, m)
-            loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * STEP_BYTES[qt])
+            loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * row_step_bytes(qt))
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {loop}", flush=True)
     for pair in filter(None, a.experts.split(",")):
@@ -192,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         mc = q.moe_config(gate)
         gate_up, down_k = experts(gate, down)
         # gate/up: a program's rows of gate and of up each step; down: one-warp programs
+        down_rows = mc.down_rows or mc.rows
         for name, qt, r, unroll, threads, step_bytes in (
-                ("gate/up", gate, gate_up, mc.unroll, mc.warps * 32, 2 * mc.rows * STEP_BYTES[gate]),
-                ("down", down, down_k, mc.down_unroll or mc.unroll, 32, (mc.down_rows or mc.rows) * STEP_BYTES[down])):
+                ("gate/up", gate, gate_up, mc.unroll, mc.warps * 32, 2 * mc.rows * row_step_bytes(gate)),
+                ("down", down, down_k, mc.down_unroll or mc.unroll, 32, down_rows * row_step_bytes(down))):
             print(f"experts  {name:<7} {qt:>3}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {census_text(r.loop, unroll, threads, step_bytes)}", flush=True)
     return 0
