@@ -40,7 +40,7 @@ import torch
 
 from qspec.kernels.qmatmul import int8_experts, qmoe_few
 from qspec.kernels.route import route_top_k_quantized
-from qspec.model.moe import FEW_TOKENS
+from qspec.model.moe import FEW_TOKENS, MoE
 from qspec.model.ops import StackedWeight, linear
 from qspec.weights.qweight import QuantWeight
 
@@ -169,24 +169,35 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
     found = _distinct(_block_weights(model) if found is None else found)
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
-    experts = [e for kind, _, e in found if kind == "experts"]
+    experts = [_step_experts(owner, e) for kind, owner, e in found if kind == "experts"]
     calls: list[Callable[[], object]] = []
     for m in dict.fromkeys(rows):  # in the order given (the prompt's rows first: the prefill needs them first)
         calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
         if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
-        calls += [lambda m=m, g=g, u=u, d=d: _experts_step(m, g, u, d, k, dt) for g, u, d in experts]
+        calls += [lambda m=m, g=g, u=u, d=d, s=s: _experts_step(m, g, u, d, k, dt, s) for g, u, d, s in experts]
     return calls
 
 
-def _experts_step(m: int, gate: QuantWeight, up: QuantWeight, down: QuantWeight, k: int, dt: torch.dtype
-                  ) -> torch.Tensor:
+def _step_experts(owner: object, experts: Sequence[QuantWeight]) -> tuple[QuantWeight, QuantWeight, QuantWeight, bool]:
+    """(gate, up, down, shared) as an MoE's few-token steps run them: with the shared expert as one more routed pair
+    (moe.MoE.shared_pair) its merged tensors and routing with the shared slot, else the routed experts'."""
+    if isinstance(owner, MoE) and owner.shared_pair():
+        gate, up, down = owner.merged  # type: ignore[misc]
+        return gate, up, down, True
+    gate, up, down = experts
+    return gate, up, down, False
+
+
+def _experts_step(m: int, gate: QuantWeight, up: QuantWeight, down: QuantWeight, k: int, dt: torch.dtype,
+                  shared: bool = False) -> torch.Tensor:
     """A few-token step's routing and routed experts on zeros, as MoE runs them: the routing launch quantizes the
-    rows too where the experts' int8 kernels read them."""
+    rows too where the experts' int8 kernels read them; shared: gate/up/down hold the shared expert as their last
+    expert, and the routing adds its slot (route.route_top_k_shared_torch)."""
     dev = gate.raw.device
     h = torch.zeros(m, gate.shape[-1], dtype=dt, device=dev)
-    logits = torch.zeros(m, gate.shape[0], dtype=dt, device=dev)
-    top_w, top_i, hquant = route_top_k_quantized(logits, k, h if int8_experts(h, gate, up, down) else None)
+    logits = torch.zeros(m, gate.shape[0], dtype=dt, device=dev)  # shared: E routed logits and the gate logit
+    top_w, top_i, hquant = route_top_k_quantized(logits, k, h if int8_experts(h, gate, up, down) else None, shared)
     return qmoe_few(h, top_i, top_w, gate, up, down, hquant)
 
 

@@ -48,6 +48,32 @@ def test_step_products_are_every_block_matrix_and_expert_set(tmp_path: Path) -> 
             call()
 
 
+def test_step_products_route_a_merged_shared_expert_as_its_steps_do(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where MoE runs the shared expert as one more routed pair, the precompiled expert step does too: the merged
+    tensors, and the routing with the shared slot (its own Triton variant)."""
+    from qspec.model import moe
+
+    monkeypatch.setattr(moe, "MERGE_DEVICES", ("cpu",))  # merged on CUDA only in use
+    write_model(tmp_path / "m.gguf", tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256),
+                quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    found = precompile._block_weights(model)
+    owners = [(owner, e) for kind, owner, e in found if kind == "experts"]
+    assert owners and all(m.shared_pair() for m, _ in owners)
+    for m, e in owners:
+        assert precompile._step_experts(m, e) == (*m.merged, True)
+        with moe.shared_pair_mode(False):
+            assert precompile._step_experts(m, e) == (m.gate, m.up, m.down, False)
+    shared = []
+    route = precompile.route_top_k_quantized
+    monkeypatch.setattr(precompile, "route_top_k_quantized", lambda *a: shared.append(a[3]) or route(*a))
+    with torch.inference_mode():
+        for call in precompile.step_products(model, [1], found):
+            call()
+    assert shared and all(shared)
+
+
 _ROUTING = """
 import threading
 import triton

@@ -251,8 +251,12 @@ class MoE(torch.nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(h, self.router, self.n_used)
 
+    def shared_pair(self) -> bool:
+        """Whether few-token block steps run the shared expert as one more routed pair (forward_shared_pair)."""
+        return _SHARED_PAIR and self.merged is not None and self.split is not None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if _SHARED_PAIR and self.merged is not None and self.split is not None and self._block_few(h):
+        if self.shared_pair() and self._block_few(h):
             return self.forward_shared_pair(h)
         if _SHARED_STREAM and self.split is not None and h.shape[0] <= FEW_TOKENS and not row_exact():
             return self.forward_side_stream(h)
