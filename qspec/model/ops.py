@@ -140,16 +140,19 @@ def stack_rows(*ws: Weight) -> tuple[Weight, list[Weight]]:
     part stays in its file format, nothing is expanded (`_stack_mixed`)."""
     if any(isinstance(w, QuantWeight) for w in ws):
         return _stack_mixed(ws)
-    W = torch.cat([w.reshape(-1, w.shape[-1]) for w in ws])
-    pad = -W.shape[0] % ROW_ALIGN
-    if pad:
-        W = torch.cat([W, W.new_zeros(pad, W.shape[1])])
+    W = _pad_rows(torch.cat([w.reshape(-1, w.shape[-1]) for w in ws]))
     views, o = [], 0
     for w in ws:
         n = w.numel() // w.shape[-1]
         views.append(W[o:o + n].view(w.shape))
         o += n
     return W, views
+
+
+def _pad_rows(W: torch.Tensor) -> torch.Tensor:
+    """W with zero rows up to a multiple of ROW_ALIGN."""
+    pad = -W.shape[0] % ROW_ALIGN
+    return torch.cat([W, W.new_zeros(pad, W.shape[1])]) if pad else W
 
 
 def _kind(w: torch.Tensor | QuantWeight) -> tuple[object, ...]:
@@ -172,11 +175,13 @@ def _stack_mixed(ws: Sequence[Weight]) -> tuple[Weight, list[Weight]]:
             runs.append([w])
     parts: list[torch.Tensor | QuantWeight] = []
     views: list[Weight] = []
-    for run in runs:
+    for i, run in enumerate(runs):
         if isinstance(run[0], QuantWeight):
             W = run[0] if len(run) == 1 else QuantWeight.cat_rows(run)  # type: ignore[arg-type]
         else:
             W = run[0] if len(run) == 1 else torch.cat(run)  # type: ignore[arg-type]
+            if i == len(runs) - 1:  # a float last part is padded as stack_rows pads (its rows past every column read)
+                W = _pad_rows(W)  # type: ignore[arg-type]
         parts.append(W)
         o = 0
         for w in run:
