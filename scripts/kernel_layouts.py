@@ -31,13 +31,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 
 from qspec.kernels import triton_qdot as q
+from qspec.kernels import triton_qmatmul as qm
 from qspec.weights.qweight import PLANES
 
 # pointer arguments by name (the weight views end in b/h/i/w: uint8, f16, int16, int32 words)
-POINTERS = {"xq": "*i32", "xd": "*fp32", "xs": "*fp32", "xg": "*i32", "ti": "*i64", "tw": "*bf16", "act": "*fp32",
-            "p": "*fp32", "y": "*bf16", "c": "*i32"}
+POINTERS = {"x": "*bf16", "xq": "*i32", "xd": "*fp32", "xs": "*fp32", "xg": "*i32", "ti": "*i64", "tw": "*bf16",
+            "act": "*fp32", "p": "*fp32", "y": "*bf16", "c": "*i32"}
 VIEWS = {"b": "*u8", "h": "*fp16", "i": "*i16", "w": "*i32"}
-ALIGNED = {"D", "F", "K", "g_e", "g_f", "u_e", "u_f", "d_e", "d_d", "wa_n", "wb_n", "y_m"}  # multiples of 16
+# multiples of 16 (Triton specialises such arguments so at run time)
+ALIGNED = {"D", "F", "K", "g_e", "g_f", "u_e", "u_f", "d_e", "d_d", "wa_n", "wb_n", "y_m", "w_n", "x_m"}
 
 
 class LoopCensus(NamedTuple):
@@ -165,6 +167,15 @@ def product(qtype: int, rows: int) -> Layouts:
         UNROLL=cfg.unroll, PARTS=True, SUM_HERE=True, PDL=True), cfg.warps)
 
 
+def tensor_core_product(qtype: int, rows: int) -> Layouts:
+    """The block product on tensor cores (triton_qmatmul._qmm_kernel: each step's weights expanded to bf16, then
+    [BN, 256] @ [256, 16]) at its MM_CONFIG, K split: what several 16-bit rows of a file-order type run."""
+    bn, warps, _ = qm.MM_CONFIG
+    g, length = qm._geom(qtype)
+    return compile_layouts(qm._qmm_kernel, dict(M=rows, BN=bn, QT=qtype, G=g, L=length, OUT_DT=tl.float32,
+                                                UPCAST=False, PDL=True), warps)
+
+
 def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:
     """The routed experts' gate/up and down kernels at the gate type's MoeConfig."""
     cfg = q.moe_config(gate)
@@ -181,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="12,13,114,108,106,102,14,8,6,2", help="kernel type numbers of the dense "
                     "products")
     ap.add_argument("--rows", default="1,4", help="x rows of the dense products")
+    ap.add_argument("--tc-rows", default="", help="x rows of the tensor-core product (what several rows of a "
+                    "file-order type take), for the same types ('' for none)")
     ap.add_argument("--experts", default="12:106,12:108,12:6,14:8", help="gate:down type pairs of the routed experts "
                     "('' for none)")
     a = ap.parse_args(argv)
@@ -192,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * row_step_bytes(qt))
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {loop}", flush=True)
+    bn, warps, _ = qm.MM_CONFIG
+    for qt in (int(t) for t in a.types.split(",")) if a.tc_rows else ():
+        for m in (int(r) for r in a.tc_rows.split(",")):
+            r = tensor_core_product(qt, m)
+            loop = census_text(r.loop, 1, warps * 32, bn * row_step_bytes(qt))
+            print(f"tensor-core product type {qt:>3} rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} "
+                  f"barriers, {r.registers} registers; {loop}", flush=True)
     for pair in filter(None, a.experts.split(",")):
         gate, down = (int(t) for t in pair.split(":"))
         mc = q.moe_config(gate)

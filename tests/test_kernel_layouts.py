@@ -68,3 +68,11 @@ def test_the_experts_down_in_planes_compiles_without_layout_moves() -> None:
     weights' shape, so no step moves the weights to x's layout."""
     _, down = load_script("kernel_layouts").experts(12, 106)
     assert down.loop_conversions == 0 and down.registers > 0, down
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_the_tensor_core_product_compiles_for_sm90_here() -> None:
+    """Six rows of a Q4_K matrix in the file's order on tensor cores (what a verify step runs): compiled for sm_90
+    without a GPU, no dp4a in its K loop, its loads counted."""
+    r = load_script("kernel_layouts").tensor_core_product(12, 6)
+    assert r.registers > 0 and r.loop.dp4a == 0 and r.loop.loads and r.loop.instructions > r.loop.int_alu, r
