@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -117,6 +117,9 @@ ours-auto:from=ours,auto=1,draft=6" ;;
         --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     #     the seed's protocol in full (512 generated, 3 runs per arm, the baseline MTP3 beside ours at depths 3 and 5)
     h200-q4km48-seed) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --arms "nospec,baseline,ours-mtp3:from=ours,draft=3,ours" ;;
+    #     the merge task without the baseline arm (whose first runs capture their graphs while timed): plain
+    #     decoding, MTP3 and MTP5, 3 runs each
+    h200-q4km48-mtp) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     #     plain decoding and MTP5 only: fits a 600 s call on a machine without compilation caches
     h200-q4km48-two) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 256 --arms "nospec,ours" ;;
     #     the shared expert on its side stream (the default) against one stream, plain decoding; MTP5 beside them
@@ -149,6 +152,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
         --kinds decode --draft 6 --e2e 256 --e2e-stretch | tee "$out/$step.txt" ;;
     h200-q4km48-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next --layers 48 \
         --quant q4_k_m --kinds decode --e2e 64 --top 45 | tee "$out/$step.txt" ;;
+    #     where an MTP5 round's time goes at 48 layers: the verify, draft and extend steps' kernels, then 16 rounds
+    #     end to end (replayed p = 0.85)
+    h200-q4km48-round-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next \
+        --layers 48 --quant q4_k_m --kinds verify,draft,extend --draft 5 --e2e 16 --top 30 | tee "$out/$step.txt" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\
@@ -168,5 +175,8 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     # (the Q8_0 weights fill 127.66 GiB: the allocator's expandable segments keep a 3 GiB scratch from failing on
     #  fragmentation)
     h200-q8048) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
+    #     MTP5 beside plain decoding in Q8_0 (the device's memory nearly full: 1 run each)
+    h200-q8048-mtp5) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge \
+        "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
 esac
