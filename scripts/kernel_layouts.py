@@ -173,7 +173,8 @@ def tensor_core_product(qtype: int, rows: int) -> Layouts:
     bn, warps, _ = qm.MM_CONFIG
     g, length = qm._geom(qtype)
     return compile_layouts(qm._qmm_kernel, dict(M=rows, BN=bn, QT=qtype, G=g, L=length, OUT_DT=tl.float32,
-                                                UPCAST=False, PDL=True), warps)
+                                                UPCAST=False, SUM_HERE=True, PAIRS=qm.PAIRS, ASM=True, PDL=True),
+                           warps)
 
 
 def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:

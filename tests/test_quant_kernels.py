@@ -125,6 +125,28 @@ def test_interp_tensor_core_16bit(qt: GGMLQuantizationType, dt: torch.dtype, M: 
 
 
 @interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q8_0])
+def test_interp_tensor_core_split_sums_in_the_launch(qt: GGMLQuantizationType) -> None:
+    """The tensor-core product's partial sums added by each row block's last split (SUM_IN_PRODUCT) equal those of
+    the sum launch bit for bit, every arrival counter is back at 0 after it, and the output is the reference's: 100
+    rows are a whole and a partial 64-row block, 8 programs wanted (the interpreter counts 4 SMs) split K in 3."""
+    from qspec.kernels import triton_common
+    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.triton_qmatmul import qmm_triton
+
+    w = qweight(qt, (100, 768), seed=72)
+    x = torch.randn(6, 768).bfloat16()
+    with module_flag(triton_common.__name__, "SUM_IN_PRODUCT", False):
+        apart = qmm_triton(x, w.raw, int(qt), 100)
+    here = qmm_triton(x, w.raw, int(qt), 100)
+    assert torch.equal(here, apart)
+    assert triton_common._COUNTERS and all(int(c.abs().sum()) == 0 for c in triton_common._COUNTERS.values())
+    assert rel_err(here, qmatmul_torch(x, w)) <= TOL[torch.bfloat16]
+    one = qmm_triton(x, w.raw, int(qt), 100, config=(64, 4, 1))  # 2 blocks, 4 wanted: 2 shares
+    assert rel_err(one, qmatmul_torch(x, w)) <= TOL[torch.bfloat16]
+
+
+@interp
 @pytest.mark.parametrize("qt", [T.Q5_0, T.Q4_1])
 def test_interp_other_32_blocks(qt: GGMLQuantizationType) -> None:
     """Q5_0 and Q4_1 (what llama.cpp falls back to for rows that are not whole 256-weight super-blocks, such as the
@@ -152,6 +174,26 @@ def test_interp_expansion_is_the_reference(qt: GGMLQuantizationType) -> None:
     assert torch.equal(dequant_triton(w.raw, int(qt), w.shape[1], torch.float32), w.dequantize())
     x = torch.randn(12, w.shape[1])
     assert rel_err(qmatmul(x, w), qmatmul_torch(x, w)) <= TOL[torch.float32]
+
+
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_interp_pair_expansion_is_its_reference(qt: GGMLQuantizationType, dt: torch.dtype) -> None:
+    """The tensor-core product's Q4_K / Q5_K expansion two weights a register (PAIRS) equals dequantize with the
+    scales and mins rounded to x's dtype first, rounded once, bit for bit (the interpreter's path computes it in
+    f32); that rounding changes some weights against the f32 expansion; and the product through it stays within
+    the dtype's tolerance of the f32 reference, as without it."""
+    from qspec.kernels.triton_qmatmul import dequant_triton, pairs_mode, qmm_triton
+
+    w = qweight(qt, (19, 768), seed=30 + int(qt))
+    got = dequant_triton(w.raw, int(qt), 768, dt, pairs=True)
+    assert torch.equal(got, dequantize(w.raw, qt, w.shape, dt, round_scales=True))
+    assert not torch.equal(got, dequant_triton(w.raw, int(qt), 768, dt))
+    x = torch.randn(6, 768).to(dt)
+    for on in (True, False):
+        with pairs_mode(on):
+            assert rel_err(qmm_triton(x, w.raw, int(qt), 19), qmatmul_torch(x, w)) <= TOL[dt], on
 
 
 def _blocks(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
@@ -261,6 +303,24 @@ def test_cuda_qmoe_real_shapes() -> None:
         got = qmoe_few(h, top_i, top_w.bfloat16(), gate, up, down)
         ref = qmoe_few_torch(h, top_i, top_w.bfloat16(), gate, up, down)
         assert rel_err(got, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+def test_cuda_pair_expansion_within_an_ulp_of_its_reference(qt: GGMLQuantizationType) -> None:
+    """Compiled (PTX pairs, 16-bit FMAs that round once), the tensor-core product's Q4_K / Q5_K expansion is within
+    the dtype's precision (eps x |w|) of dequantize with rounded scales (which rounds twice: to f32, then to the
+    dtype), nearly every weight bit for bit."""
+    from qspec.kernels.triton_qmatmul import dequant_triton
+
+    raw = _blocks(qt, (2560, 6144), seed=5, device="cuda")
+    for dt in (torch.bfloat16, torch.float16):
+        got = dequant_triton(raw, int(qt), 6144, dt, pairs=True).float()
+        want = dequantize(raw, qt, (2560, 6144), dt, round_scales=True).float()
+        ulp = torch.finfo(dt).eps * want.abs().clamp_min(torch.finfo(dt).tiny)
+        assert bool(((got - want).abs() <= ulp).all()), (qt.name, dt)
+        assert (got == want).float().mean() > 0.99, (qt.name, dt)
 
 
 @pytest.mark.cuda

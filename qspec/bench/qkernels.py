@@ -401,6 +401,37 @@ def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
                      n * k * 2)
 
 
+# the verify's tensor-core products at the model's shapes and their Q4_K_M types
+TC_SHAPES = (("gdn_in", T.Q5_K), ("gdn_out", T.Q4_K), ("qsa_in", T.Q4_K), ("router_shared", T.Q4_K))
+
+
+def bench_tensor_cores(rows: list[tuple], reps: int = 3) -> None:
+    """The tensor-core block product at 2-8 rows, alternated `reps` times in this process (the same x and weight
+    copies): Q4_K / Q5_K expanded two weights a register ("pairs", triton_qmatmul.PAIRS) or in f32 ("f32"), its
+    split sums in its launch ("here", triton_common.SUM_IN_PRODUCT) or a launch apart ("apart"); the int8 kernel
+    beside them."""
+    from qspec.kernels import triton_qmatmul
+    from qspec.kernels.triton_common import module_flag
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    arms = (("pairs here", True, True), ("f32 here", False, True), ("pairs apart", True, False))
+    for name, qt in TC_SHAPES:
+        n, k = SHAPES[name]
+        raws = [_quantized(qt, n, k, seed=i) for i in range(_copies(n * k))]
+        for m in (2, 4, 6, 8):
+            x, bf_us = _bf16_matvec(m, n, k)
+            nbytes = raws[0].numel() + m * (k + n) * 2
+            for rep in range(reps):
+                for label, pairs, here in arms:
+                    with triton_qmatmul.pairs_mode(pairs), \
+                            module_flag(triton_common.__name__, "SUM_IN_PRODUCT", here):
+                        us = graph_us([partial(triton_qmatmul.qmm_triton, x, r, int(qt), n) for r in raws])
+                    _row(rows, f"{label} m={m} r{rep}", qt.name, f"{name} {n}x{k}", us, nbytes, bf_us, n * k * 2)
+                us = graph_us([partial(qdot_matmul_triton, x, r, int(qt), n) for r in raws])
+                _row(rows, f"int8 m={m} r{rep}", qt.name, f"{name} {n}x{k}", us, nbytes, bf_us, n * k * 2)
+        del raws
+
+
 # the Q6_K LM head's one-row configs timed in planes besides the default (rows, warps, programs per SM, unroll)
 HEAD_PLANES_CONFIGS = ((16, 2, 8, 2), (32, 4, 8, 2), (32, 2, 8, 4), (64, 4, 8, 2))
 
@@ -549,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                     "against the file's order")
     ap.add_argument("--b32-planes", action="store_true", help="only Q8_0, Q5_0 and Q4_0 rows in planes against the "
                     "file's order: products, expansion, routed experts")
+    ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: Q4_K/Q5_K "
+                    "expanded in pairs or in f32, split sums in its launch or apart, the int8 kernel beside them")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -588,6 +621,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.b32_planes:
         bench_b32_planes(rows)
+        return 0
+    if args.tensor_cores:
+        bench_tensor_cores(rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)

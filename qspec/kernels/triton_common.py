@@ -109,11 +109,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# A block product that splits K (triton_qdot) adds its partial sums in its own launch: the program of a row block
-# that finishes last (an atomic arrival count per block) adds the block's shares in split order; False: a second
-# launch adds them (A/B runs). The numbers are the same either way. A module flag (KernelSwitches:
-# EngineOptions.sums_in_product). The 16-bit products' split sums stay a launch apart: in their launch they lost on
-# the few-row 2,560 x 6,144 and 2,560 x 5,120 products (BENCHMARKS.md §5c, tried and removed).
+# A block product that splits K (triton_qdot's int8 one, triton_qmatmul's tensor-core one) adds its partial sums in
+# its own launch: the program of a row block that finishes last (an atomic arrival count per block) adds the block's
+# shares in split order; False: a second launch adds them (A/B runs). The numbers are the same either way. A module
+# flag (KernelSwitches: EngineOptions.sums_in_product). The 16-bit products' split sums stay a launch apart: in their
+# launch they lost on the few-row 2,560 x 6,144 and 2,560 x 5,120 products (BENCHMARKS.md §5c, tried and removed).
 SUM_IN_PRODUCT = True
 COUNTER_SLOTS = 1 << 13  # arrival counters per device and stream (row blocks of one split launch, at most)
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}

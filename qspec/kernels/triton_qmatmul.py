@@ -13,8 +13,11 @@ matching element offsets, so x is gathered in the same order. f16 scales are rea
 
 Tensor-core product (`_qmm_kernel`, 16-bit x, 1..16 rows; what the dispatch uses except for one row of a narrow
 matrix): each step's [BN, 256] tile, cast to x's dtype, times x^T padded to 16 columns on tensor cores; K splits
-into f32 partial sums when the row blocks alone leave SMs idle. Its rounding is that of a bf16 product with the
-expanded weights (the weights rounded to x's dtype, f32 accumulation).
+into f32 partial sums when the row blocks alone leave SMs idle, added in the same launch by the last split of each
+row block to finish (triton_common.sum_if_last, as the int8 products do; EngineOptions.sums_in_product). Its
+rounding is that of a bf16 product with the expanded weights (the weights rounded to x's dtype, f32 accumulation);
+Q4_K and Q5_K weights are expanded two a register in x's 16-bit arithmetic (`_tile_k_pairs`, PAIRS), their scales
+and mins rounded to x's dtype first.
 
 CUDA-core mat-vec (`_qmv_kernel`, f32 x, or one row of a matrix narrower than TC_MIN_ROWS): a program owns BN output
 rows and streams their blocks along K once for all M <= 8 rows. For one row it keeps a [BN, G, L] f32 accumulator of
@@ -33,10 +36,20 @@ against bf16's 287 µs at 4.4 TB/s).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, pdl_launch, tl_dtype
+from qspec.kernels.triton_common import (
+    HAS_TRITON,
+    INTERPRET,
+    arrival_counters,
+    module_flag,
+    pdl_launch,
+    sums_in_product,
+    tl_dtype,
+)
 from qspec.weights.qweight import base_type
 
 T = GGMLQuantizationType
@@ -56,6 +69,17 @@ TC_MIN_ROWS = 4096  # one row of a narrower matrix goes to the CUDA-core mat-vec
 # token, 238 against 333 at six (Q4_K gate/up, Q5_0 down, E=512, top-10)
 MOE_CONFIG = (4, 2)
 DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
+# The tensor-core product expands Q4_K / Q5_K two weights a 32-bit register in x's 16-bit arithmetic
+# (`_tile_k_pairs`: under Triton 3.6 its K loop issues ~40% fewer instructions than f32 per weight, BENCHMARKS.md
+# §5b); False: each weight in f32, rounded to x's dtype once (A/B runs). A module flag (KernelSwitches:
+# EngineOptions.tc_pairs).
+PAIRS = True
+
+
+def pairs_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, PAIRS is `on` (the runner sets it around every step)."""
+    return module_flag(__name__, "PAIRS", on)
+
 
 if HAS_TRITON:
     import triton
@@ -79,6 +103,7 @@ if HAS_TRITON:
         pdl_start,
         q6_parts,
         round_to,
+        sum_if_last,
     )
 
     @triton.jit
@@ -185,6 +210,25 @@ if HAS_TRITON:
         return tl.reshape(wt.to(DT), [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
+    def _k_scales(wb_ptr, wh_ptr, base, nmask):
+        """(d * scale, dmin * min) in f32 of a Q4_K / Q5_K super-block's sub-blocks j = 2c + s, [BN, 4, 2] on the
+        axes (c, s); base: [BN] byte offsets of the super-blocks. The 6-bit scales and mins as in _tile."""
+        c3 = tl.arange(0, 4)[None, :, None]
+        s3 = tl.arange(0, 2)[None, None, :]
+        j = 2 * c3 + s3
+        j4 = j % 4
+        m3 = nmask[:, None, None]
+        b3 = base[:, None, None]
+        a = _u8(wb_ptr, b3 + 4 + j4, m3)
+        b = _u8(wb_ptr, b3 + 8 + j4, m3)
+        e = _u8(wb_ptr, b3 + 12 + j4, m3)
+        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        d = _f16_at(wh_ptr, base, nmask)[:, None, None]
+        dmin = _f16_at(wh_ptr, base + 2, nmask)[:, None, None]
+        return d * sc, dmin * mn
+
+    @triton.jit
     def _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr):
         """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
         -> (f32 weights [BN, 4, 8, 2, 4] on the axes (c, w, s, i), their element offsets): weight i of word w of
@@ -202,25 +246,77 @@ if HAS_TRITON:
         if QT == QT_Q5_K:  # bit 2c + s of qh byte w*4 + i
             qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
             q = q | (((qh >> (8 * i + 2 * c + s)) & 1) << 4)
-        # the 6-bit scale and min of sub-block j = 2c + s, as in _tile
-        c3 = tl.arange(0, 4)[None, :, None]
-        s3 = tl.arange(0, 2)[None, None, :]
-        j = 2 * c3 + s3
-        j4 = j % 4
-        m3 = nmask[:, None, None]
-        b3 = base[:, None, None]
-        a = _u8(wb_ptr, b3 + 4 + j4, m3)
-        b = _u8(wb_ptr, b3 + 8 + j4, m3)
-        e = _u8(wb_ptr, b3 + 12 + j4, m3)
-        sc = tl.where(j < 4, a & 63, (e & 15) | ((a >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, b & 63, (e >> 4) | ((b >> 6) << 4)).to(tl.float32)
-        d = _f16_at(wh_ptr, base, nmask)[:, None, None]
-        dmin = _f16_at(wh_ptr, base + 2, nmask)[:, None, None]
-        ds = (d * sc)[:, :, None, :, None]
-        dm = (dmin * mn)[:, :, None, :, None]
-        wt = ds * _i2f(q) - dm
+        ds, dm = _k_scales(wb_ptr, wh_ptr, base, nmask)
+        wt = ds[:, :, None, :, None] * _i2f(q) - dm[:, :, None, :, None]
         offs = kb * 256 + c * 64 + s * 32 + w * 4 + i
         return wt, offs
+
+    @triton.jit
+    def _biased_pairs(word, sh, qh, sh5, HIGH: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+        """Bytes h and h + 2 of `word` shifted right by sh, their low nibbles (HIGH: with bit 4 from qh >> sh5, the
+        same two bytes) OR'd into the bits of 16-bit `bias` (128 in bf16, 1024 in f16, whose last mantissa bits
+        are zero): (bias + q of byte h, bias + q of byte h + 2) in DT. ASM: one shift and one LOP3 for both halves
+        of a 32-bit register (three more with HIGH), split without a move; else (the interpreter runs no PTX) the
+        same bits per weight."""
+        magic = tl.full(word.shape, 0x43004300 if DT == tl.bfloat16 else 0x64006400, tl.int32)
+        if ASM and HIGH:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, u; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $6, 0xEA; shr.u32 u, $4, $5; "
+                "shl.b32 u, u, 4; lop3.b32 t, u, 0x00100010, t, 0xEA; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r,r,r",
+                [word, sh, qh, sh5, magic], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        elif ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $4, 0xEA; mov.b32 {$0, $1}, t; }",
+                "=h,=h,r,r,r", [word, sh, magic], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+        else:
+            t = (word >> sh) & 0x000F000F
+            if HIGH:
+                t = t | (((qh >> sh5) & 0x00010001) << 4)
+            t = t | magic
+            lo = (t & 0xFFFF).to(tl.int16)
+            hi = (t >> 16).to(tl.int16)
+        return lo.to(DT, bitcast=True), hi.to(DT, bitcast=True)
+
+    @triton.jit
+    def _tile_k_pairs(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr, BN: tl.constexpr,
+                      DT: tl.constexpr, ASM: tl.constexpr):
+        """Q4_K / Q5_K step kb of BN rows as [BN, 256] in 16-bit DT, expanded two weights a 32-bit register
+        (_biased_pairs), q = that - bias exactly, then q * scale - min in one 16-bit FMA (packed two a register)
+        with the scale and min rounded to DT; and the offsets [256]. Against the f32 expansion rounded once
+        (_tile_k_words) a weight also carries the scale's and the min's rounding to DT. Axes (c, w, s, h, p):
+        element c*64 + s*32 + w*4 + h + 2p. ASM off (the interpreter): the same expansion in f32 of the rounded
+        scale and min, rounded to DT once."""
+        sb = 144 if QT == QT_Q4_K else 176
+        qs_at = 16 if QT == QT_Q4_K else 48
+        c = tl.arange(0, 4)[None, :, None, None, None]
+        w = tl.arange(0, 8)[None, None, :, None, None]
+        s = tl.arange(0, 2)[None, None, None, :, None]
+        h = tl.arange(0, 2)[None, None, None, None, :]
+        m5 = nmask[:, None, None, None, None]
+        base = rowb + kb * sb
+        shape: tl.constexpr = [BN, 4, 8, 2, 2]
+        word = tl.broadcast_to(tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5,
+                                       other=0), shape)
+        sh = tl.broadcast_to(8 * h + 4 * s, shape)
+        if QT == QT_Q5_K:  # bit 2c + s of qh byte w*4 + h (+ 2)
+            qh = tl.broadcast_to(tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5,
+                                         other=0), shape)
+            sh5 = tl.broadcast_to(8 * h + 2 * c + s, shape)
+        else:
+            qh = word
+            sh5 = sh
+        lo, hi = _biased_pairs(word, sh, qh, sh5, QT == QT_Q5_K, DT, ASM)
+        bias: tl.constexpr = 128.0 if DT == tl.bfloat16 else 1024.0
+        ds, dm = _k_scales(wb_ptr, wh_ptr, base, nmask)
+        v = tl.join(lo, hi)
+        if ASM:
+            wt = (v - bias).to(DT) * ds.to(DT)[:, :, None, :, None, None] - dm.to(DT)[:, :, None, :, None, None]
+        else:
+            dsr = round_to(ds, DT)[:, :, None, :, None, None]
+            dmr = round_to(dm, DT)[:, :, None, :, None, None]
+            wt = round_to((v.to(tl.float32) - bias) * dsr - dmr, DT).to(DT)
+        offs = (kb * 256 + c * 64 + s * 32 + w * 4 + h)[:, :, :, :, :, None] + 2 * tl.arange(0, 2)
+        return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
     def _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr):
@@ -263,10 +359,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
-              BN: tl.constexpr, DT: tl.constexpr):
+              BN: tl.constexpr, DT: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
         """Step kb of BN rows as [BN, 256] weights in DT, their element offsets [256] and which exist [256], by the
-        fastest decoder of the type (32-bit words for Q4_K/Q5_K, 16-bit words for Q6_K, bytes otherwise)."""
-        if QT == QT_Q4_K or QT == QT_Q5_K:
+        fastest decoder of the type (32-bit words for Q4_K/Q5_K, 16-bit words for Q6_K, bytes otherwise). PAIRS
+        (16-bit DT): Q4_K/Q5_K expanded two weights a register in DT's arithmetic (_tile_k_pairs)."""
+        if PAIRS and (QT == QT_Q4_K or QT == QT_Q5_K):
+            w, offs = _tile_k_pairs(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT, ASM)
+            kmask = offs < K
+        elif QT == QT_Q4_K or QT == QT_Q5_K:
             w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT)
             kmask = offs < K
         elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
@@ -280,12 +380,16 @@ if HAS_TRITON:
         return w, offs, kmask
 
     @triton.jit
-    def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, STEPS, x_m, w_n, y_s, y_m,
+    def _qmm_kernel(x_ptr, wb_ptr, wh_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, N, K, STEPS, S, x_m, w_n, p_s, y_m,
                     M: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
-                    OUT_DT: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                    OUT_DT: tl.constexpr, UPCAST: tl.constexpr, SUM_HERE: tl.constexpr = False,
+                    PAIRS: tl.constexpr = False, ASM: tl.constexpr = False, PDL: tl.constexpr = False):
         """16-bit x, 1..16 rows: each step's weights expanded to x's dtype in registers and multiplied on tensor
         cores with x^T padded to 16 columns ([BN, 256] @ [256, 16]), no per-row reductions. Program (row block,
-        split) takes steps split*STEPS .. of K and writes f32 partial sums (y_s: the split's stride) or the output."""
+        split) takes steps split*STEPS .. of K. One split (S == 1) writes the output y; several write f32 partial
+        sums p [S, M, N] (p_s: a split's stride), and with SUM_HERE the split arriving last at its row block's
+        counter c_ptr[blk] adds them in split order into y (as qmm_triton's sum would, a launch later). PAIRS,
+        ASM: _step's."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
@@ -295,12 +399,20 @@ if HAS_TRITON:
         k_lo = tl.program_id(1) * STEPS
         k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
         for kb in range(k_lo, k_hi):
-            w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, x_ptr.dtype.element_ty)
+            w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, x_ptr.dtype.element_ty,
+                                   PAIRS, ASM)
             xt = tl.load(x_ptr + im[None, :] * x_m + offs[:, None], mask=(im[None, :] < M) & kmask[:, None],
                          other=0.0)
             acc = dot_acc(w, xt, acc, UPCAST)
-        out = y_ptr + tl.program_id(1) * y_s + im[None, :] * y_m + n[:, None]
-        tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=nmask[:, None] & (im[None, :] < M))
+        mask = nmask[:, None] & (im[None, :] < M)
+        out = y_ptr + im[None, :] * y_m + n[:, None]
+        if S == 1:
+            tl.store(out, round_to(acc, OUT_DT).to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            part = p_ptr + im[None, :] * N + n[:, None]
+            tl.store(part + tl.program_id(1) * p_s, acc, mask=mask)
+            if SUM_HERE:
+                sum_if_last(part, c_ptr + tl.program_id(0), out, mask, S, p_s, OUT_DT)
 
     @triton.jit
     def _qdot(x_ptr, x_m, wb_ptr, wh_ptr, ww_ptr, rowb, nmask, K, M: tl.constexpr, MP: tl.constexpr,
@@ -376,14 +488,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequant_kernel(wb_ptr, wh_ptr, ww_ptr, y_ptr, N, K, w_n, y_n, BN: tl.constexpr, QT: tl.constexpr,
-                        G: tl.constexpr, L: tl.constexpr, PDL: tl.constexpr = False):
-        """y[n, k] = the weight, for BN rows and one 256-weight step (program (row block, step))."""
+                        G: tl.constexpr, L: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
+        """y[n, k] = the weight, for BN rows and one 256-weight step (program (row block, step)); PAIRS, ASM:
+        _step's (the tensor-core product's expansion, for its tests)."""
         pdl_start(PDL)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         nmask = n < N
         rowb = n.to(tl.int64) * w_n
         kb = tl.program_id(1)
-        w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, y_ptr.dtype.element_ty)
+        w, offs, kmask = _step(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, K, QT, G, L, BN, y_ptr.dtype.element_ty,
+                               PAIRS, ASM)
         out = y_ptr + n.to(tl.int64)[:, None] * y_n + offs[None, :]
         tl.store(out, w.to(y_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
 
@@ -448,26 +563,31 @@ def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     g, length = _geom(qtype)
     dt = tl_dtype(x.dtype)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    out = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
-    _qmm_kernel[(blocks, split)](x, wb, wh, ww, out, n, K, share, x.stride(0), raw.stride(0),
-                                 out.stride(0) if split > 1 else 0, out.stride(-2), M=M, BN=bn, QT=int(qtype), G=g,
-                                 L=length, OUT_DT=dt if split == 1 else tl.float32, UPCAST=INTERPRET,
-                                 num_warps=warps, **pdl_launch(x))
-    if split > 1:
-        y.copy_(out.sum(0))
+    parts = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
+    sum_here = split > 1 and sums_in_product(blocks)
+    _qmm_kernel[(blocks, split)](x, wb, wh, ww, y, parts, arrival_counters(y) if sum_here else parts, n, K, share,
+                                 split, x.stride(0), raw.stride(0), parts.stride(0) if split > 1 else 0, y.stride(0),
+                                 M=M, BN=bn, QT=int(qtype), G=g, L=length, OUT_DT=dt, UPCAST=INTERPRET,
+                                 SUM_HERE=sum_here, PAIRS=PAIRS, ASM=not INTERPRET, num_warps=warps,
+                                 **pdl_launch(x))
+    if split > 1 and not sum_here:
+        y.copy_(parts.sum(0))
     return y
 
 
-def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once)."""
+def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, pairs: bool = False) -> torch.Tensor:
+    """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once). pairs (16-bit dtype,
+    Q4_K / Q5_K): the tensor-core product's expansion instead (`_tile_k_pairs`; the scales and mins rounded to dtype
+    first, weights.dequant.dequantize's round_scales)."""
     n = raw.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=raw.device)
     wb, wh, ww = _views(raw)
     g, length = _geom(qtype)
     bn, warps = DEQ_CONFIG
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
-                                                                BN=bn, QT=int(qtype), G=g, L=length,
-                                                                num_warps=warps, **pdl_launch(raw))
+                                                                BN=bn, QT=int(qtype), G=g, L=length, PAIRS=pairs,
+                                                                ASM=not INTERPRET, num_warps=warps,
+                                                                **pdl_launch(raw))
     return y
 
 

@@ -7,6 +7,7 @@ The block layouts follow ggml-quants.c; `tests/test_weights.py` checks each agai
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -74,20 +75,26 @@ def _k_low_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(-1, 8, 32)
 
 
-def _deq_q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_weights(b: torch.Tensor, q: torch.Tensor, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    """A Q4_K / Q5_K super-block's weights d*sc*q - dmin*m from its quants q [n, 8, 32]; scale_dtype: d*sc and
+    dmin*m rounded to it first (what the tensor-core product's pair expansion multiplies with,
+    triton_qmatmul._tile_k_pairs)."""
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
-    q = _k_low_nibbles(b[:, 16:144]).float()
-    return ((d * sc)[..., None] * q - (dmin * mn)[..., None]).reshape(-1, QK_K)
+    ds, dm = d * sc, dmin * mn
+    if scale_dtype is not None:
+        ds, dm = ds.to(scale_dtype).float(), dm.to(scale_dtype).float()
+    return (ds[..., None] * q - dm[..., None]).reshape(-1, QK_K)
 
 
-def _deq_q5_k(b: torch.Tensor) -> torch.Tensor:
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    sc, mn = _k_scale_min(b[:, 4:16])
+def _deq_q4_k(b: torch.Tensor, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _k_weights(b, _k_low_nibbles(b[:, 16:144]).float(), scale_dtype)
+
+
+def _deq_q5_k(b: torch.Tensor, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
     qh = (b[:, None, 16:48] >> shifts) & 1  # bit j of qh[l] is the 5th bit of sub-block j, element l
-    q = (_k_low_nibbles(b[:, 48:176]) | (qh << 4)).float()
-    return ((d * sc)[..., None] * q - (dmin * mn)[..., None]).reshape(-1, QK_K)
+    return _k_weights(b, (_k_low_nibbles(b[:, 48:176]) | (qh << 4)).float(), scale_dtype)
 
 
 def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -132,9 +139,13 @@ def qtype_nbytes(qtype: GGMLQuantizationType, shape: Sequence[int]) -> int:
 
 
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: Sequence[int],
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Expand the raw uint8 bytes of one GGML tensor to `shape` (torch order) in `dtype`, on raw's device."""
+               dtype: torch.dtype = torch.float32, round_scales: bool = False) -> torch.Tensor:
+    """Expand the raw uint8 bytes of one GGML tensor to `shape` (torch order) in `dtype`, on raw's device.
+    round_scales (Q4_K, Q5_K): each sub-block's scale and min rounded to `dtype` before they multiply, as the
+    tensor-core product expands such weights for 16-bit rows."""
     qtype = GGMLQuantizationType(qtype)
+    if round_scales and qtype not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        raise WeightsError(f"round_scales applies to Q4_K and Q5_K, not {qtype.name}")
     if raw.dtype != torch.uint8:
         raise WeightsError(f"dequantize expects uint8 bytes, got {raw.dtype}")
     if qtype not in SUPPORTED_QTYPES:
@@ -149,6 +160,8 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: Sequence[i
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = raw.view(-1, size)
     fn = _BLOCK_DEQUANT[qtype]
+    if round_scales:
+        fn = functools.partial(fn, scale_dtype=dtype)
     if blocks.shape[0] <= _CHUNK_BLOCKS:
         return fn(blocks).to(dtype).reshape(shape)
     out = torch.empty(blocks.shape[0], block, dtype=dtype, device=raw.device)
