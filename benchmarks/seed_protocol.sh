@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -129,6 +129,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     plain decoding, 3 runs each (h200-q4km48-ssum-3ab9df5 ran MTP5 beside them)
     h200-q4km48-ssum) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,ssum=0" ;;
+    #     MTP5 with the tensor-core products' Q4_K/Q5_K expanded two weights a register (the default) against f32,
+    #     and with their split sums in their launch (the default) against a launch apart; 2 runs each
+    h200-q4km48-pairs) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
+        --arms "ours,ours-f32:from=ours,pairs=0,ours-apart:from=ours,ssum=0" ;;
     #     the GDN output's gated norm quantized for its product in one launch (the default) against the compiled
     #     norm and the product's own quantizer, plain decoding, 3 runs each
     h200-q4km48-nq) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
@@ -156,6 +160,10 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     end to end (replayed p = 0.85)
     h200-q4km48-round-profile) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/profile_step.py --preset flash-next \
         --layers 48 --quant q4_k_m --kinds verify,draft,extend --draft 5 --e2e 16 --top 30 | tee "$out/$step.txt" ;;
+    #     a 32,768-token context (its caches allocated in full) beside the 8,192 of the merge task: plain decoding
+    #     and MTP5 after 4,096 and 14,000 prompt tokens (the shipped prompt's longest: 14,140), 1 run each
+    h200-q4km48-32k) bench sweep "${q48[@]}" --quant q4_k_m --ctx 32768 --contexts 4096,14000 --reps 1 \
+        --gen-tokens 128 --arms "nospec,ours" ;;
     h200-q4km48-a) bench merge "${q48[@]}" --quant q4_k_m --arms "nospec,baseline" ;;
     h200-q4km48-b) bench merge "${q48[@]}" --quant q4_k_m --arms "ours-mtp3:from=ours,draft=3,ours" ;;
     h200-q4km48-int8) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --arms "nospec,nospec-f32:from=nospec,int8=0,\
