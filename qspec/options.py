@@ -174,9 +174,9 @@ class KernelOptions:
     sums_in_product: bool = option(True, "a block product that splits K adds the shares' partial sums in its own "
                                    "launch (each row block's last program to finish adds them; off: a second "
                                    "launch)", applies="CUDA, block weights", arm="ssum")
-    tc_pairs: bool = option(True, "the tensor-core block products (several rows: verify, extend) expand Q4_K / Q5_K "
-                            "two weights a 32-bit register in 16-bit arithmetic, the scales and mins rounded to 16 "
-                            "bits first (off: each weight in f32, rounded once)", applies="CUDA, block weights",
+    tc_pairs: bool = option(True, "the tensor-core block products (several rows: verify, extend) expand Q4_K, Q5_K "
+                            "and Q6_K two weights a 32-bit register in 16-bit arithmetic, the scales and mins rounded "
+                            "to 16 bits first (off: each weight in f32, rounded once)", applies="CUDA, block weights",
                             arm="pairs")
     norm_quant: bool = option(True, "one-row GDN steps norm, gate and round to int8 for the output product in "
                               "one launch (off: compiled, then the product's quantizer)", applies="CUDA, block weights",

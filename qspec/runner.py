@@ -60,7 +60,7 @@ class KernelSwitches:
     fuse_blocks: bool = True  # fuse._BLOCKS: functions called with block weights compile too
     shared_stream: bool = True  # moe._SHARED_STREAM: block shared experts of few-token steps on a side stream
     sums_in_product: bool = True  # triton_common.SUM_IN_PRODUCT: split products add their shares in their launch
-    tc_pairs: bool = True  # triton_qmatmul.PAIRS: tensor-core products expand Q4_K/Q5_K two weights a register
+    tc_pairs: bool = True  # triton_qmatmul.PAIRS: tensor-core products expand K-quants two weights a register
     norm_quant: bool = True  # gated_norm._ON: one-row GDN outputs normed and quantized in one launch
     shared_pair: bool = True  # moe._SHARED_PAIR: a merged block shared expert as one more routed pair
 

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default="12,13,114,108,106,102,14,8,6,2", help="kernel type numbers of the dense "
                     "products")
-    ap.add_argument("--rows", default="1,4", help="x rows of the dense products")
+    ap.add_argument("--rows", default="1,4", help="x rows of the dense products ('' for none)")
     ap.add_argument("--tc-rows", default="", help="x rows of the tensor-core product (what several rows of a "
                     "file-order type take), for the same types ('' for none)")
     ap.add_argument("--experts", default="12:106,12:108,12:6,14:8", help="gate:down type pairs of the routed experts "
@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# triton {triton.__version__}, sm_90: layout conversions inside K loops, BAR.SYNC in SASS, registers")
     cfg = q.QDOT_CONFIG
     for qt in (int(t) for t in a.types.split(",")):
-        for m in (int(r) for r in a.rows.split(",")):
+        for m in (int(r) for r in a.rows.split(",") if r):
             r = product(qt, m)
             loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * row_step_bytes(qt))
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {loop}", flush=True)
     bn, warps, _ = qm.MM_CONFIG
-    for qt in (int(t) for t in a.types.split(",")) if a.tc_rows else ():
-        for m in (int(r) for r in a.tc_rows.split(",")):
+    for qt in (int(t) for t in a.types.split(",")):
+        for m in (int(r) for r in a.tc_rows.split(",") if r):
             r = tensor_core_product(qt, m)
             loop = census_text(r.loop, 1, warps * 32, bn * row_step_bytes(qt))
             print(f"tensor-core product type {qt:>3} rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} "

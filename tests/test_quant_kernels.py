@@ -177,23 +177,24 @@ def test_interp_expansion_is_the_reference(qt: GGMLQuantizationType) -> None:
 
 
 @interp
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K, "Q6_K planes"])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
-def test_interp_pair_expansion_is_its_reference(qt: GGMLQuantizationType, dt: torch.dtype) -> None:
-    """The tensor-core product's Q4_K / Q5_K expansion two weights a register (PAIRS) equals dequantize with the
-    scales and mins rounded to x's dtype first, rounded once, bit for bit (the interpreter's path computes it in
+def test_interp_pair_expansion_is_its_reference(qt: GGMLQuantizationType | str, dt: torch.dtype) -> None:
+    """The tensor-core product's K-quant expansion two weights a register (PAIRS) equals dequantize with the
+    scales (and mins) rounded to x's dtype first, rounded once, bit for bit (the interpreter's path computes it in
     f32); that rounding changes some weights against the f32 expansion; and the product through it stays within
     the dtype's tolerance of the f32 reference, as without it."""
     from qspec.kernels.triton_qmatmul import dequant_triton, pairs_mode, qmm_triton
 
-    w = qweight(qt, (19, 768), seed=30 + int(qt))
-    got = dequant_triton(w.raw, int(qt), 768, dt, pairs=True)
-    assert torch.equal(got, dequantize(w.raw, qt, w.shape, dt, round_scales=True))
-    assert not torch.equal(got, dequant_triton(w.raw, int(qt), 768, dt))
+    w = qweight(T.Q6_K if qt == "Q6_K planes" else qt, (19, 768), seed=30 + len(str(qt)))
+    raw, code = (w.to_planes().raw, w.to_planes().code) if qt == "Q6_K planes" else (w.raw, int(w.qtype))
+    got = dequant_triton(raw, code, 768, dt, pairs=True)
+    assert torch.equal(got, dequantize(w.raw, w.qtype, w.shape, dt, round_scales=True))
+    assert not torch.equal(got, dequant_triton(raw, code, 768, dt))
     x = torch.randn(6, 768).to(dt)
     for on in (True, False):
         with pairs_mode(on):
-            assert rel_err(qmm_triton(x, w.raw, int(qt), 19), qmatmul_torch(x, w)) <= TOL[dt], on
+            assert rel_err(qmm_triton(x, raw, code, 19), qmatmul_torch(x, w)) <= TOL[dt], on
 
 
 def _blocks(qt: GGMLQuantizationType, shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
@@ -307,9 +308,9 @@ def test_cuda_qmoe_real_shapes() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K, T.Q6_K])
 def test_cuda_pair_expansion_within_an_ulp_of_its_reference(qt: GGMLQuantizationType) -> None:
-    """Compiled (PTX pairs, 16-bit FMAs that round once), the tensor-core product's Q4_K / Q5_K expansion is within
+    """Compiled (PTX pairs, 16-bit FMAs that round once), the tensor-core product's K-quant expansion is within
     the dtype's precision (eps x |w|) of dequantize with rounded scales (which rounds twice: to f32, then to the
     dtype), nearly every weight bit for bit."""
     from qspec.kernels.triton_qmatmul import dequant_triton

@@ -136,7 +136,7 @@ def test_dequant_rejects_bad_input() -> None:
         dequantize(torch.zeros(60, dtype=torch.uint8), Q.Q8_0, (2, 32))
     with pytest.raises(WeightsError, match="IQ2_XXS"):
         dequantize(torch.zeros(66, dtype=torch.uint8), Q.IQ2_XXS, (256,))
-    with pytest.raises(WeightsError, match="round_scales applies to Q4_K and Q5_K, not Q8_0"):
+    with pytest.raises(WeightsError, match="round_scales applies to Q4_K, Q5_K and Q6_K, not Q8_0"):
         dequantize(torch.zeros(68, dtype=torch.uint8), Q.Q8_0, (2, 32), torch.bfloat16, round_scales=True)
 
 

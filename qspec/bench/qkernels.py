@@ -402,12 +402,13 @@ def bench_split_sums(rows: list[tuple], reps: int = 5) -> None:
 
 
 # the verify's tensor-core products at the model's shapes and their Q4_K_M types
-TC_SHAPES = (("gdn_in", T.Q5_K), ("gdn_out", T.Q4_K), ("qsa_in", T.Q4_K), ("router_shared", T.Q4_K))
+TC_SHAPES = (("gdn_in", T.Q5_K), ("gdn_out", T.Q4_K), ("qsa_in", T.Q4_K), ("router_shared", T.Q4_K),
+             ("gdn_out", T.Q6_K))
 
 
 def bench_tensor_cores(rows: list[tuple], reps: int = 3) -> None:
     """The tensor-core block product at 2-8 rows, alternated `reps` times in this process (the same x and weight
-    copies): Q4_K / Q5_K expanded two weights a register ("pairs", triton_qmatmul.PAIRS) or in f32 ("f32"), its
+    copies): K-quants expanded two weights a register ("pairs", triton_qmatmul.PAIRS) or in f32 ("f32"), its
     split sums in its launch ("here", triton_common.SUM_IN_PRODUCT) or a launch apart ("apart"); the int8 kernel
     beside them."""
     from qspec.kernels import triton_qmatmul

@@ -16,8 +16,8 @@ matrix): each step's [BN, 256] tile, cast to x's dtype, times x^T padded to 16 c
 into f32 partial sums when the row blocks alone leave SMs idle, added in the same launch by the last split of each
 row block to finish (triton_common.sum_if_last, as the int8 products do; EngineOptions.sums_in_product). Its
 rounding is that of a bf16 product with the expanded weights (the weights rounded to x's dtype, f32 accumulation);
-Q4_K and Q5_K weights are expanded two a register in x's 16-bit arithmetic (`_tile_k_pairs`, PAIRS), their scales
-and mins rounded to x's dtype first.
+K-quant weights are expanded two a register in x's 16-bit arithmetic (`_tile_k_pairs`, `_tile_q6_pairs`; PAIRS),
+their scales and mins rounded to x's dtype first.
 
 CUDA-core mat-vec (`_qmv_kernel`, f32 x, or one row of a matrix narrower than TC_MIN_ROWS): a program owns BN output
 rows and streams their blocks along K once for all M <= 8 rows. For one row it keeps a [BN, G, L] f32 accumulator of
@@ -69,10 +69,9 @@ TC_MIN_ROWS = 4096  # one row of a narrower matrix goes to the CUDA-core mat-vec
 # token, 238 against 333 at six (Q4_K gate/up, Q5_0 down, E=512, top-10)
 MOE_CONFIG = (4, 2)
 DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
-# The tensor-core product expands Q4_K / Q5_K two weights a 32-bit register in x's 16-bit arithmetic
-# (`_tile_k_pairs`: under Triton 3.6 its K loop issues ~40% fewer instructions than f32 per weight, BENCHMARKS.md
-# §5b); False: each weight in f32, rounded to x's dtype once (A/B runs). A module flag (KernelSwitches:
-# EngineOptions.tc_pairs).
+# The tensor-core product expands the K-quants two weights a 32-bit register in x's 16-bit arithmetic
+# (`_tile_k_pairs`, `_tile_q6_pairs`: far fewer instructions per weight in the K loop, BENCHMARKS.md §5b); False: each
+# weight in f32, rounded to x's dtype once (A/B runs). A module flag (KernelSwitches: EngineOptions.tc_pairs).
 PAIRS = True
 
 
@@ -120,6 +119,11 @@ if HAS_TRITON:
     @triton.jit
     def _u8(wb_ptr, byte_off, mask):
         return tl.load(wb_ptr + byte_off, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _u16(wh_ptr, half_off, mask):
+        """The 16-bit word at an f16-view offset, zero-extended to int32."""
+        return tl.load(wh_ptr + half_off, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
     @triton.jit
     def _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
@@ -252,27 +256,27 @@ if HAS_TRITON:
         return wt, offs
 
     @triton.jit
-    def _biased_pairs(word, sh, qh, sh5, HIGH: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
-        """Bytes h and h + 2 of `word` shifted right by sh, their low nibbles (HIGH: with bit 4 from qh >> sh5, the
-        same two bytes) OR'd into the bits of 16-bit `bias` (128 in bf16, 1024 in f16, whose last mantissa bits
-        are zero): (bias + q of byte h, bias + q of byte h + 2) in DT. ASM: one shift and one LOP3 for both halves
-        of a 32-bit register (three more with HIGH), split without a move; else (the interpreter runs no PTX) the
-        same bits per weight."""
+    def _biased_pairs(word, sh, qh, sh_h, HIGH: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+        """The low nibbles of `word` >> sh at bits 0 and 16 (HIGH > 0: with HIGH more bits, from qh >> sh_h at bits 0
+        and 16, as bits 4..) OR'd into the bits of 16-bit `bias` (128 in bf16, 1024 in f16, whose last 7 mantissa
+        bits are zero): (bias + q of the low half, bias + q of the high half) in DT. ASM: one shift and one LOP3 for
+        both halves of a 32-bit register (three more with HIGH), split without a move; else (the interpreter runs
+        no PTX) the same bits per weight."""
         magic = tl.full(word.shape, 0x43004300 if DT == tl.bfloat16 else 0x64006400, tl.int32)
-        if ASM and HIGH:
+        high = tl.full(word.shape, ((1 << HIGH) - 1) * 0x00100010, tl.int32)  # the high bits' place in each half
+        if ASM and HIGH > 0:
             lo, hi = tl.inline_asm_elementwise(
                 "{ .reg .b32 t, u; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $6, 0xEA; shr.u32 u, $4, $5; "
-                "shl.b32 u, u, 4; lop3.b32 t, u, 0x00100010, t, 0xEA; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r,r,r",
-                [word, sh, qh, sh5, magic], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+                "shl.b32 u, u, 4; lop3.b32 t, u, $7, t, 0xEA; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r,r,r,r",
+                [word, sh, qh, sh_h, magic, high], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
         elif ASM:
             lo, hi = tl.inline_asm_elementwise(
                 "{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $4, 0xEA; mov.b32 {$0, $1}, t; }",
                 "=h,=h,r,r,r", [word, sh, magic], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
         else:
-            t = (word >> sh) & 0x000F000F
-            if HIGH:
-                t = t | (((qh >> sh5) & 0x00010001) << 4)
-            t = t | magic
+            t = ((word >> sh) & 0x000F000F) | magic
+            if HIGH > 0:
+                t = t | (((qh >> sh_h) << 4) & high)
             lo = (t & 0xFFFF).to(tl.int16)
             hi = (t >> 16).to(tl.int16)
         return lo.to(DT, bitcast=True), hi.to(DT, bitcast=True)
@@ -305,7 +309,7 @@ if HAS_TRITON:
         else:
             qh = word
             sh5 = sh
-        lo, hi = _biased_pairs(word, sh, qh, sh5, QT == QT_Q5_K, DT, ASM)
+        lo, hi = _biased_pairs(word, sh, qh, sh5, 1 if QT == QT_Q5_K else 0, DT, ASM)
         bias: tl.constexpr = 128.0 if DT == tl.bfloat16 else 1024.0
         ds, dm = _k_scales(wb_ptr, wh_ptr, base, nmask)
         v = tl.join(lo, hi)
@@ -316,6 +320,42 @@ if HAS_TRITON:
             dmr = round_to(dm, DT)[:, :, None, :, None, None]
             wt = round_to((v.to(tl.float32) - bias) * dsr - dmr, DT).to(DT)
         offs = (kb * 256 + c * 64 + s * 32 + w * 4 + h)[:, :, :, :, :, None] + 2 * tl.arange(0, 2)
+        return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
+
+    @triton.jit
+    def _tile_q6_pairs(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
+                       ASM: tl.constexpr):
+        """Q6_K step kb of BN rows (QT 14, or 114: in planes) as [BN, 256] in 16-bit DT, two weights a 32-bit
+        register: the same 16-bit ql (qh) word of the step's two halves h side by side, so one shift and one LOP3
+        take a nibble of both (three more their high bit pairs; _biased_pairs), q - 32 = that - (bias + 32)
+        exactly, times the scale d * sc rounded to DT (one packed multiply: its one rounding is the f32 product's);
+        and the offsets [256]. Axes (s, g, p, b, h) as in _q6_words6: element h*128 + s*64 + (g*8 + p)*2 + b."""
+        s = tl.arange(0, 2)[None, :, None, None, None]
+        g = tl.arange(0, 4)[None, None, :, None, None]
+        p = tl.arange(0, 8)[None, None, None, :, None]
+        b = tl.arange(0, 2)[None, None, None, None, :]
+        m5 = nmask[:, None, None, None, None]
+        ql_at, qh_at, sc_at, d_at = q6_parts(kb, K, QT)
+        hb = (rowb // 2)[:, None, None, None, None]
+        shape: tl.constexpr = [BN, 2, 4, 8, 2]
+        ql = _u16(wh_ptr, hb + ql_at // 2 + g * 8 + p, m5) | (_u16(wh_ptr, hb + ql_at // 2 + 32 + g * 8 + p, m5) << 16)
+        qh_w = hb + qh_at // 2 + (g % 2) * 8 + p
+        qh = _u16(wh_ptr, qh_w, m5) | (_u16(wh_ptr, qh_w + 16, m5) << 16)
+        lo, hi = _biased_pairs(tl.broadcast_to(ql, shape), tl.broadcast_to(8 * b + 4 * s, shape),
+                               tl.broadcast_to(qh, shape), tl.broadcast_to(8 * b + 4 * s + 2 * (g // 2), shape), 2,
+                               DT, ASM)
+        bias: tl.constexpr = 160.0 if DT == tl.bfloat16 else 1056.0  # bias + 32
+        h6 = tl.arange(0, 2)[None, None, None, None, None, :]
+        sc = _u8(wb_ptr, rowb[:, None, None, None, None, None] + sc_at + h6 * 8 + s[:, :, :, :, :, None] * 4
+                 + g[:, :, :, :, :, None], nmask[:, None, None, None, None, None])
+        sc = sc - ((sc >> 7) << 8)  # int8
+        ds = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None, None, None] * sc.to(tl.float32)
+        v = tl.join(lo, hi)
+        if ASM:
+            wt = (v - bias).to(DT) * ds.to(DT)
+        else:
+            wt = round_to((v.to(tl.float32) - bias) * round_to(ds, DT), DT).to(DT)
+        offs = (kb * 256 + s * 64 + (g * 8 + p) * 2 + b)[:, :, :, :, :, None] + 128 * tl.arange(0, 2)
         return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
@@ -362,9 +402,12 @@ if HAS_TRITON:
               BN: tl.constexpr, DT: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
         """Step kb of BN rows as [BN, 256] weights in DT, their element offsets [256] and which exist [256], by the
         fastest decoder of the type (32-bit words for Q4_K/Q5_K, 16-bit words for Q6_K, bytes otherwise). PAIRS
-        (16-bit DT): Q4_K/Q5_K expanded two weights a register in DT's arithmetic (_tile_k_pairs)."""
+        (16-bit DT): the K-quants expanded two weights a register in DT's arithmetic (_tile_k_pairs, _tile_q6_pairs)."""
         if PAIRS and (QT == QT_Q4_K or QT == QT_Q5_K):
             w, offs = _tile_k_pairs(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT, ASM)
+            kmask = offs < K
+        elif PAIRS and (QT == QT_Q6_K or QT == QT_Q6_K_PLANES):
+            w, offs = _tile_q6_pairs(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, BN, DT, ASM)
             kmask = offs < K
         elif QT == QT_Q4_K or QT == QT_Q5_K:
             w, offs = _tile_k_words(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT, BN, DT)
@@ -577,8 +620,8 @@ def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
 
 def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, pairs: bool = False) -> torch.Tensor:
     """raw [N, row_bytes] blocks -> [N, K] weights in dtype (f32 expansion rounded once). pairs (16-bit dtype,
-    Q4_K / Q5_K): the tensor-core product's expansion instead (`_tile_k_pairs`; the scales and mins rounded to dtype
-    first, weights.dequant.dequantize's round_scales)."""
+    K-quants): the tensor-core product's expansion instead (`_tile_k_pairs`, `_tile_q6_pairs`; the scales rounded
+    to dtype first, weights.dequant.dequantize's round_scales)."""
     n = raw.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=raw.device)
     wb, wh, ww = _views(raw)

@@ -97,7 +97,7 @@ def _deq_q5_k(b: torch.Tensor, scale_dtype: torch.dtype | None = None) -> torch.
     return _k_weights(b, (_k_low_nibbles(b[:, 48:176]) | (qh << 4)).float(), scale_dtype)
 
 
-def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
+def _deq_q6_k(b: torch.Tensor, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     ql, qh = b[:, 0:128], b[:, 128:192]
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     d = _f16(b[:, 208:210])
@@ -106,7 +106,10 @@ def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     hi = ((qh.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
     q = ((lo | (hi << 4)).float() - 32.0).reshape(-1, 16, 16)
-    return ((d * scales)[..., None] * q).reshape(-1, QK_K)
+    ds = d * scales
+    if scale_dtype is not None:  # as _k_weights
+        ds = ds.to(scale_dtype).float()
+    return (ds[..., None] * q).reshape(-1, QK_K)
 
 
 _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -119,6 +122,7 @@ _BLOCK_DEQUANT: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.Q5_K: _deq_q5_k,
     GGMLQuantizationType.Q6_K: _deq_q6_k,
 }
+_K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 _PLAIN = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
@@ -141,11 +145,11 @@ def qtype_nbytes(qtype: GGMLQuantizationType, shape: Sequence[int]) -> int:
 def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType, shape: Sequence[int],
                dtype: torch.dtype = torch.float32, round_scales: bool = False) -> torch.Tensor:
     """Expand the raw uint8 bytes of one GGML tensor to `shape` (torch order) in `dtype`, on raw's device.
-    round_scales (Q4_K, Q5_K): each sub-block's scale and min rounded to `dtype` before they multiply, as the
+    round_scales (the K-quants): each sub-block's scale (and min) rounded to `dtype` before they multiply, as the
     tensor-core product expands such weights for 16-bit rows."""
     qtype = GGMLQuantizationType(qtype)
-    if round_scales and qtype not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
-        raise WeightsError(f"round_scales applies to Q4_K and Q5_K, not {qtype.name}")
+    if round_scales and qtype not in _K_QUANTS:
+        raise WeightsError(f"round_scales applies to Q4_K, Q5_K and Q6_K, not {qtype.name}")
     if raw.dtype != torch.uint8:
         raise WeightsError(f"dequantize expects uint8 bytes, got {raw.dtype}")
     if qtype not in SUPPORTED_QTYPES:
