@@ -129,10 +129,11 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     plain decoding, 3 runs each (h200-q4km48-ssum-3ab9df5 ran MTP5 beside them)
     h200-q4km48-ssum) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,ssum=0" ;;
-    #     MTP5 with the tensor-core products' Q4_K/Q5_K expanded two weights a register (the default) against f32,
-    #     and with their split sums in their launch (the default) against a launch apart; 2 runs each
+    #     MTP5 with the tensor-core products' K-quants expanded two weights a register (the default) against f32,
+    #     with their split sums in their launch (the default) against a launch apart, and with the shared expert as
+    #     its own (tensor-core) products instead of one more routed pair (which 6 rows read 6 times); 2 runs each
     h200-q4km48-pairs) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
-        --arms "ours,ours-f32:from=ours,pairs=0,ours-apart:from=ours,ssum=0" ;;
+        --arms "ours,ours-f32:from=ours,pairs=0,ours-apart:from=ours,ssum=0,ours-ownshared:from=ours,shpair=0" ;;
     #     the GDN output's gated norm quantized for its product in one launch (the default) against the compiled
     #     norm and the product's own quantizer, plain decoding, 3 runs each
     h200-q4km48-nq) bench merge "${q48[@]}" --quant q4_k_m --reps 3 --gen-tokens 256 \
