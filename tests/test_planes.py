@@ -221,34 +221,44 @@ def test_block_layouts_leave_cpu_weights_in_the_files_order() -> None:
     assert all(w[n] is before[n] for n in w)
 
 
-def test_block_layouts_choose_the_32_weight_block_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_block_layouts_choose_the_32_weight_and_dense_q6_k_matrices(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA (the weights' device faked here) every Q8_0 / Q5_0 / Q4_0 matrix goes to planes in place, experts
-    included; the token table and a head tied to it, other block types and 16-bit tensors stay; B32_PLANES off
-    leaves everything."""
+    included, and every dense Q6_K one; the token table and a head tied to it, a Q6_K head (head_layout's), the
+    routed experts' and the shared expert's Q6_K (merged, moe.merge_shared_expert), other block types and 16-bit
+    tensors stay; B32_PLANES and Q6K_PLANES off leave their types."""
     from qspec.model import model as model_mod
 
     monkeypatch.setattr(QuantWeight, "device", property(lambda self: torch.device("cuda")))
     embed = b32(T.Q8_0, 4, 256, 1)
     dense = torch.randn(4, 256)
+    q6_experts = QuantWeight(torch.stack([q6k(4, 256, seed=4).raw] * 2), T.Q6_K, (2, 4, 256))
 
     def weights() -> dict[str, object]:
-        return {"token_embd.weight": embed, "output.weight": embed, "blk.0.attn_qkv.weight": b32(T.Q4_0, 4, 256, 3),
+        return {"token_embd.weight": embed, "blk.0.attn_qkv.weight": b32(T.Q4_0, 4, 256, 3),
                 "blk.0.ffn_down_exps.weight": b32(T.Q5_0, 4, 256, 2, experts=2),
-                "blk.0.ffn_gate_exps.weight": q6k(4, 256, seed=4), "blk.0.ffn_gate_inp.weight": dense}
+                "blk.0.ffn_gate_exps.weight": q6_experts, "blk.0.ffn_gate_inp.weight": dense,
+                "blk.0.attn_v.weight": q6k(4, 256, seed=5), "blk.0.ffn_gate_shexp.weight": q6k(4, 256, seed=6),
+                "output.weight": q6k(4, 256, seed=7), "blk.0.attn_output.weight": b32(T.Q4_K, 4, 256, 8)}
 
     w = weights()
     before = dict(w)
     block_layouts(w)
-    assert w["token_embd.weight"] is embed and w["output.weight"] is embed
-    assert w["blk.0.ffn_gate_exps.weight"] is before["blk.0.ffn_gate_exps.weight"]
-    assert w["blk.0.ffn_gate_inp.weight"] is dense
-    for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_down_exps.weight"):
+    assert w["token_embd.weight"] is embed
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_shexp.weight",
+                 "output.weight", "blk.0.attn_output.weight"):
+        assert w[name] is before[name], name
+    for name in ("blk.0.attn_qkv.weight", "blk.0.ffn_down_exps.weight", "blk.0.attn_v.weight"):
         assert w[name].planes and torch.equal(w[name].to_blocks().raw, before[name].raw), name
-    monkeypatch.setattr(model_mod, "B32_PLANES", False)
-    w = weights()
-    before = dict(w)
+    w = dict(before, **{"output.weight": embed})
     block_layouts(w)
-    assert all(w[n] is before[n] for n in w)
+    assert w["output.weight"] is embed  # a head tied to the token table
+    for flag, name in (("B32_PLANES", "blk.0.attn_qkv.weight"), ("Q6K_PLANES", "blk.0.attn_v.weight")):
+        with monkeypatch.context() as m:
+            m.setattr(model_mod, flag, False)
+            w = weights()
+            before = dict(w)
+            block_layouts(w)
+            assert w[name] is before[name], flag
 
 
 @interp

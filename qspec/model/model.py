@@ -40,6 +40,9 @@ DEVICE_TABLE_MAX_BYTES = 8 << 30
 HEAD_PLANES = True
 # Q8_0, Q5_0 and Q4_0 matrices on CUDA are held in planes (block_layouts); False: in the file's order (A/B runs).
 B32_PLANES = True
+# So are the dense Q6_K matrices on CUDA (block_layouts); False: in the file's order (A/B runs). Their one-row int8
+# product's K loop in the file's order moves its terms through shared memory (BENCHMARKS.md §5b), as the head's did.
+Q6K_PLANES = True
 
 
 def _nbytes(t: object) -> int:
@@ -120,18 +123,28 @@ def head_layout(head: Weight, embed: object) -> Weight:
     return head
 
 
+def _in_planes(name: str, t: object, embed: object) -> bool:
+    """Whether block_layouts holds w[name] in planes: a block matrix on CUDA in the file's order, not the token table
+    (read by rows) nor a head tied to it; of the 32-weight types (B32_PLANES), or dense Q6_K (Q6K_PLANES) but for the
+    head (head_layout's) and a shared expert's (merged with the routed experts, whose Q6_K stays in the file's order
+    for their kernels)."""
+    if not isinstance(t, QuantWeight) or t.planes or t.device.type != "cuda" or t is embed:
+        return False
+    if t.qtype in PLANES_BLOCK32:
+        return B32_PLANES
+    return (Q6K_PLANES and t.qtype == GGMLQuantizationType.Q6_K and t.dim() == 2 and name != "output.weight"
+            and "_shexp." not in name)
+
+
 def block_layouts(w: dict[str, Any]) -> None:
-    """Replace in w every Q8_0, Q5_0 and Q4_0 matrix on CUDA by its rows in planes (QuantWeight.to_planes: the int8
-    kernels read whole 16-byte runs and exchange nothing between threads; BENCHMARKS.md §5b), one tensor at a time:
-    where w holds the only reference, as the loaders' dicts do, the device holds a second copy of one tensor at
-    most. The token table (read by rows) and a head tied to it stay in the file's order."""
-    if not B32_PLANES:
-        return
+    """Replace in w every Q8_0, Q5_0 and Q4_0 matrix on CUDA, and every dense Q6_K one, by its rows in planes
+    (QuantWeight.to_planes: the int8 kernels read whole 16-byte runs and exchange nothing between threads;
+    BENCHMARKS.md §5b), one tensor at a time: where w holds the only reference, as the loaders' dicts do, the device
+    holds a second copy of one tensor at most (`_in_planes` says which)."""
     embed = w.get("token_embd.weight")
     converted = False
     for name, t in w.items():
-        if (isinstance(t, QuantWeight) and t.qtype in PLANES_BLOCK32 and not t.planes and t.device.type == "cuda"
-                and t is not embed):
+        if _in_planes(name, t, embed):
             w[name] = t.to_planes()
             converted = True
     if converted:

@@ -156,8 +156,9 @@ def _pad_rows(W: torch.Tensor) -> torch.Tensor:
 
 
 def _kind(w: torch.Tensor | QuantWeight) -> tuple[object, ...]:
+    """What parts of a stack share one run: block matrices of one kernel type (type and layout) and row length."""
     if isinstance(w, QuantWeight):
-        return ("q", w.qtype, w.shape[-1])
+        return ("q", w.code, w.shape[-1])
     return ("t", w.dtype, w.shape[-1])
 
 
