@@ -467,6 +467,30 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
                     _row(rows, f"{name} {label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
 
 
+def bench_q6k_planes(rows: list[tuple], reps: int = 3) -> None:
+    """Dense Q6_K matrices at the model's shapes with their rows in planes (model.block_layouts) against the file's
+    order, alternated `reps` times in this process: 1-8 rows through the int8 kernel, 2-8 through the tensor
+    cores."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+    from qspec.kernels.triton_qmatmul import qmm_triton
+    from qspec.weights.qweight import Q6_K_PLANES, QuantWeight
+
+    for shape in ("gdn_in", "gdn_out", "qsa_in"):
+        n, k = SHAPES[shape]
+        blocks = [_quantized(T.Q6_K, n, k, seed=i) for i in range(_copies(n * k))]
+        planes = [QuantWeight(r, T.Q6_K, (n, k)).to_planes().raw for r in blocks]
+        layouts = (("file", blocks, int(T.Q6_K)), ("planes", planes, Q6_K_PLANES))
+        for m in (1, 2, 6, 8):
+            x, bf_us = _bf16_matvec(m, n, k)
+            kernels = (("int8", qdot_matmul_triton),) + ((("tc", qmm_triton),) if m > 1 else ())
+            for rep in range(reps):
+                for (name, raws, code), (label, fn) in itertools.product(layouts, kernels):
+                    us = graph_us([partial(fn, x, r, code, n) for r in raws])
+                    _row(rows, f"{name} {label} m={m} r{rep}", "Q6_K", f"{shape} {n}x{k}", us, raws[0].numel(),
+                         bf_us, n * k * 2)
+        del blocks, planes
+
+
 # the routed experts timed with their 32-weight-block matrices in planes against the file's order: (gate/up, down)
 PLANES_EXPERTS = ((T.Q4_K, T.Q5_0), (T.Q4_K, T.Q8_0), (T.Q8_0, T.Q8_0))
 
@@ -581,7 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                     "against the file's order")
     ap.add_argument("--b32-planes", action="store_true", help="only Q8_0, Q5_0 and Q4_0 rows in planes against the "
                     "file's order: products, expansion, routed experts")
-    ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: Q4_K/Q5_K "
+    ap.add_argument("--q6k-planes", action="store_true", help="only dense Q6_K matrices in planes against the "
+                    "file's order (int8 and tensor-core products)")
+    ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: K-quants "
                     "expanded in pairs or in f32, split sums in its launch or apart, the int8 kernel beside them")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
@@ -625,6 +651,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.tensor_cores:
         bench_tensor_cores(rows)
+        return 0
+    if args.q6k_planes:
+        bench_q6k_planes(rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)
