@@ -345,16 +345,17 @@ if HAS_TRITON:
                                tl.broadcast_to(qh, shape), tl.broadcast_to(8 * b + 4 * s + 2 * (g // 2), shape), 2,
                                DT, ASM)
         bias: tl.constexpr = 160.0 if DT == tl.bfloat16 else 1056.0  # bias + 32
-        h6 = tl.arange(0, 2)[None, None, None, None, None, :]
-        sc = _u8(wb_ptr, rowb[:, None, None, None, None, None] + sc_at + h6 * 8 + s[:, :, :, :, :, None] * 4
-                 + g[:, :, :, :, :, None], nmask[:, None, None, None, None, None])
+        h4 = tl.arange(0, 2)[None, None, None, :]
+        s4 = tl.arange(0, 2)[None, :, None, None]
+        g4 = tl.arange(0, 4)[None, None, :, None]
+        sc = _u8(wb_ptr, rowb[:, None, None, None] + sc_at + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
         sc = sc - ((sc >> 7) << 8)  # int8
-        ds = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None, None, None] * sc.to(tl.float32)
+        ds = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None] * sc.to(tl.float32)  # [BN, s, g, h]
         v = tl.join(lo, hi)
         if ASM:
-            wt = (v - bias).to(DT) * ds.to(DT)
+            wt = (v - bias).to(DT) * ds.to(DT)[:, :, :, None, None, :]
         else:
-            wt = round_to((v.to(tl.float32) - bias) * round_to(ds, DT), DT).to(DT)
+            wt = round_to((v.to(tl.float32) - bias) * round_to(ds, DT)[:, :, :, None, None, :], DT).to(DT)
         offs = (kb * 256 + s * 64 + (g * 8 + p) * 2 + b)[:, :, :, :, :, None] + 128 * tl.arange(0, 2)
         return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
 
