@@ -323,6 +323,17 @@ if HAS_TRITON:
         return tl.reshape(wt, [BN, 256]), tl.reshape(offs, [256])
 
     @triton.jit
+    def _q6_scales(wb_ptr, wh_ptr, rowb, nmask, sc_at, d_at):
+        """d * the int8 scale of a Q6_K super-block's sub-blocks h*8 + s*4 + g in f32, [BN, 2, 2, 4] on the axes
+        (h, s, g); sc_at, d_at: q6_parts' offsets of the scales and d in rows at byte offsets rowb [BN]."""
+        h4 = tl.arange(0, 2)[None, :, None, None]
+        s4 = tl.arange(0, 2)[None, None, :, None]
+        g4 = tl.arange(0, 4)[None, None, None, :]
+        sc = _u8(wb_ptr, rowb[:, None, None, None] + sc_at + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
+        sc = sc - ((sc >> 7) << 8)  # int8
+        return _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None] * sc.to(tl.float32)
+
+    @triton.jit
     def _tile_q6_pairs(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, BN: tl.constexpr, DT: tl.constexpr,
                        ASM: tl.constexpr):
         """Q6_K step kb of BN rows (QT 14, or 114: in planes) as [BN, 256] in 16-bit DT, two weights a 32-bit
@@ -345,12 +356,7 @@ if HAS_TRITON:
                                tl.broadcast_to(qh, shape), tl.broadcast_to(8 * b + 4 * s + 2 * (g // 2), shape), 2,
                                DT, ASM)
         bias: tl.constexpr = 160.0 if DT == tl.bfloat16 else 1056.0  # bias + 32
-        h4 = tl.arange(0, 2)[None, None, None, :]
-        s4 = tl.arange(0, 2)[None, :, None, None]
-        g4 = tl.arange(0, 4)[None, None, :, None]
-        sc = _u8(wb_ptr, rowb[:, None, None, None] + sc_at + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
-        sc = sc - ((sc >> 7) << 8)  # int8
-        ds = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None] * sc.to(tl.float32)  # [BN, s, g, h]
+        ds = tl.permute(_q6_scales(wb_ptr, wh_ptr, rowb, nmask, sc_at, d_at), (0, 2, 3, 1))  # [BN, s, g, h]
         v = tl.join(lo, hi)
         if ASM:
             wt = (v - bias).to(DT) * ds.to(DT)[:, :, :, None, None, :]
@@ -387,13 +393,7 @@ if HAS_TRITON:
                                                                                                 bitcast=True)
         qh = qh.to(tl.int32)
         q = ((ql >> (8 * b + 4 * s)) & 15) | (((qh >> (8 * b + 4 * s + 2 * (g // 2))) & 3) << 4)
-        h4 = tl.arange(0, 2)[None, :, None, None]
-        s4 = tl.arange(0, 2)[None, None, :, None]
-        g4 = tl.arange(0, 4)[None, None, None, :]
-        sc = _u8(wb_ptr, rowb[:, None, None, None] + sc_at + h4 * 8 + s4 * 4 + g4, nmask[:, None, None, None])
-        sc = sc - ((sc >> 7) << 8)  # int8
-        d = _f16_at(wh_ptr, rowb + d_at, nmask)[:, None, None, None]
-        ds = (d * sc.to(tl.float32))[:, :, :, :, None, None]
+        ds = _q6_scales(wb_ptr, wh_ptr, rowb, nmask, sc_at, d_at)[:, :, :, :, None, None]
         wt = ds * (_i2f(q) - 32.0)
         offs = kb * 256 + h * 128 + s * 64 + (g * 8 + p) * 2 + b
         return wt, offs
