@@ -252,13 +252,15 @@ def test_block_layouts_choose_the_32_weight_and_dense_q6_k_matrices(monkeypatch:
     w = dict(before, **{"output.weight": embed})
     block_layouts(w)
     assert w["output.weight"] is embed  # a head tied to the token table
-    for flag, name in (("B32_PLANES", "blk.0.attn_qkv.weight"), ("Q6K_PLANES", "blk.0.attn_v.weight")):
+    for flag, types in (("B32_PLANES", (T.Q8_0, T.Q5_0, T.Q4_0)), ("Q6K_PLANES", (T.Q6_K,))):
         with monkeypatch.context() as m:
             m.setattr(model_mod, flag, False)
             w = weights()
             before = dict(w)
             block_layouts(w)
-            assert w[name] is before[name], flag
+            off = [n for n, t in before.items() if isinstance(t, QuantWeight) and t.qtype in types]
+            assert off and all(w[n] is before[n] for n in off), flag
+            assert any(w[n] is not before[n] for n in before), flag  # the other switch's types still move
 
 
 @interp
