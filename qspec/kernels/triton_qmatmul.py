@@ -233,22 +233,33 @@ if HAS_TRITON:
         return d * sc, dmin * mn
 
     @triton.jit
+    def _k_words(ww_ptr, rowb, nmask, kb, QT: tl.constexpr):
+        """Q4_K / Q5_K step kb of the rows at byte offsets rowb [BN]: (the nibbles' 32-bit words [BN, 4, 8, 1, 1] on
+        the axes (c, w): word w of 32-byte chunk c; Q5_K's high-bit words [BN, 1, 8, 1, 1] on w (Q4_K: the nibbles'
+        words again); the super-block's byte offsets [BN])."""
+        base = rowb + kb * (144 if QT == QT_Q4_K else 176)
+        c = tl.arange(0, 4)[None, :, None, None, None]
+        w = tl.arange(0, 8)[None, None, :, None, None]
+        m5 = nmask[:, None, None, None, None]
+        word = tl.load(ww_ptr + ((base + (16 if QT == QT_Q4_K else 48)) // 4)[:, None, None, None, None] + c * 8 + w,
+                       mask=m5, other=0)
+        qh = word
+        if QT == QT_Q5_K:
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
+        return word, qh, base
+
+    @triton.jit
     def _k_words5(wb_ptr, wh_ptr, ww_ptr, rowb, nmask, kb, QT: tl.constexpr):
         """Q4_K / Q5_K step kb of BN rows, its nibbles read as 32-bit words (8 weights a load, no byte gathers)
         -> (f32 weights [BN, 4, 8, 2, 4] on the axes (c, w, s, i), their element offsets): weight i of word w of
         chunk c's low (s = 0) or high (s = 1) nibbles is element c*64 + s*32 + w*4 + i of sub-block 2c + s."""
-        sb = 144 if QT == QT_Q4_K else 176
-        qs_at = 16 if QT == QT_Q4_K else 48
         c = tl.arange(0, 4)[None, :, None, None, None]
         w = tl.arange(0, 8)[None, None, :, None, None]
         s = tl.arange(0, 2)[None, None, None, :, None]
         i = tl.arange(0, 4)[None, None, None, None, :]
-        m5 = nmask[:, None, None, None, None]
-        base = rowb + kb * sb  # [BN] byte offsets of the super-block
-        word = tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5, other=0)
+        word, qh, base = _k_words(ww_ptr, rowb, nmask, kb, QT)
         q = (word >> (8 * i + 4 * s)) & 15
         if QT == QT_Q5_K:  # bit 2c + s of qh byte w*4 + i
-            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5, other=0)
             q = q | (((qh >> (8 * i + 2 * c + s)) & 1) << 4)
         ds, dm = _k_scales(wb_ptr, wh_ptr, base, nmask)
         wt = ds[:, :, None, :, None] * _i2f(q) - dm[:, :, None, :, None]
@@ -290,25 +301,18 @@ if HAS_TRITON:
         (_tile_k_words) a weight also carries the scale's and the min's rounding to DT. Axes (c, w, s, h, p):
         element c*64 + s*32 + w*4 + h + 2p. ASM off (the interpreter): the same expansion in f32 of the rounded
         scale and min, rounded to DT once."""
-        sb = 144 if QT == QT_Q4_K else 176
-        qs_at = 16 if QT == QT_Q4_K else 48
         c = tl.arange(0, 4)[None, :, None, None, None]
         w = tl.arange(0, 8)[None, None, :, None, None]
         s = tl.arange(0, 2)[None, None, None, :, None]
         h = tl.arange(0, 2)[None, None, None, None, :]
-        m5 = nmask[:, None, None, None, None]
-        base = rowb + kb * sb
         shape: tl.constexpr = [BN, 4, 8, 2, 2]
-        word = tl.broadcast_to(tl.load(ww_ptr + ((base + qs_at) // 4)[:, None, None, None, None] + c * 8 + w, mask=m5,
-                                       other=0), shape)
+        word, qh, base = _k_words(ww_ptr, rowb, nmask, kb, QT)
+        word = tl.broadcast_to(word, shape)
+        qh = tl.broadcast_to(qh, shape)
         sh = tl.broadcast_to(8 * h + 4 * s, shape)
+        sh5 = sh
         if QT == QT_Q5_K:  # bit 2c + s of qh byte w*4 + h (+ 2)
-            qh = tl.broadcast_to(tl.load(ww_ptr + ((base + 16) // 4)[:, None, None, None, None] + w, mask=m5,
-                                         other=0), shape)
             sh5 = tl.broadcast_to(8 * h + 2 * c + s, shape)
-        else:
-            qh = word
-            sh5 = sh
         lo, hi = _biased_pairs(word, sh, qh, sh5, 1 if QT == QT_Q5_K else 0, DT, ASM)
         bias: tl.constexpr = 128.0 if DT == tl.bfloat16 else 1024.0
         ds, dm = _k_scales(wb_ptr, wh_ptr, base, nmask)
