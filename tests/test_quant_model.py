@@ -88,6 +88,19 @@ def _tensors(obj: object, seen: set[int], out: list[torch.Tensor | QuantWeight],
             _tensors(x, seen, out, stacked)
 
 
+def _assert_float_rows(part: torch.Tensor, file_floats: list[torch.Tensor]) -> None:
+    """`part` [R, K] holds rows of float file tensors of width K (a sum of their row counts, a 1-D one a row) then
+    fewer than ROW_ALIGN zero rows: no block matrix was expanded into it."""
+    nonzero = part.reshape(-1, part.shape[-1]).abs().amax(dim=1).nonzero()
+    used = int(nonzero[-1]) + 1 if len(nonzero) else 0
+    assert part.shape[0] - used < ops.ROW_ALIGN, (tuple(part.shape), used)
+    sums = 1  # bit n set: n rows are some float tensors' rows together
+    for v in file_floats:
+        if v.shape[-1] == part.shape[-1]:
+            sums |= sums << (v.numel() // v.shape[-1])
+    assert sums >> used & 1, f"a float stack part of {used} rows is not float file tensors of width {part.shape[-1]}"
+
+
 def test_packed_file_loads_as_blocks_with_no_float_copy(qfile: tuple[Path, Q], qmodels: tuple[Model, Model]) -> None:
     path, qt = qfile
     model, _ = qmodels
@@ -110,10 +123,12 @@ def test_packed_file_loads_as_blocks_with_no_float_copy(qfile: tuple[Path, Q], q
     assert float_bytes <= 1.25 * expanded < blocks_as_f32  # stacking pads the mixers' rows a little, no more
     float_shapes = {tuple(v.shape) for v in w.values() if isinstance(v, torch.Tensor)}
     block_shapes = {s for v in w.values() if isinstance(v, QuantWeight) for s in (v.shape, v.shape[-2:])}
-    # (the float parts of mixed stacks, such as a router beside block rows, are padded to whole row groups: their
-    # shapes are their own)
     bad = {tuple(t.shape) for t in floats if id(t) not in stacked} & (block_shapes - float_shapes)
     assert not bad, bad
+    # the float parts of mixed stacks (a router beside block rows) have shapes of their own, padded to whole row
+    # groups: each must be float file tensors' rows of its width plus fewer than ROW_ALIGN zero rows
+    for t in (t for t in floats if id(t) in stacked):
+        _assert_float_rows(t, [v for v in w.values() if isinstance(v, torch.Tensor)])
     assert isinstance(model.embed, QuantWeight) and isinstance(model.moe[0].down, QuantWeight)
     assert qt.name in model.weights_summary and "n-gram table in host memory" in model.weights_summary
 
