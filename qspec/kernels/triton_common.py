@@ -28,6 +28,9 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 _REFERENCES_ONLY = False
+# dp4a's PTX: $0 <- $3 + the dot product of $1's and $2's four signed bytes (tests/test_ptx_text.py checks the text
+# against the interpreter's byte-by-byte sum)
+DP4A_PTX = "dp4a.s32.s32 $0, $1, $2, $3;"
 
 
 def triton_enabled() -> bool:
@@ -155,6 +158,7 @@ if HAS_TRITON:
     QT_PLANES = tl.constexpr(PLANES)
     QT_Q4_0_PLANES, QT_Q5_0_PLANES, QT_Q8_0_PLANES, QT_Q6_K_PLANES = (
         tl.constexpr(PLANES + int(t)) for t in (_T.Q4_0, _T.Q5_0, _T.Q8_0, _T.Q6_K))
+    _DP4A_PTX = tl.constexpr(DP4A_PTX)
 
     @triton.jit
     def round_to(x, DT: tl.constexpr):
@@ -209,8 +213,7 @@ if HAS_TRITON:
         """c + the dot product of a's four bytes with b's, both signed int8 (callers' unsigned bytes stay below 128).
         ASM: the PTX instruction; otherwise (the interpreter runs no PTX, and A/B runs) the same sum byte by byte."""
         if ASM:
-            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_DP4A_PTX, "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
         else:
             for k in tl.static_range(4):
                 c += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)

@@ -73,6 +73,12 @@ DEQ_CONFIG = (32, 4)  # block expansion: (rows per program, warps)
 # (`_tile_k_pairs`, `_tile_q6_pairs`: far fewer instructions per weight in the K loop, BENCHMARKS.md §5b); False: each
 # weight in f32, rounded to x's dtype once (A/B runs). A module flag (KernelSwitches: EngineOptions.tc_pairs).
 PAIRS = True
+# _biased_pairs' PTX (LOP3's table 0xEA is (a & b) | c): $0, $1 <- the halves of ((word >> sh) & 0x000F000F) | magic,
+# with HIGH bits also | (((qh >> sh_h) << 4) & high); tests/test_ptx_text.py runs these texts against the
+# interpreter's expression (equal for sh_h <= 16 - HIGH: the PTX shifts in zeros, the int32 shift the sign bit)
+PAIRS_PTX = "{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $4, 0xEA; mov.b32 {$0, $1}, t; }"
+PAIRS_HIGH_PTX = ("{ .reg .b32 t, u; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $6, 0xEA; shr.u32 u, $4, $5; "
+                  "shl.b32 u, u, 4; lop3.b32 t, u, $7, t, 0xEA; mov.b32 {$0, $1}, t; }")
 
 
 def pairs_mode(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -104,6 +110,8 @@ if HAS_TRITON:
         round_to,
         sum_if_last,
     )
+
+    _PAIRS_PTX, _PAIRS_HIGH_PTX = tl.constexpr(PAIRS_PTX), tl.constexpr(PAIRS_HIGH_PTX)
 
     @triton.jit
     def _f16_at(wh_ptr, byte_off, mask):
@@ -276,14 +284,11 @@ if HAS_TRITON:
         magic = tl.full(word.shape, 0x43004300 if DT == tl.bfloat16 else 0x64006400, tl.int32)
         high = tl.full(word.shape, ((1 << HIGH) - 1) * 0x00100010, tl.int32)  # the high bits' place in each half
         if ASM and HIGH > 0:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, u; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $6, 0xEA; shr.u32 u, $4, $5; "
-                "shl.b32 u, u, 4; lop3.b32 t, u, $7, t, 0xEA; mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r,r,r,r",
-                [word, sh, qh, sh_h, magic, high], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+            lo, hi = tl.inline_asm_elementwise(_PAIRS_HIGH_PTX, "=h,=h,r,r,r,r,r,r", [word, sh, qh, sh_h, magic, high],
+                                               dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
         elif ASM:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, 0x000F000F, $4, 0xEA; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r,r", [word, sh, magic], dtype=(tl.int16, tl.int16), is_pure=True, pack=1)
+            lo, hi = tl.inline_asm_elementwise(_PAIRS_PTX, "=h,=h,r,r,r", [word, sh, magic], dtype=(tl.int16, tl.int16),
+                                               is_pure=True, pack=1)
         else:
             t = ((word >> sh) & 0x000F000F) | magic
             if HIGH > 0:
