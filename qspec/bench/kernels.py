@@ -63,7 +63,7 @@ from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton
 from qspec.kernels.triton_kv_write import write_q8_0_triton
-from qspec.kernels.triton_masked_attention import masked_attention_triton
+from qspec.kernels.triton_masked_attention import SKIP_MIN_ROWS, masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
 from qspec.kernels.triton_pooled import pooled_triton
@@ -353,9 +353,10 @@ def dense_attention_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: 
 
 
 def masked_attn_inputs(T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype, keep: float,
-                       dev: str) -> tuple[torch.Tensor | None, ...]:
-    """(q, k, v, k_scale, v_scale, mask): rows at the last T positions of an n-cell bucket (causal), a share `keep`
-    of each row's earlier cells left in the mask (QSA's block choice; 1.0: the MTP head's causal mask)."""
+                       dev: str, first: int | None = None) -> tuple[torch.Tensor | None, ...]:
+    """(q, k, v, k_scale, v_scale, mask): rows at the last T positions of an n-cell bucket (causal; `first`: at
+    positions first.. instead, as a prefill chunk), a share `keep` of each row's earlier cells left in the mask
+    (QSA's block choice; 1.0: the MTP head's causal mask)."""
     q = torch.randn(T, H, d, device=dev).to(dt)
     kf, vf = torch.randn(n, Hkv, d, device=dev), torch.randn(n, Hkv, d, device=dev)
     if kv == "q8_0":
@@ -363,18 +364,20 @@ def masked_attn_inputs(T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: to
     else:
         k, v, ks, vs = kf.to(dt), vf.to(dt), None, None
     empty = min(64, n // 4)  # a bucket's last cells are empty
-    pos = torch.arange(n - empty - T, n - empty, device=dev)
+    lo = n - empty - T if first is None else first
+    pos = torch.arange(lo, lo + T, device=dev)
     cells = torch.arange(n, device=dev)[None, :]
     mask = (cells <= pos[:, None]) & ((torch.rand(T, n, device=dev) < keep) | (cells == pos[:, None]))
     return q, k, v, ks, vs, mask
 
 
 def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: str, dt: torch.dtype = torch.bfloat16,
-                      keep: float = 1.0, timed: bool = False, config: tuple[int, int, int, int, int] | None = None
-                      ) -> None:
+                      keep: float = 1.0, timed: bool = False, config: tuple[int, int, int, int, int] | None = None,
+                      first: int | None = None) -> None:
     """Masked attention (masked_attn_inputs) against the f32 reference; config: the kernel's (rows per program,
-    cells per step, warps, stages, programs), its default when None."""
-    args = masked_attn_inputs(T, H, Hkv, d, n, kv, dt, keep, R.device)
+    cells per step, warps, stages, programs), its default when None. From SKIP_MIN_ROWS rows on, the kernel skips
+    the cell steps no row attends to: it must give the same bits as without (timed: both)."""
+    args = masked_attn_inputs(T, H, Hkv, d, n, kv, dt, keep, R.device, first)
     q, k, v, ks, vs, mask = args
     ref = masked_attention_torch(*args)
     got = masked_attention_triton(*args, config=config)
@@ -384,8 +387,14 @@ def check_masked_attn(R: Runner, T: int, H: int, Hkv: int, d: int, n: int, kv: s
     if dt != torch.float32:  # and against the model's path, which rounds K, V and p to the same 16-bit type
         e16 = rel_err(got, dense_attention_path(*args))
         ok, detail = ok and e16 < TOL[dt], detail + f" (f32 reference), {e16:.2e} (the model's 16-bit path)"
+    skips = T >= SKIP_MIN_ROWS
+    if skips:
+        same = torch.equal(got, masked_attention_triton(*args, config=config, skip=False))
+        ok, detail = ok and same, detail + f", {'same' if same else 'NOT the same'} bits without skipping"
+        if timed and R.timing:
+            detail += f" ({R.bench(lambda: masked_attention_triton(*args, config=config, skip=False)):.1f} us)"
     row = Row(f"masked_attn T={T} H={H}/{Hkv} d={d} n={n} kv={kv} keep={keep} {str(dt).removeprefix('torch.')}"
-              + (f" config={config}" if config else "")
+              + (f" first={first}" if first is not None else "") + (f" config={config}" if config else "")
               + (" (torch: the model's dequant + bmm/softmax path)" if timed else ""), ok, detail)
     if timed and R.timing:
         row.torch_us = R.bench(lambda: dense_attention_path(*args))
@@ -816,6 +825,9 @@ def masked_attention_checks(R: Runner, small: bool) -> None:
             check_masked_attn(R, T, 24, 2, 256, 4608, "q8_0", keep=0.45, timed=True)
         check_masked_attn(R, 6, 24, 2, 256, 4608, "bf16", keep=0.45)
         check_masked_attn(R, 3, 12, 2, 128, 1000, "f32", dt=torch.float32, keep=0.5)
+        # prefill chunks of 512: the first (causal), and one past the QSA budget (~45% of the earlier cells)
+        check_masked_attn(R, 512, 24, 2, 256, 4608, "q8_0", first=0, timed=True)
+        check_masked_attn(R, 512, 24, 2, 256, 4608, "q8_0", keep=0.45, first=4096 - 512, timed=True)
         return
     check_masked_attn(R, 1, 12, 2, 64, 100, "q8_0")
     check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5)
@@ -826,6 +838,10 @@ def masked_attention_checks(R: Runner, small: bool) -> None:
     check_masked_attn(R, 6, 12, 2, 64, 100, "q8_0", keep=0.5, config=(4, 16, 4, 2, 8))
     check_masked_attn(R, 5, 6, 2, 96, 200, "q8_0", dt=torch.float16, keep=0.4, config=(2, 64, 8, 3, 264))
     check_masked_attn(R, 3, 4, 2, 32, 70, "f32", dt=torch.float32, keep=0.5, config=(4, 32, 4, 1, 264))
+    # prefill-sized calls (steps with no attended cell skipped): a first chunk, a later one, a ragged last group
+    check_masked_attn(R, 40, 6, 2, 64, 160, "q8_0", keep=0.5, first=0)
+    check_masked_attn(R, 18, 4, 2, 32, 128, "bf16", first=70)
+    check_masked_attn(R, 17, 4, 1, 48, 96, "f32", dt=torch.float32, keep=0.4, first=8)
 
 
 def q4_checks(R: Runner, small: bool) -> None:

@@ -31,6 +31,11 @@ COMBINE_STEP = 16  # chunks the combine kernel reads per step
 # (benchmarks/results/gpu_kernels_attn_sweep_h200_s13.txt).
 ONE_ROW_CONFIG = (1, BLOCK_N, 8, 3, TARGET_PROGRAMS // 2)
 FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
+# Calls of at least this many rows (prefill chunks) skip the cell steps none of a program's rows attends to: a
+# chunk's rows see no cell past their own positions, and past the QSA budget only their chosen blocks. A skipped
+# step would leave (m, l, acc) exactly as they were, so the output is the same bits. Decode and verify steps keep
+# the loop without the branch they were measured with (BENCHMARKS.md §5).
+SKIP_MIN_ROWS = 16
 
 if HAS_TRITON:
     import triton
@@ -108,7 +113,7 @@ if HAS_TRITON:
                             q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
                             G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BN: tl.constexpr, STAGES: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
-                            UPCAST: tl.constexpr, PDL: tl.constexpr = False):
+                            UPCAST: tl.constexpr, SKIP: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_start(PDL)
         t0 = tl.program_id(0) * RP
         h = tl.program_id(1)
@@ -121,8 +126,14 @@ if HAS_TRITON:
             lm = used[:, None] & inn[None, :]
             valid = lm & (tl.load(mask_ptr + t[:, None] * mk_t + j[None, :], mask=lm, other=0) != 0)  # [RP*GP, BN]
             load_ok = tl.max(valid.to(tl.int32), axis=0) > 0  # a cell some row attends to
-            m_i, l_i, acc = online_step(q, j.to(tl.int64), load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                        h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
+            cell = j.to(tl.int64)
+            if SKIP:
+                if tl.max(load_ok.to(tl.int32), axis=0) > 0:
+                    m_i, l_i, acc = online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                                h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
+            else:
+                m_i, l_i, acc = online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                                            h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
         store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t0, T, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, RP, D, DP)
 
     @triton.jit(do_not_specialize=["S"])  # the chunk count follows the KV bucket: one compiled kernel for all
@@ -180,9 +191,11 @@ def new_partials(T: int, H: int, chunks: int, d: int, device: torch.device
 
 def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
                             v_scale: torch.Tensor | None, mask: torch.Tensor,
-                            config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int, int] | None = None, skip: bool | None = None
+                            ) -> torch.Tensor:
     """Launch both kernels; arguments as `masked_attention` (already checked). config: (rows per program (a power of
-    two), cells per step, warps, pipeline stages, programs wanted); default ONE_ROW_CONFIG or FEW_ROWS_CONFIG."""
+    two), cells per step, warps, pipeline stages, programs wanted); default ONE_ROW_CONFIG or FEW_ROWS_CONFIG.
+    skip: leave out the cell steps no row of a program attends to (default: from SKIP_MIN_ROWS rows on)."""
     T, H, d = q.shape
     rp, block_n, warps, stages, target = config or (ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG)
     if rp < 1 or rp & (rp - 1) or block_n < 16 or block_n & (block_n - 1):
@@ -208,7 +221,7 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
         mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         G=G, GP=max(16, next_pow2(G)), RP=rp, D=d, DP=DP, BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype),
-        UPCAST=INTERPRET, num_warps=warps, **pdl_launch(q))
+        UPCAST=INTERPRET, SKIP=T >= SKIP_MIN_ROWS if skip is None else skip, num_warps=warps, **pdl_launch(q))
     return combine_chunks(acc, m, lsum, splits, q.dtype)
 
 
