@@ -842,6 +842,7 @@ def masked_attention_checks(R: Runner, small: bool) -> None:
     check_masked_attn(R, 40, 6, 2, 64, 160, "q8_0", keep=0.5, first=0)
     check_masked_attn(R, 18, 4, 2, 32, 128, "bf16", first=70)
     check_masked_attn(R, 17, 4, 1, 48, 96, "f32", dt=torch.float32, keep=0.4, first=8)
+    check_masked_attn(R, 20, 4, 2, 32, 64, "q8_0", keep=0.5, first=0, config=(4, 16, 4, 1, 8))  # one chunk, unpadded
 
 
 def q4_checks(R: Runner, small: bool) -> None:

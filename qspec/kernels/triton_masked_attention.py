@@ -183,8 +183,10 @@ def new_partials(T: int, H: int, chunks: int, d: int, device: torch.device
     """Buffers for per-chunk partial results (acc [T, H, S, d], m and l [T, H, S], f32) with room for `chunks`,
     padded to a multiple of 16. Sized by the most chunks a step's rows can have, not by the chunks of this call,
     their strides stay the same in every KV bucket: Triton specializes integer arguments on their divisibility by
-    16, so a stride that followed the bucket compiled the kernels again when a request crossed into the next one."""
-    S = -(-chunks // 16) * 16
+    16, so a stride that followed the bucket compiled the kernels again when a request crossed into the next one.
+    One chunk (a prefill chunk's rows fill the GPU alone) is not padded: at 4,096 rows of 24 heads of 256 a padded
+    acc would take 1.6 GB, for as long as the call runs."""
+    S = chunks if chunks == 1 else -(-chunks // 16) * 16
     m = torch.empty(T, H, S, dtype=torch.float32, device=device)
     return torch.empty(T, H, S, d, dtype=torch.float32, device=device), m, torch.empty_like(m)
 
