@@ -35,6 +35,7 @@ from qspec.weights import (
     write_gguf,
     write_hf,
 )
+from qspec.weights.finite import check_finite
 from qspec.weights.gguf_io import GGUF_MAGIC, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
@@ -106,6 +107,7 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
         cfg, weights = load_model_weights(path, with_mtp=with_mtp, **kw)
         # The config describes the file even when its MTP block was skipped, so pass the choice on explicitly.
         mtp = cfg.has_mtp if with_mtp is None else with_mtp
+    check_finite(weights, path if draft_path is None else f"{path} (draft {draft_path})")
     if quantize is not None:
         weights = quantize_weights(weights, quantize, cfg)
     model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream, pin_table=pin_table)
