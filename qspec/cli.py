@@ -417,6 +417,20 @@ def _outputs(out: Path, fmt: str) -> list[tuple[str, Path]]:
     return [("gguf", stem.with_name(stem.name + ".gguf")), ("hf", stem.with_name(stem.name + "-hf"))]
 
 
+def _byte_size(s: str) -> int:
+    """A size as bytes: a positive integer, optionally with K, M, G or T (powers of 1024, as llama-gguf-split)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = s.strip().upper().removesuffix("B")
+    mult = units.get(t[-1:], 1)
+    try:
+        n = int(t[:-1] if t[-1:] in units else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 50G, 512M, 1000000)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be > 0, got {s!r}")
+    return n
+
+
 def cmd_make_model(a: argparse.Namespace) -> int:
     for flag in ("layers", "experts", "ngram_vocab_base", "vocab_size"):
         v = getattr(a, flag)
@@ -426,6 +440,8 @@ def cmd_make_model(a: argparse.Namespace) -> int:
         raise UsageError("--qtype/--quant apply to GGUF output only (--format gguf or both)")
     if a.qtype and a.quant:
         raise UsageError("--qtype and --quant are exclusive")
+    if a.split_max_size and a.format == "hf":
+        raise UsageError("--split-max-size applies to GGUF output only (HF checkpoints are written in 4 GiB shards)")
     cfg = preset(a.preset, layers=a.layers, experts=a.experts, ngram_vocab_base=a.ngram_vocab_base,
                  vocab_size=a.vocab_size, mtp=not a.no_mtp)
     tok, note = tokenizer_for_vocab(cfg.vocab_size)
@@ -434,10 +450,11 @@ def cmd_make_model(a: argparse.Namespace) -> int:
         if fmt == "hf" and path.exists() and not path.is_dir():
             raise UsageError(f"{path} exists and is not a directory")
         t0 = time.perf_counter()
-        write_model(path, cfg, fmt=fmt, seed=a.seed, dtype=DTYPES[a.dtype],
-                    qtype=QTYPES[a.qtype] if a.qtype and fmt == "gguf" else None, tokenizer=tok,
-                    quant=a.quant if fmt == "gguf" else None)
-        _say(f"qspec: wrote {path} ({fmt}, {a.preset}, {cfg.n_layers} layers, {cfg.n_experts} experts, "
+        files = write_model(path, cfg, fmt=fmt, seed=a.seed, dtype=DTYPES[a.dtype],
+                            qtype=QTYPES[a.qtype] if a.qtype and fmt == "gguf" else None, tokenizer=tok,
+                            quant=a.quant if fmt == "gguf" else None, split_max_bytes=a.split_max_size or 0)
+        where = path if len(files) == 1 else f"{files[0]} .. {files[-1].name} ({len(files)} parts)"
+        _say(f"qspec: wrote {where} ({fmt}, {a.preset}, {cfg.n_layers} layers, {cfg.n_experts} experts, "
              f"vocab {cfg.vocab_size}, {'MTP' if cfg.has_mtp else 'no MTP'}, seed {a.seed}) "
              f"in {time.perf_counter() - t0:.1f} s")
     return 0
@@ -572,6 +589,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     m.add_argument("--quant", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"),
                    help="quantize GGUF matrices in llama.cpp's per-tensor type mix of this file type")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--split-max-size", type=_byte_size, metavar="SIZE",
+                   help="write the GGUF in parts of at most SIZE tensor bytes (e.g. 50G, 512M), named as "
+                        "llama-gguf-split names them: OUT-00001-of-0000N.gguf (load the first; qspec takes any part)")
     m.set_defaults(func=cmd_make_model)
 
     lg = sub.add_parser("logits", help="full-vocabulary logits of every position (one prefill forward) to .npy")

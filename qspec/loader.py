@@ -274,24 +274,28 @@ def tokenizer_for_vocab(vocab_size: int) -> tuple[Tokenizer | None, str]:
 
 def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gguf", seed: int = 0,
                 dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
-                tokenizer: Tokenizer | None = None, quant: str | None = None) -> None:
+                tokenizer: Tokenizer | None = None, quant: str | None = None, split_max_bytes: int = 0
+                ) -> list[Path]:
     """A random-weight model (values from `RandomWeights`, as `write_random_model`) with a tokenizer embedded:
     GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir.
-    `qtype`: one type for every matrix; `quant`: a llama.cpp file type's per-tensor mix (quant_mix.MIXES).
-    Raises ResourceError before writing anything when the memory or the disk space it needs is not there."""
+    `qtype`: one type for every matrix; `quant`: a llama.cpp file type's per-tensor mix (quant_mix.MIXES);
+    `split_max_bytes` > 0: a GGUF in parts of at most that many tensor bytes (llama-gguf-split's layout).
+    Returns the files (a GGUF's parts) or the directory written. Raises ResourceError before writing anything when
+    the memory or the disk space it needs is not there."""
     check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype or (MIXES[quant] if quant else None))
     lazy = RandomWeights(cfg, seed, dtype)
     if fmt == "gguf":
         extra: Mapping[str, Any] = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {}
-        write_gguf(out, cfg, lazy, qtypes=gguf_qtypes(cfg, dtype, qtype, quant), extra_kv=extra)
-    elif fmt == "hf":
+        return write_gguf(out, cfg, lazy, qtypes=gguf_qtypes(cfg, dtype, qtype, quant), extra_kv=extra,
+                          split_max_bytes=split_max_bytes)
+    if fmt == "hf":
         if qtype is not None or quant is not None:
             raise ValueError("--qtype / --quant apply to GGUF output only")
         write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
         if tokenizer is not None:
             tokenizer.to_hf_dir(out)
-    else:
-        raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
+        return [Path(out)]
+    raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
 
 
 # ---- what writing a random model needs -----------------------------------------------------------------------------

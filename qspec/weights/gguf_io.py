@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -129,6 +130,7 @@ class _CheckedReader(GGUFReader):
 
     def __init__(self, path: Path) -> None:
         self._path = path
+        self.parts: list[Path] = []  # a split GGUF's files, when this reader holds all their tensors (_open)
         super().__init__(path, "r")
 
     def _build_fields(self, offs: int, count: int) -> int:
@@ -159,8 +161,7 @@ class _CheckedReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
-def _open(path: str | os.PathLike[str]) -> _CheckedReader:
-    p = Path(path)
+def _open_one(p: Path) -> _CheckedReader:
     if not p.exists():
         raise WeightsError(f"{p}: file not found")
     if not p.is_file():
@@ -170,16 +171,66 @@ def _open(path: str | os.PathLike[str]) -> _CheckedReader:
     if magic != GGUF_MAGIC:
         raise WeightsError(f"{p}: not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = _CheckedReader(p)
+        return _CheckedReader(p)
     except WeightsError:
         raise
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
         raise WeightsError(f"{p}: corrupt or truncated GGUF header: {e}") from e
-    split = reader.fields.get("split.count")
-    if split is not None and int(split.contents()) > 1:
-        raise WeightsError(f"{p}: split GGUF ({int(split.contents())} files) is not supported; merge it with "
-                           "llama-gguf-split --merge")
-    return reader
+
+
+# llama.cpp's names for the parts of a split GGUF (llama-gguf-split, and gguf-py's writer): PREFIX-00001-of-00003.gguf
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _split_field(p: Path, reader: GGUFReader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WeightsError(f"{p}: metadata {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def split_parts(p: Path, no: int, count: int) -> list[Path]:
+    """Every part's path of a split GGUF, given part `no` (0-based) of `count` at path p, by llama.cpp's naming."""
+    m = _SPLIT_NAME.match(p.name)
+    if m is None or int(m["no"]) != no + 1 or int(m["count"]) != count:
+        raise WeightsError(f"{p}: part {no + 1} of a {count}-part split GGUF whose name does not end in "
+                           f"-{no + 1:05d}-of-{count:05d}.gguf, so its other parts cannot be found")
+    return [p.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _open(path: str | os.PathLike[str]) -> _CheckedReader:
+    """A GGUF file's reader; for any part of a split GGUF, its first part's reader (the metadata is there) holding
+    every part's tensors, after checking that the parts are all there, in order, and complete."""
+    p = Path(path)
+    reader = _open_one(p)
+    count = _split_field(p, reader, "split.count")
+    if count is None or count <= 1:
+        return reader
+    no = _split_field(p, reader, "split.no") or 0
+    parts = split_parts(p, no, count)
+    readers = []
+    for i, q in enumerate(parts):
+        if i != no and not q.exists():
+            raise WeightsError(f"{p}: part {i + 1} of this {count}-part split GGUF is missing: {q}")
+        r = reader if i == no else _open_one(q)
+        if (_split_field(q, r, "split.no"), _split_field(q, r, "split.count")) != (i, count):
+            raise WeightsError(f"{q}: not part {i + 1} of {count} of the split GGUF {parts[0].name} (its split.no / "
+                               f"split.count say otherwise)")
+        readers.append(r)
+    first = readers[0]
+    first.tensors = [t for r in readers for t in r.tensors]
+    first.parts = parts
+    names = [t.name for t in first.tensors]
+    if len(set(names)) != len(names):
+        dup = next(n for i, n in enumerate(names) if n in names[:i])
+        raise WeightsError(f"{parts[0]}: tensor {dup!r} is in more than one part of the split GGUF")
+    total = _split_field(parts[0], first, "split.tensors.count")
+    if total is not None and total != len(names):
+        raise WeightsError(f"{parts[0]}: the {count} parts hold {len(names)} tensors, split.tensors.count says {total}")
+    return first
 
 
 def _f32(v: float) -> float:
@@ -388,13 +439,16 @@ def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[i
                 bar.step(int(t.n_bytes))
             out[name] = _split_fused(full, kind)
     out.host_peak = bar.host_peak
+    out.files = len(reader.parts) or 1
     return out
 
 
 class LoadedWeights(dict):  # type: ignore[type-arg]
-    """A loaded weight dict that remembers its load's host-memory peak (the largest single host copy, bytes)."""
+    """A loaded weight dict that remembers its load's host-memory peak (the largest single host copy, bytes) and
+    how many files it was read from (a split GGUF's parts)."""
 
     host_peak: int = 0
+    files: int = 1
 
 
 def _size(nbytes: int) -> str:
@@ -426,7 +480,9 @@ def weights_summary(w: Weights, host_peak: int | None = None) -> str:
     parts = [f"{k} {n} tensors {_size(b)}" for k, (n, b) in sorted(by.items(), key=lambda kv: -kv[1][1])]
     peak = host_peak if host_peak is not None else getattr(w, "host_peak", 0)
     extra = f"; load host-memory peak {_size(peak)} (the largest tensor)" if peak else ""
-    return ", ".join(parts) + table + extra
+    files = getattr(w, "files", 1)
+    split = f"; read from the {files} parts of a split GGUF" if files > 1 else ""
+    return ", ".join(parts) + table + extra + split
 
 
 # ---- public readers ----------------------------------------------------------------------------------------------
@@ -608,14 +664,17 @@ def _chunks(name: str, value: torch.Tensor | HostRowTable, shape: tuple[int, ...
 
 def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, torch.Tensor | HostRowTable],
                *, qtypes: GGMLQuantizationType | Mapping[str, GGMLQuantizationType] = GGMLQuantizationType.F32,
-               extra_kv: Mapping[str, Any] | None = None, draft_only: bool = False) -> None:
-    """Write canonical weights as a `qwen4exp` GGUF, one tensor at a time.
+               extra_kv: Mapping[str, Any] | None = None, draft_only: bool = False, split_max_bytes: int = 0
+               ) -> list[Path]:
+    """Write canonical weights as a `qwen4exp` GGUF, one tensor at a time; returns the files written.
 
     `tensors` may be a lazy Mapping: each value is requested once, in file order, and dropped after writing.
     `qtypes` is one type for every matrix or a per-name mapping (absent names: F32); 1-D tensors and rows
     that are not whole blocks are written F32. The MTP block is written when all its tensors are present
     (else the metadata says no MTP). `draft_only` writes just the MTP block (llama.cpp's `-md` layout).
-    `extra_kv` adds metadata (e.g. tokenizer.ggml.*); a `(value, GGUFValueType)` pair forces a type."""
+    `extra_kv` adds metadata (e.g. tokenizer.ggml.*); a `(value, GGUFValueType)` pair forces a type.
+    `split_max_bytes` > 0 splits the file as llama-gguf-split does: parts PATH-00001-of-0000N.gguf of at most that
+    many tensor bytes (a larger tensor alone), the metadata in the first, `split.*` keys in each."""
     extra_kv = dict(extra_kv or {})
     if draft_only:
         if not cfg.has_mtp:
@@ -631,7 +690,7 @@ def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[
         raise WeightsError(f"unknown tensor {unknown[0]!r} is not part of this config's weight set")
     plan = {n: _choose_qtype(n, s, qtypes) for n, s in shapes.items()}
 
-    w = GGUFWriter(os.fspath(path), ARCH)  # writes general.architecture itself
+    w = GGUFWriter(os.fspath(path), ARCH, split_max_size=split_max_bytes)  # writes general.architecture itself
     try:
         for key, value in to_gguf_metadata(cfg).items():
             if key != "general.architecture":
@@ -651,18 +710,22 @@ def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         assert w.fout is not None
-        fout = w.fout[0]
-        for name, q in plan.items():
-            value = tensors[name]
-            w.write_padding(fout, fout.tell())  # tensor data starts aligned, matching the offsets in the header
-            written = 0
-            for chunk in _chunks(name, value, shapes[name]):
-                data = _encode(chunk, q)
-                data.tofile(fout)
-                written += data.nbytes
-            del value
-            if written != qtype_nbytes(q, shapes[name]):
-                raise WeightsError(f"{name}: wrote {written} bytes, expected {qtype_nbytes(q, shapes[name])}")
-        fout.flush()
+        for fout, part in zip(w.fout, w.tensors, strict=True):  # each part's tensors, in the order of its header
+            for name in part:
+                _write_tensor(w, fout, name, tensors[name], shapes[name], plan[name])
+            fout.flush()
+        return w.format_shard_names(Path(path))
     finally:
         w.close()
+
+
+def _write_tensor(w: GGUFWriter, fout: Any, name: str, value: Any, shape: tuple[int, ...],
+                  q: GGMLQuantizationType) -> None:
+    w.write_padding(fout, fout.tell())  # tensor data starts aligned, matching the offsets in the header
+    written = 0
+    for chunk in _chunks(name, value, shape):
+        data = _encode(chunk, q)
+        data.tofile(fout)
+        written += data.nbytes
+    if written != qtype_nbytes(q, shape):
+        raise WeightsError(f"{name}: wrote {written} bytes, expected {qtype_nbytes(q, shape)}")
