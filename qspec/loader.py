@@ -36,7 +36,8 @@ from qspec.weights import (
     write_hf,
 )
 from qspec.weights.finite import check_finite
-from qspec.weights.gguf_io import GGUF_MAGIC, Weights, quantize_blocks, read_draft_gguf, weights_summary
+from qspec.weights.gguf_io import Weights, quantize_blocks, read_draft_gguf, weights_summary
+from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
 from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan

@@ -16,7 +16,6 @@ import torch
 from qspec.config import ConfigError, ModelConfig
 from qspec.weights.dequant import WeightsError, dequantize, quantize_q4_0, quantize_q8_0
 from qspec.weights.gguf_io import (
-    GGUF_MAGIC,
     HostRowTable,
     Weights,
     read_draft_gguf,
@@ -24,6 +23,7 @@ from qspec.weights.gguf_io import (
     read_gguf_metadata,
     write_gguf,
 )
+from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.hf import read_hf, write_hf
 from qspec.weights.random_model import random_weights, write_random_model
 

@@ -1,6 +1,7 @@
 """Read and write llama.cpp `qwen4exp` GGUF files as the canonical weight dict (see `names.py`).
 
-Reading goes through `gguf.GGUFReader`, which memory-maps the file: tensors are copied out one at a time,
+Reading goes through `gguf.GGUFReader` (`gguf_open.py`: one file or every part of a split one), which memory-maps
+the file: tensors are copied out one at a time,
 and the per-layer n-gram table (`per_layer_token_embd.weight`, ~100 GB in the real model) is never copied at
 all: it is returned as a `HostRowTable` over the mmap, from which the model gathers the rows it needs.
 Matrices stored in a type of `qweight.PACKED_QTYPES` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K) are copied to the device as
@@ -13,7 +14,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,13 +35,13 @@ from qspec.config import (
     to_gguf_metadata,
 )
 from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes
+from qspec.weights.gguf_open import CheckedReader, open_gguf
 from qspec.weights.names import mtp_shapes, tensor_shapes, writable_shapes
 from qspec.weights.quant_mix import keep_packed
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight, row_bytes
 
 PLE_TABLE = "per_layer_token_embd.weight"
-GGUF_MAGIC = b"GGUF"
 # The converter writes these three as uint64 arrays (multipliers exceed int32; llama.cpp narrows the others).
 UINT64_ARRAY_KEYS = frozenset(f"{ARCH}.ple.{k}" for k in ("layer_multipliers", "head_offsets", "head_vocab_sizes"))
 # Types `write_gguf` can produce: the block types through qspec.weights.quantize (gguf-py has no K-quant quantizer).
@@ -124,115 +124,7 @@ class HostRowTable:
 Weights = dict[str, torch.Tensor | HostRowTable | QuantWeight]
 
 
-# ---- opening and metadata ----------------------------------------------------------------------------------------
-class _CheckedReader(GGUFReader):
-    """GGUFReader that refuses a truncated file (with the first tensor that does not fit) before mapping tensors."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self.parts: list[Path] = []  # a split GGUF's files, when this reader holds all their tensors (_open)
-        super().__init__(path, "r")
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        # Parse the key/values from a plain ndarray view of the map: numpy's memmap wraps every small
-        # slice in a memmap object, which made a Qwen-vocabulary header (750k strings) take ~25 s.
-        mm = self.data
-        self.data = mm.view(np.ndarray)
-        try:
-            return super()._build_fields(offs, count)
-        finally:
-            self.data = mm
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
-        for f in fields:
-            _, name_data, _, dims, raw_dtype, offset = f.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
-                block, type_size = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise WeightsError(f"{self._path}: tensor {name!r} has unknown ggml type id {int(raw_dtype[0])}") \
-                    from None
-            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * type_size // block
-            if end > size:
-                raise WeightsError(f"{self._path}: truncated file: tensor {name!r} needs bytes up to {end}, "
-                                   f"the file has {size}")
-        super()._build_tensors(start_offs, fields)
-
-
-def _open_one(p: Path) -> _CheckedReader:
-    if not p.exists():
-        raise WeightsError(f"{p}: file not found")
-    if not p.is_file():
-        raise WeightsError(f"{p}: not a file")
-    with open(p, "rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC:
-        raise WeightsError(f"{p}: not a GGUF file (bad magic {magic!r}, expected {GGUF_MAGIC!r})")
-    try:
-        return _CheckedReader(p)
-    except WeightsError:
-        raise
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise WeightsError(f"{p}: corrupt or truncated GGUF header: {e}") from e
-
-
-# llama.cpp's names for the parts of a split GGUF (llama-gguf-split, and gguf-py's writer): PREFIX-00001-of-00003.gguf
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-
-
-def _split_field(p: Path, reader: GGUFReader, key: str) -> int | None:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.contents()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise WeightsError(f"{p}: metadata {key} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def split_parts(p: Path, no: int, count: int) -> list[Path]:
-    """Every part's path of a split GGUF, given part `no` (0-based) of `count` at path p, by llama.cpp's naming."""
-    m = _SPLIT_NAME.match(p.name)
-    if m is None or int(m["no"]) != no + 1 or int(m["count"]) != count:
-        raise WeightsError(f"{p}: part {no + 1} of a {count}-part split GGUF whose name does not end in "
-                           f"-{no + 1:05d}-of-{count:05d}.gguf, so its other parts cannot be found")
-    return [p.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
-def _open(path: str | os.PathLike[str]) -> _CheckedReader:
-    """A GGUF file's reader; for any part of a split GGUF, its first part's reader (the metadata is there) holding
-    every part's tensors, after checking that the parts are all there, in order, and complete."""
-    p = Path(path)
-    reader = _open_one(p)
-    count = _split_field(p, reader, "split.count")
-    if count is None or count <= 1:
-        return reader
-    no = _split_field(p, reader, "split.no") or 0
-    parts = split_parts(p, no, count)
-    readers = []
-    for i, q in enumerate(parts):
-        if i != no and not q.exists():
-            raise WeightsError(f"{p}: part {i + 1} of this {count}-part split GGUF is missing: {q}")
-        r = reader if i == no else _open_one(q)
-        if (_split_field(q, r, "split.no"), _split_field(q, r, "split.count")) != (i, count):
-            raise WeightsError(f"{q}: not part {i + 1} of {count} of the split GGUF {parts[0].name} (its split.no / "
-                               f"split.count say otherwise)")
-        readers.append(r)
-    first = readers[0]
-    first.tensors = [t for r in readers for t in r.tensors]
-    first.parts = parts
-    names = [t.name for t in first.tensors]
-    if len(set(names)) != len(names):
-        dup = next(n for i, n in enumerate(names) if n in names[:i])
-        raise WeightsError(f"{parts[0]}: tensor {dup!r} is in more than one part of the split GGUF")
-    total = _split_field(parts[0], first, "split.tensors.count")
-    if total is not None and total != len(names):
-        raise WeightsError(f"{parts[0]}: the {count} parts hold {len(names)} tensors, split.tensors.count says {total}")
-    return first
-
-
+# ---- metadata ----------------------------------------------------------------------------------------------------
 def _f32(v: float) -> float:
     """The shortest decimal that round-trips in float32, so a stored 1e-6 reads back as 1e-6."""
     return float(str(np.float32(v)))
@@ -260,7 +152,7 @@ def _metadata(reader: GGUFReader, keys: Sequence[str] | None = None, prefixes: S
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every key/value of a GGUF file as Python values (strings decoded, arrays as lists)."""
-    return _metadata(_open(path))
+    return _metadata(open_gguf(path))
 
 
 def _ne_rows(reader: GGUFReader, name: str) -> int:
@@ -286,7 +178,7 @@ def _hf_extras(cfg: ModelConfig) -> ModelConfig:
     return cfg.with_(extra=extra)
 
 
-def _config(reader: _CheckedReader, vocab: int, ple_rows: int) -> ModelConfig:
+def _config(reader: CheckedReader, vocab: int, ple_rows: int) -> ModelConfig:
     kv = _metadata(reader, keys=("tokenizer.ggml.eos_token_id",), prefixes=("general.", f"{ARCH}."))
     kv["_vocab_size"] = vocab
     kv["_ple_rows"] = ple_rows
@@ -410,7 +302,7 @@ def _resolve(path: Path, have: dict[str, Any], shapes: dict[str, tuple[int, ...]
     return jobs
 
 
-def _plan_and_load(path: Path, reader: _CheckedReader, shapes: dict[str, tuple[int, ...]],
+def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[int, ...]],
                    device: torch.device | str, dtype: torch.dtype, ignore_prefix: str | None,
                    dequantize_all: bool = False, progress: bool | None = None) -> Weights:
     """Resolve every expected name to file tensors, check all of them, then load them in order.
@@ -498,7 +390,7 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
     `with_mtp=None` loads the MTP block when the file has one. The config always describes the file
     (n_mtp_layers included), even when the MTP tensors are skipped."""
     p = Path(path)
-    reader = _open(p)
+    reader = open_gguf(p)
     cfg = _file_config(p, reader)
     if with_mtp and not cfg.has_mtp:
         raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
@@ -507,7 +399,7 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
     return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress)
 
 
-def _file_config(p: Path, reader: _CheckedReader) -> ModelConfig:
+def _file_config(p: Path, reader: CheckedReader) -> ModelConfig:
     """The config a full (not draft-only) `qwen4exp` GGUF describes, checked."""
     have = {t.name for t in reader.tensors}
     if "token_embd.weight" not in have and any(".nextn." in n for n in have):
@@ -524,7 +416,7 @@ def read_gguf_layout(path: str | os.PathLike[str]
     """From the header alone (no tensor data read): (config, the file's type and the bytes of each canonical tensor
     it holds). A fused gate_up tensor gives each half its type and half its bytes; an aliased head is absent."""
     p = Path(path)
-    reader = _open(p)
+    reader = open_gguf(p)
     cfg = _file_config(p, reader)
     types: dict[str, GGMLQuantizationType] = {}
     nbytes: dict[str, int] = {}
@@ -550,7 +442,7 @@ def read_draft_gguf(path: str | os.PathLike[str], target_cfg: ModelConfig, devic
     """The MTP tensors of a draft-only GGUF (llama.cpp `-md` layout: only `blk.{n_layers}.*`; it borrows
     `token_embd`/`output` from the target), checked against the target's config."""
     p = Path(path)
-    reader = _open(p)
+    reader = open_gguf(p)
     draft = _config(reader, target_cfg.vocab_size, target_cfg.ple_rows)
     if not draft.has_mtp:
         raise WeightsError(f"{p}: not a draft GGUF: {ARCH}.nextn_predict_layers is 0")
