@@ -1,5 +1,5 @@
-"""Split GGUF files (llama-gguf-split's layout, as large downloads come): written in parts, loaded from any part,
-and refused with one error naming the part when one is missing, out of place or renamed."""
+"""qspec.weights.gguf_open: split GGUF files (llama-gguf-split's layout, as large downloads come) are written in
+parts, loaded from any part, and refused with one error naming the part when one is missing, out of place or renamed."""
 
 from __future__ import annotations
 
