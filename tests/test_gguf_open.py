@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from qspec.cli import main
 from qspec.config import ModelConfig, preset
 from qspec.weights import WeightsError, read_gguf
 from qspec.weights.gguf_io import HostRowTable, write_gguf
+from qspec.weights.gguf_open import open_gguf
 from qspec.weights.qweight import QuantWeight
 from qspec.weights.random_model import random_weights
 
@@ -99,3 +100,35 @@ def test_make_model_writes_parts_that_run(tmp_path: Path, capsys: pytest.Capture
     capsys.readouterr()
     assert main(["make-model", str(tmp_path / "x.gguf"), "--split-max-size", "12Q"]) == 2
     assert "not a size: '12Q'" in capsys.readouterr().err
+
+
+def _arrays_file(path: Path) -> None:
+    w = GGUFWriter(str(path), "qwen4exp")
+    w.add_array("a.ints", [3, -1, 7])
+    w.add_array("a.floats", [0.5, -2.25])
+    w.add_array("a.bools", [True, False, True])
+    w.add_array("a.strings", ["", "x", "\u00e9t\u00e9 \U0001f600", "ab" * 300])
+    w.add_array("a.empty", [])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_key_value("a.u8s", [1, 2, 255], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT8)
+    w.add_key_value("a.f64s", [1.5, 2.5], GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT64)
+    w.add_string("a.after", "the fields after the arrays parse too")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
+def test_fast_array_parsing_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    p = tmp_path / "arrays.gguf"
+    _arrays_file(p)
+    ours, ref = open_gguf(p).fields, GGUFReader(p).fields
+    assert list(ours) == list(ref)
+    for k in ref:
+        assert ours[k].types == ref[k].types and ours[k].contents() == ref[k].contents(), k
+    assert ours["a.strings"].contents()[2] == "\u00e9t\u00e9 \U0001f600"
+    raw = p.read_bytes()
+    at = raw.index(b"a.strings") + len("a.strings") + 4 + 4 + 8  # the key, its type, the element type, the count
+    (tmp_path / "cut.gguf").write_bytes(raw[:at + 20])  # the file ends inside the string array
+    with pytest.raises(WeightsError, match="corrupt or truncated GGUF header.*runs past the end"):
+        open_gguf(tmp_path / "cut.gguf")

@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from qspec.weights.dequant import WeightsError
 
@@ -37,6 +38,39 @@ class CheckedReader(GGUFReader):
             return super()._build_fields(offs, count)
         finally:
             self.data = mm
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+        # Arrays of scalars and of strings in one pass each (gguf-py builds a few small arrays per element: ~7 s
+        # for a Qwen-vocabulary header of 750k strings, parsed again at every open). A scalar array is one part;
+        # a string array one part per string (a slice of the map), as contents() reads them. Nested arrays and
+        # byte-swapped files take gguf-py's path.
+        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+        n, offs = int(alen[0]), orig_offs + 12
+        sub = GGUFValueType(int(itype[0]))
+        nptype = self.gguf_scalar_to_np.get(sub)
+        types = [GGUFValueType.ARRAY] + ([sub] if n else [])  # gguf-py gives an empty array no element type
+        past_end = ValueError(f"the array at offset {orig_offs} runs past the end of the file")
+        if nptype is not None:
+            values = self._get(offs, nptype, n)
+            if values.size != n:
+                raise past_end
+            return offs + int(values.nbytes) - orig_offs, [itype, alen, values], [2], types
+        if sub != GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        strings = []
+        buf = memoryview(self.data)
+        try:
+            for _ in range(n):
+                (length,) = struct.unpack_from("<Q", buf, offs)
+                strings.append(self.data[offs + 8:offs + 8 + length])
+                offs += 8 + length
+        except struct.error:
+            raise past_end from None
+        if offs > len(self.data):
+            raise past_end
+        return offs - orig_offs, [itype, alen, *strings], list(range(2, 2 + n)), types
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)
