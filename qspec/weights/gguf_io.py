@@ -235,12 +235,14 @@ def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dty
 
     The bytes pass through host memory once, as one tensor's copy out of the mmap (the load's host peak is the
     largest tensor, never the file)."""
-    raw = torch.from_numpy(np.array(np.asarray(t.data).reshape(-1).view(np.uint8)))  # the one host copy
+    raw = np.array(np.asarray(t.data).reshape(-1).view(np.uint8))  # the one host copy
     _drop_pages(t.data)
     if packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES:
-        blocks = raw.view(*shape[:-1], row_bytes(t.tensor_type, shape[-1]))  # shaped on the host: no device copy
+        # shaped before torch sees it: a tensor of its own shape (not a view), so nothing is copied again, on the
+        # device or (blocks on the CPU) by from_blocks
+        blocks = torch.from_numpy(raw.reshape(*shape[:-1], row_bytes(t.tensor_type, shape[-1])))
         return QuantWeight.from_blocks(blocks.to(device), t.tensor_type, shape)
-    return dequantize(raw.to(device), t.tensor_type, shape, dtype)
+    return dequantize(torch.from_numpy(raw).to(device), t.tensor_type, shape, dtype)
 
 
 class LoadProgress:
