@@ -634,23 +634,3 @@ def test_copied_tensors_leave_resident_memory(tmp_path: Path) -> None:
     after = resident()
     assert touched - before > n // 4 and touched - after > n // 4, (before, touched, after)
     assert int(np.asarray(mm[:4096]).sum()) > 0 and int(view[:10].sum()) >= 0  # still readable from the file
-
-
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from /proc")
-def test_read_ahead_leaves_resident_memory_alone(tmp_path: Path) -> None:
-    """Reading the next tensor ahead fills the page cache, not this process's resident memory (the load's host
-    peak stays one tensor), and the bytes read afterwards are the file's."""
-    from qspec.weights.gguf_io import _read_ahead
-
-    def resident() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    n = 64 << 20
-    data = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
-    (tmp_path / "f.bin").write_bytes(data.tobytes())
-    mm = np.memmap(tmp_path / "f.bin", mode="r")
-    view = mm[4096 + 17:][: n // 2]
-    before = resident()
-    assert _read_ahead(view)  # given (Linux has MADV_WILLNEED)
-    assert resident() - before < n // 8
-    assert np.array_equal(np.asarray(view[:1000]), data[4096 + 17:4096 + 1017])

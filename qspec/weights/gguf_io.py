@@ -200,33 +200,19 @@ def _check(path: Path, t: Any, expect: tuple[int, ...], name: str | None = None)
         raise WeightsError(f"{path}: tensor {name!r} has wrong shape: expected {expect}, got {got}")
 
 
-def _advise(a: np.ndarray, advice: str) -> bool:
-    """madvise(mmap.`advice`) over the file pages under `a`, a view of a reader's mmap (where the OS has it);
-    whether it was given."""
+def _drop_pages(a: np.ndarray) -> None:
+    """Let the kernel drop the file pages under `a`, a view of the reader's mmap already copied out. Mapped pages
+    that were read count towards the process's resident memory until unmapped, so without this a load's peak grows
+    by the file's size on top of the weights; the pages are read again from the file if anything touches them."""
     root = a
     while isinstance(root.base, np.ndarray):  # views of views: the array that owns the mapping holds it as .base
         root = root.base
     mm = root.base
-    if not isinstance(mm, mmap.mmap) or not isinstance(root, np.memmap) or not hasattr(mmap, advice):
-        return False
+    if not isinstance(mm, mmap.mmap) or not isinstance(root, np.memmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
     start = a.ctypes.data - root.ctypes.data + root.offset % mmap.ALLOCATIONGRANULARITY
     lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-    mm.madvise(getattr(mmap, advice), lo, start + a.nbytes - lo)
-    return True
-
-
-def _drop_pages(a: np.ndarray) -> bool:
-    """Let the kernel drop the file pages under `a`, a view of the reader's mmap already copied out. Mapped pages
-    that were read count towards the process's resident memory until unmapped, so without this a load's peak grows
-    by the file's size on top of the weights; the pages are read again from the file if anything touches them."""
-    return _advise(a, "MADV_DONTNEED")
-
-
-def _read_ahead(a: np.ndarray) -> bool:
-    """Ask the kernel to start reading the file pages under `a` now (into the page cache, not this process's
-    resident memory), so the disk works on the next tensor while this one is copied out and uploaded; without it
-    each page fault of the copy waits for a small read-ahead window."""
-    return _advise(a, "MADV_WILLNEED")
+    mm.madvise(mmap.MADV_DONTNEED, lo, start + a.nbytes - lo)
 
 
 def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
@@ -326,17 +312,13 @@ def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[in
     Matrices of a type in PACKED_QTYPES stay as their blocks (`QuantWeight`) unless `dequantize_all`;
     `progress`: a tensor/byte count on stderr (None: when stderr is a terminal)."""
     jobs = _resolve(path, {t.name: t for t in reader.tensors}, shapes, ignore_prefix)
-    files = {j[1].name: j[1] for j in (jobs[n] for n in shapes) if j[0] != "alias" and j[1].name != PLE_TABLE}
+    files = {j[1].name: j[1] for j in jobs.values() if j[0] != "alias" and j[1].name != PLE_TABLE}
     bar = LoadProgress(len(files), sum(int(t.n_bytes) for t in files.values()), progress)
-    order = list(files.values())  # the file tensors in load order: each one's successor is read ahead
-    following = {a.name: b for a, b in zip(order, order[1:], strict=False)}
     out = LoadedWeights()
     fused_cache: dict[str, torch.Tensor | QuantWeight] = {}
     for name in shapes:
         job = jobs[name]
         kind = job[0]
-        if kind != "alias" and job[1].name in following and job[1].name not in fused_cache:
-            _read_ahead(following[job[1].name].data)
         if kind == "alias":
             out[name] = out[job[1]]
         elif kind == "plain":
