@@ -352,7 +352,7 @@ MATRICES = [(T.Q6_K, 248320, 2560), (T.Q4_K, 248320, 2560), (T.Q4_K, 2560, 6144)
 def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None:
     """The kernel against the int8 reference (f32 rows: TIGHT; bf16 rows: the same numbers rounded, the dispatch's
     for one row), against the f32 product (LOOSE), row independence, and dp4a's emulation equal to the instruction."""
-    from qspec.kernels.qmatmul import INT8_MAX_ROWS, qmatmul
+    from qspec.kernels.qmatmul import int8_product, qmatmul
     from qspec.kernels.triton_qdot import qdot_matmul_triton
 
     w = qweight(qt, (N, K), seed=N, device="cuda", tile=8192)
@@ -363,7 +363,7 @@ def test_cuda_qdot_real_shapes(qt: GGMLQuantizationType, N: int, K: int) -> None
         xb = x.bfloat16()
         yk = qdot_matmul_triton(xb, w.raw, int(qt), N)
         yb = qmatmul(xb, w)
-        if M <= INT8_MAX_ROWS:
+        if int8_product(xb, int(qt), N):
             assert torch.equal(yb, yk), (M, "the dispatch takes the int8 kernel")
         assert rel_err(yk, qmatmul_torch(xb, w)) <= LOOSE, (M, "f32 product")
         for i in range(M):

@@ -42,9 +42,9 @@ def kernel_takes(o: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor, w_out: o
     if not (_ON and isinstance(w_out, QuantWeight) and w_out.dim() == 2 and not row_exact() and o.dim() == 3):
         return False
     T, Hv, dv = o.shape
-    return (int8_product(z, w_out.code) and o.dtype == torch.float32 and o.is_contiguous() and dv % 32 == 0
-            and dv & (dv - 1) == 0 and z.shape == (T, Hv * dv) and z.stride(1) == 1 and gamma.shape == (dv,)
-            and gamma.is_contiguous() and w_out.shape[1] == Hv * dv)
+    return (int8_product(z, w_out.code, w_out.shape[0]) and o.dtype == torch.float32 and o.is_contiguous()
+            and dv % 32 == 0 and dv & (dv - 1) == 0 and z.shape == (T, Hv * dv) and z.stride(1) == 1
+            and gamma.shape == (dv,) and gamma.is_contiguous() and w_out.shape[1] == Hv * dv)
 
 
 def gated_norm_product(o: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor, w_out: QuantWeight,

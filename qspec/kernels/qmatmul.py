@@ -18,12 +18,15 @@ reference.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from qspec.kernels.qdot import QDOT_QTYPES
 from qspec.kernels.triton_common import module_flag, use_triton
+from qspec.kernels.triton_qdot import HEAD_ROWS
 from qspec.kernels.triton_qdot import MAX_ROWS as QDOT_MAX_ROWS
 from qspec.weights.qweight import PLANES, PLANES_QTYPES, QuantWeight, base_type, weight_of
 
@@ -44,7 +47,14 @@ INT8_DOT = True
 # experts' kernels, which read a pair's expert once per token, were ahead at 1 and 6 tokens and take up to
 # MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
-# Matrices in planes (the Q6_K LM head, Q8_0 / Q5_0 / Q4_0 on CUDA) take the int8 kernel up to the kernel's
+# Q4_K and Q5_K rows in the file's order, and dense Q6_K matrices in planes (not the LM head), take it up to this
+# many. Against the tensor cores' pair expansion, Q4_K/Q5_K were x1.44-1.73 faster in int8 at 2 and 4 rows on every
+# GDN/QSA shape timed, within 8% either way at 6 and slower at 8; a GDN-sized Q6_K in planes x1.85 faster at 2 rows
+# and x0.85 at 6 (4 lies between; BENCHMARKS.md §5b, qkernels_tensor_cores_h200-1a48428.txt, -q6k_planes_-).
+INT8_MAX_ROWS_FEW = 4
+_FEW = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K)})
+_Q6K_PLANES = PLANES + int(GGMLQuantizationType.Q6_K)
+# Other matrices in planes (the Q6_K LM head, Q8_0 / Q5_0 / Q4_0 on CUDA) take the int8 kernel up to the kernel's
 # QDOT_MAX_ROWS: with whole runs in each thread it beat the tensor cores at 2-8 rows (BENCHMARKS.md §5b), and a row's
 # numbers are those of its one-row product.
 _QDOT = frozenset(int(t) for t in QDOT_QTYPES) | {PLANES + int(t) for t in PLANES_QTYPES}
@@ -65,14 +75,22 @@ def _int8_for(x: torch.Tensor, *qtypes: int) -> bool:
             and all(int(q) in _QDOT for q in qtypes))
 
 
-def _int8_rows(*codes: int) -> int:
-    """The most rows a product of these kernel types takes to the int8 kernel."""
-    return QDOT_MAX_ROWS if all(c > PLANES for c in codes) else INT8_MAX_ROWS
+def _int8_limit(code: int, n: int) -> int:
+    """The most rows a product with a block matrix of kernel type `code` and n rows takes to the int8 kernel."""
+    if code in _FEW or (code == _Q6K_PLANES and n < HEAD_ROWS):
+        return INT8_MAX_ROWS_FEW
+    return QDOT_MAX_ROWS if code > PLANES else INT8_MAX_ROWS
 
 
-def int8_product(x: torch.Tensor, qtype: int) -> bool:
-    """Whether the product of rows x [M, K] with a block matrix of kernel type `qtype` runs on the int8 kernel."""
-    return 0 < x.shape[0] <= _int8_rows(qtype) and _int8_for(x, qtype)
+def _int8_rows(codes: Sequence[int], ns: Sequence[int]) -> int:
+    """The most rows a product of these block matrices (kernel types, row counts) takes to the int8 kernel."""
+    return min(_int8_limit(c, n) for c, n in zip(codes, ns, strict=True))
+
+
+def int8_product(x: torch.Tensor, qtype: int, n: int) -> bool:
+    """Whether the product of rows x [M, K] with a block matrix of kernel type `qtype` and n rows runs on the int8
+    kernel."""
+    return 0 < x.shape[0] <= _int8_limit(qtype, n) and _int8_for(x, qtype)
 
 
 def _kernel_takes(qtype: int) -> bool:
@@ -129,7 +147,7 @@ def _chunked(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> 
 def qmatmul_op(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x.dtype, W the blocks raw [N, row_bytes] of type qtype (QuantWeight.code)."""
     M = x.shape[0]
-    if int8_product(x, qtype):
+    if int8_product(x, qtype, n):
         from qspec.kernels.triton_qdot import qdot_matmul_triton
 
         return qdot_matmul_triton(x, raw.contiguous(), qtype, n)
@@ -165,7 +183,7 @@ def qmatmul_stacked_op(x: torch.Tensor, raws: list[torch.Tensor], qtypes: list[i
     int8 kernels quantize x once for all of them and write each product into its columns; elsewhere each part is
     qmatmul_op's product."""
     M = x.shape[0]
-    if 0 < M <= _int8_rows(*qtypes) and _int8_for(x, *qtypes):
+    if 0 < M <= _int8_rows(qtypes, ns) and _int8_for(x, *qtypes):
         from qspec.kernels.triton_qdot import qdot_stacked_triton
 
         return qdot_stacked_triton(x, [(r.contiguous(), q) for r, q in zip(raws, qtypes, strict=True)])
