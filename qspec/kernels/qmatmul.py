@@ -48,10 +48,10 @@ INT8_DOT = True
 # MOE_MAX_ROWS.
 INT8_MAX_ROWS = 1
 # Q4_K and Q5_K rows in the file's order, and dense Q6_K matrices in planes (not the LM head), take it up to this
-# many. Against the tensor cores' pair expansion, Q4_K/Q5_K were x1.44-1.73 faster in int8 at 2 and 4 rows on every
+# many. Against the tensor cores' pair expansion, Q4_K/Q5_K were x1.44-1.72 faster in int8 at 2 and 4 rows on every
 # GDN/QSA shape timed, within 8% either way at 6 and slower at 8; a GDN-sized Q6_K in planes x1.85 faster at 2 rows
-# and x0.85 at 6 (4 lies between; BENCHMARKS.md §5b; qkernels_tensor_cores_h200-1a48428.txt and
-# qkernels_q6k_planes_h200-1a48428.txt in benchmarks/results/).
+# than the tensor cores on the file's order, x0.89 at 6 (4 lies between; BENCHMARKS.md §5b; in benchmarks/results/
+# qkernels_tensor_cores_h200-1a48428.txt and qkernels_q6k_planes_h200-1a48428.txt).
 INT8_MAX_ROWS_FEW = 4
 _FEW = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K)})
 _Q6K_PLANES = PLANES + int(GGMLQuantizationType.Q6_K)
