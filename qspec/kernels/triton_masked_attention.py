@@ -126,14 +126,12 @@ if HAS_TRITON:
             lm = used[:, None] & inn[None, :]
             valid = lm & (tl.load(mask_ptr + t[:, None] * mk_t + j[None, :], mask=lm, other=0) != 0)  # [RP*GP, BN]
             load_ok = tl.max(valid.to(tl.int32), axis=0) > 0  # a cell some row attends to
-            cell = j.to(tl.int64)
+            run = True  # a compile-time True without SKIP: the loop has no branch
             if SKIP:
-                if tl.max(load_ok.to(tl.int32), axis=0) > 0:
-                    m_i, l_i, acc = online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                                h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
-            else:
-                m_i, l_i, acc = online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr,
-                                            h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
+                run = tl.max(load_ok.to(tl.int32), axis=0) > 0
+            if run:
+                m_i, l_i, acc = online_step(q, j.to(tl.int64), load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr,
+                                            vs_ptr, h, k_c, k_h, s_c, s_h, scale, RP * GP, DP, D, BN, Q8, DT, UPCAST)
         store_partials(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, t0, T, h, s, a_t, a_h, a_s, ml_t, ml_h, G, GP, RP, D, DP)
 
     @triton.jit(do_not_specialize=["S"])  # the chunk count follows the KV bucket: one compiled kernel for all
