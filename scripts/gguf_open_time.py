@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from qspec.weights import read_gguf, read_gguf_metadata
 
         def tokenizer() -> None:
-            subprocess.run(["rm", "-rf", os.path.join(cache, "qspec")], check=True)
+            shutil.rmtree(os.path.join(cache, "qspec"), ignore_errors=True)
             load_tokenizer(a.file)
 
         read_gguf(a.file, device="cpu", dequantize_all=False)  # the page cache warm

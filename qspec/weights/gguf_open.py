@@ -26,7 +26,7 @@ class CheckedReader(GGUFReader):
 
     def __init__(self, path: Path) -> None:
         self._path = path
-        self.parts: list[Path] = []  # a split GGUF's files, when this reader holds all their tensors (_open)
+        self.parts: list[Path] = []  # a split GGUF's files, when this reader holds all their tensors (open_gguf)
         super().__init__(path, "r")
 
     def _build_fields(self, offs: int, count: int) -> int:
