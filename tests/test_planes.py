@@ -18,8 +18,9 @@ import torch
 from conftest import run_interp_tests
 from gguf import GGMLQuantizationType
 
-from qspec.kernels.qmatmul import expand, int8_dot_mode, qmatmul, qmatmul_op
+from qspec.kernels.qmatmul import INT8_MAX_ROWS_FEW, expand, int8_dot_mode, qmatmul, qmatmul_op
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
+from qspec.kernels.triton_qdot import HEAD_ROWS
 from qspec.model.model import Model, block_layouts, head_layout
 from qspec.weights.dequant import WeightsError
 from qspec.weights.quantize import quantize
@@ -159,17 +160,19 @@ def test_cuda_head_in_planes_gives_the_file_order_products() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs CUDA and triton")
-def test_cuda_head_in_planes_takes_the_int8_kernel_up_to_8_rows() -> None:
-    """2-8 bf16 rows of a Q6_K matrix in planes go to the int8 kernel (not the tensor cores): every row of the product
-    is, bit for bit, its own one-row product."""
+def test_cuda_q6k_planes_take_the_int8_kernel_up_to_their_row_limit() -> None:
+    """bf16 rows of a Q6_K matrix in planes go to the int8 kernel (not the tensor cores) up to its limit: 8 rows for
+    an LM head (HEAD_ROWS rows or more), INT8_MAX_ROWS_FEW for a dense matrix; every row of such a product is, bit for
+    bit, its own one-row product."""
     k = 2560
     src = q6k(512, k, seed=7, device="cuda")
-    p = QuantWeight(src.raw.repeat(16, 1).contiguous(), T.Q6_K, (8192, k)).to_planes()
     x = torch.randn(8, k, device="cuda").bfloat16()
-    for m in (2, 6, 8):
-        y = qmatmul(x[:m], p)
-        for i in range(m):
-            assert torch.equal(y[i:i + 1], qmatmul(x[i:i + 1], p)), (m, i)
+    for n, rows in ((HEAD_ROWS, (2, 6, 8)), (8192, tuple(range(2, INT8_MAX_ROWS_FEW + 1)))):
+        p = QuantWeight(src.raw.repeat(n // 512, 1).contiguous(), T.Q6_K, (n, k)).to_planes()
+        for m in rows:
+            y = qmatmul(x[:m], p)
+            for i in range(m):
+                assert torch.equal(y[i:i + 1], qmatmul(x[i:i + 1], p)), (n, m, i)
 
 
 # ---- 32-weight blocks (Q8_0, Q5_0, Q4_0) --------------------------------------------------------------------------

@@ -467,10 +467,10 @@ def bench_head_planes(rows: list[tuple], reps: int = 3) -> None:
                     _row(rows, f"{name} {label} r{rep}", "Q6_K", f"m={m} {n}x{k}", us, nbytes, bf_us, n * k * 2)
 
 
-def bench_q6k_planes(rows: list[tuple], reps: int = 3) -> None:
+def bench_q6k_planes(rows: list[tuple], reps: int = 3, ms: tuple[int, ...] = (1, 2, 6, 8)) -> None:
     """Dense Q6_K matrices at the model's shapes with their rows in planes (model.block_layouts) against the file's
-    order, alternated `reps` times in this process: 1-8 rows through the int8 kernel, 2-8 through the tensor
-    cores."""
+    order, alternated `reps` times in this process: `ms` rows through the int8 kernel, and through the tensor cores
+    past one row."""
     from qspec.kernels.triton_qdot import qdot_matmul_triton
     from qspec.kernels.triton_qmatmul import qmm_triton
     from qspec.weights.qweight import Q6_K_PLANES, QuantWeight
@@ -480,7 +480,7 @@ def bench_q6k_planes(rows: list[tuple], reps: int = 3) -> None:
         blocks = [_quantized(T.Q6_K, n, k, seed=i) for i in range(_copies(n * k))]
         planes = [QuantWeight(r, T.Q6_K, (n, k)).to_planes().raw for r in blocks]
         layouts = (("file", blocks, int(T.Q6_K)), ("planes", planes, Q6_K_PLANES))
-        for m in (1, 2, 6, 8):
+        for m in ms:
             x, bf_us = _bf16_matvec(m, n, k)
             kernels = (("int8", qdot_matmul_triton),) + ((("tc", qmm_triton),) if m > 1 else ())
             for rep in range(reps):
@@ -609,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                     "file's order (int8 and tensor-core products)")
     ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: K-quants "
                     "expanded in pairs or in f32, split sums in its launch or apart, the int8 kernel beside them")
+    ap.add_argument("--x-rows", default="1,2,6,8", help="--q6k-planes: the x row counts timed (comma-separated)")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -653,7 +654,7 @@ def _run(args: argparse.Namespace) -> int:
         bench_tensor_cores(rows)
         return 0
     if args.q6k_planes:
-        bench_q6k_planes(rows)
+        bench_q6k_planes(rows, ms=tuple(int(m) for m in args.x_rows.split(",")))
         return 0
     if args.shared_launches:
         bench_split_sums(rows)
