@@ -590,6 +590,16 @@ def qdot_moe_sweep(rows: list[tuple]) -> None:
                       flush=True)
 
 
+def _x_rows(text: str) -> tuple[int, ...]:
+    """--x-rows: `3,4,5` -> (3, 4, 5), each a row count the int8 kernel takes."""
+    from qspec.kernels.triton_qdot import MAX_ROWS
+
+    ms = tuple(int(m) for m in text.split(","))  # argparse reports a ValueError as an invalid --x-rows value
+    if not all(1 <= m <= MAX_ROWS for m in ms):
+        raise argparse.ArgumentTypeError(f"row counts must be 1..{MAX_ROWS}, got {text!r}")
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qspec.bench.qkernels", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="three shapes, Q4_K and Q8_0 only")
@@ -609,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                     "file's order (int8 and tensor-core products)")
     ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: K-quants "
                     "expanded in pairs or in f32, split sums in its launch or apart, the int8 kernel beside them")
-    ap.add_argument("--x-rows", default="1,2,6,8", help="--q6k-planes: the x row counts timed (comma-separated)")
+    ap.add_argument("--x-rows", type=_x_rows, default=(1, 2, 6, 8),
+                    help="--q6k-planes: the x row counts timed, comma-separated (1-8: the int8 kernel's)")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -654,7 +665,7 @@ def _run(args: argparse.Namespace) -> int:
         bench_tensor_cores(rows)
         return 0
     if args.q6k_planes:
-        bench_q6k_planes(rows, ms=tuple(int(m) for m in args.x_rows.split(",")))
+        bench_q6k_planes(rows, ms=args.x_rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)
