@@ -159,12 +159,11 @@ def census_text(c: LoopCensus, unroll: int, threads: int, step_bytes: int | None
     return text
 
 
-def product(qtype: int, rows: int) -> Layouts:
-    """The dense product (_qdot_mv_kernel) at QDOT_CONFIG with K split (partial sums added in its launch)."""
-    cfg = q.QDOT_CONFIG
+def product(qtype: int, rows: int, cfg: q.QdotConfig = q.QDOT_CONFIG) -> Layouts:
+    """The dense product (_qdot_mv_kernel) at cfg with K split (partial sums added in its launch)."""
     return compile_layouts(q._qdot_mv_kernel, dict(
         M=rows, MP=q.next_pow2(rows), BN=cfg.rows, QA=qtype, QB=qtype, TWO=False, ASM=True, OUT_DT=tl.bfloat16,
-        UNROLL=cfg.unroll, PARTS=True, SUM_HERE=True, PDL=True), cfg.warps)
+        UNROLL=cfg.unroll, PARTS=True, SUM_HERE=True, PDL=True, KL=cfg.lanes), cfg.warps)
 
 
 def tensor_core_product(qtype: int, rows: int) -> Layouts:
@@ -197,13 +196,16 @@ def main(argv: list[str] | None = None) -> int:
                     "file-order type take), for the same types ('' for none)")
     ap.add_argument("--experts", default="12:106,12:108,12:6,14:8", help="gate:down type pairs of the routed experts "
                     "('' for none)")
+    ap.add_argument("--config", default="", help="the dense products' QdotConfig fields, comma-separated (rows, "
+                    "warps, programs per SM, unroll[, K lanes]; default the type's default config)")
     a = ap.parse_args(argv)
     print(f"# triton {triton.__version__}, sm_90: layout conversions inside K loops, BAR.SYNC in SASS, registers")
-    cfg = q.QDOT_CONFIG
     for qt in (int(t) for t in a.types.split(",")):
+        cfg = q.QdotConfig(*(int(v) for v in a.config.split(","))) if a.config else q.QDOT_CONFIG
         for m in (int(r) for r in a.rows.split(",") if r):
-            r = product(qt, m)
-            loop = census_text(r.loop, cfg.unroll, cfg.warps * 32, cfg.rows * row_step_bytes(qt))
+            r = product(qt, m, cfg)
+            # one loop iteration covers unroll x lanes steps
+            loop = census_text(r.loop, cfg.unroll * cfg.lanes, cfg.warps * 32, cfg.rows * row_step_bytes(qt))
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {loop}", flush=True)
     bn, warps, _ = qm.MM_CONFIG

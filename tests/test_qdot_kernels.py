@@ -152,6 +152,27 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
     assert rel_err(y1, y) <= TIGHT
 
 
+@interp
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
+@pytest.mark.parametrize("lanes,per_sm", [(2, 1), (4, 1), (2, 8), (4, 16)])
+def test_interp_k_lanes(qt: GGMLQuantizationType, lanes: int, per_sm: int) -> None:
+    """Q4_K/Q5_K rows walked `lanes` super-blocks a step (the last step partial: K is 5 super-blocks), alone or with
+    K split into shares: the int8 reference's numbers, each row's bits whatever M, and another type refused."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    K, N = 1280, 11
+    w = qweight(qt, (N, K), seed=lanes + per_sm)
+    x = torch.randn(3, K)
+    cfg = (4, 4, per_sm, 1, lanes)
+    y = qdot_matmul_triton(x, w.raw, int(qt), N, config=cfg)
+    assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT
+    for i in range(3):
+        assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), N, config=cfg), y[i:i + 1])
+    w8 = qweight(T.Q8_0, (N, K), seed=1)
+    with pytest.raises(ValueError, match="K lanes"):
+        qdot_matmul_triton(x, w8.raw, int(T.Q8_0), N, config=cfg)
+
+
 def test_default_config_by_matrix() -> None:
     """A vocabulary-sized Q6_K matrix alone in the file's order takes the head's config; anything else (in planes,
     smaller, another type, a stack) the default; never anything about x."""

@@ -376,6 +376,43 @@ def bench_stacked(rows: list[tuple], reps: int = 5) -> None:
             _row(rows, f"{'pair' if paired else 'apart'} r{rep}", "mix", shape, us, nbytes, bf_us, n * k * 2)
 
 
+# K-quant products' configs with K lanes (rows, warps, programs per SM, steps per iteration, super-blocks side by side
+# per row and step): the default first, then a row's K over 2 or 4 lanes in as many threads as the default's rows
+QDOT_LANES_CONFIGS = ((16, 2, 8, 2, 1), (8, 2, 8, 2, 2), (16, 4, 8, 2, 2), (8, 4, 8, 2, 4), (8, 4, 8, 1, 4),
+                      (16, 4, 8, 1, 2), (8, 4, 4, 2, 4), (8, 4, 0, 2, 4), (16, 4, 0, 2, 2), (16, 8, 8, 2, 4),
+                      (16, 8, 0, 1, 4))
+LANES_SHAPES = ("gdn_in", "gdn_out", "qsa_in", "router_shared")
+
+
+def qdot_lanes_sweep(rows: list[tuple], ms: tuple[int, ...], reps: int = 2) -> None:
+    """Q4_K/Q5_K products, and the Q4_K_M GDN input stack (two types, one launch), over QDOT_LANES_CONFIGS at each
+    x row count, the configs alternated `reps` times in this process (same x, same weight copies)."""
+    from qspec.kernels.triton_qdot import qdot_matmul_triton, qdot_stacked_triton
+
+    k = HIDDEN
+    n = sum(r for _, r in GDN_IN_Q4KM)
+    for m in ms:
+        x, bf_us = _bf16_matvec(m, n, k)
+        copies = [[(_quantized(qt, r, k, seed=10 * c + i), int(qt)) for i, (qt, r) in enumerate(GDN_IN_Q4KM)]
+                  for c in range(_copies(n * k))]
+        nbytes = sum(r.numel() for r, _ in copies[0]) + m * (k + n) * 2
+        for rep, cfg in itertools.product(range(reps), QDOT_LANES_CONFIGS):
+            us = graph_us([partial(qdot_stacked_triton, x, parts, cfg) for parts in copies])
+            _row(rows, "/".join(map(str, cfg)) + f" r{rep}", "mix", f"m={m} gdn_in stack", us, nbytes, bf_us,
+                 n * k * 2)
+        del copies
+        for name, qt in itertools.product(LANES_SHAPES, (T.Q4_K, T.Q5_K)):
+            n2, k2 = SHAPES[name]
+            x2, bf2 = _bf16_matvec(m, n2, k2)
+            raws = [_quantized(qt, n2, k2, seed=i) for i in range(_copies(n2 * k2))]
+            nbytes = raws[0].numel() + m * (k2 + n2) * 2
+            for rep, cfg in itertools.product(range(reps), QDOT_LANES_CONFIGS):
+                us = graph_us([partial(qdot_matmul_triton, x2, r, int(qt), n2, cfg) for r in raws])
+                _row(rows, "/".join(map(str, cfg)) + f" r{rep}", qt.name, f"m={m} {name} {n2}x{k2}", us, nbytes,
+                     bf2, n2 * k2 * 2)
+            del raws
+
+
 # one-row products that split K at the model's shapes (shares on the H200: 6, 10, 3, 2) and their Q4_K_M types
 SPLIT_SUM_SHAPES = (("gdn_out", T.Q4_K), ("router_shared", T.Q4_K), ("expert_down", T.Q5_0), ("qsa_in", T.Q4_K))
 
@@ -619,8 +656,11 @@ def main(argv: list[str] | None = None) -> int:
                     "file's order (int8 and tensor-core products)")
     ap.add_argument("--tensor-cores", action="store_true", help="only the tensor-core product at 2-8 rows: K-quants "
                     "expanded in pairs or in f32, split sums in its launch or apart, the int8 kernel beside them")
+    ap.add_argument("--qdot-lanes", action="store_true", help="only Q4_K/Q5_K products with K lanes (super-blocks "
+                    "side by side per row) against the default config, at --x-rows")
     ap.add_argument("--x-rows", type=_x_rows, default=(1, 2, 6, 8),
-                    help="--q6k-planes: the x row counts timed, comma-separated (1-8: the int8 kernel's)")
+                    help="--q6k-planes, --qdot-lanes: the x row counts timed, comma-separated (1-8: the int8 "
+                    "kernel's)")
     ap.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (as the "
                     "engine does on Hopper and later)")
     args = ap.parse_args(argv)
@@ -666,6 +706,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.q6k_planes:
         bench_q6k_planes(rows, ms=args.x_rows)
+        return 0
+    if args.qdot_lanes:
+        qdot_lanes_sweep(rows, args.x_rows)
         return 0
     if args.shared_launches:
         bench_split_sums(rows)

@@ -82,6 +82,7 @@ class QdotConfig(NamedTuple):
     warps: int
     per_sm: int  # programs wanted per SM (0: never split K)
     unroll: int  # 256-weight steps per loop iteration
+    lanes: int = 1  # Q4_K/Q5_K only: super-blocks side by side per row and step (threads along K in a program)
 
 
 # The GPU benchmark (`python -m qspec.bench.qkernels --qdot-one-row`) times the grid: this config was the fastest over
@@ -95,6 +96,7 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 # faster than 32-row ones there (BENCHMARKS.md §5b).
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
+K_LANE_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K)})  # QdotConfig.lanes > 1
 
 
 class MoeConfig(NamedTuple):
@@ -216,22 +218,32 @@ if HAS_TRITON:
         return tl.where(tl.arange(0, MP)[None, None, None, :] == m, acc + t[:, :, :, None], acc)
 
     @triton.jit
-    def _k45_header(ww_ptr, base, nmask):
-        """Q4_K/Q5_K: the first 16 bytes of the super-blocks at byte offsets base [BN] (d, dmin, the 12 scale bytes)
-        as its four words, each [BN, 4] (the same for every chunk c): every chunk's thread loads its row's words with
-        one 16-byte load. (Loaded word by word, and d and dmin as halfwords, they were eight loads per step, each a
-        sector of its own per row: on the H200 the products were bound by L1 wavefronts, BENCHMARKS.md §5b.)"""
+    def _load_if(ptr, mask, MASKED: tl.constexpr):
+        """tl.load of ptr, masked (zeros where mask is off) only where MASKED: the unmasked load stays plain."""
+        if MASKED:
+            val = tl.load(ptr, mask=mask, other=0)
+        else:
+            val = tl.load(ptr)
+        return val
+
+    @triton.jit
+    def _k45_header(ww_ptr, base, mask):
+        """Q4_K/Q5_K: the first 16 bytes of the super-blocks at byte offsets base [BN, C] (d, dmin, the 12 scale
+        bytes) as its four words, each [BN, C] (the same for the four chunks of a super-block): every chunk's thread
+        loads its row's words with one 16-byte load. (Loaded word by word, and d and dmin as halfwords, they were
+        eight loads per step, each a sector of its own per row: on the H200 the products were bound by L1
+        wavefronts, BENCHMARKS.md §5b.)"""
         v = tl.arange(0, 4)[None, None, :]
-        c = tl.arange(0, 4)[None, :, None]
-        hdr = tl.load(ww_ptr + (base // 4)[:, None, None] + c * 0 + v, mask=nmask[:, None, None], other=0)
+        hdr = tl.load(ww_ptr + (base // 4)[:, :, None] + v, mask=mask[:, :, None], other=0)
         # the word axis is inside each thread: these sums are register picks
         return (tl.sum(tl.where(v == 0, hdr, 0), axis=2), tl.sum(tl.where(v == 1, hdr, 0), axis=2),
                 tl.sum(tl.where(v == 2, hdr, 0), axis=2), tl.sum(tl.where(v == 3, hdr, 0), axis=2))
 
     @triton.jit
-    def _k45_scales(w0, w1, w2, w3, S: tl.constexpr):
-        """(d * sc_j, dmin * m_j) [BN, 4] for the sub-blocks j = 2c + S, from the header's words (_k45_header)."""
-        j = 2 * tl.arange(0, 4)[None, :] + S
+    def _k45_scales(w0, w1, w2, w3, c, S: tl.constexpr):
+        """(d * sc_j, dmin * m_j) [BN, C] for the sub-blocks j = 2c + S (c [C]: each lane's chunk in its
+        super-block), from the header's words (_k45_header)."""
+        j = 2 * c[None, :] + S
         a = _byte(w1, j % 4)
         b = _byte(w2, j % 4)
         e = _byte(w3, j % 4)
@@ -242,47 +254,59 @@ if HAS_TRITON:
         return d * sc, dmin * mn
 
     @triton.jit
-    def _k45_nibbles(ww_ptr, base, nmask, WO: tl.constexpr, QT: tl.constexpr):
-        """Q4_K/Q5_K: words WO..WO+3 of each 32-byte chunk c of the super-blocks at byte offsets base [BN] ->
-        (low, high) nibble words [BN, 4, 4] (sub-blocks 2c and 2c + 1), 5th bits OR-ed in for Q5_K."""
-        c = tl.arange(0, 4)[None, :, None]
+    def _k45_nibbles(ww_ptr, base, mask, c, WO: tl.constexpr, QT: tl.constexpr):
+        """Q4_K/Q5_K: words WO..WO+3 of each lane's 32-byte chunk c [C] of the super-blocks at byte offsets base
+        [BN, C] -> (low, high) nibble words [BN, C, 4] (sub-blocks 2c and 2c + 1), 5th bits OR-ed in for Q5_K."""
+        c3 = c[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
-        m3 = nmask[:, None, None]
-        words = tl.load(ww_ptr + ((base + (16 if QT == QT_Q4_K else 48)) // 4)[:, None, None] + c * 8 + WO + v, mask=m3,
-                        other=0)
+        m3 = mask[:, :, None]
+        words = tl.load(ww_ptr + ((base + (16 if QT == QT_Q4_K else 48)) // 4)[:, :, None] + c3 * 8 + WO + v,
+                        mask=m3, other=0)
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
         if QT == QT_Q5_K:  # bit j of each qh byte is the 5th bit of sub-block j's element
             # loaded per chunk too (the same 16 bytes for the 4 chunks: L1 hits), so qh has the words' layout and no
             # exchange between threads is needed
-            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, None, None] + c * 0 + WO + v, mask=m3, other=0)
-            lo = lo | (((qh >> (2 * c)) & 0x01010101) << 4)
-            hi = hi | (((qh >> (2 * c + 1)) & 0x01010101) << 4)
+            qh = tl.load(ww_ptr + ((base + 16) // 4)[:, :, None] + WO + v, mask=m3, other=0)
+            lo = lo | (((qh >> (2 * c3)) & 0x01010101) << 4)
+            hi = hi | (((qh >> (2 * c3 + 1)) & 0x01010101) << 4)
         return lo, hi
 
     @triton.jit
-    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb,
-                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr):
-        """Q4_K / Q5_K super-block kb of BN rows, for every x row; acc [BN, 4, MP] (per row, chunk, x row: summed
-        over chunks at the end). A thread holds whole sub-blocks (two runs of four words), so the integer sums
-        need no exchange between threads."""
-        base = rowb + kb * (144 if QT == QT_Q4_K else 176)
-        lo_a, hi_a = _k45_nibbles(ww_ptr, base, nmask, 0, QT)
-        lo_b, hi_b = _k45_nibbles(ww_ptr, base, nmask, 4, QT)
-        w0, w1, w2, w3 = _k45_header(ww_ptr, base, nmask)
-        dsl, dml = _k45_scales(w0, w1, w2, w3, 0)
-        dsh, dmh = _k45_scales(w0, w1, w2, w3, 1)
-        c = tl.arange(0, 4)[None, :, None]
+    def _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, kb_hi,
+                  M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr, KL: tl.constexpr = 1,
+                  KMASK: tl.constexpr = False):
+        """Q4_K / Q5_K super-blocks kb .. kb + KL - 1 of BN rows, for every x row; acc [BN, 4 KL, MP] (per row,
+        lane, x row: summed over lanes at the end). Lane cc holds chunk cc % 4 of super-block kb + cc // 4 (KL > 1:
+        threads side by side along K, so a row's short K is walked in fewer, wider steps); its x words and scales
+        are then at kb * 64 + 16 cc and kb * 8 + 2 cc, as one super-block's chunks. A thread holds whole sub-blocks
+        (two runs of four words), so the integer sums need no exchange between threads. KMASK: the lanes past
+        kb_hi (the last, partial step of a row) read nothing and add zeros."""
+        cc = tl.arange(0, 4 * KL)
+        c = cc % 4
+        kmask = kb + cc // 4 < kb_hi  # used only where KMASK
+        mask = nmask[:, None] & kmask[None, :] if KMASK else nmask[:, None]
+        base = rowb[:, None] + (kb + cc // 4)[None, :] * (144 if QT == QT_Q4_K else 176)
+        lo_a, hi_a = _k45_nibbles(ww_ptr, base, mask, c, 0, QT)
+        lo_b, hi_b = _k45_nibbles(ww_ptr, base, mask, c, 4, QT)
+        w0, w1, w2, w3 = _k45_header(ww_ptr, base, mask)
+        dsl, dml = _k45_scales(w0, w1, w2, w3, c, 0)
+        dsh, dmh = _k45_scales(w0, w1, w2, w3, c, 1)
+        c3 = cc[None, :, None]
         v = tl.arange(0, 4)[None, None, :]
-        c2 = tl.arange(0, 4)[None, :]
+        xm3 = kmask[None, :, None]
+        xm2 = kmask[None, :]
         for m in tl.static_range(M):
-            xw = xq_ptr + m * x_m + kb * 64 + c * 16 + v  # x words of sub-block 2c; + 8: of 2c + 1
-            il = dp4a(lo_b, tl.load(xw + 4), dp4a(lo_a, tl.load(xw), tl.zeros_like(lo_a), ASM), ASM)
-            ih = dp4a(hi_b, tl.load(xw + 12), dp4a(hi_a, tl.load(xw + 8), tl.zeros_like(hi_a), ASM), ASM)
-            xb = m * xd_m + kb * 8 + 2 * c2
-            t = (dsl * (tl.load(xd_ptr + xb) * tl.sum(il, axis=2).to(tl.float32)) - dml * tl.load(xs_ptr + xb)
-                 + (dsh * (tl.load(xd_ptr + xb + 1) * tl.sum(ih, axis=2).to(tl.float32))
-                    - dmh * tl.load(xs_ptr + xb + 1)))
+            xw = xq_ptr + m * x_m + kb * 64 + c3 * 16 + v  # x words of the lane's sub-block 2c; + 8: of 2c + 1
+            il = dp4a(lo_b, _load_if(xw + 4, xm3, KMASK), dp4a(lo_a, _load_if(xw, xm3, KMASK), tl.zeros_like(lo_a),
+                                                               ASM), ASM)
+            ih = dp4a(hi_b, _load_if(xw + 12, xm3, KMASK), dp4a(hi_a, _load_if(xw + 8, xm3, KMASK),
+                                                                tl.zeros_like(hi_a), ASM), ASM)
+            xb = m * xd_m + kb * 8 + 2 * cc[None, :]
+            t = (dsl * (_load_if(xd_ptr + xb, xm2, KMASK) * tl.sum(il, axis=2).to(tl.float32))
+                 - dml * _load_if(xs_ptr + xb, xm2, KMASK)
+                 + (dsh * (_load_if(xd_ptr + xb + 1, xm2, KMASK) * tl.sum(ih, axis=2).to(tl.float32))
+                    - dmh * _load_if(xs_ptr + xb + 1, xm2, KMASK)))
             acc = _add_col(acc, t, m, MP)
         return acc
 
@@ -486,10 +510,12 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                    K, kb, M: tl.constexpr, MP: tl.constexpr, QT: tl.constexpr, ASM: tl.constexpr,
-                   XFIRST: tl.constexpr = True):
-        """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT)."""
+                   XFIRST: tl.constexpr = True, KL: tl.constexpr = 1, kb_hi=0, KMASK: tl.constexpr = False):
+        """acc plus the 256-weight step kb of the BN weight rows, for every x row (the step function of QT; Q4_K and
+        Q5_K take KL steps kb.. side by side, those from kb_hi on masked off where KMASK)."""
         if QT == QT_Q4_K or QT == QT_Q5_K:
-            acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, M, MP, QT, ASM)
+            acc = _k45_step(acc, xq_ptr, xd_ptr, xs_ptr, x_m, xd_m, ww_ptr, rowb, nmask, kb, kb_hi, M, MP, QT, ASM,
+                            KL, KMASK)
         elif QT == QT_Q6_K or QT == QT_Q6_K_PLANES:
             acc = _q6_step(acc, xq_ptr, xd_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask,
                            K, kb, M, MP, QT, ASM, XFIRST)
@@ -503,30 +529,35 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr, rowb, nmask, K,
                    kb_lo, kb_hi, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr,
-                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                   ASM: tl.constexpr, UNROLL: tl.constexpr = 1, KL: tl.constexpr = 1):
         """[MP, BN] f32: x rows 0..M-1 (quantized: words, d, s, 16-sums; strides x_m, xd_m, xg_m) times the BN weight
         rows at byte offsets rowb, over the 256-weight steps kb_lo .. kb_hi - 1. The accumulators keep a column per
         x row (MP, innermost: where() on it resolves at compile time) and are summed over their other axes once.
         UNROLL steps per loop iteration put that many steps' loads in one basic block (more bytes in flight per
-        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it."""
-        acc = _acc_zeros(MP, BN, QT)
-        kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
-        for kb0 in range(kb_lo, kb_main, UNROLL):
+        thread); the steps are added in the same order whatever UNROLL is, so the result does not depend on it.
+        KL (Q4_K/Q5_K only): each step is KL super-blocks side by side in the lanes of _k45_step (the last one of a
+        row masked where K runs out), so a row's KL lanes each add every KL-th super-block and the lanes' sums are
+        added at the end (another order than KL = 1's)."""
+        acc = _acc_zeros(MP, BN, QT, True, KL)
+        kb_main = kb_lo + (kb_hi - kb_lo) // (UNROLL * KL) * (UNROLL * KL)
+        for kb0 in range(kb_lo, kb_main, UNROLL * KL):
             for u in tl.static_range(UNROLL):
                 acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                                 rowb, nmask, K, kb0 + u, M, MP, QT, ASM)
-        for kb in range(kb_main, kb_hi):
+                                 rowb, nmask, K, kb0 + u * KL, M, MP, QT, ASM, True, KL)
+        for kb in range(kb_main, kb_hi, KL):
             acc = _qdot_step(acc, xq_ptr, xd_ptr, xs_ptr, xg_ptr, x_m, xd_m, xg_m, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                             rowb, nmask, K, kb, M, MP, QT, ASM)
-        return _acc_rows(acc, QT)
+                             rowb, nmask, K, kb, M, MP, QT, ASM, True, KL, kb_hi, KL > 1)
+        return _acc_rows(acc, QT, True, KL)
 
     @triton.jit
-    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True):
-        """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost)."""
+    def _acc_zeros(MP: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, XFIRST: tl.constexpr = True,
+                   KL: tl.constexpr = 1):
+        """The accumulators of _qdot_rows for type QT (a slice per x row: Q6_K's first where XFIRST, else innermost;
+        Q4_K/Q5_K: 4 KL lanes a row)."""
         if QT > QT_PLANES and QT != QT_Q6_K_PLANES:  # 32-weight blocks in planes
             acc = tl.zeros([BN, 8, MP], dtype=tl.float32)
         elif QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
-            acc = tl.zeros([BN, 4, MP], dtype=tl.float32)
+            acc = tl.zeros([BN, 4 * KL, MP], dtype=tl.float32)
         elif XFIRST:
             acc = tl.zeros([MP, BN, 2, 2], dtype=tl.float32)
         else:
@@ -534,9 +565,15 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True):
-        """[MP, BN]: the accumulators summed over their other axes."""
-        if QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
+    def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True, KL: tl.constexpr = 1):
+        """[MP, BN]: the accumulators summed over their other axes (Q4_K/Q5_K's 4 KL lanes: a super-block's four
+        chunks, then the KL super-blocks, each sum over fewer than 8 terms: the interpreter's numpy adds those in
+        order whatever the x row count, where it sums 8 or more pairwise along a contiguous axis only)."""
+        if KL > 1:
+            BN: tl.constexpr = acc.shape[0]
+            MP: tl.constexpr = acc.shape[2]
+            out = tl.trans(tl.sum(tl.sum(tl.reshape(acc, (BN, KL, 4, MP)), axis=2), axis=1))
+        elif QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
             out = tl.trans(tl.sum(acc, axis=1))
         elif XFIRST:
             out = tl.sum(tl.sum(acc, axis=3), axis=2)
@@ -572,7 +609,7 @@ if HAS_TRITON:
     def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, blk, N, K,
                       STEPS, S, w_n, p_s, p_m, y_m, M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
                       QT: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr,
-                      PARTS: tl.constexpr, SUM_HERE: tl.constexpr):
+                      PARTS: tl.constexpr, SUM_HERE: tl.constexpr, KL: tl.constexpr):
         """Row block blk, split program_id(1) (< S: a part with fewer splits than the grid leaves the rest idle) of
         one block matrix: steps split*STEPS .. of K for BN weight rows and all M x rows -> the output y, or (PARTS:
         the launch splits K) the split's f32 partial sums p [S, M, p_m] (p_s: a split's stride); y_ptr and p_ptr
@@ -585,7 +622,7 @@ if HAS_TRITON:
             k_lo = tl.program_id(1) * STEPS
             k_hi = tl.minimum(k_lo + STEPS, tl.cdiv(K, 256))
             acc = _qdot_rows(xq_ptr, xd_ptr, xs_ptr, xg_ptr, K // 4, K // 32, K // 16, wb_ptr, wh_ptr, wi_ptr, ww_ptr,
-                             n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL)
+                             n.to(tl.int64) * w_n, nmask, K, k_lo, k_hi, M, MP, BN, QT, ASM, UNROLL, KL)
             im = tl.arange(0, MP)
             mask = (im[:, None] < M) & nmask[None, :]
             if not PARTS or (SUM_HERE and S == 1):
@@ -602,7 +639,8 @@ if HAS_TRITON:
                         y_ptr, p_ptr, c_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, p_s, y_m,
                         M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
                         TWO: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
-                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, PDL: tl.constexpr = False):
+                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, PDL: tl.constexpr = False,
+                        KL: tl.constexpr = 1):
         """Program (row block, split) of one block matrix A, or (TWO) of two that multiply the same x, each its own
         type, in one launch: row blocks 0 .. BLOCKS_A - 1 are A's (columns 0 .. NA - 1 of the output), the rest
         B's (columns NA ..); each part keeps the split of K it would have alone (S_A / S_B shares of STEPS_A /
@@ -613,11 +651,11 @@ if HAS_TRITON:
         if TWO and blk >= BLOCKS_A:
             _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, bb_ptr, bh_ptr, bi_ptr, bw_ptr, y_ptr + NA, p_ptr + NA,
                           c_ptr + blk, blk - BLOCKS_A, NB, K, STEPS_B, S_B, wb_n, p_s, NA + NB, y_m, M, MP, BN,
-                          QB, ASM, OUT_DT, UNROLL, PARTS, SUM_HERE)
+                          QB, ASM, OUT_DT, UNROLL, PARTS, SUM_HERE, KL)
         else:
             _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, y_ptr, p_ptr, c_ptr + blk,
                           blk, NA, K, STEPS_A, S_A, wa_n, p_s, NA + NB, y_m, M, MP, BN, QA, ASM, OUT_DT, UNROLL,
-                          PARTS, SUM_HERE)
+                          PARTS, SUM_HERE, KL)
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, y_ptr, S, total, N, y_m, NA, S_B, BLOCK: tl.constexpr, OUT_DT: tl.constexpr,
@@ -761,6 +799,8 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
             or sum(r.shape[0] for r, _ in parts) != n or y.stride(1) != 1):
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {[tuple(r.shape) for r, _ in parts]}, N {n}")
     (ra, qa), (rb, qb) = parts[0], parts[-1]
+    if cfg.lanes > 1 and not {int(qa), int(qb)} <= K_LANE_TYPES:
+        raise ValueError(f"qdot_matmul: {cfg.lanes} K lanes a row for types {int(qa)}, {int(qb)} (Q4_K/Q5_K only)")
     two = len(parts) == 2
     na, nb = ra.shape[0], rb.shape[0] if two else 0
     split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y)
@@ -775,7 +815,7 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
         blocks_a, share_a, share_b, split_a, split_b, ra.stride(0), rb.stride(0), parts.stride(0), y.stride(0),
         M=M, MP=next_pow2(M), BN=cfg.rows, QA=int(qa), QB=int(qb), TWO=two, ASM=_asm() if asm is None else asm,
         OUT_DT=tl_dtype(y.dtype), UNROLL=cfg.unroll, PARTS=splits > 1, SUM_HERE=sum_here, num_warps=cfg.warps,
-        **pdl_launch(y))
+        KL=cfg.lanes, **pdl_launch(y))
     if splits > 1 and not sum_here:
         block = 1024
         _sum_parts_kernel[(triton.cdiv(M * n, block),)](parts, y, split_a, M * n, n, y.stride(0), na, split_b,
