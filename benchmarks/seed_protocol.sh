@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -142,6 +142,11 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     decoding and MTP5, 2 runs each
     h200-q4km48-shpair) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,shpair=0,ours,ours-apart:from=ours,shpair=0" ;;
+    #     Q4_K/Q5_K products with each row's K in 2 or 4 lanes (--k-lanes) against one (the default), plain decoding
+    #     and MTP3, 2 runs each
+    h200-q4km48-klanes) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
+        --arms "nospec,nospec-kl2:from=nospec,klanes=2,nospec-kl4:from=nospec,klanes=4,ours-mtp3:from=ours,draft=3,\
+ours-mtp3-kl4:from=ours,draft=3,klanes=4" ;;
     #     QSA reading only the indexer's chosen blocks and the tail (--sparse-attention) against the masked dense
     #     pass (the default), plain decoding and MTP5, 2 runs each
     h200-q4km48-sparse) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qspec.kernels import gated_norm, gdn_conv, gemv, hc_mix, qmatmul, triton_common, triton_qmatmul
+from qspec.kernels import gated_norm, gdn_conv, gemv, hc_mix, qmatmul, triton_common, triton_qdot, triton_qmatmul
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
@@ -63,6 +63,7 @@ class KernelSwitches:
     tc_pairs: bool = True  # triton_qmatmul.PAIRS: tensor-core products expand K-quants two weights a register
     norm_quant: bool = True  # gated_norm._ON: one-row GDN outputs normed and quantized in one launch
     shared_pair: bool = True  # moe._SHARED_PAIR: a merged block shared expert as one more routed pair
+    k_lanes: int = 1  # triton_qdot.K_LANES: Q4_K/Q5_K products' super-blocks side by side per row and step
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:
@@ -76,7 +77,8 @@ class KernelSwitches:
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
                    mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks,
                    shared_stream=opts.shared_stream, sums_in_product=opts.sums_in_product,
-                   tc_pairs=opts.tc_pairs, norm_quant=opts.norm_quant, shared_pair=opts.shared_pair)
+                   tc_pairs=opts.tc_pairs, norm_quant=opts.norm_quant, shared_pair=opts.shared_pair,
+                   k_lanes=opts.k_lanes)
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
@@ -87,7 +89,8 @@ class KernelSwitches:
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
                 fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
                 triton_common.sums_in_product_mode(self.sums_in_product), gated_norm.kernel_mode(self.norm_quant), \
-                moe.shared_pair_mode(self.shared_pair), triton_qmatmul.pairs_mode(self.tc_pairs):
+                moe.shared_pair_mode(self.shared_pair), triton_qmatmul.pairs_mode(self.tc_pairs), \
+                triton_qdot.k_lanes_mode(self.k_lanes):
             yield
 
 

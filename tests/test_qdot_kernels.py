@@ -153,11 +153,10 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
 
 
 @interp
-@pytest.mark.parametrize("qt", [T.Q4_K, T.Q5_K])
-@pytest.mark.parametrize("lanes,per_sm", [(2, 1), (4, 1), (2, 8), (4, 16)])
+@pytest.mark.parametrize("qt,lanes,per_sm", [(T.Q4_K, 2, 1), (T.Q5_K, 4, 1), (T.Q4_K, 4, 16)])
 def test_interp_k_lanes(qt: GGMLQuantizationType, lanes: int, per_sm: int) -> None:
     """Q4_K/Q5_K rows walked `lanes` super-blocks a step (the last step partial: K is 5 super-blocks), alone or with
-    K split into shares: the int8 reference's numbers, each row's bits whatever M, and another type refused."""
+    K split into shares: the int8 reference's numbers, a row's bits whatever M, and another type refused."""
     from qspec.kernels.triton_qdot import qdot_matmul_triton
 
     K, N = 1280, 11
@@ -166,8 +165,7 @@ def test_interp_k_lanes(qt: GGMLQuantizationType, lanes: int, per_sm: int) -> No
     cfg = (4, 4, per_sm, 1, lanes)
     y = qdot_matmul_triton(x, w.raw, int(qt), N, config=cfg)
     assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT
-    for i in range(3):
-        assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), N, config=cfg), y[i:i + 1])
+    assert torch.equal(qdot_matmul_triton(x[2:], w.raw, int(qt), N, config=cfg), y[2:])
     w8 = qweight(T.Q8_0, (N, K), seed=1)
     with pytest.raises(ValueError, match="K lanes"):
         qdot_matmul_triton(x, w8.raw, int(T.Q8_0), N, config=cfg)
@@ -185,6 +183,25 @@ def test_default_config_by_matrix() -> None:
     assert _default_config([(small, int(T.Q6_K))]) == QDOT_CONFIG
     assert _default_config([(head, int(T.Q4_K))]) == QDOT_CONFIG
     assert _default_config([(head, int(T.Q6_K)), (small, int(T.Q6_K))]) == QDOT_CONFIG
+
+
+def test_k_lanes_config_for_k_quants_only() -> None:
+    """--k-lanes N gives Q4_K/Q5_K products (alone or stacked together) K_LANE_CONFIGS[N], in programs of the
+    default's threads; a stack with another type, and other types, keep theirs; an unknown count is refused."""
+    from qspec.kernels.triton_qdot import K_LANE_CONFIGS, QDOT_CONFIG, _default_config, k_lanes_mode
+
+    w = torch.empty(64, 1, dtype=torch.uint8)
+    assert K_LANE_CONFIGS[1] == QDOT_CONFIG
+    for lanes, cfg in K_LANE_CONFIGS.items():
+        assert cfg.lanes == lanes and cfg.rows * 4 * lanes == cfg.warps * 32 >= QDOT_CONFIG.warps * 32
+        with k_lanes_mode(lanes):
+            assert _default_config([(w, int(T.Q4_K))]) == cfg
+            assert _default_config([(w, int(T.Q5_K)), (w, int(T.Q4_K))]) == cfg
+            assert _default_config([(w, int(T.Q5_K)), (w, int(T.Q6_K))]) == QDOT_CONFIG
+            assert _default_config([(w, int(T.Q8_0))]) == QDOT_CONFIG
+    assert _default_config([(w, int(T.Q4_K))]) == QDOT_CONFIG
+    with pytest.raises(ValueError, match="K lanes"):
+        k_lanes_mode(3)
 
 
 def test_default_moe_config_by_gate_type() -> None:
@@ -428,6 +445,27 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
         # gate/up's K in five shares (the act quantizer adds them): another unroll inside a share, the same bits
         assert torch.equal(qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 1, 16, 3, 5)),
                            qdot_moe_few_triton(hb, top_i, twb, *parts, config=(4, 1, 2, 16, 3, 5))), T_
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_cuda_k_lanes_real_shapes(lanes: int) -> None:
+    """Q4_K/Q5_K products with each row's K in lanes (K_LANE_CONFIGS): the int8 reference's numbers, a row's bits
+    whatever the row count (1-4), the Q4_K_M GDN input stack equal to its parts, at the model's shapes."""
+    from qspec.kernels.triton_qdot import K_LANE_CONFIGS, qdot_matmul_triton, qdot_stacked_triton
+
+    cfg = K_LANE_CONFIGS[lanes]
+    for qt, N, K in ((T.Q4_K, 16480, 2560), (T.Q5_K, 2560, 6144), (T.Q4_K, 1800, 2560), (T.Q4_K, 13952, 2560)):
+        w = qweight(qt, (N, K), seed=N + lanes, device="cuda", tile=8192)
+        x = torch.randn(4, K, device="cuda")
+        y = qdot_matmul_triton(x, w.raw, int(qt), N, cfg)
+        assert rel_err(y, qdot_matmul_torch(x, w.raw, int(qt), N, K)) <= TIGHT, (qt, N, K)
+        for i in range(4):
+            assert torch.equal(qdot_matmul_triton(x[i:i + 1], w.raw, int(qt), N, cfg), y[i:i + 1]), (qt, N, K, i)
+    ws = [qweight(T.Q5_K, (10240, 2560), 60, "cuda", 8192), qweight(T.Q4_K, (6240, 2560), 61, "cuda", 8192)]
+    x = torch.randn(1, 2560, device="cuda").bfloat16()
+    y = qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws], cfg)
+    assert torch.equal(y, torch.cat([qdot_matmul_triton(x, w.raw, int(w.qtype), w.shape[0], cfg) for w in ws], -1))
 
 
 @pytest.mark.cuda

@@ -54,6 +54,7 @@ for A/B runs and debugging) `dp4a` (triton_common) computes the same sum byte by
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -63,6 +64,7 @@ from qspec.kernels.triton_common import (
     HAS_TRITON,
     INTERPRET,
     arrival_counters,
+    module_flag,
     next_pow2,
     pdl_launch,
     sums_in_product,
@@ -97,6 +99,13 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
 K_LANE_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K)})  # QdotConfig.lanes > 1
+# Q4_K/Q5_K products by their K lanes (K_LANES, KernelOptions.k_lanes): a row's super-blocks 2 or 4 side by side,
+# in programs of as many threads as QDOT_CONFIG's (one per row, lane and chunk), so a row's short K (the model
+# width: 10 super-blocks) takes a half or a quarter of the serial steps. Compiled for sm_90 their K loops issue the
+# default's instructions per weight byte, with no layout moves (`scripts/kernel_layouts.py --config`); programs of
+# 4 rows moved every step's terms through shared memory, so rows stay at 8 or more.
+K_LANE_CONFIGS = {1: QDOT_CONFIG, 2: QdotConfig(8, 2, 8, 2, 2), 4: QdotConfig(8, 4, 8, 2, 4)}
+K_LANES = 1
 
 
 class MoeConfig(NamedTuple):
@@ -855,7 +864,16 @@ def _default_config(parts: list[Part]) -> QdotConfig:
     """The config of a product by its matrices alone (never by x's row count, which row-exact mode varies)."""
     if len(parts) == 1 and parts[0][1] == GGMLQuantizationType.Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
         return QDOT_CONFIG_Q6K_HEAD
+    if all(int(qt) in K_LANE_TYPES for _, qt in parts):
+        return K_LANE_CONFIGS[K_LANES]
     return QDOT_CONFIG
+
+
+def k_lanes_mode(lanes: int) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, Q4_K/Q5_K products take K_LANE_CONFIGS[lanes] (the runner sets it around every step)."""
+    if lanes not in K_LANE_CONFIGS:
+        raise ValueError(f"K lanes must be one of {sorted(K_LANE_CONFIGS)}, got {lanes!r}")
+    return module_flag(__name__, "K_LANES", lanes)
 
 
 def qdot_matmul_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int, config: tuple | None = None,
