@@ -10,7 +10,8 @@ formulas).
 Word layouts (a word of the weights pairs with the x word of the same four elements):
 - Q4_K / Q5_K (144 / 176-byte blocks, rows whole 32-bit words): qs word w of 32-byte chunk c holds in its low
   nibbles elements 4w..4w+3 of sub-block 2c and in its high nibbles those of sub-block 2c+1; Q5_K's 5th bits are
-  bit j of qh word w's bytes for sub-block j. A super-block step is two [BN, 4, 4] runs of words.
+  bit j of qh word w's bytes for sub-block j. A super-block step is two [BN, 4, 4] runs of words (with K lanes,
+  QdotConfig.lanes = KL: KL super-blocks side by side, [BN, 4 KL, 4]).
 - Q6_K (210 bytes, 2-byte aligned: words from two 16-bit loads, or one 32-bit load in the even-numbered blocks of
   rows of whole words, which start on a word): ql word (h, tt, w) gives in its low nibbles
   elements h*128 + 32*tt + 4w.. and in its high ones those at + 64; qh word (h, w) the two high bits of each at
