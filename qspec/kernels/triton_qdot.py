@@ -649,8 +649,8 @@ if HAS_TRITON:
                         y_ptr, p_ptr, c_ptr, K, NA, NB, BLOCKS_A, STEPS_A, STEPS_B, S_A, S_B, wa_n, wb_n, p_s, y_m,
                         M: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
                         TWO: tl.constexpr, ASM: tl.constexpr, OUT_DT: tl.constexpr, UNROLL: tl.constexpr = 1,
-                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, PDL: tl.constexpr = False,
-                        KL: tl.constexpr = 1):
+                        PARTS: tl.constexpr = False, SUM_HERE: tl.constexpr = False, KL: tl.constexpr = 1,
+                        PDL: tl.constexpr = False):
         """Program (row block, split) of one block matrix A, or (TWO) of two that multiply the same x, each its own
         type, in one launch: row blocks 0 .. BLOCKS_A - 1 are A's (columns 0 .. NA - 1 of the output), the rest
         B's (columns NA ..); each part keeps the split of K it would have alone (S_A / S_B shares of STEPS_A /
