@@ -180,7 +180,7 @@ class KernelOptions:
                             arm="pairs")
     k_lanes: int = option(1, "Q4_K/Q5_K products of 1-4 rows walk each row's K this many super-blocks side by side "
                           "(threads along K in a program: fewer serial steps for the model width's short rows)",
-                          choices=(1, 2, 4), applies="CUDA, block weights", arm="klanes", metavar="N")
+                          choices=(1, 2, 4, 8), applies="CUDA, block weights", arm="klanes", metavar="N")
     norm_quant: bool = option(True, "one-row GDN steps norm, gate and round to int8 for the output product in "
                               "one launch (off: compiled, then the product's quantizer)", applies="CUDA, block weights",
                               arm="nq")

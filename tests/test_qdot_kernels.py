@@ -153,7 +153,7 @@ def test_interp_split_k_and_row_independence(qt: GGMLQuantizationType) -> None:
 
 
 @interp
-@pytest.mark.parametrize("qt,lanes,per_sm", [(T.Q4_K, 2, 1), (T.Q5_K, 4, 1), (T.Q4_K, 4, 16)])
+@pytest.mark.parametrize("qt,lanes,per_sm", [(T.Q4_K, 2, 1), (T.Q5_K, 4, 1), (T.Q4_K, 4, 16), (T.Q5_K, 8, 1)])
 def test_interp_k_lanes(qt: GGMLQuantizationType, lanes: int, per_sm: int) -> None:
     """Q4_K/Q5_K rows walked `lanes` super-blocks a step (the last step partial: K is 5 super-blocks), alone or with
     K split into shares: the int8 reference's numbers, a row's bits whatever M, and another type refused."""
@@ -448,7 +448,7 @@ def test_cuda_qdot_moe_real_shapes(gt: GGMLQuantizationType, dt: GGMLQuantizatio
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lanes", [2, 4])
+@pytest.mark.parametrize("lanes", [2, 4, 8])
 def test_cuda_k_lanes_real_shapes(lanes: int) -> None:
     """Q4_K/Q5_K products with each row's K in lanes (K_LANE_CONFIGS): the int8 reference's numbers, a row's bits
     whatever the row count (1-4), the Q4_K_M GDN input stack equal to its parts, at the model's shapes."""

@@ -377,10 +377,10 @@ def bench_stacked(rows: list[tuple], reps: int = 5) -> None:
 
 
 # K-quant products' configs with K lanes (rows, warps, programs per SM, steps per iteration, super-blocks side by side
-# per row and step): the default first, then a row's K over 2 or 4 lanes in as many threads as the default's rows
+# per row and step): the default first, then a row's K over 2, 4 or 8 lanes
 QDOT_LANES_CONFIGS = ((16, 2, 8, 2, 1), (8, 2, 8, 2, 2), (16, 4, 8, 2, 2), (8, 4, 8, 2, 4), (8, 4, 8, 1, 4),
                       (16, 4, 8, 1, 2), (8, 4, 4, 2, 4), (8, 4, 0, 2, 4), (16, 4, 0, 2, 2), (16, 8, 8, 2, 4),
-                      (16, 8, 0, 1, 4))
+                      (8, 8, 8, 2, 8), (8, 8, 0, 2, 8), (8, 8, 8, 1, 8))
 LANES_SHAPES = ("gdn_in", "gdn_out", "qsa_in", "router_shared")
 
 

@@ -100,12 +100,15 @@ QDOT_CONFIG = QdotConfig(16, 2, 8, 2)
 QDOT_CONFIG_Q6K_HEAD = QdotConfig(32, 2, 8, 2)
 HEAD_ROWS = 1 << 16
 K_LANE_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationType.Q5_K)})  # QdotConfig.lanes > 1
-# Q4_K/Q5_K products by their K lanes (K_LANES, KernelOptions.k_lanes): a row's super-blocks 2 or 4 side by side,
-# in programs of as many threads as QDOT_CONFIG's (one per row, lane and chunk), so a row's short K (the model
-# width: 10 super-blocks) takes a half or a quarter of the serial steps. Compiled for sm_90 their K loops issue the
-# default's instructions per weight byte, with no layout moves (`scripts/kernel_layouts.py --config`); programs of
-# 4 rows moved every step's terms through shared memory, so rows stay at 8 or more.
-K_LANE_CONFIGS = {1: QDOT_CONFIG, 2: QdotConfig(8, 2, 8, 2, 2), 4: QdotConfig(8, 4, 8, 2, 4)}
+# Q4_K/Q5_K products by their K lanes (K_LANES, KernelOptions.k_lanes): a row's super-blocks 2, 4 or 8 side by
+# side (8: a warp a row, as llama.cpp's mat-vec), one thread per row, lane and chunk, so a row's short K (the model
+# width: 10 super-blocks) takes a half to an eighth of the serial steps, and a warp's 16-byte loads fall in fewer
+# 128-byte lines (the default's 32 threads read 8 rows' chunks: on the H200 its loads were bound by L1 wavefronts,
+# BENCHMARKS.md §5b). Compiled for sm_90 their K loops issue the default's instructions per weight byte, with no
+# layout moves (`scripts/kernel_layouts.py --config`); programs of 4 rows moved every step's terms through shared
+# memory, so rows stay at 8.
+K_LANE_CONFIGS = {1: QDOT_CONFIG, 2: QdotConfig(8, 2, 8, 2, 2), 4: QdotConfig(8, 4, 8, 2, 4),
+                  8: QdotConfig(8, 8, 8, 2, 8)}
 K_LANES = 1
 
 
