@@ -343,6 +343,25 @@ def test_interp_qdot_moe_split_gate_up() -> None:
         assert torch.equal(qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 2, 64, 1, splits)), got)
 
 
+@interp
+def test_interp_qdot_moe_gate_up_k_lanes() -> None:
+    """Q4_K/Q5_K gate/up with K in 2 and 4 lanes (D = 768: three super-blocks, the last step partial), unsplit and
+    in shares: the int8 reference's outputs; a Q6_K gate is refused."""
+    from qspec.kernels.triton_qdot import qdot_moe_few_triton
+
+    E, Fd, D, k = 3, 32, 768, 2
+    gate, up, down = qweight(T.Q4_K, (E, Fd, D), 80), qweight(T.Q5_K, (E, Fd, D), 81), qweight(T.Q8_0, (E, D, Fd), 82)
+    h = torch.randn(2, D, generator=torch.Generator().manual_seed(83))
+    top_i, top_w = routing(2, E, k, seed=84)
+    parts = ((gate.raw, int(T.Q4_K)), (up.raw, int(T.Q5_K)), (down.raw, int(T.Q8_0)))
+    want = qdot_moe_few_torch(h, top_i, top_w, *parts)
+    for cfg in ((8, 2, 1, 64, 1, 1, 2), (8, 4, 2, 64, 1, 2, 4)):
+        assert rel_err(qdot_moe_few_triton(h, top_i, top_w, *parts, config=cfg), want) <= MOE_TIGHT, cfg
+    q6 = qweight(T.Q6_K, (E, Fd, D), 85)
+    with pytest.raises(ValueError, match="K lanes"):
+        qdot_moe_few_triton(h, top_i, top_w, (q6.raw, int(T.Q6_K)), parts[1], parts[2], config=(8, 2, 1, 64, 1, 1, 2))
+
+
 def _route_then_quantize(T_: int, E: int, D: int, Fd: int, k: int, device: str) -> None:
     """The routing kernel with the token rows to quantize in its launch: the same routing, bit for bit, as without
     them, the rows quantized exactly as the quantizer's own launch does, and the routed experts reading them give

@@ -324,6 +324,9 @@ def qdot_one_row_sweep(rows: list[tuple]) -> None:
 # earlier grids' other configs lost to these: BENCHMARKS.md §5b)
 QDOT_MOE_CONFIGS = ((4, 1, 5, 16, 3), (8, 2, 5, 16, 3), (8, 1, 5, 16, 3), (4, 1, 5, 16, 3, 2), (8, 1, 5, 16, 3, 2),
                     (8, 2, 5, 16, 3, 2), (4, 1, 2, 16, 3, 5), (8, 2, 2, 16, 3, 5), (4, 1, 1, 16, 3, 10))
+# Q4_K gate/up with K lanes (MoeConfig.lanes: 2, 4, 8 super-blocks side by side per row), whole or in two shares
+QDOT_MOE_LANES_CONFIGS = ((8, 2, 5, 16, 3, 1, 2), (8, 4, 2, 16, 3, 1, 4), (8, 2, 2, 16, 3, 2, 2),
+                          (8, 8, 1, 16, 3, 1, 8))
 
 
 def qdot_sweep(rows: list[tuple]) -> None:
@@ -616,11 +619,12 @@ def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
 
 
 def qdot_moe_sweep(rows: list[tuple]) -> None:
-    """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS, 1 and 6 tokens."""
-    for cfg in QDOT_MOE_CONFIGS:
+    """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS (Q4_K and Q6_K gate/up) and
+    QDOT_MOE_LANES_CONFIGS (Q4_K), 1 and 6 tokens."""
+    for cfg in QDOT_MOE_CONFIGS + QDOT_MOE_LANES_CONFIGS:
         for t in (1, 6):
             r: list[tuple] = []
-            bench_moe(r, (T.Q4_K, T.Q6_K), t, quiet=True, qdot_config=cfg)
+            bench_moe(r, (T.Q4_K, T.Q6_K) if len(cfg) < 7 else (T.Q4_K,), t, quiet=True, qdot_config=cfg)
             for row in r[1::2]:
                 rows.append(row)
                 print(f"int8 moe {cfg} t={t} {row[1]}: {row[3]:.2f} µs, {row[4]:.0f} GB/s (bf16 {row[5]:.2f} µs)",

@@ -123,6 +123,7 @@ class MoeConfig(NamedTuple):
     splits: int = 1  # gate/up's K (the model width) in this many shares, a program each; the act quantizer adds
     # their partial sums in share order (more, shorter programs for a few-token step; the split depends on the
     # matrices only, so a row's numbers do not depend on the token count)
+    lanes: int = 1  # Q4_K/Q5_K gate/up only: super-blocks side by side per row and step (QdotConfig.lanes)
 
 
 # `python -m qspec.bench.qkernels --qdot-moe` times the grid (BENCHMARKS.md §5b): five gate/up steps per loop and down
@@ -597,26 +598,26 @@ if HAS_TRITON:
     @triton.jit
     def _qdot_rows_paired(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow, bb_ptr, bh_ptr, bi_ptr,
                           bw_ptr, brow, nmask, K, kb_lo, kb_hi, BN: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                          ASM: tl.constexpr, UNROLL: tl.constexpr = 1, KL: tl.constexpr = 1):
         """Two one-x-row products over the 256-weight steps kb_lo .. kb_hi - 1 in one loop, [1, BN] each: _qdot_rows
         of the weight rows a (type QA, byte offsets arow) and b (QB, brow), each step of a followed by the same step
         of b, so twice the bytes are in flight per iteration; each product adds its steps in _qdot_rows's order (Q6_K's
-        accumulators with the x row axis last, XFIRST off: _add_col4)."""
-        acc_a = _acc_zeros(1, BN, QA, False)
-        acc_b = _acc_zeros(1, BN, QB, False)
-        kb_main = kb_lo + (kb_hi - kb_lo) // UNROLL * UNROLL
-        for kb0 in range(kb_lo, kb_main, UNROLL):
+        accumulators with the x row axis last, XFIRST off: _add_col4; Q4_K/Q5_K in KL lanes as _qdot_rows)."""
+        acc_a = _acc_zeros(1, BN, QA, False, KL)
+        acc_b = _acc_zeros(1, BN, QB, False, KL)
+        kb_main = kb_lo + (kb_hi - kb_lo) // (UNROLL * KL) * (UNROLL * KL)
+        for kb0 in range(kb_lo, kb_main, UNROLL * KL):
             for u in tl.static_range(UNROLL):
                 acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr,
-                                   arow, nmask, K, kb0 + u, 1, 1, QA, ASM, False)
+                                   arow, nmask, K, kb0 + u * KL, 1, 1, QA, ASM, False, KL)
                 acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr,
-                                   brow, nmask, K, kb0 + u, 1, 1, QB, ASM, False)
-        for kb in range(kb_main, kb_hi):
+                                   brow, nmask, K, kb0 + u * KL, 1, 1, QB, ASM, False, KL)
+        for kb in range(kb_main, kb_hi, KL):
             acc_a = _qdot_step(acc_a, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, ab_ptr, ah_ptr, ai_ptr, aw_ptr, arow,
-                               nmask, K, kb, 1, 1, QA, ASM, False)
+                               nmask, K, kb, 1, 1, QA, ASM, False, KL, kb_hi, KL > 1)
             acc_b = _qdot_step(acc_b, xq_ptr, xd_ptr, xs_ptr, xg_ptr, 0, 0, 0, bb_ptr, bh_ptr, bi_ptr, bw_ptr, brow,
-                               nmask, K, kb, 1, 1, QB, ASM, False)
-        return _acc_rows(acc_a, QA, False), _acc_rows(acc_b, QB, False)
+                               nmask, K, kb, 1, 1, QB, ASM, False, KL, kb_hi, KL > 1)
+        return _acc_rows(acc_a, QA, False, KL), _acc_rows(acc_b, QB, False, KL)
 
     @triton.jit
     def _qdot_mv_part(xq_ptr, xd_ptr, xs_ptr, xg_ptr, wb_ptr, wh_ptr, wi_ptr, ww_ptr, y_ptr, p_ptr, c_ptr, blk, N, K,
@@ -688,7 +689,7 @@ if HAS_TRITON:
     def _qdot_gate_up_kernel(xq_ptr, xd_ptr, xs_ptr, xg_ptr, ti_ptr, gb_ptr, gh_ptr, gi_ptr, gw_ptr, ub_ptr, uh_ptr,
                              ui_ptr, uw_ptr, act_ptr, D, F, KS, ti_m, g_e, g_f, u_e, u_f, STEPS, BN: tl.constexpr,
                              QG: tl.constexpr, QU: tl.constexpr, ASM: tl.constexpr, UNROLL: tl.constexpr = 1,
-                             SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                             SPLIT: tl.constexpr = False, KL: tl.constexpr = 1, PDL: tl.constexpr = False):
         """act[pair, f] = silu(gate_e[f] . h_t) * (up_e[f] . h_t) in f32 with h_t quantized; pair = t * KS + j,
         e = top_i[t, j]; gate's and up's steps alternate in one loop. SPLIT: program_id(2) = share s takes STEPS
         steps of D and stores its partial sums of gate and up to act [S, pairs, 2, F] (_act_quant_kernel adds
@@ -705,7 +706,7 @@ if HAS_TRITON:
             kb_lo = 0
             kb_hi = tl.cdiv(D, 256)
         g, u = _qdot_rows_paired(xq, xd, xs, xg, gb_ptr, gh_ptr, gi_ptr, gw_ptr, grow, ub_ptr, uh_ptr, ui_ptr, uw_ptr,
-                                 urow, fmask, D, kb_lo, kb_hi, BN, QG, QU, ASM, UNROLL)
+                                 urow, fmask, D, kb_lo, kb_hi, BN, QG, QU, ASM, UNROLL, KL)
         if SPLIT:
             row = (tl.program_id(2) * tl.num_programs(1) + pair) * 2
             tl.store(act_ptr + row * F + f[None, :], g, mask=fmask[None, :])
@@ -917,6 +918,9 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     k = top_i.shape[1]
     F = gr.shape[1]
     cfg = MoeConfig(*config) if config else moe_config(gate[1])
+    if cfg.lanes > 1 and not {int(gq), int(uq)} <= K_LANE_TYPES:
+        raise ValueError(f"qdot_moe_few: {cfg.lanes} K lanes a row for gate/up types {int(gq)}, {int(uq)} (Q4_K/Q5_K "
+                         "only)")
     kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     if hquant is None:
@@ -929,7 +933,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
     _qdot_gate_up_kernel[(triton.cdiv(F, cfg.rows), T_ * k, splits)](
         *hquant, top_i, *_views(gr), *_views(ur), act, D, F, k, top_i.stride(0), gr.stride(0), gr.stride(1),
-        ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq), QU=int(uq), SPLIT=splits > 1, **kw,
+        ur.stride(0), ur.stride(1), share, BN=cfg.rows, QG=int(gq), QU=int(uq), SPLIT=splits > 1, KL=cfg.lanes, **kw,
         **pdl_launch(h))
     down_rows = cfg.down_rows or cfg.rows
     kw["UNROLL"] = cfg.down_unroll or cfg.unroll
