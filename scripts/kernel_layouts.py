@@ -180,7 +180,8 @@ def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:
     """The routed experts' gate/up and down kernels at the gate type's MoeConfig."""
     cfg = q.moe_config(gate)
     gate_up = compile_layouts(q._qdot_gate_up_kernel, dict(
-        BN=cfg.rows, QG=gate, QU=gate, ASM=True, UNROLL=cfg.unroll, SPLIT=cfg.splits > 1, PDL=True), cfg.warps)
+        BN=cfg.rows, QG=gate, QU=gate, ASM=True, UNROLL=cfg.unroll, SPLIT=cfg.splits > 1, KL=cfg.lanes, PDL=True),
+        cfg.warps)
     down_k = compile_layouts(q._qdot_down_kernel, dict(
         BN=cfg.down_rows or cfg.rows, QD=down, ASM=True, OUT_DT=tl.bfloat16, UNROLL=cfg.down_unroll or cfg.unroll,
         PDL=True), 1)

@@ -581,11 +581,14 @@ if HAS_TRITON:
     @triton.jit
     def _acc_rows(acc, QT: tl.constexpr, XFIRST: tl.constexpr = True, KL: tl.constexpr = 1):
         """[MP, BN]: the accumulators summed over their other axes (Q4_K/Q5_K's 4 KL lanes: a super-block's four
-        chunks, then the KL super-blocks, each sum over fewer than 8 terms: the interpreter's numpy adds those in
-        order whatever the x row count, where it sums 8 or more pairwise along a contiguous axis only)."""
-        if KL > 1:
-            BN: tl.constexpr = acc.shape[0]
-            MP: tl.constexpr = acc.shape[2]
+        chunks, then the KL super-blocks, in groups of at most four: the interpreter's numpy adds fewer than 8 terms
+        in order whatever the x row count, where it sums 8 or more pairwise along a contiguous axis only)."""
+        BN: tl.constexpr = acc.shape[0]
+        MP: tl.constexpr = acc.shape[2]
+        if KL > 4:
+            lanes = tl.sum(tl.sum(tl.reshape(acc, (BN, KL // 4, 4, 4, MP)), axis=3), axis=2)
+            out = tl.trans(tl.sum(lanes, axis=1))
+        elif KL > 1:
             out = tl.trans(tl.sum(tl.sum(tl.reshape(acc, (BN, KL, 4, MP)), axis=2), axis=1))
         elif QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
             out = tl.trans(tl.sum(acc, axis=1))
@@ -791,14 +794,15 @@ def _sm_count(x: torch.Tensor) -> int:
     return 4 if INTERPRET else torch.cuda.get_device_properties(x.device).multi_processor_count
 
 
-def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor) -> tuple[int, int]:
-    """(splits, steps per split) of K: depends on the matrix and the GPU only, never on the row count."""
+def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor, lanes: int = 1) -> tuple[int, int]:
+    """(splits, steps per split) of K: depends on the matrix and the GPU only, never on the row count. With K lanes
+    a share is whole lane steps (a multiple of `lanes` steps, but the last), so no share ends in a masked one."""
     steps = triton.cdiv(k, 256)
     blocks = triton.cdiv(n, bn)
     want = per_sm * _sm_count(x)
     if want == 0:
         return 1, steps
-    return _split_shares(steps, 1 if blocks >= want else min(steps, triton.cdiv(want, blocks)))
+    return _split_shares(steps, 1 if blocks >= want else min(steps, triton.cdiv(want, blocks)), lanes)
 
 
 Part = tuple[torch.Tensor, int]  # a block matrix: (raw blocks [N, row_bytes], GGML type)
@@ -817,8 +821,8 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
         raise ValueError(f"qdot_matmul: {cfg.lanes} K lanes a row for types {int(qa)}, {int(qb)} (Q4_K/Q5_K only)")
     two = len(parts) == 2
     na, nb = ra.shape[0], rb.shape[0] if two else 0
-    split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y)
-    split_b, share_b = _split(nb, K, cfg.rows, cfg.per_sm, y) if two else (split_a, share_a)
+    split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y, cfg.lanes)
+    split_b, share_b = _split(nb, K, cfg.rows, cfg.per_sm, y, cfg.lanes) if two else (split_a, share_a)
     splits = max(split_a, split_b)
     blocks_a = triton.cdiv(na, cfg.rows)
     blocks = blocks_a + triton.cdiv(nb, cfg.rows)
@@ -927,7 +931,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
         hquant = quantize_x_triton(h if h.stride(1) == 1 else h.contiguous())
     elif hquant[0].shape != (T_, D // 4):
         raise ValueError(f"qdot_moe_few: h {tuple(h.shape)}, quantized h words {tuple(hquant[0].shape)}")
-    splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits)
+    splits, share = _split_shares(triton.cdiv(D, 256), cfg.splits, cfg.lanes)
     act = torch.empty(splits, T_ * k, 2, F, dtype=torch.float32, device=h.device) if splits > 1 else \
         torch.empty(T_ * k, F, dtype=torch.float32, device=h.device)
     y = torch.empty(T_, k, D, dtype=h.dtype, device=h.device)
@@ -944,9 +948,10 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     return y
 
 
-def _split_shares(steps: int, splits: int) -> tuple[int, int]:
-    """(shares, steps per share) of `steps` 256-weight steps in about `splits` shares, none empty."""
-    share = triton.cdiv(steps, max(1, splits))
+def _split_shares(steps: int, splits: int, multiple: int = 1) -> tuple[int, int]:
+    """(shares, steps per share) of `steps` 256-weight steps in about `splits` shares, none empty, each a multiple of
+    `multiple` steps (but the last)."""
+    share = triton.cdiv(triton.cdiv(steps, max(1, splits)), multiple) * multiple
     return triton.cdiv(steps, share), share
 
 
