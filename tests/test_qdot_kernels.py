@@ -16,9 +16,11 @@ tests marked `cuda` run the compiled kernels at the model's shapes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import routing, row_len, run_interp_tests
+from conftest import routing, row_len, run_interp_tests, tiny_config
 from gguf import GGMLQuantizationType
 
 from qspec.kernels.qdot import QDOT_QTYPES, qdot_matmul_torch, qdot_moe_few_torch, quantize_x_torch
@@ -485,6 +487,25 @@ def test_cuda_k_lanes_real_shapes(lanes: int) -> None:
     x = torch.randn(1, 2560, device="cuda").bfloat16()
     y = qdot_stacked_triton(x, [(w.raw, int(w.qtype)) for w in ws], cfg)
     assert torch.equal(y, torch.cat([qdot_matmul_triton(x, w.raw, int(w.qtype), w.shape[0], cfg) for w in ws], -1))
+
+
+@pytest.mark.cuda
+def test_cuda_engine_k_lanes(tmp_path: Path) -> None:
+    """A Q4_K_M model 1,024 wide (four super-blocks a row), plain decoding and MTP3 in CUDA graphs: with --k-lanes
+    4 (its Q4_K/Q5_K products' K in lanes) the tokens of the default, the logits up to the lanes' summation order."""
+    from qspec.engine import Engine, EngineHooks, EngineOptions
+    from qspec.loader import load_model, write_model
+
+    cfg = tiny_config(mtp=True).with_(hidden=1024, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", device="cuda")
+    prompt = list(range(3, 40))
+    for draft in (0, 3):
+        runs = {lanes: Engine(model, EngineOptions(draft=draft, capacity=256, k_lanes=lanes),
+                              EngineHooks(record_logits=True)).generate(prompt, 12) for lanes in (1, 4)}
+        assert runs[4].graphs["replays"] > 0 and runs[4].tokens == runs[1].tokens, draft
+        for a, b in zip(runs[4].logits, runs[1].logits, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.float().abs().max().item())
 
 
 @pytest.mark.cuda
