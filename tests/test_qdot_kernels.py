@@ -326,6 +326,17 @@ def test_interp_qdot_moe_few(gt: GGMLQuantizationType, dt: GGMLQuantizationType,
     assert rel_err(got, qmoe_few_torch(h, top_i, top_w, gate, up, down)) <= LOOSE
 
 
+def _narrow_experts(gt: GGMLQuantizationType, ut: GGMLQuantizationType, seed: int) -> tuple:
+    """3 experts 32 wide on D = 768 (three 256-weight steps), gate/up in gt/ut and down in Q8_0, two tokens routed
+    to 2 each: (h, top_i, top_w, the experts' (raw, type) parts); seeds seed .. seed + 4."""
+    E, Fd, D, k = 3, 32, 768, 2
+    gate, up, down = qweight(gt, (E, Fd, D), seed), qweight(ut, (E, Fd, D), seed + 1), qweight(T.Q8_0, (E, D, Fd),
+                                                                                             seed + 2)
+    h = torch.randn(2, D, generator=torch.Generator().manual_seed(seed + 3))
+    top_i, top_w = routing(2, E, k, seed=seed + 4)
+    return h, top_i, top_w, ((gate.raw, int(gt)), (up.raw, int(ut)), (down.raw, int(T.Q8_0)))
+
+
 @interp
 def test_interp_qdot_moe_split_gate_up() -> None:
     """Gate/up's K (D = 768: three 256-weight steps) in shares of 2 + 1 or 1 + 1 + 1 steps, their partial sums added
@@ -333,11 +344,7 @@ def test_interp_qdot_moe_split_gate_up() -> None:
     bits. (Narrow experts, F = 32, keep the interpreter's work small.)"""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
-    E, Fd, D, k = 3, 32, 768, 2
-    gate, up, down = qweight(T.Q4_K, (E, Fd, D), 70), qweight(T.Q6_K, (E, Fd, D), 71), qweight(T.Q8_0, (E, D, Fd), 72)
-    h = torch.randn(2, D, generator=torch.Generator().manual_seed(73))
-    top_i, top_w = routing(2, E, k, seed=74)
-    parts = ((gate.raw, int(T.Q4_K)), (up.raw, int(T.Q6_K)), (down.raw, int(T.Q8_0)))
+    h, top_i, top_w, parts = _narrow_experts(T.Q4_K, T.Q6_K, 70)
     want = qdot_moe_few_torch(h, top_i, top_w, *parts)
     for splits in (2, 3):
         got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(32, 4, 1, 64, 1, splits))
@@ -351,15 +358,11 @@ def test_interp_qdot_moe_gate_up_k_lanes() -> None:
     second a masked lane step): the int8 reference's outputs; a Q6_K gate is refused."""
     from qspec.kernels.triton_qdot import qdot_moe_few_triton
 
-    E, Fd, D, k = 3, 32, 768, 2
-    gate, up, down = qweight(T.Q4_K, (E, Fd, D), 80), qweight(T.Q5_K, (E, Fd, D), 81), qweight(T.Q8_0, (E, D, Fd), 82)
-    h = torch.randn(2, D, generator=torch.Generator().manual_seed(83))
-    top_i, top_w = routing(2, E, k, seed=84)
-    parts = ((gate.raw, int(T.Q4_K)), (up.raw, int(T.Q5_K)), (down.raw, int(T.Q8_0)))
+    h, top_i, top_w, parts = _narrow_experts(T.Q4_K, T.Q5_K, 80)
     want = qdot_moe_few_torch(h, top_i, top_w, *parts)
     got = qdot_moe_few_triton(h, top_i, top_w, *parts, config=(8, 2, 1, 64, 1, 2, 2))
     assert rel_err(got, want) <= MOE_TIGHT
-    q6 = qweight(T.Q6_K, (E, Fd, D), 85)
+    q6 = qweight(T.Q6_K, (3, 32, 768), 85)
     with pytest.raises(ValueError, match="K lanes"):
         qdot_moe_few_triton(h, top_i, top_w, (q6.raw, int(T.Q6_K)), parts[1], parts[2], config=(8, 2, 1, 64, 1, 1, 2))
 

@@ -583,13 +583,11 @@ if HAS_TRITON:
         """[MP, BN]: the accumulators summed over their other axes (Q4_K/Q5_K's 4 KL lanes: a super-block's four
         chunks, then the KL super-blocks, in groups of at most four: the interpreter's numpy adds fewer than 8 terms
         in order whatever the x row count, where it sums 8 or more pairwise along a contiguous axis only)."""
-        BN: tl.constexpr = acc.shape[0]
-        MP: tl.constexpr = acc.shape[2]
-        if KL > 4:
-            lanes = tl.sum(tl.sum(tl.reshape(acc, (BN, KL // 4, 4, 4, MP)), axis=3), axis=2)
+        if KL > 4:  # acc [BN, 4 KL, MP]
+            lanes = tl.sum(tl.sum(tl.reshape(acc, (acc.shape[0], KL // 4, 4, 4, acc.shape[2])), axis=3), axis=2)
             out = tl.trans(tl.sum(lanes, axis=1))
         elif KL > 1:
-            out = tl.trans(tl.sum(tl.sum(tl.reshape(acc, (BN, KL, 4, MP)), axis=2), axis=1))
+            out = tl.trans(tl.sum(tl.sum(tl.reshape(acc, (acc.shape[0], KL, 4, acc.shape[2])), axis=2), axis=1))
         elif QT != QT_Q6_K and QT != QT_Q6_K_PLANES:
             out = tl.trans(tl.sum(acc, axis=1))
         elif XFIRST:
@@ -808,6 +806,13 @@ def _split(n: int, k: int, bn: int, per_sm: int, x: torch.Tensor, lanes: int = 1
 Part = tuple[torch.Tensor, int]  # a block matrix: (raw blocks [N, row_bytes], GGML type)
 
 
+def _check_lanes(what: str, lanes: int, *types: int) -> None:
+    """K lanes (more than one) only for Q4_K/Q5_K block matrices."""
+    if lanes > 1 and not {int(t) for t in types} <= K_LANE_TYPES:
+        raise ValueError(f"{what}: {lanes} K lanes a row for types {', '.join(str(int(t)) for t in types)} "
+                         "(Q4_K/Q5_K only)")
+
+
 def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: QdotConfig, asm: bool | None) -> None:
     """y [M, N_A (+ N_B)] (row stride free: columns of a wider output) = x @ [A; B]^T, x given quantized: one block
     matrix, or two (each its own type) in one launch and one partial-sum launch."""
@@ -817,8 +822,7 @@ def _qdot_into(y: torch.Tensor, xquant: QuantizedX, parts: list[Part], cfg: Qdot
             or sum(r.shape[0] for r, _ in parts) != n or y.stride(1) != 1):
         raise ValueError(f"qdot_matmul: x [{M}, {K}], raw {[tuple(r.shape) for r, _ in parts]}, N {n}")
     (ra, qa), (rb, qb) = parts[0], parts[-1]
-    if cfg.lanes > 1 and not {int(qa), int(qb)} <= K_LANE_TYPES:
-        raise ValueError(f"qdot_matmul: {cfg.lanes} K lanes a row for types {int(qa)}, {int(qb)} (Q4_K/Q5_K only)")
+    _check_lanes("qdot_matmul", cfg.lanes, qa, qb)
     two = len(parts) == 2
     na, nb = ra.shape[0], rb.shape[0] if two else 0
     split_a, share_a = _split(na, K, cfg.rows, cfg.per_sm, y, cfg.lanes)
@@ -922,9 +926,7 @@ def qdot_moe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tenso
     k = top_i.shape[1]
     F = gr.shape[1]
     cfg = MoeConfig(*config) if config else moe_config(gate[1])
-    if cfg.lanes > 1 and not {int(gq), int(uq)} <= K_LANE_TYPES:
-        raise ValueError(f"qdot_moe_few: {cfg.lanes} K lanes a row for gate/up types {int(gq)}, {int(uq)} (Q4_K/Q5_K "
-                         "only)")
+    _check_lanes("qdot_moe_few", cfg.lanes, gq, uq)
     kw = {"ASM": _asm() if asm is None else asm, "UNROLL": cfg.unroll, "num_warps": cfg.warps}
     top_i, top_w = top_i.contiguous(), top_w.contiguous()
     if hquant is None:
