@@ -621,10 +621,12 @@ def bench_route_quantize(rows: list[tuple], reps: int = 5) -> None:
 def qdot_moe_sweep(rows: list[tuple]) -> None:
     """The routed experts' int8 kernels (all four launches) over QDOT_MOE_CONFIGS (Q4_K and Q6_K gate/up) and
     QDOT_MOE_LANES_CONFIGS (Q4_K), 1 and 6 tokens."""
+    from qspec.kernels.triton_qdot import MoeConfig
+
     for cfg in QDOT_MOE_CONFIGS + QDOT_MOE_LANES_CONFIGS:
         for t in (1, 6):
             r: list[tuple] = []
-            bench_moe(r, (T.Q4_K, T.Q6_K) if len(cfg) < 7 else (T.Q4_K,), t, quiet=True, qdot_config=cfg)
+            bench_moe(r, (T.Q4_K,) if MoeConfig(*cfg).lanes > 1 else (T.Q4_K, T.Q6_K), t, quiet=True, qdot_config=cfg)
             for row in r[1::2]:
                 rows.append(row)
                 print(f"int8 moe {cfg} t={t} {row[1]}: {row[3]:.2f} µs, {row[4]:.0f} GB/s (bf16 {row[5]:.2f} µs)",
