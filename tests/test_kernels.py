@@ -29,6 +29,7 @@ from qspec.model.qsa import PooledUpdate, materialize_pooled
 from qspec.state.indexer_cache import IndexerCache
 from qspec.state.kv_cache import quantize_q8_0
 from qspec.weights.dequant import dequantize, quantize_q4_0
+from qspec.weights.qweight import QuantWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available() and HAS_TRITON
@@ -772,14 +773,14 @@ def test_hc_mix_step_dispatch() -> None:
     want_X = hc_mix.combine_torch(X, y, inj)
     want_h, want_y = hc_mix.mix_torch(want_X, norm, w_in, up, R, D, S, 1e-6)
     assert torch.equal(Xc, want_X) and torch.equal(h, want_h) and torch.equal(out, want_y)
-    assert not hc_mix.step_eligible(X, w_in)  # f32 (and the CPU without the interpreter)
-    Xb, wb = X.bfloat16(), w_in.bfloat16()
+    assert not hc_mix.step_eligible(X, w_in, up)  # f32 (and the CPU without the interpreter)
+    Xb, wb, ub = X.bfloat16(), w_in.bfloat16(), up.bfloat16()
     with hc_mix.step_rows_mode(1):
-        assert not hc_mix.step_eligible(torch.cat([Xb, Xb]), wb)
+        assert not hc_mix.step_eligible(torch.cat([Xb, Xb]), wb, ub)
     with ops.row_exact_mode(True):
-        assert not hc_mix.step_eligible(Xb, wb)
+        assert not hc_mix.step_eligible(Xb, wb, ub)
     with hc_mix.enabled_mode(False):
-        assert not hc_mix.step_eligible(Xb, wb)
+        assert not hc_mix.step_eligible(Xb, wb, ub)
     with hc_mix.step_rows_mode(2):  # the engine's mixer_step_rows inside the block, 1..8 rows
         assert hc_mix._STEP_ROWS == 2
     assert hc_mix._STEP_ROWS == 6
@@ -793,13 +794,18 @@ def test_hc_mix_step_rows_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     from qspec.kernels import hc_mix
 
     monkeypatch.setattr(hc_mix, "use_triton", lambda t: True)
-    X, w_in = torch.randn(8, 4 * 32).bfloat16(), torch.randn(12, 4 * 32).bfloat16()
+    X, w_in, up = torch.randn(8, 4 * 32).bfloat16(), torch.randn(12, 4 * 32).bfloat16(), torch.randn(4 * 32, 8)
+    up16 = up.bfloat16()
     with hc_mix.step_rows_mode(1):
-        assert hc_mix.step_eligible(X[:1], w_in)
-        assert not hc_mix.step_eligible(X[:0], w_in) and not hc_mix.step_eligible(X[:2], w_in)
+        assert hc_mix.step_eligible(X[:1], w_in, up16)
+        assert not hc_mix.step_eligible(X[:0], w_in, up16) and not hc_mix.step_eligible(X[:2], w_in, up16)
     with hc_mix.step_rows_mode(6):
-        assert hc_mix.step_eligible(X[:6], w_in) and not hc_mix.step_eligible(X[:0], w_in)
-        assert not hc_mix.step_eligible(X[:7], w_in)
+        assert hc_mix.step_eligible(X[:6], w_in, up16) and not hc_mix.step_eligible(X[:0], w_in, up16)
+        assert not hc_mix.step_eligible(X[:7], w_in, up16)
+    # matrices of another float dtype are not the kernels'; GGUF blocks are (the w_in product is ops.linear's)
+    assert not hc_mix.step_eligible(X[:1], w_in, up) and not hc_mix.step_eligible(X[:1], w_in.float(), up16)
+    blocks = QuantWeight.from_blocks(quantize_q4_0(w_in.float()), GGMLQuantizationType.Q4_0, w_in.shape)
+    assert hc_mix.step_eligible(X[:1], blocks, up16)
 
 
 # ---- greedy token choice -----------------------------------------------------------------------------------------

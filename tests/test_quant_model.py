@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
+from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader
 
+from qspec.config import preset
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.kernels.q4 import Q4Weight
 from qspec.loader import load_model, write_model
@@ -25,7 +26,8 @@ from qspec.runner import Runner
 from qspec.weights import WeightsError, read_gguf
 from qspec.weights.dequant import quantize_q4_0, quantize_q8_0
 from qspec.weights.gguf_io import HostRowTable
-from qspec.weights.quant_mix import keep_packed, mix_plan, use_more_bits
+from qspec.weights.names import tensor_shapes
+from qspec.weights.quant_mix import keep_packed, mix_plan, mix_qtype, use_more_bits
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 
 CAP = 128
@@ -266,7 +268,11 @@ def test_q4_k_m_mix_follows_llama_cpp_rules() -> None:
         assert down == (Q.Q6_K if use_more_bits(i, n) else Q.Q4_K), i
         assert plan[f"blk.{i}.ffn_gate_inp.weight"] == Q.F32  # routers stay exact
         assert plan[f"blk.{i}.ffn_gate_inp_shexp.weight"] == Q.F32
-        assert plan[f"blk.{i}.hc_attn_down.weight"] == Q.F32
+        # the mixers' matrices are quantized as any other (llama-quantize does so); their norms stay F32
+        assert plan[f"blk.{i}.hc_attn_down.weight"] == plan[f"blk.{i}.hc_ffn_inject.weight"] == Q.Q4_K
+        r = cfg.hc_rank
+        assert plan[f"blk.{i}.hc_ffn_up.weight"] == (Q.Q4_K if r % 256 == 0 else Q.Q5_0 if r % 32 == 0 else Q.F32)
+        assert plan[f"blk.{i}.hc_attn_norm.weight"] == Q.F32
         if cfg.layer_recurrent[i]:
             assert plan[f"blk.{i}.attn_qkv.weight"] == Q.Q5_K
             assert plan[f"blk.{i}.ssm_conv1d.weight"] == Q.F32
@@ -280,6 +286,20 @@ def test_q4_k_m_mix_follows_llama_cpp_rules() -> None:
     assert mix_plan("q8_0", cfg)["output.weight"] == Q.Q8_0
     with pytest.raises(WeightsError, match="unknown quantization mix"):
         mix_plan("q3_k", cfg)
+
+
+def test_q4_k_m_mix_matches_a_llama_quantize_file_size() -> None:
+    """llama-quantize's Q4_K_M file of the 8-layer flash-next geometry (no MTP block, no n-gram table) holds
+    13.69 GiB at 5.34 bits per weight; the mix's types give the same within 0.3% (they would give 14.07 GiB, 5.48
+    bits, with the mixers' matrices kept F32)."""
+    cfg = preset("flash-next", layers=8)
+    shapes = {n: s for n, s in tensor_shapes(cfg, with_mtp=False).items() if not n.startswith("per_layer_token")}
+    plan = {n: mix_qtype("q4_k_m", n, s, cfg.n_layers, tuple(cfg.qsa_layers())) for n, s in shapes.items()}
+    weights = sum(math.prod(s) for s in shapes.values())
+    nbytes = sum(math.prod(s) // GGML_QUANT_SIZES[plan[n]][0] * GGML_QUANT_SIZES[plan[n]][1]
+                 for n, s in shapes.items())
+    assert plan["blk.0.hc_attn_up.weight"] == Q.Q5_0  # 320-wide rows: Q4_K's fallback
+    assert abs(nbytes / 2**30 - 13.69) < 0.04 and abs(8 * nbytes / weights - 5.34) < 0.01, (nbytes, weights)
 
 
 def test_q8_0_mix_file_equals_the_same_types_quantized_at_load(tmp_path: Path) -> None:
@@ -334,7 +354,8 @@ def test_make_model_quant_option(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["make-model", str(p), "--vocab-size", "256", "--no-mtp", "--quant", "q8_0"]) == 0
     types = {t.name: t.tensor_type for t in GGUFReader(p).tensors}
     assert types["blk.0.ffn_gate_inp.weight"] == Q.F32 and types["blk.0.ffn_up_exps.weight"] == Q.Q8_0
-    assert types["blk.0.hc_attn_down.weight"] == Q.F32 and types["output.weight"] == Q.Q8_0
+    assert types["blk.0.hc_attn_down.weight"] == Q.Q8_0 and types["output.weight"] == Q.Q8_0
+    assert types["blk.0.hc_attn_norm.weight"] == Q.F32
     capsys.readouterr()
     assert main(["make-model", str(tmp_path / "x.gguf"), "--qtype", "q8_0", "--quant", "q8_0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -33,6 +33,7 @@ from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
@@ -71,8 +72,11 @@ from qspec.kernels.triton_q4 import q4_q8_matvec_triton
 from qspec.kernels.triton_route import route_top_k_triton
 from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.kernels.triton_top_blocks import top_blocks_mask_triton
-from qspec.model.ops import rope_tables
+from qspec.model.ops import Weight, rope_tables
 from qspec.state.kv_cache import quantize_q8_0
+from qspec.weights.quantize import quantize
+from qspec.weights.qweight import PLANES_QTYPES, QuantWeight
+from qspec.weights.traffic import held_bytes
 
 PEAK_GBS = 4200.0
 # max |got - ref| / max |ref|. In f32 that is accumulation order; in bf16 / f16 both sides round every op to the
@@ -537,40 +541,56 @@ def check_gemv(R: Runner, name: str, N: int, K: int, M: int, dt: torch.dtype, ti
     return W
 
 
+def _mixer_weights(w_in: torch.Tensor, up: torch.Tensor, blocks: tuple[str, str] | None, planes: bool
+                   ) -> tuple[Weight, Weight]:
+    """The mixer's matrices as the model holds them: 16-bit, or quantized to `blocks` (w_in's type, up's; up in
+    planes where `planes` and its type has them, as on CUDA)."""
+    if blocks is None:
+        return w_in, up
+    wq, uq = (QuantWeight.from_blocks(quantize(t.float(), q), GGMLQuantizationType[q], t.shape)
+              for t, q in zip((w_in, up), blocks, strict=True))
+    return wq, uq.to_planes() if planes and uq.qtype in PLANES_QTYPES else uq
+
+
 def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, pending: bool, timed: bool = False,
-                 out_config: tuple[int, int, int] | None = None, M: int = 1) -> None:
+                 out_config: tuple[int, int, int] | None = None, M: int = 1, blocks: tuple[str, str] | None = None,
+                 planes: bool = True) -> None:
     """The step-sized mixer (combine, grouped norm, w_in and up products, gated stream mean) against the same math in
-    f64; the kernel may round differently from the torch path but must not be less accurate than it (2x slack)."""
+    f64; the kernel may round differently from the torch path but must not be less accurate than it (2x slack).
+    blocks: w_in and up as GGUF blocks of these types (the f64 math then takes their expanded values)."""
     dev = R.device
     X = torch.randn(M, S * D, device=dev).to(dt)
     y = torch.randn(M, D, device=dev).to(dt) if pending else None
     # the injection logits as the model passes them: a column slice of the previous mixer's w_in outputs
     inj = torch.randn(M, S + 5, device=dev).to(dt)[:, 2:2 + S] if pending else None
     norm = (1 + 0.1 * torch.randn(S * D, device=dev)).to(dt)
-    w_in = (torch.randn(N, S * D, device=dev) / (S * D) ** 0.5).to(dt)
-    up = (torch.randn(S * D, rank, device=dev) / rank ** 0.5).to(dt)
+    w_in, up = _mixer_weights((torch.randn(N, S * D, device=dev) / (S * D) ** 0.5).to(dt),
+                              (torch.randn(S * D, rank, device=dev) / rank ** 0.5).to(dt), blocks, planes)
 
-    def reference(d: torch.dtype) -> tuple[torch.Tensor, ...]:
-        a = [t.to(d) for t in (X, y, inj, norm, w_in, up) if t is not None]
+    def reference(d: torch.dtype, held: bool = False) -> tuple[torch.Tensor, ...]:
+        # held: the matrices as the model holds them (the torch path's products); else expanded to d
+        ws = [w if held else (w if isinstance(w, torch.Tensor) else w.dequantize()).to(d) for w in (w_in, up)]
+        a = [t.to(d) for t in (X, y, inj, norm) if t is not None] + ws
         x = a[0] if not pending else combine_torch(a[0], a[1], a[2])
         return (x, *mix_torch(x, *a[-3:], rank, D, S, 1e-6))
 
     with torch_references():
-        ref, base = reference(torch.float64), reference(dt)
+        ref, base = reference(torch.float64), reference(dt, held=True)
     got = hc_mix_step_triton(X, (y, inj) if pending else None, norm, w_in, up, rank, D, S, 1e-6, out_config=out_config)
     names = ("X", "h", "y")
     errs = [rel_err(g, r) for g, r in zip(got, ref, strict=True)]
     base_errs = [rel_err(b, r) for b, r in zip(base, ref, strict=True)]
     ok = all(e <= max(2 * b, TOL[torch.float32]) for e, b in zip(errs, base_errs, strict=True))
     detail = ", ".join(f"{n} {e:.2e} (torch {b:.2e})" for n, e, b in zip(names, errs, base_errs, strict=True))
+    held = f" {blocks[0]}/{blocks[1]}{' planes' if getattr(up, 'planes', False) else ''}" if blocks else ""
     row = Row(f"hc mixer M={M} D={D} S={S} rank={rank} N={N} {'+combine ' if pending else ''}"
-              f"{str(dt).removeprefix('torch.')}" + (f" cfg={out_config}" if out_config else ""), ok,
+              f"{str(dt).removeprefix('torch.')}{held}" + (f" cfg={out_config}" if out_config else ""), ok,
               f"rel err vs f64: {detail}")
     if timed and R.timing:
-        row.torch_us = R.bench(lambda: reference(dt))
+        row.torch_us = R.bench(lambda: reference(dt, held=True))
         row.triton_us = R.bench(lambda: hc_mix_step_triton(X, (y, inj) if pending else None, norm, w_in, up, rank, D,
                                                            S, 1e-6, out_config=out_config))
-        row.nbytes = (w_in.numel() + up.numel()) * w_in.element_size()
+        row.nbytes = held_bytes(w_in) + held_bytes(up)
     R.add(row, variant=out_config is not None)
 
 
@@ -919,6 +939,9 @@ def hc_mix_checks(R: Runner, small: bool) -> None:
         check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True)
         check_hc_mix(R, 2560, 4, 320, 328, torch.float32, pending=True, M=6)
         check_hc_mix(R, 1000, 3, 100, 107, torch.float16, pending=True)
+        for M in (1, 6):  # llama-quantize's Q4_K_M: w_in Q4_K, up Q5_0 (in planes, as on CUDA); and Q8_0
+            check_hc_mix(R, 2560, 4, 320, 324, torch.bfloat16, pending=True, timed=True, M=M, blocks=("Q4_K", "Q5_0"))
+            check_hc_mix(R, 2560, 4, 320, 324, torch.bfloat16, pending=True, timed=True, M=M, blocks=("Q8_0", "Q8_0"))
         return
     for M in (1, 2, 6):
         check_hc_mix(R, 64, 4, 16, 24, torch.bfloat16, pending=True, M=M)
@@ -930,6 +953,10 @@ def hc_mix_checks(R: Runner, small: bool) -> None:
     check_hc_mix(R, 64, 4, 16, 24, torch.float32, pending=True, M=6)
     check_hc_mix(R, 96, 4, 24, 24, torch.bfloat16, pending=True, M=3, out_config=(16, 16, 4))
     check_hc_mix(R, 64, 4, 16, 20, torch.float32, pending=False, M=8)
+    # the matrices as GGUF blocks (llama-quantize's Q4_K_M: w_in Q4_K, up Q5_0 in planes; one row and a verify's)
+    check_hc_mix(R, 64, 4, 32, 36, torch.bfloat16, pending=True, blocks=("Q4_K", "Q5_0"))
+    check_hc_mix(R, 64, 4, 64, 68, torch.bfloat16, pending=False, M=3, blocks=("Q8_0", "Q8_0"), planes=False)
+    check_hc_mix(R, 64, 4, 256, 256, torch.float16, pending=True, M=2, blocks=("Q5_K", "Q6_K"))
 
 
 def route_checks(R: Runner, small: bool) -> None:

@@ -15,7 +15,8 @@ import torch
 from qspec.kernels import gemv
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.kernels.triton_hc_mix import MAX_ROWS
-from qspec.model.ops import linear, rms_norm, row_exact, sigmoid, silu
+from qspec.model.ops import StackedWeight, Weight, linear, rms_norm, row_exact, sigmoid, silu
+from qspec.weights.qweight import QuantWeight
 
 DTYPES = (torch.bfloat16, torch.float16)
 _ON = True  # off: one-row mixers run compiled too (A/B timing: scripts/profile_step.py --mixer-ab)
@@ -42,7 +43,7 @@ def combine_torch(X: torch.Tensor, y: torch.Tensor, inj_logits: torch.Tensor) ->
     return X + (y.unsqueeze(-2) * inj.unsqueeze(-1)).flatten(-2)
 
 
-def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int,
+def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: Weight, up: Weight, rank: int, hidden: int,
               count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """w_in = [down ; inject] -> (h [T, D], w_in's outputs [T, N]: the rows past `rank` are the injection logits).
 
@@ -58,35 +59,44 @@ def mix_torch(X: torch.Tensor, norm: torch.Tensor, w_in: torch.Tensor, up: torch
     return acc / count, y
 
 
-def step_eligible(X: torch.Tensor, w_in: torch.Tensor) -> bool:
+def _kernel_weight(w: Weight, X: torch.Tensor) -> bool:
+    """A mixer matrix the step kernels read: 16 bits of X's dtype, contiguous, or GGUF blocks (any stack of them
+    for w_in, whose product is ops.linear's)."""
+    if isinstance(w, torch.Tensor):
+        return w.dtype == X.dtype and w.is_contiguous()
+    return isinstance(w, (QuantWeight, StackedWeight))
+
+
+def step_eligible(X: torch.Tensor, w_in: Weight, up: Weight) -> bool:
     """Whether `mix_step` takes this mixer: a one-row step (decode, draft; more rows under `step_rows_mode`),
     16-bit, CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0`
-    measures the compiled path), not row-exact mode.
+    measures the compiled path), not row-exact mode; the matrices in X's dtype or as GGUF blocks.
 
     The kernels are correct for up to 8 rows (`python -m qspec.bench.kernels` checks 1, 2, 4, 6 and 8). Without
     PDL only the one-row step measured faster than the compiled functions on the H200; with PDL (the default on
     Hopper) MTP5 with its 6-row verify and extend steps on the kernels ran faster end to end (BENCHMARKS.md §4, the
     verify/extend mixers row; benchmarks/results/h200-fn8-mixers-s15.md), so the engine's mixer_step_rows is 6."""
-    return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and w_in.dtype == X.dtype and gemv.is_on()
-            and use_triton(X) and not row_exact() and X.is_contiguous() and w_in.is_contiguous())
+    return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and gemv.is_on() and use_triton(X)
+            and not row_exact() and X.is_contiguous() and _kernel_weight(w_in, X) and not isinstance(up, StackedWeight)
+            and _kernel_weight(up, X))
 
 
 def mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
-                    w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+                    w_in: Weight, up: torch.Tensor | QuantWeight, rank: int, hidden: int, count: int, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Triton kernels for a mixer `step_eligible` takes -> (combined X, h, w_in's outputs)."""
     from qspec.kernels.triton_hc_mix import hc_mix_step_triton
 
     p = None if pending is None else tuple(t if t.stride(-1) == 1 else t.contiguous() for t in pending)
-    return hc_mix_step_triton(X, p, norm, w_in, up.contiguous(), rank, hidden, count, eps)
+    return hc_mix_step_triton(X, p, norm, w_in, up, rank, hidden, count, eps)
 
 
 def mix_step(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
-             w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float
+             w_in: Weight, up: Weight, rank: int, hidden: int, count: int, eps: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """combine (when a block output is pending) then mix -> (combined X, h, w_in's outputs).
     The Triton kernels where `step_eligible`, else the references."""
-    if step_eligible(X, w_in):
+    if step_eligible(X, w_in, up):
         return mix_step_triton(X, pending, norm, w_in, up, rank, hidden, count, eps)
     if pending is not None:
         X = combine_torch(X, *pending)

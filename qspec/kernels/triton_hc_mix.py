@@ -19,14 +19,22 @@ mat-vec; this one walks the rank in steps and comes close to that mat-vec (`pyth
 --hc-out-sweep`; BENCHMARKS.md §5, the hyper-connection mixer output kernel row), and made the decode step faster
 than the compiled mixers in one process (what the kernels buy MTP5 end to end: §4, the verify/extend mixers row).
 
+With the mixer's matrices held as GGUF blocks (llama-quantize quantizes them; weights/quant_mix.py), `w_in` is a
+block product (qmatmul.py) and the output kernel expands each 256-weight step of the `up` rows to f32 in registers
+(triton_qmatmul's `expand_step`, any block type), then multiplies as the 16-bit kernel does.
+
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
 """
 
 import torch
 
+from qspec.kernels.qmatmul import int8_product
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_launch, tl_dtype
-from qspec.model.ops import linear
+from qspec.kernels.triton_qdot import qdot_quantized_triton, quantized_x_buffers
+from qspec.kernels.triton_qmatmul import qmatmul_geometry
+from qspec.model.ops import Weight, linear
+from qspec.weights.qweight import QuantWeight
 
 MAX_ROWS = 8
 MAX_STREAM = 16384  # one prep program holds a whole stream
@@ -41,11 +49,42 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
+    from qspec.kernels.triton_qdot import quantized_store
+    from qspec.kernels.triton_qmatmul import expand_step
 
     @triton.jit
-    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, D, eps, yp_m, ip_m,
-                        S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
-                        PDL: tl.constexpr = False):
+    def _up_logits_blocks(y_ptr, wb_ptr, wh_ptr, rowb, fmask, N, R, M: tl.constexpr, MP: tl.constexpr,
+                          S: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
+                          DT: tl.constexpr):
+        """[MP, BN] f32 gate logits of the BN `up` rows held as blocks of type QT at byte offsets rowb: each
+        256-weight step expanded to f32 [BN, G, L] in registers (the type's groups, triton_qmatmul.expand_step), times
+        silu(y[:R] / S) as the 16-bit kernel rounds it. One row keeps the step's products and sums them once at
+        the end."""
+        mi = tl.arange(0, MP)
+        if M == 1:
+            prod = tl.zeros([BN, G, L], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(R, 256)):
+                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
+                a = tl.load(y_ptr + koff, mask=kmask, other=0.0).to(tl.float32) / S
+                prod += w * round_to(a * tl.sigmoid(a), DT)[None, :, :]
+            logits = tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
+        else:
+            logits = tl.zeros([MP, BN], dtype=tl.float32)
+            for kb in range(0, tl.cdiv(R, 256)):
+                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
+                for m in tl.static_range(M):
+                    a = tl.load(y_ptr + m * N + koff, mask=kmask, other=0.0).to(tl.float32) / S
+                    a = round_to(a * tl.sigmoid(a), DT)
+                    p = tl.sum(tl.sum(w * a[None, :, :], axis=2), axis=1)
+                    logits = tl.where(mi[:, None] == m, logits + p[None, :], logits)
+        return logits
+
+    @triton.jit
+    def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, g_ptr, D, eps, yp_m,
+                        ip_m, S: tl.constexpr, HAS_PENDING: tl.constexpr, BD: tl.constexpr, DT: tl.constexpr,
+                        QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+        # QUANT: the normed stream also rounded to int8 per 32 for the w_in block product, as triton_qdot's
+        # activation quantizer does (D a multiple of 32; launched without FMA fusion, as that one is)
         pdl_start(PDL)
         m = tl.program_id(0)
         s = tl.program_id(1)
@@ -60,16 +99,23 @@ if HAS_TRITON:
             tl.store(xo_ptr + f, x.to(xo_ptr.dtype.element_ty), mask=dmask)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         g = tl.load(norm_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
-        tl.store(xn_ptr + f, round_to(x * r * g, DT).to(xn_ptr.dtype.element_ty), mask=dmask)
+        xn = round_to(x * r * g, DT)
+        tl.store(xn_ptr + f, xn.to(xn_ptr.dtype.element_ty), mask=dmask)
+        if QUANT:
+            nb: tl.constexpr = BD // 32
+            j = tl.arange(0, nb)
+            quantized_store(tl.reshape(tl.where(dmask, xn, 0.0), [nb, 32]), q_ptr, d_ptr, s_ptr, g_ptr, m,
+                            s * (D // 32) + j, j < D // 32, S * (D // 32), nb)
 
     @triton.jit
-    def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, h_ptr, N, D, R,
+    def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, uh_ptr, h_ptr, N, D, R, u_n,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                        BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       QT: tl.constexpr = 0, G: tl.constexpr = 8, L: tl.constexpr = 32, PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
-        # mat-vec does (triton_gemv.py)
+        # mat-vec does (triton_gemv.py). QT > 0: `up` rows of u_n bytes of blocks (up_ptr the bytes, uh_ptr their
+        # f16 view), walked in 256-weight steps.
         pdl_start(PDL)
         i = tl.arange(0, SP * BD)
         s = i // BD
@@ -79,7 +125,10 @@ if HAS_TRITON:
         urow = up_ptr + f.to(tl.int64)[:, None] * R
         kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
-        if M == 1:
+        if QT > 0:
+            logits = _up_logits_blocks(y_ptr, up_ptr, uh_ptr, f.to(tl.int64) * u_n, fmask, N, R, M, MP, S, SP * BD,
+                                       QT, G, L, DT)
+        elif M == 1:
             prod = tl.zeros([SP * BD, BK], dtype=tl.float32)
             for k0 in range(0, R, BK):
                 k = k0 + kk
@@ -121,43 +170,65 @@ if HAS_TRITON:
 
 
 def hc_mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
-                       w_in: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int, eps: float,
+                       w_in: Weight, up: torch.Tensor | QuantWeight, rank: int, hidden: int, count: int, eps: float,
                        out_config: tuple[int, int, int] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """M <= MAX_ROWS rows: X [M, S*D] contiguous, pending (y [M, D], injection logits [M, S], each with contiguous
-    rows) or None -> (combined X, h [M, D], w_in's outputs [M, N]: the columns past `rank` are the injection logits)."""
+    rows) or None -> (combined X, h [M, D], w_in's outputs [M, N]: the columns past `rank` are the injection logits).
+    w_in and up: 16-bit tensors of X's dtype or GGUF blocks."""
     S, D = count, hidden
     M = X.shape[0]
     if (not 0 < M <= MAX_ROWS or X.shape[1] != S * D or not X.is_contiguous() or w_in.shape[1] != S * D
             or D > MAX_STREAM):
         raise ValueError(f"hc mixer: X {tuple(X.shape)} (contiguous: {X.is_contiguous()}), w_in {tuple(w_in.shape)}, "
                          f"{S} streams of {D} (at most {MAX_STREAM}), at most {MAX_ROWS} rows")
-    dt = X.dtype
+    quant = isinstance(w_in, QuantWeight) and D % 32 == 0 and int8_product(X, w_in.code, w_in.shape[0])
+    Xo, Xn, xquant = hc_prep_triton(X, pending, norm, D, S, eps, quant)
+    if xquant is not None:  # the w_in product reads the row quantized by the prep kernel (one launch fewer)
+        y = qdot_quantized_triton(xquant, [(w_in.raw.contiguous(), w_in.code)], X.dtype)
+    else:
+        y = linear(Xn, w_in)
+    return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
+
+
+def hc_prep_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                   hidden: int, count: int, eps: float, quant: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The prep kernel alone -> (combined X, the normed streams Xn in X's dtype, Xn quantized as
+    triton_qdot.quantize_x_triton returns it where `quant` (hidden a multiple of 32), else None)."""
+    M, S, D = X.shape[0], count, hidden
     Xo = torch.empty_like(X) if pending is not None else X
     Xn = torch.empty_like(X)
     yp, ip = pending if pending is not None else (X, X)
     bd = next_pow2(D)
+    xq = quantized_x_buffers(M, S * D, X.device) if quant else (X, X, X, X)
     # 256 features a warp (8 a thread, one 16-byte load of 16-bit X): at the real width 16 warps, where 4 left each
     # thread 32 features of every row it loads (BENCHMARKS.md §5c, the prep kernel)
-    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, D, eps, yp.stride(0), ip.stride(0), S=S,
-                            HAS_PENDING=pending is not None, BD=bd, DT=tl_dtype(dt),
-                            num_warps=min(16, max(4, bd // 256)), **pdl_launch(X))
-    y = linear(Xn, w_in)
-    return Xo, hc_out_triton(y, Xn, up, rank, D, S, out_config), y
+    _hc_prep_kernel[(M, S)](X, yp, ip, norm, Xo, Xn, *xq, D, eps, yp.stride(0), ip.stride(0), S=S,
+                            HAS_PENDING=pending is not None, BD=bd, DT=tl_dtype(X.dtype), QUANT=quant,
+                            num_warps=min(16, max(4, bd // 256)), **({"enable_fp_fusion": False} if quant else {}),
+                            **pdl_launch(X))
+    return Xo, Xn, (xq[0].view(torch.int32), *xq[1:]) if quant else None
 
 
-def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor, rank: int, hidden: int, count: int,
-                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor | QuantWeight, rank: int, hidden: int,
+                  count: int, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The output kernel alone: y [M, N] (w_in's outputs, the first `rank` columns feed the gate), Xn [M, S*D]
-    the normed streams, up [S*D, rank] -> h [M, D]. config: (features per program, K step, warps)."""
+    the normed streams, up [S*D, rank] (16 bits or blocks) -> h [M, D]. config: (features per program, K step,
+    warps; blocks take 256-weight steps)."""
     M, D, S = Xn.shape[0], hidden, count
     h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
     bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
+    blocks = isinstance(up, QuantWeight)
     # several 16-bit rows on tensor cores when the tile is at least 16 x 16; f32 keeps FMA products (tl.dot would
     # round them to tf32)
-    tc = M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
+    tc = not blocks and M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
     mp = 16 if tc else triton.next_power_of_2(M)
-    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, up, h, y.stride(0), D, rank, M=M, MP=mp, S=S, SP=next_pow2(S),
-                                          BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
-                                          num_warps=warps, **pdl_launch(y))
+    raw = up.raw if blocks else up
+    g, length = qmatmul_geometry(up.code) if blocks else (8, 32)
+    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, raw, raw.view(torch.float16) if blocks else raw, h, y.stride(0), D,
+                                          rank, raw.shape[-1], M=M, MP=mp, S=S, SP=next_pow2(S), BD=bd, BK=bk,
+                                          DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
+                                          QT=up.code if blocks else 0, G=g, L=length, num_warps=warps,
+                                          **pdl_launch(y))
     return h

@@ -4,7 +4,7 @@ and block-to-16-bit expansion for the many-row products.
 Every kernel walks K in steps of 256 weights (one K-quant super-block, or eight 32-weight blocks of the Q*_0/Q*_1
 types) and expands a step of BN rows in registers with the f32 operations of weights/dequant.py, in the same order
 (so a tile equals the reference's expansion up to FMA contraction); the type is a constexpr, one compiled kernel per
-type. `_tile` is the general decoder (byte loads, natural element order [BN, G, L]: 16 x 16 for Q6_K, whose scales
+type. `expand_step` is the general decoder (byte loads, natural element order [BN, G, L]: 16 x 16 for Q6_K, whose scales
 cover 16 weights, 8 x 32 for the others); `_tile_k_words` (Q4_K, Q5_K: 32-bit words, 8 nibbles a load) and
 `_tile_q6_words` (Q6_K: 16-bit words) load fewer, wider words and return the step in a permuted order with the
 matching element offsets, so x is gathered in the same order. f16 scales are read through an f16 view of the bytes
@@ -134,7 +134,7 @@ if HAS_TRITON:
         return tl.load(wh_ptr + half_off, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
 
     @triton.jit
-    def _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
+    def expand_step(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr):
         """Step kb (weights kb*256 ..) of the rows at byte offsets rowb [BN] -> (f32 weights [BN, G, L], their
         element offsets in K [G, L], which exist [G, L])."""
         g2 = tl.arange(0, G)[:, None]
@@ -197,7 +197,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile_b32(wb_ptr, wh_ptr, rowb, nmask, m3, kb, K, gr, lo, QT: tl.constexpr):
-        """_tile's f32 weights [BN, 8, 32] of Q8_0 / Q5_0 / Q4_0 blocks in the file's order or in planes (QT 108 /
+        """expand_step's f32 weights [BN, 8, 32] of Q8_0 / Q5_0 / Q4_0 blocks in the file's order or in planes (QT 108 /
         106 / 102; b32_parts): gr [1, 8] the step's blocks, lo [1, 1, 32] the weights of a block, m3 which exist."""
         d_at, qh_at, qs_at = b32_parts(kb * 8 + gr, K, QT)  # [1, 8]
         d = _f16_at(wh_ptr, rowb[:, None] + d_at, nmask[:, None] & (kb * 256 + gr * 32 < K))  # [BN, 8]
@@ -224,7 +224,7 @@ if HAS_TRITON:
     @triton.jit
     def _k_scales(wb_ptr, wh_ptr, base, nmask):
         """(d * scale, dmin * min) in f32 of a Q4_K / Q5_K super-block's sub-blocks j = 2c + s, [BN, 4, 2] on the
-        axes (c, s); base: [BN] byte offsets of the super-blocks. The 6-bit scales and mins as in _tile."""
+        axes (c, s); base: [BN] byte offsets of the super-blocks. The 6-bit scales and mins as in expand_step."""
         c3 = tl.arange(0, 4)[None, :, None]
         s3 = tl.arange(0, 2)[None, None, :]
         j = 2 * c3 + s3
@@ -426,7 +426,7 @@ if HAS_TRITON:
             w, offs = _tile_q6_words(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, BN, DT)
             kmask = offs < K
         else:
-            w3, koff, kmask3 = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+            w3, koff, kmask3 = expand_step(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
             w = tl.reshape(w3.to(DT), [BN, 256])
             offs = tl.reshape(koff, [256])
             kmask = tl.reshape(kmask3, [256])
@@ -474,7 +474,7 @@ if HAS_TRITON:
         Q6_K keeps the 16-bit-word decoder's tile in its own shape (no reshape, nothing through shared memory): on
         the H200 that beat the byte decoder (Q6_K 1800 x 2560: 13.2 -> 11.0 µs; experts with Q6_K gate/up at one
         token: 87 -> 65 µs), while the 32-bit-word decoder lost to it for Q4_K/Q5_K here (2560 x 6144: 18.9 ->
-        29.1 µs), so those keep `_tile` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
+        29.1 µs), so those keep `expand_step` (benchmarks/results/qkernels_h200_v8_words_cc.txt against _v7)."""
         im = tl.arange(0, MP)
         if M == 1 and (QT == QT_Q6_K or QT == QT_Q6_K_PLANES):
             prod6 = tl.zeros([BN, 2, 2, 4, 8, 2], dtype=tl.float32)
@@ -485,14 +485,14 @@ if HAS_TRITON:
         elif M == 1:
             prod = tl.zeros([BN, G, L], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, 256)):
-                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
                 x = tl.load(x_ptr + koff, mask=kmask, other=0.0).to(tl.float32)
                 prod += w * x[None, :, :]
             acc = tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
         else:
             acc = tl.zeros([MP, BN], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, 256)):
-                w, koff, kmask = _tile(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
+                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, nmask, kb, K, QT, G, L)
                 for m in tl.static_range(M):
                     x = tl.load(x_ptr + m * x_m + koff, mask=kmask, other=0.0).to(tl.float32)
                     p = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
@@ -562,7 +562,8 @@ def _views(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return raw, wh, raw.view(torch.int32) if raw.shape[-1] % 4 == 0 else wh
 
 
-def _geom(qtype: int) -> tuple[int, int]:
+def qmatmul_geometry(qtype: int) -> tuple[int, int]:
+    """(G, L): the groups and their lengths in `expand_step`'s f32 expansion of a 256-weight step of type qtype."""
     g, length, _ = KERNEL_QTYPES[base_type(qtype)]
     return g, length
 
@@ -577,7 +578,7 @@ def qmatvec_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     bn, warps = config or next(c for rows, c in sorted(MV_CONFIG.items()) if M <= rows)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
     wb, wh, ww = _views(raw)
-    g, length = _geom(qtype)
+    g, length = qmatmul_geometry(qtype)
     mp = 1 if M == 1 else triton.next_power_of_2(M)
     _qmv_kernel[(triton.cdiv(n, bn),)](x, wb, wh, ww, y, n, K, x.stride(0), raw.stride(0), y.stride(0), M=M, MP=mp,
                                        BN=bn, QT=int(qtype), G=g, L=length, OUT_DT=tl_dtype(x.dtype),
@@ -613,7 +614,7 @@ def qmm_triton(x: torch.Tensor, raw: torch.Tensor, qtype: int, n: int,
     share = triton.cdiv(steps, split)
     split = triton.cdiv(steps, share)
     wb, wh, ww = _views(raw)
-    g, length = _geom(qtype)
+    g, length = qmatmul_geometry(qtype)
     dt = tl_dtype(x.dtype)
     y = torch.empty(M, n, dtype=x.dtype, device=x.device)
     parts = y if split == 1 else torch.empty(split, M, n, dtype=torch.float32, device=x.device)
@@ -635,7 +636,7 @@ def dequant_triton(raw: torch.Tensor, qtype: int, k: int, dtype: torch.dtype, pa
     n = raw.shape[0]
     y = torch.empty(n, k, dtype=dtype, device=raw.device)
     wb, wh, ww = _views(raw)
-    g, length = _geom(qtype)
+    g, length = qmatmul_geometry(qtype)
     bn, warps = DEQ_CONFIG
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, STEP))](wb, wh, ww, y, n, k, raw.stride(0), y.stride(0),
                                                                 BN=bn, QT=int(qtype), G=g, L=length, PAIRS=pairs,
@@ -660,7 +661,7 @@ def qmoe_few_triton(h: torch.Tensor, top_i: torch.Tensor, top_w: torch.Tensor, g
     gb, gh, gw = _views(gr)
     ub, uh, uw = _views(ur)
     db, dh, dw = _views(dr)
-    (gg, lg), (gu, lu), (gd, ld) = _geom(gq), _geom(uq), _geom(dq)
+    (gg, lg), (gu, lu), (gd, ld) = qmatmul_geometry(gq), qmatmul_geometry(uq), qmatmul_geometry(dq)
     _qmoe_gate_up_kernel[(triton.cdiv(F, bn), T_ * k)](
         h, top_i, gb, gh, gw, ub, uh, uw, act, D, F, k, h.stride(0), top_i.stride(0), gr.stride(0), gr.stride(1),
         ur.stride(0), ur.stride(1), BN=bn, QG=int(gq), GG=gg, LG=lg, QU=int(uq), GU=gu, LU=lu, num_warps=warps,

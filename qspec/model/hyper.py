@@ -35,7 +35,7 @@ class HyperMixer(torch.nn.Module):
         block in a decode step; a one-row step runs both on Triton kernels (kernels/hc_mix.py).
         -> (combined X, h, injection logits or None)."""
         args = (self.norm, self.w_in, self.up, self.rank, self.hidden, self.count, self.eps)
-        if step_eligible(X, self.w_in):
+        if step_eligible(X, self.w_in, self.up):
             X, h, y = mix_step_triton(X, pending, *args)
         elif pending is None:
             h, y = hc_mix(X, *args)

@@ -4,9 +4,12 @@ Writing: `mix_qtype` follows llama.cpp's per-tensor rule (`llama_tensor_get_type
 file types users download: Q4_K_M and Q5_K_M (Q4_K / Q5_K matrices; the output head Q6_K; attention-V and FFN-down
 of the "more bits" layers Q6_K; GDN's fused attn_qkv one step up), Q6_K, Q8_0 and Q4_0 (the output head Q6_K, as
 llama.cpp does for every type below Q8_0). Never quantized, as in llama.cpp: 1-D tensors, the routers
-(`ffn_gate_inp`), convolution kernels; and here also the hyper-connection mixers (small, and read by 16-bit
-kernels). Rows that are not whole 256-weight super-blocks (the experts' 640-wide down projections) fall back as
-llama.cpp's do: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; rows that are not whole 32-weight blocks to F32.
+(`ffn_gate_inp`), convolution kernels. The hyper-connection mixers' matrices (`hc_*_down`, `hc_*_up`, `hc_*_inject`)
+are quantized like any other matrix, as llama.cpp's llama-quantize does: an 8-layer flash-next Q4_K_M file of
+llama-quantize's holds 13.69 GiB at 5.34 bits per weight, which this rule reproduces (13.72 GiB, 5.345 bits without
+the MTP block and the n-gram table; with the mixers kept F32 it would be 14.07 GiB, 5.48 bits). Rows that are not
+whole 256-weight super-blocks (the experts' 640-wide down projections, the mixers' 320-wide up projections) fall back
+as llama.cpp's do: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; rows that are not whole 32-weight blocks to F32.
 
 Loading: `keep_packed` says which tensors of a packed type stay as blocks (`QuantWeight`); the rest are expanded.
 """
@@ -30,16 +33,15 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def _exempt(name: str) -> bool:
-    """Tensors llama.cpp leaves unquantized (routers, conv kernels) plus the hyper-connection mixers."""
-    return (name.endswith(".ffn_gate_inp.weight") or "conv1d" in name or ".hc_" in name
-            or name.startswith("output_hc") or ".nextn.hc_" in name)
+    """Matrices llama.cpp leaves unquantized: the routers and the convolution kernels."""
+    return name.endswith(".ffn_gate_inp.weight") or "conv1d" in name
 
 
 def keep_packed(name: str) -> bool:
     """Whether a matrix of a packed type stays as its blocks at load: every one the model multiplies through
-    ops.linear / the expert paths or gathers rows of; the mixers' small matrices (16-bit Triton kernels) and the
-    conv kernels (read tap by tap) are expanded."""
-    return not ("conv1d" in name or ".hc_" in name or name.startswith("output_hc"))
+    ops.linear / the expert paths / the mixers' kernels or gathers rows of; the conv kernels (read tap by tap) are
+    expanded."""
+    return "conv1d" not in name
 
 
 def use_more_bits(i: int, n: int) -> bool:

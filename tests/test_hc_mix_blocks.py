@@ -1,0 +1,133 @@
+"""The hyper-connection mixers with their matrices as GGUF blocks (kernels/hc_mix.py, kernels/triton_hc_mix.py).
+
+llama-quantize quantizes the mixers' matrices (weights/quant_mix.py): w_in = [down; inject] in Q4_K, up in Q5_0
+for Q4_K_M. What must hold: the prep kernel's int8 row is bit for bit `quantize_x_torch` of its 16-bit normed row,
+and the w_in product reading it is bit for bit the int8 product of that row (what the product's own quantizer would
+give); the step's h is within LOOSE (8-bit activations into w_in) of the f32 math on the expanded matrices; the
+loader keeps the mixers' blocks and the model runs them. The interpreter runs small shapes in a subprocess; `cuda`
+tests run the real geometry and the engine with the step kernels on and off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_interp_tests, tiny_config
+from gguf import GGMLQuantizationType
+
+from qspec.kernels import hc_mix
+from qspec.kernels.hc_mix import combine_torch, mix_torch
+from qspec.kernels.qdot import quantize_x_torch
+from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
+from qspec.weights.quantize import quantize
+from qspec.weights.qweight import QuantWeight
+
+T = GGMLQuantizationType
+LOOSE = 3e-2
+interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
+
+
+def _blocks(t: torch.Tensor, qt: GGMLQuantizationType, planes: bool = False) -> QuantWeight:
+    w = QuantWeight.from_blocks(quantize(t.float().cpu(), qt), qt, t.shape).to(t.device)
+    return w.to_planes() if planes else w
+
+
+def _mixer(M: int, S: int, D: int, rank: int, n_in: int, device: str, seed: int
+           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """X [M, S*D] bf16, a pending block output (y, injection logits), the norm, w_in [n_in, S*D] and up [S*D, rank]
+    (f32, to be quantized)."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(M, S * D, generator=g).bfloat16()
+    pending = (torch.randn(M, D, generator=g).bfloat16(), torch.randn(M, S, generator=g).bfloat16())
+    norm = (1 + 0.1 * torch.randn(S * D, generator=g)).bfloat16()
+    w_in = torch.randn(n_in, S * D, generator=g) / (S * D) ** 0.5
+    up = torch.randn(S * D, rank, generator=g) / rank ** 0.5
+    return (X.to(device), tuple(p.to(device) for p in pending), norm.to(device), w_in.to(device),  # type: ignore
+            up.to(device))
+
+
+def _check(M: int, S: int, D: int, rank: int, types: tuple[GGMLQuantizationType, GGMLQuantizationType],
+           device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qspec.kernels import triton_hc_mix
+    from qspec.kernels.triton_qdot import qdot_matmul_triton
+
+    X, pending, norm, w_in, up = _mixer(M, S, D, rank, rank + S, device, seed=M * D + rank)
+    wq, uq = _blocks(w_in, types[0]), _blocks(up, types[1], planes=device == "cuda" and types[1] != T.Q4_K)
+    Xo, Xn, xquant = triton_hc_mix.hc_prep_triton(X, pending, norm, D, S, 1e-6, quant=True)
+    assert xquant is not None
+    want_X = combine_torch(X.float(), *(p.float() for p in pending))
+    torch.testing.assert_close(Xo.float(), want_X, atol=1e-2 * want_X.abs().max().item(), rtol=1e-2)
+    q, d, s, g = quantize_x_torch(Xn)
+    assert torch.equal(xquant[0].view(torch.int8), q) and torch.equal(xquant[1], d)
+    assert torch.equal(xquant[2], s) and torch.equal(xquant[3], g)
+    # the step, its w_in product on the prep kernel's int8 row (the CPU's int8 dispatch is forced: CUDA's own)
+    monkeypatch.setattr(triton_hc_mix, "int8_product", lambda *a: True)
+    Xc, h, y = hc_mix.mix_step_triton(X, pending, norm, wq, uq, rank, D, S, 1e-6)
+    assert torch.equal(Xc, Xo)
+    assert torch.equal(y, qdot_matmul_triton(Xn, wq.raw, wq.code, wq.shape[0]))
+    want_h, want_y = mix_torch(Xo.double(), norm.double(), wq.dequantize(torch.float64),
+                               uq.dequantize(torch.float64), rank, D, S, 1e-6)
+    for got, want in ((h, want_h), (y, want_y)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= LOOSE
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
+def test_interpreted() -> None:
+    run_interp_tests(__file__)
+
+
+@interp
+@pytest.mark.parametrize("M,types", [(1, (T.Q4_K, T.Q5_0)), (3, (T.Q8_0, T.Q4_0))])
+def test_interp_mixer_blocks(M: int, types: tuple[GGMLQuantizationType, GGMLQuantizationType],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _check(M, 4, 64, 32, types, "cpu", monkeypatch)
+
+
+def test_step_takes_blocks_and_the_loader_keeps_them(tmp_path: Path) -> None:
+    """A Q4_K_M file's mixers stay blocks in the model (w_in one Q4_K matrix of down and inject rows); on the CPU the
+    compiled path multiplies them (no step kernels), and plain decoding runs."""
+    from qspec.engine import Engine, EngineOptions
+    from qspec.loader import load_model, write_model
+
+    cfg = tiny_config(mtp=False).with_(hidden=256, expert_ff=256, shared_ff=256, hc_rank=32)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", dequantize_all=False)
+    mixer = model.mix_attn[0]
+    assert isinstance(mixer.w_in, QuantWeight) and mixer.w_in.qtype == T.Q4_K and mixer.w_in.shape[0] == 32 + 4
+    assert isinstance(mixer.up, QuantWeight) and mixer.up.qtype == T.Q5_0
+    assert isinstance(model.mixer.w_in, QuantWeight)  # the output mixer: down only
+    X = torch.randn(1, cfg.hc_dim).bfloat16()
+    assert not hc_mix.step_eligible(X, mixer.w_in, mixer.up)  # the CPU without the interpreter
+    out = Engine(model, EngineOptions(draft=0, capacity=64)).generate(list(range(3, 20)), 4)
+    assert len(out.tokens) == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("M", [1, 6])
+def test_cuda_mixer_blocks_real_shapes(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-next's mixer (D=2,560, 4 streams, rank 320) with llama-quantize's Q4_K_M types: w_in Q4_K, up Q5_0 in
+    planes, as CUDA holds them; 1 row (decode) and 6 (MTP5's verify: its w_in product takes the tensor cores)."""
+    _check(M, 4, 2560, 320, (T.Q4_K, T.Q5_0), "cuda", monkeypatch)
+
+
+@pytest.mark.cuda
+def test_cuda_engine_mixer_blocks_kernels_on_and_off(tmp_path: Path) -> None:
+    """A Q4_K_M model (mixers in blocks) in CUDA graphs, plain decoding and MTP3: with the step kernels on the
+    mixers take them, and tokens stay those of the compiled path (up to near ties: int8 rows into w_in both ways)."""
+    from qspec.engine import Engine, EngineHooks, EngineOptions
+    from qspec.loader import load_model, write_model
+
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256, hc_rank=32)
+    write_model(tmp_path / "m.gguf", cfg, quant="q4_k_m")
+    model = load_model(tmp_path / "m.gguf", device="cuda")
+    assert isinstance(model.mix_attn[0].up, QuantWeight) and model.mix_attn[0].up.planes
+    prompt = list(range(3, 40))
+    for draft in (0, 3):
+        runs = {}
+        for on in (False, True):
+            with hc_mix.enabled_mode(on):
+                runs[on] = Engine(model, EngineOptions(draft=draft, capacity=256),
+                                  EngineHooks(record_logits=True)).generate(prompt, 12)
+        assert runs[True].graphs["replays"] > 0 and runs[True].tokens == runs[False].tokens, draft
