@@ -170,7 +170,7 @@ def tensor_core_product(qtype: int, rows: int) -> Layouts:
     """The block product on tensor cores (triton_qmatmul._qmm_kernel: each step's weights expanded to bf16, then
     [BN, 256] @ [256, 16]) at its MM_CONFIG, K split: what several 16-bit rows of a file-order type run."""
     bn, warps, _ = qm.MM_CONFIG
-    g, length = qm._geom(qtype)
+    g, length = qm.qmatmul_geometry(qtype)
     return compile_layouts(qm._qmm_kernel, dict(M=rows, BN=bn, QT=qtype, G=g, L=length, OUT_DT=tl.float32,
                                                 UPCAST=False, SUM_HERE=True, PAIRS=qm.PAIRS, ASM=True, PDL=True),
                            warps)
