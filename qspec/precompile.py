@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 
+from qspec.kernels import hc_mix
 from qspec.kernels.qmatmul import int8_experts, qmoe_few
 from qspec.kernels.route import route_top_k_quantized
+from qspec.model.hyper import HyperMixer
 from qspec.model.moe import FEW_TOKENS, MoE
 from qspec.model.ops import StackedWeight, linear
 from qspec.weights.qweight import QuantWeight
@@ -101,11 +103,14 @@ def compile_only() -> Iterator[list[Future]]:
 
 
 def _weights(obj: object, seen: set[int]) -> Iterator[tuple[str, object, object]]:
-    """(kind, weight, owner) for every block matrix ("linear") and routed-expert module ("experts") reachable from
-    obj through attributes, lists, tuples and dicts."""
+    """(kind, weight, owner) for every block matrix ("linear"), routed-expert module ("experts") and mixer with
+    block matrices ("mixer": its step kernels read them) reachable from obj through attributes, lists, tuples and
+    dicts."""
     if id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, bool, type(None))):
         return
     seen.add(id(obj))
+    if isinstance(obj, HyperMixer) and not all(isinstance(w, torch.Tensor) for w in (obj.w_in, obj.up)):
+        yield "mixer", obj, (obj.w_in, obj.up)
     if isinstance(obj, QuantWeight):
         if len(obj.shape) == 2:
             yield "linear", obj, None
@@ -146,7 +151,8 @@ def _layout(w: object) -> object:
 
 
 def _entry_layout(w: object, experts: object) -> object:
-    """The layout of one `_weights` entry: its matrix's, or its gate, up and down's."""
+    """The layout of one `_weights` entry: its matrix's, or its experts' gate, up and down's, or its mixer's w_in
+    and up."""
     return _layout(w) if experts is None else tuple(_layout(x) for x in experts)  # type: ignore[attr-defined]
 
 
@@ -164,19 +170,31 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
     layout (`_distinct`: a 48-layer model's thousand products are a few dozen variants): every block matrix layout
     at each of `rows` (the token and n-gram tables, read by rows, are left out) and every routed-expert layout at
     those of `rows` its few-token kernels take (moe.FEW_TOKENS), with their routing (on zero logits: experts
-    0 .. k-1; its launch quantizes the rows for the experts' int8 kernels). found: the model's `_block_weights`,
-    when the caller has them."""
+    0 .. k-1; its launch quantizes the rows for the experts' int8 kernels), and every mixer layout with block
+    matrices at those of `rows` its step kernels take, with and without a pending block output. found: the model's
+    `_block_weights`, when the caller has them."""
     found = _distinct(_block_weights(model) if found is None else found)
     dev, dt, k = model.device, model.dtype, model.cfg.n_experts_used
     mats = [w for kind, w, _ in found if kind == "linear"]
     experts = [_step_experts(owner, e) for kind, owner, e in found if kind == "experts"]
+    mixers = [owner for kind, owner, _ in found if kind == "mixer"]
     calls: list[Callable[[], object]] = []
     for m in dict.fromkeys(rows):  # in the order given (the prompt's rows first: the prefill needs them first)
         calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
+        if m <= hc_mix.MAX_ROWS:  # the mixers' step kernels (hc_mix.step_eligible), with and without the combine
+            calls += [lambda m=m, x=x, p=p: _mixer_step(m, x, p, dt) for x in mixers for p in (False, True)]
         if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
         calls += [lambda m=m, g=g, u=u, d=d, s=s: _experts_step(m, g, u, d, k, dt, s) for g, u, d, s in experts]
     return calls
+
+
+def _mixer_step(m: int, mixer: HyperMixer, pending: bool, dt: torch.dtype) -> object:
+    """A step's mixer on zeros, as HyperMixer.combine_mix runs it (its step kernels where they take it)."""
+    dev, S, D = mixer.norm.device, mixer.count, mixer.hidden
+    X = torch.zeros(m, S * D, dtype=dt, device=dev)
+    block = (torch.zeros(m, D, dtype=dt, device=dev), torch.zeros(m, S, dtype=dt, device=dev)) if pending else None
+    return hc_mix.mix_step(X, block, mixer.norm, mixer.w_in, mixer.up, mixer.rank, D, S, mixer.eps)
 
 
 def _step_experts(owner: object, experts: Sequence[QuantWeight]) -> tuple[QuantWeight, QuantWeight, QuantWeight, bool]:
