@@ -140,8 +140,9 @@ def main() -> None:
     rows.append(compare("demo model (shipped, Q8_0)", demo_model_path(), 1))
     tok, _ = tokenizer_for_vocab(TINY_VOCAB)  # llama.cpp loads no file without a tokenizer
     dense = {"indexer_budget": PROMPT_TOKENS + DECODE_TOKENS}  # a QSA budget that keeps every step's attention dense
-    # rows of 256 (whole K-quant super-blocks: the Q4_K_M mix's Q4_K, Q5_K and Q6_K; at width 64 they fall back)
-    wide = dense | {"hidden": 256, "ple_embed_dim": 256, "expert_ff": 256, "shared_ff": 256}
+    # rows of 256 (whole K-quant super-blocks: the Q4_K_M mix's Q4_K, Q5_K and Q6_K; at width 64 they fall back);
+    # a mixer rank of 32, whose up rows are one Q5_0 block (Q4_K's fallback)
+    wide = dense | {"hidden": 256, "ple_embed_dim": 256, "expert_ff": 256, "shared_ff": 256, "hc_rank": 32}
     cases = [("f32, with the MTP block", dense | {"mtp": True}, {}), ("f32", dense, {}),
              ("Q8_0 mix", dense, {"quant": "q8_0"}), ("width 256, Q4_K_M mix", wide, {"quant": "q4_k_m"}),
              ("f32, QSA budget 16: sparse from the 20th token", {}, {})]
