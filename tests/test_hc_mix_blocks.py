@@ -88,6 +88,25 @@ def test_interp_mixer_blocks(M: int, types: tuple[GGMLQuantizationType, GGMLQuan
     _check(M, 4, 64, 32, types, "cpu", monkeypatch)
 
 
+@interp
+def test_interp_mixer_mixed_types() -> None:
+    """down and inject of different types (an imatrix mix may give them different ones) stack as a StackedWeight whose
+    parts keep their types; the step's w_in product is then ops.linear's, and up may stay 16-bit."""
+    from qspec.model.ops import StackedWeight, stack_rows
+
+    S, D, rank = 4, 64, 32
+    X, pending, norm, w_in, up = _mixer(2, S, D, rank, rank + S, "cpu", seed=7)
+    w_stack, _ = stack_rows(_blocks(w_in[:rank], T.Q4_K), _blocks(w_in[rank:], T.Q8_0))
+    assert isinstance(w_stack, StackedWeight)
+    up16 = up.bfloat16()
+    assert hc_mix.step_eligible(X, w_stack, up16)
+    Xc, h, y = hc_mix.mix_step_triton(X, pending, norm, w_stack, up16, rank, D, S, 1e-6)
+    dense = torch.cat([p.dequantize(torch.float64) for p in w_stack.parts])
+    want_h, want_y = mix_torch(Xc.double(), norm.double(), dense, up16.double(), rank, D, S, 1e-6)
+    for got, want in ((h, want_h), (y, want_y)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= LOOSE
+
+
 def test_step_takes_blocks_and_the_loader_keeps_them(tmp_path: Path) -> None:
     """A Q4_K_M file's mixers stay blocks in the model (w_in one Q4_K matrix of down and inject rows); on the CPU the
     compiled path multiplies them (no step kernels), and plain decoding runs."""
