@@ -1,9 +1,9 @@
 """The hyper-connection mixer's math: the pending block output added into the residual streams (`combine_torch`),
 and the mixer (`mix_torch`): grouped RMSNorm, the low-rank gate, the gated mean of the streams.
 
-These are the torch references; model/hyper.py runs them compiled (@fused). For a one-row step (decode, draft) of
-16-bit weights on CUDA, `mix_step` runs the whole mixer as a prep kernel, the `w_in` product and an output kernel
-(triton_hc_mix.py) instead of the ~7 kernels the compiled functions make.
+These are the torch references; model/hyper.py runs them compiled (@fused). For a step of a few rows (decode, draft,
+verify) on CUDA, with the matrices 16-bit or GGUF blocks, `mix_step` runs the whole mixer as a prep kernel, the `w_in`
+product and an output kernel (triton_hc_mix.py) instead of the ~7 kernels the compiled functions make.
 """
 
 from __future__ import annotations
