@@ -36,10 +36,10 @@ from qspec.weights.qweight import PLANES
 
 # pointer arguments by name (the weight views end in b/h/i/w: uint8, f16, int16, int32 words)
 POINTERS = {"x": "*bf16", "xq": "*i32", "xd": "*fp32", "xs": "*fp32", "xg": "*i32", "ti": "*i64", "tw": "*bf16",
-            "act": "*fp32", "p": "*fp32", "y": "*bf16", "c": "*i32"}
+            "act": "*fp32", "p": "*fp32", "y": "*bf16", "c": "*i32", "xn": "*bf16", "h": "*bf16", "up": "*bf16"}
 VIEWS = {"b": "*u8", "h": "*fp16", "i": "*i16", "w": "*i32"}
 # multiples of 16 (Triton specialises such arguments so at run time)
-ALIGNED = {"D", "F", "K", "g_e", "g_f", "u_e", "u_f", "d_e", "d_d", "wa_n", "wb_n", "y_m", "w_n", "x_m"}
+ALIGNED = {"D", "F", "K", "g_e", "g_f", "u_e", "u_f", "d_e", "d_d", "wa_n", "wb_n", "y_m", "w_n", "x_m", "u_n", "R"}
 
 
 class LoopCensus(NamedTuple):
@@ -55,13 +55,15 @@ class Layouts(NamedTuple):
     barriers: int
     registers: int
     loop: LoopCensus
+    spill_stores: int = 0
 
 
 _INT_ALU = ("LOP3", "SHF", "IADD3", "IMAD", "PRMT", "SGXT", "LEA", "VIADD", "IMNMX", "BMSK", "BFI", "IABS")
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)([^;]*);")
 
 
-def _signature(fn: Any, constants: dict[str, Any]) -> tuple[dict[str, str], dict[tuple[int], list]]:
+def _signature(fn: Any, constants: dict[str, Any], pointers: dict[str, str] | None = None
+               ) -> tuple[dict[str, str], dict[tuple[int], list]]:
     sig: dict[str, str] = {}
     attrs: dict[tuple[int], list] = {}
     for i, name in enumerate(fn.arg_names):
@@ -69,7 +71,7 @@ def _signature(fn: Any, constants: dict[str, Any]) -> tuple[dict[str, str], dict
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             base = name[:-4]
-            sig[name] = POINTERS.get(base) or VIEWS[base[-1]]
+            sig[name] = (pointers or {}).get(base) or POINTERS.get(base) or VIEWS[base[-1]]
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
@@ -135,16 +137,17 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def compile_layouts(fn: Any, constants: dict[str, Any], warps: int) -> Layouts:
+def compile_layouts(fn: Any, constants: dict[str, Any], warps: int, pointers: dict[str, str] | None = None
+                    ) -> Layouts:
     """Compile fn for sm_90 with the given constexprs (PDL on, as the engine launches on Hopper; FMA contraction on,
-    as the products launch)."""
-    sig, attrs = _signature(fn, constants)
+    as the products launch); pointers: element types of pointer arguments by name (without _ptr) over POINTERS."""
+    sig, attrs = _signature(fn, constants, pointers)
     c = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "launch_pdl": True, "enable_fp_fusion": True})
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs = re.search(r"REG:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
     return Layouts(loop_conversions(c.asm["ttgir"]), sass.count("BAR.SYNC"), int(regs.group(1)) if regs else -1,
-                   loop_census(sass))
+                   loop_census(sass), len(re.findall(r"\bSTL", sass)))
 
 
 def census_text(c: LoopCensus, unroll: int, threads: int, step_bytes: int | None = None) -> str:
@@ -188,6 +191,20 @@ def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:
     return gate_up, down_k
 
 
+def mixer_out(qtype: int, rows: int) -> tuple[Layouts, int, int]:
+    """The hyper-connection mixer's output kernel (triton_hc_mix._hc_out_kernel) at its config for `rows`, with a
+    16-bit `up` (qtype 0) or one of blocks -> (layouts, threads, weights a loop iteration covers)."""
+    from qspec.kernels import triton_hc_mix as hm
+
+    bd, bk, warps = hm.OUT_CONFIG if rows == 1 else hm.OUT_CONFIG_ROWS
+    tc = qtype == 0 and rows > 1
+    g, length = qm.qmatmul_geometry(qtype) if qtype else (8, 32)
+    r = compile_layouts(hm._hc_out_kernel, dict(
+        M=rows, MP=16 if tc else q.next_pow2(rows), S=4, SP=4, BD=bd, BK=bk, DT=tl.bfloat16, TC=tc, UPCAST=False,
+        QT=qtype, G=g, L=length, PDL=True), warps, {"up": "*u8" if qtype else "*bf16"})
+    return r, warps * 32, 4 * bd * (256 if qtype else bk)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default="12,13,114,108,106,102,14,8,6,2", help="kernel type numbers of the dense "
@@ -199,9 +216,19 @@ def main(argv: list[str] | None = None) -> int:
                     "('' for none)")
     ap.add_argument("--config", default="", help="the dense products' QdotConfig fields, comma-separated (rows, "
                     "warps, programs per SM, unroll[, K lanes]; default the type's default config)")
+    ap.add_argument("--mixer", default="", help="the mixers' output kernel: up's kernel type numbers (0: bf16) and "
+                    "x rows as TYPES:ROWS, e.g. 0,106:1,6 ('' for none)")
     a = ap.parse_args(argv)
     print(f"# triton {triton.__version__}, sm_90: layout conversions inside K loops, BAR.SYNC in SASS, registers")
-    for qt in (int(t) for t in a.types.split(",")):
+    if a.mixer:
+        types, rows = a.mixer.split(":")
+        for qt in (int(t) for t in types.split(",")):
+            for m in (int(r) for r in rows.split(",")):
+                r, threads, weights = mixer_out(qt, m)
+                print(f"mixer out up {qt:>3} rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
+                      f"{r.registers} registers, {r.spill_stores} spill stores; loop {r.loop.instructions} "
+                      f"instructions, {r.loop.instructions * threads / weights:.2f} per up weight", flush=True)
+    for qt in (int(t) for t in a.types.split(",") if t):
         cfg = q.QdotConfig(*(int(v) for v in a.config.split(","))) if a.config else q.QDOT_CONFIG
         for m in (int(r) for r in a.rows.split(",") if r):
             r = product(qt, m, cfg)
@@ -210,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"product  type {qt:>3}  rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
                   f"{r.registers} registers; {loop}", flush=True)
     bn, warps, _ = qm.MM_CONFIG
-    for qt in (int(t) for t in a.types.split(",")):
+    for qt in (int(t) for t in a.types.split(",") if t):
         for m in (int(r) for r in a.tc_rows.split(",") if r):
             r = tensor_core_product(qt, m)
             loop = census_text(r.loop, 1, warps * 32, bn * row_step_bytes(qt))

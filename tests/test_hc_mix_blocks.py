@@ -25,6 +25,7 @@ from qspec.weights.quantize import quantize
 from qspec.weights.qweight import QuantWeight
 
 T = GGMLQuantizationType
+K_QUANTS = (T.Q4_K, T.Q5_K)  # held in the file's order on CUDA (Q6_K and the 32-weight types in planes)
 LOOSE = 3e-2
 interp = pytest.mark.skipif(not INTERPRET, reason="runs inside test_interpreted (TRITON_INTERPRET=1)")
 
@@ -50,11 +51,12 @@ def _mixer(M: int, S: int, D: int, rank: int, n_in: int, device: str, seed: int
 
 def _check(M: int, S: int, D: int, rank: int, types: tuple[GGMLQuantizationType, GGMLQuantizationType],
            device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prep kernel's int8 row, then the step (M rows: one where `up` is blocks) against f64 on the expansion."""
     from qspec.kernels import triton_hc_mix
     from qspec.kernels.triton_qdot import qdot_matmul_triton
 
     X, pending, norm, w_in, up = _mixer(M, S, D, rank, rank + S, device, seed=M * D + rank)
-    wq, uq = _blocks(w_in, types[0]), _blocks(up, types[1], planes=device == "cuda" and types[1] != T.Q4_K)
+    wq, uq = _blocks(w_in, types[0]), _blocks(up, types[1], planes=device == "cuda" and types[1] not in K_QUANTS)
     Xo, Xn, xquant = triton_hc_mix.hc_prep_triton(X, pending, norm, D, S, 1e-6, quant=True)
     assert xquant is not None
     want_X = combine_torch(X.float(), *(p.float() for p in pending))
@@ -82,10 +84,24 @@ def test_interpreted() -> None:
 
 
 @interp
-@pytest.mark.parametrize("M,types", [(1, (T.Q4_K, T.Q5_0)), (3, (T.Q8_0, T.Q4_0))])
-def test_interp_mixer_blocks(M: int, types: tuple[GGMLQuantizationType, GGMLQuantizationType],
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_0), (T.Q8_0, T.Q4_0)])
+def test_interp_mixer_blocks(types: tuple[GGMLQuantizationType, GGMLQuantizationType],
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    _check(M, 4, 64, 32, types, "cpu", monkeypatch)
+    _check(1, 4, 64, 32, types, "cpu", monkeypatch)
+
+
+@interp
+def test_interp_a_block_up_takes_the_kernels_at_one_row_only() -> None:
+    """Several rows with an `up` of blocks run the compiled mixer (the block output kernel spilled at six rows on
+    sm_90); a 16-bit up takes the kernels at any step row count, and the block kernel refuses several rows."""
+    from qspec.kernels.triton_hc_mix import hc_out_triton
+
+    X, _, _, w_in, up = _mixer(3, 4, 64, 32, 36, "cpu", seed=5)
+    wq, uq = _blocks(w_in, T.Q4_K), _blocks(up, T.Q5_0)
+    assert hc_mix.step_eligible(X[:1], wq, uq) and not hc_mix.step_eligible(X, wq, uq)
+    assert hc_mix.step_eligible(X, wq, up.bfloat16())
+    with pytest.raises(ValueError, match="takes one row"):
+        hc_out_triton(torch.zeros(3, 36).bfloat16(), X, uq, 32, 64, 4)
 
 
 @interp
@@ -127,12 +143,12 @@ def test_step_takes_blocks_and_the_loader_keeps_them(tmp_path: Path) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("M", [1, 6])
-def test_cuda_mixer_blocks_real_shapes(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """flash-next's mixer (D=2,560, 4 streams, rank 320) with llama-quantize's Q4_K_M types: w_in Q4_K, up Q5_0 in
-    planes, as CUDA holds them; 1 row (decode: w_in's product on the prep kernel's int8 row) and 6 (MTP5's verify:
-    on the tensor cores)."""
-    _check(M, 4, 2560, 320, (T.Q4_K, T.Q5_0), "cuda", monkeypatch)
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q5_0), (T.Q8_0, T.Q8_0)])
+def test_cuda_mixer_blocks_real_shapes(types: tuple[GGMLQuantizationType, GGMLQuantizationType],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-next's mixer (D=2,560, 4 streams, rank 320) at one row (decode: w_in's product on the prep kernel's
+    int8 row) with llama-quantize's Q4_K_M types (w_in Q4_K, up Q5_0 in planes, as CUDA holds them) and Q8_0's."""
+    _check(1, 4, 2560, 320, types, "cuda", monkeypatch)
 
 
 @pytest.mark.cuda

@@ -70,15 +70,17 @@ def _kernel_weight(w: Weight, X: torch.Tensor) -> bool:
 def step_eligible(X: torch.Tensor, w_in: Weight, up: Weight) -> bool:
     """Whether `mix_step` takes this mixer: a one-row step (decode, draft; more rows under `step_rows_mode`),
     16-bit, CUDA (or the interpreter), the step kernels switched on (gemv.enabled_mode: the A/B arm `gemv=0`
-    measures the compiled path), not row-exact mode; the matrices in X's dtype or as GGUF blocks.
+    measures the compiled path), not row-exact mode; the matrices in X's dtype or as GGUF blocks (an `up` of blocks
+    at one row only: triton_hc_mix.py says why).
 
     The kernels are correct for up to 8 rows (`python -m qspec.bench.kernels` checks 1, 2, 4, 6 and 8). Without
     PDL only the one-row step measured faster than the compiled functions on the H200; with PDL (the default on
     Hopper) MTP5 with its 6-row verify and extend steps on the kernels ran faster end to end (BENCHMARKS.md §4, the
     verify/extend mixers row; benchmarks/results/h200-fn8-mixers-s15.md), so the engine's mixer_step_rows is 6."""
-    return (_ON and 1 <= X.shape[0] <= _STEP_ROWS and X.dtype in DTYPES and gemv.is_on() and use_triton(X)
+    rows = X.shape[0]
+    return (_ON and 1 <= rows <= _STEP_ROWS and X.dtype in DTYPES and gemv.is_on() and use_triton(X)
             and not row_exact() and X.is_contiguous() and _kernel_weight(w_in, X) and not isinstance(up, StackedWeight)
-            and _kernel_weight(up, X))
+            and _kernel_weight(up, X) and (rows == 1 or isinstance(up, torch.Tensor)))
 
 
 def mix_step_triton(X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,

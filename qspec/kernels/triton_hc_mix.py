@@ -20,8 +20,11 @@ mat-vec; this one walks the rank in steps and comes close to that mat-vec (`pyth
 than the compiled mixers in one process (what the kernels buy MTP5 end to end: §4, the verify/extend mixers row).
 
 With the mixer's matrices held as GGUF blocks (llama-quantize quantizes them; weights/quant_mix.py), `w_in` is a
-block product (qmatmul.py) and the output kernel expands each 256-weight step of the `up` rows to f32 in registers
-(triton_qmatmul's `expand_step`, any block type), then multiplies as the 16-bit kernel does.
+block product (qmatmul.py) and, for one row, the output kernel expands each 256-weight step of the `up` rows to f32
+in registers (triton_qmatmul's `expand_step`, any block type), then multiplies as the 16-bit kernel does. Compiled
+for sm_90 (Triton 3.6) that loop issues ~32 instructions a weight per thread at one row, and at six rows it took 255
+registers and spilled (`benchmarks/results/kernel_layouts_mixer_cpu-*.txt`), so several rows with a block `up` run
+the compiled mixer (hc_mix.step_eligible).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
@@ -53,31 +56,17 @@ if HAS_TRITON:
     from qspec.kernels.triton_qmatmul import expand_step
 
     @triton.jit
-    def _up_logits_blocks(y_ptr, wb_ptr, wh_ptr, rowb, fmask, N, R, M: tl.constexpr, MP: tl.constexpr,
-                          S: tl.constexpr, BN: tl.constexpr, QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr,
-                          DT: tl.constexpr):
-        """[MP, BN] f32 gate logits of the BN `up` rows held as blocks of type QT at byte offsets rowb: each
-        256-weight step expanded to f32 [BN, G, L] in registers (the type's groups, triton_qmatmul.expand_step), times
-        silu(y[:R] / S) as the 16-bit kernel rounds it. One row keeps the step's products and sums them once at
-        the end."""
-        mi = tl.arange(0, MP)
-        if M == 1:
-            prod = tl.zeros([BN, G, L], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(R, 256)):
-                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
-                a = tl.load(y_ptr + koff, mask=kmask, other=0.0).to(tl.float32) / S
-                prod += w * round_to(a * tl.sigmoid(a), DT)[None, :, :]
-            logits = tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
-        else:
-            logits = tl.zeros([MP, BN], dtype=tl.float32)
-            for kb in range(0, tl.cdiv(R, 256)):
-                w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
-                for m in tl.static_range(M):
-                    a = tl.load(y_ptr + m * N + koff, mask=kmask, other=0.0).to(tl.float32) / S
-                    a = round_to(a * tl.sigmoid(a), DT)
-                    p = tl.sum(tl.sum(w * a[None, :, :], axis=2), axis=1)
-                    logits = tl.where(mi[:, None] == m, logits + p[None, :], logits)
-        return logits
+    def _up_logits_blocks(y_ptr, wb_ptr, wh_ptr, rowb, fmask, R, S: tl.constexpr, BN: tl.constexpr,
+                          QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, DT: tl.constexpr):
+        """[1, BN] f32 gate logits of one row for the BN `up` rows held as blocks of type QT at byte offsets rowb:
+        each 256-weight step expanded to f32 [BN, G, L] in registers (the type's groups, triton_qmatmul.expand_step),
+        times silu(y[:R] / S) as the 16-bit kernel rounds it, the products summed once at the end."""
+        prod = tl.zeros([BN, G, L], dtype=tl.float32)
+        for kb in range(0, tl.cdiv(R, 256)):
+            w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
+            a = tl.load(y_ptr + koff, mask=kmask, other=0.0).to(tl.float32) / S
+            prod += w * round_to(a * tl.sigmoid(a), DT)[None, :, :]
+        return tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
 
     @triton.jit
     def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, g_ptr, D, eps, yp_m,
@@ -125,9 +114,9 @@ if HAS_TRITON:
         urow = up_ptr + f.to(tl.int64)[:, None] * R
         kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
-        if QT > 0:
-            logits = _up_logits_blocks(y_ptr, up_ptr, uh_ptr, f.to(tl.int64) * u_n, fmask, N, R, M, MP, S, SP * BD,
-                                       QT, G, L, DT)
+        if QT > 0:  # one row (hc_out_triton)
+            logits = _up_logits_blocks(y_ptr, up_ptr, uh_ptr, f.to(tl.int64) * u_n, fmask, R, S, SP * BD, QT, G, L,
+                                       DT)
         elif M == 1:
             prod = tl.zeros([SP * BD, BK], dtype=tl.float32)
             for k0 in range(0, R, BK):
@@ -217,9 +206,11 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor | QuantWei
     the normed streams, up [S*D, rank] (16 bits or blocks) -> h [M, D]. config: (features per program, K step,
     warps; blocks take 256-weight steps)."""
     M, D, S = Xn.shape[0], hidden, count
+    blocks = isinstance(up, QuantWeight)
+    if blocks and M > 1:
+        raise ValueError(f"hc mixer: an `up` of GGUF blocks takes one row, got {M} (hc_mix.step_eligible)")
     h = torch.empty(M, D, dtype=Xn.dtype, device=Xn.device)
     bd, bk, warps = config or (OUT_CONFIG if M == 1 else OUT_CONFIG_ROWS)
-    blocks = isinstance(up, QuantWeight)
     # several 16-bit rows on tensor cores when the tile is at least 16 x 16; f32 keeps FMA products (tl.dot would
     # round them to tf32)
     tc = not blocks and M > 1 and Xn.dtype in (torch.bfloat16, torch.float16) and next_pow2(S) * bd >= 16 and bk >= 16
