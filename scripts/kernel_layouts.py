@@ -56,6 +56,7 @@ class Layouts(NamedTuple):
     registers: int
     loop: LoopCensus
     spill_stores: int = 0
+    instructions: int = 0  # the whole kernel's, once each
 
 
 _INT_ALU = ("LOP3", "SHF", "IADD3", "IMAD", "PRMT", "SGXT", "LEA", "VIADD", "IMNMX", "BMSK", "BFI", "IABS")
@@ -147,7 +148,7 @@ def compile_layouts(fn: Any, constants: dict[str, Any], warps: int, pointers: di
     sass = _cuobjdump(c.asm["cubin"], "-sass")
     regs = re.search(r"REG:(\d+)", _cuobjdump(c.asm["cubin"], "-res-usage"))
     return Layouts(loop_conversions(c.asm["ttgir"]), sass.count("BAR.SYNC"), int(regs.group(1)) if regs else -1,
-                   loop_census(sass), len(re.findall(r"\bSTL", sass)))
+                   loop_census(sass), len(re.findall(r"\bSTL", sass)), len(_SASS_LINE.findall(sass)))
 
 
 def census_text(c: LoopCensus, unroll: int, threads: int, step_bytes: int | None = None) -> str:
@@ -191,9 +192,10 @@ def experts(gate: int, down: int) -> tuple[Layouts, Layouts]:
     return gate_up, down_k
 
 
-def mixer_out(qtype: int, rows: int) -> tuple[Layouts, int, int]:
+def mixer_out(qtype: int, rows: int, rank: int = 320) -> tuple[Layouts, float]:
     """The hyper-connection mixer's output kernel (triton_hc_mix._hc_out_kernel) at its config for `rows`, with a
-    16-bit `up` (qtype 0) or one of blocks -> (layouts, threads, weights a loop iteration covers)."""
+    16-bit `up` (qtype 0) or one of blocks -> (layouts, thread instructions per `up` weight: the kernel's
+    instructions with its loop's repeated for `rank`, times the threads, over the weights a program reads)."""
     from qspec.kernels import triton_hc_mix as hm
 
     bd, bk, warps = hm.OUT_CONFIG if rows == 1 else hm.OUT_CONFIG_ROWS
@@ -201,8 +203,10 @@ def mixer_out(qtype: int, rows: int) -> tuple[Layouts, int, int]:
     g, length = qm.qmatmul_geometry(qtype) if qtype else (8, 32)
     r = compile_layouts(hm._hc_out_kernel, dict(
         M=rows, MP=16 if tc else q.next_pow2(rows), S=4, SP=4, BD=bd, BK=bk, DT=tl.bfloat16, TC=tc, UPCAST=False,
-        QT=qtype, G=g, L=length, PDL=True), warps, {"up": "*u8" if qtype else "*bf16"})
-    return r, warps * 32, 4 * bd * (256 if qtype else bk)
+        QT=qtype, G=g, L=length, NBP=q.next_pow2(rank // 32), PDL=True), warps, {"up": "*u8" if qtype else "*bf16"})
+    iterations = -(-rank // (bk if qtype == 0 else 256)) if r.loop.instructions else 1
+    executed = r.instructions + r.loop.instructions * (iterations - 1)
+    return r, executed * warps * 32 / (4 * bd * rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         types, rows = a.mixer.split(":")
         for qt in (int(t) for t in types.split(",")):
             for m in (int(r) for r in rows.split(",")):
-                r, threads, weights = mixer_out(qt, m)
-                print(f"mixer out up {qt:>3} rows {m}: {r.loop_conversions:>3} conversions, {r.barriers:>3} barriers, "
-                      f"{r.registers} registers, {r.spill_stores} spill stores; loop {r.loop.instructions} "
-                      f"instructions, {r.loop.instructions * threads / weights:.2f} per up weight", flush=True)
+                r, per_weight = mixer_out(qt, m)
+                print(f"mixer out up {qt:>3} rows {m}: {r.loop_conversions:>3} conversions in loops, {r.barriers:>3} "
+                      f"barriers, {r.registers} registers, {r.spill_stores} spill stores; {r.instructions} "
+                      f"instructions, loop {r.loop.instructions}; {per_weight:.2f} per up weight (rank 320)",
+                      flush=True)
     for qt in (int(t) for t in a.types.split(",") if t):
         cfg = q.QdotConfig(*(int(v) for v in a.config.split(","))) if a.config else q.QDOT_CONFIG
         for m in (int(r) for r in a.rows.split(",") if r):

@@ -956,6 +956,8 @@ def hc_mix_checks(R: Runner, small: bool) -> None:
     # the matrices as GGUF blocks (llama-quantize's Q4_K_M: w_in Q4_K, up Q5_0 in planes; one row and a verify's)
     check_hc_mix(R, 64, 4, 32, 36, torch.bfloat16, pending=True, blocks=("Q4_K", "Q5_0"))
     check_hc_mix(R, 64, 4, 64, 68, torch.bfloat16, pending=False, blocks=("Q8_0", "Q8_0"), planes=False)
+    check_hc_mix(R, 64, 4, 96, 100, torch.bfloat16, pending=True, blocks=("Q8_0", "Q8_0"))  # 3 of 4 blocks
+    check_hc_mix(R, 64, 3, 160, 163, torch.float16, pending=False, blocks=("Q4_0", "Q4_0"))  # 5 of 8
     check_hc_mix(R, 64, 4, 256, 256, torch.float16, pending=True, blocks=("Q5_K", "Q6_K"))
     check_hc_mix(R, 64, 4, 32, 36, torch.bfloat16, pending=True, M=3, blocks=("Q8_0", None))  # several rows
 

@@ -20,11 +20,13 @@ mat-vec; this one walks the rank in steps and comes close to that mat-vec (`pyth
 than the compiled mixers in one process (what the kernels buy MTP5 end to end: §4, the verify/extend mixers row).
 
 With the mixer's matrices held as GGUF blocks (llama-quantize quantizes them; weights/quant_mix.py), `w_in` is a
-block product (qmatmul.py) and, for one row, the output kernel expands each 256-weight step of the `up` rows to f32
-in registers (triton_qmatmul's `expand_step`, any block type), then multiplies as the 16-bit kernel does. Compiled
-for sm_90 (Triton 3.6) that loop issues ~32 instructions a weight per thread at one row, and at six rows it took 255
-registers and spilled (`benchmarks/results/kernel_layouts_mixer_cpu-*.txt`), so several rows with a block `up` run
-the compiled mixer (hc_mix.step_eligible).
+block product (qmatmul.py) and, for one row, the output kernel decodes the `up` rows in registers: 32-weight blocks
+in planes (Q4_K_M's Q5_0 up, Q8_0's, Q4_0's: CUDA's layout) as whole 32-bit words of a row's every block at once,
+other types by triton_qmatmul's `expand_step` (byte loads, 256-weight steps), then gates and averages as the
+16-bit kernel does. Compiled for sm_90 (Triton 3.6; `scripts/kernel_layouts.py --mixer`,
+benchmarks/results/kernel_layouts_mixer_cpu-*.txt) the words cost 21-28 thread instructions an `up` weight at the
+real geometry, `expand_step` 56-61 and the 16-bit kernel 19.85; at six rows `expand_step` took 255 registers and
+spilled, so several rows with a block `up` run the compiled mixer (hc_mix.step_eligible).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
@@ -51,7 +53,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start, round_to
+    from qspec.kernels.triton_common import (
+        QT_PLANES,
+        QT_Q5_0_PLANES,
+        QT_Q6_K_PLANES,
+        QT_Q8_0_PLANES,
+        b32_parts,
+        dot_acc,
+        pdl_start,
+        round_to,
+    )
     from qspec.kernels.triton_qdot import quantized_store
     from qspec.kernels.triton_qmatmul import expand_step
 
@@ -67,6 +78,53 @@ if HAS_TRITON:
             a = tl.load(y_ptr + koff, mask=kmask, other=0.0).to(tl.float32) / S
             prod += w * round_to(a * tl.sigmoid(a), DT)[None, :, :]
         return tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
+
+    @triton.jit
+    def _silu_act(y_ptr, e, emask, S: tl.constexpr, DT: tl.constexpr):
+        """silu(y[e] / S) rounded to DT as the 16-bit kernel rounds the up product's input (zero where not emask)."""
+        a = tl.load(y_ptr + e, mask=emask, other=0.0).to(tl.float32) / S
+        return round_to(a * tl.sigmoid(a), DT)
+
+    @triton.jit
+    def _small_f32(q):
+        """f32 of integers 0 <= q < 2^23 by their bits (an OR and a subtraction, not the slow I2F conversion)."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _up_logits_planes(y_ptr, ww_ptr, wh_ptr, rowb, fmask, R, S: tl.constexpr, BN: tl.constexpr,
+                          NBP: tl.constexpr, QT: tl.constexpr, W: tl.constexpr, DT: tl.constexpr):
+        """[1, BN] f32 gate logits of one row for `up` rows of a 32-weight type in planes (QT 108 / 106 / 102) at
+        byte offsets rowb: all NBP >= R / 32 blocks of a row at once, their quants loaded as 32-bit words and
+        decoded in registers (Q4_0 / Q5_0: byte b of word j holds elements 4j + b and 16 + 4j + b in its nibbles;
+        Q8_0: word j holds elements 4j ..; W words a block), each block d * (sum q a - offset * sum a)."""
+        blk = tl.arange(0, NBP)
+        bmask = blk < R // 32
+        d_at, qh_at, qs_at = b32_parts(blk, R, QT)
+        j = tl.arange(0, W)[None, :, None]
+        b = tl.arange(0, 4)[None, None, :]
+        e = blk[:, None, None] * 32 + 4 * j + b  # [NBP, W, 4]: the elements of the words' bytes (low nibbles)
+        at = (rowb // 4)[:, None, None] + (qs_at // 4)[None, :, None] + tl.arange(0, W)[None, None, :]
+        words = tl.load(ww_ptr + at, mask=fmask[:, None, None] & bmask[None, :, None], other=0)[:, :, :, None]
+        d = tl.load(wh_ptr + (rowb // 2)[:, None] + (d_at // 2)[None, :], mask=fmask[:, None] & bmask[None, :],
+                    other=0.0).to(tl.float32)
+        emask = bmask[:, None, None] & (e < R)
+        a_lo = _silu_act(y_ptr, e, emask, S, DT)
+        if QT == QT_Q8_0_PLANES:
+            q = _small_f32(((words >> (8 * b[None])) & 255) ^ 128) - 128.0  # the signed byte, offset by 128
+            t = d * tl.sum(tl.sum(q * a_lo[None], axis=3), axis=2)
+        else:
+            a_hi = _silu_act(y_ptr, e + 16, emask, S, DT)
+            lo = (words >> (8 * b[None])) & 15
+            hi = (words >> (8 * b[None] + 4)) & 15
+            if QT == QT_Q5_0_PLANES:  # bit i of the block's qh word is element i's 5th bit
+                qh = tl.load(ww_ptr + (rowb // 4)[:, None] + (qh_at // 4)[None, :],
+                             mask=fmask[:, None] & bmask[None, :], other=0)[:, :, None, None]
+                lo = lo | (((qh >> (4 * j + b)[None]) & 1) << 4)
+                hi = hi | (((qh >> (16 + 4 * j + b)[None]) & 1) << 4)
+            dot = tl.sum(tl.sum(_small_f32(lo) * a_lo[None] + _small_f32(hi) * a_hi[None], axis=3), axis=2)
+            asum = tl.sum(tl.sum(a_lo + a_hi, axis=2), axis=1)  # [NBP]
+            t = d * (dot - (16.0 if QT == QT_Q5_0_PLANES else 8.0) * asum[None, :])
+        return tl.sum(t, axis=1)[None, :]
 
     @triton.jit
     def _hc_prep_kernel(x_ptr, yp_ptr, ip_ptr, norm_ptr, xo_ptr, xn_ptr, q_ptr, d_ptr, s_ptr, g_ptr, D, eps, yp_m,
@@ -97,10 +155,11 @@ if HAS_TRITON:
                             s * (D // 32) + j, j < D // 32, S * (D // 32), nb)
 
     @triton.jit
-    def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, uh_ptr, h_ptr, N, D, R, u_n,
+    def _hc_out_kernel(y_ptr, xn_ptr, up_ptr, uh_ptr, uw_ptr, h_ptr, N, D, R, u_n,
                        M: tl.constexpr, MP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
                        BK: tl.constexpr, DT: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
-                       QT: tl.constexpr = 0, G: tl.constexpr = 8, L: tl.constexpr = 32, PDL: tl.constexpr = False):
+                       QT: tl.constexpr = 0, G: tl.constexpr = 8, L: tl.constexpr = 32, NBP: tl.constexpr = 1,
+                       PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
         # mat-vec does (triton_gemv.py). QT > 0: `up` rows of u_n bytes of blocks (up_ptr the bytes, uh_ptr their
@@ -114,7 +173,10 @@ if HAS_TRITON:
         urow = up_ptr + f.to(tl.int64)[:, None] * R
         kk = tl.arange(0, BK)
         mi = tl.arange(0, MP)
-        if QT > 0:  # one row (hc_out_triton)
+        if QT > QT_PLANES and QT != QT_Q6_K_PLANES:  # one row (hc_out_triton) of 32-weight blocks in planes
+            logits = _up_logits_planes(y_ptr, uw_ptr, uh_ptr, f.to(tl.int64) * u_n, fmask, R, S, SP * BD, NBP, QT,
+                                       8 if QT == QT_Q8_0_PLANES else 4, DT)
+        elif QT > 0:  # one row of other blocks
             logits = _up_logits_blocks(y_ptr, up_ptr, uh_ptr, f.to(tl.int64) * u_n, fmask, R, S, SP * BD, QT, G, L,
                                        DT)
         elif M == 1:
@@ -217,9 +279,10 @@ def hc_out_triton(y: torch.Tensor, Xn: torch.Tensor, up: torch.Tensor | QuantWei
     mp = 16 if tc else triton.next_power_of_2(M)
     raw = up.raw if blocks else up
     g, length = qmatmul_geometry(up.code) if blocks else (8, 32)
-    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, raw, raw.view(torch.float16) if blocks else raw, h, y.stride(0), D,
-                                          rank, raw.shape[-1], M=M, MP=mp, S=S, SP=next_pow2(S), BD=bd, BK=bk,
-                                          DT=tl_dtype(Xn.dtype), TC=tc, UPCAST=INTERPRET,
-                                          QT=up.code if blocks else 0, G=g, L=length, num_warps=warps,
-                                          **pdl_launch(y))
+    half = raw.view(torch.float16) if blocks else raw
+    words = raw.view(torch.int32) if blocks and up.planes else half  # planes: rows of whole 16-byte runs
+    _hc_out_kernel[(triton.cdiv(D, bd),)](y, Xn, raw, half, words, h, y.stride(0), D, rank, raw.shape[-1], M=M, MP=mp,
+                                          S=S, SP=next_pow2(S), BD=bd, BK=bk, DT=tl_dtype(Xn.dtype), TC=tc,
+                                          UPCAST=INTERPRET, QT=up.code if blocks else 0, G=g, L=length,
+                                          NBP=next_pow2(max(rank // 32, 1)), num_warps=warps, **pdl_launch(y))
     return h
