@@ -25,7 +25,7 @@ in planes (Q4_K_M's Q5_0 up, Q8_0's, Q4_0's: CUDA's layout) as whole 32-bit word
 other types by triton_qmatmul's `expand_step` (byte loads, 256-weight steps), then gates and averages as the
 16-bit kernel does. Compiled for sm_90 (Triton 3.6; `scripts/kernel_layouts.py --mixer`,
 benchmarks/results/kernel_layouts_mixer_cpu-*.txt) the words cost 21-28 thread instructions an `up` weight at the
-real geometry, `expand_step` 56-61 and the 16-bit kernel 19.85; at six rows `expand_step` took 255 registers and
+real geometry, `expand_step` 56-75 and the 16-bit kernel 19.85; at six rows `expand_step` took 255 registers and
 spilled, so several rows with a block `up` run the compiled mixer (hc_mix.step_eligible).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
