@@ -181,8 +181,9 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
     calls: list[Callable[[], object]] = []
     for m in dict.fromkeys(rows):  # in the order given (the prompt's rows first: the prefill needs them first)
         calls += [lambda m=m, w=w: linear(torch.zeros(m, w.shape[-1], dtype=dt, device=dev), w) for w in mats]
-        if m <= hc_mix.MAX_ROWS:  # the mixers' step kernels (hc_mix.step_eligible), with and without the combine
-            calls += [lambda m=m, x=x, p=p: _mixer_step(m, x, p, dt) for x in mixers for p in (False, True)]
+        # the mixers' step kernels (hc_mix.step_eligible: a block up at one row), with and without the combine
+        calls += [lambda m=m, x=x, p=p: _mixer_step(m, x, p, dt) for x in mixers for p in (False, True)
+                  if m == 1 or (m <= hc_mix.MAX_ROWS and isinstance(x.up, torch.Tensor))]
         if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
         calls += [lambda m=m, g=g, u=u, d=d, s=s: _experts_step(m, g, u, d, k, dt, s) for g, u, d, s in experts]
