@@ -67,6 +67,12 @@ if HAS_TRITON:
     from qspec.kernels.triton_qmatmul import expand_step
 
     @triton.jit
+    def _silu_act(y_ptr, e, emask, S: tl.constexpr, DT: tl.constexpr):
+        """silu(y[e] / S) rounded to DT as the 16-bit kernel rounds the up product's input (zero where not emask)."""
+        a = tl.load(y_ptr + e, mask=emask, other=0.0).to(tl.float32) / S
+        return round_to(a * tl.sigmoid(a), DT)
+
+    @triton.jit
     def _up_logits_blocks(y_ptr, wb_ptr, wh_ptr, rowb, fmask, R, S: tl.constexpr, BN: tl.constexpr,
                           QT: tl.constexpr, G: tl.constexpr, L: tl.constexpr, DT: tl.constexpr):
         """[1, BN] f32 gate logits of one row for the BN `up` rows held as blocks of type QT at byte offsets rowb:
@@ -75,15 +81,8 @@ if HAS_TRITON:
         prod = tl.zeros([BN, G, L], dtype=tl.float32)
         for kb in range(0, tl.cdiv(R, 256)):
             w, koff, kmask = expand_step(wb_ptr, wh_ptr, rowb, fmask, kb, R, QT, G, L)
-            a = tl.load(y_ptr + koff, mask=kmask, other=0.0).to(tl.float32) / S
-            prod += w * round_to(a * tl.sigmoid(a), DT)[None, :, :]
+            prod += w * _silu_act(y_ptr, koff, kmask, S, DT)[None, :, :]
         return tl.sum(tl.sum(prod, axis=2), axis=1)[None, :]
-
-    @triton.jit
-    def _silu_act(y_ptr, e, emask, S: tl.constexpr, DT: tl.constexpr):
-        """silu(y[e] / S) rounded to DT as the 16-bit kernel rounds the up product's input (zero where not emask)."""
-        a = tl.load(y_ptr + e, mask=emask, other=0.0).to(tl.float32) / S
-        return round_to(a * tl.sigmoid(a), DT)
 
     @triton.jit
     def _small_f32(q):
@@ -162,8 +161,9 @@ if HAS_TRITON:
                        PDL: tl.constexpr = False):
         # tile rows are the `up` rows of BD features in every stream, stream-major: row i = (stream i // BD,
         # feature d0 + i % BD); all streams' tiles load in one wave, and K (the rank) is walked in BK steps as the
-        # mat-vec does (triton_gemv.py). QT > 0: `up` rows of u_n bytes of blocks (up_ptr the bytes, uh_ptr their
-        # f16 view), walked in 256-weight steps.
+        # mat-vec does (triton_gemv.py). QT > 0 (one row): `up` rows of u_n bytes of blocks (up_ptr the bytes, uh_ptr
+        # and uw_ptr their f16 and, in planes, int32 views): 32-weight types in planes decoded from words, a row at
+        # once; other types walked in 256-weight steps (expand_step).
         pdl_start(PDL)
         i = tl.arange(0, SP * BD)
         s = i // BD
