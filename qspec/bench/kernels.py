@@ -506,6 +506,31 @@ def check_route(R: Runner, T: int, E: int, k: int, dt: torch.dtype, timed: bool 
         row.triton_us = R.bench(lambda: route_top_k_triton(logits, k))
         row.nbytes = logits.numel() * logits.element_size()
     R.add(row)
+    if timed and R.timing and dt != torch.float32:
+        route_warps_variants(R, logits, k, shared, (w, i))
+
+
+def check_route_ties(R: Runner, E: int, k: int) -> None:
+    """Equal probabilities go to the lower id: a row of equal logits, and one whose largest logit three experts share
+    (the reference's torch.topk leaves their order unspecified)."""
+    logits = torch.zeros(2, E, device=R.device).bfloat16()
+    logits[1, [E - 1, E // 2, 3]] = 2.0
+    _, i, _ = route_top_k_triton(logits, k)
+    want = [list(range(k)), [3, E // 2, E - 1, *[j for j in range(k) if j != 3][:k - 3]]]
+    R.add(Row(f"route_top_k ties E={E} k={k}", i.tolist() == want, f"ids {i.tolist()}"))
+
+
+def route_warps_variants(R: Runner, logits: torch.Tensor, k: int, shared: bool, ref: tuple[torch.Tensor, ...]
+                         ) -> None:
+    """The launch of a step (routing beside the quantization of the hidden rows, 4,096 wide) at 1, 2 and 4 warps a
+    program: the same outputs as the default's (ref), timed."""
+    h = torch.randn(logits.shape[0], 4096, device=R.device).to(logits.dtype)
+    for warps in (1, 2, 4):
+        w, i, _ = route_top_k_triton(logits, k, h, shared, warps)
+        row = Row(f"route_top_k T={logits.shape[0]} +h quantized, {warps} warps", torch.equal(w, ref[0])
+                  and torch.equal(i, ref[1]), "the default's outputs" if torch.equal(i, ref[1]) else "DIFFER")
+        row.triton_us = R.bench(lambda n=warps: route_top_k_triton(logits, k, h, shared, n))
+        R.add(row, variant=True)
 
 
 # ---- 7. step-sized matrix products --------------------------------------------------------------------------
@@ -968,6 +993,7 @@ def route_checks(R: Runner, small: bool) -> None:
         check_route(R, 3, 64, 4, torch.float32)
         check_route(R, 2, 50, 3, torch.bfloat16)
         check_route(R, 3, 60, 7, torch.bfloat16, shared=True)
+        check_route_ties(R, 64, 6)
         return
     check_route(R, 1, 512, 10, torch.bfloat16, timed=True)
     check_route(R, 6, 512, 10, torch.bfloat16, timed=True)
@@ -975,6 +1001,7 @@ def route_checks(R: Runner, small: bool) -> None:
     check_route(R, 6, 512, 10, torch.bfloat16, shared=True)
     check_route(R, 64, 512, 10, torch.float32)
     check_route(R, 5, 300, 7, torch.float16)
+    check_route_ties(R, 512, 10)
 
 
 def dequant_checks(R: Runner, small: bool) -> None:

@@ -13,6 +13,11 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, tl_dtype
 
+# warps of a program up to 1,024 experts (twice that above). In one warp a pick's reduction is shuffles alone; in
+# four it also crosses shared memory between barriers (40 in the kernel for 512 experts, top 10, sm_90). The bench
+# times 1, 2 and 4 (`python -m qspec.bench.kernels --only route --graph`)
+ROUTE_WARPS = 4
+
 if HAS_TRITON:
     import triton
     import triton.language as tl
@@ -30,15 +35,19 @@ if HAS_TRITON:
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)  # padding lanes hold exactly 0
         p = tl.where(e < E, p, -1.0)  # never picked, even when real probabilities underflow to 0
+        # one int64 key per expert, its probability's bits above BE - 1 - id: non-negative f32 order as their bits
+        # do, so one max picks the largest probability and the lowest id among equals (a reduction a pick, not
+        # a max and then a min)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BE - 1 - e)
         slot = tl.arange(0, BK)
         top_w = tl.zeros([BK], dtype=tl.float32)
         top_i = tl.zeros([BK], dtype=tl.int32)
         for j in tl.static_range(K):
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, e, BE), axis=0)
-            top_w = tl.where(slot == j, best, top_w)
+            best = tl.max(key, axis=0)
+            idx = BE - 1 - best.to(tl.int32)  # the low 32 bits
+            top_w = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
             top_i = tl.where(slot == j, idx, top_i)
-            p = tl.where(e == idx, -2.0, p)
+            key = tl.where(e == idx, -(1 << 62), key)
         top_w = top_w / tl.sum(top_w, axis=0)  # unused slots hold 0
         kmask = slot < K
         if SHARED:
@@ -62,12 +71,12 @@ if HAS_TRITON:
             _route_row(x_ptr, w_ptr, i_ptr, E, t, x_t, w_t, i_t, K, BE, BK, DT, SHARED)
 
 
-def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = None, shared: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = None, shared: bool = False,
+                       warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """logits [T, E] with a contiguous last dim (checked by `route_top_k`) -> (weights [T, k], ids [T, k], h [T, D]
     quantized as triton_qdot.quantize_x_triton returns it, or None without h); h: 16-bit rows, D a multiple of 32,
     contiguous rows. shared: logits [T, E + 1], the last column the shared expert's gate logit, and k + 1 slots out
-    (route.route_top_k_shared_torch)."""
+    (route.route_top_k_shared_torch). warps: per program (the bench's variants; by default ROUTE_WARPS)."""
     from qspec.kernels.triton_qdot import quant_chunk, quantized_x_buffers
 
     T, E = logits.shape
@@ -85,6 +94,6 @@ def route_top_k_triton(logits: torch.Tensor, k: int, h: torch.Tensor | None = No
             logits, top_w, top_i, E, logits.stride(0), top_w.stride(0), top_i.stride(0),
             logits if h is None else h, q, d, s, g, D if h is None else h.stride(0), D // 32,
             K=k, BE=BE, BK=next_pow2(k + shared), DT=tl_dtype(logits.dtype), BB=bb, SHARED=shared,
-            num_warps=4 if BE <= 1024 else 8,
+            num_warps=warps or (ROUTE_WARPS if BE <= 1024 else 2 * ROUTE_WARPS),
             enable_fp_fusion=h is None, **pdl_launch(logits))
     return top_w, top_i, None if h is None else (q.view(torch.int32), d, s, g)
