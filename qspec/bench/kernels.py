@@ -59,7 +59,11 @@ from qspec.kernels.triton_common import (
 )
 from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch, conv_snapshot_triton
 from qspec.kernels.triton_dequant import dequant_kv_triton
-from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch, gdn_recurrent_planes_triton
+from qspec.kernels.triton_gdn import (
+    gdn_conv_recurrent_triton,
+    gdn_recurrent_planes_torch,
+    gdn_recurrent_planes_triton,
+)
 from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton
@@ -774,16 +778,55 @@ def check_gdn_conv(R: Runner, T: int, Hk: int, Hv: int, d: int, taps: int = 4, t
     R.add(row)
 
 
+def check_gdn_conv_recurrence(R: Runner, T: int, Hk: int, Hv: int, d: int, taps: int = 4, timed: bool = False,
+                              final_only: bool = False) -> None:
+    """The step conv inside the recurrence's launch (gdn_conv_recurrent_triton, the model's call: gates from bf16
+    logits) against the references of both; timed against the two launches it replaces (the torch column)."""
+    dev = R.device
+    C, P = (2 * Hk + Hv) * d, 2 * max(T, 6)
+    X = torch.randn(C, taps - 1 + T, device=dev)
+    w = torch.randn(C, taps, device=dev) * 0.5
+    _, _, _, _, _, ssm = gdn_inputs(T, Hk, Hv, d, d, P, dev)
+    g, beta = (8 * torch.randn(T, Hv, device=dev)).bfloat16(), (6 * torch.randn(T, Hv, device=dev)).bfloat16()
+    gates = (-(1 + 15 * torch.rand(Hv, device=dev)), 4 * torch.rand(Hv, device=dev))
+    live, base = torch.tensor(P // 2 - 1, device=dev), torch.tensor(P // 2, device=dev)
+    s_ref, s_tri, s_two = ssm.clone(), ssm.clone(), ssm.clone()
+    o_ref = gdn_recurrent_planes_torch(*gdn_conv_qkv_torch(X, w, T, Hk, Hv, d), g, beta, s_ref, live, base, gates,
+                                       final_only)
+    o = gdn_conv_recurrent_triton(X, w, Hk, Hv, d, d, g, beta, s_tri, live, base, gates, final_only=final_only)
+    eo, es = rel_err(o, o_ref), rel_err(s_tri, s_ref)
+    row = Row(f"gdn conv + recurrence T={T} Hk={Hk} Hv={Hv} d={d}" + (" final only" if final_only else "")
+              + (" (torch: the two kernels)" if timed else ""), eo < 1e-5 and es < 1e-5,
+              f"rel err o {eo:.2e} states {es:.2e} (all planes)")
+
+    def two_launches() -> None:
+        gdn_recurrent_planes_triton(*gdn_conv_qkv_triton(X, w, T, Hk, Hv, d), g, beta, s_two, live, base, gates,
+                                    final_only=final_only)
+
+    if timed and R.timing:
+        row.torch_us = R.bench(two_launches)
+        row.triton_us = R.bench(lambda: gdn_conv_recurrent_triton(X, w, Hk, Hv, d, d, g, beta, s_tri, live, base,
+                                                                  gates, final_only=final_only))
+    R.add(row)
+
+
 def gdn_conv_checks(R: Runner, small: bool) -> None:
     """GDN's step conv: a verify (6 rows) and a decode row at the real geometry, then ragged head dims."""
     if small:
         check_gdn_conv(R, 3, 2, 4, 16)
         check_gdn_conv(R, 1, 1, 2, 48)
         check_gdn_conv(R, 2, 2, 2, 32, taps=3)
+        check_gdn_conv_recurrence(R, 3, 2, 4, 32)
+        check_gdn_conv_recurrence(R, 1, 1, 3, 48, taps=3)
+        check_gdn_conv_recurrence(R, 5, 2, 4, 32, final_only=True)
     else:
         check_gdn_conv(R, 6, 16, 48, 128, timed=True)
         check_gdn_conv(R, 1, 16, 48, 128, timed=True)
         check_gdn_conv(R, 4, 3, 6, 96)
+        check_gdn_conv_recurrence(R, 1, 16, 48, 128, timed=True)
+        check_gdn_conv_recurrence(R, 6, 16, 48, 128, timed=True)
+        check_gdn_conv_recurrence(R, 4, 3, 6, 96)
+        check_gdn_conv_recurrence(R, 100, 16, 48, 128, final_only=True)
 
 
 # ---- the groups: one per kernel (tests/test_gpu_kernels.py runs each as one test) ------------------------------

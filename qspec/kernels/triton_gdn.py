@@ -31,12 +31,17 @@ if HAS_TRITON:
     import triton.language as tl
 
     from qspec.kernels.triton_common import pdl_start
+    from qspec.kernels.triton_gdn_conv import conv_silu, l2_normed
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every row count
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
+                    x_ptr, cw_ptr, x_c, scale, eps,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
-                    FINAL: tl.constexpr = False, PDL: tl.constexpr = False):
+                    FINAL: tl.constexpr = False, CONV: tl.constexpr = False, KT: tl.constexpr = 1,
+                    PDL: tl.constexpr = False):
+        # CONV: q, k and v come from the conv window X [2 HQ DK + Hv DV, KT - 1 + T] and the taps cw [C, KT]
+        # (triton_gdn_conv's math: conv, silu, the q/k L2 norms, q's scale), computed here (q_ptr .. v_ptr unread)
         pdl_start(PDL)
         h = tl.program_id(1)
         hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
@@ -51,9 +56,14 @@ if HAS_TRITON:
         base = tl.load(base_ptr)
         S = tl.load(ssm_ptr + live * s_p + head + tile, mask=tmask, other=0.0)
         for t in range(T):
-            qt = tl.load(q_ptr + t * q_t + hq * q_h + ik, mask=kmask, other=0.0).to(tl.float32)
-            kt = tl.load(k_ptr + t * k_t + hq * k_h + ik, mask=kmask, other=0.0).to(tl.float32)
-            vt = tl.load(v_ptr + t * v_t + h * v_h + iv, mask=vmask, other=0.0).to(tl.float32)
+            if CONV:
+                qt = l2_normed(conv_silu(x_ptr, cw_ptr, hq * DK + ik, kmask, t, x_c, KT), eps) * scale
+                kt = l2_normed(conv_silu(x_ptr, cw_ptr, (HQ + hq) * DK + ik, kmask, t, x_c, KT), eps)
+                vt = conv_silu(x_ptr, cw_ptr, 2 * HQ * DK + h * DV + iv, vmask, t, x_c, KT)
+            else:
+                qt = tl.load(q_ptr + t * q_t + hq * q_h + ik, mask=kmask, other=0.0).to(tl.float32)
+                kt = tl.load(k_ptr + t * k_t + hq * k_h + ik, mask=kmask, other=0.0).to(tl.float32)
+                vt = tl.load(v_ptr + t * v_t + h * v_h + iv, mask=vmask, other=0.0).to(tl.float32)
             gt = tl.load(g_ptr + t * g_t + h * g_h).to(tl.float32)
             bt = tl.load(b_ptr + t * b_t + h * b_h).to(tl.float32)
             if GATES:  # g and b hold the projection's raw logits: the gates are computed here (`gdn_gates`)
@@ -72,17 +82,23 @@ if HAS_TRITON:
             tl.store(ssm_ptr + base * s_p + head + tile, S, mask=tmask)
 
 
-def _most_rows(final_only: bool) -> int:
+def most_rows(final_only: bool) -> int:
+    """The most rows of a call of the per-row kernel (final_only: a short prompt's prefill)."""
     return FINAL_MAX_ROWS if final_only else MAX_ROWS
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
            ssm: torch.Tensor, final_only: bool = False) -> None:
     T, Hq, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, Hv) or beta.shape != (T, Hv):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
-                         f"g {tuple(g.shape)} beta {tuple(beta.shape)}")
+    if k.shape != q.shape or v.shape[0] != T:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    _check_state(T, Hq, dk, v.shape[1], v.shape[2], g, beta, ssm, final_only)
+
+
+def _check_state(T: int, Hq: int, dk: int, Hv: int, dv: int, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor,
+                 final_only: bool) -> None:
+    if g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"shape mismatch: {T} rows of {Hv} value heads, g {tuple(g.shape)} beta {tuple(beta.shape)}")
     if Hv % Hq or ssm.dim() != 4 or tuple(ssm.shape[1:]) != (Hv, dk, dv):
         raise ValueError(f"ssm {tuple(ssm.shape)} does not fit Hv={Hv} dk={dk} dv={dv} (q heads {Hq})")
     if ssm.dtype != torch.float32:
@@ -116,32 +132,65 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 out: torch.Tensor | None = None, final_only: bool = False) -> torch.Tensor:
     """The Triton kernel; same contract as `gdn_recurrent_planes`."""
     _check(q, k, v, g, beta, ssm, final_only)
-    a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
-    if gates is not None and any(t.shape != (v.shape[1],) or t.dtype != torch.float32 or not t.is_contiguous()
-                                 for t in gates):
-        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={v.shape[1]}]")
-    T, Hq, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
-    most = _most_rows(final_only)
-    if T > most:
-        raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim")
+    T, Hq, dk = q.shape
+    args = (q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q, q, 0, 1.0, 0.0)  # no conv window
+    return _launch(args, T, Hq, v.shape[1], dk, v.shape[2], g, beta, ssm, live, base, gates, block_v, num_warps,
+                   out, final_only, conv_taps=0)
+
+
+def gdn_conv_recurrent_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: int, Hv: int, dk: int, dv: int,
+                              g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
+                              base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+                              block_v: int = DEFAULT_BV, num_warps: int = 4, out: torch.Tensor | None = None,
+                              final_only: bool = False) -> torch.Tensor:
+    """GDN's step conv (triton_gdn_conv.gdn_conv_qkv_triton's math) and the recurrence in one launch: each program
+    computes its rows' q, k (key head h % Hk, normed, q scaled) and v slice from the conv window X [C, KT - 1 + T]
+    (the snapshot kernel's output, C = 2 Hk dk + Hv dv, f32, contiguous last dim) and the taps conv_w [C, KT] f32.
+    The other arguments as `gdn_recurrent_planes`'s. -> o [T, Hv, dv] f32."""
+    from qspec.kernels.triton_gdn_conv import L2_EPS
+
+    C, taps = conv_w.shape
+    T = X.shape[1] - taps + 1
+    if (X.dim() != 2 or X.shape[0] != C or C != 2 * Hk * dk + Hv * dv or T < 1 or X.stride(1) != 1
+            or X.dtype != torch.float32 or conv_w.dtype != torch.float32 or not conv_w.is_contiguous()):
+        raise ValueError(f"gdn conv + recurrence: X {tuple(X.shape)} {X.dtype}, taps {tuple(conv_w.shape)} "
+                         f"{conv_w.dtype} for {Hk} key heads of {dk} and {Hv} value heads of {dv}")
+    _check_state(T, Hk, dk, Hv, dv, g, beta, ssm, final_only)
+    args = (X, X, X, 0, 0, 0, 0, 0, 0, X, conv_w, X.stride(0), dk ** -0.5, L2_EPS)  # q, k, v from the window
+    return _launch(args, T, Hk, Hv, dk, dv, g, beta, ssm, live, base, gates, block_v, num_warps, out, final_only,
+                   conv_taps=taps)
+
+
+def _launch(qkv_args: tuple, T: int, Hq: int, Hv: int, dk: int, dv: int, g: torch.Tensor, beta: torch.Tensor,
+            ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None,
+            block_v: int, num_warps: int, out: torch.Tensor | None, final_only: bool, conv_taps: int) -> torch.Tensor:
+    """_gdn_kernel's launch; qkv_args: q, k, v and their row and head strides, then the conv window, its taps, the
+    window's row stride, q's scale and the norms' eps (conv_taps > 0: q, k, v computed from the window)."""
+    a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
+    if gates is not None and any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous()
+                                 for t in gates):
+        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
+    most = most_rows(final_only)
+    if T > most:
+        raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
     if ssm.stride(3) != 1 or live.dtype != torch.int64 or base.dtype != torch.int64:
         raise ValueError("ssm needs a contiguous last dim; live/base must be int64 device scalars")
-    o = out if out is not None else torch.empty(T, Hv, dv, dtype=torch.float32, device=q.device)
+    o = out if out is not None else torch.empty(T, Hv, dv, dtype=torch.float32, device=ssm.device)
     if o.shape != (T, Hv, dv) or o.dtype != torch.float32 or o.stride(2) != 1:
         raise ValueError("out must be f32 [T, Hv, dv] with a contiguous last dim")
     bv = min(block_v, next_pow2(dv))
-    grid = (triton.cdiv(dv, bv), Hv)
-    _gdn_kernel[grid](q, k, v, g, beta, a, dt_bias, ssm, live, base, o, T, Hq,
-                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                      g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-                      ssm.stride(0), ssm.stride(1), ssm.stride(2),
-                      DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, FINAL=final_only,
-                      num_warps=num_warps,
-                      **pdl_launch(q))
+    q, k, v, *strides = qkv_args[:9]
+    x, cw, x_c, scale, eps = qkv_args[9:]
+    _gdn_kernel[(triton.cdiv(dv, bv), Hv)](
+        q, k, v, g, beta, a, dt_bias, ssm, live, base, o, T, Hq, *strides,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+        ssm.stride(0), ssm.stride(1), ssm.stride(2), x, cw, x_c, scale, eps,
+        DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, FINAL=final_only, CONV=conv_taps > 0,
+        KT=max(conv_taps, 1), num_warps=num_warps, **pdl_launch(ssm))
     return o
 
 
@@ -158,6 +207,6 @@ def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     beta logits (any float dtype) and the kernel computes the gates itself (`gdn_gates`: two kernels fewer per
     step); ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
     Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
-    if use_triton(q) and q.shape[0] <= _most_rows(final_only):
+    if use_triton(q) and q.shape[0] <= most_rows(final_only):
         return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates, final_only=final_only)
     return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates, final_only)
