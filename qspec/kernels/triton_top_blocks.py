@@ -2,9 +2,7 @@
 
 Scores map to order-preserving unsigned 32-bit keys (held in int64; +0 and -0 merged first, padding
 lanes -1, below every key). A radix select builds the n_top-th largest key bit by bit from the top:
-keep bit b if at least n_top keys are >= the threshold with it set, two bits a pass: the keys' counts against the
-three candidates of a pass are 16-bit fields of one int64 sum (16 reductions, each a pair of barriers in a
-program of several warps, where a bit a pass took 32).
+keep bit b if at least n_top keys are >= the threshold with it set (32 counting passes over registers).
 Keys above the threshold are chosen; of the keys equal to it, as many as are still needed, in order of
 block id (a prefix count): the set torch.topk picks on CUDA, ties included. Lanes scoring -inf are never
 set, so a row with m < n_top choosable blocks gets those m (top_blocks.py: torch.topk over the choosable ones).
@@ -31,14 +29,10 @@ if HAS_TRITON:
         key = tl.where(b >= 0, b + 2147483648, -1 - b)  # float order as unsigned 32-bit order
         key = tl.where(valid, key, -1)
         thr = tl.zeros([1], dtype=tl.int64).sum(axis=0)
-        for digit in tl.static_range(15, -1, -1):  # two bits a pass: the counts of three candidates in one sum
-            one = tl.full([], 1 << (2 * digit), tl.int64)
-            packed = ((key >= (thr | one)).to(tl.int64) + ((key >= (thr | 2 * one)).to(tl.int64) << 16)
-                      + ((key >= (thr | 3 * one)).to(tl.int64) << 32))
-            cnt = tl.sum(packed, axis=0)  # 16 bits a count (BLOCK < 2^16)
-            pick = tl.where((cnt >> 32) >= n_top, 3, tl.where(((cnt >> 16) & 0xFFFF) >= n_top, 2,
-                                                               tl.where((cnt & 0xFFFF) >= n_top, 1, 0)))
-            thr = thr | (pick.to(tl.int64) * one)
+        for bit in tl.static_range(31, -1, -1):
+            cand = thr | (1 << bit)
+            cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= n_top, cand, thr)
         above = key > thr
         need = n_top - tl.sum(above.to(tl.int32), axis=0)
         tie = key == thr
@@ -53,8 +47,6 @@ def top_blocks_mask_triton(s: torch.Tensor, n_top: int) -> torch.Tensor:
     out = torch.empty(T, nb, dtype=torch.bool, device=s.device)
     if T and nb:
         BLOCK = max(next_pow2(nb), 16)
-        if BLOCK >= 1 << 16:
-            raise ValueError(f"top_blocks_mask: {nb} blocks, at most {1 << 15:,} (16-bit counts)")
         _top_blocks_kernel[(T,)](s, out, nb, n_top, s.stride(0), out.stride(0), BLOCK=BLOCK,
                                  num_warps=4 if BLOCK <= 1024 else 8, **pdl_launch(s))
     return out

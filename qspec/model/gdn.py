@@ -13,7 +13,7 @@ from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
 from qspec.kernels.triton_common import use_triton
-from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_conv_recurrent_triton, gdn_recurrent_planes, most_rows
+from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_conv_recurrent_triton, gdn_recurrent_planes
 from qspec.model.fuse import fused
 from qspec.model.ops import Weight, linear, stack_rows
 from qspec.state.recurrent import GDNState, RecurrentCache
@@ -62,8 +62,9 @@ class GatedDeltaNet(torch.nn.Module):
         X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
                             live=rc.live)
         conv_kernel = kernel_takes(X, self.conv_w, T, Hk, Hv, dk, dv)  # on unless conv_kernel_mode(False)
-        if conv_kernel and h.is_cuda and T <= most_rows(last_only):
-            # the conv inside the recurrence's launch: each program computes its own q, k and v rows
+        if conv_kernel and h.is_cuda and T == 1:
+            # a one-row step's conv inside the recurrence's launch, each program computing its own q, k and v (at six
+            # rows the rows' convs in the recurrence's serial loop cost more than the launch: BENCHMARKS.md §5c)
             o = gdn_conv_recurrent_triton(X, self.conv_w, Hk, Hv, dk, dv, a_logit, b_logit, st.ssm, rc.live, rc.base,
                                           (self.a, self.dt_bias), final_only=last_only)
             return gdn_output(o, z, self.norm, self.out, c.rms_eps)
