@@ -13,9 +13,8 @@ import torch
 
 from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, tl_dtype
 
-# warps of a program up to 1,024 experts (twice that above). In one warp a pick's reduction is shuffles alone; in
-# four it also crosses shared memory between barriers (40 in the kernel for 512 experts, top 10, sm_90). The bench
-# times 1, 2 and 4 (`python -m qspec.bench.kernels --only route --graph`)
+# warps of a program up to 1,024 experts (twice that above): one warp's picks would be shuffles alone, but four were
+# faster than one or two at 512 experts, top 10, with the quantization beside them (BENCHMARKS.md §5c)
 ROUTE_WARPS = 4
 
 if HAS_TRITON:
