@@ -3,7 +3,8 @@ q scaled) query and key heads and the value heads.
 
 `gdn_conv_qkv_torch` is the reference (the model's math: taps added in order, silu, split, l2 norm). On CUDA, unless
 switched off (`conv_kernel_mode(False)`, `EngineOptions(gdn_conv_kernel=False)`), a GDN step runs one Triton program
-per (row, head) that does all of it (triton_gdn_conv.py). Why: the compiled function is five generated kernels
+per (row, head) that does all of it (triton_gdn_conv.py); a one-row step does it inside the recurrence's launch
+(triton_gdn.gdn_conv_recurrent_triton). Why: the compiled function is five generated kernels
 per GDN layer of a step, the largest writing the transposed conv output, for ~0.5 MB of data; the one kernel takes
 far less (BENCHMARKS.md §5, the GDN step conv row), and with the one-launch KV write it made plain
 decoding faster end to end (§4, the q8_0 KV write + GDN conv row).
