@@ -621,6 +621,33 @@ def check_hc_mix(R: Runner, D: int, S: int, rank: int, N: int, dt: torch.dtype, 
                                                            S, 1e-6, out_config=out_config))
         row.nbytes = held_bytes(w_in) + held_bytes(up)
     R.add(row, variant=out_config is not None)
+    if timed and R.timing and blocks is not None and M == 1:
+        mixer_launches(R, X, (y, inj) if pending else None, norm, (w_in, up), rank, D, S, blocks)
+
+
+def mixer_launches(R: Runner, X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                   held: tuple[Weight, Weight], rank: int, D: int, S: int, blocks: tuple[str, str | None]) -> None:
+    """A one-row block mixer's launches timed apart, each against the same launch with the matrices in 16 bits (the
+    torch column): the prep kernel (with the w_in product's int8 row), the w_in product, the output kernel."""
+    from qspec.kernels.triton_hc_mix import hc_out_triton, hc_prep_triton
+    from qspec.kernels.triton_qdot import qdot_quantized_triton
+    from qspec.model.ops import linear
+
+    w_in, up = held
+    w16, u16 = (w if isinstance(w, torch.Tensor) else w.dequantize().to(X.dtype) for w in held)
+    _, xn, xq = hc_prep_triton(X, pending, norm, D, S, 1e-6, quant=True)
+    y = linear(xn, w16)
+    launches = (
+        ("prep", lambda: hc_prep_triton(X, pending, norm, D, S, 1e-6), lambda: hc_prep_triton(X, pending, norm, D, S,
+                                                                                             1e-6, quant=True)),
+        ("w_in", lambda: linear(xn, w16), lambda: qdot_quantized_triton(xq, [(w_in.raw.contiguous(), w_in.code)],
+                                                                        X.dtype)),
+        ("out", lambda: hc_out_triton(y, xn, u16, rank, D, S), lambda: hc_out_triton(y, xn, up, rank, D, S)))
+    for name, sixteen, block in launches:
+        row = Row(f"hc mixer launch {name} {blocks[0]}/{blocks[1] or 'bf16'} (torch column: 16-bit)", True,
+                  "timed only")
+        row.torch_us, row.triton_us = R.bench(sixteen), R.bench(block)
+        R.add(row, variant=True)
 
 
 # ---- 8. KV q8_0 dequantisation and the indexer's block choice ------------------------------------------------
