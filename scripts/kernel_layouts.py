@@ -201,9 +201,10 @@ def mixer_out(qtype: int, rows: int, rank: int = 320) -> tuple[Layouts, float]:
     bd, bk, warps = hm.OUT_CONFIG if rows == 1 else hm.OUT_CONFIG_ROWS
     tc = qtype == 0 and rows > 1
     g, length = qm.qmatmul_geometry(qtype) if qtype else (8, 32)
+    nbp, nbp2 = hm.plane_tiles(rank)
     r = compile_layouts(hm._hc_out_kernel, dict(
         M=rows, MP=16 if tc else q.next_pow2(rows), S=4, SP=4, BD=bd, BK=bk, DT=tl.bfloat16, TC=tc, UPCAST=False,
-        QT=qtype, G=g, L=length, NBP=q.next_pow2(rank // 32), PDL=True), warps, {"up": "*u8" if qtype else "*bf16"})
+        QT=qtype, G=g, L=length, NBP=nbp, NBP2=nbp2, PDL=True), warps, {"up": "*u8" if qtype else "*bf16"})
     iterations = -(-rank // (bk if qtype == 0 else 256)) if r.loop.instructions else 1
     executed = r.instructions + r.loop.instructions * (iterations - 1)
     return r, executed * warps * 32 / (4 * bd * rank)
