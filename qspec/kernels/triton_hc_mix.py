@@ -21,12 +21,13 @@ than the compiled mixers in one process (what the kernels buy MTP5 end to end: ย
 
 With the mixer's matrices held as GGUF blocks (llama-quantize quantizes them; weights/quant_mix.py), `w_in` is a
 block product (qmatmul.py) and, for one row, the output kernel decodes the `up` rows in registers: 32-weight blocks
-in planes (Q4_K_M's Q5_0 up, Q8_0's, Q4_0's: CUDA's layout) as whole 32-bit words of a row's every block at once,
-other types by triton_qmatmul's `expand_step` (byte loads, 256-weight steps), then gates and averages as the
-16-bit kernel does. Compiled for sm_90 (Triton 3.6; `scripts/kernel_layouts.py --mixer`,
-benchmarks/results/kernel_layouts_mixer_cpu-*.txt) the words cost 21-28 thread instructions an `up` weight at the
-real geometry, `expand_step` 56-75 and the 16-bit kernel 19.85; at six rows `expand_step` took 255 registers and
-spilled, so several rows with a block `up` run the compiled mixer (hc_mix.step_eligible).
+in planes (Q4_K_M's Q5_0 up, Q8_0's, Q4_0's: CUDA's layout) as whole 32-bit words of a row's every block at once
+(in two power-of-two tiles, `plane_tiles`), other types by triton_qmatmul's `expand_step` (byte loads, 256-weight
+steps), then gates and averages as the 16-bit kernel does. Compiled for sm_90 (Triton 3.6; `scripts/kernel_layouts.py
+--mixer`, benchmarks/results/kernel_layouts_mixer_cpu-*.txt) the words cost 18.8-23.2 thread instructions an `up`
+weight at the real geometry, `expand_step` 56-75 and the 16-bit kernel 19.85; at six rows `expand_step` took 255
+registers and spilled, so several rows with a block `up` run the compiled mixer (hc_mix.step_eligible). On an H100
+the whole one-row block mixer was slower than the 16-bit one (BENCHMARKS.md ยง5c).
 
 Intermediates that the compiled path stores in 16 bits are rounded where it stores them (the product
 inputs and outputs); the rest stays in f32, as inductor keeps it.
