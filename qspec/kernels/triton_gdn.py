@@ -90,8 +90,7 @@ if HAS_TRITON:
             tl.store(ssm_ptr + base * s_p + head + tile, S, mask=tmask)
 
 
-def most_rows(final_only: bool) -> int:
-    """The most rows of a call of the per-row kernel (final_only: a short prompt's prefill)."""
+def _most_rows(final_only: bool) -> int:
     return FINAL_MAX_ROWS if final_only else MAX_ROWS
 
 
@@ -144,10 +143,9 @@ def gdn_recurrent_planes_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if x.stride(2) != 1:
             raise ValueError(f"{name} must have a contiguous last dim")
     T, Hq, dk = q.shape
-    args = (q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            q, q, 0, 1.0, 0.0)  # no conv window
-    return _launch(args, T, Hq, v.shape[1], dk, v.shape[2], g, beta, ssm, live, base, gates, block_v, num_warps,
-                   out, final_only, conv_taps=0)
+    rows = (q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    return _launch(rows, (q, q, 0, 1.0, 0.0), T, Hq, v.shape[1], dk, v.shape[2], g, beta, ssm, live, base, gates,
+                   block_v, num_warps, out, final_only, conv_taps=0)  # no conv window: its pointers unread
 
 
 def gdn_conv_recurrent_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: int, Hv: int, dk: int, dv: int,
@@ -168,21 +166,22 @@ def gdn_conv_recurrent_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: int, Hv
         raise ValueError(f"gdn conv + recurrence: X {tuple(X.shape)} {X.dtype}, taps {tuple(conv_w.shape)} "
                          f"{conv_w.dtype} for {Hk} key heads of {dk} and {Hv} value heads of {dv}")
     _check_state(T, Hk, dk, Hv, dv, g, beta, ssm, final_only)
-    args = (X, X, X, 0, 0, 0, 0, 0, 0, X, conv_w, X.stride(0), dk ** -0.5, L2_EPS)  # q, k, v from the window
-    return _launch(args, T, Hk, Hv, dk, dv, g, beta, ssm, live, base, gates, block_v, num_warps, out, final_only,
-                   conv_taps=taps)
+    rows = (X, X, X, 0, 0, 0, 0, 0, 0)  # unread: q, k, v come from the window
+    return _launch(rows, (X, conv_w, X.stride(0), dk ** -0.5, L2_EPS), T, Hk, Hv, dk, dv, g, beta, ssm, live, base,
+                   gates, block_v, num_warps, out, final_only, conv_taps=taps)
 
 
-def _launch(qkv_args: tuple, T: int, Hq: int, Hv: int, dk: int, dv: int, g: torch.Tensor, beta: torch.Tensor,
-            ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None,
-            block_v: int, num_warps: int, out: torch.Tensor | None, final_only: bool, conv_taps: int) -> torch.Tensor:
-    """_gdn_kernel's launch; qkv_args: q, k, v and their row and head strides, then the conv window, its taps, the
-    window's row stride, q's scale and the norms' eps (conv_taps > 0: q, k, v computed from the window)."""
+def _launch(rows: tuple, window: tuple, T: int, Hq: int, Hv: int, dk: int, dv: int, g: torch.Tensor,
+            beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor, base: torch.Tensor,
+            gates: tuple[torch.Tensor, torch.Tensor] | None, block_v: int, num_warps: int, out: torch.Tensor | None,
+            final_only: bool, conv_taps: int) -> torch.Tensor:
+    """_gdn_kernel's launch; rows: q, k, v and their row and head strides; window: the conv window, its taps, the
+    window's row stride, q's scale and the norms' eps (read where conv_taps > 0: q, k, v computed from it)."""
     a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
     if gates is not None and any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous()
                                  for t in gates):
         raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
-    most = most_rows(final_only)
+    most = _most_rows(final_only)
     if T > most:
         raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
     if ssm.stride(3) != 1 or live.dtype != torch.int64 or base.dtype != torch.int64:
@@ -191,12 +190,11 @@ def _launch(qkv_args: tuple, T: int, Hq: int, Hv: int, dk: int, dv: int, g: torc
     if o.shape != (T, Hv, dv) or o.dtype != torch.float32 or o.stride(2) != 1:
         raise ValueError("out must be f32 [T, Hv, dv] with a contiguous last dim")
     bv = min(block_v, next_pow2(dv))
-    q, k, v, *strides = qkv_args[:9]
-    x, cw, x_c, scale, eps = qkv_args[9:]
+    q, k, v, *strides = rows
     _gdn_kernel[(triton.cdiv(dv, bv), Hv)](
         q, k, v, g, beta, a, dt_bias, ssm, live, base, o, T, Hq, *strides,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-        ssm.stride(0), ssm.stride(1), ssm.stride(2), x, cw, x_c, scale, eps,
+        ssm.stride(0), ssm.stride(1), ssm.stride(2), *window,
         DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, FINAL=final_only, CONV=conv_taps > 0,
         KT=max(conv_taps, 1), num_warps=num_warps, **pdl_launch(ssm))
     return o
@@ -215,6 +213,6 @@ def gdn_recurrent_planes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     beta logits (any float dtype) and the kernel computes the gates itself (`gdn_gates`: two kernels fewer per
     step); ssm [P, Hv, dk, dv] f32; live, base: int64 device scalars.
     Returns o [T, Hv, dv] f32. Triton on CUDA, the torch reference otherwise."""
-    if use_triton(q) and q.shape[0] <= most_rows(final_only):
+    if use_triton(q) and q.shape[0] <= _most_rows(final_only):
         return gdn_recurrent_planes_triton(q, k, v, g, beta, ssm, live, base, gates, final_only=final_only)
     return gdn_recurrent_planes_torch(q, k, v, g, beta, ssm, live, base, gates, final_only)

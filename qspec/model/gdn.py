@@ -66,7 +66,7 @@ class GatedDeltaNet(torch.nn.Module):
             # a one-row step's conv inside the recurrence's launch, each program computing its own q, k and v (at six
             # rows the rows' convs in the recurrence's serial loop cost more than the launch: BENCHMARKS.md §5c)
             o = gdn_conv_recurrent_triton(X, self.conv_w, Hk, Hv, dk, dv, a_logit, b_logit, st.ssm, rc.live, rc.base,
-                                          (self.a, self.dt_bias), final_only=last_only)
+                                          (self.a, self.dt_bias))
             return gdn_output(o, z, self.norm, self.out, c.rms_eps)
         if conv_kernel:
             from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
