@@ -142,11 +142,11 @@ ours-auto:from=ours,auto=1,draft=6" ;;
     #     decoding and MTP5, 2 runs each
     h200-q4km48-shpair) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
         --arms "nospec,nospec-apart:from=nospec,shpair=0,ours,ours-apart:from=ours,shpair=0" ;;
-    #     Q4_K/Q5_K products with each row's K in 2, 4 or 8 lanes (--k-lanes) against one (the default), plain
-    #     decoding and MTP3, 2 runs each
+    #     Q4_K/Q5_K products with each row's K in lanes by the matrix's shape (the default) against one lane and
+    #     against 2 for every matrix (--k-lanes), plain decoding and MTP3, 2 runs each
     h200-q4km48-klanes) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \
-        --arms "nospec,nospec-kl2:from=nospec,klanes=2,nospec-kl4:from=nospec,klanes=4,nospec-kl8:from=nospec,klanes=8,\
-ours-mtp3:from=ours,draft=3,ours-mtp3-kl4:from=ours,draft=3,klanes=4" ;;
+        --arms "nospec,nospec-kl1:from=nospec,klanes=1,nospec-kl2:from=nospec,klanes=2,\
+ours-mtp3:from=ours,draft=3,ours-mtp3-kl1:from=ours,draft=3,klanes=1" ;;
     #     QSA reading only the indexer's chosen blocks and the tail (--sparse-attention) against the masked dense
     #     pass (the default), plain decoding and MTP5, 2 runs each
     h200-q4km48-sparse) bench merge "${q48[@]}" --quant q4_k_m --reps 2 --gen-tokens 256 \

@@ -178,9 +178,10 @@ class KernelOptions:
                             "and Q6_K two weights a 32-bit register in 16-bit arithmetic, the scales and mins rounded "
                             "to 16 bits first (off: each weight in f32, rounded once)", applies="CUDA, block weights",
                             arm="pairs")
-    k_lanes: int = option(1, "Q4_K/Q5_K products of 1-4 rows walk each row's K this many super-blocks side by side "
-                          "(threads along K in a program: fewer serial steps for the model width's short rows)",
-                          choices=(1, 2, 4, 8), applies="CUDA, block weights", arm="klanes", metavar="N")
+    k_lanes: int = option(0, "Q4_K/Q5_K products of 1-4 rows walk each row's K this many super-blocks side by side "
+                          "(threads along K in a program: fewer serial steps a row); 0: by the matrix's shape (a few "
+                          "rows of a long K 4, many rows of the model width 2, others 1)",
+                          choices=(0, 1, 2, 4, 8), applies="CUDA, block weights", arm="klanes", metavar="N")
     norm_quant: bool = option(True, "one-row GDN steps norm, gate and round to int8 for the output product in "
                               "one launch (off: compiled, then the product's quantizer)", applies="CUDA, block weights",
                               arm="nq")

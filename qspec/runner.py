@@ -63,7 +63,7 @@ class KernelSwitches:
     tc_pairs: bool = True  # triton_qmatmul.PAIRS: tensor-core products expand K-quants two weights a register
     norm_quant: bool = True  # gated_norm._ON: one-row GDN outputs normed and quantized in one launch
     shared_pair: bool = True  # moe._SHARED_PAIR: a merged block shared expert as one more routed pair
-    k_lanes: int = 1  # triton_qdot.K_LANES: Q4_K/Q5_K products' super-blocks side by side per row and step
+    k_lanes: int = 0  # triton_qdot.K_LANES: Q4_K/Q5_K products' super-blocks side by side a row (0: by shape)
 
     @classmethod
     def resolve(cls, opts: EngineOptions, device: torch.device) -> KernelSwitches:

@@ -170,7 +170,7 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
                 triton_qmatmul.PAIRS) == (True, False, False, 2, False, False, False, False, False, False, False)
     assert (ops._ROW_EXACT, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS, moe._SHARED_STREAM,
             triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR, triton_qmatmul.PAIRS,
-            triton_qdot.K_LANES) == (False, True, 6, True, True, True, True, True, True, True, 1)
+            triton_qdot.K_LANES) == (False, True, 6, True, True, True, True, True, True, True, 0)
 
 
 def test_plain_decoding_needs_no_draft_cells(tiny_model: Model) -> None:

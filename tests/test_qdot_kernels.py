@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import routing, row_len, run_interp_tests, tiny_config
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qspec.kernels.qdot import QDOT_QTYPES, qdot_matmul_torch, qdot_moe_few_torch, quantize_x_torch
 from qspec.kernels.qmatmul import qmatmul_torch, qmoe_few_torch
@@ -176,14 +176,15 @@ def test_interp_k_lanes(qt: GGMLQuantizationType, lanes: int, per_sm: int) -> No
 def test_default_config_by_matrix() -> None:
     """A vocabulary-sized Q6_K matrix alone in the file's order takes the head's config; anything else (in planes,
     smaller, another type, a stack) the default; never anything about x."""
-    from qspec.kernels.triton_qdot import HEAD_ROWS, QDOT_CONFIG, QDOT_CONFIG_Q6K_HEAD, _default_config
+    from qspec.kernels.triton_qdot import HEAD_ROWS, QDOT_CONFIG, QDOT_CONFIG_Q6K_HEAD, _default_config, k_lanes_mode
     from qspec.weights.qweight import Q6_K_PLANES
 
     head, small = torch.empty(HEAD_ROWS, 1, dtype=torch.uint8), torch.empty(HEAD_ROWS - 1, 1, dtype=torch.uint8)
     assert _default_config([(head, int(T.Q6_K))]) == QDOT_CONFIG_Q6K_HEAD != QDOT_CONFIG
     assert _default_config([(head, Q6_K_PLANES)]) == QDOT_CONFIG
     assert _default_config([(small, int(T.Q6_K))]) == QDOT_CONFIG
-    assert _default_config([(head, int(T.Q4_K))]) == QDOT_CONFIG
+    with k_lanes_mode(1):  # a Q4_K matrix of as many rows: by its K lanes (test_k_lanes_by_shape), not the head's
+        assert _default_config([(head, int(T.Q4_K))]) == QDOT_CONFIG
     assert _default_config([(head, int(T.Q6_K)), (small, int(T.Q6_K))]) == QDOT_CONFIG
 
 
@@ -201,9 +202,36 @@ def test_k_lanes_config_for_k_quants_only() -> None:
             assert _default_config([(w, int(T.Q5_K)), (w, int(T.Q4_K))]) == cfg
             assert _default_config([(w, int(T.Q5_K)), (w, int(T.Q6_K))]) == QDOT_CONFIG
             assert _default_config([(w, int(T.Q8_0))]) == QDOT_CONFIG
-    assert _default_config([(w, int(T.Q4_K))]) == QDOT_CONFIG
+    with k_lanes_mode(1):
+        assert _default_config([(w, int(T.Q4_K))]) == QDOT_CONFIG
     with pytest.raises(ValueError, match="K lanes"):
         k_lanes_mode(3)
+
+
+@pytest.mark.parametrize(("rows", "k", "lanes"), [
+    ((324,), 10240, 4),  # a mixer's w_in: a few rows of a long K
+    ((10240, 6240), 2560, 2),  # the GDN input stack (Q5_K + Q4_K), its rows together
+    ((13952,), 2560, 2),  # the QSA input
+    ((2560,), 6144, 1),  # GDN's output
+    ((1800,), 2560, 1),  # the router stack
+    ((512,), 2560, 1),  # a few rows of a short K
+    ((16480,), 6144, 1),  # many rows of a long K
+])
+def test_k_lanes_by_shape(rows: tuple[int, ...], k: int, lanes: int) -> None:
+    """By default (K lanes 0) a Q4_K/Q5_K product's lanes follow its matrices' rows and K, whatever x's row count
+    (row-exact mode); other types keep the default config; --k-lanes N overrides the shape."""
+    from qspec.kernels.triton_qdot import K_LANE_CONFIGS, QDOT_CONFIG, _default_config, k_lanes_mode, lanes_by_shape
+
+    assert lanes_by_shape(sum(rows), k) == lanes
+    types = (T.Q5_K, T.Q4_K)[-len(rows):]
+    parts = [(torch.empty(n, k // 256 * GGML_QUANT_SIZES[t][1], dtype=torch.uint8), int(t))
+             for n, t in zip(rows, types, strict=True)]
+    with k_lanes_mode(0):
+        assert _default_config(parts) == K_LANE_CONFIGS[lanes]
+        q8 = [(torch.empty(n, k // 32 * 34, dtype=torch.uint8), int(T.Q8_0)) for n in rows]
+        assert _default_config(q8) == QDOT_CONFIG
+    with k_lanes_mode(8):
+        assert _default_config(parts) == K_LANE_CONFIGS[8]
 
 
 def test_default_moe_config_by_gate_type() -> None:

@@ -59,7 +59,7 @@ import contextlib
 from typing import NamedTuple
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qspec.kernels.triton_common import (
     HAS_TRITON,
@@ -109,7 +109,13 @@ K_LANE_TYPES = frozenset({int(GGMLQuantizationType.Q4_K), int(GGMLQuantizationTy
 # memory, so rows stay at 8.
 K_LANE_CONFIGS = {1: QDOT_CONFIG, 2: QdotConfig(8, 2, 8, 2, 2), 4: QdotConfig(8, 4, 8, 2, 4),
                   8: QdotConfig(8, 8, 8, 2, 8)}
-K_LANES = 1
+K_LANES = 0  # 0: by the matrices' shape (lanes_by_shape); else every Q4_K/Q5_K product takes this many
+# lanes_by_shape's bounds. On an H100 (BENCHMARKS.md §5c): the mixers' w_in (324 rows of 40 super-blocks) was fastest
+# with 4 or 8 lanes at one row, alone and in the whole mixer; the GDN and QSA inputs (14-16 K rows of the model width)
+# with 2, at one row and at four; GDN's output (2,560 rows of 24) and the router stack (1,800 of 10) gained little
+# with 2 at one row and lost at four, so they keep one.
+FEW_ROWS, MANY_ROWS = 1024, 8192
+LONG_K = 16  # super-blocks a row (the model width: 10)
 
 
 class MoeConfig(NamedTuple):
@@ -878,14 +884,33 @@ def _default_config(parts: list[Part]) -> QdotConfig:
     if len(parts) == 1 and parts[0][1] == GGMLQuantizationType.Q6_K and parts[0][0].shape[0] >= HEAD_ROWS:
         return QDOT_CONFIG_Q6K_HEAD
     if all(int(qt) in K_LANE_TYPES for _, qt in parts):
-        return K_LANE_CONFIGS[K_LANES]
+        n = sum(r.shape[0] for r, _ in parts)
+        return K_LANE_CONFIGS[K_LANES or lanes_by_shape(n, _row_weights(parts[0]))]
     return QDOT_CONFIG
 
 
+def lanes_by_shape(n: int, k: int) -> int:
+    """The K lanes of Q4_K/Q5_K products of n rows of k weights (a stack's rows together): a few rows of a long K
+    take 4, many rows of a short K take 2, the rest 1. By the matrices alone, so a row's numbers never depend on x's
+    row count (row-exact mode)."""
+    blocks = k // 256
+    if n < FEW_ROWS and blocks >= LONG_K:
+        return 4
+    return 2 if n >= MANY_ROWS and blocks < LONG_K else 1
+
+
+def _row_weights(part: Part) -> int:
+    """K of a block matrix: its row's bytes over its type's block bytes, times the block's weights."""
+    raw, qt = part
+    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))]
+    return raw.shape[-1] // nbytes * size
+
+
 def k_lanes_mode(lanes: int) -> contextlib.AbstractContextManager[None]:
-    """Inside the block, Q4_K/Q5_K products take K_LANE_CONFIGS[lanes] (the runner sets it around every step)."""
-    if lanes not in K_LANE_CONFIGS:
-        raise ValueError(f"K lanes must be one of {sorted(K_LANE_CONFIGS)}, got {lanes!r}")
+    """Inside the block, Q4_K/Q5_K products take K_LANE_CONFIGS[lanes], or (0) the lanes of their shape (the runner
+    sets it around every step)."""
+    if lanes != 0 and lanes not in K_LANE_CONFIGS:
+        raise ValueError(f"K lanes must be 0 (by shape) or one of {sorted(K_LANE_CONFIGS)}, got {lanes!r}")
     return module_flag(__name__, "K_LANES", lanes)
 
 
