@@ -648,6 +648,25 @@ def mixer_launches(R: Runner, X: torch.Tensor, pending: tuple[torch.Tensor, torc
                   "timed only")
         row.torch_us, row.triton_us = R.bench(sixteen), R.bench(block)
         R.add(row, variant=True)
+    if w_in.qtype.name in ("Q4_K", "Q5_K"):
+        mixer_lanes(R, X, pending, norm, held, rank, D, S, xq)
+
+
+def mixer_lanes(R: Runner, X: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, norm: torch.Tensor,
+                held: tuple[Weight, Weight], rank: int, D: int, S: int, xq: tuple[torch.Tensor, ...]) -> None:
+    """A one-row block mixer with its K-quant w_in's rows in 1, 2, 4 or 8 K lanes (0: by its shape): the w_in
+    launch alone (torch column) and the whole mixer (triton column)."""
+    from qspec.kernels.triton_hc_mix import hc_mix_step_triton
+    from qspec.kernels.triton_qdot import k_lanes_mode, qdot_quantized_triton
+
+    w_in, up = held
+    for lanes in (0, 1, 2, 4, 8):
+        with k_lanes_mode(lanes):
+            row = Row(f"hc mixer {w_in.qtype.name} w_in in {lanes or 'shape'} K lanes (torch column: w_in alone)",
+                      True, "timed only")
+            row.torch_us = R.bench(lambda: qdot_quantized_triton(xq, [(w_in.raw.contiguous(), w_in.code)], X.dtype))
+            row.triton_us = R.bench(lambda: hc_mix_step_triton(X, pending, norm, w_in, up, rank, D, S, 1e-6))
+        R.add(row, variant=True)
 
 
 # ---- 8. KV q8_0 dequantisation and the indexer's block choice ------------------------------------------------
