@@ -36,7 +36,7 @@ from qspec.weights import (
     write_hf,
 )
 from qspec.weights.finite import check_finite
-from qspec.weights.gguf_io import Weights, quantize_blocks, read_draft_gguf, weights_summary
+from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
@@ -122,7 +122,9 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
 
 def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
     """Every matrix the model multiplies quantized to the GGUF types of `mix` (quant_mix.MIXES: q4_k_m, q8_0, ...;
-    "q4_k" is an alias of q4_k_m) as `QuantWeight`s on the weights' device, one tensor at a time; the rest as is."""
+    "q4_k" is an alias of q4_k_m) as `QuantWeight`s on the weights' device, one tensor at a time; matrices the mix
+    holds in F16 (rows too short for whole blocks) rounded through it, as a file of that mix holds them; the rest
+    as is."""
     mix = {"q4_k": "q4_k_m", "q5_k": "q5_k_m"}.get(mix, mix)
     if mix not in MIXES:
         raise WeightsError(f"--quantize: unknown type {mix!r} (known: q4_k, {', '.join(MIXES)})")
@@ -131,7 +133,10 @@ def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
     done: dict[int, QuantWeight] = {}  # a tied head is the embedding's tensor: quantized once
     for name, t in weights.items():
         q = plan.get(name, GGMLQuantizationType.F32)
-        if not isinstance(t, torch.Tensor) or t.dim() < 2 or not keep_packed(name) or q not in PACKED_QTYPES:
+        matrix = isinstance(t, HostRowTable) or isinstance(t, torch.Tensor) and t.dim() >= 2
+        if q == GGMLQuantizationType.F16 and matrix:
+            out[name] = _through_f16(t)
+        elif not isinstance(t, torch.Tensor) or t.dim() < 2 or not keep_packed(name) or q not in PACKED_QTYPES:
             out[name] = t
         elif id(t) in done:
             out[name] = done[id(t)]
@@ -140,6 +145,17 @@ def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
     if getattr(weights, "host_peak", None) is not None:
         out.host_peak = weights.host_peak  # type: ignore[attr-defined]
     return out
+
+
+def _through_f16(t: torch.Tensor | HostRowTable) -> torch.Tensor | HostRowTable:
+    """t rounded through F16 (a host table into an F16 table, a chunk of rows at a time)."""
+    if not isinstance(t, HostRowTable):
+        return t.to(torch.float16).to(t.dtype)
+    if t.qtype == GGMLQuantizationType.F16:
+        return t
+    step = 1 << 16
+    return HostRowTable.from_tensor(torch.cat([t.rows(i, i + step, dtype=torch.float16)
+                                               for i in range(0, t.shape[0], step)]))
 
 
 def model_source(path: str | os.PathLike[str]) -> Path:

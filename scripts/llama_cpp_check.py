@@ -1,7 +1,8 @@
 """Do the GGUF files qspec writes load and run in llama.cpp, and do the two engines compute the same logits?
 
 For each file (the shipped demo model, and tiny random models that qspec writes in f32, with and without the MTP
-block, and in llama.cpp's Q8_0 and Q4_K_M per-tensor mixes), llama.cpp (llama-cpp-python's vendored llama.cpp, on
+block, and in llama.cpp's Q8_0 and Q4_K_M per-tensor mixes, and those mixes as llama.cpp's own quantizer writes them
+from the f32 file), llama.cpp (llama-cpp-python's vendored llama.cpp, on
 the CPU) and qspec (on the CPU, its GGUF loader) run the same token ids as one prompt; every position's logits are
 compared, and each engine then decodes greedily from the prompt. The tiny models' QSA budget keeps attention dense
 (llama.cpp's sparse selection is documented to differ from the transformers reference that qspec follows, which
@@ -99,6 +100,20 @@ def llama_cpp_run(path: Path, ids: list[int], n: int) -> tuple[np.ndarray, list[
     return logits, out
 
 
+def llama_quantize(src: Path, dst: Path, mix: str) -> None:
+    """llama.cpp's own quantizer (llama-quantize's library call) writes `src` as file type `mix` (q4_k_m, q8_0, ...)
+    to `dst`."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix.upper()}")
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize {src} -> {mix} failed")
+
+
 def file_types(path: Path) -> str:
     """The file's tensor types with their tensor counts, most first."""
     from gguf import GGUFReader
@@ -157,6 +172,10 @@ def main() -> None:
                 write_gguf(expanded, *load_model_weights(path, dequantize_all=True),
                            extra_kv=tok.to_gguf_metadata(TINY_VOCAB))
                 rows.append(compare(f"tiny (vocab {TINY_VOCAB}), {label} expanded to f32", expanded, 2))
+                theirs = Path(tmp) / "theirs.gguf"  # llama.cpp's own quantizer, from the same weights in f32
+                write_model(path, cfg, seed=3, tokenizer=tok)
+                llama_quantize(path, theirs, kw["quant"])
+                rows.append(compare(f"tiny (vocab {TINY_VOCAB}), {label} by llama.cpp's quantizer", theirs, 2))
     text = "\n".join(rows) + "\n"
     print(text)
     if a.out:

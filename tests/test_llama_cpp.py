@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_script
+from gguf import GGMLQuantizationType
 
 from qspec.config import preset
 from qspec.loader import load_model, tokenizer_for_vocab, write_model
+from qspec.weights import load_model_weights
+from qspec.weights.quant_mix import keep_packed
+from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 
 pytest.importorskip("llama_cpp")
 check = load_script("llama_cpp_check")
@@ -51,3 +55,51 @@ def test_a_file_with_the_mtp_block_runs_or_is_refused_by_name(tmp_path: Path) ->
         return
     ours = check.qspec_logits(load_model(path, device="cpu", dtype=torch.float32), ids)
     assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(ours).max()
+
+
+def _tensor_types(path: Path) -> dict[str, str]:
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("experts", [8, 16])
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"])
+def test_mixes_give_llama_quantize_types(tmp_path: Path, mix: str, experts: int) -> None:
+    """make-model's mix gives every tensor the type llama.cpp's own quantizer gives it from the same f32 file:
+    widths of whole super-blocks, 8 layers (3 QSA), and 8 experts (llama.cpp's rule for that count) or 16."""
+    tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
+    cfg = preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, layers=8, n_experts=experts, hidden=256,
+                 ple_embed_dim=256, expert_ff=256, shared_ff=256, hc_rank=32)
+    write_model(tmp_path / "f32.gguf", cfg, seed=3, tokenizer=tok)
+    check._capture_llama_log()
+    check.llama_quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", mix)
+    write_model(tmp_path / "ours.gguf", cfg, seed=3, tokenizer=tok, quant=mix)
+    theirs, ours = _tensor_types(tmp_path / "theirs.gguf"), _tensor_types(tmp_path / "ours.gguf")
+    assert {n: (t, ours.get(n)) for n, t in theirs.items() if ours.get(n) != t} == {}
+    assert set(ours) == set(theirs)
+
+
+def test_qspec_runs_a_file_of_llama_quantize(tmp_path: Path) -> None:
+    """A Q4_K_M file written by llama.cpp's quantizer: qspec holds its every block matrix as blocks, its logits equal
+    those of the same file expanded to f32 (up to f32 rounding), and llama.cpp's on that file up to the activation
+    rounding of llama.cpp's CPU products (as qspec's own Q4_K_M file does: scripts/llama_cpp_check.py)."""
+    tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
+    budget = check.PROMPT_TOKENS + check.DECODE_TOKENS
+    cfg = preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, indexer_budget=budget, hidden=256,
+                 ple_embed_dim=256, expert_ff=256, shared_ff=256, hc_rank=32)
+    write_model(tmp_path / "f32.gguf", cfg, seed=3, tokenizer=tok)
+    check._capture_llama_log()
+    path = tmp_path / "theirs.gguf"
+    check.llama_quantize(tmp_path / "f32.gguf", path, "q4_k_m")
+    _, held = load_model_weights(path, dequantize_all=False)
+    types = _tensor_types(path)
+    blocks = [n for n, t in types.items() if GGMLQuantizationType[t] in PACKED_QTYPES and keep_packed(n)]
+    assert len(blocks) > 40 and all(isinstance(held[n], QuantWeight) for n in blocks)
+    ids = torch.randint(0, check.TINY_VOCAB, (check.PROMPT_TOKENS,), generator=torch.Generator().manual_seed(2))
+    ours = check.qspec_logits(load_model(path, dtype=torch.float32, dequantize_all=False), ids.tolist())
+    expanded = check.qspec_logits(load_model(path, dtype=torch.float32, dequantize_all=True), ids.tolist())
+    assert np.abs(ours - expanded).max() <= 1e-4 * np.abs(expanded).max()
+    theirs, _ = check.llama_cpp_run(path, ids.tolist(), 1)
+    assert np.abs(ours - theirs).max() <= 0.1 * np.abs(ours).max()
+    assert (ours.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9

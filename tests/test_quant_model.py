@@ -259,24 +259,34 @@ def test_block_expert_paths_equal_the_expanded_experts() -> None:
 
 
 def test_q4_k_m_mix_follows_llama_cpp_rules() -> None:
-    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    """The per-tensor types of llama.cpp's llama-quantize (tests/test_llama_cpp.py compares whole files with it)."""
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256, n_experts=16)
     plan = mix_plan("q4_k_m", cfg)
     n = cfg.n_layers
     assert plan["output.weight"] == Q.Q6_K and plan["token_embd.weight"] == Q.Q4_K
     for i in range(n):
-        down = plan[f"blk.{i}.ffn_down_exps.weight"]
-        assert down == (Q.Q6_K if use_more_bits(i, n) else Q.Q4_K), i
+        more = Q.Q6_K if use_more_bits(i, n) else Q.Q4_K
+        # every FFN down projection, the mixer's hc_ffn_down too ("ffn_down" in its name), by its layer
+        assert plan[f"blk.{i}.ffn_down_exps.weight"] == plan[f"blk.{i}.hc_ffn_down.weight"] == more, i
         assert plan[f"blk.{i}.ffn_gate_inp.weight"] == Q.F32  # routers stay exact
         assert plan[f"blk.{i}.ffn_gate_inp_shexp.weight"] == Q.F32
-        # the mixers' matrices are quantized as any other (llama-quantize does so); their norms stay F32
+        # the mixers' other matrices are quantized as any other; their norms stay F32
         assert plan[f"blk.{i}.hc_attn_down.weight"] == plan[f"blk.{i}.hc_ffn_inject.weight"] == Q.Q4_K
         r = cfg.hc_rank
-        assert plan[f"blk.{i}.hc_ffn_up.weight"] == (Q.Q4_K if r % 256 == 0 else Q.Q5_0 if r % 32 == 0 else Q.F32)
+        assert plan[f"blk.{i}.hc_ffn_up.weight"] == (Q.Q4_K if r % 256 == 0 else Q.Q5_0 if r % 32 == 0 else Q.F16)
         assert plan[f"blk.{i}.hc_attn_norm.weight"] == Q.F32
-        if cfg.layer_recurrent[i]:
-            assert plan[f"blk.{i}.attn_qkv.weight"] == Q.Q5_K
+        if cfg.layer_recurrent[i]:  # GDN's fused qkv as attention V: one of them a layer, by layer
+            assert plan[f"blk.{i}.attn_qkv.weight"] == more, i
             assert plan[f"blk.{i}.ssm_conv1d.weight"] == Q.F32
+        else:
+            assert plan[f"blk.{i}.attn_v.weight"] == more, i
+            assert plan[f"blk.{i}.indexer.q_proj.weight"] == plan[f"blk.{i}.indexer.k_proj.weight"] == Q.F32
+    assert plan["blk.1.ple_conv1d.weight"] == Q.F16  # 4-tap rows: no whole 32-weight blocks
     assert [use_more_bits(i, 48) for i in range(9)] == [True] * 6 + [False, False, True]
+    # 8-expert models: attention K/V/qkv Q8_0, the attention output Q5_K (its 128-wide rows here: Q5_1)
+    eight = mix_plan("q4_k_m", cfg.with_(n_experts=8))
+    assert eight["blk.0.attn_qkv.weight"] == eight["blk.3.attn_k.weight"] == eight["blk.3.attn_v.weight"] == Q.Q8_0
+    assert eight["blk.3.attn_output.weight"] == Q.Q5_1 and plan["blk.3.attn_output.weight"] == Q.Q5_0
     # rows that are not whole 256-weight super-blocks fall back as llama.cpp's (Q4_K -> Q5_0, Q5_K -> Q5_1,
     # Q6_K -> Q8_0), not whole 32-blocks to F32
     tiny = tiny_config()
@@ -294,7 +304,7 @@ def test_q4_k_m_mix_matches_a_llama_quantize_file_size() -> None:
     bits, with the mixers' matrices kept F32)."""
     cfg = preset("flash-next", layers=8)
     shapes = {n: s for n, s in tensor_shapes(cfg, with_mtp=False).items() if not n.startswith("per_layer_token")}
-    plan = {n: mix_qtype("q4_k_m", n, s, cfg.n_layers, tuple(cfg.qsa_layers())) for n, s in shapes.items()}
+    plan = {n: mix_qtype("q4_k_m", n, s, cfg.n_layers) for n, s in shapes.items()}
     weights = sum(math.prod(s) for s in shapes.values())
     nbytes = sum(math.prod(s) // GGML_QUANT_SIZES[plan[n]][0] * GGML_QUANT_SIZES[plan[n]][1]
                  for n, s in shapes.items())

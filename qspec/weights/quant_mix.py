@@ -1,15 +1,17 @@
 """Which GGUF type each tensor gets in a quantized file, and which tensors the loader keeps as blocks.
 
-Writing: `mix_qtype` follows llama.cpp's per-tensor rule (`llama_tensor_get_type` in src/llama-quant.cpp) for the
-file types users download: Q4_K_M and Q5_K_M (Q4_K / Q5_K matrices; the output head Q6_K; attention-V and FFN-down
-of the "more bits" layers Q6_K; GDN's fused attn_qkv one step up), Q6_K, Q8_0 and Q4_0 (the output head Q6_K, as
-llama.cpp does for every type below Q8_0). Never quantized, as in llama.cpp: 1-D tensors, the routers
-(`ffn_gate_inp`), convolution kernels. The hyper-connection mixers' matrices (`hc_*_down`, `hc_*_up`, `hc_*_inject`)
-are quantized like any other matrix, as llama.cpp's llama-quantize does: an 8-layer flash-next Q4_K_M file of
-llama-quantize's holds 13.69 GiB at 5.34 bits per weight, which this rule reproduces (13.72 GiB, 5.345 bits without
-the MTP block and the n-gram table; with the mixers kept F32 it would be 14.07 GiB, 5.48 bits). Rows that are not
-whole 256-weight super-blocks (the experts' 640-wide down projections, the mixers' 320-wide up projections) fall back
-as llama.cpp's do: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; rows that are not whole 32-weight blocks to F32.
+Writing: `mix_qtype` gives every tensor the type llama.cpp's quantizer (`llama_tensor_get_type`, src/llama-quant.cpp)
+gives it in the file types users download: Q4_K_M and Q5_K_M (Q4_K / Q5_K matrices; the output head Q6_K; Q6_K for
+the "more bits" layers' attention V, GDN's fused qkv, which llama.cpp counts with them, and every FFN down projection,
+the mixers' `hc_ffn_down` among them since llama.cpp matches "ffn_down" anywhere in a name), Q6_K, Q8_0 and Q4_0
+(the output head Q6_K below Q8_0); an 8-expert model's attention K/V/qkv Q8_0 and, in Q4_K_M, its attention output
+Q5_K. Never quantized: 1-D tensors, the routers (`ffn_gate_inp`), GDN's conv kernels, the QSA indexer's
+projections. Rows that are not whole 256-weight super-blocks (the experts' 640-wide down projections, the mixers'
+320-wide up projections) fall back as llama.cpp's do: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0; rows that are not
+whole 32-weight blocks (the n-gram conv's 4 taps) to F16. tests/test_llama_cpp.py checks every tensor's type against
+llama.cpp's own quantizer (llama-cpp-python's) for each mix; an 8-layer flash-next Q4_K_M file of llama-quantize's
+holds 13.69 GiB at 5.34 bits per weight, and this rule gives 13.73 GiB, 5.348 bits (the MTP block and the n-gram
+table left out, as there).
 
 Loading: `keep_packed` says which tensors of a packed type stay as blocks (`QuantWeight`); the rest are expanded.
 """
@@ -26,15 +28,15 @@ from qspec.weights.names import tensor_shapes
 
 Q = GGMLQuantizationType
 MIXES: dict[str, Q] = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
-# llama.cpp's one-step-up for GDN's fused qkv projection (attn_qkv) in the _M mixes
-_QKV_UP = {"q4_k_m": Q.Q5_K, "q5_k_m": Q.Q6_K}
+_MORE_BITS_MIXES = frozenset({"q4_k_m", "q5_k_m"})
 _K_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
 def _exempt(name: str) -> bool:
-    """Matrices llama.cpp leaves unquantized: the routers and the convolution kernels."""
-    return name.endswith(".ffn_gate_inp.weight") or "conv1d" in name
+    """Matrices llama.cpp leaves unquantized: the routers, GDN's convolution kernels and the QSA indexer's
+    projections. (The n-gram conv kernel is not exempt: its 4-tap rows fall back to F16.)"""
+    return name.endswith(".ffn_gate_inp.weight") or "ssm_conv1d" in name or ".indexer." in name
 
 
 def keep_packed(name: str) -> bool:
@@ -57,39 +59,40 @@ def _fits(q: Q, k: int) -> Q:
     if q in _K_TYPES and k % GGML_QUANT_SIZES[q][0]:
         q = _K_FALLBACK[q]
     if k % GGML_QUANT_SIZES[q][0]:
-        return Q.F32
+        return Q.F16
     return q
 
 
-def mix_qtype(mix: str, name: str, shape: tuple[int, ...], n_layers: int, attn_layers: tuple[int, ...] = ()) -> Q:
-    """The type of tensor `name` [*, K] in a file of type `mix` (one of MIXES).
-
-    n_layers: the trunk's layer count (the MTP block, blk.{n_layers}, counts as a last layer);
-    attn_layers: the attention (QSA) layers in order, for attention-V's "more bits" count."""
+def mix_qtype(mix: str, name: str, shape: tuple[int, ...], n_layers: int, n_experts: int = 0) -> Q:
+    """The type of tensor `name` [*, K] in a file of type `mix` (one of MIXES). n_layers: the trunk's layer count
+    (the MTP block, blk.{n_layers}, counts as a last layer); n_experts: the routed experts a layer (llama.cpp gives
+    8-expert models' attention K/V/qkv Q8_0, and Q4_K_M's attention output Q5_K)."""
     if mix not in MIXES:
         raise WeightsError(f"unknown quantization mix {mix!r} (known: {', '.join(MIXES)})")
     if len(shape) == 1 or _exempt(name):
         return Q.F32
     base = MIXES[mix]
-    k = shape[-1]
     m = _LAYER.match(name)
     layer = int(m.group(1)) if m else -1
     q = base
     if name == "output.weight":
         q = Q.Q8_0 if base == Q.Q8_0 else Q.Q6_K
-    elif mix in _QKV_UP and name.endswith(".attn_qkv.weight"):
-        q = _QKV_UP[mix]
-    elif mix in _QKV_UP and name.endswith(".attn_v.weight"):
-        order = list(attn_layers)
-        i = order.index(layer) if layer in order else len(order)
-        if use_more_bits(i, max(len(order), 1)):
-            q = Q.Q6_K
-    elif mix in _QKV_UP and ".ffn_down" in name and layer >= 0 and use_more_bits(layer, n_layers):
+    elif n_experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight", ".attn_qkv.weight")):
+        q = Q.Q8_0
+    elif n_experts == 8 and mix == "q4_k_m" and name.endswith(".attn_output.weight"):
+        q = Q.Q5_K
+    elif mix in _MORE_BITS_MIXES and layer >= 0 and _more_bits_kind(name) and use_more_bits(layer, n_layers):
         q = Q.Q6_K
-    return _fits(q, k)
+    return _fits(q, shape[-1])
+
+
+def _more_bits_kind(name: str) -> bool:
+    """The matrices whose "more bits" layers get Q6_K in the _M mixes: attention V and GDN's fused qkv (one per
+    layer, counted by layer), and every FFN down projection, the mixers' `hc_ffn_down` included (llama.cpp matches
+    the name's "ffn_down" anywhere)."""
+    return name.endswith((".attn_v.weight", ".attn_qkv.weight")) or "ffn_down" in name
 
 
 def mix_plan(mix: str, cfg: ModelConfig) -> dict[str, Q]:
     """mix_qtype for every tensor of `cfg`'s weight set (MTP block included when the config has one)."""
-    attn = tuple(cfg.qsa_layers()) + ((cfg.mtp_layer,) if cfg.has_mtp else ())
-    return {n: mix_qtype(mix, n, s, cfg.n_layers, attn) for n, s in tensor_shapes(cfg).items()}
+    return {n: mix_qtype(mix, n, s, cfg.n_layers, cfg.n_experts) for n, s in tensor_shapes(cfg).items()}
