@@ -41,11 +41,12 @@ def test_step_products_are_every_block_matrix_and_expert_set(tmp_path: Path) -> 
     assert len(distinct) == len(layouts) < len(found)
     assert {id(w) for _, w, _ in distinct} <= {id(w) for _, w, _ in found}
     n = {k: sum(kind == k for kind, _, _ in distinct) for k in ("linear", "experts", "mixer")}
-    # the mixers' blocks (w_in; up is F32 at this rank) make them entries of their own, one layout for the layers'
-    # (down and inject) and one for the output mixer's and the MTP head's (down only)
+    # the mixers' blocks (w_in; up is F16 at this rank) make them entries of their own, two layouts for the layers'
+    # (down and inject; the FFN mixers' down Q6_K in the "more bits" layers, as FFN downs) and one for the output
+    # mixer's and the MTP head's (down only)
     mixers = [owner for kind, owner, _ in found if kind == "mixer"]
     assert {id(m) for m in mixers} >= {id(m) for m in [*model.mix_attn, *model.mix_ffn, model.mixer]}
-    assert n["mixer"] == 2 and sum(n.values()) == len(distinct)
+    assert n["mixer"] == 3 and sum(n.values()) == len(distinct)
     calls = precompile.step_products(model, [40, 1, 4])  # experts and mixers at the few-row counts only
     assert len(calls) == 3 * n["linear"] + 2 * n["experts"] + 2 * 2 * n["mixer"]
     with torch.inference_mode():
