@@ -15,7 +15,6 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_d
 from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
-from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
+from qspec.weights.quant_mix import MIXES, keep_packed, mix_metadata, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import RandomWeights
 
@@ -302,7 +301,8 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gg
     check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype or (MIXES[quant] if quant else None))
     lazy = RandomWeights(cfg, seed, dtype)
     if fmt == "gguf":
-        extra: Mapping[str, Any] = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {}
+        extra = dict(tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {})
+        extra |= mix_metadata(quant) if quant is not None else {}
         return write_gguf(out, cfg, lazy, qtypes=gguf_qtypes(cfg, dtype, qtype, quant), extra_kv=extra,
                           split_max_bytes=split_max_bytes)
     if fmt == "hf":

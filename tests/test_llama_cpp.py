@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_script
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFReader
 
 from qspec.config import preset
 from qspec.loader import load_model, tokenizer_for_vocab, write_model
@@ -58,16 +58,15 @@ def test_a_file_with_the_mtp_block_runs_or_is_refused_by_name(tmp_path: Path) ->
 
 
 def _tensor_types(path: Path) -> dict[str, str]:
-    from gguf import GGUFReader
-
     return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
 @pytest.mark.parametrize("experts", [8, 16])
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"])
 def test_mixes_give_llama_quantize_types(tmp_path: Path, mix: str, experts: int) -> None:
-    """make-model's mix gives every tensor the type llama.cpp's own quantizer gives it from the same f32 file:
-    widths of whole super-blocks, 8 layers (3 QSA), and 8 experts (llama.cpp's rule for that count) or 16."""
+    """make-model's mix gives every tensor the type llama.cpp's own quantizer gives it from the same f32 file, and
+    the file the same file type and quantization version: widths of whole super-blocks, 8 layers (2 QSA), and 8
+    experts (llama.cpp's rule for that count) or 16."""
     tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
     cfg = preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, layers=8, n_experts=experts, hidden=256,
                  ple_embed_dim=256, expert_ff=256, shared_ff=256, hc_rank=32)
@@ -78,6 +77,9 @@ def test_mixes_give_llama_quantize_types(tmp_path: Path, mix: str, experts: int)
     theirs, ours = _tensor_types(tmp_path / "theirs.gguf"), _tensor_types(tmp_path / "ours.gguf")
     assert {n: (t, ours.get(n)) for n, t in theirs.items() if ours.get(n) != t} == {}
     assert set(ours) == set(theirs)
+    meta = [{k: GGUFReader(p).fields[k].contents() for k in ("general.file_type", "general.quantization_version")}
+            for p in (tmp_path / "theirs.gguf", tmp_path / "ours.gguf")]
+    assert meta[0] == meta[1]
 
 
 def test_qspec_runs_a_file_of_llama_quantize(tmp_path: Path) -> None:

@@ -19,8 +19,9 @@ Loading: `keep_packed` says which tensors of a packed type stay as blocks (`Quan
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, Keys, LlamaFileType
 
 from qspec.config import ModelConfig
 from qspec.weights.dequant import WeightsError
@@ -29,6 +30,9 @@ from qspec.weights.names import tensor_shapes
 Q = GGMLQuantizationType
 MIXES: dict[str, Q] = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 _MORE_BITS_MIXES = frozenset({"q4_k_m", "q5_k_m"})
+# the file type llama-quantize records for each mix (general.file_type)
+_FILE_TYPES = {"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M,
+               "q6_k": LlamaFileType.MOSTLY_Q6_K, "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}
 _K_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
@@ -67,8 +71,7 @@ def mix_qtype(mix: str, name: str, shape: tuple[int, ...], n_layers: int, n_expe
     """The type of tensor `name` [*, K] in a file of type `mix` (one of MIXES). n_layers: the trunk's layer count
     (the MTP block, blk.{n_layers}, counts as a last layer); n_experts: the routed experts a layer (llama.cpp gives
     8-expert models' attention K/V/qkv Q8_0, and Q4_K_M's attention output Q5_K)."""
-    if mix not in MIXES:
-        raise WeightsError(f"unknown quantization mix {mix!r} (known: {', '.join(MIXES)})")
+    _check_mix(mix)
     if len(shape) == 1 or _exempt(name):
         return Q.F32
     base = MIXES[mix]
@@ -91,6 +94,18 @@ def _more_bits_kind(name: str) -> bool:
     layer, counted by layer), and every FFN down projection, the mixers' `hc_ffn_down` included (llama.cpp matches
     the name's "ffn_down" anywhere)."""
     return name.endswith((".attn_v.weight", ".attn_qkv.weight")) or "ffn_down" in name
+
+
+def _check_mix(mix: str) -> None:
+    if mix not in MIXES:
+        raise WeightsError(f"unknown quantization mix {mix!r} (known: {', '.join(MIXES)})")
+
+
+def mix_metadata(mix: str) -> dict[str, Any]:
+    """The metadata llama-quantize adds to a file of type `mix`: its file type and the block formats' version."""
+    _check_mix(mix)
+    return {Keys.General.FILE_TYPE: (int(_FILE_TYPES[mix]), GGUFValueType.UINT32),
+            Keys.General.QUANTIZATION_VERSION: (GGML_QUANT_VERSION, GGUFValueType.UINT32)}
 
 
 def mix_plan(mix: str, cfg: ModelConfig) -> dict[str, Q]:

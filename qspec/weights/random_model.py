@@ -22,7 +22,7 @@ from qspec.config import ModelConfig
 from qspec.weights.gguf_io import PLE_TABLE, HostRowTable, Weights, write_gguf
 from qspec.weights.hf import write_hf
 from qspec.weights.names import tensor_shapes
-from qspec.weights.quant_mix import mix_plan
+from qspec.weights.quant_mix import mix_metadata, mix_plan
 
 _CHUNK_ELEMS = 1 << 22  # elements drawn per generator call; part of the definition of the values
 _RESIDUAL_WRITERS = (".attn_output.weight", ".ssm_out.weight", ".ffn_down_exps.weight", ".ffn_down_shexp.weight",
@@ -119,7 +119,7 @@ def write_random_model(out: str | os.PathLike[str], cfg: ModelConfig, seed: int 
         if quant is not None and qtype is not None:
             raise ValueError("qtype and quant are exclusive")
         qtypes = mix_plan(quant, cfg) if quant is not None else qtype if qtype is not None else _GGUF_TYPE[dtype]
-        write_gguf(out, cfg, lazy, qtypes=qtypes)
+        write_gguf(out, cfg, lazy, qtypes=qtypes, extra_kv=mix_metadata(quant) if quant is not None else None)
     elif fmt == "hf":
         if qtype is not None or quant is not None:
             raise ValueError("qtype / quant apply to GGUF output only")
