@@ -222,7 +222,7 @@ def test_k_lanes_by_shape(rows: tuple[int, ...], k: int, lanes: int) -> None:
     (row-exact mode); other types keep the default config; --k-lanes N overrides the shape."""
     from qspec.kernels.triton_qdot import K_LANE_CONFIGS, QDOT_CONFIG, _default_config, k_lanes_mode, lanes_by_shape
 
-    assert lanes_by_shape(sum(rows), k) == lanes
+    assert lanes_by_shape(sum(rows), k // 256) == lanes
     types = (T.Q5_K, T.Q4_K)[-len(rows):]
     parts = [(torch.empty(n, k // 256 * GGML_QUANT_SIZES[t][1], dtype=torch.uint8), int(t))
              for n, t in zip(rows, types, strict=True)]

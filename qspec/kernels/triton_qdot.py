@@ -885,25 +885,19 @@ def _default_config(parts: list[Part]) -> QdotConfig:
         return QDOT_CONFIG_Q6K_HEAD
     if all(int(qt) in K_LANE_TYPES for _, qt in parts):
         n = sum(r.shape[0] for r, _ in parts)
-        return K_LANE_CONFIGS[K_LANES or lanes_by_shape(n, _row_weights(parts[0]))]
+        raw, qt = parts[0]  # a Q4_K/Q5_K block is a super-block: a row's bytes over the block's are its super-blocks
+        blocks = raw.shape[-1] // GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))][1]
+        return K_LANE_CONFIGS[K_LANES or lanes_by_shape(n, blocks)]
     return QDOT_CONFIG
 
 
-def lanes_by_shape(n: int, k: int) -> int:
-    """The K lanes of Q4_K/Q5_K products of n rows of k weights (a stack's rows together): a few rows of a long K
-    take 4, many rows of a short K take 2, the rest 1. By the matrices alone, so a row's numbers never depend on x's
-    row count (row-exact mode)."""
-    blocks = k // 256
+def lanes_by_shape(n: int, blocks: int) -> int:
+    """The K lanes of Q4_K/Q5_K products of n rows of `blocks` super-blocks (a stack's rows together): a few rows of
+    a long K take 4, many rows of a short K take 2, the rest 1. By the matrices alone, so a row's numbers never
+    depend on x's row count (row-exact mode)."""
     if n < FEW_ROWS and blocks >= LONG_K:
         return 4
     return 2 if n >= MANY_ROWS and blocks < LONG_K else 1
-
-
-def _row_weights(part: Part) -> int:
-    """K of a block matrix: its row's bytes over its type's block bytes, times the block's weights."""
-    raw, qt = part
-    size, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(qt))]
-    return raw.shape[-1] // nbytes * size
 
 
 def k_lanes_mode(lanes: int) -> contextlib.AbstractContextManager[None]:
