@@ -31,17 +31,15 @@ from qspec.weights import (
     load_model_weights,
     quantize_q4_0,
     read_gguf_metadata,
-    write_gguf,
-    write_hf,
 )
 from qspec.weights.finite import check_finite
 from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
-from qspec.weights.quant_mix import MIXES, keep_packed, mix_metadata, mix_plan
+from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
-from qspec.weights.random_model import RandomWeights
+from qspec.weights.random_model import write_random_model
 
 QWEN_VOCAB = 248320  # the model's padded vocabulary (the tokenizer has ~248k real ids)
 # Bump when the default model's definition (preset, seed, format, tokenizer) changes: a new file name means a
@@ -53,8 +51,6 @@ DEMO_MODEL = Path(__file__).parent / "assets" / "demo-q8_0.gguf"
 # Random models with a shrunk vocabulary get the Qwen tokenizer cut to its first ids plus the ChatML specials.
 TRUNCATED_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MIN_TRUNCATED_VOCAB = 256 + 1 + len(TRUNCATED_SPECIALS)  # the bytes, >= 1 merge (GGUF has no empty arrays)
-_GGUF_FLOAT = {torch.float32: GGMLQuantizationType.F32, torch.float16: GGMLQuantizationType.F16,
-               torch.bfloat16: GGMLQuantizationType.BF16}
 # bytes per element of a block-quantized matrix in a GGUF file (block of 32: scale + packed values)
 # bytes per weight of each block type (a mix is estimated by its main type)
 _QTYPE_BYTES = {q: GGML_QUANT_SIZES[q][1] / GGML_QUANT_SIZES[q][0] for q in PACKED_QTYPES}
@@ -292,27 +288,19 @@ def write_model(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt: str = "gg
                 dtype: torch.dtype = torch.float32, qtype: GGMLQuantizationType | None = None,
                 tokenizer: Tokenizer | None = None, quant: str | None = None, split_max_bytes: int = 0
                 ) -> list[Path]:
-    """A random-weight model (values from `RandomWeights`, as `write_random_model`) with a tokenizer embedded:
+    """write_random_model's file, after checking that the memory and disk it needs are there, with a tokenizer:
     GGUF as `tokenizer.ggml.*` metadata, HF as tokenizer.json + tokenizer_config.json in the checkpoint dir.
     `qtype`: one type for every matrix; `quant`: a llama.cpp file type's per-tensor mix (quant_mix.MIXES);
     `split_max_bytes` > 0: a GGUF in parts of at most that many tensor bytes (llama-gguf-split's layout).
     Returns the files (a GGUF's parts) or the directory written. Raises ResourceError before writing anything when
     the memory or the disk space it needs is not there."""
     check_write_resources(out, cfg, fmt=fmt, dtype=dtype, qtype=qtype or (MIXES[quant] if quant else None))
-    lazy = RandomWeights(cfg, seed, dtype)
-    if fmt == "gguf":
-        extra = dict(tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None else {})
-        extra |= mix_metadata(quant) if quant is not None else {}
-        return write_gguf(out, cfg, lazy, qtypes=gguf_qtypes(cfg, dtype, qtype, quant), extra_kv=extra,
-                          split_max_bytes=split_max_bytes)
-    if fmt == "hf":
-        if qtype is not None or quant is not None:
-            raise ValueError("--qtype / --quant apply to GGUF output only")
-        write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
-        if tokenizer is not None:
-            tokenizer.to_hf_dir(out)
-        return [Path(out)]
-    raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
+    kv = tokenizer.to_gguf_metadata(cfg.vocab_size) if tokenizer is not None and fmt == "gguf" else None
+    written = write_random_model(out, cfg, seed, fmt, dtype, qtype, quant=quant, extra_kv=kv,
+                                 split_max_bytes=split_max_bytes if fmt == "gguf" else 0)
+    if fmt == "hf" and tokenizer is not None:
+        tokenizer.to_hf_dir(out)
+    return written
 
 
 # ---- what writing a random model needs -----------------------------------------------------------------------------
@@ -374,16 +362,6 @@ def check_write_resources(out: str | os.PathLike[str], cfg: ModelConfig, *, fmt:
     if file_bytes > disk:
         raise ResourceError(f"{out}: this model is about {file_bytes / 1e9:.1f} GB on disk and "
                             f"{disk / 1e9:.1f} GB is free there{hint}")
-
-
-def gguf_qtypes(cfg: ModelConfig, dtype: torch.dtype, qtype: GGMLQuantizationType | None, quant: str | None
-                ) -> GGMLQuantizationType | dict[str, GGMLQuantizationType]:
-    """write_gguf's `qtypes` for make-model: a quantization mix, one type, or the float type of `dtype`."""
-    if quant is not None and qtype is not None:
-        raise ValueError("--qtype and --quant are exclusive")
-    if quant is not None:
-        return mix_plan(quant, cfg)
-    return qtype if qtype is not None else _GGUF_FLOAT[dtype]
 
 
 # ---- the embedded default model -----------------------------------------------------------------------------------

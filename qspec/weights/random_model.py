@@ -13,6 +13,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -109,20 +110,24 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
 def write_random_model(out: str | os.PathLike[str], cfg: ModelConfig, seed: int = 0,
                        fmt: Literal["gguf", "hf"] = "gguf", dtype: torch.dtype = torch.float32,
                        qtype: GGMLQuantizationType | None = None, with_mtp: bool | None = None,
-                       quant: str | None = None) -> None:
-    """Write a random model tensor by tensor (peak memory: about one tensor, or one HF shard of 4 GiB).
+                       quant: str | None = None, extra_kv: Mapping[str, object] | None = None,
+                       split_max_bytes: int = 0) -> list[Path]:
+    """Write a random model tensor by tensor (peak memory: about one tensor, or one HF shard of 4 GiB); returns the
+    files written (a GGUF's parts) or the checkpoint directory.
 
     gguf: matrices as `qtype` (default: the GGUF type of `dtype`), or in the per-tensor types of the llama.cpp
-    file type `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0); hf: a checkpoint directory in `dtype`."""
+    file type `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0), whose metadata the file records;
+    `extra_kv` adds metadata, `split_max_bytes` > 0 writes parts (write_gguf). hf: a checkpoint directory in `dtype`."""
     lazy = RandomWeights(cfg, seed, dtype, with_mtp)
     if fmt == "gguf":
         if quant is not None and qtype is not None:
-            raise ValueError("qtype and quant are exclusive")
+            raise ValueError("--qtype and --quant are exclusive")
         qtypes = mix_plan(quant, cfg) if quant is not None else qtype if qtype is not None else _GGUF_TYPE[dtype]
-        write_gguf(out, cfg, lazy, qtypes=qtypes, extra_kv=mix_metadata(quant) if quant is not None else None)
-    elif fmt == "hf":
-        if qtype is not None or quant is not None:
-            raise ValueError("qtype / quant apply to GGUF output only")
+        kv = dict(extra_kv or {}) | (mix_metadata(quant) if quant is not None else {})
+        return write_gguf(out, cfg, lazy, qtypes=qtypes, extra_kv=kv, split_max_bytes=split_max_bytes)
+    if fmt == "hf":
+        if qtype is not None or quant is not None or extra_kv or split_max_bytes:
+            raise ValueError("--qtype / --quant / metadata / parts apply to GGUF output only")
         write_hf(out, cfg, lazy, dtype=dtype, max_shard_bytes=4 << 30)
-    else:
-        raise ValueError(f"fmt: expected 'gguf' or 'hf', got {fmt!r}")
+        return [Path(out)]
+    raise ValueError(f"format: expected 'gguf' or 'hf', got {fmt!r}")
