@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
-from qspec.kernels import gated_norm
+from qspec.kernels import fla_configs, gated_norm
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
@@ -23,6 +23,7 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 S0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule for prefill: fla's Triton kernel on CUDA when installed, torch otherwise."""
     if q.is_cuda:
+        fla_configs.use_shipped(torch.cuda.get_device_name(q.device))  # before fla's first import reads them
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError:

@@ -1,0 +1,61 @@
+"""The shipped configs of fla's chunked prefill kernels: where they are found, when fla is pointed at them, and that
+each file is one fla reads (its format, fla.ops.utils.cache.KernelConfigFile)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qspec.kernels import fla_configs
+
+SHIPPED = sorted(fla_configs.CONFIG_ROOT.glob("*/*.json"))
+
+
+@pytest.mark.parametrize("name, expected", [("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3"),
+                                            ("NVIDIA H200", "NVIDIA_H200"), ("  ", "unknown_gpu")])
+def test_gpu_dir_name_sanitises_as_fla(name: str, expected: str) -> None:
+    assert fla_configs.gpu_dir_name(name) == expected
+
+
+def test_use_shipped_points_fla_at_a_tuned_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    tuned = sorted(p.name for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir())
+    assert tuned, "no GPU's configs are shipped"
+    path = fla_configs.use_shipped(tuned[0].replace("_", " "))
+    assert path == fla_configs.CONFIG_ROOT / tuned[0]
+    assert fla_configs.os.environ["FLA_CONFIG_DIR"] == str(path)
+    assert fla_configs.os.environ["FLA_CACHE_MODE"] == "strict"  # a config only for the exact key it was tuned for
+
+
+def test_use_shipped_leaves_others_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    assert fla_configs.use_shipped("Some GPU nobody tuned") is None
+    assert "FLA_CONFIG_DIR" not in fla_configs.os.environ and "FLA_CACHE_MODE" not in fla_configs.os.environ
+    tuned = next(p.name for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir())
+    monkeypatch.setenv("FLA_CACHE_MODE", "disabled")  # the user's choice wins
+    assert fla_configs.use_shipped(tuned) is None
+    assert "FLA_CONFIG_DIR" not in fla_configs.os.environ
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_shipped_file_format(path) -> None:
+    doc = json.loads(path.read_text())
+    assert doc["kernel_name"] == path.stem
+    assert doc["autotune_entries"], "a file without entries would make fla autotune anyway"
+    for entry in doc["autotune_entries"].values():
+        assert isinstance(entry["autotune_key"], list)
+        cfg = entry["config"]
+        assert isinstance(cfg["kwargs"], dict) and cfg["num_warps"] > 0 and cfg["num_stages"] > 0
+
+
+def test_shipped_files_read_by_fla() -> None:
+    cache = pytest.importorskip("fla.ops.utils.cache")
+    for path in SHIPPED:
+        parsed = cache.KernelConfigFile.from_dict(path, json.loads(path.read_text()))
+        assert parsed is not None and parsed.autotune_entries
+        for h, entry in parsed.autotune_entries.items():
+            key = cache.AutotuneKey(autotune_key=tuple(entry["autotune_key"]))
+            assert cache.AutotuneKey.key_hash(key.autotune_key) == h  # fla's exact lookup finds it
