@@ -541,7 +541,7 @@ def test_cuda_engine_k_lanes(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 def test_cuda_stacked_pair_real_shapes() -> None:
-    """A Q4_K_M GDN input stack (qkv 10,240 rows in Q5_K, 6,240 in Q4_K, K = 2,560; their splits of K differ): both
+    """A two-type stack at GDN's input shapes (10,240 rows in Q5_K, 6,240 in Q4_K, K = 2,560; their splits differ): both
     parts in one launch equal each part's own launch, bit for bit, and the int8 reference; the partial sums added in
     the product's launch equal those of a sum launch, also when replayed in a CUDA graph."""
     from qspec.kernels import triton_common, triton_qdot

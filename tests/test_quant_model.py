@@ -337,8 +337,8 @@ def test_k_mix_file_loads_as_k_blocks(tmp_path: Path) -> None:
     ref = load_model(tmp_path / "k.gguf", dequantize_all=True)
     assert isinstance(model.lm_head, QuantWeight) and model.lm_head.qtype == Q.Q6_K
     # the stacked input projections: each a block run and at most one 16-bit run (one quantization of x, one product
-    # of the float parts): GDN's Q5_K qkv beside its Q4_K gate/beta/alpha, the MoE's Q4_K shared gate/up beside the
-    # float router and shared gate_inp
+    # of the float parts): GDN's qkv (Q6_K or Q4_K by layer) beside its Q4_K gate/beta/alpha, the MoE's Q4_K shared
+    # gate/up beside the float router and shared gate_inp
     for layer, moe in zip(model.layers, model.moe, strict=True):
         for w in (layer.w_in, moe.w_in):
             parts = w.parts if isinstance(w, StackedWeight) else (w,)

@@ -352,8 +352,9 @@ def qdot_sweep(rows: list[tuple]) -> None:
     qdot_moe_sweep(rows)
 
 
-# GDN's input projections in a Q4_K_M file at the flash-next geometry: qkv (10,240 rows) in Q5_K, the output gate
-# (6,144) and the beta / alpha logits (2 x 48) in Q4_K, one x of 2,560
+# A two-type stack at the shapes of GDN's input projections (flash-next geometry, one x of 2,560): qkv (10,240 rows)
+# in Q5_K, the output gate (6,144) and the beta / alpha logits (2 x 48) in Q4_K, as qspec's Q4_K_M mix had them
+# before it followed llama.cpp's (weights/quant_mix.py: qkv Q6_K in the more-bits layers, else Q4_K like the rest)
 GDN_IN_Q4KM = ((T.Q5_K, 10240), (T.Q4_K, 6240))
 
 

@@ -141,9 +141,9 @@ QDOT_MOE_CONFIG = MoeConfig(4, 1, 5, 16, 3)
 # them) were faster still, at 1 token and at 6 (BENCHMARKS.md §5b); with Q6_K gate/up they lost at 6 tokens.
 QDOT_MOE_CONFIG_Q4K = MoeConfig(8, 1, 5, 16, 3, 2)
 QUANT_BLOCKS = 32  # 32-element blocks per program of the activation quantizer
-# Stacked products whose parts differ in type (GDN's input projections in a Q4_K_M file: qkv in Q5_K, the rest
-# Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both; False: one
-# product and one sum launch per part (A/B runs). The numbers are the same either way.
+# Stacked products whose parts differ in type (GDN's input projections in a Q4_K_M file's more-bits layers: qkv in
+# Q6_K, the rest Q4_K) run two parts per launch, each with its own split of K, and one partial-sum launch for both;
+# False: one product and one sum launch per part (A/B runs). The numbers are the same either way.
 PAIR_PARTS = True
 
 if HAS_TRITON:
