@@ -12,29 +12,46 @@ from qspec.kernels import fla_configs
 SHIPPED = sorted(fla_configs.CONFIG_ROOT.glob("*/*.json"))
 
 
+def test_each_gpu_records_its_tuning_run() -> None:
+    for gpu in (p for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir()):
+        assert set(fla_configs.tuned_with(gpu)) == {"fla-core", "triton"}, gpu.name
+
+
 @pytest.mark.parametrize("name, expected", [("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3"),
                                             ("NVIDIA H200", "NVIDIA_H200"), ("  ", "unknown_gpu")])
 def test_gpu_dir_name_sanitises_as_fla(name: str, expected: str) -> None:
     assert fla_configs.gpu_dir_name(name) == expected
 
 
-def test_use_shipped_points_fla_at_a_tuned_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def _tuned_gpu(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A GPU with shipped configs, fla-core's installed release made the one they were tuned with, no FLA_* set."""
     monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
     tuned = sorted(p.name for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir())
     assert tuned, "no GPU's configs are shipped"
-    path = fla_configs.use_shipped(tuned[0].replace("_", " "))
-    assert path == fla_configs.CONFIG_ROOT / tuned[0]
+    version = fla_configs.tuned_with(fla_configs.CONFIG_ROOT / tuned[0])["fla-core"]
+    monkeypatch.setattr(fla_configs, "installed_fla", lambda: version)
+    return tuned[0]
+
+
+def test_use_shipped_points_fla_at_a_tuned_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    tuned = _tuned_gpu(monkeypatch)
+    path = fla_configs.use_shipped(tuned.replace("_", " "))
+    assert path == fla_configs.CONFIG_ROOT / tuned
     assert fla_configs.os.environ["FLA_CONFIG_DIR"] == str(path)
     assert fla_configs.os.environ["FLA_CACHE_MODE"] == "strict"  # a config only for the exact key it was tuned for
 
 
 def test_use_shipped_leaves_others_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FLA_CONFIG_DIR", raising=False)
-    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    tuned = _tuned_gpu(monkeypatch)
     assert fla_configs.use_shipped("Some GPU nobody tuned") is None
     assert "FLA_CONFIG_DIR" not in fla_configs.os.environ and "FLA_CACHE_MODE" not in fla_configs.os.environ
-    tuned = next(p.name for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir())
+    monkeypatch.setattr(fla_configs, "installed_fla", lambda: "0.0.1")  # another release: its kernels may differ
+    assert fla_configs.use_shipped(tuned) is None
+    monkeypatch.setattr(fla_configs, "installed_fla", lambda: None)  # fla not installed
+    assert fla_configs.use_shipped(tuned) is None
+    assert "FLA_CONFIG_DIR" not in fla_configs.os.environ
+    _tuned_gpu(monkeypatch)
     monkeypatch.setenv("FLA_CACHE_MODE", "disabled")  # the user's choice wins
     assert fla_configs.use_shipped(tuned) is None
     assert "FLA_CONFIG_DIR" not in fla_configs.os.environ

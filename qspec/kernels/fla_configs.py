@@ -10,17 +10,20 @@ heads, head sizes, chunk size and argument dtypes), and any other call autotunes
 decorates with Triton's plain autotuner (not its cached one) still autotune.
 
 Both variables are read when fla is first imported, so `use_shipped` must run before that; a user's own
-FLA_CONFIG_DIR or FLA_CACHE_MODE is left alone.
+FLA_CONFIG_DIR or FLA_CACHE_MODE is left alone. A GPU's directory records the fla-core release its configs were
+tuned with (TUNED_WITH); under another release (whose kernels may take other parameters) they are not used.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import os
 import re
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "assets" / "fla_configs"
+TUNED_WITH = "tuned_with.txt"  # in a GPU's directory: "package version" lines of the tuning run (fla-core, triton)
 
 
 def gpu_dir_name(device_name: str) -> str:
@@ -28,11 +31,30 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
+def installed_fla() -> str | None:
+    """The installed fla-core release, or None."""
+    try:
+        return importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def tuned_with(path: Path) -> dict[str, str]:
+    """{package: version} of the run that tuned the configs in `path` (empty where unrecorded)."""
+    try:
+        lines = (path / TUNED_WITH).read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(maxsplit=1) for line in lines if len(line.split()) == 2)
+
+
 @functools.cache
-def shipped_dir(device_name: str) -> Path | None:
-    """The shipped configs of this GPU, or None where none were tuned on it."""
+def shipped_dir(device_name: str, fla_version: str | None) -> Path | None:
+    """The shipped configs of this GPU for this fla-core release, or None where none were tuned with it."""
     path = CONFIG_ROOT / gpu_dir_name(device_name)
-    return path if path.is_dir() and any(path.glob("*.json")) else None
+    if not path.is_dir() or not any(path.glob("*.json")):
+        return None
+    return path if fla_version is not None and tuned_with(path).get("fla-core") == fla_version else None
 
 
 def use_shipped(device_name: str) -> Path | None:
@@ -40,7 +62,7 @@ def use_shipped(device_name: str) -> Path | None:
     fla will read, or None (no configs for this GPU, or the user's settings kept)."""
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
         return None
-    path = shipped_dir(device_name)
+    path = shipped_dir(device_name, installed_fla())
     if path is not None:
         os.environ["FLA_CONFIG_DIR"] = str(path)
         os.environ["FLA_CACHE_MODE"] = "strict"
