@@ -31,6 +31,7 @@ def gpu_dir_name(device_name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu"
 
 
+@functools.cache  # gdn_chunked asks on every prefill call
 def installed_fla() -> str | None:
     """The installed fla-core release, or None."""
     try:
