@@ -12,7 +12,7 @@ import torch
 from conftest import load_script
 from gguf import GGMLQuantizationType, GGUFReader
 
-from qspec.config import preset
+from qspec.config import ModelConfig, preset
 from qspec.loader import load_model, tokenizer_for_vocab, write_model
 from qspec.weights import load_model_weights
 from qspec.weights.quant_mix import keep_packed
@@ -61,24 +61,36 @@ def _tensor_types(path: Path) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
 
 
+def _wide_tiny(**overrides: object) -> ModelConfig:
+    """The tiny preset at widths of whole super-blocks (256), where every K-quant of a mix applies."""
+    return preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, hidden=256, ple_embed_dim=256, expert_ff=256,
+                  shared_ff=256, hc_rank=32, **overrides)
+
+
+def _by_llama_quantize(tmp_path: Path, cfg: ModelConfig, mix: str) -> Path:
+    """cfg's random weights (seed 3, the check's tokenizer) written in f32, then quantized to `mix` by llama.cpp's
+    own quantizer; returns that file."""
+    tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
+    write_model(tmp_path / "f32.gguf", cfg, seed=3, tokenizer=tok)
+    check._capture_llama_log()
+    check.llama_quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", mix)
+    return tmp_path / "theirs.gguf"
+
+
 @pytest.mark.parametrize("experts", [8, 16])
 @pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"])
 def test_mixes_give_llama_quantize_types(tmp_path: Path, mix: str, experts: int) -> None:
     """make-model's mix gives every tensor the type llama.cpp's own quantizer gives it from the same f32 file, and
     the file the same file type and quantization version: widths of whole super-blocks, 8 layers (2 QSA), and 8
     experts (llama.cpp's rule for that count) or 16."""
-    tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
-    cfg = preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, layers=8, n_experts=experts, hidden=256,
-                 ple_embed_dim=256, expert_ff=256, shared_ff=256, hc_rank=32)
-    write_model(tmp_path / "f32.gguf", cfg, seed=3, tokenizer=tok)
-    check._capture_llama_log()
-    check.llama_quantize(tmp_path / "f32.gguf", tmp_path / "theirs.gguf", mix)
-    write_model(tmp_path / "ours.gguf", cfg, seed=3, tokenizer=tok, quant=mix)
-    theirs, ours = _tensor_types(tmp_path / "theirs.gguf"), _tensor_types(tmp_path / "ours.gguf")
+    cfg = _wide_tiny(layers=8, n_experts=experts)
+    theirs_path = _by_llama_quantize(tmp_path, cfg, mix)
+    write_model(tmp_path / "ours.gguf", cfg, seed=3, tokenizer=tokenizer_for_vocab(check.TINY_VOCAB)[0], quant=mix)
+    theirs, ours = _tensor_types(theirs_path), _tensor_types(tmp_path / "ours.gguf")
     assert {n: (t, ours.get(n)) for n, t in theirs.items() if ours.get(n) != t} == {}
     assert set(ours) == set(theirs)
     meta = [{k: GGUFReader(p).fields[k].contents() for k in ("general.file_type", "general.quantization_version")}
-            for p in (tmp_path / "theirs.gguf", tmp_path / "ours.gguf")]
+            for p in (theirs_path, tmp_path / "ours.gguf")]
     assert meta[0] == meta[1]
 
 
@@ -86,14 +98,8 @@ def test_qspec_runs_a_file_of_llama_quantize(tmp_path: Path) -> None:
     """A Q4_K_M file written by llama.cpp's quantizer: qspec holds its every block matrix as blocks, its logits equal
     those of the same file expanded to f32 (up to f32 rounding), and llama.cpp's on that file up to the activation
     rounding of llama.cpp's CPU products (as qspec's own Q4_K_M file does: scripts/llama_cpp_check.py)."""
-    tok, _ = tokenizer_for_vocab(check.TINY_VOCAB)
-    budget = check.PROMPT_TOKENS + check.DECODE_TOKENS
-    cfg = preset("tiny", vocab_size=check.TINY_VOCAB, mtp=False, indexer_budget=budget, hidden=256,
-                 ple_embed_dim=256, expert_ff=256, shared_ff=256, hc_rank=32)
-    write_model(tmp_path / "f32.gguf", cfg, seed=3, tokenizer=tok)
-    check._capture_llama_log()
-    path = tmp_path / "theirs.gguf"
-    check.llama_quantize(tmp_path / "f32.gguf", path, "q4_k_m")
+    path = _by_llama_quantize(tmp_path, _wide_tiny(indexer_budget=check.PROMPT_TOKENS + check.DECODE_TOKENS),
+                              "q4_k_m")
     _, held = load_model_weights(path, dequantize_all=False)
     types = _tensor_types(path)
     blocks = [n for n, t in types.items() if GGMLQuantizationType[t] in PACKED_QTYPES and keep_packed(n)]
