@@ -1,9 +1,9 @@
-"""Masked attention in Triton, flash-decoding: grid (T / RP, Hkv, chunks) then grid (T, H).
+"""Masked attention in Triton, flash-decoding: grid (T / RP, Hkv, chunks) then grid (T, H, feature slices).
 
 The first kernel's program holds, for RP consecutive rows, the G query heads that share kv head h as an [RP * GP, DP]
 tile (each row's heads padded to GP) and walks its chunk of cells BLOCK_N at a time: each row's mask bits, the K and V
 rows, loaded once for the RP rows (q8_0 scaled in registers), an online softmax (running max m, sum l, f32
-accumulator acc). The second kernel combines a row's chunks for one head:
+accumulator acc). The second kernel combines a row's chunks for one head, a slice of its features a program:
 out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, with M the largest m_s (a chunk without a valid cell has
 m_s = -inf and weighs nothing).
 
@@ -21,7 +21,7 @@ from qspec.kernels.triton_common import HAS_TRITON, INTERPRET, next_pow2, pdl_la
 
 BLOCK_N = 32  # cells per inner step
 TARGET_PROGRAMS = 264  # two per H200 SM: split the cells into chunks until the grid reaches this
-COMBINE_STEP = 16  # chunks the combine kernel reads per step
+COMBINE_TILE = 4096  # f32 elements of the accumulators a combine program loads at once (its chunks x its features)
 # (rows per program RP, cells per step, warps, pipeline stages, programs wanted), for one-row steps (decode, draft)
 # and for a few rows (verify). `python -m qspec.bench.kernels --attention-sweep` times the alternatives
 # (BENCHMARKS.md §5, the masked attention row): for six rows, four rows per program (K and V read and dequantized once
@@ -44,6 +44,16 @@ if HAS_TRITON:
     from qspec.kernels.triton_common import dot_acc, pdl_start
 
     @triton.jit
+    def _scaled_q8(x, s_ptr, cell, load_ok, h, s_c, s_h, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+        """q8_0 cells x [BN, DP] (int8) times their blocks' f16 scales, in f32: each cell's D / 32 scales loaded once
+        and spread over their 32 elements in registers. (A scale loaded per element, as an [BN, DP] gather, made the
+        one-row kernel bound by L1 traffic: 86% of its sectors excess, Nsight Compute on an H100, BENCHMARKS.md §5.)"""
+        b = tl.arange(0, DP // 32)
+        sc = tl.load(s_ptr + cell[:, None] * s_c + h * s_h + b[None, :], mask=load_ok[:, None] & (b < D // 32)[None, :],
+                     other=0.0).to(tl.float32)
+        return tl.reshape(tl.reshape(x.to(tl.float32), (BN, DP // 32, 32)) * sc[:, :, None], (BN, DP))
+
+    @triton.jit
     def online_step(q, cell, load_ok, valid, m_i, l_i, acc, k_ptr, v_ptr, ks_ptr, vs_ptr, h, k_c, k_h, s_c, s_h,
                     scale, GP: tl.constexpr, DP: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, Q8: tl.constexpr,
                     DT: tl.constexpr, UPCAST: tl.constexpr):
@@ -55,9 +65,8 @@ if HAS_TRITON:
         K = tl.load(k_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
         V = tl.load(v_ptr + cell[:, None] * k_c + h * k_h + dd[None, :], mask=lm, other=0.0)
         if Q8:  # int8 * f16 scale in f32, rounded once to q's dtype (as dequant_q8_0 does)
-            so = cell[:, None] * s_c + h * s_h + (dd // 32)[None, :]
-            K = (K.to(tl.float32) * tl.load(ks_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
-            V = (V.to(tl.float32) * tl.load(vs_ptr + so, mask=lm, other=0.0).to(tl.float32)).to(DT)
+            K = _scaled_q8(K, ks_ptr, cell, load_ok, h, s_c, s_h, D, DP, BN).to(DT)
+            V = _scaled_q8(V, vs_ptr, cell, load_ok, h, s_c, s_h, D, DP, BN).to(DT)
         else:
             K, V = K.to(DT), V.to(DT)
         zero = tl.zeros([GP, BN], dtype=tl.float32)
@@ -119,13 +128,14 @@ if HAS_TRITON:
         h = tl.program_id(1)
         s = tl.program_id(2)
         q, m_i, l_i, acc = start_heads(q_ptr, t0, T, h, q_t, q_h, G, GP, RP, D, DP)
-        t, g, used = query_rows(t0, T, G, GP, RP)
+        tr = t0 + tl.arange(0, RP)  # the program's rows: one mask row each, shared by the row's heads
         for j0 in tl.range(s * CHUNK, s * CHUNK + CHUNK, BN, num_stages=STAGES):
             j = j0 + tl.arange(0, BN)
-            inn = j < N
-            lm = used[:, None] & inn[None, :]
-            valid = lm & (tl.load(mask_ptr + t[:, None] * mk_t + j[None, :], mask=lm, other=0) != 0)  # [RP*GP, BN]
-            load_ok = tl.max(valid.to(tl.int32), axis=0) > 0  # a cell some row attends to
+            bits = tl.load(mask_ptr + tr[:, None] * mk_t + j[None, :], mask=(tr < T)[:, None] & (j < N)[None, :],
+                           other=0) != 0  # [RP, BN]
+            load_ok = tl.max(bits.to(tl.int32), axis=0) > 0  # a cell some row attends to
+            # each row's bits for its GP head rows (padding heads compute on zero q and are not stored)
+            valid = bits if RP == 1 else tl.reshape(tl.broadcast_to(bits[:, None, :], (RP, GP, BN)), (RP * GP, BN))
             run = True  # a compile-time True without SKIP: the loop has no branch
             if SKIP:
                 run = tl.max(load_ok.to(tl.int32), axis=0) > 0
@@ -136,27 +146,22 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["S"])  # the chunk count follows the KV bucket: one compiled kernel for all
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, S, a_t, a_h, a_s, ml_t, ml_h, o_t, o_h,
-                        D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, STEP: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        D: tl.constexpr, DB: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+        # program (row, head, DB features): every chunk's m, l and accumulator slice loaded at once (one round of
+        # loads, where a walk over the chunks waited on each step's)
         pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         ss = tl.arange(0, SP)
-        M = tl.max(tl.load(m_ptr + t * ml_t + h * ml_h + ss, mask=ss < S, other=float("-inf")), axis=0)
-        dd = tl.arange(0, DP)
+        sm = ss < S
+        m = tl.load(m_ptr + t * ml_t + h * ml_h + ss, mask=sm, other=float("-inf"))
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, axis=0)))
+        den = tl.sum(w * tl.load(l_ptr + t * ml_t + h * ml_h + ss, mask=sm, other=0.0), axis=0)
+        dd = tl.program_id(2) * DB + tl.arange(0, DB)
         dm = dd < D
-        num = tl.zeros([DP], dtype=tl.float32)
-        den = tl.zeros([STEP], dtype=tl.float32)
-        for s0 in range(0, S, STEP):
-            si = s0 + tl.arange(0, STEP)
-            sm = si < S
-            m = tl.load(m_ptr + t * ml_t + h * ml_h + si, mask=sm, other=float("-inf"))
-            w = tl.where(m == float("-inf"), 0.0, tl.exp(m - M))
-            den += w * tl.load(l_ptr + t * ml_t + h * ml_h + si, mask=sm, other=0.0)
-            a = tl.load(acc_ptr + t * a_t + h * a_h + si[:, None] * a_s + dd[None, :], mask=sm[:, None] & dm[None, :],
-                        other=0.0)
-            num += tl.sum(a * w[:, None], axis=0)
-        out = num / tl.sum(den, axis=0)
+        a = tl.load(acc_ptr + t * a_t + h * a_h + ss[:, None] * a_s + dd[None, :], mask=sm[:, None] & dm[None, :],
+                    other=0.0)
+        out = tl.sum(a * w[:, None], axis=0) / den
         tl.store(o_ptr + t * o_t + h * o_h + dd, out.to(o_ptr.dtype.element_ty), mask=dm)
 
 
@@ -234,7 +239,9 @@ def combine_chunks(acc: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor, split
     if not 1 <= splits <= S:
         raise ValueError(f"combine: {splits} chunks do not fit buffers of {S}")
     out = torch.empty(T, H, d, dtype=dtype, device=acc.device)
-    _combine_kernel[(T, H)](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
-                            m.stride(1), out.stride(0), out.stride(1), D=d, DP=max(16, next_pow2(d)),
-                            SP=max(2, next_pow2(S)), STEP=COMBINE_STEP, num_warps=4, **pdl_launch(acc))
+    sp = max(2, next_pow2(S))
+    db = min(max(16, next_pow2(d)), max(16, COMBINE_TILE // sp))
+    _combine_kernel[(T, H, -(-d // db))](acc, m, lsum, out, splits, acc.stride(0), acc.stride(1), acc.stride(2),
+                                         m.stride(0), m.stride(1), out.stride(0), out.stride(1), D=d, DB=db, SP=sp,
+                                         num_warps=4, **pdl_launch(acc))
     return out
