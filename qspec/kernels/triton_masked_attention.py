@@ -25,11 +25,11 @@ COMBINE_TILE = 4096  # f32 elements of the accumulators a combine program loads 
 # (rows per program RP, cells per step, warps, pipeline stages, programs wanted), for one-row steps (decode, draft)
 # and for a few rows (verify). `python -m qspec.bench.kernels --attention-sweep` times the alternatives
 # (BENCHMARKS.md §5, the masked attention row): for six rows, four rows per program (K and V read and dequantized once
-# for four rows, the products on Hopper's wgmma) beat one row per program. For one row, half as many programs (132,
-# chunks of 128 cells instead of 64: less of each program is its fixed q load and partials store), 8 warps and
-# 3 stages beat (1, 32, 4, 1, 264), on a causal row and on a QSA row alike
-# (benchmarks/results/gpu_kernels_attn_sweep_h200_s13.txt).
-ONE_ROW_CONFIG = (1, BLOCK_N, 8, 3, TARGET_PROGRAMS // 2)
+# for four rows, the products on Hopper's wgmma) beat one row per program. For one row, since the q8_0 scales and the
+# mask are loaded once per block and row, 64-cell steps in up to 264 programs (at 4,608 cells 144 of one step each)
+# and 4 warps beat the earlier kernel's (1, 32, 8, 3, 132) on an H100, on a causal row and on a QSA row alike
+# (benchmarks/results/masked_attention_h100-8a98c16.txt).
+ONE_ROW_CONFIG = (1, 2 * BLOCK_N, 4, 1, TARGET_PROGRAMS)
 FEW_ROWS_CONFIG = (4, BLOCK_N, 4, 1, TARGET_PROGRAMS)
 # Calls of at least this many rows (prefill chunks) skip the cell steps none of a program's rows attends to: a
 # chunk's rows see no cell past their own positions, and past the QSA budget only their chosen blocks. A skipped
