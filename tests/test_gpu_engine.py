@@ -102,10 +102,11 @@ def _steps_before(g: Any, n: int, cut: int) -> int:
 
 def plain_against(run: Generation, ref: Generation, near_tie: float) -> tuple[bool, str, float]:
     """Plain decoding `run` against `ref` (both with record_logits): tokens equal, or equal up to a near tie; and the
-    largest logits rel diff over the steps up to the first difference -> (ok, detail, rel)."""
+    largest logits rel diff over the steps that predicted tokens 1 .. the first difference (logits[i - 1] predicts
+    token i: the steps after it read a different token) -> (ok, detail, rel)."""
     cut = first_diff(run.tokens, ref.tokens)
-    steps = len(run.logits) if cut is None else cut + 1
-    rel = max(rel_diff(a, b) for a, b in zip(run.logits[:steps], ref.logits[:steps], strict=False))
+    steps = len(run.logits) if cut is None else cut
+    rel = max((rel_diff(a, b) for a, b in zip(run.logits[:steps], ref.logits[:steps], strict=False)), default=0.0)
     ok, why = same_or_tie(run.tokens, ref, 0, near_tie)
     return ok, f"tokens {why}; logits rel diff {rel:.2e} over {steps} steps", rel
 
@@ -145,6 +146,17 @@ def test_rule_plain_decoding_difference_at_a_near_tie_only() -> None:
     assert not ok and "NOT a near tie" in why
     assert not same_or_tie([5, 0, 0, 1], ref, 0, 0.0)[0]  # f32 and row-exact rows allow no tie
     assert not same_or_tie([5, 0, 1], ref, 0, 0.03)[0]  # a shorter output is a difference, not a tie
+
+
+def test_rule_plain_logits_compared_up_to_the_first_difference() -> None:
+    # token 2 differs at a tie of the row that predicted it (logits[1]); logits[2] read that other token
+    tied = _row(1.0, 1.0, 0.0)
+    ref = SimpleNamespace(tokens=[5, 0, 1, 0], logits=[_row(1.0, 0.0, 0.0), tied, _row(0.0, 1.0, 0.0)])
+    run = SimpleNamespace(tokens=[5, 0, 0, 2], logits=[ref.logits[0], tied, _row(0.0, 0.0, 9.0)])
+    ok, why, rel = plain_against(run, ref, 0.03)  # type: ignore[arg-type]
+    assert ok and rel == 0.0 and "over 2 steps" in why
+    run.logits[1] = _row(1.0, 1.0, 0.5)  # a step before the difference that does differ counts
+    assert plain_against(run, ref, 0.03)[2] > 0.1  # type: ignore[arg-type]
 
 
 def test_rule_rows_of_speculative_rounds() -> None:
