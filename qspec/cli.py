@@ -173,6 +173,7 @@ def generation_json(g: Generation, text: str, options: dict[str, Any]) -> dict[s
         "stop_reason": g.stop_reason, "prefill_s": g.prefill_s, "decode_s": g.decode_s,
         "prefill_tps": g.prefill_tps, "decode_tps": g.decode_tps, "spec": g.spec.as_dict(), "pooled": g.pooled,
         "snapshots": g.snapshots, "rounds_log": g.rounds_log, "options": options, "depth": g.depth,
+        "cached_tokens": g.cached_tokens,
     })
 
 

@@ -10,6 +10,10 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
           the accepted length are removed (Algorithm 1 keeps the valid prefix);
   extend  MTP rows (committed token_{L+1+j}, H_{L+j}) rewrite the head's cache with the target's
           residuals and yield the next round's first draft.
+
+A request that completes leaves the caches holding its prompt and output (the target every token but the last
+emitted one, the draft head that one's row too), so a next prompt that goes on from them prefills only its new
+tokens (`Engine.cached_prefix`; EngineOptions.prefix_cache).
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class Generation:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (time_phases)
     draft_logits: list[torch.Tensor] = field(default_factory=list)
     depth: dict[str, object] = field(default_factory=dict)  # draft_auto: the controller's counters (DepthStats)
+    cached_tokens: int = 0  # prompt tokens the caches held from the request before (EngineOptions.prefix_cache)
 
     @property
     def decode_tps(self) -> float:
@@ -104,7 +109,9 @@ class Generation:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens prefilled (the cached ones are not) per second."""
+        done = self.prompt_tokens - self.cached_tokens
+        return done / self.prefill_s if self.prefill_s > 0 else 0.0
 
 
 def accepted_on_device(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -162,6 +169,10 @@ class Engine:
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
         self._precompiled = False  # the first request queued the steps' products for compilation (_precompile)
         self._ahead: Future | None = None  # those compilations, until a decode step has waited for them
+        # After a request that completed, its last emitted token: the target's caches hold every token before it (the
+        # runner's history), the draft head's cache also the row of that token. None while a request runs (one that
+        # fails or is stopped midway leaves caches that describe no sequence) and after a request that did not complete.
+        self._held_last: int | None = None
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -211,23 +222,45 @@ class Engine:
         with self.runner.switches.apply():
             return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
 
+    @property
+    def held(self) -> list[int]:
+        """The tokens a next prompt starts with to reuse the caches (cached_prefix): the last request's prompt and
+        output when it completed, else none."""
+        return [] if self._held_last is None else self.runner.history + [self._held_last]
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """How many of the prompt's first tokens the caches hold already (EngineOptions.prefix_cache): all that the
+        last request committed when it completed and the prompt goes on from its prompt and output (the tokens the
+        target ran, then the last one emitted, whose row the draft head holds too) by at least one token, else 0.
+        The rest of the prompt prefills after them."""
+        last, run = self._held_last, self.runner
+        if not self.opts.prefix_cache or last is None or len(prompt) <= run.n_tokens:
+            return 0
+        n = run.n_tokens
+        return n if prompt[n] == last and prompt[:n] == run.history else 0
+
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
                   on_token: Callable[[int], None] | None) -> Generation:
         o, run = self.opts, self.runner
-        run.reset()
+        cached = self.cached_prefix(prompt)
+        self._held_last = None  # until this request completes
+        run.begin_request(cached)
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:
             self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
-        self._precompile(min(len(prompt), self.prefill_chunk))
-        logits, H = self._prefill(prompt)
+        self._precompile(min(len(prompt) - cached, self.prefill_chunk))
+        logits, H = self._prefill(prompt, cached)
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
         prefill_s = time.perf_counter() - t0
 
         t1 = req.mark = time.perf_counter()
-        if not req.emit(tok):
+        if req.emit(tok):
+            if o.draft and o.prefix_cache:  # the head's row of the last emitted token (cached_prefix)
+                run.mtp_write_kv(upload([tok], self.model.device), H, len(prompt))
+        else:
             if self._ahead is not None:  # after the first token: only the steps after it need these kernels
                 self._ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
                 self._ahead = None
@@ -238,11 +271,13 @@ class Engine:
         reason = "stop token" if req.out[-1] in stop_ids else "max tokens"
         self._sync()
         decode_s = time.perf_counter() - t1
+        self._held_last = req.out[-1]
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(req.out, len(prompt), prefill_s, decode_s, req.stats, reason, pooled,
                           cache.snap_stats.as_dict(), req.rounds_log, req.logits_log, run.graph_stats.as_dict(),
-                          req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {})
+                          req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {},
+                          cached)
 
     def _precompile(self, prompt_rows: int) -> None:
         """On this engine's first request, with block weights on CUDA: the block products of the prompt's first step
@@ -254,15 +289,16 @@ class Engine:
         self._precompiled = True
         self._ahead = precompile.start(self.model, [prompt_rows, 1, self.opts.draft + 1])
 
-    def _prefill(self, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the prompt in chunks (and the draft head over it) -> (last row's logits, last row's residual H)."""
+    def _prefill(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the prompt from position `start` (the caches hold the tokens before it) in chunks, and the draft head
+        over it -> (last row's logits, last row's residual H)."""
         with self.runner.prefill_scope():
-            return self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk)
+            return self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk, start)
 
-    def _prefill_chunks(self, ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
         logits, H = None, None
-        for s in range(0, P, step):
+        for s in range(start, P, step):
             chunk = ids[s:s + step]
             last = s + step >= P
             logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
@@ -382,10 +418,9 @@ class Engine:
         its logits and residual are returned), so every chunk before the one that holds it writes its K/V cells only
         (runner.mtp_write_kv: no MoE, no head). With graphs that last chunk is padded so that the extend's graph runs it
         (padding writes cells past the rows, rewritten before any draft reads them)."""
-        run, dev = self.runner, self.model.device
+        run = self.runner
         n, W = len(rows), self._catch_up_rows()
-        toks = torch.cat([t.view(1).to(dev) for t, _ in rows])
-        X = torch.cat([x for _, x in rows])
+        toks, X = self._rows_on_device(rows)
         if not last:
             run.mtp_write_kv(toks, X, start)
             return None
@@ -397,10 +432,28 @@ class Engine:
         c = cuts[-1]
         toks, X = toks[c:], X[c:]
         if run.use_graphs:
-            pad = -len(toks) % W
-            toks = torch.cat([toks, toks[-1:].expand(pad)])
-            X = torch.cat([X, X[-1:].expand(pad, -1)])
+            toks, X = _padded(toks, X, W)
         return run.mtp_step(toks, X, start + c, self.draft_lm_head, row=min(W, n - c) - 1)
+
+    def _rows_on_device(self, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (token [1], residual [1, D]) -> (tokens [n], residuals [n, D]) on the model's device."""
+        dev = self.model.device
+        return torch.cat([t.view(1).to(dev) for t, _ in rows]), torch.cat([x for _, x in rows])
+
+    def _write_head_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> None:
+        """The draft head's K/V cells of rows (token, residual) at positions start.., CATCH_UP_ROWS at a time: with
+        graphs each write padded to that shape, whose graph the plain stretches use (a new shape at a request's end
+        would compile and capture there), where the capacity allows; the padding's cells lie past the rows and are
+        rewritten before any draft reads them."""
+        if not rows:
+            return
+        run, W = self.runner, CATCH_UP_ROWS
+        toks, X = self._rows_on_device(rows)
+        for c in range(0, len(rows), W):
+            t, x = toks[c:c + W], X[c:c + W]
+            if run.use_graphs and start + c + W <= self.opts.capacity:
+                t, x = _padded(t, x, W)
+            run.mtp_write_kv(t, x, start + c)
 
     def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int
                        ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -434,6 +487,8 @@ class Engine:
                     run.keep(0, rollback=True)
                 if ctl is not None:  # counted, not timed (the discarded step would be in the time)
                     ctl.stats.plain_tokens += done
+                if self.opts.prefix_cache:  # the head's rows up to the last emitted token (cached_prefix)
+                    self._write_head_rows(pending, run.n_tokens - len(pending) + 1)
                 return None
             if not more:
                 d_logits, d_X = self._catch_up(pending, run.n_tokens - len(pending) + 1)
@@ -493,10 +548,11 @@ class Engine:
                 d_logits, d_X = extended
                 if not ends and d_next:
                     d_toks, q_rows = self._draft_chain(req, d_logits, d_X, L + len(committed), sampler, d_next)
-            elif not ends:
+            elif not ends or self.opts.prefix_cache:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
-                # the head's own cache, which the rollback does not touch)
+                # the head's own cache, which the rollback does not touch). At the request's end it writes the
+                # head's row of the last emitted token (cached_prefix), as the on-device round always does
                 ext = upload(committed + [committed[-1]] * (d + 1 - len(committed)), dev)
                 d_logits, d_X = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
                 req.phase("draft extend")
@@ -621,6 +677,12 @@ class Engine:
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
         return drafts, q_rows, v_logits, vX
+
+
+def _padded(toks: torch.Tensor, X: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [n] and residuals [n, D] padded to a multiple of `rows` by repeating the last row."""
+    pad = -len(toks) % rows
+    return torch.cat([toks, toks[-1:].expand(pad)]), torch.cat([X, X[-1:].expand(pad, -1)])
 
 
 def _replay_key(hook: AcceptHook, req: _Request) -> int:

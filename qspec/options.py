@@ -231,6 +231,9 @@ class EngineOptions(KernelOptions):
                                     choices=(8, 16), none_flag=True, aliases=("--no-pad",), arm="pad")
     fused_snapshots: bool = option(True, "write the conv rollback snapshots with one fused kernel (off: separate "
                                    "copies)", arm="fused")
+    prefix_cache: bool = option(True, "keep the caches after a request that completed: a next prompt that starts with "
+                                "its prompt and output (a chat's next turn) prefills only the tokens after them",
+                                arm="prefix")
     draft_head: str = option("full", "LM head the drafts read (q4: a Q4_0-rounded copy; the target verifies with its "
                              "own, so only the acceptance can change)", choices=("full", "q4"), applies="with draft")
     draft_vocab: Sequence[int] | torch.Tensor | None = option(

@@ -151,6 +151,16 @@ class Runner:
         self.n_tokens = 0
         self._history, self._unread = [], []
 
+    def begin_request(self, kept: int) -> None:
+        """Start a request after the first `kept` committed tokens, which must be all of them (a prompt that goes on
+        from the sequence), or none: 0 forgets the sequence. The request's counters start from zero either way."""
+        if not kept:
+            self.reset()
+            return
+        if kept != self.n_tokens:
+            raise ValueError(f"a request can go on only after all {self.n_tokens} committed tokens, not {kept}")
+        self.cache.new_counters()
+
     @property
     def history(self) -> list[int]:
         """The committed tokens, by position. Steps may take their tokens from the device (an argmax the

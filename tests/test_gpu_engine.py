@@ -9,6 +9,7 @@ and, on any machine, the rule they apply to bf16 greedy equality.
     rounding of each other may swap: there the tokens must be equal up to the first difference, and that difference
     must sit at a near tie of plain decoding (top-2 gap <= NEAR_TIE of the row's largest |logit|);
   * every combination of the seed's optimizations gives the baseline's tokens;
+  * a request that reuses the last one's caches (EngineOptions.prefix_cache) decodes as a fresh engine does;
   * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly, and each default step
     kernel (PDL, masked attention, KV write, GDN conv, verify mixers, grouped-GEMM prefill) against what it replaces;
   * sampling on the device: draws and speculative sampling follow their distributions, sampled decoding is repeatable
@@ -261,7 +262,14 @@ def test_fused_steps_equal_unfused(setup: Setup, n: int) -> None:
     token where the two builds part (bf16: only at a near tie). Later verify rows follow the round's drafts, and one
     draft that flips between the builds gives those rows a different context."""
     opts = dict(kv_type="q8_0", record_logits=True)
-    f, u = setup.run(n, 24, **opts), setup.run(n, 24, compile=False, **opts)
+    ok, why = same_rows(setup.run(n, 24, **opts), setup.run(n, 24, compile=False, **opts), n, setup)
+    assert ok, why
+
+
+def same_rows(f: Generation, u: Generation, n: int, setup: Setup) -> tuple[bool, str]:
+    """Run f against u (n drafts, logits recorded): tokens equal up to a near tie, and within setup.tol the logits of
+    rows whose context is the emitted tokens alone (decode rows, row 0 of each verify step, each round's first draft
+    step) in the steps before the first token where they part."""
     same, why = same_or_tie(f.tokens, u, n, setup.tie)
     cut = first_diff(f.tokens, u.tokens)
     steps = len(f.logits) if cut is None else _steps_before(f, n, cut)
@@ -269,8 +277,22 @@ def test_fused_steps_equal_unfused(setup: Setup, n: int) -> None:
     rel_first = max((rel_diff(a[:1], b[:1]) for a, b in pairs), default=0.0)
     rel_draft = max((rel_diff(a, b) for a, b in zip(f.draft_logits[:steps], u.draft_logits[:steps], strict=False)),
                     default=0.0)
-    assert same and steps > 0 and rel_first < setup.tol and rel_draft < setup.tol, \
-        f"tokens {why}; over {steps} steps: logits rel diff {rel_first:.2e}, first draft step {rel_draft:.2e}"
+    return (same and steps > 0 and rel_first < setup.tol and rel_draft < setup.tol,
+            f"tokens {why}; over {steps} steps: logits rel diff {rel_first:.2e}, first draft step {rel_draft:.2e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [0, 3])
+def test_a_next_turn_reuses_the_caches(setup: Setup, n: int) -> None:
+    """Through CUDA graphs: a request that goes on from the last one's prompt and output prefills only its new tokens,
+    and decodes as a fresh engine given the whole prompt does (its drafts' logits too)."""
+    opts = dict(capacity=256, kv_type=setup.kv, record_logits=True)
+    eng = engine(setup.gpu, draft=n, **opts)
+    first = eng.generate(setup.prompt, 20).tokens
+    nxt = setup.prompt + first + IDS[30:36].tolist()
+    g = eng.generate(nxt, 24)
+    ok, why = same_rows(g, engine(setup.gpu, draft=n, **opts).generate(nxt, 24), n, setup)
+    assert g.cached_tokens == len(setup.prompt) + len(first) - 1 and ok, f"cached {g.cached_tokens}; {why}"
 
 
 @pytest.mark.cuda

@@ -50,12 +50,27 @@ def test_completion_equals_engine_output(served) -> None:  # noqa: ANN001
     assert body["choices"][0]["text"] == want and want
     assert body["model"] == "tiny" and body["object"] == "text_completion"
     n_prompt = len(tok.encode(PROMPT, add_special=True))
-    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12}
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["qspec"]["drafted"] > 0  # the engine drafted (draft=2)
     # token ids work as a prompt too
     r2 = client.post("/v1/completions", json={"prompt": tok.encode(PROMPT, add_special=True), "max_tokens": 12})
     assert r2.json()["choices"][0]["text"] == want
+
+
+def test_a_prompt_that_goes_on_from_the_last_one_reuses_its_caches(served) -> None:  # noqa: ANN001
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    assert client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6}).status_code == 200
+    held = engine.held  # the prompt and the 6 tokens generated
+    assert held[:len(ids)] == ids and len(held) == len(ids) + 6
+    nxt = held + tok.encode(" and then", add_special=False)
+    body = client.post("/v1/completions", json={"prompt": nxt, "max_tokens": 8}).json()
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(held) - 1}
+    g = engine.generate(nxt, 8, sampler=Sampler(), stop_ids=set(tok.stop_ids))  # prefilled whole: nxt + 8 is held
+    assert g.cached_tokens == 0
+    assert body["choices"][0]["text"] == tok.decode(g.tokens, skip_special=True)
 
 
 def _stream(client: TestClient, payload: dict) -> tuple[str, list[dict]]:

@@ -178,7 +178,7 @@ def test_sampled_decoding_equals_a_step_by_step_loop(tiny_model: Model) -> None:
     ref_engine = Engine(tiny_model, EngineOptions(capacity=CAP))
     run, s = ref_engine.runner, sampler()
     with torch.inference_mode():
-        logits, _ = ref_engine._prefill(prompt)
+        logits, _ = ref_engine._prefill(prompt, 0)
         out = [int(s.sample(logits[-1]).item())]
         while len(out) < 16:
             logits, _ = run.step(torch.tensor([out[-1]]))

@@ -109,6 +109,12 @@ class ModelCache:
             lay.reset()
         self.snap_stats = SnapshotStats()
 
+    def new_counters(self) -> None:
+        """Zero the counters a request reports (pooled-key layouts, conv snapshots), keeping the sequence."""
+        for lay in self.layouts.values():
+            lay.new_counters()
+        self.snap_stats = SnapshotStats()
+
 
 _rope_tables = fuse.fused(rope_tables)
 

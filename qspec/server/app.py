@@ -4,8 +4,9 @@ server-sent events; chat messages go through the tokenizer's Qwen chat template)
 The engine decodes one sequence at a time, so requests wait their turn on a lock; tokenizing and each generation
 run in worker threads, and the event loop stays free to stream tokens and answer health checks. A request whose
 client goes away (streamed or not, queued or running) ends at the next token; one that meets a stop string ends
-at the end of that round. The engine resets every cache at the start of the next request, so stopping mid-round
-leaves nothing behind. Every error answers with OpenAI's error body (qspec/server/errors.py).
+at the end of that round. The engine keeps its caches for the next request only after a generation that completed
+(a chat's next turn, which repeats the conversation, then prefills only its new tokens): one stopped mid-round
+leaves nothing the next request reads. Every error answers with OpenAI's error body (qspec/server/errors.py).
 """
 
 from __future__ import annotations
@@ -167,9 +168,12 @@ class CompletionServer:
                 run.finish = "stop"
         return g
 
-    def usage(self, ids: list[int], run: _Run) -> dict[str, int]:
+    def usage(self, ids: list[int], run: _Run, g: Generation | None) -> dict[str, Any]:
+        """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held from the request before
+        (EngineOptions.prefix_cache), which were not prefilled again."""
         return {"prompt_tokens": len(ids), "completion_tokens": run.n_tokens,
-                "total_tokens": len(ids) + run.n_tokens}
+                "total_tokens": len(ids) + run.n_tokens,
+                "prompt_tokens_details": {"cached_tokens": g.cached_tokens if g is not None else 0}}
 
 
 def _stats(g: Generation | None) -> dict[str, Any]:
@@ -293,7 +297,7 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
 
     def body(obj: str, choice: dict, g: Generation | None = None, done: bool = False) -> dict:
         return head | {"object": obj, "choices": [choice]} | (
-            {"usage": srv.usage(ids, run)} | _stats(g) if done else {})
+            {"usage": srv.usage(ids, run, g)} | _stats(g) if done else {})
 
     if not req.stream:
         watcher = asyncio.create_task(_watch_disconnect(request, run))

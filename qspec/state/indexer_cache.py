@@ -123,6 +123,9 @@ class PooledLayout:
     def reset(self) -> None:
         self.retained = Descriptors.empty(self.r)
         self.pending = None
+        self.new_counters()
+
+    def new_counters(self) -> None:
         self.stats = LayoutStats()
 
     # -- Algorithm 1 -----------------------------------------------------------------------------
