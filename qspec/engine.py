@@ -13,7 +13,9 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 
 A request that completes leaves the caches holding its prompt and output (the target every token but the last
 emitted one, the draft head that one's row too), so a next prompt that goes on from them prefills only its new
-tokens (`Engine.cached_prefix`; EngineOptions.prefix_cache).
+tokens. The attention caches keep every position, so a prompt that shares only a beginning with the sequence can go
+back to any position where a copy of the recurrent state was kept: the engine keeps one at each prompt's
+next-to-last token (`Engine.cached_prefix`; EngineOptions.prefix_cache, prefix_checkpoints).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_ac
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
+from qspec.state.recurrent import RecurrentCache
 
 # Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
 # its own with graphs), and the rows of each of its steps at a stretch's end when no graph runs them (with graphs: the
@@ -65,6 +68,16 @@ BLOCK_PREFILL_CHUNK = 4096
 def prefill_chunk_for(model: Model) -> int:
     """The prefill step length for `model` when EngineOptions.prefill_chunk is None."""
     return BLOCK_PREFILL_CHUNK if any(m.blocks_only for m in model.moe) else PREFILL_CHUNK
+
+
+@dataclass
+class _Checkpoint:
+    """The recurrent state after the sequence's first `pos` tokens (RecurrentCache.save), and the target's residual
+    of the token before them (with drafting): going back there rewrites the draft head's row at `pos` for the token
+    that follows in the new prompt."""
+    pos: int
+    state: list[torch.Tensor]
+    h: torch.Tensor | None
 
 
 @dataclass
@@ -153,7 +166,8 @@ class Engine:
         # custom ops import torch._dynamo on their first call (~2 s on a small CPU): here, so that a request's
         # prefill time is its own
         import torch._dynamo  # noqa: F401
-        check_cache_fits(model, self.opts.cache_options())  # before a cache too large for the memory is allocated
+        # before a cache too large for the memory is allocated
+        check_cache_fits(model, self.opts.cache_options(), reserve=self._checkpoint_bytes())
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
@@ -173,6 +187,7 @@ class Engine:
         # runner's history), the draft head's cache also the row of that token. None while a request runs (one that
         # fails or is stopped midway leaves caches that describe no sequence) and after a request that did not complete.
         self._held_last: int | None = None
+        self._checkpoints: list[_Checkpoint] = []  # by position, each a prefix of the runner's history
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -228,22 +243,62 @@ class Engine:
         output when it completed, else none."""
         return [] if self._held_last is None else self.runner.history + [self._held_last]
 
-    def cached_prefix(self, prompt: list[int]) -> int:
-        """How many of the prompt's first tokens the caches hold already (EngineOptions.prefix_cache): all that the
-        last request committed when it completed and the prompt goes on from its prompt and output (the tokens the
-        target ran, then the last one emitted, whose row the draft head holds too) by at least one token, else 0.
-        The rest of the prompt prefills after them."""
-        last, run = self._held_last, self.runner
-        if not self.opts.prefix_cache or last is None or len(prompt) <= run.n_tokens:
+    def _checkpoint_bytes(self) -> int:
+        """Device bytes the prefix checkpoints may take (a recurrent state each)."""
+        if not self._checkpointing():
             return 0
-        n = run.n_tokens
-        return n if prompt[n] == last and prompt[:n] == run.history else 0
+        probe = RecurrentCache(self.model.cfg, 1, "meta")  # shapes only, no memory
+        return self.opts.prefix_checkpoints * probe.plane_bytes()
+
+    def _checkpointing(self) -> bool:
+        return self.opts.prefix_cache and self.opts.prefix_checkpoints > 0
+
+    def cached_prefix(self, prompt: list[int]) -> int:
+        """How many of the prompt's first tokens the caches hold already (EngineOptions.prefix_cache); the rest of
+        the prompt prefills after them."""
+        return self._resume_point(prompt)[0]
+
+    def _resume_point(self, prompt: list[int]) -> tuple[int, _Checkpoint | None]:
+        """Where the prompt can go on from: all the last request committed when it completed, if the prompt goes on
+        from its prompt and output (the tokens the target ran, then the last one emitted, whose row the draft head
+        holds too) by at least one token; else the furthest checkpoint within the prompt's common beginning with
+        the sequence that leaves a token to prefill -> (position, the checkpoint, None for the former), (0, None)."""
+        if not self.opts.prefix_cache:
+            return 0, None
+        last, hist = self._held_last, self.runner.history
+        n = len(hist)
+        if last is not None and len(prompt) > n and prompt[n] == last and prompt[:n] == hist:
+            return n, None
+        seq = hist + ([] if last is None else [last])
+        common = next((i for i, (a, b) in enumerate(zip(seq, prompt, strict=False)) if a != b), min(len(seq),
+                                                                                                   len(prompt)))
+        usable = [cp for cp in self._checkpoints if cp.pos <= common and cp.pos < len(prompt)]
+        return (usable[-1].pos, usable[-1]) if usable else (0, None)
+
+    def _rewind(self, cp: _Checkpoint, prompt: list[int]) -> None:
+        """Go back to checkpoint `cp` for `prompt`: the sequence's tokens after it are forgotten, with the
+        checkpoints past it, and the draft head's row at its position is written for the prompt's token there."""
+        run = self.runner
+        run.rewind(cp.pos, cp.state)
+        self._checkpoints = [c for c in self._checkpoints if c.pos <= cp.pos]
+        if self.opts.draft and cp.h is not None:  # as the first draft step writes it (that shape's graph)
+            run.mtp_step(upload([prompt[cp.pos]], self.model.device), cp.h, cp.pos, self.draft_lm_head)
+
+    def _add_checkpoint(self, pos: int, h: torch.Tensor | None) -> None:
+        """Keep the committed recurrent state (after `pos` tokens), dropping the oldest beyond prefix_checkpoints."""
+        keep = [c for c in self._checkpoints if c.pos < pos]
+        keep.append(_Checkpoint(pos, self.runner.cache.rec.save(), None if h is None else h.clone()))
+        self._checkpoints = keep[-self.opts.prefix_checkpoints:]
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
                   on_token: Callable[[int], None] | None) -> Generation:
         o, run = self.opts, self.runner
-        cached = self.cached_prefix(prompt)
+        cached, cp = self._resume_point(prompt)
         self._held_last = None  # until this request completes
+        if cp is not None:
+            self._rewind(cp, prompt)
+        elif not cached:
+            self._checkpoints = []  # the sequence starts over
         run.begin_request(cached)
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:
@@ -258,8 +313,9 @@ class Engine:
 
         t1 = req.mark = time.perf_counter()
         if req.emit(tok):
-            if o.draft and o.prefix_cache:  # the head's row of the last emitted token (cached_prefix)
-                run.mtp_write_kv(upload([tok], self.model.device), H, len(prompt))
+            if o.draft and o.prefix_cache:  # the head's row of the last emitted token (cached_prefix), as the
+                # first draft step would write it (its shape's graph: a new one would compile here)
+                run.mtp_step(upload([tok], self.model.device), H, len(prompt), self.draft_lm_head)
         else:
             if self._ahead is not None:  # after the first token: only the steps after it need these kernels
                 self._ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
@@ -291,18 +347,31 @@ class Engine:
 
     def _prefill(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt from position `start` (the caches hold the tokens before it) in chunks, and the draft head
-        over it -> (last row's logits, last row's residual H)."""
-        with self.runner.prefill_scope():
-            return self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk, start)
+        over it -> (last row's logits, last row's residual H). With checkpoints, the last token runs alone, as a
+        decode step (its shape's graph), after a checkpoint of the state before it."""
+        ids, run, P = torch.tensor(prompt, dtype=torch.long), self.runner, len(prompt)
+        if not self._checkpointing():
+            with run.prefill_scope():
+                return self._prefill_chunks(ids, start, P, logits=True)
+        if start < P - 1:
+            with run.prefill_scope():
+                _, H = self._prefill_chunks(ids, start, P - 1, logits=False)
+            self._add_checkpoint(P - 1, H)
+        logits, X = run.step(ids[P - 1:].to(self.model.device))
+        run.keep(1, rollback=False)
+        return logits, X[-1:] if self.opts.draft else None
 
-    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
-        logits, H = None, None
-        for s in range(start, P, step):
-            chunk = ids[s:s + step]
-            last = s + step >= P
-            logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
-                                 torch.zeros(0, dtype=torch.long, device=dev))
+    def _prefill_chunks(self, ids: torch.Tensor, start: int, end: int, logits: bool
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Prefill steps over positions start..end - 1 of `ids` -> (with `logits`, the last row's logits; with
+        drafting, the last row's residual)."""
+        o, run, dev, step = self.opts, self.runner, self.model.device, self.prefill_chunk
+        out, H = None, None
+        for s in range(start, end, step):
+            chunk = ids[s:min(s + step, end)]
+            last = s + step >= end
+            out, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last and logits else
+                              torch.zeros(0, dtype=torch.long, device=dev))
             run.keep(len(chunk), rollback=False)
             if o.draft:
                 # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
@@ -311,7 +380,7 @@ class Engine:
                 if len(nxt):
                     run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
                 H = X[-1:]
-        return logits, H
+        return out, H
 
     def _decode(self, req: _Request, tok: int, sampler: Sampler) -> None:
         """Plain decoding, pipelined: the step that consumes token j is queued (its input is the argmax, or the
@@ -551,8 +620,7 @@ class Engine:
             elif not ends or self.opts.prefix_cache:
                 # extend the draft head over the committed rows with the target's residuals; queued before
                 # the host's emit and rollback work, which then overlaps it on the GPU (it reads only vX and
-                # the head's own cache, which the rollback does not touch). At the request's end it writes the
-                # head's row of the last emitted token (cached_prefix), as the on-device round always does
+                # the head's own cache, which the rollback does not touch); at the end, the last token's row
                 ext = upload(committed + [committed[-1]] * (d + 1 - len(committed)), dev)
                 d_logits, d_X = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
                 req.phase("draft extend")

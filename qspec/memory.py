@@ -101,14 +101,20 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def check_cache_fits(model: Model, opts: CacheOptions, available: tuple[int, int] | None = None) -> None:
+def check_cache_fits(model: Model, opts: CacheOptions, available: tuple[int, int] | None = None,
+                     reserve: int = 0) -> None:
     """Raise CacheMemoryError, before anything is allocated at that size, when a cache of `opts.capacity` tokens
-    would take more than BUDGET of the free memory; the message says the largest capacity that fits.
-    `available`: (device, host) free bytes (default: asked of the system). Capacities up to the larger probe are
-    not checked: their caches are as small as the probes."""
+    (and `reserve` bytes more on the model's device: the engine's prefix checkpoints) would take more than BUDGET
+    of the free memory; the message says the largest capacity that fits. `available`: (device, host) free bytes
+    (default: asked of the system). Capacities up to the larger probe are not checked: their caches are as small
+    as the probes."""
     if opts.capacity <= _PROBES[1]:
         return
     fp = footprint(model, opts)
+    if model.device.type == "cpu":
+        fp = replace(fp, host_fixed=fp.host_fixed + reserve)
+    else:
+        fp = replace(fp, device_fixed=fp.device_fixed + reserve)
     need_dev, need_host = fp.bytes(opts.capacity)
     if available is None:
         host = available_bytes(torch.device("cpu"))

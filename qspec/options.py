@@ -231,9 +231,13 @@ class EngineOptions(KernelOptions):
                                     choices=(8, 16), none_flag=True, aliases=("--no-pad",), arm="pad")
     fused_snapshots: bool = option(True, "write the conv rollback snapshots with one fused kernel (off: separate "
                                    "copies)", arm="fused")
-    prefix_cache: bool = option(True, "keep the caches after a request that completed: a next prompt that starts with "
-                                "its prompt and output (a chat's next turn) prefills only the tokens after them",
-                                arm="prefix")
+    prefix_cache: bool = option(True, "reuse the caches across requests: a prompt that goes on from the last "
+                                "completed request's prompt and output (a chat's next turn) prefills only its new "
+                                "tokens, one that shares a checkpointed beginning with it (the same prompt again, a "
+                                "turn whose earlier text tokenizes differently) only the tokens after that")
+    prefix_checkpoints: int = option(4, "recurrent-state copies kept for --prefix-cache, one at the next-to-last token "
+                                     "of each prompt (the attention caches need none: they keep every position)",
+                                     check=in_range(0, 64), applies="--prefix-cache", metavar="N")
     draft_head: str = option("full", "LM head the drafts read (q4: a Q4_0-rounded copy; the target verifies with its "
                              "own, so only the acceptance can change)", choices=("full", "q4"), applies="with draft")
     draft_vocab: Sequence[int] | torch.Tensor | None = option(

@@ -161,6 +161,20 @@ class Runner:
             raise ValueError(f"a request can go on only after all {self.n_tokens} committed tokens, not {kept}")
         self.cache.new_counters()
 
+    def rewind(self, n: int, state: list[torch.Tensor]) -> None:
+        """Go back to the first n committed tokens, `state` (RecurrentCache.save after them) their recurrent state:
+        as a rollback, the attention and indexer cells past them are removed and the pooled-key records still valid
+        kept (seed Algorithm 1); valid after any step, kept or not (a request stopped midway)."""
+        if not 0 < n <= self.n_tokens:
+            raise ValueError(f"rewind to {n} of {self.n_tokens} committed tokens")
+        c = self.cache
+        c.rec.restore(state)
+        c.cells.seq_rm(0, n, -1)
+        for lay in c.layouts.values():
+            lay.retain(c.cells, 0, n, -1)
+        self.n_tokens = n
+        self._history = self.history[:n]
+
     @property
     def history(self) -> list[int]:
         """The committed tokens, by position. Steps may take their tokens from the device (an argmax the

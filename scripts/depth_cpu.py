@@ -71,7 +71,7 @@ def arms(fixed: list[int], auto_max: int) -> dict[str, dict[str, object]]:
 
 def measure(model: Model, prompts: list[list[int]], profile: AcceptProfile, arm_opts: dict[str, dict[str, object]],
             reps: int, gen: int, fresh: bool) -> dict[str, object]:
-    engines = {name: Engine(model, EngineOptions(capacity=1024, **kw),  # type: ignore[arg-type]
+    engines = {name: Engine(model, EngineOptions(capacity=1024, prefix_cache=False, **kw),  # type: ignore[arg-type]
                             EngineHooks(accept_hook=replay_hook(profile, fresh) if kw["draft"] else None))
                for name, kw in arm_opts.items()}
     for e in engines.values():  # warm-up (the auto engine calibrates its per-depth costs here)
@@ -111,7 +111,7 @@ def paired_ratio(runs: dict[str, list[float]], a: str, b: str) -> float:
 
 
 def record_trace(model: Model, prompts: list[list[int]], gen: int, path: Path, what: str) -> float:
-    eng = Engine(model, EngineOptions(draft=8, capacity=1024))
+    eng = Engine(model, EngineOptions(draft=8, capacity=1024, prefix_cache=False))
     acc: list[int] = []
     for p in prompts:
         acc.extend(r["accepted"] for r in eng.generate(p, gen).rounds_log)

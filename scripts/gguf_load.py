@@ -124,8 +124,8 @@ def load(a: argparse.Namespace) -> dict[str, Any]:
     from qspec.loader import load_model
 
     dev = torch.device(a.device)
-    opts = EngineOptions(draft=0, capacity=1024, compile=a.compile, compile_prefill=a.compile_prefill,
-                         precompile=a.precompile)
+    opts = EngineOptions(draft=0, capacity=1024, prefix_cache=False, compile=a.compile,
+                         compile_prefill=a.compile_prefill, precompile=a.precompile)
 
     def prompt_for(cfg: ModelConfig) -> list[int]:
         return torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -97,9 +97,9 @@ def profile_kinds(a: argparse.Namespace, kinds: list[str]) -> int:
     prompt = list(build_prompt(None, a.prompt, vocab_size=cfg.vocab_size))
     for kind in kinds:
         def engine(graphs: bool, kind: str = kind, hook: AcceptHook | None = None, **over: bool | int) -> Engine:
-            opts = EngineOptions(capacity=8192, kv_type="q8_0", draft=0 if kind == "decode" else a.draft,
-                                 draft_head="q4", cuda_graphs=graphs, compile=a.compile, gemv=a.gemv,
-                                 fused_attention=a.fused_attention, **over)
+            opts = EngineOptions(capacity=8192, kv_type="q8_0", prefix_cache=False,
+                                 draft=0 if kind == "decode" else a.draft, draft_head="q4", cuda_graphs=graphs,
+                                 compile=a.compile, gemv=a.gemv, fused_attention=a.fused_attention, **over)
             return Engine(model, opts, EngineHooks(accept_hook=hook))
         eng = engine(False)
         t = time.perf_counter()

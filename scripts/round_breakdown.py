@@ -98,7 +98,7 @@ def main() -> int:
         kw = ARMS[name]
         prof = AcceptProfile.parse(f"p={a.p}")
         hooks = EngineHooks(accept_hook=prof.hook())
-        eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", **kw), hooks)
+        eng = Engine(model, EngineOptions(capacity=8192, kv_type="q8_0", prefix_cache=False, **kw), hooks)
         eng.generate(prompt, 32)  # warmup: kernels, graphs
         g = eng.generate(prompt, a.gen)
         hooks.time_phases = True

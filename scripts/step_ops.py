@@ -86,7 +86,8 @@ def _in_custom(ev: Any, stop: Any) -> bool:
 
 def per_step(model: Any, fuse_blocks: bool, tokens: int) -> tuple[float, float, float, Counter]:
     """(eager launches, custom ops, compiled regions) per plain decoding step, and the eager launches by op."""
-    eng = Engine(model, EngineOptions(draft=0, capacity=256, compile_backend="aot_eager", fuse_blocks=fuse_blocks))
+    eng = Engine(model, EngineOptions(draft=0, capacity=256, compile_backend="aot_eager", fuse_blocks=fuse_blocks,
+                                      prefix_cache=False))
     prompt = list(range(3, 40))
     counts = []
     for n in (1, 1 + tokens):

@@ -31,7 +31,8 @@ def child(path: str, draft: int, symbolic: bool, tokens: int) -> dict[str, float
     if symbolic:
         fuse.STATIC_MAX_ROWS = 0
     model = load_model(path, dequantize_all=False)
-    eng = Engine(model, EngineOptions(compile_backend="aot_eager", draft=draft, capacity=256, kv_type="q8_0"))
+    eng = Engine(model, EngineOptions(compile_backend="aot_eager", draft=draft, capacity=256, kv_type="q8_0",
+                                      prefix_cache=False))
     t = time.perf_counter()
     with CompileClock() as clock:
         eng.generate(list(range(3, 45)), tokens)

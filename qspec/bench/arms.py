@@ -29,8 +29,9 @@ _OFF = {"0", "none", "off", "false"}
 # what an arm starts from: the seed's optimizations off (the llama.cpp comparison), the engine's defaults otherwise
 SEED_OFF: dict[str, Any] = {"preserve_pooled": False, "incremental_pooled": False, "pad_target": None,
                             "fused_snapshots": False}
-# options a benchmark protocol sets for every arm, not an arm
-_PROTOCOL = {"capacity", "kv_type", "exact"}
+# options a benchmark protocol sets for every arm, not an arm; every run prefills its whole prompt (a run repeats
+# the last one's prompt, which the prefix cache would otherwise take from a checkpoint)
+_PROTOCOL = {"capacity", "kv_type", "exact", "prefix_cache", "prefix_checkpoints"}
 _DEFAULTS = {f.name: f.default for f in fields(EngineOptions)}
 
 
@@ -70,7 +71,7 @@ class Arm:
             kw |= {"draft_head": "full", "draft_vocab": None, "draft_before_readback": False, "draft_auto": False}
         if kw["draft_vocab"] is not None:
             kw["draft_vocab"] = range(kw["draft_vocab"]) if kw["draft_vocab"] else None
-        return EngineOptions(capacity=capacity, kv_type=kv_type, exact=False, **kw)
+        return EngineOptions(capacity=capacity, kv_type=kv_type, exact=False, prefix_cache=False, **kw)
 
     def describe(self) -> str:
         head = "no drafting" if not self.draft else (

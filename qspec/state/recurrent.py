@@ -11,6 +11,9 @@ A step with more rows than slots (prefill) keeps only its final state, in plane 
 
 Invariant: plane `live` holds the state after the last committed token; planes of the other
 half hold the states after each row of the last step (some of them rejected).
+
+A checkpoint (`save`) is a copy of the live plane of every buffer; `restore` makes it the live state, in plane 0 as
+after `reset`, so that it is valid whatever step was under way (a request stopped midway).
 """
 
 from __future__ import annotations
@@ -94,6 +97,27 @@ class RecurrentCache:
         self.live.zero_()
         self.base.fill_(self.n_slots)
         self.host_base = 0
+
+    def _buffers(self) -> list[torch.Tensor]:
+        bufs = [t for st in self.gdn.values() for t in (st.conv, st.ssm)]
+        return bufs + ([self.ple.conv, self.ple.hist] if self.ple is not None else [])
+
+    def save(self) -> list[torch.Tensor]:
+        """A copy of the committed state (one plane of every buffer)."""
+        return [b.index_select(0, self.live.view(1)) for b in self._buffers()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        """Make a `save`d state the committed one: plane 0 holds it and is live, as after `reset` (the other planes
+        are written before they are read)."""
+        for b, s in zip(self._buffers(), saved, strict=True):
+            b[:1].copy_(s)
+        self.live.zero_()
+        self.base.fill_(self.n_slots)
+        self.host_base = 0
+
+    def plane_bytes(self) -> int:
+        """Bytes of one plane of every buffer: what `save` copies."""
+        return sum(b[0].numel() * b.element_size() for b in self._buffers())
 
     def live_view(self) -> dict[str, torch.Tensor]:
         """The committed state, gathered (for tests and debugging)."""
