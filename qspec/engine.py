@@ -14,8 +14,9 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
 A request that completes leaves the caches holding its prompt and output (the target every token but the last
 emitted one, the draft head that one's row too), so a next prompt that goes on from them prefills only its new
 tokens. The attention caches keep every position, so a prompt that shares only a beginning with the sequence can go
-back to any position where a copy of the recurrent state was kept: the engine keeps one at each prompt's
-next-to-last token (`Engine.cached_prefix`; EngineOptions.prefix_cache, prefix_checkpoints).
+back to any position where a copy of the recurrent state was kept: the engine keeps one at the end of each prompt,
+with that prompt's last logits, so the same prompt again needs no prefill at all (`Engine.cached_prefix`;
+EngineOptions.prefix_cache, prefix_checkpoints).
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def prefill_chunk_for(model: Model) -> int:
 
 @dataclass
 class _Checkpoint:
-    """The recurrent state after the sequence's first `pos` tokens (RecurrentCache.save), and the target's residual
-    of the token before them (with drafting): going back there rewrites the draft head's row at `pos` for the token
-    that follows in the new prompt."""
+    """A prompt's end: the recurrent state after its `pos` tokens (RecurrentCache.save), the logits of its last row
+    and (with drafting) that row's residual, from which the draft head's row at `pos` is written for the token that
+    follows in a new prompt (or for the first generated one when the prompt is the same)."""
     pos: int
     state: list[torch.Tensor]
+    logits: torch.Tensor
     h: torch.Tensor | None
 
 
@@ -244,11 +246,11 @@ class Engine:
         return [] if self._held_last is None else self.runner.history + [self._held_last]
 
     def _checkpoint_bytes(self) -> int:
-        """Device bytes the prefix checkpoints may take (a recurrent state each)."""
+        """Device bytes the prefix checkpoints may take (a recurrent state and a row of f32 logits each)."""
         if not self._checkpointing():
             return 0
         probe = RecurrentCache(self.model.cfg, 1, "meta")  # shapes only, no memory
-        return self.opts.prefix_checkpoints * probe.plane_bytes()
+        return self.opts.prefix_checkpoints * (probe.plane_bytes() + 4 * self.model.cfg.vocab_size)
 
     def _checkpointing(self) -> bool:
         return self.opts.prefix_cache and self.opts.prefix_checkpoints > 0
@@ -261,8 +263,9 @@ class Engine:
     def _resume_point(self, prompt: list[int]) -> tuple[int, _Checkpoint | None]:
         """Where the prompt can go on from: all the last request committed when it completed, if the prompt goes on
         from its prompt and output (the tokens the target ran, then the last one emitted, whose row the draft head
-        holds too) by at least one token; else the furthest checkpoint within the prompt's common beginning with
-        the sequence that leaves a token to prefill -> (position, the checkpoint, None for the former), (0, None)."""
+        holds too) by at least one token; else the furthest prompt end (checkpoint) within the prompt's common
+        beginning with
+        the sequence -> (position, the checkpoint, None for the former), or (0, None)."""
         if not self.opts.prefix_cache:
             return 0, None
         last, hist = self._held_last, self.runner.history
@@ -272,22 +275,25 @@ class Engine:
         seq = hist + ([] if last is None else [last])
         common = next((i for i, (a, b) in enumerate(zip(seq, prompt, strict=False)) if a != b), min(len(seq),
                                                                                                    len(prompt)))
-        usable = [cp for cp in self._checkpoints if cp.pos <= common and cp.pos < len(prompt)]
+        usable = [cp for cp in self._checkpoints if cp.pos <= common]
         return (usable[-1].pos, usable[-1]) if usable else (0, None)
 
     def _rewind(self, cp: _Checkpoint, prompt: list[int]) -> None:
         """Go back to checkpoint `cp` for `prompt`: the sequence's tokens after it are forgotten, with the
-        checkpoints past it, and the draft head's row at its position is written for the prompt's token there."""
+        checkpoints past it, and the draft head's row at its position is written for the prompt's token there (when
+        the prompt goes on past it: else the first draft step writes it for the first generated token)."""
         run = self.runner
         run.rewind(cp.pos, cp.state)
         self._checkpoints = [c for c in self._checkpoints if c.pos <= cp.pos]
-        if self.opts.draft and cp.h is not None:  # as the first draft step writes it (that shape's graph)
+        if self.opts.draft and cp.h is not None and cp.pos < len(prompt):  # as the first draft step writes it
             run.mtp_step(upload([prompt[cp.pos]], self.model.device), cp.h, cp.pos, self.draft_lm_head)
 
-    def _add_checkpoint(self, pos: int, h: torch.Tensor | None) -> None:
-        """Keep the committed recurrent state (after `pos` tokens), dropping the oldest beyond prefix_checkpoints."""
+    def _add_checkpoint(self, pos: int, logits: torch.Tensor, h: torch.Tensor | None) -> None:
+        """Keep the committed recurrent state (after `pos` tokens) with the last row's logits and residual, dropping
+        the oldest checkpoint beyond prefix_checkpoints."""
         keep = [c for c in self._checkpoints if c.pos < pos]
-        keep.append(_Checkpoint(pos, self.runner.cache.rec.save(), None if h is None else h.clone()))
+        keep.append(_Checkpoint(pos, self.runner.cache.rec.save(), logits[-1:].clone(),
+                                None if h is None else h.clone()))
         self._checkpoints = keep[-self.opts.prefix_checkpoints:]
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
@@ -305,8 +311,11 @@ class Engine:
             self.depth.start_request()
         req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
-        self._precompile(min(len(prompt) - cached, self.prefill_chunk))
-        logits, H = self._prefill(prompt, cached)
+        if cp is not None and cached == len(prompt):  # the same prompt as at the checkpoint: nothing to prefill
+            logits, H = cp.logits, cp.h
+        else:
+            self._precompile(min(len(prompt) - cached, self.prefill_chunk))
+            logits, H = self._prefill(prompt, cached)
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
         prefill_s = time.perf_counter() - t0
@@ -347,31 +356,21 @@ class Engine:
 
     def _prefill(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt from position `start` (the caches hold the tokens before it) in chunks, and the draft head
-        over it -> (last row's logits, last row's residual H). With checkpoints, the last token runs alone, as a
-        decode step (its shape's graph), after a checkpoint of the state before it."""
-        ids, run, P = torch.tensor(prompt, dtype=torch.long), self.runner, len(prompt)
-        if not self._checkpointing():
-            with run.prefill_scope():
-                return self._prefill_chunks(ids, start, P, logits=True)
-        if start < P - 1:
-            with run.prefill_scope():
-                _, H = self._prefill_chunks(ids, start, P - 1, logits=False)
-            self._add_checkpoint(P - 1, H)
-        logits, X = run.step(ids[P - 1:].to(self.model.device))
-        run.keep(1, rollback=False)
-        return logits, X[-1:] if self.opts.draft else None
+        over it -> (last row's logits, last row's residual H); a checkpoint of the prompt's end when they are on."""
+        with self.runner.prefill_scope():
+            logits, H = self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk, start)
+        if self._checkpointing():
+            self._add_checkpoint(len(prompt), logits, H)
+        return logits, H
 
-    def _prefill_chunks(self, ids: torch.Tensor, start: int, end: int, logits: bool
-                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Prefill steps over positions start..end - 1 of `ids` -> (with `logits`, the last row's logits; with
-        drafting, the last row's residual)."""
-        o, run, dev, step = self.opts, self.runner, self.model.device, self.prefill_chunk
-        out, H = None, None
-        for s in range(start, end, step):
-            chunk = ids[s:min(s + step, end)]
-            last = s + step >= end
-            out, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last and logits else
-                              torch.zeros(0, dtype=torch.long, device=dev))
+    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
+        logits, H = None, None
+        for s in range(start, P, step):
+            chunk = ids[s:s + step]
+            last = s + step >= P
+            logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
+                                 torch.zeros(0, dtype=torch.long, device=dev))
             run.keep(len(chunk), rollback=False)
             if o.draft:
                 # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
@@ -380,7 +379,7 @@ class Engine:
                 if len(nxt):
                     run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
                 H = X[-1:]
-        return out, H
+        return logits, H
 
     def _decode(self, req: _Request, tok: int, sampler: Sampler) -> None:
         """Plain decoding, pipelined: the step that consumes token j is queued (its input is the argmax, or the

@@ -233,10 +233,10 @@ class EngineOptions(KernelOptions):
                                    "copies)", arm="fused")
     prefix_cache: bool = option(True, "reuse the caches across requests: a prompt that goes on from the last "
                                 "completed request's prompt and output (a chat's next turn) prefills only its new "
-                                "tokens, one that shares a checkpointed beginning with it (the same prompt again, a "
-                                "turn whose earlier text tokenizes differently) only the tokens after that")
-    prefix_checkpoints: int = option(4, "recurrent-state copies kept for --prefix-cache, one at the next-to-last token "
-                                     "of each prompt (the attention caches need none: they keep every position)",
+                                "tokens; one that starts with a recent prompt (the same prompt again, a turn whose "
+                                "earlier reply tokenizes differently) only the tokens after it")
+    prefix_checkpoints: int = option(4, "prompt ends kept for --prefix-cache: a copy of the recurrent state after each "
+                                     "prompt, with its last logits (the attention caches keep every position)",
                                      check=in_range(0, 64), applies="--prefix-cache", metavar="N")
     draft_head: str = option("full", "LM head the drafts read (q4: a Q4_0-rounded copy; the target verifies with its "
                              "own, so only the acceptance can change)", choices=("full", "q4"), applies="with draft")

@@ -285,14 +285,14 @@ def same_rows(f: Generation, u: Generation, n: int, setup: Setup) -> tuple[bool,
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_next_turn_reuses_the_caches(setup: Setup, n: int) -> None:
     """Through CUDA graphs: a request that goes on from the last one's prompt and output prefills only its new tokens,
-    the same prompt again goes back to the checkpoint at its next-to-last token; each decodes as a fresh engine given
-    the whole prompt does (its drafts' logits too)."""
+    the same prompt again goes back to the checkpoint at its end; each decodes as a fresh engine given the whole
+    prompt does (its drafts' logits too)."""
     opts = dict(capacity=256, kv_type=setup.kv, record_logits=True)
     eng = engine(setup.gpu, draft=n, **opts)
     first = eng.generate(setup.prompt, 20).tokens
     nxt = setup.prompt + first + IDS[30:36].tolist()
     ref = engine(setup.gpu, draft=n, **opts).generate(nxt, 24)
-    for want in (len(setup.prompt) + len(first) - 1, len(nxt) - 1):
+    for want in (len(setup.prompt) + len(first) - 1, len(nxt)):
         g = eng.generate(nxt, 24)
         ok, why = same_rows(g, ref, n, setup)
         assert g.cached_tokens == want and ok, f"cached {g.cached_tokens} (want {want}); {why}"

@@ -74,17 +74,17 @@ def test_a_next_turn_prefills_only_its_new_tokens(tiny_model: Model, draft: int,
 @pytest.mark.parametrize("draft", [0, 2])
 def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model, draft: int) -> None:
     """The live sequence when the prompt goes on from the last request's prompt and output; else the furthest
-    checkpoint (one at each prompt's next-to-last token) within the prompt's common beginning with the sequence."""
+    checkpoint (each prompt's end) within the prompt's common beginning with the sequence."""
     eng = engine(tiny_model, draft)
     first = prompt_of(17, 7)
     out = eng.generate(first, 6).tokens
     other = (out[-1] + 1) % 511
     P = len(first)
     cases = [(first + out + [5], P + 5),  # the live sequence
-             (first, P - 1),  # the same prompt again: its last token runs again
-             (first + out[:-1] + [other, 5], P - 1),  # a turn whose earlier text tokenized otherwise
-             (first[:-1] + [other] + out + [5], P - 1),  # the checkpoint's own token differs: its head row too
-             (first[:9], 0), (first[:3] + [other] + first[4:], 0)]
+             (first, P),  # the same prompt again: nothing to prefill
+             (first + out[:-1] + [other, 5], P),  # a turn whose earlier reply tokenized otherwise
+             (first + [other], P),  # the head's row at the checkpoint, for another token than the first generated
+             (first[:-1] + [other] + out + [5], 0), (first[:9], 0)]
     for prompt, want in cases:
         g = eng.generate(prompt, 4)
         assert g.cached_tokens == want, prompt
@@ -105,15 +105,17 @@ def test_checkpoints_of_several_turns(tiny_model: Model) -> None:
         out = eng.generate(turns[-1], 5).tokens
         turns.append(turns[-1] + out + prompt_of(4, 21 + i))
     P = [len(t) for t in turns[:3]]
-    assert [c.pos for c in eng._checkpoints] == [P[1] - 1, P[2] - 1]
-    # a prompt that parts from the sequence inside turn 2's output: back to turn 2's checkpoint
+    assert [c.pos for c in eng._checkpoints] == [P[1], P[2]]
+    # a prompt that parts from the sequence inside turn 2's output: back to turn 2's prompt end
     back = turns[2][:P[2] + 2] + [7, 8]
     g = eng.generate(back, 4)
-    assert g.cached_tokens == P[2] - 1
+    assert g.cached_tokens == P[2] and [c.pos for c in eng._checkpoints] == [P[1], P[2], len(back)][-2:]
     assert_same_decoding(g, engine(tiny_model, 2).generate(back, 4))
-    # inside turn 1's prompt: turn 1's checkpoint was dropped (two kept), turn 0's too: from the start
-    g = eng.generate(turns[1][:P[1] - 3] + [9], 4)
-    assert g.cached_tokens == 0 and [c.pos for c in eng._checkpoints] == [P[1] - 3]
+    # turn 1 again: its checkpoint was dropped (two kept), so from the start; then again, from its end
+    for want in (0, P[1]):
+        g = eng.generate(turns[1], 4)
+        assert g.cached_tokens == want and [c.pos for c in eng._checkpoints] == [P[1]]
+        assert_same_decoding(g, engine(tiny_model, 2).generate(turns[1], 4))
 
 
 def test_a_request_stopped_midway_leaves_nothing_to_reuse(tiny_model: Model) -> None:
@@ -132,10 +134,10 @@ def test_a_request_stopped_midway_leaves_nothing_to_reuse(tiny_model: Model) -> 
     with pytest.raises(KeyboardInterrupt):
         eng.generate(first, 20, on_token=leave)
     # the tokens the caches ran, then the last token of the request that completed: not the live sequence, but the
-    # checkpoint at the prompt's next-to-last token, whatever step was under way when the request stopped
+    # checkpoint at the prompt's end, whatever step was under way when the request stopped
     prompt = eng.runner.history + [last, 4]
     g = eng.generate(prompt, 8)
-    assert g.cached_tokens == len(first) - 1
+    assert g.cached_tokens == len(first)
     assert_same_decoding(g, engine(tiny_model, 3).generate(prompt, 8))
 
 

@@ -69,12 +69,12 @@ def test_a_prompt_that_goes_on_from_the_last_one_reuses_its_caches(served) -> No
     nxt = held + tok.encode(" and then", add_special=False)
     body = client.post("/v1/completions", json={"prompt": nxt, "max_tokens": 8}).json()
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(held) - 1}
-    # the same prompt again goes back to the checkpoint at its next-to-last token
+    # the same prompt again goes back to the checkpoint at its end
     g = engine.generate(nxt, 8, sampler=Sampler(), stop_ids=set(tok.stop_ids))
-    assert g.cached_tokens == len(nxt) - 1
+    assert g.cached_tokens == len(nxt)
     assert body["choices"][0]["text"] == tok.decode(g.tokens, skip_special=True)
     body = client.post("/v1/completions", json={"prompt": nxt, "max_tokens": 8}).json()
-    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(nxt) - 1}
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(nxt)}
 
 
 def _stream(client: TestClient, payload: dict) -> tuple[str, list[dict]]:

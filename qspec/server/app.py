@@ -5,8 +5,9 @@ The engine decodes one sequence at a time, so requests wait their turn on a lock
 run in worker threads, and the event loop stays free to stream tokens and answer health checks. A request whose
 client goes away (streamed or not, queued or running) ends at the next token; one that meets a stop string ends
 at the end of that round. The engine keeps its caches for the next request (a chat's next turn, which repeats the
-conversation, then prefills only its new tokens; Engine.cached_prefix): one stopped mid-round leaves only the
-checkpoints of the sequence, which describe it whatever step was under way. Every error answers with OpenAI's error body (qspec/server/errors.py).
+conversation, then prefills only its new tokens; Engine.cached_prefix): one stopped mid-round leaves only its
+checkpoints (prompt ends), valid whatever step was under way. Every error answers with OpenAI's error body
+(qspec/server/errors.py).
 """
 
 from __future__ import annotations
