@@ -378,6 +378,55 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
+# ---- qspec chat ------------------------------------------------------------------------------------------------------
+def cmd_chat(a: argparse.Namespace) -> int:
+    """A conversation on the terminal: each line read from stdin is a user turn, the reply streams to stdout. Every
+    turn renders the whole conversation through the chat template, and the engine prefills only what its caches do
+    not hold (EngineOptions.prefix_cache): the new turn, and the last reply where it tokenizes differently."""
+    samp = _sampling_options(a)
+    opts = _engine_options(a)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+
+    def first_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:  # what a stand-in compiles for while loading
+        return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
+
+    _, tok, engine = _load(a, opts, first_ids)
+    sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
+                      generator=torch.Generator().manual_seed(samp.seed))
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            _say("> ", file=sys.stderr)
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        text = line.rstrip("\n")
+        bad = prompt_text_error(text)
+        if bad is not None or not text.strip():
+            if bad is not None:
+                _say(f"qspec: the message {bad}; not sent")
+            continue
+        ids = tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": text}]), add_special=True)
+        need = cells_needed(len(ids), samp.max_tokens, opts.draft)
+        if need > opts.capacity:
+            raise UsageError("the conversation no longer fits the context: "
+                             + context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
+                                             names=_REQUEST_NAMES))
+        reply = _chat_turn(engine, tok, ids, samp.max_tokens, sampler)
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+
+
+def _chat_turn(engine: Engine, tok: Tokenizer, ids: list[int], max_tokens: int, sampler: Sampler) -> str:
+    """One reply, streamed to stdout, its counts to stderr -> its text."""
+    stream = tok.stream(skip_special=True)
+    g = engine.generate(ids, max_tokens, sampler=sampler, stop_ids=set(tok.stop_ids),
+                        on_token=lambda t: _write_text(sys.stdout, stream.push(t)))
+    _write_text(sys.stdout, stream.flush() + "\n")
+    _say(f"[{g.prompt_tokens} prompt tokens, {g.cached_tokens} of them reused; prefill {g.prefill_s:.2f} s; "
+         f"{len(g.tokens)} tokens at {g.decode_tps:.1f} tok/s; stop: {g.stop_reason}]")
+    return tok.decode(g.tokens, skip_special=True)
+
+
 def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
     """The server's warm-up prompt."""
     return tok.encode("Hello", add_special=True) or [0]
@@ -565,6 +614,13 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     add_arguments(r, SamplingOptions)
     _add_engine_args(r)
     r.set_defaults(func=cmd_run, compile=None)  # None: decided by --max-tokens (cmd_run)
+
+    ch = sub.add_parser("chat", help="a conversation on the terminal: each line of stdin is a user turn (the engine "
+                                     "reuses the earlier turns' caches)")
+    ch.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")
+    add_arguments(ch, SamplingOptions)
+    _add_engine_args(ch)
+    ch.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")
     sv.add_argument("--host", default="127.0.0.1")

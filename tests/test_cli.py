@@ -3,8 +3,10 @@ both: identical logits), logits, the embedded default model, and one clear line 
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -443,3 +445,23 @@ def test_gguf_tokenizer_cache(models: dict[str, Path], monkeypatch: pytest.Monke
     ids = first.encode(text)
     assert second.encode(text) == ids and second.decode(ids) == first.decode(ids)
     assert second.stop_ids == first.stop_ids and second.eos_id == first.eos_id
+
+
+def test_chat_reuses_the_earlier_turns(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stdin line is a user turn (an empty one is skipped); every turn after the first prefills only what follows
+    the caches' sequence: at least the whole first prompt is reused. A conversation that outgrows the context ends
+    with one error line."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\nand then?\n"))
+    rc, out, err = run(capsys, "chat", "--model", str(models["gguf"]), "--system", "be brief", "--max-tokens", "4",
+                       "--draft", "2", "--ctx", "256", "--exact")
+    assert rc == 0, err
+    turns = [(int(p), int(r)) for p, r in re.findall(r"\[(\d+) prompt tokens, (\d+) of them reused", err)]
+    tok = load_tokenizer(models["gguf"])
+    first = tok.encode(tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                                {"role": "user", "content": "hi"}]))
+    assert len(turns) == 2 and turns[0] == (len(first), 0) and len(first) <= turns[1][1] < turns[1][0], turns
+    assert out.count("\n") >= 2
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand then?\n"))
+    rc, _, err = run(capsys, "chat", "--model", str(models["gguf"]), "--max-tokens", "20", *FAST)
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("qspec: error: the conversation no longer fits"), err
