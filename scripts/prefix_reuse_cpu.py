@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import statistics
 import subprocess
 import sysconfig
@@ -90,7 +91,8 @@ def main() -> None:
     for i, (label, n, reused, _, _) in enumerate(runs[0]):
         off = statistics.median(r[i][3] for r in runs)
         on = statistics.median(r[i][4] for r in runs)
-        lines.append(f"| {label} | {n:,} | {reused:,} | {off:.4f} | {on:.4f} | ×{off / on:.1f} |")
+        ratio = math.floor(off / on * 100) / 100  # truncated, not rounded up
+        lines.append(f"| {label} | {n:,} | {reused:,} | {off:.4f} | {on:.4f} | ×{ratio:.2f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
