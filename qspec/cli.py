@@ -1,6 +1,7 @@
 """The `qspec` command: `run` (generate, streaming), `serve` (an HTTP completions API), `make-model` (random-weight
-models), `logits` (one prefill forward, full-vocabulary logits), `draft-vocab` (the token ids the draft head may
-propose, counted over text), and `bench` when `qspec.bench.cli` provides it.
+models), `logits` (one prefill forward, full-vocabulary logits), `perplexity` (over a text file), `chat` (a
+conversation on the terminal), `draft-vocab` (the token ids the draft head may propose, counted over text), and
+`bench` when `qspec.bench.cli` provides it.
 
 Every user error (missing or bad model file, prompt too long, bad numbers) prints one line
 `qspec: error: ...` on stderr and returns 2; only bugs show a traceback.
@@ -52,6 +53,7 @@ from qspec.options import (
     from_args,
     prompt_text_error,
 )
+from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
@@ -545,6 +547,35 @@ def cmd_logits(a: argparse.Namespace) -> int:
     return 0
 
 
+# ---- qspec perplexity ------------------------------------------------------------------------------------------------
+def cmd_perplexity(a: argparse.Namespace) -> int:
+    dev = _device(a.device)
+    path = _model_path(a.model)
+    try:
+        text = Path(a.file).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--file {a.file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    tok = load_tokenizer(path)
+    ids = tok.encode(text, add_special=False)
+    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False,
+                       quantize=a.quantize)
+    _say(f"qspec: {path.name}: {model.weights_summary}")
+    _say(f"qspec: {len(ids):,} tokens, {len(ids) // a.ctx:,} chunks of {a.ctx} (the second half of each scored)")
+    try:
+        r = perplexity(model, ids, a.ctx, a.chunks,
+                       on_chunk=lambda i, p: _say(f"[{i + 1}] {p:.4f}"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(f"perplexity {r.ppl:.4f} +/- {r.stderr:.4f} over {r.tokens:,} tokens ({r.chunks} chunks of {a.ctx}), "
+          f"{r.tokens / r.seconds:.1f} tokens scored/s", flush=True)
+    if a.json:
+        doc = {"model": str(path), "file": str(a.file), "ctx": a.ctx, "ppl": r.ppl, "stderr": r.stderr,
+               "tokens": r.tokens, "chunks": r.chunks, "seconds": r.seconds, "running": r.running,
+               "weights": model.weights_summary, "device": dev.type}
+        Path(a.json).write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    return 0
+
+
 # ---- qspec draft-vocab -----------------------------------------------------------------------------------------------
 def cmd_draft_vocab(a: argparse.Namespace) -> int:
     if a.size < 1:
@@ -661,6 +692,18 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     lg.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     lg.add_argument("--dtype", choices=tuple(DTYPES))
     lg.set_defaults(func=cmd_logits)
+
+    pp = sub.add_parser("perplexity", help="perplexity over a text file, as llama-perplexity measures it (chunks of "
+                                           "--ctx tokens, the second half of each scored)")
+    pp.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (default: the trained demo model)")
+    pp.add_argument("--file", required=True, help="UTF-8 text")
+    pp.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default %(default)s, llama.cpp's)")
+    pp.add_argument("--chunks", type=int, metavar="N", help="score the first N chunks only")
+    pp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    pp.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
+    pp.add_argument("--quantize", choices=("q4_k", "q8_0", "q4_0"), help="quantize an HF checkpoint's matrices at load")
+    pp.add_argument("--json", metavar="FILE", help="write the result (and the estimate after each chunk) as JSON")
+    pp.set_defaults(func=cmd_perplexity)
 
     dv = sub.add_parser("draft-vocab", help="count the tokens of text files and write the most frequent ids as a "
                         "draft vocabulary (for run/serve --draft-vocab FILE)")
