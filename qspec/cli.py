@@ -636,7 +636,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     parser = _Parser(prog="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next (qwen4exp).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_generation_commands(sub)
+    _add_model_tools(sub)
+    # `qspec bench` belongs to qspec.bench.cli: add_parser(subparsers) registers it and sets `func`.
+    if with_bench and importlib.util.find_spec("qspec.bench.cli") is not None:
+        bench = importlib.import_module("qspec.bench.cli")
+        if hasattr(bench, "add_parser"):
+            bench.add_parser(sub)
+    return parser
 
+
+def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
+    """run, chat, serve: the engine's flags, and sampling's for run and chat."""
     r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
     r.add_argument("prompt")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
@@ -662,6 +673,9 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     _add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 
+
+def _add_model_tools(sub: argparse._SubParsersAction) -> None:
+    """make-model, logits, perplexity, draft-vocab."""
     m = sub.add_parser("make-model", help="write a random-weight model (seed-deterministic)",
                        description="--format both writes OUT.gguf and the HF dir OUT-hf/.")
     m.add_argument("out", metavar="OUT")
@@ -712,13 +726,6 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     dv.add_argument("--out", "-o", required=True, metavar="FILE")
     dv.add_argument("--model", help="whose tokenizer counts (default: the embedded model's)")
     dv.set_defaults(func=cmd_draft_vocab)
-
-    # `qspec bench` belongs to qspec.bench.cli: add_parser(subparsers) registers it and sets `func`.
-    if with_bench and importlib.util.find_spec("qspec.bench.cli") is not None:
-        bench = importlib.import_module("qspec.bench.cli")
-        if hasattr(bench, "add_parser"):
-            bench.add_parser(sub)
-    return parser
 
 
 def _wants_bench(argv: list[str]) -> bool:
