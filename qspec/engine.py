@@ -15,8 +15,9 @@ A request that completes leaves the caches holding its prompt and output (the ta
 emitted one, the draft head that one's row too), so a next prompt that goes on from them prefills only its new
 tokens. The attention caches keep every position, so a prompt that shares only a beginning with the sequence can go
 back to any position where a copy of the recurrent state was kept: the engine keeps one at the end of each prompt,
-with that prompt's last logits, so the same prompt again needs no prefill at all (`Engine.cached_prefix`;
-EngineOptions.prefix_cache, prefix_checkpoints).
+with that prompt's last logits, so the same prompt again needs no prefill at all. A completed sequence that another
+request displaces moves to host memory, and a later prompt that goes on from it loads it back (`Engine.cached_prefix`;
+EngineOptions.prefix_cache, prefix_checkpoints, prefix_sessions).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
 from qspec.model import fuse
-from qspec.model.model import Model
+from qspec.model.model import Model, SavedPrefix
 from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
@@ -80,6 +81,15 @@ class _Checkpoint:
     state: list[torch.Tensor]
     logits: torch.Tensor
     h: torch.Tensor | None
+
+
+@dataclass
+class _Session:
+    """A completed request's sequence in host memory: its committed tokens, the last emitted token (whose draft-head
+    row is saved too) and the caches' copy."""
+    tokens: list[int]
+    last: int
+    saved: SavedPrefix
 
 
 @dataclass
@@ -190,6 +200,7 @@ class Engine:
         # fails or is stopped midway leaves caches that describe no sequence) and after a request that did not complete.
         self._held_last: int | None = None
         self._checkpoints: list[_Checkpoint] = []  # by position, each a prefix of the runner's history
+        self._sessions: list[_Session] = []  # displaced completed sequences, the most recent last
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -256,9 +267,11 @@ class Engine:
         return self.opts.prefix_cache and self.opts.prefix_checkpoints > 0
 
     def cached_prefix(self, prompt: list[int]) -> int:
-        """How many of the prompt's first tokens the caches hold already (EngineOptions.prefix_cache); the rest of
-        the prompt prefills after them."""
-        return self._resume_point(prompt)[0]
+        """How many of the prompt's first tokens the caches hold already, live or saved (EngineOptions.prefix_cache);
+        the rest of the prompt prefills after them."""
+        cached = self._resume_point(prompt)[0]
+        session = self._session_for(prompt, cached)
+        return cached if session is None else session.saved.n
 
     def _resume_point(self, prompt: list[int]) -> tuple[int, _Checkpoint | None]:
         """Where the prompt can go on from: all the last request committed when it completed, if the prompt goes on
@@ -277,6 +290,22 @@ class Engine:
                                                                                                    len(prompt)))
         usable = [cp for cp in self._checkpoints if cp.pos <= common]
         return (usable[-1].pos, usable[-1]) if usable else (0, None)
+
+    def _session_for(self, prompt: list[int], cached: int) -> _Session | None:
+        """The saved sequence the prompt goes on from (its tokens, then its last emitted one, then at least one
+        more) that holds more of it than the `cached` tokens the live caches do, or None."""
+        fits = [s for s in self._sessions if len(prompt) > len(s.tokens) > cached
+                and prompt[len(s.tokens)] == s.last and prompt[:len(s.tokens)] == s.tokens]
+        return max(fits, key=lambda s: len(s.tokens), default=None)
+
+    def _park(self) -> None:
+        """Move the live sequence to host memory if a request completed it (the oldest beyond prefix_sessions
+        dropped)."""
+        if not self.opts.prefix_cache or not self.opts.prefix_sessions or self._held_last is None:
+            return
+        run = self.runner
+        self._sessions.append(_Session(run.history[:], self._held_last, run.cache.save_prefix(run.n_tokens)))
+        del self._sessions[:-self.opts.prefix_sessions]
 
     def _rewind(self, cp: _Checkpoint, prompt: list[int]) -> None:
         """Go back to checkpoint `cp` for `prompt`: the sequence's tokens after it are forgotten, with the
@@ -300,8 +329,16 @@ class Engine:
                   on_token: Callable[[int], None] | None) -> Generation:
         o, run = self.opts, self.runner
         cached, cp = self._resume_point(prompt)
+        session = self._session_for(prompt, cached)
+        if session is not None:
+            self._sessions.remove(session)  # before the live sequence takes its place in the list
+        if session is not None or cp is not None or not cached:
+            self._park()  # the live sequence is cut or replaced
         self._held_last = None  # until this request completes
-        if cp is not None:
+        if session is not None:
+            run.load_sequence(session.tokens, session.saved)
+            self._checkpoints, cached = [], session.saved.n
+        elif cp is not None:
             self._rewind(cp, prompt)
         elif not cached:
             self._checkpoints = []  # the sequence starts over

@@ -21,7 +21,7 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, moe, ops
-from qspec.model.model import CacheOptions, Model, ModelCache
+from qspec.model.model import CacheOptions, Model, ModelCache, SavedPrefix
 from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
 from qspec.options import EngineOptions
@@ -174,6 +174,13 @@ class Runner:
             lay.retain(c.cells, 0, n, -1)
         self.n_tokens = n
         self._history = self.history[:n]
+
+    def load_sequence(self, tokens: list[int], saved: SavedPrefix) -> None:
+        """Make a saved sequence (ModelCache.save_prefix of these committed tokens) the cache's."""
+        if len(tokens) != saved.n:
+            raise ValueError(f"{len(tokens)} tokens for a saved sequence of {saved.n}")
+        self.cache.load_prefix(saved)
+        self.n_tokens, self._history, self._unread = saved.n, list(tokens), []
 
     @property
     def history(self) -> list[int]:

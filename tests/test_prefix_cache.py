@@ -74,8 +74,9 @@ def test_a_next_turn_prefills_only_its_new_tokens(tiny_model: Model, draft: int,
 @pytest.mark.parametrize("draft", [0, 2])
 def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model, draft: int) -> None:
     """The live sequence when the prompt goes on from the last request's prompt and output; else the furthest
-    checkpoint (each prompt's end) within the prompt's common beginning with the sequence."""
-    eng = engine(tiny_model, draft)
+    checkpoint (each prompt's end) within the prompt's common beginning with the sequence (no saved sequences here:
+    those are test_displaced_sequences_are_loaded_back's)."""
+    eng = engine(tiny_model, draft, prefix_sessions=0)
     first = prompt_of(17, 7)
     out = eng.generate(first, 6).tokens
     other = (out[-1] + 1) % 511
@@ -90,7 +91,7 @@ def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model,
         assert g.cached_tokens == want, prompt
         assert_same_decoding(g, engine(tiny_model, draft).generate(prompt, 4))
         eng.generate(first, 6)  # the caches hold first + out again
-    for opts, want in ((dict(prefix_checkpoints=0), (P + 5, 0)), (dict(prefix_cache=False), (0, 0))):
+    for opts, want in ((dict(prefix_checkpoints=0, prefix_sessions=0), (P + 5, 0)), (dict(prefix_cache=False), (0, 0))):
         off = engine(tiny_model, draft, **opts)
         out = off.generate(first, 6).tokens
         assert off.generate(first + out + [5], 4).cached_tokens == want[0]
@@ -99,7 +100,7 @@ def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model,
 
 def test_checkpoints_of_several_turns(tiny_model: Model) -> None:
     """A checkpoint per turn, the oldest dropped beyond prefix_checkpoints; going back to one drops those past it."""
-    eng = engine(tiny_model, 2, prefix_checkpoints=2)
+    eng = engine(tiny_model, 2, prefix_checkpoints=2, prefix_sessions=0)
     turns = [prompt_of(15, 20)]
     for i in range(3):  # three turns, each going on from the last
         out = eng.generate(turns[-1], 5).tokens
@@ -183,3 +184,28 @@ def test_a_plain_stretch_at_the_end_keeps_the_draft_heads_rows(tiny_model: Model
     fresh = auto()
     fresh.depth.force = 2
     assert_same_decoding(g, fresh.generate(nxt, 9))
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_displaced_sequences_are_loaded_back(tiny_model: Model, draft: int) -> None:
+    """Users taking turns: each conversation's next turn goes on from its own last request, which another user's
+    request displaced to host memory; the oldest beyond prefix_sessions is dropped."""
+    eng = engine(tiny_model, draft, prefix_sessions=2)
+    convs = {name: prompt_of(13 + i, 40 + i) for i, name in enumerate("abc")}
+    for name in "abc":  # a first turn each: every one displaces the one before
+        convs[name] += eng.generate(convs[name], 5).tokens
+    assert [len(x.tokens) for x in eng._sessions] == [len(convs["a"]) - 1, len(convs["b"]) - 1]
+    for name, want in (("b", True), ("a", True), ("c", True), ("b", True)):
+        prompt = convs[name] + prompt_of(3, 50)
+        g = eng.generate(prompt, 6)
+        assert g.cached_tokens == (len(convs[name]) - 1 if want else 0), name
+        assert_same_decoding(g, engine(tiny_model, draft).generate(prompt, 6))
+        convs[name] = prompt + g.tokens
+    # the live sequence is b's; a's and c's were displaced last (b's, displaced before them, was loaded back)
+    assert [x.tokens[:5] for x in eng._sessions] == [convs["a"][:5], convs["c"][:5]]
+    g = eng.generate(convs["a"] + [7], 3)
+    assert g.cached_tokens == len(convs["a"]) - 1
+    off = engine(tiny_model, draft, prefix_sessions=0)
+    first = off.generate(convs["a"][:13], 5).tokens
+    off.generate(convs["b"][:14], 5)
+    assert off.generate(convs["a"][:13] + first + [7], 3).cached_tokens == 0

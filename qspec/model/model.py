@@ -6,6 +6,7 @@ path for prefill, plain decoding and speculative verification.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from qspec.model.ops import Weight, embed_rows, linear, rope_tables
 from qspec.model.ple import PLE, DeviceRowTable, RowTable
 from qspec.model.qsa import PooledUpdate, QSAAttention
 from qspec.state.cells import CellTable
-from qspec.state.indexer_cache import IndexerCache, PooledLayout
+from qspec.state.indexer_cache import Descriptors, IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 from qspec.weights.gguf_io import HostRowTable
@@ -87,6 +88,19 @@ class CacheOptions:
 
 
 @dataclass
+class SavedPrefix:
+    """Host copies of a sequence's first n tokens in every cache (ModelCache.save_prefix)."""
+    n: int
+    rows: list[torch.Tensor]  # the first rows of every cell-indexed buffer, pooled keys included
+    rec: list[torch.Tensor]  # RecurrentCache.save
+    retained: dict[int, Descriptors]  # each pooled-key layout's valid blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows + self.rec)
+
+
+@dataclass
 class ModelCache:
     """Every piece of state of one sequence: KV, indexer raw/pooled keys, recurrent slots, cell table."""
     opts: CacheOptions
@@ -108,6 +122,33 @@ class ModelCache:
         for lay in self.layouts.values():
             lay.reset()
         self.snap_stats = SnapshotStats()
+
+    def _indexed(self, n: int) -> list[tuple[torch.Tensor, int]]:
+        """(buffer, rows) of every buffer indexed by cell or by pooled block that describes the first n tokens: the
+        attention and indexer cells, the complete blocks' pooled keys, and the draft head's cells up to n inclusive
+        (its row at n belongs to the token after them)."""
+        out = [(b, n) for kv in self.kv.values() for b in kv.buffers()]
+        out += [(b, rows) for ix in self.idx.values() for b, rows in ((ix.raw, n), (ix.pooled, n // ix.ratio))]
+        if self.mtp_kv is not None:
+            out += [(b, min(n + 1, self.opts.capacity)) for b in self.mtp_kv.buffers()]
+        return out
+
+    def save_prefix(self, n: int) -> SavedPrefix:
+        """Host copies of what describes the sequence's first n tokens (as committed: the recurrent state must be
+        theirs), for `load_prefix` after other sequences have used the cache."""
+        rows = [b[:k].to("cpu", copy=True) for b, k in self._indexed(n)]
+        return SavedPrefix(n, rows, [t.to("cpu", copy=True) for t in self.rec.save()],
+                           {r: copy.deepcopy(lay.retained) for r, lay in self.layouts.items()})
+
+    def load_prefix(self, saved: SavedPrefix) -> None:
+        """Make a saved prefix the sequence: every cache holds its n tokens again, and nothing after them."""
+        self.clear()
+        for (b, k), s in zip(self._indexed(saved.n), saved.rows, strict=True):
+            b[:k].copy_(s)
+        self.rec.restore(saved.rec)
+        self.cells.write(0, saved.n)
+        for r, lay in self.layouts.items():
+            lay.retained = copy.deepcopy(saved.retained[r])
 
     def new_counters(self) -> None:
         """Zero the counters a request reports (pooled-key layouts, conv snapshots), keeping the sequence."""

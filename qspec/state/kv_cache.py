@@ -67,6 +67,9 @@ class KVCache:
             return self.k_scale, self.v_scale
         return None, None
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer, each indexed by cell along its first axis."""
+        return [self.k, self.v] + ([self.k_scale, self.v_scale] if self.cache_type == "q8_0" else [])
+
     def nbytes(self) -> int:
-        t = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.cache_type == "q8_0" else [])
-        return sum(x.numel() * x.element_size() for x in t)
+        return sum(x.numel() * x.element_size() for x in self.buffers())
