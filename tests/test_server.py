@@ -77,6 +77,32 @@ def test_a_prompt_that_goes_on_from_the_last_one_reuses_its_caches(served) -> No
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(nxt)}
 
 
+def test_n_choices_one_after_the_other(served) -> None:  # noqa: ANN001
+    """n choices: choice i samples with seed + i (greedy: all alike), each after the first finding the prompt in the
+    caches; usage counts every choice's tokens. Streamed: each choice's chunks, its finish, the usage at the end."""
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "n": 3, "temperature": 1.0,
+                                                "seed": 7}).json()
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and len(set(texts)) > 1, body
+    for i, text in enumerate(texts):  # each choice as a request of its own with the seed + i
+        one = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0,
+                                                   "seed": 7 + i}).json()
+        assert one["choices"][0]["text"] == text
+    assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == len(ids)
+    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                              "max_tokens": 5, "n": 2, "stream": True}) as r:
+        events = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    by_index: dict[int, list[dict]] = {0: [], 1: []}
+    for e in events:
+        by_index[e["choices"][0]["index"]].append(e["choices"][0])
+    for chunks in by_index.values():
+        assert chunks[0]["delta"].get("role") == "assistant" and chunks[-1]["finish_reason"] == "length"
+    text = ["".join(c["delta"].get("content", "") for c in by_index[i]) for i in (0, 1)]
+    assert text[0] == text[1] and "usage" in events[-1] and events[-1]["usage"]["completion_tokens"] == 10
+
+
 def _stream(client: TestClient, payload: dict) -> tuple[str, list[dict]]:
     with client.stream("POST", "/v1/completions", json=payload | {"stream": True}) as r:
         assert r.status_code == 200
@@ -118,7 +144,10 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": PROMPT, "stop": [""]}, 400, "stop"),
     ({"prompt": PROMPT, "model": "other"}, 404, "'other'"),
     ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": PROMPT, "n": 2}, 400, "n: "),
+    ({"prompt": PROMPT, "n": 17}, 400, "n must be <= 16"),
+    ({"prompt": PROMPT, "n": 0}, 400, "n must be >= 1"),
+    ({"prompt": PROMPT, "n": "2"}, 400, "n "),
+    ({"prompt": PROMPT, "best_of": 2}, 400, "best_of: "),
     ({"prompt": PROMPT, "logprobs": 5}, 400, "logprobs: "),
     ({"prompt": PROMPT, "echo": True}, 400, "echo: "),
 ])

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -132,11 +133,12 @@ class CompletionServer:
         return ids, max_tokens
 
     def generate(self, req: Sampling, ids: list[int], max_tokens: int, run: _Run,
-                 emit: Callable[[str], None] | None = None) -> Generation | None:
-        """Blocking: decode with the engine, passing visible text pieces to `emit` (worker thread).
-        None when the client left before the end."""
+                 emit: Callable[[str], None] | None = None, index: int = 0) -> Generation | None:
+        """Blocking: decode choice `index` with the engine (its sampling seed the request's + index), passing visible
+        text pieces to `emit` (worker thread). None when the client left before the end."""
+        seed = (req.seed if req.seed is not None else 0) + index
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
-                          generator=torch.Generator().manual_seed(req.seed if req.seed is not None else 0))
+                          generator=torch.Generator().manual_seed(seed % (1 << 64)))
         stream = self.tok.stream(skip_special=True)
 
         def show(piece: str) -> None:
@@ -169,23 +171,23 @@ class CompletionServer:
                 run.finish = "stop"
         return g
 
-    def usage(self, ids: list[int], run: _Run, g: Generation | None) -> dict[str, Any]:
-        """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held from the request before
-        (EngineOptions.prefix_cache), which were not prefilled again."""
-        return {"prompt_tokens": len(ids), "completion_tokens": run.n_tokens,
-                "total_tokens": len(ids) + run.n_tokens,
-                "prompt_tokens_details": {"cached_tokens": g.cached_tokens if g is not None else 0}}
+    def usage(self, ids: list[int], runs: list[_Run], gens: list[Generation]) -> dict[str, Any]:
+        """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held before the request
+        (EngineOptions.prefix_cache), which were not prefilled (the first choice's: the others find it all)."""
+        done = sum(r.n_tokens for r in runs)
+        return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done,
+                "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens if gens else 0}}
 
 
-def _stats(g: Generation | None) -> dict[str, Any]:
-    """The `qspec` object: the first token comes from the prefill, so the decode rate counts the tokens after it
-    (null when there are none)."""
-    if g is None:
+def _stats(gens: list[Generation]) -> dict[str, Any]:
+    """The `qspec` object over the choices: each choice's first token comes from its prefill, so the decode rate
+    counts the tokens after it (null when there are none); prefill_s: the first choice's."""
+    if not gens:
         return {}
-    after_first = len(g.tokens) - 1
-    tps = after_first / g.decode_s if after_first > 0 and g.decode_s > 0 else None
-    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": g.prefill_s,
-                      "drafted": g.spec.drafted, "accepted": g.spec.accepted}}
+    after_first, seconds = sum(len(g.tokens) - 1 for g in gens), sum(g.decode_s for g in gens)
+    tps = after_first / seconds if after_first > 0 and seconds > 0 else None
+    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": gens[0].prefill_s,
+                      "drafted": sum(g.spec.drafted for g in gens), "accepted": sum(g.spec.accepted for g in gens)}}
 
 
 class _Text:
@@ -193,8 +195,8 @@ class _Text:
     prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
 
 class _Chat:
@@ -202,12 +204,12 @@ class _Chat:
     prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool) -> dict:
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0) -> dict:
         if not streamed:
-            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                     "finish_reason": finish}
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -292,55 +294,80 @@ async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T
 
 async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tokens: int,
                    fmt: type[_Text] | type[_Chat], request: Request):  # noqa: ANN202
-    """Generate for one request: a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
-    run = _Run(stop_strings(req.stop))
+    """Generate for one request, its `n` choices one after the other (each after the first finds the prompt in the
+    caches): a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
+    first = _Run(stop_strings(req.stop))
+    # one `cancelled` for all: the client leaving stops the choice under way and the ones after it
+    runs = [first] + [_Run(first.stops, cancelled=first.cancelled) for _ in range(req.n - 1)]
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
-    def body(obj: str, choice: dict, g: Generation | None = None, done: bool = False) -> dict:
-        return head | {"object": obj, "choices": [choice]} | (
-            {"usage": srv.usage(ids, run, g)} | _stats(g) if done else {})
+    def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
+        done = {} if gens is None else {"usage": srv.usage(ids, runs, gens)} | _stats(gens)
+        return head | {"object": obj, "choices": choices} | done
+
+    def all_choices(emit: Callable[[int, str | None], None] | None = None) -> list[Generation] | None:
+        """Blocking: every choice in turn; emit(index, piece), and emit(index, None) at each choice's end."""
+        gens = []
+        for i, run in enumerate(runs):
+            g = srv.generate(req, ids, max_tokens, run, None if emit is None else partial(emit, i), i)
+            if g is None:
+                return None
+            gens.append(g)
+            if emit is not None:
+                emit(i, None)
+        return gens
 
     if not req.stream:
-        watcher = asyncio.create_task(_watch_disconnect(request, run))
+        watcher = asyncio.create_task(_watch_disconnect(request, first))
         try:
-            g = await _in_worker(srv, run, lambda: srv.generate(req, ids, max_tokens, run))
+            gens = await _in_worker(srv, first, all_choices) or []
         finally:
             watcher.cancel()
-        return body(fmt.whole, fmt.choice(run.text, run.finish, False, True), g, done=True)
+        choices = [fmt.choice(r.text, r.finish, False, True, i) for i, r in enumerate(runs)]
+        return body(fmt.whole, choices, gens)
+    return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")
 
+
+async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable, body: Callable,
+                  fmt: type[_Text] | type[_Chat]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed request: each choice's pieces, then a chunk with its finish reason (the
+    last one with the usage), or an error event; Starlette cancels this generator when the client leaves, and
+    _in_worker then stops the worker."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[str | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str | None] | None] = asyncio.Queue()
 
-    def emit(piece: str) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, piece)
+    def emit(index: int, piece: str | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
 
-    def work() -> Generation | None:
+    def work() -> list[Generation] | None:
         try:
-            return srv.generate(req, ids, max_tokens, run, emit)
+            return all_choices(emit)
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
-    async def events() -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client leaves; _in_worker then stops the worker.
-        task = asyncio.create_task(_in_worker(srv, run, work))
-        try:
-            first = True
-            while (piece := await queue.get()) is not None:
-                yield f"data: {json.dumps(body(fmt.chunk, fmt.choice(piece, None, True, first)))}\n\n"
-                first = False
-            g = await task
-            yield f"data: {json.dumps(body(fmt.chunk, fmt.choice('', run.finish, True, first), g, True))}\n\n"
-        except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
-            log.error("error while streaming a response", exc_info=e)
-            err = error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
-            yield f"data: {json.dumps(err)}\n\n"
-        finally:
-            run.cancelled.set()  # when the client left mid-stream: the worker stops at its next token
-            if not task.done():
-                await asyncio.wait([task])
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+    task = asyncio.create_task(_in_worker(srv, runs[0], work))
+    last = len(runs) - 1
+    try:
+        started: set[int] = set()
+        while (item := await queue.get()) is not None:
+            i, piece = item
+            if piece is None and i == last:
+                continue  # the last choice's end comes with the usage, below
+            choice = fmt.choice(piece or "", None if piece is not None else runs[i].finish, True, i not in started, i)
+            started.add(i)
+            yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
+        gens = await task
+        end = fmt.choice("", runs[last].finish, True, last not in started, last)
+        yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
+    except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
+        log.error("error while streaming a response", exc_info=e)
+        err = error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
+        yield f"data: {json.dumps(err)}\n\n"
+    finally:
+        runs[0].cancelled.set()  # when the client left mid-stream: the worker stops at its next token
+        if not task.done():
+            await asyncio.wait([task])
+    yield "data: [DONE]\n\n"
 
 
 # ---- serving ------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (`n` > 1, penalties, logit biases, log-probabilities, tools, structured output,
-`echo`) are accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
+that this engine cannot honour (penalties, logit biases, log-probabilities, tools, structured output, `echo`,
+`best_of`) are accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
 of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
 carry) is refused rather than replaced, so the model never sees text the client did not send.
 """
@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+# the most choices a request may ask for: each is a generation of its own (the prompt's prefill is shared)
+MAX_CHOICES = 16
 
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "this server returns one choice per request"),
-    "best_of": ((None, 1), "this server returns one choice per request"),
+    "best_of": ((None, 1), "choices are returned as generated, not ranked (use n)"),
     "presence_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "logit_bias": ((None, {}), "logit biases are not implemented"),
@@ -71,12 +72,12 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None  # the last event carries `usage` whatever it says
     user: str | None = None  # names the caller in OpenAI's logs; nothing to do here
-    n: Any = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True)  # choices, generated one after the other
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
 
-    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
                      "best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call",
                      "response_format", check_fields=False)
     @classmethod
