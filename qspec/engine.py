@@ -11,13 +11,8 @@ One speculative round, with committed tokens t_0..t_L (t_L not yet run by the ta
   extend  MTP rows (committed token_{L+1+j}, H_{L+j}) rewrite the head's cache with the target's
           residuals and yield the next round's first draft.
 
-A request that completes leaves the caches holding its prompt and output (the target every token but the last
-emitted one, the draft head that one's row too), so a next prompt that goes on from them prefills only its new
-tokens. The attention caches keep every position, so a prompt that shares only a beginning with the sequence can go
-back to any position where a copy of the recurrent state was kept: the engine keeps one at the end of each prompt,
-with that prompt's last logits, so the same prompt again needs no prefill at all. A completed sequence that another
-request displaces moves to host memory, and a later prompt that goes on from it loads it back (`Engine.cached_prefix`;
-EngineOptions.prefix_cache, prefix_checkpoints, prefix_sessions).
+A request starts where the caches already hold the most of its prompt (qspec/prefix.py): the sequence a request
+left, a prompt end's checkpoint, or a sequence moved to host memory; the rest of the prompt prefills.
 """
 
 from __future__ import annotations
@@ -35,15 +30,15 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.kernels.triton_common import triton_enabled
 from qspec.memory import check_cache_fits
 from qspec.model import fuse
-from qspec.model.model import Model, SavedPrefix
+from qspec.model.model import Model
 from qspec.model.mtp import DraftHead, q4_head
 from qspec.options import EngineOptions, KernelOptions
+from qspec.prefix import PrefixCache
 from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
 from qspec.spec.stats import SpecStats
-from qspec.state.recurrent import RecurrentCache
 
 # Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
 # its own with graphs), and the rows of each of its steps at a stretch's end when no graph runs them (with graphs: the
@@ -70,26 +65,6 @@ BLOCK_PREFILL_CHUNK = 4096
 def prefill_chunk_for(model: Model) -> int:
     """The prefill step length for `model` when EngineOptions.prefill_chunk is None."""
     return BLOCK_PREFILL_CHUNK if any(m.blocks_only for m in model.moe) else PREFILL_CHUNK
-
-
-@dataclass
-class _Checkpoint:
-    """A prompt's end: the recurrent state after its `pos` tokens (RecurrentCache.save), the logits of its last row
-    and (with drafting) that row's residual, from which the draft head's row at `pos` is written for the token that
-    follows in a new prompt (or for the first generated one when the prompt is the same)."""
-    pos: int
-    state: list[torch.Tensor]
-    logits: torch.Tensor
-    h: torch.Tensor | None
-
-
-@dataclass
-class _Session:
-    """A completed request's sequence in host memory: its committed tokens, the last emitted token (whose draft-head
-    row is saved too) and the caches' copy."""
-    tokens: list[int]
-    last: int
-    saved: SavedPrefix
 
 
 @dataclass
@@ -179,7 +154,8 @@ class Engine:
         # prefill time is its own
         import torch._dynamo  # noqa: F401
         # before a cache too large for the memory is allocated
-        check_cache_fits(model, self.opts.cache_options(), reserve=self._checkpoint_bytes())
+        check_cache_fits(model, self.opts.cache_options(),
+                         reserve=PrefixCache.checkpoint_bytes(self.opts, model.cfg, model.cfg.vocab_size))
         # Row-exact MoE loops over each token's experts on the host, which a CUDA-graph capture cannot do.
         graphs = self.opts.cuda_graphs and not self.opts.exact
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
@@ -195,12 +171,7 @@ class Engine:
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
         self._precompiled = False  # the first request queued the steps' products for compilation (_precompile)
         self._ahead: Future | None = None  # those compilations, until a decode step has waited for them
-        # After a request that completed, its last emitted token: the target's caches hold every token before it (the
-        # runner's history), the draft head's cache also the row of that token. None while a request runs (one that
-        # fails or is stopped midway leaves caches that describe no sequence) and after a request that did not complete.
-        self._held_last: int | None = None
-        self._checkpoints: list[_Checkpoint] = []  # by position, each a prefix of the runner's history
-        self._sessions: list[_Session] = []  # displaced completed sequences, the most recent last
+        self.prefix = PrefixCache(self.opts, self.runner, self._write_head_row)  # what earlier requests left
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -252,97 +223,25 @@ class Engine:
 
     @property
     def held(self) -> list[int]:
-        """The tokens a next prompt starts with to reuse the caches (cached_prefix): the last request's prompt and
-        output when it completed, else none."""
-        return [] if self._held_last is None else self.runner.history + [self._held_last]
-
-    def _checkpoint_bytes(self) -> int:
-        """Device bytes the prefix checkpoints may take (a recurrent state and a row of f32 logits each)."""
-        if not self._checkpointing():
-            return 0
-        probe = RecurrentCache(self.model.cfg, 1, "meta")  # shapes only, no memory
-        return self.opts.prefix_checkpoints * (probe.plane_bytes() + 4 * self.model.cfg.vocab_size)
-
-    def _checkpointing(self) -> bool:
-        return self.opts.prefix_cache and self.opts.prefix_checkpoints > 0
+        """The tokens a next prompt starts with to go on from the last request (its prompt and output, when it
+        completed), or none."""
+        return self.prefix.held
 
     def cached_prefix(self, prompt: list[int]) -> int:
         """How many of the prompt's first tokens the caches hold already, live or saved (EngineOptions.prefix_cache);
         the rest of the prompt prefills after them."""
-        cached = self._resume_point(prompt)[0]
-        session = self._session_for(prompt, cached)
-        return cached if session is None else session.saved.n
+        return self.prefix.find(prompt).cached
 
-    def _resume_point(self, prompt: list[int]) -> tuple[int, _Checkpoint | None]:
-        """Where the prompt can go on from: all the last request committed when it completed, if the prompt goes on
-        from its prompt and output (the tokens the target ran, then the last one emitted, whose row the draft head
-        holds too) by at least one token; else the furthest prompt end (checkpoint) within the prompt's common
-        beginning with
-        the sequence -> (position, the checkpoint, None for the former), or (0, None)."""
-        if not self.opts.prefix_cache:
-            return 0, None
-        last, hist = self._held_last, self.runner.history
-        n = len(hist)
-        if last is not None and len(prompt) > n and prompt[n] == last and prompt[:n] == hist:
-            return n, None
-        seq = hist + ([] if last is None else [last])
-        common = next((i for i, (a, b) in enumerate(zip(seq, prompt, strict=False)) if a != b), min(len(seq),
-                                                                                                   len(prompt)))
-        usable = [cp for cp in self._checkpoints if cp.pos <= common]
-        return (usable[-1].pos, usable[-1]) if usable else (0, None)
-
-    def _session_for(self, prompt: list[int], cached: int) -> _Session | None:
-        """The saved sequence the prompt goes on from (its tokens, then its last emitted one, then at least one
-        more) that holds more of it than the `cached` tokens the live caches do, or None."""
-        fits = [s for s in self._sessions if len(prompt) > len(s.tokens) > cached
-                and prompt[len(s.tokens)] == s.last and prompt[:len(s.tokens)] == s.tokens]
-        return max(fits, key=lambda s: len(s.tokens), default=None)
-
-    def _park(self) -> None:
-        """Move the live sequence to host memory if a request completed it (the oldest beyond prefix_sessions
-        dropped)."""
-        if not self.opts.prefix_cache or not self.opts.prefix_sessions or self._held_last is None:
-            return
-        run = self.runner
-        self._sessions.append(_Session(run.history[:], self._held_last, run.cache.save_prefix(run.n_tokens)))
-        del self._sessions[:-self.opts.prefix_sessions]
-
-    def _rewind(self, cp: _Checkpoint, prompt: list[int]) -> None:
-        """Go back to checkpoint `cp` for `prompt`: the sequence's tokens after it are forgotten, with the
-        checkpoints past it, and the draft head's row at its position is written for the prompt's token there (when
-        the prompt goes on past it: else the first draft step writes it for the first generated token)."""
-        run = self.runner
-        run.rewind(cp.pos, cp.state)
-        self._checkpoints = [c for c in self._checkpoints if c.pos <= cp.pos]
-        if self.opts.draft and cp.h is not None and cp.pos < len(prompt):  # as the first draft step writes it
-            run.mtp_step(upload([prompt[cp.pos]], self.model.device), cp.h, cp.pos, self.draft_lm_head)
-
-    def _add_checkpoint(self, pos: int, logits: torch.Tensor, h: torch.Tensor | None) -> None:
-        """Keep the committed recurrent state (after `pos` tokens) with the last row's logits and residual, dropping
-        the oldest checkpoint beyond prefix_checkpoints."""
-        keep = [c for c in self._checkpoints if c.pos < pos]
-        keep.append(_Checkpoint(pos, self.runner.cache.rec.save(), logits[-1:].clone(),
-                                None if h is None else h.clone()))
-        self._checkpoints = keep[-self.opts.prefix_checkpoints:]
+    def _write_head_row(self, token: int, h: torch.Tensor, pos: int) -> None:
+        """The draft head's row (token, the target's residual of the position before) at `pos`, as the first draft
+        step writes it (its shape's graph: a new shape would compile where this runs)."""
+        self.runner.mtp_step(upload([token], self.model.device), h, pos, self.draft_lm_head)
 
     def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
                   on_token: Callable[[int], None] | None) -> Generation:
         o, run = self.opts, self.runner
-        cached, cp = self._resume_point(prompt)
-        session = self._session_for(prompt, cached)
-        if session is not None:
-            self._sessions.remove(session)  # before the live sequence takes its place in the list
-        if session is not None or cp is not None or not cached:
-            self._park()  # the live sequence is cut or replaced
-        self._held_last = None  # until this request completes
-        if session is not None:
-            run.load_sequence(session.tokens, session.saved)
-            self._checkpoints, cached = [], session.saved.n
-        elif cp is not None:
-            self._rewind(cp, prompt)
-        elif not cached:
-            self._checkpoints = []  # the sequence starts over
-        run.begin_request(cached)
+        start = self.prefix.begin(prompt)
+        cached, cp = start.cached, start.checkpoint
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:
             self.depth.start_request()
@@ -359,9 +258,8 @@ class Engine:
 
         t1 = req.mark = time.perf_counter()
         if req.emit(tok):
-            if o.draft and o.prefix_cache:  # the head's row of the last emitted token (cached_prefix), as the
-                # first draft step would write it (its shape's graph: a new one would compile here)
-                run.mtp_step(upload([tok], self.model.device), H, len(prompt), self.draft_lm_head)
+            if o.draft and o.prefix_cache:  # the head's row of the last emitted token (qspec/prefix.py)
+                self._write_head_row(tok, H, len(prompt))
         else:
             if self._ahead is not None:  # after the first token: only the steps after it need these kernels
                 self._ahead.result()  # the steps' products compiled beside the prefill (qspec/precompile.py)
@@ -373,7 +271,7 @@ class Engine:
         reason = "stop token" if req.out[-1] in stop_ids else "max tokens"
         self._sync()
         decode_s = time.perf_counter() - t1
-        self._held_last = req.out[-1]
+        self.prefix.completed(req.out[-1])
         cache = run.cache
         pooled = {f"r{r}": lay.stats.as_dict() for r, lay in cache.layouts.items()}
         return Generation(req.out, len(prompt), prefill_s, decode_s, req.stats, reason, pooled,
@@ -396,8 +294,7 @@ class Engine:
         over it -> (last row's logits, last row's residual H); a checkpoint of the prompt's end when they are on."""
         with self.runner.prefill_scope():
             logits, H = self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk, start)
-        if self._checkpointing():
-            self._add_checkpoint(len(prompt), logits, H)
+        self.prefix.prompt_done(len(prompt), logits, H)
         return logits, H
 
     def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -592,7 +489,7 @@ class Engine:
                     run.keep(0, rollback=True)
                 if ctl is not None:  # counted, not timed (the discarded step would be in the time)
                     ctl.stats.plain_tokens += done
-                if self.opts.prefix_cache:  # the head's rows up to the last emitted token (cached_prefix)
+                if self.opts.prefix_cache:  # the head's rows up to the last emitted token (qspec/prefix.py)
                     self._write_head_rows(pending, run.n_tokens - len(pending) + 1)
                 return None
             if not more:

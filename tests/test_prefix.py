@@ -75,7 +75,7 @@ def test_a_next_turn_prefills_only_its_new_tokens(tiny_model: Model, draft: int,
 def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model, draft: int) -> None:
     """The live sequence when the prompt goes on from the last request's prompt and output; else the furthest
     checkpoint (each prompt's end) within the prompt's common beginning with the sequence (no saved sequences here:
-    those are test_displaced_sequences_are_loaded_back's)."""
+    those are test_displaced_sequences_are_loaded_back)."""
     eng = engine(tiny_model, draft, prefix_sessions=0)
     first = prompt_of(17, 7)
     out = eng.generate(first, 6).tokens
@@ -106,16 +106,16 @@ def test_checkpoints_of_several_turns(tiny_model: Model) -> None:
         out = eng.generate(turns[-1], 5).tokens
         turns.append(turns[-1] + out + prompt_of(4, 21 + i))
     P = [len(t) for t in turns[:3]]
-    assert [c.pos for c in eng._checkpoints] == [P[1], P[2]]
+    assert [c.pos for c in eng.prefix.checkpoints] == [P[1], P[2]]
     # a prompt that parts from the sequence inside turn 2's output: back to turn 2's prompt end
     back = turns[2][:P[2] + 2] + [7, 8]
     g = eng.generate(back, 4)
-    assert g.cached_tokens == P[2] and [c.pos for c in eng._checkpoints] == [P[1], P[2], len(back)][-2:]
+    assert g.cached_tokens == P[2] and [c.pos for c in eng.prefix.checkpoints] == [P[1], P[2], len(back)][-2:]
     assert_same_decoding(g, engine(tiny_model, 2).generate(back, 4))
     # turn 1 again: its checkpoint was dropped (two kept), so from the start; then again, from its end
     for want in (0, P[1]):
         g = eng.generate(turns[1], 4)
-        assert g.cached_tokens == want and [c.pos for c in eng._checkpoints] == [P[1]]
+        assert g.cached_tokens == want and [c.pos for c in eng.prefix.checkpoints] == [P[1]]
         assert_same_decoding(g, engine(tiny_model, 2).generate(turns[1], 4))
 
 
@@ -194,7 +194,7 @@ def test_displaced_sequences_are_loaded_back(tiny_model: Model, draft: int) -> N
     convs = {name: prompt_of(13 + i, 40 + i) for i, name in enumerate("abc")}
     for name in "abc":  # a first turn each: every one displaces the one before
         convs[name] += eng.generate(convs[name], 5).tokens
-    assert [len(x.tokens) for x in eng._sessions] == [len(convs["a"]) - 1, len(convs["b"]) - 1]
+    assert [len(x.tokens) for x in eng.prefix.sessions] == [len(convs["a"]) - 1, len(convs["b"]) - 1]
     for name, want in (("b", True), ("a", True), ("c", True), ("b", True)):
         prompt = convs[name] + prompt_of(3, 50)
         g = eng.generate(prompt, 6)
@@ -202,7 +202,7 @@ def test_displaced_sequences_are_loaded_back(tiny_model: Model, draft: int) -> N
         assert_same_decoding(g, engine(tiny_model, draft).generate(prompt, 6))
         convs[name] = prompt + g.tokens
     # the live sequence is b's; a's and c's were displaced last (b's, displaced before them, was loaded back)
-    assert [x.tokens[:5] for x in eng._sessions] == [convs["a"][:5], convs["c"][:5]]
+    assert [x.tokens[:5] for x in eng.prefix.sessions] == [convs["a"][:5], convs["c"][:5]]
     g = eng.generate(convs["a"] + [7], 3)
     assert g.cached_tokens == len(convs["a"]) - 1
     off = engine(tiny_model, draft, prefix_sessions=0)
