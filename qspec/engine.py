@@ -38,6 +38,7 @@ from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
+from qspec.spec.logprobs import Logprobs
 from qspec.spec.stats import SpecStats
 
 # Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
@@ -214,12 +215,17 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
-                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None) -> Generation:
+                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,
+                 logprobs: Logprobs | None = None) -> Generation:
+        """Generate up to max_tokens after `prompt`; on_token(t) sees each emitted token; `logprobs` collects each
+        emitted token's log-probability (qspec/spec/logprobs.py)."""
         self.check_request(prompt, max_tokens)
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
-            return self._generate(prompt, max_tokens, sampler or Sampler(), stop_ids or set(), on_token)
+            req = _Request(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
+                           logprobs)
+            return self._generate(prompt, req, sampler or Sampler())
 
     @property
     def held(self) -> list[int]:
@@ -237,15 +243,13 @@ class Engine:
         step writes it (its shape's graph: a new shape would compile where this runs)."""
         self.runner.mtp_step(upload([token], self.model.device), h, pos, self.draft_lm_head)
 
-    def _generate(self, prompt: list[int], max_tokens: int, sampler: Sampler, stop_ids: set[int],
-                  on_token: Callable[[int], None] | None) -> Generation:
+    def _generate(self, prompt: list[int], req: _Request, sampler: Sampler) -> Generation:
         o, run = self.opts, self.runner
         start = self.prefix.begin(prompt)
         cached, cp = start.cached, start.checkpoint
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:
             self.depth.start_request()
-        req = _Request(max_tokens, stop_ids, on_token, self._sync if self.hooks.time_phases else None)
         t0 = time.perf_counter()
         if cp is not None and cached == len(prompt):  # the same prompt as at the checkpoint: nothing to prefill
             logits, H = cp.logits, cp.h
@@ -257,6 +261,8 @@ class Engine:
         prefill_s = time.perf_counter() - t0
 
         t1 = req.mark = time.perf_counter()
+        if req.logprobs is not None:
+            req.logprobs.queue(logits[-1:], torch.tensor([tok]), wait=True)
         if req.emit(tok):
             if o.draft and o.prefix_cache:  # the head's row of the last emitted token (qspec/prefix.py)
                 self._write_head_row(tok, H, len(prompt))
@@ -268,7 +274,7 @@ class Engine:
                 self._speculate(req, tok, H, len(prompt), sampler)
             else:
                 self._decode(req, tok, sampler)
-        reason = "stop token" if req.out[-1] in stop_ids else "max tokens"
+        reason = "stop token" if req.out[-1] in req.stop_ids else "max tokens"
         self._sync()
         decode_s = time.perf_counter() - t1
         self.prefix.completed(req.out[-1])
@@ -327,6 +333,8 @@ class Engine:
             if self.hooks.record_logits:
                 req.logits_log.append(logits.cpu())
             nxt = sampler.sample(logits[-1:])
+            if req.logprobs is not None:  # before the read-back: its wait covers the rows' copy
+                req.logprobs.queue(logits[-1:], nxt, wait=False)
             reader.start(nxt)  # queued before the next step: reading it waits for this step only
             more = len(req.out) + 1 < req.max_tokens  # else emitting nxt ends the request by length
             if more:
@@ -473,6 +481,8 @@ class Engine:
         while True:
             req.phase("decode")
             nxt = sampler.sample(logits[-1:])
+            if req.logprobs is not None:  # before the read-back: its wait covers the rows' copy
+                req.logprobs.queue(logits[-1:], nxt, wait=False)
             pending.append((nxt, X[-1:].clone()))  # before a replay reuses X's memory
             reader.start(nxt)
             if len(pending) > W:  # a full batch, and at least one row left for the last step
@@ -557,8 +567,7 @@ class Engine:
                 ext = upload(committed + [committed[-1]] * (d + 1 - len(committed)), dev)
                 d_logits, d_X = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
                 req.phase("draft extend")
-            for t in committed[:n_emit]:
-                req.emit(t)
+            req.emit_round(committed[:n_emit], None if on_device else v_logits)
             # the caches keep row 0 (t_L) and the accepted drafts that were emitted
             run.keep(min(k + 1, n_emit), rollback=True)
             if hooks.after_round is not None:
@@ -647,9 +656,11 @@ class Engine:
             else:
                 k = upload([forced], dev)
                 nxt = sampler.sample_probs(p.index_select(0, k))
-        self.reader.start(torch.cat([drafts, k, nxt]))
         # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
         ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
+        if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
+            req.logprobs.queue(v_logits, ext, wait=False)
+        self.reader.start(torch.cat([drafts, k, nxt]))
         extended = run.mtp_step(ext, vX, L + 1, self.draft_lm_head, row=k)
         req.phase("draft extend")
         early = None
@@ -696,8 +707,8 @@ class _Request:
     """One generate() call's bookkeeping: the emitted tokens, the stop rule, counters, logs and phase timing."""
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
-                 sync: Callable[[], None] | None) -> None:
-        self.max_tokens, self.stop_ids, self.on_token = max_tokens, stop_ids, on_token
+                 sync: Callable[[], None] | None, logprobs: Logprobs | None = None) -> None:
+        self.max_tokens, self.stop_ids, self.on_token, self.logprobs = max_tokens, stop_ids, on_token, logprobs
         self.sync = sync  # set when timing phases: synchronise at every phase boundary
         self.out: list[int] = []
         self.stats = SpecStats()
@@ -708,11 +719,24 @@ class _Request:
         self.mark = time.perf_counter()
 
     def emit(self, tok: int) -> bool:
-        """Append a token (and stream it); True when it ends the request."""
+        """Append a token (its log-probability first, when asked for, then stream it); True when it ends the
+        request."""
         self.out.append(tok)
+        if self.logprobs is not None:
+            self.logprobs.take(tok)
         if self.on_token is not None:
             self.on_token(tok)
         return tok in self.stop_ids or len(self.out) >= self.max_tokens
+
+    def emit_round(self, tokens: list[int], logits: torch.Tensor | None) -> None:
+        """Emit a round's tokens; `logits`: the verify rows that emitted them, when the round ran on the host (on
+        the device, the round queued its log-probability rows itself). The rows of rejected drafts are dropped."""
+        if self.logprobs is not None and logits is not None:
+            self.logprobs.queue(logits[:len(tokens)], torch.tensor(tokens), wait=True)
+        for t in tokens:
+            self.emit(t)
+        if self.logprobs is not None:
+            self.logprobs.drop_pending()
 
     def emits(self, tokens: list[int]) -> tuple[int, bool]:
         """How many of `tokens` emit() would take, and whether the last of those ends the request."""

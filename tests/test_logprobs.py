@@ -1,0 +1,89 @@
+"""Log-probabilities of emitted tokens (qspec/spec/logprobs.py): each token's entry is the model's distribution at the
+position that emitted it, on every path (prefill, plain decoding, plain stretches, rounds on the device and on the
+host, greedy and sampled)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_spec import CAP, oracle_hook, plain
+
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.model.model import CacheOptions, Model
+from qspec.runner import Runner
+from qspec.spec.accept import Sampler
+from qspec.spec.logprobs import Logprobs
+
+TOP = 5
+
+
+def reference(model: Model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log-softmax rows [len(out), V]: row i is the distribution that emitted out[i] (one forward, teacher-forced)."""
+    ids = prompt + out[:-1]
+    logits, _ = Runner(model, CacheOptions(capacity=-(-len(ids) // 4) * 4)).step(torch.tensor(ids))
+    return torch.log_softmax(logits[len(prompt) - 1:].float(), -1)
+
+
+def check(model: Model, prompt: list[int], out: list[int], lp: Logprobs) -> None:
+    want = reference(model, prompt, out)
+    assert [e.token for e in lp.entries] == out and not lp._pending
+    got = torch.tensor([e.logprob for e in lp.entries])
+    torch.testing.assert_close(got, want[torch.arange(len(out)), torch.tensor(out)], atol=1e-4, rtol=0)
+    for e, row in zip(lp.entries, want, strict=True):
+        best = row.topk(TOP)
+        assert [i for i, _ in e.top] == best.indices.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in e.top]), best.values, atol=1e-4, rtol=0)
+
+
+def sampler(temperature: float) -> Sampler:
+    return Sampler(temperature=temperature, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("draft, hook, temperature", [(0, None, 0.0), (0, None, 0.8), (3, None, 0.0),
+                                                      (3, None, 0.8), (4, "oracle", 0.0), (2, "own", 0.8)])
+def test_every_token_has_its_rows_log_probability(tiny_model: Model, draft: int, hook: str | None,
+                                                   temperature: float) -> None:
+    """Rounds on the device (no hook) and on the host (a draft hook: oracle drafts, so every acceptance length
+    occurs, or the head's own), plain decoding; greedy and sampled."""
+    rng = random.Random(draft)
+    prompt = [rng.randrange(511) for _ in range(19)]
+    hooks = EngineHooks()
+    if hook == "oracle":
+        hooks = EngineHooks(draft_hook=oracle_hook(plain(tiny_model, prompt, 30), rng, 512))
+    elif hook == "own":
+        hooks = EngineHooks(draft_hook=lambda _n, d: d)
+    eng = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True), hooks)
+    lp = Logprobs(TOP)
+    g = eng.generate(prompt, 30, sampler=sampler(temperature), logprobs=lp)
+    check(tiny_model, prompt, g.tokens, lp)
+    if hook == "oracle":
+        assert 0 < g.spec.accepted < g.spec.drafted
+
+
+def test_plain_stretches_and_a_stop_token(tiny_model: Model) -> None:
+    """The automatic depth's plain stretches (depth 0), and a request that a stop token ends mid-round."""
+    eng = Engine(tiny_model, EngineOptions(draft=2, draft_auto=True, capacity=CAP, exact=True))
+    eng.depth.calibrated, eng.depth.force = True, 0
+    prompt = list(range(7, 30))
+    lp = Logprobs(TOP)
+    g = eng.generate(prompt, 20, logprobs=lp)
+    check(tiny_model, prompt, g.tokens, lp)
+    stop = g.tokens[9]
+    eng.depth.force = 2
+    lp = Logprobs(TOP)
+    g = eng.generate(prompt, 20, stop_ids={stop}, logprobs=lp)
+    assert g.tokens[-1] == stop and len(g.tokens) < 20
+    check(tiny_model, prompt, g.tokens, lp)
+
+
+def test_rows_are_taken_for_their_own_tokens() -> None:
+    lp = Logprobs(2)
+    lp.queue(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), torch.tensor([2, 1]), wait=True)
+    lp.take(2)
+    assert lp.entries[0].top[0][0] == 2 and lp.entries[0].logprob == pytest.approx(lp.entries[0].top[0][1])
+    with pytest.raises(RuntimeError, match="token 1 taken for token 0"):
+        lp.take(0)
+    with pytest.raises(ValueError, match="0..20"):
+        Logprobs(21)
