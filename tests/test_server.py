@@ -21,6 +21,7 @@ from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
 from qspec.spec.accept import Sampler  # noqa: E402
+from qspec.spec.logprobs import Logprobs  # noqa: E402
 
 PROMPT = "fn main() {"
 
@@ -148,7 +149,8 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": PROMPT, "n": 0}, 400, "n must be >= 1"),
     ({"prompt": PROMPT, "n": "2"}, 400, "n "),
     ({"prompt": PROMPT, "best_of": 2}, 400, "best_of: "),
-    ({"prompt": PROMPT, "logprobs": 5}, 400, "logprobs: "),
+    ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs must be <= 20"),
+    ({"prompt": PROMPT, "logprobs": True}, 400, "logprobs "),
     ({"prompt": PROMPT, "echo": True}, 400, "echo: "),
 ])
 def test_bad_requests_name_the_problem(served, payload: dict, status: int, word: str) -> None:  # noqa: ANN001
@@ -253,7 +255,7 @@ def _raw(client: TestClient, path: str, content: bytes) -> object:
     (b'[1, 2]', None, "invalid_value", "JSON object"),
     (b'{"prompt": ["a", "b"]}', "prompt", "invalid_value", "one prompt per request"),
     (b'{"prompt": "x", "echo": true}', "echo", "unsupported_value", "not echoed"),
-    (b'{"prompt": "x", "logprobs": 0}', "logprobs", "unsupported_value", "log-probabilities"),
+    (b'{"prompt": "x", "logprobs": -1}', "logprobs", "invalid_value", ">= 0"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "unsupported_value", "penalties"),
     (b'{"prompt": "x", "logit_bias": {"5": 100}}', "logit_bias", "unsupported_value", "logit biases"),
     (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "unknown_parameter", "'frobnicate'"),
@@ -292,6 +294,36 @@ def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa
     assert r.status_code == 405 and _error_of(r)["code"] == "method_not_allowed"
     r = client.post("/v1/completions", json={"prompt": PROMPT, "model": "other"})
     assert r.status_code == 404 and _error_of(r)["code"] == "model_not_found"
+
+
+def test_log_probabilities(served) -> None:  # noqa: ANN001
+    """Completions (legacy shape) and chat (token, bytes, top alternatives), whole and streamed: each token's entry
+    is the engine's for that token, and the streamed chunks carry them all, in order."""
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    lp = Logprobs(3)
+    g = engine.generate(ids, 6, sampler=Sampler(), stop_ids=set(tok.stop_ids), logprobs=lp)
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "logprobs": 3}).json()
+    got = body["choices"][0]["logprobs"]
+    texts = [tok.id_to_bytes(t).decode("utf-8", "replace") for t in g.tokens]
+    assert got["tokens"] == texts and got["text_offset"][:2] == [0, len(texts[0])]
+    assert got["token_logprobs"] == pytest.approx([e.logprob for e in lp.entries], abs=1e-4)
+    # the legacy shape keys the alternatives by text: two partial characters' tokens share the key "\ufffd"
+    assert [set(d) for d in got["top_logprobs"]] == [{tok.id_to_bytes(i).decode("utf-8", "replace")
+                                                      for i, _ in e.top} for e in lp.entries]
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "logprobs": True, "top_logprobs": 2}
+    whole = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(whole) == 6 and all(len(c["top_logprobs"]) == 2 for c in whole)
+    assert all(bytes(c["bytes"]).decode("utf-8", "replace") == c["token"] for c in whole)
+    assert whole[0]["logprob"] == pytest.approx(whole[0]["top_logprobs"][0]["logprob"], abs=1e-6)  # greedy
+    with client.stream("POST", "/v1/chat/completions", json=chat | {"stream": True}) as r:
+        events = [json.loads(ln.removeprefix("data: ")) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    streamed = [c for e in events for c in (e["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert streamed == whole
+    no = client.post("/v1/chat/completions", json=chat | {"logprobs": False, "top_logprobs": 0}).json()
+    assert no["choices"][0]["logprobs"] is None
+    bad = client.post("/v1/chat/completions", json=chat | {"logprobs": False})
+    assert bad.status_code == 400 and "needs logprobs: true" in bad.json()["error"]["message"]
 
 
 def test_neutral_values_of_unsupported_options_are_accepted(served) -> None:  # noqa: ANN001

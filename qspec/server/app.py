@@ -35,6 +35,7 @@ from qspec.runner import ContextError
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.requests import ChatRequest, CompletionRequest, Sampling, stop_strings
 from qspec.spec.accept import Sampler
+from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import Tokenizer
 
 # The largest request body read: a prompt that fits the context is far smaller (a 262,144-token context holds
@@ -87,6 +88,16 @@ class _Run:
     finish: str = "length"
     cancelled: threading.Event = field(default_factory=threading.Event)  # the client left
     ended: threading.Event = field(default_factory=threading.Event)  # a stop string was met
+    logprobs: list[TokenLogprob] | None = None  # the counted tokens' entries, when the request asks for them
+    lp_sent: int = 0  # logprobs[:lp_sent] have been handed out
+    lp_chars: int = 0  # characters of the handed-out entries' token texts (the completions' text_offset)
+
+    def new_logprobs(self) -> list[TokenLogprob] | None:
+        """The entries not handed out yet (None when the request asks for none)."""
+        if self.logprobs is None:
+            return None
+        out, self.lp_sent = self.logprobs[self.lp_sent:], len(self.logprobs)
+        return out
 
     def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
         """Append decoded text -> (the text that may be shown now, whether a stop string ended the request).
@@ -133,17 +144,22 @@ class CompletionServer:
         return ids, max_tokens
 
     def generate(self, req: Sampling, ids: list[int], max_tokens: int, run: _Run,
-                 emit: Callable[[str], None] | None = None, index: int = 0) -> Generation | None:
+                 emit: Callable[[str, list[TokenLogprob] | None], None] | None = None,
+                 index: int = 0) -> Generation | None:
         """Blocking: decode choice `index` with the engine (its sampling seed the request's + index), passing visible
-        text pieces to `emit` (worker thread). None when the client left before the end."""
+        text pieces, with the log-probabilities of the tokens since the last piece, to `emit` (worker thread). None
+        when the client left before the end."""
         seed = (req.seed if req.seed is not None else 0) + index
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
                           generator=torch.Generator().manual_seed(seed % (1 << 64)))
         stream = self.tok.stream(skip_special=True)
+        top = req.logprob_top()
+        lp = None if top is None else Logprobs(top)
+        run.logprobs = None if lp is None else []
 
         def show(piece: str) -> None:
             if piece and emit is not None:
-                emit(piece)
+                emit(piece, run.new_logprobs())
 
         def on_token(t: int) -> None:
             if run.cancelled.is_set():
@@ -151,6 +167,8 @@ class CompletionServer:
             if run.ended.is_set():
                 return  # the rest of the round that met a stop string
             run.n_tokens += 1
+            if lp is not None:
+                run.logprobs.append(lp.entries[-1])
             if t in self.tok.stop_ids:
                 run.finish = "stop"  # the engine ends on it by itself
             piece, hit = run.add(stream.push(t))
@@ -160,7 +178,7 @@ class CompletionServer:
                 run.ended.set()
 
         try:
-            g = self.engine.generate(ids, max_tokens, sampler=sampler,
+            g = self.engine.generate(ids, max_tokens, sampler=sampler, logprobs=lp,
                                      stop_ids=_StopIds(set(self.tok.stop_ids), run.ended), on_token=on_token)
         except _Stopped:
             return None
@@ -170,6 +188,15 @@ class CompletionServer:
             if hit:
                 run.finish = "stop"
         return g
+
+    def format_logprobs(self, fmt: type[_Text] | type[_Chat], run: _Run,
+                        entries: list[TokenLogprob] | None) -> dict | None:
+        """A choice's (or a chunk's) logprobs object for `entries`, the next of `run`'s; None when not asked for."""
+        if entries is None:
+            return None
+        out = fmt.logprobs(entries, self.tok, run.lp_chars)
+        run.lp_chars += sum(len(_token_text(self.tok, e.token)) for e in entries)
+        return out
 
     def usage(self, ids: list[int], runs: list[_Run], gens: list[Generation]) -> dict[str, Any]:
         """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held before the request
@@ -195,8 +222,18 @@ class _Text:
     prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
+               logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
+        """OpenAI's legacy completion logprobs; `offset`: the characters of the text before these tokens."""
+        texts = [_token_text(tok, e.token) for e in entries]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{_token_text(tok, i): v for i, v in e.top} for e in entries],
+                "text_offset": offsets}
 
 
 class _Chat:
@@ -204,12 +241,26 @@ class _Chat:
     prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0) -> dict:
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
+               logprobs: dict | None = None) -> dict:
         if not streamed:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                     "finish_reason": finish}
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
+        """OpenAI's chat logprobs: each token's text, log-probability and UTF-8 bytes, with its top alternatives."""
+        def one(i: int, v: float) -> dict:
+            return {"token": _token_text(tok, i), "logprob": v, "bytes": list(tok.id_to_bytes(i))}
+        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(i, v) for i, v in e.top]}
+                            for e in entries], "refusal": None}
+
+
+def _token_text(tok: Tokenizer, token: int) -> str:
+    """A token's text (its bytes as UTF-8, a partial character replaced)."""
+    return tok.id_to_bytes(token).decode("utf-8", "replace")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -305,8 +356,9 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
         done = {} if gens is None else {"usage": srv.usage(ids, runs, gens)} | _stats(gens)
         return head | {"object": obj, "choices": choices} | done
 
-    def all_choices(emit: Callable[[int, str | None], None] | None = None) -> list[Generation] | None:
-        """Blocking: every choice in turn; emit(index, piece), and emit(index, None) at each choice's end."""
+    def all_choices(emit: Callable[[int, str | None, list | None], None] | None = None) -> list[Generation] | None:
+        """Blocking: every choice in turn; emit(index, piece, log-probabilities since the last piece), and
+        emit(index, None, the rest) at each choice's end."""
         gens = []
         for i, run in enumerate(runs):
             g = srv.generate(req, ids, max_tokens, run, None if emit is None else partial(emit, i), i)
@@ -314,7 +366,7 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
                 return None
             gens.append(g)
             if emit is not None:
-                emit(i, None)
+                emit(i, None, run.new_logprobs())
         return gens
 
     if not req.stream:
@@ -323,7 +375,8 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
             gens = await _in_worker(srv, first, all_choices) or []
         finally:
             watcher.cancel()
-        choices = [fmt.choice(r.text, r.finish, False, True, i) for i, r in enumerate(runs)]
+        choices = [fmt.choice(r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
+                   for i, r in enumerate(runs)]
         return body(fmt.whole, choices, gens)
     return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")
 
@@ -334,10 +387,10 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
     last one with the usage), or an error event; Starlette cancels this generator when the client leaves, and
     _in_worker then stops the worker."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, str | None] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, str | None, list | None] | None] = asyncio.Queue()
 
-    def emit(index: int, piece: str | None) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
+    def emit(index: int, piece: str | None, entries: list | None) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (index, piece, entries))
 
     def work() -> list[Generation] | None:
         try:
@@ -346,18 +399,21 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
     task = asyncio.create_task(_in_worker(srv, runs[0], work))
-    last = len(runs) - 1
+    last, tail = len(runs) - 1, None
     try:
         started: set[int] = set()
         while (item := await queue.get()) is not None:
-            i, piece = item
+            i, piece, entries = item
             if piece is None and i == last:
-                continue  # the last choice's end comes with the usage, below
-            choice = fmt.choice(piece or "", None if piece is not None else runs[i].finish, True, i not in started, i)
+                tail = entries  # the last choice's end comes with the usage, below
+                continue
+            choice = fmt.choice(piece or "", None if piece is not None else runs[i].finish, True, i not in started, i,
+                                srv.format_logprobs(fmt, runs[i], entries))
             started.add(i)
             yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
         gens = await task
-        end = fmt.choice("", runs[last].finish, True, last not in started, last)
+        end = fmt.choice("", runs[last].finish, True, last not in started, last,
+                         srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None))
         yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
     except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
         log.error("error while streaming a response", exc_info=e)

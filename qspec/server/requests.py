@@ -1,8 +1,8 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (penalties, logit biases, log-probabilities, tools, structured output, `echo`,
-`best_of`) are accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
+that this engine cannot honour (penalties, logit biases, tools, structured output, `echo`, `best_of`) are
+accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
 of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
 carry) is refused rather than replaced, so the model never sees text the client did not send.
 """
@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from qspec.spec.logprobs import MAX_TOP
+
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 # the most choices a request may ask for: each is a generation of its own (the prompt's prefill is shared)
 MAX_CHOICES = 16
@@ -24,8 +26,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "logit_bias": ((None, {}), "logit biases are not implemented"),
-    "logprobs": ((None, False), "this server does not return log-probabilities"),
-    "top_logprobs": ((None, 0), "this server does not return log-probabilities"),
     "echo": ((False,), "the response holds only the completion; the prompt is not echoed back"),
     "suffix": ((None, ""), "inserting text before a suffix is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
@@ -77,12 +77,15 @@ class Sampling(BaseModel):
     frequency_penalty: Any = None
     logit_bias: Any = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
-                     "best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call",
-                     "response_format", check_fields=False)
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "best_of", "echo", "suffix", "tools",
+                     "tool_choice", "functions", "function_call", "response_format", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
         return _unsupported(info.field_name, value)
+
+    def logprob_top(self) -> int | None:
+        """How many top alternatives each token's log-probability comes with, or None: no log-probabilities."""
+        raise NotImplementedError
 
     @field_validator("seed")
     @classmethod
@@ -101,10 +104,13 @@ class Sampling(BaseModel):
 
 class CompletionRequest(Sampling):
     prompt: Any = Field(description="text, or a list of token ids")
-    logprobs: Any = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)  # the top alternatives to return
     best_of: Any = None
     echo: Any = False
     suffix: Any = None
+
+    def logprob_top(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -148,8 +154,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -164,4 +170,10 @@ class ChatRequest(Sampling):
                 "error": f"max_tokens ({a}) and max_completion_tokens ({b}) disagree: give one of them"})
         if a is None:
             self.max_tokens = b
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": f"top_logprobs ({self.top_logprobs}) needs logprobs: true"})
         return self
+
+    def logprob_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
