@@ -9,7 +9,8 @@ and, on any machine, the rule they apply to bf16 greedy equality.
     rounding of each other may swap: there the tokens must be equal up to the first difference, and that difference
     must sit at a near tie of plain decoding (top-2 gap <= NEAR_TIE of the row's largest |logit|);
   * every combination of the seed's optimizations gives the baseline's tokens;
-  * a request that reuses the last one's caches (EngineOptions.prefix_cache) decodes as a fresh engine does;
+  * a request that reuses the last one's caches (EngineOptions.prefix_cache) decodes as a fresh engine does; the
+    emitted tokens' log-probabilities come from their own rows;
   * the torch.compile-fused steps (the default on CUDA) against the same functions run eagerly, and each default step
     kernel (PDL, masked attention, KV write, GDN conv, verify mixers, grouped-GEMM prefill) against what it replaces;
   * sampling on the device: draws and speculative sampling follow their distributions, sampled decoding is repeatable
@@ -279,6 +280,19 @@ def same_rows(f: Generation, u: Generation, n: int, setup: Setup) -> tuple[bool,
                     default=0.0)
     return (same and steps > 0 and rel_first < setup.tol and rel_draft < setup.tol,
             f"tokens {why}; over {steps} steps: logits rel diff {rel_first:.2e}, first draft step {rel_draft:.2e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [0, 3])
+def test_log_probabilities_through_graphs(setup: Setup, n: int) -> None:
+    """Each emitted token's log-probability row, copied to the host behind its step (no wait of its own): the row's
+    token is the emitted one (Logprobs.take checks it), and greedy tokens are their rows' most likely."""
+    from qspec.spec.logprobs import Logprobs
+
+    lp = Logprobs(4)
+    g = engine(setup.gpu, draft=n, capacity=256, kv_type=setup.kv).generate(setup.prompt, 40, logprobs=lp)
+    assert [e.token for e in lp.entries] == g.tokens
+    assert all(e.top[0][0] == e.token and e.logprob == e.top[0][1] <= 0 for e in lp.entries)
 
 
 @pytest.mark.cuda
