@@ -292,7 +292,7 @@ def test_log_probabilities_through_graphs(setup: Setup, n: int) -> None:
     lp = Logprobs(4)
     g = engine(setup.gpu, draft=n, capacity=256, kv_type=setup.kv).generate(setup.prompt, 40, logprobs=lp)
     assert [e.token for e in lp.entries] == g.tokens
-    assert all(e.top[0][0] == e.token and e.logprob == e.top[0][1] <= 0 for e in lp.entries)
+    assert all(e.logprob == e.top[0][1] <= 0 for e in lp.entries)  # the most likely (or tied with it)
 
 
 @pytest.mark.cuda
