@@ -102,7 +102,7 @@ class Generation:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (time_phases)
     draft_logits: list[torch.Tensor] = field(default_factory=list)
     depth: dict[str, object] = field(default_factory=dict)  # draft_auto: the controller's counters (DepthStats)
-    cached_tokens: int = 0  # prompt tokens the caches held from the request before (EngineOptions.prefix_cache)
+    cached_tokens: int = 0  # prompt tokens the caches held already, not prefilled (qspec/prefix.py)
 
     @property
     def decode_tps(self) -> float:
