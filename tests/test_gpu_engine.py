@@ -299,8 +299,8 @@ def test_log_probabilities_through_graphs(setup: Setup, n: int) -> None:
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_next_turn_reuses_the_caches(setup: Setup, n: int) -> None:
     """Through CUDA graphs: a request that goes on from the last one's prompt and output prefills only its new tokens,
-    the same prompt again goes back to the checkpoint at its end; each decodes as a fresh engine given the whole
-    prompt does (its drafts' logits too)."""
+    the same prompt again goes back to the checkpoint at its end, and one displaced by another conversation comes back
+    from host memory; each decodes as a fresh engine given the whole prompt does (its drafts' logits too)."""
     opts = dict(capacity=256, kv_type=setup.kv, record_logits=True)
     eng = engine(setup.gpu, draft=n, **opts)
     first = eng.generate(setup.prompt, 20).tokens
@@ -310,6 +310,12 @@ def test_a_next_turn_reuses_the_caches(setup: Setup, n: int) -> None:
         g = eng.generate(nxt, 24)
         ok, why = same_rows(g, ref, n, setup)
         assert g.cached_tokens == want and ok, f"cached {g.cached_tokens} (want {want}); {why}"
+    # another conversation displaces this one to host memory; its next turn loads it back
+    eng.generate(IDS[40:60].tolist(), 8)
+    again = nxt + g.tokens + IDS[36:40].tolist()
+    g = eng.generate(again, 16)
+    ok, why = same_rows(g, engine(setup.gpu, draft=n, **opts).generate(again, 16), n, setup)
+    assert g.cached_tokens == len(nxt) + len(ref.tokens) - 1 and ok, f"cached {g.cached_tokens}; {why}"
 
 
 @pytest.mark.cuda
