@@ -172,7 +172,7 @@ class Engine:
         self._plain_tokens = 0  # the plain stretch the controller asked for with its last depth-0 choice
         self._precompiled = False  # the first request queued the steps' products for compilation (_precompile)
         self._ahead: Future | None = None  # those compilations, until a decode step has waited for them
-        self.prefix = PrefixCache(self.opts, self.runner, self._write_head_row)  # what earlier requests left
+        self.prefix = PrefixCache(self.opts, self.runner)  # what earlier requests left
 
     def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
@@ -245,7 +245,7 @@ class Engine:
 
     def _generate(self, prompt: list[int], req: _Request, sampler: Sampler) -> Generation:
         o, run = self.opts, self.runner
-        start = self.prefix.begin(prompt)
+        start = self.prefix.begin(prompt, self._write_head_row)
         cached, cp = start.cached, start.checkpoint
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:

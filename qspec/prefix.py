@@ -60,12 +60,11 @@ class Start:
 
 class PrefixCache:
     """What the engine keeps of earlier requests, and the moves that take the runner's caches to a prompt's start.
-    `write_head_row(token, residual, position)` writes the draft head's cells of one row (the engine's first draft
-    step: its shape's graph)."""
+    It holds no reference to the engine (a cycle would leave engines, and their pinned read-back buffers, to the
+    garbage collector, whose frees can land inside a CUDA-graph capture)."""
 
-    def __init__(self, opts: EngineOptions, runner: Runner,
-                 write_head_row: Callable[[int, torch.Tensor, int], None]) -> None:
-        self.opts, self.runner, self.write_head_row = opts, runner, write_head_row
+    def __init__(self, opts: EngineOptions, runner: Runner) -> None:
+        self.opts, self.runner = opts, runner
         self.held_last: int | None = None  # the last emitted token of a request that completed (module docstring)
         self.checkpoints: list[Checkpoint] = []  # by position
         self.sessions: list[Session] = []  # the most recent last
@@ -102,10 +101,11 @@ class PrefixCache:
         best = max(fits, key=lambda s: len(s.tokens), default=None)
         return start if best is None else Start(best.saved.n, session=best)
 
-    def begin(self, prompt: list[int]) -> Start:
+    def begin(self, prompt: list[int], write_head_row: Callable[[int, torch.Tensor, int], None]) -> Start:
         """Take the caches to `prompt`'s start: the live sequence goes to host memory when it is cut or replaced,
         then a saved one is loaded, or the runner goes back to a checkpoint, or the sequence starts over. The
-        runner's request begins there (Runner.begin_request)."""
+        runner's request begins there (Runner.begin_request). write_head_row(token, residual, position) writes the
+        draft head's cells of one row (the engine's first draft step: its shape's graph)."""
         start = self.find(prompt)
         if start.session is not None:
             self.sessions.remove(start.session)  # before the live sequence takes its place in the list
@@ -116,7 +116,7 @@ class PrefixCache:
             self.runner.load_sequence(start.session.tokens, start.session.saved)
             self.checkpoints = []
         elif start.checkpoint is not None:
-            self._rewind(start.checkpoint, prompt)
+            self._rewind(start.checkpoint, prompt, write_head_row)
         elif not start.cached:
             self.checkpoints = []
         self.runner.begin_request(start.cached)
@@ -131,14 +131,15 @@ class PrefixCache:
         self.sessions.append(Session(run.history[:], self.held_last, run.cache.save_prefix(run.n_tokens)))
         del self.sessions[:-self.opts.prefix_sessions]
 
-    def _rewind(self, cp: Checkpoint, prompt: list[int]) -> None:
+    def _rewind(self, cp: Checkpoint, prompt: list[int],
+                write_head_row: Callable[[int, torch.Tensor, int], None]) -> None:
         """Go back to `cp`: the tokens after it are forgotten, with the checkpoints past it, and the draft head's row
         at its position is written for the prompt's token there (when the prompt goes on past it: else the first
         draft step writes it for the first generated token)."""
         self.runner.rewind(cp.pos, cp.state)
         self.checkpoints = [c for c in self.checkpoints if c.pos <= cp.pos]
         if self.opts.draft and cp.h is not None and cp.pos < len(prompt):
-            self.write_head_row(prompt[cp.pos], cp.h, cp.pos)
+            write_head_row(prompt[cp.pos], cp.h, cp.pos)
 
     def prompt_done(self, pos: int, logits: torch.Tensor, h: torch.Tensor | None) -> None:
         """After a prefill: keep the committed recurrent state (after the prompt's `pos` tokens) with the last row's
