@@ -235,7 +235,7 @@ class EngineOptions(KernelOptions):
                                 "completed request's prompt and output (a chat's next turn) prefills only its new "
                                 "tokens; one that starts with a recent prompt (the same prompt again, a turn whose "
                                 "earlier reply tokenizes differently) only the tokens after it")
-    prefix_sessions: int = option(4, "completed sequences moved to host memory when another request takes the caches "
+    prefix_offloaded: int = option(4, "completed sequences moved to host memory when another request takes the caches "
                                   "(--prefix-cache): a prompt that goes on from one of them (a server's users taking "
                                   "turns) loads it back instead of prefilling", check=in_range(0, 256),
                                   applies="--prefix-cache", metavar="N")

@@ -8,7 +8,7 @@ Three sources, the one that holds the most of the prompt wins:
             it is kept at the end of each prompt (`prefix_checkpoints`), with the prompt's last logits and residual.
             A prompt that shares at least that prompt's tokens with the sequence goes back there (a rollback past
             the checkpoint); the same prompt again needs no prefill at all.
-  saved     a completed sequence that another request displaces moves to host memory (`prefix_sessions`); a prompt
+  saved     a completed sequence that another request displaces moves to host memory (`prefix_offloaded`); a prompt
             that goes on from it loads it back.
 
 Invariants: `held_last` is set only between a request that completed and the next request's start (a request
@@ -123,13 +123,13 @@ class PrefixCache:
         return start
 
     def _park(self) -> None:
-        """Move the live sequence to host memory if a request completed it (the oldest beyond prefix_sessions
+        """Move the live sequence to host memory if a request completed it (the oldest beyond prefix_offloaded
         dropped)."""
-        if not (self.opts.prefix_cache and self.opts.prefix_sessions) or self.held_last is None:
+        if not (self.opts.prefix_cache and self.opts.prefix_offloaded) or self.held_last is None:
             return
         run = self.runner
         self.sessions.append(Session(run.history[:], self.held_last, run.cache.save_prefix(run.n_tokens)))
-        del self.sessions[:-self.opts.prefix_sessions]
+        del self.sessions[:-self.opts.prefix_offloaded]
 
     def _rewind(self, cp: Checkpoint, prompt: list[int],
                 write_head_row: Callable[[int, torch.Tensor, int], None]) -> None:

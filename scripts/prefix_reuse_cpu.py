@@ -5,7 +5,7 @@ One conversation: the first user turn carries a long document (a standard-librar
 model was trained on) and a question, each later turn a short question; then the same prompt again (a regenerated
 reply) and a turn after the last reply re-rendered with other text (a reply edited by the client). Two users taking
 turns: two such conversations (two modules) interleaved on one engine, against an engine that keeps no displaced
-sequence (`prefix_sessions=0`) and one without reuse. Every engine sees the same prompts (the replies are the
+sequence (`prefix_offloaded=0`) and one without reuse. Every engine sees the same prompts (the replies are the
 reusing engine's, greedy) and runs each turn back to back, in alternating order; the tables give medians of `--reps`
 runs, each from fresh engines.
 
@@ -110,7 +110,7 @@ def main() -> None:
     model, tok = load_model(DEMO_MODEL), load_tokenizer(DEMO_MODEL)
     docs = {"A": document(tok, "textwrap", a.doc_tokens), "B": document(tok, "shlex", a.doc_tokens)}
     one = {"reusing": {}, "whole prefill": {"prefix_cache": False}}
-    two = {"reusing": {}, "no saved sequences": {"prefix_sessions": 0}, "whole prefill": {"prefix_cache": False}}
+    two = {"reusing": {}, "no saved sequences": {"prefix_offloaded": 0}, "whole prefill": {"prefix_cache": False}}
     one_conversation(Turns(model, tok, a.ctx, one, False), docs["A"])  # warm-up: first calls, allocations
     runs1 = [one_conversation(Turns(model, tok, a.ctx, one, bool(r % 2)), docs["A"]) for r in range(a.reps)]
     runs2 = [two_users(Turns(model, tok, a.ctx, two, bool(r % 2)), docs) for r in range(a.reps)]

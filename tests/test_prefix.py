@@ -76,7 +76,7 @@ def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model,
     """The live sequence when the prompt goes on from the last request's prompt and output; else the furthest
     checkpoint (each prompt's end) within the prompt's common beginning with the sequence (no saved sequences here:
     those are test_displaced_sequences_are_loaded_back)."""
-    eng = engine(tiny_model, draft, prefix_sessions=0)
+    eng = engine(tiny_model, draft, prefix_offloaded=0)
     first = prompt_of(17, 7)
     out = eng.generate(first, 6).tokens
     other = (out[-1] + 1) % 511
@@ -91,7 +91,8 @@ def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model,
         assert g.cached_tokens == want, prompt
         assert_same_decoding(g, engine(tiny_model, draft).generate(prompt, 4))
         eng.generate(first, 6)  # the caches hold first + out again
-    for opts, want in ((dict(prefix_checkpoints=0, prefix_sessions=0), (P + 5, 0)), (dict(prefix_cache=False), (0, 0))):
+    only_live = dict(prefix_checkpoints=0, prefix_offloaded=0)
+    for opts, want in ((only_live, (P + 5, 0)), (dict(prefix_cache=False), (0, 0))):
         off = engine(tiny_model, draft, **opts)
         out = off.generate(first, 6).tokens
         assert off.generate(first + out + [5], 4).cached_tokens == want[0]
@@ -100,7 +101,7 @@ def test_a_prompt_goes_on_from_the_sequence_or_its_checkpoint(tiny_model: Model,
 
 def test_checkpoints_of_several_turns(tiny_model: Model) -> None:
     """A checkpoint per turn, the oldest dropped beyond prefix_checkpoints; going back to one drops those past it."""
-    eng = engine(tiny_model, 2, prefix_checkpoints=2, prefix_sessions=0)
+    eng = engine(tiny_model, 2, prefix_checkpoints=2, prefix_offloaded=0)
     turns = [prompt_of(15, 20)]
     for i in range(3):  # three turns, each going on from the last
         out = eng.generate(turns[-1], 5).tokens
@@ -189,8 +190,8 @@ def test_a_plain_stretch_at_the_end_keeps_the_draft_heads_rows(tiny_model: Model
 @pytest.mark.parametrize("draft", [0, 3])
 def test_displaced_sequences_are_loaded_back(tiny_model: Model, draft: int) -> None:
     """Users taking turns: each conversation's next turn goes on from its own last request, which another user's
-    request displaced to host memory; the oldest beyond prefix_sessions is dropped."""
-    eng = engine(tiny_model, draft, prefix_sessions=2)
+    request displaced to host memory; the oldest beyond prefix_offloaded is dropped."""
+    eng = engine(tiny_model, draft, prefix_offloaded=2)
     convs = {name: prompt_of(13 + i, 40 + i) for i, name in enumerate("abc")}
     for name in "abc":  # a first turn each: every one displaces the one before
         convs[name] += eng.generate(convs[name], 5).tokens
@@ -205,7 +206,7 @@ def test_displaced_sequences_are_loaded_back(tiny_model: Model, draft: int) -> N
     assert [x.tokens[:5] for x in eng.prefix.sessions] == [convs["a"][:5], convs["c"][:5]]
     g = eng.generate(convs["a"] + [7], 3)
     assert g.cached_tokens == len(convs["a"]) - 1
-    off = engine(tiny_model, draft, prefix_sessions=0)
+    off = engine(tiny_model, draft, prefix_offloaded=0)
     first = off.generate(convs["a"][:13], 5).tokens
     off.generate(convs["b"][:14], 5)
     assert off.generate(convs["a"][:13] + first + [7], 3).cached_tokens == 0
