@@ -38,7 +38,7 @@ from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
-from qspec.spec.logprobs import Logprobs
+from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.spec.stats import SpecStats
 
 # Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
@@ -61,6 +61,8 @@ __all__ = ["ContextError", "Engine", "EngineHooks", "EngineOptions", "Generation
 # longer steps to pay that less often (BENCHMARKS.md §5c).
 PREFILL_CHUNK = 512
 BLOCK_PREFILL_CHUNK = 4096
+# a prefill that scores the prompt keeps every row's logits: steps of at most this many rows bound them
+SCORED_PREFILL_ROWS = 512
 
 
 def prefill_chunk_for(model: Model) -> int:
@@ -197,34 +199,40 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def check_request(self, prompt: list[int], max_tokens: int) -> None:
+    def check_request(self, prompt: list[int], max_tokens: int, scoring: bool = False) -> None:
         """Raise ValueError (ContextError when it does not fit the cache) for a request generate() cannot run,
-        before any work: callers that answer for a request (the server) check it up front with the same rules."""
+        before any work: callers that answer for a request (the server) check it up front with the same rules.
+        `scoring`: the prompt's log-probabilities are asked for, and max_tokens may be 0 (the prompt alone)."""
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"the prompt has token id {bad}, outside the vocabulary of {vocab}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens < (0 if scoring else 1):
+            raise ValueError(f"max_tokens must be >= {0 if scoring else 1}, got {max_tokens}")
         o = self.opts
-        if cells_needed(len(prompt), max_tokens, o.draft) > o.capacity:
+        if not max_tokens and len(prompt) > o.capacity:
+            raise ContextError(f"the prompt ({len(prompt)} tokens) needs more cells than the context capacity "
+                               f"{o.capacity}")
+        if max_tokens and cells_needed(len(prompt), max_tokens, o.draft) > o.capacity:
             raise ContextError(context_error(len(prompt), max_tokens, o.draft, o.capacity,
                                              names={"max_tokens": "max_tokens", "capacity": "the context capacity"}))
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,
-                 logprobs: Logprobs | None = None) -> Generation:
+                 logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> Generation:
         """Generate up to max_tokens after `prompt`; on_token(t) sees each emitted token; `logprobs` collects each
-        emitted token's log-probability (qspec/spec/logprobs.py)."""
-        self.check_request(prompt, max_tokens)
+        emitted token's log-probability (qspec/spec/logprobs.py). `prompt_logprobs` collects the prompt's: an entry
+        per prompt token, each predicted from the tokens before it (the first from none: its log-probability is None);
+        the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone)."""
+        self.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
             req = _Request(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
-                           logprobs)
+                           logprobs, prompt_logprobs)
             return self._generate(prompt, req, sampler or Sampler())
 
     @property
@@ -245,7 +253,7 @@ class Engine:
 
     def _generate(self, prompt: list[int], req: _Request, sampler: Sampler) -> Generation:
         o, run = self.opts, self.runner
-        start = self.prefix.begin(prompt, self._write_head_row)
+        start = self.prefix.begin(prompt, self._write_head_row, reuse=req.prompt_logprobs is None)
         cached, cp = start.cached, start.checkpoint
         run.graph_stats = type(run.graph_stats)()
         if self.depth is not None:
@@ -255,7 +263,10 @@ class Engine:
             logits, H = cp.logits, cp.h
         else:
             self._precompile(min(len(prompt) - cached, self.prefill_chunk))
-            logits, H = self._prefill(prompt, cached)
+            logits, H = self._prefill(prompt, cached, req.prompt_logprobs)
+        if not req.max_tokens:  # the prompt scored alone: the caches hold it, its checkpoint the last logits
+            self._sync()
+            return Generation([], len(prompt), time.perf_counter() - t0, 0.0, req.stats, "max tokens")
         tok = int(sampler.sample(logits[-1]).item())
         self._sync()
         prefill_s = time.perf_counter() - t0
@@ -295,23 +306,34 @@ class Engine:
         self._precompiled = True
         self._ahead = precompile.start(self.model, [prompt_rows, 1, self.opts.draft + 1])
 
-    def _prefill(self, prompt: list[int], start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill(self, prompt: list[int], start: int, scores: Logprobs | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the prompt from position `start` (the caches hold the tokens before it) in chunks, and the draft head
-        over it -> (last row's logits, last row's residual H); a checkpoint of the prompt's end when they are on."""
+        over it -> (last row's logits, last row's residual H); a checkpoint of the prompt's end when they are on.
+        `scores` (from position 0) gets each prompt token's log-probability."""
+        step = self.prefill_chunk if scores is None else min(self.prefill_chunk, SCORED_PREFILL_ROWS)
         with self.runner.prefill_scope():
-            logits, H = self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), self.prefill_chunk, start)
-        self.prefix.prompt_done(len(prompt), logits, H)
-        return logits, H
+            logits, H = self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), step, start, scores)
+        self.prefix.prompt_done(len(prompt), logits[-1:], H)
+        return logits[-1:], H
 
-    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int, scores: Logprobs | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
         logits, H = None, None
+        if scores is not None:
+            scores.entries.append(TokenLogprob(int(ids[0]), None, ()))  # the first token: nothing predicts it
         for s in range(start, P, step):
             chunk = ids[s:s + step]
             last = s + step >= P
-            logits, X = run.step(chunk, logit_rows=torch.tensor([len(chunk) - 1], device=dev) if last else
-                                 torch.zeros(0, dtype=torch.long, device=dev))
+            rows = (torch.arange(len(chunk), device=dev) if scores is not None
+                    else torch.tensor([len(chunk) - 1], device=dev) if last
+                    else torch.zeros(0, dtype=torch.long, device=dev))
+            logits, X = run.step(chunk, logit_rows=rows)
             run.keep(len(chunk), rollback=False)
+            if scores is not None:  # row j predicts token s + j + 1 (the last prompt row: the first generated one)
+                nxt = ids[s + 1:s + 1 + len(chunk)].tolist()
+                scores.score(logits[:len(nxt)], nxt)
             if o.draft:
                 # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
                 # kept, so one row goes on through the head's MoE and LM head (its output is not used either)
@@ -707,8 +729,10 @@ class _Request:
     """One generate() call's bookkeeping: the emitted tokens, the stop rule, counters, logs and phase timing."""
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
-                 sync: Callable[[], None] | None, logprobs: Logprobs | None = None) -> None:
+                 sync: Callable[[], None] | None, logprobs: Logprobs | None = None,
+                 prompt_logprobs: Logprobs | None = None) -> None:
         self.max_tokens, self.stop_ids, self.on_token, self.logprobs = max_tokens, stop_ids, on_token, logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.sync = sync  # set when timing phases: synchronise at every phase boundary
         self.out: list[int] = []
         self.stats = SpecStats()

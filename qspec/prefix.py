@@ -101,12 +101,14 @@ class PrefixCache:
         best = max(fits, key=lambda s: len(s.tokens), default=None)
         return start if best is None else Start(best.saved.n, session=best)
 
-    def begin(self, prompt: list[int], write_head_row: Callable[[int, torch.Tensor, int], None]) -> Start:
+    def begin(self, prompt: list[int], write_head_row: Callable[[int, torch.Tensor, int], None],
+              reuse: bool = True) -> Start:
         """Take the caches to `prompt`'s start: the live sequence goes to host memory when it is cut or replaced,
-        then a saved one is loaded, or the runner goes back to a checkpoint, or the sequence starts over. The
-        runner's request begins there (Runner.begin_request). write_head_row(token, residual, position) writes the
-        draft head's cells of one row (the engine's first draft step: its shape's graph)."""
-        start = self.find(prompt)
+        then a saved one is loaded, or the runner goes back to a checkpoint, or the sequence starts over (always,
+        without `reuse`: a prompt whose every row is needed). The runner's request begins there
+        (Runner.begin_request). write_head_row(token, residual, position) writes the draft head's cells of one row
+        (the engine's first draft step: its shape's graph)."""
+        start = self.find(prompt) if reuse else Start(0)
         if start.session is not None:
             self.sessions.remove(start.session)  # before the live sequence takes its place in the list
         if start.session is not None or start.checkpoint is not None or not start.cached:

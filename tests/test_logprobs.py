@@ -12,7 +12,7 @@ from test_spec import CAP, oracle_hook, plain
 
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model.model import CacheOptions, Model
-from qspec.runner import Runner
+from qspec.runner import ContextError, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
 
@@ -87,3 +87,52 @@ def test_rows_are_taken_for_their_own_tokens() -> None:
         lp.take(0)
     with pytest.raises(ValueError, match="0..20"):
         Logprobs(21)
+
+
+def prompt_reference(model: Model, prompt: list[int]) -> torch.Tensor:
+    """log-softmax rows [len(prompt) - 1, V]: row j is the distribution that predicts prompt[j + 1]."""
+    logits, _ = Runner(model, CacheOptions(capacity=-(-len(prompt) // 4) * 4)).step(torch.tensor(prompt))
+    return torch.log_softmax(logits[:-1].float(), -1)
+
+
+def check_prompt(model: Model, prompt: list[int], lp: Logprobs) -> None:
+    want = prompt_reference(model, prompt)
+    assert [e.token for e in lp.entries] == prompt and not lp._pending
+    assert lp.entries[0].logprob is None and lp.entries[0].top == ()
+    got = torch.tensor([e.logprob for e in lp.entries[1:]])
+    torch.testing.assert_close(got, want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])], atol=1e-4, rtol=0)
+    for e, row in zip(lp.entries[1:], want, strict=True):
+        assert [i for i, _ in e.top] == row.topk(TOP).indices.tolist()
+
+
+@pytest.mark.parametrize("draft", [0, 3])
+def test_a_prompt_is_scored_whatever_the_caches_hold(tiny_model: Model, draft: int) -> None:
+    """Every prompt token's entry from the row before it, over several prefill steps; the output is a plain
+    request's. A prompt the caches already hold (live, or at a checkpoint) prefills again, so that every row is
+    scored; max_tokens 0 scores the prompt alone and leaves a checkpoint the same prompt reuses."""
+    rng = random.Random(5 + draft)
+    prompt = [rng.randrange(511) for _ in range(37)]
+    want = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True)).generate(prompt, 12).tokens
+    eng = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True, prefill_chunk=8))
+    for _ in range(2):  # the second time, the caches hold the prompt at a checkpoint
+        lp = Logprobs(TOP)
+        g = eng.generate(prompt, 12, prompt_logprobs=lp)
+        assert g.tokens == want and g.cached_tokens == 0
+        check_prompt(tiny_model, prompt, lp)
+    lp = Logprobs(TOP)
+    g = eng.generate(prompt + want, 0, prompt_logprobs=lp)  # the live sequence's tokens, prefilled again
+    assert g.tokens == [] and g.cached_tokens == 0 and g.stop_reason == "max tokens"
+    check_prompt(tiny_model, prompt + want, lp)
+    g = eng.generate(prompt + want, 5)
+    assert g.cached_tokens == len(prompt + want)  # the checkpoint of the scored prompt
+    assert g.tokens == Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True)).generate(
+        prompt + want, 5).tokens
+
+
+def test_scoring_rules(tiny_model: Model) -> None:
+    eng = Engine(tiny_model, EngineOptions(draft=2, capacity=32))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        eng.generate([1, 2, 3], 0)
+    eng.check_request(list(range(32)), 0, scoring=True)  # the prompt alone: one cell a token
+    with pytest.raises(ContextError, match=r"prompt \(33 tokens\).*capacity 32"):
+        eng.check_request(list(range(33)), 0, scoring=True)

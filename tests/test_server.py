@@ -139,7 +139,8 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": [1, 2, 9999]}, 400, "9999"),
     ({"prompt": PROMPT, "max_tokens": 500}, 400, "capacity 64"),
-    ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "0 only with echo"),
+    ({"prompt": PROMPT, "max_tokens": 64, "echo": True}, 400, "capacity 64"),
     ({"prompt": PROMPT, "top_p": 1.5}, 400, "top_p"),
     ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
     ({"prompt": PROMPT, "stop": [""]}, 400, "stop"),
@@ -151,7 +152,7 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": PROMPT, "best_of": 2}, 400, "best_of: "),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs must be <= 20"),
     ({"prompt": PROMPT, "logprobs": True}, 400, "logprobs "),
-    ({"prompt": PROMPT, "echo": True}, 400, "echo: "),
+    ({"prompt": PROMPT, "echo": 1}, 400, "echo"),
 ])
 def test_bad_requests_name_the_problem(served, payload: dict, status: int, word: str) -> None:  # noqa: ANN001
     client = served[0]
@@ -254,7 +255,8 @@ def _raw(client: TestClient, path: str, content: bytes) -> object:
     (b'{"prompt": "x",', None, "invalid_json", "not valid JSON"),
     (b'[1, 2]', None, "invalid_value", "JSON object"),
     (b'{"prompt": ["a", "b"]}', "prompt", "invalid_value", "one prompt per request"),
-    (b'{"prompt": "x", "echo": true}', "echo", "unsupported_value", "not echoed"),
+    (b'{"prompt": "x", "echo": "yes"}', "echo", "invalid_value", "true or false"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value", "0 only with echo"),
     (b'{"prompt": "x", "logprobs": -1}', "logprobs", "invalid_value", ">= 0"),
     (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "unsupported_value", "penalties"),
     (b'{"prompt": "x", "logit_bias": {"5": 100}}', "logit_bias", "unsupported_value", "logit biases"),
@@ -324,6 +326,38 @@ def test_log_probabilities(served) -> None:  # noqa: ANN001
     assert no["choices"][0]["logprobs"] is None
     bad = client.post("/v1/chat/completions", json=chat | {"logprobs": False})
     assert bad.status_code == 400 and "needs logprobs: true" in bad.json()["error"]["message"]
+
+
+def test_echo_returns_the_prompt_and_its_log_probabilities(served) -> None:  # noqa: ANN001
+    """`echo`: the prompt's text before the completion's, and with `logprobs` an entry per prompt token before the
+    completion's (the first with none), whole and streamed; max_tokens 0 scores the prompt alone (as evaluation
+    harnesses ask for a text's log-likelihood)."""
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    scored, lp = Logprobs(2), Logprobs(2)
+    g = engine.generate(ids, 5, sampler=Sampler(), stop_ids=set(tok.stop_ids), logprobs=lp, prompt_logprobs=scored)
+    want = PROMPT + tok.decode(g.tokens, skip_special=True)
+    req = {"prompt": PROMPT, "max_tokens": 5, "echo": True, "logprobs": 2}
+    body = client.post("/v1/completions", json=req).json()
+    got = body["choices"][0]
+    assert got["text"] == want and body["usage"]["completion_tokens"] == len(g.tokens)
+    entries = scored.entries + lp.entries
+    texts = [tok.id_to_bytes(e.token).decode("utf-8", "replace") for e in entries]
+    assert got["logprobs"]["tokens"] == texts
+    assert got["logprobs"]["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    assert got["logprobs"]["token_logprobs"][0] is None and got["logprobs"]["top_logprobs"][0] is None
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-4)
+    _, events = _stream(client, req)
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+    lps = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [t for x in lps for t in x["tokens"]] == texts
+    alone = client.post("/v1/completions", json=req | {"max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == PROMPT and alone["usage"]["completion_tokens"] == 0
+    assert alone["choices"][0]["logprobs"]["token_logprobs"] == got["logprobs"]["token_logprobs"][:len(ids)]
+    assert alone["choices"][0]["finish_reason"] == "length"
+    plain = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "echo": True}).json()
+    assert plain["choices"][0]["text"] == tok.decode(ids) + tok.decode(g.tokens, skip_special=True)
+    assert plain["choices"][0]["logprobs"] is None
 
 
 def test_neutral_values_of_unsupported_options_are_accepted(served) -> None:  # noqa: ANN001

@@ -91,6 +91,8 @@ class _Run:
     logprobs: list[TokenLogprob] | None = None  # the counted tokens' entries, when the request asks for them
     lp_sent: int = 0  # logprobs[:lp_sent] have been handed out
     lp_chars: int = 0  # characters of the handed-out entries' token texts (the completions' text_offset)
+    echo: str = ""  # the prompt's text, which the choice's text starts with (`echo`)
+    echoed: bool = False  # the echo has been handed out, with the prompt's entries
 
     def new_logprobs(self) -> list[TokenLogprob] | None:
         """The entries not handed out yet (None when the request asks for none)."""
@@ -131,12 +133,15 @@ class CompletionServer:
         # tokenizes for seconds that the event loop needs
         ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
         max_tokens = req.max_tokens
+        if max_tokens == 0 and not req.echoes():
+            raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)", param="max_tokens")
         if max_tokens is None:
             o = self.engine.opts
             rest = o.capacity - cells_needed(len(ids), 0, o.draft)
             max_tokens = COMPLETION_DEFAULT_TOKENS if isinstance(req, CompletionRequest) else max(1, rest)
         try:
-            self.engine.check_request(ids, max_tokens)  # the engine's own rules, before the request queues
+            # the engine's own rules, before the request queues
+            self.engine.check_request(ids, max_tokens, scoring=req.scores_prompt(max_tokens))
         except ContextError as e:
             raise BadRequest(str(e), param="max_tokens", code="context_length_exceeded") from None
         except ValueError as e:
@@ -155,15 +160,26 @@ class CompletionServer:
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         lp = None if top is None else Logprobs(top)
+        scored = Logprobs(top or 0) if req.scores_prompt(max_tokens) else None
         run.logprobs = None if lp is None else []
 
         def show(piece: str) -> None:
             if piece and emit is not None:
                 emit(piece, run.new_logprobs())
 
+        def echo() -> None:
+            """The prompt's text, with its entries when log-probabilities are asked for, before the completion's."""
+            if run.echoed:
+                return
+            run.echoed = True
+            if run.logprobs is not None and scored is not None:
+                run.logprobs[:0] = scored.entries
+            show(run.echo)
+
         def on_token(t: int) -> None:
             if run.cancelled.is_set():
                 raise _Stopped
+            echo()
             if run.ended.is_set():
                 return  # the rest of the round that met a stop string
             run.n_tokens += 1
@@ -178,10 +194,11 @@ class CompletionServer:
                 run.ended.set()
 
         try:
-            g = self.engine.generate(ids, max_tokens, sampler=sampler, logprobs=lp,
+            g = self.engine.generate(ids, max_tokens, sampler=sampler, logprobs=lp, prompt_logprobs=scored,
                                      stop_ids=_StopIds(set(self.tok.stop_ids), run.ended), on_token=on_token)
         except _Stopped:
             return None
+        echo()  # no token was emitted (max_tokens 0)
         if not run.ended.is_set():  # after a stop string, the text ends where it began
             piece, hit = run.add(stream.flush(), final=True)
             show(piece)
@@ -197,6 +214,13 @@ class CompletionServer:
         out = fmt.logprobs(entries, self.tok, run.lp_chars)
         run.lp_chars += sum(len(_token_text(self.tok, e.token)) for e in entries)
         return out
+
+    def echo_text(self, req: Sampling, ids: list[int]) -> str:
+        """The text a choice starts with: the prompt as sent (its token ids decoded) when it is echoed, else none."""
+        if not req.echoes():
+            return ""
+        prompt = req.prompt  # type: ignore[attr-defined]  # echoes(): a CompletionRequest
+        return prompt if isinstance(prompt, str) else self.tok.decode(ids)
 
     def usage(self, ids: list[int], runs: list[_Run], gens: list[Generation]) -> dict[str, Any]:
         """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held before the request
@@ -232,7 +256,8 @@ class _Text:
         texts = [_token_text(tok, e.token) for e in entries]
         offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
         return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{_token_text(tok, i): v for i, v in e.top} for e in entries],
+                "top_logprobs": [None if e.logprob is None else {_token_text(tok, i): v for i, v in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
 
 
@@ -347,9 +372,9 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
                    fmt: type[_Text] | type[_Chat], request: Request):  # noqa: ANN202
     """Generate for one request, its `n` choices one after the other (each after the first finds the prompt in the
     caches): a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
-    first = _Run(stop_strings(req.stop))
+    first = _Run(stop_strings(req.stop), echo=srv.echo_text(req, ids))
     # one `cancelled` for all: the client leaving stops the choice under way and the ones after it
-    runs = [first] + [_Run(first.stops, cancelled=first.cancelled) for _ in range(req.n - 1)]
+    runs = [first] + [_Run(first.stops, cancelled=first.cancelled, echo=first.echo) for _ in range(req.n - 1)]
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
@@ -375,7 +400,7 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
             gens = await _in_worker(srv, first, all_choices) or []
         finally:
             watcher.cancel()
-        choices = [fmt.choice(r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
+        choices = [fmt.choice(r.echo + r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
                    for i, r in enumerate(runs)]
         return body(fmt.whole, choices, gens)
     return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")

@@ -1,7 +1,7 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (penalties, logit biases, tools, structured output, `echo`, `best_of`) are
+that this engine cannot honour (penalties, logit biases, tools, structured output, `best_of`) are
 accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
 of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
 carry) is refused rather than replaced, so the model never sees text the client did not send.
@@ -26,7 +26,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
     "logit_bias": ((None, {}), "logit biases are not implemented"),
-    "echo": ((False,), "the response holds only the completion; the prompt is not echoed back"),
     "suffix": ((None, ""), "inserting text before a suffix is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none"), "tool calls are not supported"),
@@ -64,7 +63,7 @@ class Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with `echo` (CompletionServer.prompt_ids)
     temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = None
@@ -77,7 +76,7 @@ class Sampling(BaseModel):
     frequency_penalty: Any = None
     logit_bias: Any = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "best_of", "echo", "suffix", "tools",
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "best_of", "suffix", "tools",
                      "tool_choice", "functions", "function_call", "response_format", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
@@ -86,6 +85,15 @@ class Sampling(BaseModel):
     def logprob_top(self) -> int | None:
         """How many top alternatives each token's log-probability comes with, or None: no log-probabilities."""
         raise NotImplementedError
+
+    def echoes(self) -> bool:
+        """Whether each choice's text starts with the prompt (`echo`, completions only)."""
+        return False
+
+    def scores_prompt(self, max_tokens: int) -> bool:
+        """Whether the prompt's own log-probabilities are returned: an echoed prompt, with log-probabilities or
+        alone (max_tokens 0, how evaluation harnesses score a text)."""
+        return self.echoes() and (self.logprob_top() is not None or max_tokens == 0)
 
     @field_validator("seed")
     @classmethod
@@ -105,12 +113,15 @@ class Sampling(BaseModel):
 class CompletionRequest(Sampling):
     prompt: Any = Field(description="text, or a list of token ids")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)  # the top alternatives to return
+    echo: bool = Field(False, strict=True)  # the prompt before the completion, with its log-probabilities
     best_of: Any = None
-    echo: Any = False
     suffix: Any = None
 
     def logprob_top(self) -> int | None:
         return self.logprobs
+
+    def echoes(self) -> bool:
+        return self.echo
 
     @field_validator("prompt")
     @classmethod

@@ -18,7 +18,7 @@ MAX_TOP = 20  # OpenAI's limit for top_logprobs
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None  # None: nothing predicts it (a prompt's first token)
     top: tuple[tuple[int, float], ...]  # (id, log-probability), most likely first
 
 
@@ -45,6 +45,14 @@ class Logprobs:
             best = lp.topk(self.top, dim=-1)
             vals, ids = torch.cat([vals, best.values], 1), torch.cat([ids, best.indices], 1)
         self._pending.append([_to_host(vals, wait), _to_host(ids, wait), 0])
+
+    def score(self, logits: torch.Tensor, tokens: list[int]) -> None:
+        """An entry for each of `tokens` from its row of `logits` [len(tokens), V] at once (a prompt's rows as it
+        prefills: no step waits behind them)."""
+        if tokens:
+            self.queue(logits, torch.tensor(tokens), wait=True)
+            for t in tokens:
+                self.take(t)
 
     def take(self, token: int) -> None:
         """The next queued row, for the emitted `token`."""
