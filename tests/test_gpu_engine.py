@@ -297,6 +297,28 @@ def test_log_probabilities_through_graphs(setup: Setup, n: int) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("n", [0, 3])
+def test_a_prompt_is_scored_as_it_prefills(setup: Setup, n: int) -> None:
+    """Prompt log-probabilities over several prefill steps: each prompt token's from the row before it (against one
+    step over the whole prompt), the output that of a request without them; max_tokens 0 scores the prompt alone."""
+    from qspec.runner import Runner
+    from qspec.spec.logprobs import Logprobs
+
+    opts = dict(draft=n, capacity=256, kv_type=setup.kv, prefill_chunk=8)
+    want = engine(setup.gpu, **opts).generate(setup.prompt, 24).tokens
+    eng = engine(setup.gpu, **opts)
+    logits, _ = Runner(setup.gpu, eng.opts.cache_options()).step(torch.tensor(setup.prompt))
+    ref = torch.log_softmax(logits[:-1].float(), -1).gather(1, torch.tensor(setup.prompt[1:], device="cuda")[:, None])
+    for max_tokens in (24, 0):
+        lp = Logprobs(2)
+        g = eng.generate(setup.prompt, max_tokens, prompt_logprobs=lp)
+        assert g.tokens == want[:max_tokens] and [e.token for e in lp.entries] == setup.prompt
+        assert lp.entries[0].logprob is None
+        torch.testing.assert_close(torch.tensor([e.logprob for e in lp.entries[1:]]), ref[:, 0].cpu(),
+                                   atol=2 * setup.tol, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [0, 3])
 def test_a_next_turn_reuses_the_caches(setup: Setup, n: int) -> None:
     """Through CUDA graphs: a request that goes on from the last one's prompt and output prefills only its new tokens,
     the same prompt again goes back to the checkpoint at its end, and one displaced by another conversation comes back
