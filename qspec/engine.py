@@ -228,12 +228,14 @@ class Engine:
         per prompt token, each predicted from the tokens before it (the first from none: its log-probability is None);
         the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone)."""
         self.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
+        sampler = sampler or Sampler()
+        sampler.begin(self.model.cfg.vocab_size, self.model.device)  # its logit rules (a bad token id: ValueError)
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
             req = _Request(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
                            logprobs, prompt_logprobs)
-            return self._generate(prompt, req, sampler or Sampler())
+            return self._generate(prompt, req, sampler)
 
     @property
     def held(self) -> list[int]:
@@ -267,7 +269,8 @@ class Engine:
         if not req.max_tokens:  # the prompt scored alone: the caches hold it, its checkpoint the last logits
             self._sync()
             return Generation([], len(prompt), time.perf_counter() - t0, 0.0, req.stats, "max tokens")
-        tok = int(sampler.sample(logits[-1]).item())
+        tok = int(sampler.sample(sampler.target(logits[-1:]))[0].item())
+        sampler.count([tok])
         self._sync()
         prefill_s = time.perf_counter() - t0
 
@@ -354,7 +357,8 @@ class Engine:
             req.phase("decode")
             if self.hooks.record_logits:
                 req.logits_log.append(logits.cpu())
-            nxt = sampler.sample(logits[-1:])
+            nxt = sampler.sample(sampler.target(logits[-1:]))
+            sampler.count(nxt)
             if req.logprobs is not None:  # before the read-back: its wait covers the rows' copy
                 req.logprobs.queue(logits[-1:], nxt, wait=False)
             reader.start(nxt)  # queued before the next step: reading it waits for this step only
@@ -502,7 +506,8 @@ class Engine:
         done = 0
         while True:
             req.phase("decode")
-            nxt = sampler.sample(logits[-1:])
+            nxt = sampler.sample(sampler.target(logits[-1:]))
+            sampler.count(nxt)
             if req.logprobs is not None:  # before the read-back: its wait covers the rows' copy
                 req.logprobs.queue(logits[-1:], nxt, wait=False)
             pending.append((nxt, X[-1:].clone()))  # before a replay reuses X's memory
@@ -561,17 +566,18 @@ class Engine:
             else:
                 extended = early = None
                 drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler, d)
+                rows = sampler.target(v_logits, upload(drafts, dev) if sampler.adjusts else None)
                 if forced is not None:
                     k = forced
-                    nxt = int(sampler.sample(v_logits[forced]).item())
+                    nxt = int(sampler.sample(rows[forced:forced + 1])[0].item())
                 elif sampler.greedy:
-                    target = argmax_rows(v_logits).tolist()
+                    target = argmax_rows(rows).tolist()
                     k = greedy_accept(drafts, target)
                     nxt = target[k]
                 else:
-                    p = sampler.probs(v_logits)
                     k, nxt = (int(t) for t in speculative_accept_on_device(upload(drafts, dev), torch.cat(host_q),
-                                                                           p, sampler))
+                                                                           sampler.probs(rows), sampler))
+                sampler.count(drafts[:k] + [nxt])
             committed = drafts[:k] + [nxt]
             n_emit, ends = req.emits(committed)
             if early is not None:  # the next round's drafts are queued already (discarded when the request ends)
@@ -667,12 +673,13 @@ class Engine:
         req.phase("verify")
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
+        rows = sampler.target(v_logits, drafts)
         if sampler.greedy:
-            pred = argmax_rows(v_logits)
+            pred = argmax_rows(rows)
             k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)
             nxt = pred.index_select(0, k)
         else:
-            p = sampler.probs(v_logits)
+            p = sampler.probs(rows)
             if forced is None:
                 k, nxt = speculative_accept_on_device(drafts, torch.cat(q_rows), p, sampler)
             else:
@@ -680,6 +687,7 @@ class Engine:
                 nxt = sampler.sample_probs(p.index_select(0, k))
         # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
         ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
+        sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
         if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
             req.logprobs.queue(v_logits, ext, wait=False)
         self.reader.start(torch.cat([drafts, k, nxt]))

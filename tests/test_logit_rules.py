@@ -1,0 +1,82 @@
+"""The request's logit rules (Sampler: OpenAI's logit_bias, presence and frequency penalties): every path that picks
+a token from the target's rows applies them, a verify row counting the drafts before it as generated, so greedy
+speculation still equals plain decoding token for token."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from test_spec import CAP, oracle_hook
+
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.model.model import CacheOptions, Model
+from qspec.runner import Runner
+from qspec.spec.accept import Sampler
+
+RULES = dict(presence_penalty=0.7, frequency_penalty=1.3, logit_bias={5: 4.0, 9: -100.0})
+
+
+def reference(model: Model, prompt: list[int], n: int, rules: dict) -> list[int]:
+    """Greedy decoding one token at a time, the rules written out: logit + bias - presence * [seen] - frequency *
+    count, over the tokens generated so far."""
+    run = Runner(model, CacheOptions(capacity=CAP))
+    counts = torch.zeros(model.cfg.vocab_size)
+    bias = torch.zeros(model.cfg.vocab_size)
+    for t, b in rules.get("logit_bias", {}).items():
+        bias[t] = b
+    out: list[int] = []
+    rows = prompt
+    with torch.inference_mode():
+        while len(out) < n:
+            logits, _ = run.step(torch.tensor(rows))
+            run.keep(len(rows), rollback=False)
+            x = logits[-1].float() + bias - rules.get("presence_penalty", 0.0) * (counts > 0).float() \
+                - rules.get("frequency_penalty", 0.0) * counts
+            out.append(int(x.argmax()))
+            counts[out[-1]] += 1
+            rows = out[-1:]
+    return out
+
+
+@pytest.mark.parametrize("draft, hook", [(0, False), (3, False), (2, True), (5, True)])
+def test_greedy_decoding_follows_the_rules(tiny_model: Model, draft: int, hook: bool) -> None:
+    """Plain decoding, rounds on the device (the head's own drafts) and on the host (oracle drafts: every acceptance
+    length) emit what the written-out rules pick; the rules change the output."""
+    rng = random.Random(draft)
+    prompt = [rng.randrange(511) for _ in range(21)]
+    want = reference(tiny_model, prompt, 40, RULES)
+    assert want != reference(tiny_model, prompt, 40, {}) and 9 not in want
+    hooks = EngineHooks(draft_hook=oracle_hook(want, rng, 512)) if hook else EngineHooks()
+    eng = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True), hooks)
+    g = eng.generate(prompt, 40, sampler=Sampler(**RULES))
+    assert g.tokens == want
+    if hook:
+        assert 0 < g.spec.accepted < g.spec.drafted
+    assert eng.generate(prompt, 40).tokens == reference(tiny_model, prompt, 40, {})  # the rules were the request's
+
+
+def test_a_strong_bias_decides_sampled_tokens(tiny_model: Model) -> None:
+    sampler = Sampler(temperature=1.0, logit_bias={17: 100.0}, generator=torch.Generator().manual_seed(1))
+    g = Engine(tiny_model, EngineOptions(draft=3, capacity=CAP)).generate(list(range(3, 12)), 12, sampler=sampler)
+    assert g.tokens == [17] * 12
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    (dict(frequency_penalty=math.nan), "frequency_penalty must be in [-2, 2]"),
+    (dict(logit_bias={3: 101.0}), "logit_bias of token 3 must be in [-100, 100]"),
+    (dict(logit_bias={-1: 1.0}), "token ids"),
+])
+def test_bad_rules_are_named(kw: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        Sampler(**kw)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_before_any_work(tiny_model: Model) -> None:
+    eng = Engine(tiny_model, EngineOptions(draft=2, capacity=CAP))
+    with pytest.raises(ValueError, match="token id 512, outside the vocabulary of 512"):
+        eng.generate([1, 2, 3], 4, sampler=Sampler(logit_bias={512: 1.0}))
+    assert eng.held == [] and eng.runner.n_tokens == 0
