@@ -687,7 +687,8 @@ class Engine:
                 nxt = sampler.sample_probs(p.index_select(0, k))
         # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
         ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
-        sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
+        if sampler.adjusts:  # (no kernel otherwise: this is every round's path)
+            sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
         if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
             req.logprobs.queue(v_logits, ext, wait=False)
         self.reader.start(torch.cat([drafts, k, nxt]))
