@@ -144,6 +144,11 @@ def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
     return _checked(lambda: from_args(SamplingOptions, a))
 
 
+def _sampler(samp: SamplingOptions) -> Sampler:
+    return Sampler(temperature=samp.temperature, top_p=samp.top_p, generator=torch.Generator().manual_seed(samp.seed),
+                   presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty)
+
+
 def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
     bad_text = prompt_text_error(text)
     if bad_text is not None:
@@ -349,8 +354,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
              "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
     ids = request_ids(tok, model.cfg)
-    sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
-                      generator=torch.Generator().manual_seed(samp.seed))
+    sampler = _sampler(samp)
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -393,8 +397,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
 
     _, tok, engine = _load(a, opts, first_ids)
-    sampler = Sampler(temperature=samp.temperature, top_p=samp.top_p,
-                      generator=torch.Generator().manual_seed(samp.seed))
+    sampler = _sampler(samp)
     tty = sys.stdin.isatty()
     while True:
         if tty:

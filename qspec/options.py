@@ -10,7 +10,7 @@ The groups are separate classes:
   KernelOptions    kernel and fast-path switches: how a step runs, not what it computes (beyond rounding)
   EngineOptions    what a user chooses (draft depth, context, cache type, the seed's optimizations), plus the
                    kernel switches (it extends KernelOptions, so `EngineOptions(draft=3, pdl=False)` works)
-  SamplingOptions  per request: temperature, top-p, seed, max tokens
+  SamplingOptions  per request: temperature, top-p, seed, max tokens, penalties
 Test and benchmark hooks (callables, logs) are not options: they are `qspec.engine.EngineHooks`.
 """
 
@@ -275,6 +275,10 @@ class SamplingOptions:
     top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches this",
                           check=_top_p)
     seed: int = option(0, "sampling seed", check=in_range(0, SEED_MAX))
+    presence_penalty: float = option(0.0, "subtracted from the logit of each token generated so far",
+                                     check=in_range(-2, 2))
+    frequency_penalty: float = option(0.0, "subtracted from a token's logit once per time it was generated",
+                                      check=in_range(-2, 2))
 
     def __post_init__(self) -> None:
         validate(self)

@@ -258,8 +258,11 @@ def _raw(client: TestClient, path: str, content: bytes) -> object:
     (b'{"prompt": "x", "echo": "yes"}', "echo", "invalid_value", "true or false"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value", "0 only with echo"),
     (b'{"prompt": "x", "logprobs": -1}', "logprobs", "invalid_value", ">= 0"),
-    (b'{"prompt": "x", "presence_penalty": 0.5}', "presence_penalty", "unsupported_value", "penalties"),
-    (b'{"prompt": "x", "logit_bias": {"5": 100}}', "logit_bias", "unsupported_value", "logit biases"),
+    (b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty", "invalid_value", "<= 2"),
+    (b'{"prompt": "x", "frequency_penalty": NaN}', "frequency_penalty", "invalid_value", "finite"),
+    (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias", "invalid_value", "[-100, 100]"),
+    (b'{"prompt": "x", "logit_bias": {"five": 1}}', "logit_bias", "invalid_value", "token ids"),
+    (b'{"prompt": "x", "logit_bias": {"512": 1}}', "logit_bias", "invalid_value", "outside the vocabulary of 512"),
     (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "unknown_parameter", "'frobnicate'"),
     (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens", "invalid_value", "integer"),
     (b'{"max_tokens": 3}', "prompt", "missing_required_parameter", "prompt is required"),
@@ -358,6 +361,21 @@ def test_echo_returns_the_prompt_and_its_log_probabilities(served) -> None:  # n
     plain = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 5, "echo": True}).json()
     assert plain["choices"][0]["text"] == tok.decode(ids) + tok.decode(g.tokens, skip_special=True)
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_penalties_and_logit_bias(served) -> None:  # noqa: ANN001
+    """The request's logit rules reach the engine's sampler: the completion is the engine's under the same rules, and
+    a strong bias makes every token the biased one."""
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    rules = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"7": 3.0}}
+    g = engine.generate(ids, 12, sampler=Sampler(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0}))
+    body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12} | rules).json()
+    assert body["choices"][0]["text"] == tok.decode(g.tokens, skip_special=True)
+    assert g.tokens != engine.generate(ids, 12).tokens  # the rules changed the output
+    forced = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "logprobs": 0,
+                                                  "logit_bias": {"65": 100}}).json()
+    assert forced["choices"][0]["logprobs"]["tokens"] == [tok.id_to_bytes(65).decode("utf-8", "replace")] * 6
 
 
 def test_neutral_values_of_unsupported_options_are_accepted(served) -> None:  # noqa: ANN001

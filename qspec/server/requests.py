@@ -1,7 +1,7 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (penalties, logit biases, tools, structured output, `best_of`) are
+that this engine cannot honour (tools, structured output, `best_of`, `suffix`) are
 accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
 of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
 carry) is refused rather than replaced, so the model never sees text the client did not send.
@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from qspec.spec.accept import MAX_BIAS, MAX_PENALTY
 from qspec.spec.logprobs import MAX_TOP
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
@@ -23,9 +24,6 @@ MAX_CHOICES = 16
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "choices are returned as generated, not ranked (use n)"),
-    "presence_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
-    "frequency_penalty": ((None, 0, 0.0), "penalties are not implemented (leave it out or use 0)"),
-    "logit_bias": ((None, {}), "logit biases are not implemented"),
     "suffix": ((None, ""), "inserting text before a suffix is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none"), "tool calls are not supported"),
@@ -72,11 +70,26 @@ class Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None  # the last event carries `usage` whatever it says
     user: str | None = None  # names the caller in OpenAI's logs; nothing to do here
     n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True)  # choices, generated one after the other
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> added to its logit
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias", "best_of", "suffix", "tools",
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdecimal():
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
+            if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN fails too
+                raise ValueError(f"the bias of token {key} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value}")
+        return bias
+
+    def logit_rules(self) -> dict[str, Any]:
+        """The Sampler's logit rules (qspec/spec/accept.py) this request asks for."""
+        return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None}
+
+    @field_validator("best_of", "suffix", "tools",
                      "tool_choice", "functions", "function_call", "response_format", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
