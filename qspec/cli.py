@@ -57,6 +57,7 @@ from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
+from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 from qspec.weights import WeightsError
 
@@ -145,8 +146,10 @@ def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
 
 
 def _sampler(samp: SamplingOptions) -> Sampler:
-    return Sampler(temperature=samp.temperature, top_p=samp.top_p, generator=torch.Generator().manual_seed(samp.seed),
-                   presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty)
+    rules = LogitRules(presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty,
+                       repetition_penalty=samp.repetition_penalty)
+    return Sampler(temperature=samp.temperature, top_p=samp.top_p, top_k=samp.top_k, min_p=samp.min_p,
+                   generator=torch.Generator().manual_seed(samp.seed), rules=rules)
 
 
 def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:

@@ -229,7 +229,7 @@ class Engine:
         the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone)."""
         self.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
         sampler = sampler or Sampler()
-        sampler.begin(self.model.cfg.vocab_size, self.model.device)  # its logit rules (a bad token id: ValueError)
+        sampler.begin(prompt, self.model.cfg.vocab_size, self.model.device)  # its logit rules (bad id: ValueError)
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():

@@ -10,7 +10,7 @@ The groups are separate classes:
   KernelOptions    kernel and fast-path switches: how a step runs, not what it computes (beyond rounding)
   EngineOptions    what a user chooses (draft depth, context, cache type, the seed's optimizations), plus the
                    kernel switches (it extends KernelOptions, so `EngineOptions(draft=3, pdl=False)` works)
-  SamplingOptions  per request: temperature, top-p, seed, max tokens, penalties
+  SamplingOptions  per request: max tokens, temperature, top-k/p, min-p, seed, penalties
 Test and benchmark hooks (callables, logs) are not options: they are `qspec.engine.EngineHooks`.
 """
 
@@ -105,6 +105,10 @@ def _finite_at_least(lo: float, note: str) -> Check:
     def check(v: float) -> str | None:
         return None if math.isfinite(v) and v >= lo else f"must be a finite number >= {lo}{note}, got {v}"
     return check
+
+
+def _positive_finite(v: float) -> str | None:
+    return None if math.isfinite(v) and v > 0 else f"must be a finite number > 0, got {v}"
 
 
 def _top_p(v: float) -> str | None:
@@ -274,11 +278,15 @@ class SamplingOptions:
     temperature: float = option(0.0, "sampling temperature (0 = greedy)", check=_finite_at_least(0, " (0 = greedy)"))
     top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches this",
                           check=_top_p)
+    top_k: int = option(0, "sample among the k likeliest tokens only (0: all)", check=_at_least(0))
+    min_p: float = option(0.0, "drop tokens less likely than this times the likeliest (0: none)", check=in_range(0, 1))
     seed: int = option(0, "sampling seed", check=in_range(0, SEED_MAX))
     presence_penalty: float = option(0.0, "subtracted from the logit of each token generated so far",
                                      check=in_range(-2, 2))
     frequency_penalty: float = option(0.0, "subtracted from a token's logit once per time it was generated",
                                       check=in_range(-2, 2))
+    repetition_penalty: float = option(1.0, "a prompt's or output's token's logit: divided by this if positive, "
+                                       "multiplied if not (1: off)", check=_positive_finite)
 
     def __post_init__(self) -> None:
         validate(self)

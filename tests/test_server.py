@@ -21,6 +21,7 @@ from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
 from qspec.spec.accept import Sampler  # noqa: E402
+from qspec.spec.logit_rules import LogitRules  # noqa: E402
 from qspec.spec.logprobs import Logprobs  # noqa: E402
 
 PROMPT = "fn main() {"
@@ -262,6 +263,9 @@ def _raw(client: TestClient, path: str, content: bytes) -> object:
     (b'{"prompt": "x", "frequency_penalty": NaN}', "frequency_penalty", "invalid_value", "finite"),
     (b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias", "invalid_value", "[-100, 100]"),
     (b'{"prompt": "x", "logit_bias": {"five": 1}}', "logit_bias", "invalid_value", "token ids"),
+    (b'{"prompt": "x", "top_k": -1}', "top_k", "invalid_value", ">= 0"),
+    (b'{"prompt": "x", "min_p": 1.5}', "min_p", "invalid_value", "<= 1"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', "repetition_penalty", "invalid_value", "> 0"),
     (b'{"prompt": "x", "logit_bias": {"512": 1}}', "logit_bias", "invalid_value", "outside the vocabulary of 512"),
     (b'{"prompt": "x", "frobnicate": 1}', "frobnicate", "unknown_parameter", "'frobnicate'"),
     (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens", "invalid_value", "integer"),
@@ -369,13 +373,18 @@ def test_penalties_and_logit_bias(served) -> None:  # noqa: ANN001
     client, engine, tok = served
     ids = tok.encode(PROMPT, add_special=True)
     rules = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"7": 3.0}}
-    g = engine.generate(ids, 12, sampler=Sampler(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={7: 3.0}))
+    g = engine.generate(ids, 12, sampler=Sampler(rules=LogitRules(presence_penalty=1.5, frequency_penalty=0.5,
+                                                              logit_bias={7: 3.0})))
     body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12} | rules).json()
     assert body["choices"][0]["text"] == tok.decode(g.tokens, skip_special=True)
     assert g.tokens != engine.generate(ids, 12).tokens  # the rules changed the output
     forced = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "logprobs": 0,
                                                   "logit_bias": {"65": 100}}).json()
     assert forced["choices"][0]["logprobs"]["tokens"] == [tok.id_to_bytes(65).decode("utf-8", "replace")] * 6
+    g = engine.generate(ids, 10, sampler=Sampler(rules=LogitRules(repetition_penalty=1.7)))
+    top1 = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 10, "temperature": 1.3, "top_k": 1,
+                                                "min_p": 0.2, "repetition_penalty": 1.7}).json()
+    assert top1["choices"][0]["text"] == tok.decode(g.tokens, skip_special=True)
 
 
 def test_neutral_values_of_unsupported_options_are_accepted(served) -> None:  # noqa: ANN001

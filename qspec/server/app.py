@@ -35,6 +35,7 @@ from qspec.runner import ContextError
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.requests import ChatRequest, CompletionRequest, Sampling, stop_strings
 from qspec.spec.accept import Sampler
+from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import Tokenizer
 
@@ -159,8 +160,9 @@ class CompletionServer:
         text pieces, with the log-probabilities of the tokens since the last piece, to `emit` (worker thread). None
         when the client left before the end."""
         seed = (req.seed if req.seed is not None else 0) + index
-        sampler = Sampler(temperature=req.temperature, top_p=req.top_p,
-                          generator=torch.Generator().manual_seed(seed % (1 << 64)), **req.logit_rules())
+        sampler = Sampler(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                          generator=torch.Generator().manual_seed(seed % (1 << 64)),
+                          rules=LogitRules(**req.logit_rules()))
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         lp = None if top is None else Logprobs(top)

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from qspec.spec.accept import MAX_BIAS, MAX_PENALTY
+from qspec.spec.logit_rules import MAX_BIAS, MAX_PENALTY
 from qspec.spec.logprobs import MAX_TOP
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
@@ -73,6 +73,10 @@ class Sampling(BaseModel):
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> added to its logit
+    # beyond OpenAI's API, as vLLM and llama.cpp's server take them
+    top_k: int = Field(0, ge=0, strict=True)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
 
     @field_validator("logit_bias")
     @classmethod
@@ -85,9 +89,10 @@ class Sampling(BaseModel):
         return bias
 
     def logit_rules(self) -> dict[str, Any]:
-        """The Sampler's logit rules (qspec/spec/accept.py) this request asks for."""
+        """The LogitRules (qspec/spec/logit_rules.py) this request asks for, as keywords."""
         return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
-                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None}
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                "repetition_penalty": self.repetition_penalty}
 
     @field_validator("best_of", "suffix", "tools",
                      "tool_choice", "functions", "function_call", "response_format", check_fields=False)

@@ -8,42 +8,33 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels.argmax import argmax_rows
+from qspec.spec.logit_rules import LogitRules
 
 # (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance. A hook with
 # `by_position = True` is asked with the request's token position at the round instead of its index.
 AcceptHook = Callable[[int, int], int]
 
 
-MAX_PENALTY, MAX_BIAS = 2.0, 100.0  # OpenAI's ranges: penalties in [-2, 2], biases in [-100, 100]
-
-
 @dataclass
 class Sampler:
-    """How a request picks its tokens from the target's logits: `target` applies the request's logit rules (OpenAI's
-    logit_bias, presence and frequency penalties over the generated tokens), then greedy argmax or a draw under
-    temperature and top-p. Drafts are drawn from the draft head's own logits, unadjusted: a draft is any proposal,
+    """How a request picks its tokens from the target's logits: `target` applies the request's logit rules
+    (qspec/spec/logit_rules.py), then greedy argmax or a draw under temperature, top-k, top-p and min-p. Drafts are
+    drawn from the draft head's own logits under the same warping but without the rules: a draft is any proposal,
     and only the target's rows decide what is emitted."""
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0  # tokens less likely than min_p times the likeliest are dropped (0: none)
     # the request's seeded generator; draws on another device use one generator seeded from it (see _generator)
     generator: torch.Generator | None = None
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    presence_penalty: float = 0.0  # subtracted from the logit of every token generated at least once
-    frequency_penalty: float = 0.0  # subtracted once per time the token was generated
+    rules: LogitRules | None = None
     _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
-    _bias: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [V] f32, from `begin`
-    _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [V] f32: generated so far
 
     def __post_init__(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
-        for t, b in (self.logit_bias or {}).items():
-            if type(t) is not int or t < 0:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
-            if not -MAX_BIAS <= b <= MAX_BIAS:
-                raise ValueError(f"logit_bias of token {t} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b}")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -52,54 +43,37 @@ class Sampler:
     @property
     def adjusts(self) -> bool:
         """Whether `target` changes logits (else it returns them as they are, and `count` does nothing)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.rules is not None and self.rules.active
 
-    def begin(self, vocab: int, device: torch.device) -> None:
-        """Start a request over a vocabulary of `vocab` ids: the bias row, and no token generated yet."""
-        if not self.adjusts:
-            return
-        bad = next((t for t in self.logit_bias or {} if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary of {vocab}")
-        self._bias = torch.zeros(vocab, dtype=torch.float32)
-        for t, b in (self.logit_bias or {}).items():
-            self._bias[t] = b
-        self._bias = self._bias.to(device)
-        self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+    def begin(self, prompt: list[int], vocab: int, device: torch.device) -> None:
+        """Start a request (LogitRules.begin; ValueError for a bias outside the vocabulary)."""
+        if self.adjusts:
+            self.rules.begin(prompt, vocab, device)  # type: ignore[union-attr]
 
     def target(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's rows [R, V] under the request's rules (f32), row i's penalties counting drafts[:i] as
-        generated (a verify step: drafts [R - 1], the tokens the rows after the first follow)."""
-        if not self.adjusts:
-            return logits
-        assert self._bias is not None and self._counts is not None, "Sampler.begin first"
-        x = logits.float() + self._bias
-        if self.presence_penalty or self.frequency_penalty:
-            c = self._counts.expand(x.shape)
-            if drafts is not None and len(drafts):
-                seen = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-                seen[1:].scatter_(1, drafts.view(-1, 1).to(x.device), 1.0)
-                c = c + seen.cumsum(0)
-            x = x - self.presence_penalty * (c > 0).float() - self.frequency_penalty * c
-        return x
+        """The target's rows [R, V] under the request's rules (LogitRules.apply), or as they are."""
+        return self.rules.apply(logits, drafts) if self.adjusts else logits  # type: ignore[union-attr]
 
     def count(self, tokens: torch.Tensor | list[int], weight: torch.Tensor | None = None) -> None:
-        """Count generated tokens (on the device or the host; `weight` [len(tokens)] 1/0 says which count) for the
-        penalties."""
-        if self._counts is None or not (self.presence_penalty or self.frequency_penalty):
-            return
-        ids = torch.as_tensor(tokens, dtype=torch.long).view(-1).to(self._counts.device)
-        w = torch.ones(ids.shape, dtype=torch.float32, device=ids.device) if weight is None else weight.float()
-        self._counts.index_add_(0, ids, w)
+        """Generated tokens, for the rules' penalties (LogitRules.count)."""
+        if self.adjusts:
+            self.rules.count(tokens, weight)  # type: ignore[union-attr]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Warped distribution [..., V] (temperature, then top-p)."""
+        """Warped distribution [..., V]: temperature, then top-k, top-p and min-p (vLLM's order)."""
         p = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_k and self.top_k < p.shape[-1]:
+            kth = p.topk(self.top_k, dim=-1).values[..., -1:]
+            p = torch.where(p >= kth, p, 0.0)  # ties with the k-th all stay
         if self.top_p < 1.0:
+            p = p / p.sum(-1, keepdim=True)
             sp, si = torch.sort(p, dim=-1, descending=True)
             keep = sp.cumsum(-1) - sp < self.top_p
             sp = sp * keep
             p = torch.zeros_like(p).scatter_(-1, si, sp)
+        if self.min_p > 0.0:
+            p = torch.where(p >= self.min_p * p.amax(-1, keepdim=True), p, 0.0)
+        if self.top_k or self.top_p < 1.0 or self.min_p > 0.0:
             p = p / p.sum(-1, keepdim=True)
         return p
 
