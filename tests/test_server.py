@@ -79,6 +79,27 @@ def test_a_prompt_that_goes_on_from_the_last_one_reuses_its_caches(served) -> No
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": len(nxt)}
 
 
+def test_a_batch_of_prompts(served) -> None:  # noqa: ANN001
+    """A list of prompts (text and token ids): each prompt's n choices in turn, indexed prompt * n + choice, each as a
+    request of its own would answer it; usage counts each prompt once. Streamed: the same texts by index."""
+    client, engine, tok = served
+    prompts = [PROMPT, tok.encode("let x = ", add_special=True)]
+    req = {"prompt": prompts, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3}
+    body = client.post("/v1/completions", json=req).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for i, c in enumerate(body["choices"]):
+        one = client.post("/v1/completions", json=req | {"prompt": prompts[i // 2], "n": 1, "seed": 3 + i % 2}).json()
+        assert c["text"] == one["choices"][0]["text"]
+    want = len(tok.encode(PROMPT, add_special=True)) + len(prompts[1])
+    assert body["usage"]["prompt_tokens"] == want and body["usage"]["completion_tokens"] == 20
+    _, events = _stream(client, req)
+    streamed = {i: "".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i) for i in range(4)}
+    assert streamed == {c["index"]: c["text"] for c in body["choices"]}
+    assert events[-1]["usage"]["prompt_tokens"] == want
+    bad = client.post("/v1/completions", json=req | {"prompt": [PROMPT, [1, 2, 9999]]})
+    assert bad.status_code == 400 and "9999" in bad.json()["error"]["message"]
+
+
 def test_n_choices_one_after_the_other(served) -> None:  # noqa: ANN001
     """n choices: choice i samples with seed + i (greedy: all alike), each after the first finding the prompt in the
     caches; usage counts every choice's tokens. Streamed: each choice's chunks, its finish, the usage at the end."""
@@ -255,7 +276,9 @@ def _raw(client: TestClient, path: str, content: bytes) -> object:
     (b'{"prompt": "x\xff"}', None, "invalid_json", "UTF-8"),
     (b'{"prompt": "x",', None, "invalid_json", "not valid JSON"),
     (b'[1, 2]', None, "invalid_value", "JSON object"),
-    (b'{"prompt": ["a", "b"]}', "prompt", "invalid_value", "one prompt per request"),
+    (b'{"prompt": ["a", [1, "x"]]}', "prompt", "invalid_value", "prompt 1: a list prompt must hold token ids"),
+    (b'{"prompt": ["a", ""]}', "prompt", "invalid_value", "empty"),
+    (json.dumps({"prompt": ["a"] * 65}).encode(), "prompt", "invalid_value", "at most 64"),
     (b'{"prompt": "x", "echo": "yes"}', "echo", "invalid_value", "true or false"),
     (b'{"prompt": "x", "max_tokens": 0}', "max_tokens", "invalid_value", "0 only with echo"),
     (b'{"prompt": "x", "logprobs": -1}', "logprobs", "invalid_value", ">= 0"),

@@ -81,8 +81,11 @@ class _StopIds(set[int]):
 
 @dataclass
 class _Run:
-    """One request's text as the worker thread's token callback decodes it."""
+    """One choice: its prompt, and its text as the worker thread's token callback decodes it."""
     stops: list[str]
+    ids: list[int] = field(default_factory=list)  # the prompt's tokens
+    max_tokens: int = 0
+    choice: int = 0  # among its prompt's choices (its sampling seed is the request's + this)
     text: str = ""
     sent: int = 0  # text[:sent] has been handed out
     n_tokens: int = 0
@@ -153,13 +156,13 @@ class CompletionServer:
             raise BadRequest(str(e), param="prompt") from None
         return ids, max_tokens
 
-    def generate(self, req: Sampling, ids: list[int], max_tokens: int, run: _Run,
-                 emit: Callable[[str, list[TokenLogprob] | None], None] | None = None,
-                 index: int = 0) -> Generation | None:
-        """Blocking: decode choice `index` with the engine (its sampling seed the request's + index), passing visible
+    def generate(self, req: Sampling, run: _Run, emit: Callable[[str, list[TokenLogprob] | None], None] | None = None
+                 ) -> Generation | None:
+        """Blocking: decode a choice with the engine (its sampling seed the request's + run.choice), passing visible
         text pieces, with the log-probabilities of the tokens since the last piece, to `emit` (worker thread). None
         when the client left before the end."""
-        seed = (req.seed if req.seed is not None else 0) + index
+        ids, max_tokens = run.ids, run.max_tokens
+        seed = (req.seed if req.seed is not None else 0) + run.choice
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           generator=torch.Generator().manual_seed(seed % (1 << 64)),
                           rules=LogitRules(**req.logit_rules()))
@@ -221,29 +224,32 @@ class CompletionServer:
         run.lp_chars += sum(len(_token_text(self.tok, e.token)) for e in entries)
         return out
 
-    def echo_text(self, req: Sampling, ids: list[int]) -> str:
+    def echo_text(self, req: Sampling, prompt: str | list[int], ids: list[int]) -> str:
         """The text a choice starts with: the prompt as sent (its token ids decoded) when it is echoed, else none."""
         if not req.echoes():
             return ""
-        prompt = req.prompt  # type: ignore[attr-defined]  # echoes(): a CompletionRequest
         return prompt if isinstance(prompt, str) else self.tok.decode(ids)
 
-    def usage(self, ids: list[int], runs: list[_Run], gens: list[Generation]) -> dict[str, Any]:
-        """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine's caches held before the request
-        (EngineOptions.prefix_cache), which were not prefilled (the first choice's: the others find it all)."""
+    def usage(self, runs: list[_Run], gens: list[Generation]) -> dict[str, Any]:
+        """OpenAI's usage object, each prompt counted once; `cached_tokens`: the prompt tokens the engine's caches held
+        before each prompt's first choice (EngineOptions.prefix_cache), which were not prefilled (the other choices
+        find it all)."""
         done = sum(r.n_tokens for r in runs)
-        return {"prompt_tokens": len(ids), "completion_tokens": done, "total_tokens": len(ids) + done,
-                "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens if gens else 0}}
+        prompt = sum(len(r.ids) for r in runs if not r.choice)
+        cached = sum(g.cached_tokens for r, g in zip(runs, gens, strict=False) if not r.choice)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _stats(gens: list[Generation]) -> dict[str, Any]:
     """The `qspec` object over the choices: each choice's first token comes from its prefill, so the decode rate
-    counts the tokens after it (null when there are none); prefill_s: the first choice's."""
+    counts the tokens after it (null when there are none); prefill_s: every choice's (those that find their prompt
+    in the caches add little)."""
     if not gens:
         return {}
-    after_first, seconds = sum(len(g.tokens) - 1 for g in gens), sum(g.decode_s for g in gens)
+    after_first, seconds = sum(max(len(g.tokens) - 1, 0) for g in gens), sum(g.decode_s for g in gens)
     tps = after_first / seconds if after_first > 0 and seconds > 0 else None
-    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": gens[0].prefill_s,
+    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": sum(g.prefill_s for g in gens),
                       "drafted": sum(g.spec.drafted for g in gens), "accepted": sum(g.spec.accepted for g in gens)}}
 
 
@@ -334,8 +340,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
-        ids, n = await asyncio.to_thread(srv.prompt_ids, req, req.prompt)
-        return await _respond(srv, req, ids, n, _Text, request)
+        def prompts() -> list[tuple[str | list[int], list[int], int]]:
+            return [(p, *srv.prompt_ids(req, p)) for p in req.prompts()]
+
+        return await _respond(srv, req, await asyncio.to_thread(prompts), _Text, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
@@ -347,7 +355,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
             return srv.prompt_ids(req, text)
 
         ids, n = await asyncio.to_thread(prompt)
-        return await _respond(srv, req, ids, n, _Chat, request)
+        return await _respond(srv, req, [(ids, ids, n)], _Chat, request)
 
     return app
 
@@ -374,17 +382,19 @@ async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T
             raise
 
 
-async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tokens: int,
+async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str | list[int], list[int], int]],
                    fmt: type[_Text] | type[_Chat], request: Request):  # noqa: ANN202
-    """Generate for one request, its `n` choices one after the other (each after the first finds the prompt in the
-    caches): a whole JSON body, or a stream of server-sent events ending with `[DONE]`."""
-    first = _Run(stop_strings(req.stop), echo=srv.echo_text(req, ids))
-    # one `cancelled` for all: the client leaving stops the choice under way and the ones after it
-    runs = [first] + [_Run(first.stops, cancelled=first.cancelled, echo=first.echo) for _ in range(req.n - 1)]
+    """Generate for one request, each prompt's `n` choices one after the other (each after the first finds the prompt
+    in the caches); prompts: (as sent, its ids, its max_tokens). A whole JSON body, or a stream of server-sent events
+    ending with `[DONE]`."""
+    cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
+    stops = stop_strings(req.stop)
+    runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids))
+            for prompt, ids, max_tokens in prompts for j in range(req.n)]
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
-        done = {} if gens is None else {"usage": srv.usage(ids, runs, gens)} | _stats(gens)
+        done = {} if gens is None else {"usage": srv.usage(runs, gens)} | _stats(gens)
         return head | {"object": obj, "choices": choices} | done
 
     def all_choices(emit: Callable[[int, str | None, list | None], None] | None = None) -> list[Generation] | None:
@@ -392,7 +402,7 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
         emit(index, None, the rest) at each choice's end."""
         gens = []
         for i, run in enumerate(runs):
-            g = srv.generate(req, ids, max_tokens, run, None if emit is None else partial(emit, i), i)
+            g = srv.generate(req, run, None if emit is None else partial(emit, i))
             if g is None:
                 return None
             gens.append(g)
@@ -401,9 +411,9 @@ async def _respond(srv: CompletionServer, req: Sampling, ids: list[int], max_tok
         return gens
 
     if not req.stream:
-        watcher = asyncio.create_task(_watch_disconnect(request, first))
+        watcher = asyncio.create_task(_watch_disconnect(request, runs[0]))
         try:
-            gens = await _in_worker(srv, first, all_choices) or []
+            gens = await _in_worker(srv, runs[0], all_choices) or []
         finally:
             watcher.cancel()
         choices = [fmt.choice(r.echo + r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))

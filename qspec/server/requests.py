@@ -20,6 +20,8 @@ from qspec.spec.logprobs import MAX_TOP
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 # the most choices a request may ask for: each is a generation of its own (the prompt's prefill is shared)
 MAX_CHOICES = 16
+# the most prompts one completions request may batch (answered one after the other, each with its `n` choices)
+MAX_PROMPTS = 64
 
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -143,21 +145,29 @@ class CompletionRequest(Sampling):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, prompt: Any) -> str | list[int]:
-        """One prompt: a string or a list of token ids (a one-element list of either is taken as that prompt)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return valid_unicode(prompt)
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt
-        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError(f"a batch of {len(prompt)} prompts: this server answers one prompt per request "
-                             "(send them one at a time)")
-        if isinstance(prompt, list):
-            bad = next(t for t in prompt if type(t) is not int)
-            raise ValueError(f"a list prompt must hold token ids (integers), got {bad!r}")
-        raise ValueError(f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    def _prompt(cls, prompt: Any) -> str | list[int] | list[str | list[int]]:
+        """A prompt (a string or a list of token ids) or a batch of them (a list of either, at most MAX_PROMPTS)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"a batch of {len(prompt)} prompts: at most {MAX_PROMPTS} a request")
+            return [_one_prompt(p, f"prompt {i}: ") for i, p in enumerate(prompt)]
+        return _one_prompt(prompt, "")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the batch's."""
+        one = isinstance(self.prompt, str) or all(type(t) is int for t in self.prompt)
+        return [self.prompt] if one else list(self.prompt)
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
+    if isinstance(prompt, str):
+        return valid_unicode(prompt)
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, list):
+        bad = next(t for t in prompt if type(t) is not int)
+        raise ValueError(f"{where}a list prompt must hold token ids (integers), got {bad!r}")
+    raise ValueError(f"{where}must be a string or a list of token ids, got {type(prompt).__name__}")
 
 
 class ChatMessage(BaseModel):
