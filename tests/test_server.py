@@ -610,3 +610,23 @@ def test_an_error_mid_stream_is_the_last_event(served, monkeypatch: pytest.Monke
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert err["type"] == "server_error" and "the engine broke" in err["message"]
+
+
+def test_tokenize_and_detokenize(served) -> None:  # noqa: ANN001
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, and their errors."""
+    client, engine, tok = served
+    r = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert r == {"tokens": tok.encode(PROMPT, add_special=True), "count": len(r["tokens"]), "max_model_len": 64}
+    messages = [{"role": "user", "content": PROMPT}]
+    r = client.post("/tokenize", json={"messages": messages, "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode(tok.apply_chat_template(messages))
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    for path, payload, words in [("/tokenize", {}, "one of prompt and messages"),
+                                 ("/tokenize", {"prompt": "a", "messages": messages}, "one of prompt and messages"),
+                                 ("/detokenize", {"tokens": [1, 10 ** 6]}, "token id 1000000"),
+                                 ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
+                                 ("/detokenize", {"tokens": [1], "model": "other"}, "'other'")]:
+        bad = client.post(path, json=payload)
+        assert bad.status_code in (400, 404) and words in bad.json()["error"]["message"], (path, payload, bad.text)
+    bad = _raw(client, "/tokenize", b'{"prompt": "a\\ud800"}')
+    assert bad.status_code == 400 and "surrogate" in _error_of(bad)["message"]

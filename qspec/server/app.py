@@ -33,7 +33,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
-from qspec.server.requests import ChatRequest, CompletionRequest, Sampling, stop_strings
+from qspec.server.requests import (
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Sampling,
+    TokenizeRequest,
+    stop_strings,
+)
 from qspec.spec.accept import Sampler
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
@@ -128,11 +136,22 @@ class CompletionServer:
         self.lock = asyncio.Lock()
         self.created = int(time.time())
 
+    def check_model(self, model: str | None) -> None:
+        """A 404 for a request naming another model."""
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {model!r} is not served here (this server has {self.model_name!r})", 404,
+                             "model", "model_not_found")
+
+    def chat_text(self, messages: list[ChatMessage]) -> str:
+        """A conversation through the chat template (a 400 naming `messages` when the template refuses it)."""
+        try:
+            return self.tok.apply_chat_template([m.model_dump() for m in messages])
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), param="messages") from None
+
     def prompt_ids(self, req: Sampling, prompt: str | list[int]) -> tuple[list[int], int]:
         """Blocking (a worker thread: a long prompt tokenizes for seconds) -> (prompt ids, max_tokens)."""
-        if req.model is not None and req.model != self.model_name:
-            raise BadRequest(f"model {req.model!r} is not served here (this server has {self.model_name!r})", 404,
-                             "model", "model_not_found")
+        self.check_model(req.model)
         # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a long prompt
         # tokenizes for seconds that the event loop needs
         ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
@@ -338,6 +357,26 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": srv.created,
                                             "owned_by": "qspec"}]}
 
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        srv.check_model(req.model)
+
+        def ids() -> list[int]:
+            text = req.prompt if req.messages is None else srv.chat_text(req.messages)
+            return tokenizer.encode_batch([text], add_special=req.add_special_tokens)[0]
+
+        tokens = await asyncio.to_thread(ids)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.opts.capacity}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        srv.check_model(req.model)
+        vocab = tokenizer.padded_vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadRequest(f"token id {bad} is outside the tokenizer's {vocab} ids", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
         def prompts() -> list[tuple[str | list[int], list[int], int]]:
@@ -348,11 +387,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         def prompt() -> tuple[list[int], int]:
-            try:
-                text = tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-            except (ValueError, TypeError) as e:
-                raise BadRequest(str(e), param="messages") from None
-            return srv.prompt_ids(req, text)
+            return srv.prompt_ids(req, srv.chat_text(req.messages))
 
         ids, n = await asyncio.to_thread(prompt)
         return await _respond(srv, req, [(ids, ids, n)], _Chat, request)

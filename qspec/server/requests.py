@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from qspec.spec.logit_rules import MAX_BIAS, MAX_PENALTY
@@ -216,3 +216,32 @@ class ChatRequest(Sampling):
 
     def logprob_top(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """/tokenize (vLLM's shape): a prompt's tokens, or a conversation's through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = Field(True, strict=True)
+
+    @field_validator("prompt")
+    @classmethod
+    def _text(cls, prompt: str | None) -> str | None:
+        return None if prompt is None else valid_unicode(prompt)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("value_error", "{error}", {"error": "give one of prompt and messages"})
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """/detokenize (vLLM's shape): token ids -> text."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[StrictInt]
