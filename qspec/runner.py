@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -237,8 +238,10 @@ class Runner:
         graph = torch.cuda.CUDAGraph()
         saved = copy.deepcopy(self.cache.snap_stats)
         # thread_local: a capture forbids this thread's unsafe calls only, so a weight load in another thread
-        # (qspec/compile_ahead.py) may allocate and copy meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # (qspec/compile_ahead.py) may allocate and copy meanwhile. No garbage collection on this thread meanwhile:
+        # a collection can free pinned host memory (a read-back buffer held by a reference cycle), whose event
+        # bookkeeping a capture forbids (the capture fails with "operation not permitted when stream is capturing").
+        with _no_gc(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outs = fn(*bufs)
         self.cache.snap_stats = saved
         self.graphs[key] = _Graph(graph, bufs, outs, snap)
@@ -433,6 +436,18 @@ class Readback:
         if self.event is not None:
             self.event.synchronize()
         return self.host[:self.n].tolist()
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, as it was outside."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def upload(values: list[int], dev: torch.device) -> torch.Tensor:

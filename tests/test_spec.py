@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 
 import pytest
@@ -327,9 +328,11 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     modes: list[str] = []
+    gc_on: list[bool] = []
 
     def graph(g: object, pool: object = None, capture_error_mode: str = "global") -> contextlib.nullcontext[None]:
         modes.append(capture_error_mode)
+        gc_on.append(gc.isenabled())  # entered after the runner turned the collector off
         return contextlib.nullcontext()
 
     monkeypatch.setattr(torch.cuda, "graph", graph)
@@ -350,6 +353,7 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
     assert real[0] is captured[0] and real[0].storage_offset() == 0  # second use: one buffer for both
     assert run.graph_stats.captures == 1 and run.graph_stats.eager_reasons["second use: captured"] == 1
     assert modes == ["thread_local"]  # a weight load in another thread may allocate meanwhile (compile_ahead.py)
+    assert gc_on == [False] and gc.isenabled()  # no collection inside a capture (pinned frees), back on after
     assert len(seen) == 3  # the third use replays
     # a step shape captured before, now in the next KV bucket (key[2]): captured on its first use
     seen.clear()
