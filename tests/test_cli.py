@@ -158,6 +158,16 @@ def test_sampling_is_seeded(models: dict[str, Path], capsys: pytest.CaptureFixtu
     assert outs[0][1] == outs[1][1] != outs[2][1]
 
 
+def test_sampling_flags_reach_the_sampler(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """--top-k 1 at any temperature samples the greedy tokens; penalties that favour repeats change them."""
+    base = ["run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "12", "--draft", "2", *FAST]
+    greedy = run(capsys, *base)
+    top1 = run(capsys, *base, "--temperature", "1.5", "--top-k", "1", "--min-p", "0.1")
+    penalised = run(capsys, *base, "--repetition-penalty", "0.2", "--frequency-penalty", "-2")  # repeats favoured
+    assert greedy[0] == top1[0] == penalised[0] == 0
+    assert top1[1] == greedy[1] != penalised[1]
+
+
 @pytest.mark.parametrize("extra", [["--kv-type", "q8_0"], ["--dtype", "bf16", "--kv-type", "bf16"],
                                    ["--dtype", "f16", "--kv-type", "f16", "--hnorm-per-stream"]])
 def test_run_dtype_and_cache_options(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
@@ -297,6 +307,12 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("prompt over ctx", ["run", "word " * 40, "--model", "{gguf}", "--ctx", "16"], "more than --capacity 16"),
     ("top-p zero", ["run", "x", "--model", "{gguf}", "--top-p", "0"], "--top-p must be in (0, 1]"),
     ("top-p above one", ["run", "x", "--model", "{gguf}", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    ("top-k negative", ["run", "x", "--model", "{gguf}", "--top-k", "-1"], "--top-k must be >= 0"),
+    ("min-p above one", ["run", "x", "--model", "{gguf}", "--min-p", "2"], "--min-p must be in 0..1"),
+    ("penalty beyond 2", ["chat", "--model", "{gguf}", "--presence-penalty", "3"],
+     "--presence-penalty must be in -2..2"),
+    ("repetition penalty zero", ["run", "x", "--model", "{gguf}", "--repetition-penalty", "0"],
+     "--repetition-penalty must be a finite number > 0"),
     ("max-tokens zero", ["run", "x", "--model", "{gguf}", "--max-tokens", "0"], "--max-tokens must be >= 1"),
     ("negative temperature", ["run", "x", "--model", "{gguf}", "--temperature", "-1"], "--temperature"),
     ("ctx not a multiple of 4", ["run", "x", "--model", "{gguf}", "--ctx", "30"], "multiple of 4"),
