@@ -100,6 +100,23 @@ def test_a_batch_of_prompts(served) -> None:  # noqa: ANN001
     assert bad.status_code == 400 and "9999" in bad.json()["error"]["message"]
 
 
+def test_best_of_returns_the_likeliest_candidates(served) -> None:  # noqa: ANN001
+    """best_of candidates, candidate i sampled with seed + i; the n returned are those with the highest mean
+    log-probability per token, best first; usage counts every candidate's tokens."""
+    client, engine, tok = served
+    req = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    cands = []
+    for i in range(4):
+        c = client.post("/v1/completions", json=req | {"seed": 11 + i, "logprobs": 0}).json()["choices"][0]
+        lps = c["logprobs"]["token_logprobs"]
+        cands.append((sum(lps) / len(lps), c["text"]))
+    assert len({t for _, t in cands}) > 1
+    body = client.post("/v1/completions", json=req | {"best_of": 4, "n": 2}).json()
+    want = [t for _, t in sorted(cands, key=lambda c: -c[0])[:2]]
+    assert [c["text"] for c in body["choices"]] == want and [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["logprobs"] is None and body["usage"]["completion_tokens"] == 24
+
+
 def test_n_choices_one_after_the_other(served) -> None:  # noqa: ANN001
     """n choices: choice i samples with seed + i (greedy: all alike), each after the first finding the prompt in the
     caches; usage counts every choice's tokens. Streamed: each choice's chunks, its finish, the usage at the end."""
@@ -171,7 +188,9 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     ({"prompt": PROMPT, "n": 17}, 400, "n must be <= 16"),
     ({"prompt": PROMPT, "n": 0}, 400, "n must be >= 1"),
     ({"prompt": PROMPT, "n": "2"}, 400, "n "),
-    ({"prompt": PROMPT, "best_of": 2}, 400, "best_of: "),
+    ({"prompt": PROMPT, "best_of": 2, "n": 3}, 400, "best_of (2) must be >= n (3)"),
+    ({"prompt": PROMPT, "best_of": 2, "stream": True}, 400, "cannot be streamed"),
+    ({"prompt": PROMPT, "best_of": 17}, 400, "best_of must be <= 16"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "logprobs must be <= 20"),
     ({"prompt": PROMPT, "logprobs": True}, 400, "logprobs "),
     ({"prompt": PROMPT, "echo": 1}, 400, "echo"),

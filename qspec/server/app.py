@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import math
 import socket
 import threading
 import time
@@ -105,6 +106,7 @@ class _Run:
     lp_chars: int = 0  # characters of the handed-out entries' token texts (the completions' text_offset)
     echo: str = ""  # the prompt's text, which the choice's text starts with (`echo`)
     echoed: bool = False  # the echo has been handed out, with the prompt's entries
+    mean_logprob: float = -math.inf  # over its tokens, when candidates are ranked (best_of)
 
     def new_logprobs(self) -> list[TokenLogprob] | None:
         """The entries not handed out yet (None when the request asks for none)."""
@@ -187,9 +189,10 @@ class CompletionServer:
                           rules=LogitRules(**req.logit_rules()))
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
-        lp = None if top is None else Logprobs(top)
+        ranked = req.candidates() > req.n  # best_of: each candidate's log-probabilities rank it
+        lp = Logprobs(top or 0) if top is not None or ranked else None
         scored = Logprobs(top or 0) if req.scores_prompt(max_tokens) else None
-        run.logprobs = None if lp is None else []
+        run.logprobs = None if top is None else []
 
         def show(piece: str) -> None:
             if piece and emit is not None:
@@ -211,7 +214,7 @@ class CompletionServer:
             if run.ended.is_set():
                 return  # the rest of the round that met a stop string
             run.n_tokens += 1
-            if lp is not None:
+            if run.logprobs is not None:
                 run.logprobs.append(lp.entries[-1])
             if t in self.tok.stop_ids:
                 run.finish = "stop"  # the engine ends on it by itself
@@ -227,6 +230,8 @@ class CompletionServer:
         except _Stopped:
             return None
         echo()  # no token was emitted (max_tokens 0)
+        if ranked and run.n_tokens:
+            run.mean_logprob = sum(e.logprob for e in lp.entries[:run.n_tokens]) / run.n_tokens
         if not run.ended.is_set():  # after a stop string, the text ends where it began
             piece, hit = run.add(stream.flush(), final=True)
             show(piece)
@@ -425,7 +430,7 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids))
-            for prompt, ids, max_tokens in prompts for j in range(req.n)]
+            for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
@@ -452,9 +457,18 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
         finally:
             watcher.cancel()
         choices = [fmt.choice(r.echo + r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
-                   for i, r in enumerate(runs)]
+                   for i, r in enumerate(_best(runs, req.n, req.candidates()))]
         return body(fmt.whole, choices, gens)
     return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")
+
+
+def _best(runs: list[_Run], n: int, candidates: int) -> list[_Run]:
+    """Each prompt's n choices: its first n candidates, or (best_of) the n with the highest mean log-probability per
+    token, best first."""
+    if candidates == n:
+        return runs
+    groups = [runs[i:i + candidates] for i in range(0, len(runs), candidates)]
+    return [r for g in groups for r in sorted(g, key=lambda r: -r.mean_logprob)[:n]]
 
 
 async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable, body: Callable,

@@ -1,7 +1,7 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (tools, structured output, `best_of`, `suffix`) are
+that this engine cannot honour (tools, structured output, `suffix`) are
 accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
 of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
 carry) is refused rather than replaced, so the model never sees text the client did not send.
@@ -25,7 +25,6 @@ MAX_PROMPTS = 64
 
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "best_of": ((None, 1), "choices are returned as generated, not ranked (use n)"),
     "suffix": ((None, ""), "inserting text before a suffix is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none"), "tool calls are not supported"),
@@ -96,7 +95,7 @@ class Sampling(BaseModel):
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                 "repetition_penalty": self.repetition_penalty}
 
-    @field_validator("best_of", "suffix", "tools",
+    @field_validator("suffix", "tools",
                      "tool_choice", "functions", "function_call", "response_format", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
@@ -109,6 +108,10 @@ class Sampling(BaseModel):
     def echoes(self) -> bool:
         """Whether each choice's text starts with the prompt (`echo`, completions only)."""
         return False
+
+    def candidates(self) -> int:
+        """Choices generated per prompt (CompletionRequest's best_of may ask for more than it returns)."""
+        return self.n
 
     def scores_prompt(self, max_tokens: int) -> bool:
         """Whether the prompt's own log-probabilities are returned: an echoed prompt, with log-probabilities or
@@ -134,7 +137,8 @@ class CompletionRequest(Sampling):
     prompt: Any = Field(description="text, or a list of token ids")
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)  # the top alternatives to return
     echo: bool = Field(False, strict=True)  # the prompt before the completion, with its log-probabilities
-    best_of: Any = None
+    # candidates generated per prompt, of which the n with the highest mean log-probability per token are returned
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True)
     suffix: Any = None
 
     def logprob_top(self) -> int | None:
@@ -142,6 +146,19 @@ class CompletionRequest(Sampling):
 
     def echoes(self) -> bool:
         return self.echo
+
+    def candidates(self) -> int:
+        return self.best_of or self.n
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": f"best_of ({self.best_of}) must be >= n ({self.n})"})
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": "best_of > n cannot be streamed (the best are known only at the end)"})
+        return self
 
     @field_validator("prompt")
     @classmethod
