@@ -445,6 +445,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
     if not 0 < a.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {a.port}")
+    if a.max_waiting < 0:
+        raise UsageError(f"--max-waiting must be >= 0, got {a.max_waiting}")
     try:
         from qspec.server.app import create_app, listen_socket, serve
     except ImportError as e:
@@ -461,9 +463,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
             engine.generate(ids, n)
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = a.served_name or path.stem
-    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions; "
-         "GET /v1/models, /health)")
-    serve(create_app(engine, tok, name), a.host, a.port, sock=sock)
+    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
+         "/tokenize, /detokenize; GET /v1/models, /health, /metrics)")
+    serve(create_app(engine, tok, name, max_waiting=a.max_waiting), a.host, a.port, sock=sock)
     return 0
 
 
@@ -674,6 +676,8 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
+    sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                    help="requests that may wait for the engine before more are refused with a 503")
     _on_off(sv, "--no-warmup", "warmup", "skip the short generation at startup that compiles the steps and "
             "captures their graphs before the first request")
     _add_engine_args(sv)

@@ -649,3 +649,35 @@ def test_tokenize_and_detokenize(served) -> None:  # noqa: ANN001
         assert bad.status_code in (400, 404) and words in bad.json()["error"]["message"], (path, payload, bad.text)
     bad = _raw(client, "/tokenize", b'{"prompt": "a\\ud800"}')
     assert bad.status_code == 400 and "surrogate" in _error_of(bad)["message"]
+
+
+def test_metrics_and_a_full_queue(served) -> None:  # noqa: ANN001
+    """GET /metrics counts requests, tokens (reused prompt tokens too), drafts and the time to the first token in
+    Prometheus' text format; a request that finds the engine busy and the queue full gets a 503, counted."""
+    client, engine, tok = served
+    srv = client.app.state.server
+
+    def value(text: str, name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{") or ln.startswith(name + " "))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = client.get("/metrics").text
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "n": 2}).json()
+    after = client.get("/metrics")
+    assert after.status_code == 200 and after.headers["content-type"].startswith("text/plain")
+    text = after.text
+    assert "# TYPE qspec:generation_tokens_total counter" in text
+    for name, grew in [("qspec:generation_tokens_total", body["usage"]["completion_tokens"]),
+                       ("qspec:prompt_tokens_total", body["usage"]["prompt_tokens"]),
+                       ("qspec:time_to_first_token_seconds_count", 1)]:
+        assert value(text, name) - value(before, name) == grew, name
+    assert value(text, "qspec:prompt_tokens_cached_total") > value(before, "qspec:prompt_tokens_cached_total")
+    assert value(text, "qspec:spec_decode_num_draft_tokens_total") > 0
+    assert value(text, "qspec:num_requests_running") == 0 and value(text, "qspec:num_requests_waiting") == 0
+    srv.max_waiting, srv.metrics.running = 0, 1  # busy, and no room to wait
+    try:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    finally:
+        srv.max_waiting, srv.metrics.running = 64, 0
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
+    assert value(client.get("/metrics").text, "qspec:requests_rejected_total") >= 1

@@ -28,12 +28,13 @@ from typing import Any, TypeVar
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
+from qspec.server.metrics import ServerMetrics
 from qspec.server.requests import (
     ChatMessage,
     ChatRequest,
@@ -51,15 +52,17 @@ from qspec.tokenizer import Tokenizer
 # The largest request body read: a prompt that fits the context is far smaller (a 262,144-token context holds
 # about 1 MB of text), and bounding the body keeps one client from tying up a tokenizer thread for seconds.
 MAX_BODY_BYTES = 8 << 20
+# requests that may wait for the engine (one runs at a time) before more are refused with a 503 (--max-waiting)
+MAX_WAITING = 64
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 T = TypeVar("T")
 
 
 class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str = "invalid_value") -> None:
+                 code: str = "invalid_value", kind: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.kind = status, param, code, kind
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -107,6 +110,7 @@ class _Run:
     echo: str = ""  # the prompt's text, which the choice's text starts with (`echo`)
     echoed: bool = False  # the echo has been handed out, with the prompt's entries
     mean_logprob: float = -math.inf  # over its tokens, when candidates are ranked (best_of)
+    arrived: float | None = None  # the request's arrival (its first choice only: the time to the first token)
 
     def new_logprobs(self) -> list[TokenLogprob] | None:
         """The entries not handed out yet (None when the request asks for none)."""
@@ -133,10 +137,18 @@ class _Run:
 
 
 class CompletionServer:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str) -> None:
-        self.engine, self.tok, self.model_name = engine, tokenizer, model_name
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int) -> None:
+        self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, max_waiting
         self.lock = asyncio.Lock()
         self.created = int(time.time())
+        self.metrics = ServerMetrics(model_name)
+
+    def admit(self) -> None:
+        """A 503 when the engine is busy and `max_waiting` requests already wait for it (the client may retry)."""
+        if self.metrics.running and self.metrics.waiting >= self.max_waiting:
+            self.metrics.queue(rejected=1)
+            raise BadRequest(f"the server is overloaded: {self.metrics.waiting} requests are waiting (at most "
+                             f"{self.max_waiting}); retry later", 503, None, "server_overloaded", "server_error")
 
     def check_model(self, model: str | None) -> None:
         """A 404 for a request naming another model."""
@@ -210,6 +222,9 @@ class CompletionServer:
         def on_token(t: int) -> None:
             if run.cancelled.is_set():
                 raise _Stopped
+            if run.arrived is not None:
+                self.metrics.first_token(time.perf_counter() - run.arrived)
+                run.arrived = None
             echo()
             if run.ended.is_set():
                 return  # the rest of the round that met a stop string
@@ -247,6 +262,11 @@ class CompletionServer:
         out = fmt.logprobs(entries, self.tok, run.lp_chars)
         run.lp_chars += sum(len(_token_text(self.tok, e.token)) for e in entries)
         return out
+
+    def count(self, runs: list[_Run], gens: list[Generation], finish: str) -> None:
+        """A request that ended, for /metrics (`finish`: its first choice's reason, or cancelled or error)."""
+        self.metrics.add_request([finish], sum(len(r.ids) for r in runs if not r.choice),
+                                 sum(r.n_tokens for r in runs), gens)
 
     def echo_text(self, req: Sampling, prompt: str | list[int], ids: list[int]) -> str:
         """The text a choice starts with: the prompt as sent (its token ids decoded) when it is echoed, else none."""
@@ -332,7 +352,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(BadRequest)
     async def bad(_: Request, exc: BadRequest) -> JSONResponse:
-        return _error(exc.status, str(exc), exc.param, exc.code)
+        return _error(exc.status, str(exc), exc.param, exc.code, exc.kind)
 
     @app.exception_handler(StarletteHTTPException)
     async def http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -346,8 +366,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    srv = CompletionServer(engine, tokenizer, model_name)
+               max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING) -> FastAPI:
+    """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503."""
+    srv = CompletionServer(engine, tokenizer, model_name, max_waiting)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
@@ -356,6 +377,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(srv.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -410,7 +435,14 @@ async def _watch_disconnect(request: Request, run: _Run) -> None:
 async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T | None:
     """Run `fn` in a worker thread holding the engine's lock; None when the client left while it queued. If this
     coroutine is cancelled, the worker is told to stop and awaited: the lock must not free a busy engine."""
-    async with srv.lock:
+    m = srv.metrics
+    m.queue(waiting=1)
+    try:
+        await srv.lock.acquire()
+    finally:
+        m.queue(waiting=-1)
+    m.queue(running=1)
+    try:
         if run.cancelled.is_set():
             return None
         task = asyncio.ensure_future(asyncio.to_thread(fn))
@@ -420,6 +452,9 @@ async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T
             run.cancelled.set()
             await asyncio.wait([task])
             raise
+    finally:
+        m.queue(running=-1)
+        srv.lock.release()
 
 
 async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str | list[int], list[int], int]],
@@ -427,10 +462,12 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     """Generate for one request, each prompt's `n` choices one after the other (each after the first finds the prompt
     in the caches); prompts: (as sent, its ids, its max_tokens). A whole JSON body, or a stream of server-sent events
     ending with `[DONE]`."""
+    srv.admit()
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids))
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
+    runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
@@ -456,8 +493,10 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
             gens = await _in_worker(srv, runs[0], all_choices) or []
         finally:
             watcher.cancel()
+        best = _best(runs, req.n, req.candidates())
         choices = [fmt.choice(r.echo + r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
-                   for i, r in enumerate(_best(runs, req.n, req.candidates()))]
+                   for i, r in enumerate(best)]
+        srv.count(runs, gens, "cancelled" if len(gens) < len(runs) else runs[0].finish)
         return body(fmt.whole, choices, gens)
     return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")
 
@@ -502,11 +541,13 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
             started.add(i)
             yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
         gens = await task
+        srv.count(runs, gens or [], "cancelled" if gens is None else runs[0].finish)
         end = fmt.choice("", runs[last].finish, True, last not in started, last,
                          srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None))
         yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
     except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
         log.error("error while streaming a response", exc_info=e)
+        srv.count(runs, [], "error")
         err = error_body(f"internal error: {type(e).__name__}: {e}", "server_error", None, "internal_error")
         yield f"data: {json.dumps(err)}\n\n"
     finally:
