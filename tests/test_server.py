@@ -681,3 +681,22 @@ def test_metrics_and_a_full_queue(served) -> None:  # noqa: ANN001
         srv.max_waiting, srv.metrics.running = 64, 0
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded"
     assert value(client.get("/metrics").text, "qspec:requests_rejected_total") >= 1
+
+
+def test_stop_token_ids_and_ignore_eos(served) -> None:  # noqa: ANN001
+    """stop_token_ids end a choice at that token (finish "stop"); ignore_eos runs past the tokenizer's stop tokens."""
+    client, engine, tok = served
+    ids = tok.encode(PROMPT, add_special=True)
+    free = engine.generate(ids, 12).tokens  # no stop ids at all
+    stop = free[4]
+    body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "stop_token_ids": [stop],
+                                                "ignore_eos": True, "logprobs": 0}).json()
+    got = body["choices"][0]
+    k = free.index(stop) + 1
+    assert got["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == k
+    assert got["logprobs"]["tokens"] == [tok.id_to_bytes(t).decode("utf-8", "replace") for t in free[:k]]
+    eos = {"prompt": ids, "max_tokens": 12, "logit_bias": {str(min(tok.stop_ids)): 100}}
+    assert client.post("/v1/completions", json=eos).json()["usage"]["completion_tokens"] == 1
+    assert client.post("/v1/completions", json=eos | {"ignore_eos": True}).json()["usage"]["completion_tokens"] == 12
+    bad = client.post("/v1/completions", json={"prompt": ids, "stop_token_ids": [-1]})
+    assert bad.status_code == 400 and "token ids must be >= 0" in bad.json()["error"]["message"]

@@ -202,6 +202,7 @@ class CompletionServer:
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         ranked = req.candidates() > req.n  # best_of: each candidate's log-probabilities rank it
+        stops = req.stop_ids(self.tok.stop_ids)
         lp = Logprobs(top or 0) if top is not None or ranked else None
         scored = Logprobs(top or 0) if req.scores_prompt(max_tokens) else None
         run.logprobs = None if top is None else []
@@ -231,7 +232,7 @@ class CompletionServer:
             run.n_tokens += 1
             if run.logprobs is not None:
                 run.logprobs.append(lp.entries[-1])
-            if t in self.tok.stop_ids:
+            if t in stops:
                 run.finish = "stop"  # the engine ends on it by itself
             piece, hit = run.add(stream.push(t))
             show(piece)
@@ -241,7 +242,7 @@ class CompletionServer:
 
         try:
             g = self.engine.generate(ids, max_tokens, sampler=sampler, logprobs=lp, prompt_logprobs=scored,
-                                     stop_ids=_StopIds(set(self.tok.stop_ids), run.ended), on_token=on_token)
+                                     stop_ids=_StopIds(stops, run.ended), on_token=on_token)
         except _Stopped:
             return None
         echo()  # no token was emitted (max_tokens 0)

@@ -75,6 +75,8 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> added to its logit
     # beyond OpenAI's API, as vLLM and llama.cpp's server take them
+    stop_token_ids: list[StrictInt] | None = None  # token ids that end the generation, besides the tokenizer's
+    ignore_eos: bool = Field(False, strict=True)  # the tokenizer's stop tokens do not end it (benchmarks)
     top_k: int = Field(0, ge=0, strict=True)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
@@ -88,6 +90,18 @@ class Sampling(BaseModel):
             if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN fails too
                 raise ValueError(f"the bias of token {key} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value}")
         return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        bad = next((t for t in ids or [] if t < 0), None)
+        if bad is not None:
+            raise ValueError(f"token ids must be >= 0, got {bad}")
+        return ids
+
+    def stop_ids(self, tokenizer_stops: frozenset[int] | set[int]) -> set[int]:
+        """The ids that end a choice: the tokenizer's (unless ignore_eos) and stop_token_ids."""
+        return (set() if self.ignore_eos else set(tokenizer_stops)) | set(self.stop_token_ids or [])
 
     def logit_rules(self) -> dict[str, Any]:
         """The LogitRules (qspec/spec/logit_rules.py) this request asks for, as keywords."""
