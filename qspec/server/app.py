@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
+from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
 from qspec.server.requests import (
@@ -255,13 +256,13 @@ class CompletionServer:
                 run.finish = "stop"
         return g
 
-    def format_logprobs(self, fmt: type[_Text] | type[_Chat], run: _Run,
+    def format_logprobs(self, fmt: type[TextBodies] | type[ChatBodies], run: _Run,
                         entries: list[TokenLogprob] | None) -> dict | None:
         """A choice's (or a chunk's) logprobs object for `entries`, the next of `run`'s; None when not asked for."""
         if entries is None:
             return None
         out = fmt.logprobs(entries, self.tok, run.lp_chars)
-        run.lp_chars += sum(len(_token_text(self.tok, e.token)) for e in entries)
+        run.lp_chars += sum(len(token_text(self.tok, e.token)) for e in entries)
         return out
 
     def count(self, runs: list[_Run], gens: list[Generation], finish: str) -> None:
@@ -284,65 +285,6 @@ class CompletionServer:
         cached = sum(g.cached_tokens for r, g in zip(runs, gens, strict=False) if not r.choice)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _stats(gens: list[Generation]) -> dict[str, Any]:
-    """The `qspec` object over the choices: each choice's first token comes from its prefill, so the decode rate
-    counts the tokens after it (null when there are none); prefill_s: every choice's (those that find their prompt
-    in the caches add little)."""
-    if not gens:
-        return {}
-    after_first, seconds = sum(max(len(g.tokens) - 1, 0) for g in gens), sum(g.decode_s for g in gens)
-    tps = after_first / seconds if after_first > 0 and seconds > 0 else None
-    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": sum(g.prefill_s for g in gens),
-                      "drafted": sum(g.spec.drafted for g in gens), "accepted": sum(g.spec.accepted for g in gens)}}
-
-
-class _Text:
-    """/v1/completions bodies: text_completion objects."""
-    prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
-
-    @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-    @staticmethod
-    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
-        """OpenAI's legacy completion logprobs; `offset`: the characters of the text before these tokens."""
-        texts = [_token_text(tok, e.token) for e in entries]
-        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [None if e.logprob is None else {_token_text(tok, i): v for i, v in e.top}
-                                 for e in entries],
-                "text_offset": offsets}
-
-
-class _Chat:
-    """/v1/chat/completions bodies: chat.completion objects, and chunks with deltas when streamed."""
-    prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
-
-    @staticmethod
-    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None) -> dict:
-        if not streamed:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
-        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-
-    @staticmethod
-    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
-        """OpenAI's chat logprobs: each token's text, log-probability and UTF-8 bytes, with its top alternatives."""
-        def one(i: int, v: float) -> dict:
-            return {"token": _token_text(tok, i), "logprob": v, "bytes": list(tok.id_to_bytes(i))}
-        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(i, v) for i, v in e.top]}
-                            for e in entries], "refusal": None}
-
-
-def _token_text(tok: Tokenizer, token: int) -> str:
-    """A token's text (its bytes as UTF-8, a partial character replaced)."""
-    return tok.id_to_bytes(token).decode("utf-8", "replace")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -413,7 +355,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
         def prompts() -> list[tuple[str | list[int], list[int], int]]:
             return [(p, *srv.prompt_ids(req, p)) for p in req.prompts()]
 
-        return await _respond(srv, req, await asyncio.to_thread(prompts), _Text, request)
+        return await _respond(srv, req, await asyncio.to_thread(prompts), TextBodies, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
@@ -421,7 +363,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
             return srv.prompt_ids(req, srv.chat_text(req.messages))
 
         ids, n = await asyncio.to_thread(prompt)
-        return await _respond(srv, req, [(ids, ids, n)], _Chat, request)
+        return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
 
     return app
 
@@ -459,7 +401,7 @@ async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T
 
 
 async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str | list[int], list[int], int]],
-                   fmt: type[_Text] | type[_Chat], request: Request):  # noqa: ANN202
+                   fmt: type[TextBodies] | type[ChatBodies], request: Request):  # noqa: ANN202
     """Generate for one request, each prompt's `n` choices one after the other (each after the first finds the prompt
     in the caches); prompts: (as sent, its ids, its max_tokens). A whole JSON body, or a stream of server-sent events
     ending with `[DONE]`."""
@@ -472,7 +414,7 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
 
     def body(obj: str, choices: list[dict], gens: list[Generation] | None = None) -> dict:
-        done = {} if gens is None else {"usage": srv.usage(runs, gens)} | _stats(gens)
+        done = {} if gens is None else {"usage": srv.usage(runs, gens)} | qspec_stats(gens)
         return head | {"object": obj, "choices": choices} | done
 
     def all_choices(emit: Callable[[int, str | None, list | None], None] | None = None) -> list[Generation] | None:
@@ -512,7 +454,7 @@ def _best(runs: list[_Run], n: int, candidates: int) -> list[_Run]:
 
 
 async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable, body: Callable,
-                  fmt: type[_Text] | type[_Chat]) -> AsyncIterator[str]:
+                  fmt: type[TextBodies] | type[ChatBodies]) -> AsyncIterator[str]:
     """The server-sent events of a streamed request: each choice's pieces, then a chunk with its finish reason (the
     last one with the usage), or an error event; Starlette cancels this generator when the client leaves, and
     _in_worker then stops the worker."""

@@ -1,0 +1,69 @@
+"""The JSON bodies the server answers with: OpenAI's text_completion and chat.completion objects (whole, and chunks
+when streamed), their log-probability objects, and qspec's own statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qspec.engine import Generation
+from qspec.spec.logprobs import TokenLogprob
+from qspec.tokenizer import Tokenizer
+
+
+def qspec_stats(gens: list[Generation]) -> dict[str, Any]:
+    """The `qspec` object over the choices: each choice's first token comes from its prefill, so the decode rate
+    counts the tokens after it (null when there are none); prefill_s: every choice's (those that find their prompt
+    in the caches add little)."""
+    if not gens:
+        return {}
+    after_first, seconds = sum(max(len(g.tokens) - 1, 0) for g in gens), sum(g.decode_s for g in gens)
+    tps = after_first / seconds if after_first > 0 and seconds > 0 else None
+    return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": sum(g.prefill_s for g in gens),
+                      "drafted": sum(g.spec.drafted for g in gens), "accepted": sum(g.spec.accepted for g in gens)}}
+
+
+class TextBodies:
+    """/v1/completions bodies: text_completion objects."""
+    prefix, whole, chunk = "cmpl", "text_completion", "text_completion"
+
+    @staticmethod
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
+               logprobs: dict | None = None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
+        """OpenAI's legacy completion logprobs; `offset`: the characters of the text before these tokens."""
+        texts = [token_text(tok, e.token) for e in entries]
+        offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None else {token_text(tok, i): v for i, v in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+
+class ChatBodies:
+    """/v1/chat/completions bodies: chat.completion objects, and chunks with deltas when streamed."""
+    prefix, whole, chunk = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
+               logprobs: dict | None = None) -> dict:
+        if not streamed:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob], tok: Tokenizer, offset: int) -> dict:
+        """OpenAI's chat logprobs: each token's text, log-probability and UTF-8 bytes, with its top alternatives."""
+        def one(i: int, v: float) -> dict:
+            return {"token": token_text(tok, i), "logprob": v, "bytes": list(tok.id_to_bytes(i))}
+        return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(i, v) for i, v in e.top]}
+                            for e in entries], "refusal": None}
+
+
+def token_text(tok: Tokenizer, token: int) -> str:
+    """A token's text (its bytes as UTF-8, a partial character replaced)."""
+    return tok.id_to_bytes(token).decode("utf-8", "replace")
