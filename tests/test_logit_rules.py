@@ -112,3 +112,19 @@ def test_top_k_1_samples_the_greedy_tokens(tiny_model: Model) -> None:
     sampler = Sampler(temperature=1.5, top_k=1, generator=torch.Generator().manual_seed(2))
     assert Engine(tiny_model, EngineOptions(draft=3, capacity=CAP, exact=True)).generate(
         prompt, 16, sampler=sampler).tokens == greedy
+
+
+@pytest.mark.parametrize("draft, hook", [(0, False), (3, False), (3, True)])
+def test_min_tokens_holds_the_stop_ids_back(tiny_model: Model, draft: int, hook: bool) -> None:
+    """A stop id that every row would pick (a bias) cannot be picked before min_tokens: in plain decoding, in the
+    device's rounds and in the host's (each verify row counting the drafts before it)."""
+    prompt = list(range(30, 47))
+    rules = LogitRules(logit_bias={7: 100.0}, min_tokens=5, stop_ids=frozenset({7}))
+    want = reference(tiny_model, prompt, 5, {"logit_bias": {7: -math.inf}})  # 5 tokens, then the stop
+    rng = random.Random(1)
+    hooks = EngineHooks(draft_hook=oracle_hook(want + [7], rng, 512)) if hook else EngineHooks()
+    eng = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True), hooks)
+    g = eng.generate(prompt, 12, sampler=Sampler(rules=rules), stop_ids={7})
+    assert g.tokens == want + [7]
+    with pytest.raises(ValueError, match="min_tokens must be an integer >= 0"):
+        LogitRules(min_tokens=-1)

@@ -684,7 +684,8 @@ def test_metrics_and_a_full_queue(served) -> None:  # noqa: ANN001
 
 
 def test_stop_token_ids_and_ignore_eos(served) -> None:  # noqa: ANN001
-    """stop_token_ids end a choice at that token (finish "stop"); ignore_eos runs past the tokenizer's stop tokens."""
+    """stop_token_ids end a choice at that token (finish "stop"); ignore_eos runs past the tokenizer's stop tokens;
+    min_tokens holds the stop tokens back."""
     client, engine, tok = served
     ids = tok.encode(PROMPT, add_special=True)
     free = engine.generate(ids, 12).tokens  # no stop ids at all
@@ -700,3 +701,7 @@ def test_stop_token_ids_and_ignore_eos(served) -> None:  # noqa: ANN001
     assert client.post("/v1/completions", json=eos | {"ignore_eos": True}).json()["usage"]["completion_tokens"] == 12
     bad = client.post("/v1/completions", json={"prompt": ids, "stop_token_ids": [-1]})
     assert bad.status_code == 400 and "token ids must be >= 0" in bad.json()["error"]["message"]
+    held = client.post("/v1/completions", json=eos | {"min_tokens": 3}).json()  # the stop as the 4th token
+    assert held["usage"]["completion_tokens"] == 4 and held["choices"][0]["finish_reason"] == "stop"
+    bad = client.post("/v1/completions", json=eos | {"min_tokens": 13})
+    assert bad.status_code == 400 and "min_tokens (13) must be <= max_tokens (12)" in bad.json()["error"]["message"]

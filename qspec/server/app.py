@@ -177,6 +177,8 @@ class CompletionServer:
         max_tokens = req.max_tokens
         if max_tokens == 0 and not req.echoes():
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)", param="max_tokens")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens")
         if max_tokens is None:
             o = self.engine.opts
             rest = o.capacity - cells_needed(len(ids), 0, o.draft)
@@ -197,13 +199,13 @@ class CompletionServer:
         when the client left before the end."""
         ids, max_tokens = run.ids, run.max_tokens
         seed = (req.seed if req.seed is not None else 0) + run.choice
+        stops = req.stop_ids(self.tok.stop_ids)
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           generator=torch.Generator().manual_seed(seed % (1 << 64)),
-                          rules=LogitRules(**req.logit_rules()))
+                          rules=LogitRules(**req.logit_rules(), stop_ids=frozenset(stops)))
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         ranked = req.candidates() > req.n  # best_of: each candidate's log-probabilities rank it
-        stops = req.stop_ids(self.tok.stop_ids)
         lp = Logprobs(top or 0) if top is not None or ranked else None
         scored = Logprobs(top or 0) if req.scores_prompt(max_tokens) else None
         run.logprobs = None if top is None else []

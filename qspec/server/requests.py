@@ -77,6 +77,7 @@ class Sampling(BaseModel):
     # beyond OpenAI's API, as vLLM and llama.cpp's server take them
     stop_token_ids: list[StrictInt] | None = None  # token ids that end the generation, besides the tokenizer's
     ignore_eos: bool = Field(False, strict=True)  # the tokenizer's stop tokens do not end it (benchmarks)
+    min_tokens: int = Field(0, ge=0, strict=True)  # the stop ids cannot end a choice before this many tokens
     top_k: int = Field(0, ge=0, strict=True)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
@@ -107,7 +108,7 @@ class Sampling(BaseModel):
         """The LogitRules (qspec/spec/logit_rules.py) this request asks for, as keywords."""
         return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
-                "repetition_penalty": self.repetition_penalty}
+                "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
 
     @field_validator("suffix", "tools",
                      "tool_choice", "functions", "function_call", "response_format", check_fields=False)

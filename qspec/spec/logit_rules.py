@@ -1,5 +1,5 @@
-"""A request's logit rules: OpenAI's logit_bias, presence and frequency penalties, and the repetition penalty of
-llama.cpp and vLLM, applied to the target's rows before the token is picked (Sampler.target).
+"""A request's logit rules: OpenAI's logit_bias, presence and frequency penalties, and the repetition penalty and
+min_tokens of llama.cpp and vLLM, applied to the target's rows before the token is picked (Sampler.target).
 
 The penalties count the generated tokens on the device (`count`, fed by the engine without a host round trip), and
 the repetition penalty the prompt's too. In a verify step, row i follows drafts[:i]: its penalties count them as
@@ -24,15 +24,22 @@ class LogitRules:
     # > 1 discourages every token of the prompt or the output: a positive logit divided by it, a negative one
     # multiplied (1: off)
     repetition_penalty: float = 1.0
+    # the stop ids cannot be picked before this many tokens are generated (vLLM's min_tokens)
+    min_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
     _bias: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [V] f32
     _counts: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [V] f32: generated so far
     _in_prompt: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [V] bool
+    _generated: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [] f32: tokens so far
+    _stops: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [S] int64: stop_ids
 
     def __post_init__(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails too
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+        if type(self.min_tokens) is not int or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if not 0.0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be a finite number > 0 (1: off), got {self.repetition_penalty}")
         for t, b in (self.logit_bias or {}).items():
@@ -43,7 +50,11 @@ class LogitRules:
 
     @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self._penalised
+        return bool(self.logit_bias) or self._penalised or self._holds_stops
+
+    @property
+    def _holds_stops(self) -> bool:
+        return self.min_tokens > 0 and bool(self.stop_ids)
 
     @property
     def _penalised(self) -> bool:
@@ -62,6 +73,8 @@ class LogitRules:
         self._in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
         if self.repetition_penalty != 1.0 and prompt:
             self._in_prompt[torch.tensor(prompt, device=device)] = True
+        self._generated = torch.zeros((), dtype=torch.float32, device=device)
+        self._stops = torch.tensor(sorted(t for t in self.stop_ids if t < vocab), dtype=torch.long, device=device)
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [R, V] under the rules (f32): bias, repetition penalty, then presence and frequency penalties, row i
@@ -69,6 +82,9 @@ class LogitRules:
         if self._bias is None or self._counts is None or self._in_prompt is None:
             raise RuntimeError("LogitRules.begin must start the request first")
         x = logits.float() + self._bias
+        if self._holds_stops:  # row i follows i drafts: the (generated + i + 1)-th token
+            early = self._generated + torch.arange(x.shape[0], device=x.device) < self.min_tokens
+            x[:, self._stops] = torch.where(early[:, None], float("-inf"), x[:, self._stops])
         if not self._penalised:
             return x
         c = self._counts.expand(x.shape)
@@ -83,8 +99,9 @@ class LogitRules:
 
     def count(self, tokens: torch.Tensor | list[int], weight: torch.Tensor | None = None) -> None:
         """Count generated tokens (on the device or the host; `weight` [len(tokens)] 1/0 says which count)."""
-        if self._counts is None or not self._penalised:
+        if self._counts is None or self._generated is None or not (self._penalised or self._holds_stops):
             return
         ids = torch.as_tensor(tokens, dtype=torch.long).view(-1).to(self._counts.device)
         w = torch.ones(ids.shape, dtype=torch.float32, device=ids.device) if weight is None else weight.float()
         self._counts.index_add_(0, ids, w)
+        self._generated += w.sum()
