@@ -136,3 +136,14 @@ def test_scoring_rules(tiny_model: Model) -> None:
     eng.check_request(list(range(32)), 0, scoring=True)  # the prompt alone: one cell a token
     with pytest.raises(ContextError, match=r"prompt \(33 tokens\).*capacity 32"):
         eng.check_request(list(range(33)), 0, scoring=True)
+
+
+def test_scoring_in_parts_equals_scoring_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0))
+    tokens = [3, 1, 4, 1, 5, 9, 2]
+    whole = Logprobs(3)
+    whole.score(logits, tokens)
+    monkeypatch.setattr("qspec.spec.logprobs.SCORE_ROWS", 3)
+    parts = Logprobs(3)
+    parts.score(logits, tokens)
+    assert parts.entries == whole.entries and [e.token for e in parts.entries] == tokens

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_TOP = 20  # OpenAI's limit for top_logprobs
+SCORE_ROWS = 128  # rows `score` turns into log-probabilities at once: 127 MB of f32 at a 248,320-token vocabulary
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,12 @@ class Logprobs:
         self._pending.append([_to_host(vals, wait), _to_host(ids, wait), 0])
 
     def score(self, logits: torch.Tensor, tokens: list[int]) -> None:
-        """An entry for each of `tokens` from its row of `logits` [len(tokens), V] at once (a prompt's rows as it
-        prefills: no step waits behind them)."""
-        if tokens:
-            self.queue(logits, torch.tensor(tokens), wait=True)
-            for t in tokens:
+        """An entry for each of `tokens` from its row of `logits` [len(tokens), V] (a prompt's rows as it prefills:
+        no step waits behind them), SCORE_ROWS rows at a time (their f32 log-softmax is the transient memory)."""
+        for i in range(0, len(tokens), SCORE_ROWS):
+            part = tokens[i:i + SCORE_ROWS]
+            self.queue(logits[i:i + len(part)], torch.tensor(part), wait=True)
+            for t in part:
                 self.take(t)
 
     def take(self, token: int) -> None:
