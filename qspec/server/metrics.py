@@ -56,7 +56,7 @@ class ServerMetrics:
     def render(self) -> str:
         """Prometheus' text exposition format."""
         with self._lock:
-            lab = f'model_name="{self.model}"'
+            lab = f'model_name="{_label(self.model)}"'
             out = _metric("qspec:requests_total", "counter", "requests ended, by the first choice's finish reason",
                           [(f'{lab},finished_reason="{k}"', v) for k, v in sorted(self.requests.items())] or
                           [(lab, 0)])
@@ -88,3 +88,8 @@ def _metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]],
     if totals is not None:
         lines += [f"{name}_sum{{{totals[0]}}} {totals[1]}", f"{name}_count{{{totals[0]}}} {totals[2]}"]
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A label value escaped as the text format requires (backslash, double quote, line feed)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
