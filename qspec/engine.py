@@ -334,13 +334,12 @@ class Engine:
                     else torch.zeros(0, dtype=torch.long, device=dev))
             logits, X = run.step(chunk, logit_rows=rows)
             run.keep(len(chunk), rollback=False)
-            if scores is not None:  # row j predicts token s + j + 1 (the last prompt row: the first generated one)
-                nxt = ids[s + 1:s + 1 + len(chunk)].tolist()
-                scores.score(logits[:len(nxt)], nxt)
+            nxt = ids[s + 1:s + 1 + len(chunk)]  # the tokens the rows predict (the last prompt row's: none)
+            if scores is not None:
+                scores.score(logits[:len(nxt)], nxt.tolist())
             if o.draft:
                 # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
                 # kept, so one row goes on through the head's MoE and LM head (its output is not used either)
-                nxt = ids[s + 1:s + 1 + len(chunk)]
                 if len(nxt):
                     run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
                 H = X[-1:]

@@ -29,6 +29,7 @@ import torch
 from qspec.model.fuse import MAX_ROWS as MAX_FUSED_ROWS
 from qspec.model.model import CacheOptions
 from qspec.spec.depth import FIRST_STRETCH, STRETCH_GROWTH
+from qspec.spec.logit_rules import MAX_PENALTY
 
 MAX_DRAFT = 8
 MAX_MIXER_ROWS = 8  # kernels/triton_hc_mix.MAX_ROWS (a test checks they agree; importing it here would load Triton)
@@ -282,9 +283,9 @@ class SamplingOptions:
     min_p: float = option(0.0, "drop tokens less likely than this times the likeliest (0: none)", check=in_range(0, 1))
     seed: int = option(0, "sampling seed", check=in_range(0, SEED_MAX))
     presence_penalty: float = option(0.0, "subtracted from the logit of each token generated so far",
-                                     check=in_range(-2, 2))
+                                     check=in_range(-MAX_PENALTY, MAX_PENALTY))
     frequency_penalty: float = option(0.0, "subtracted from a token's logit once per time it was generated",
-                                      check=in_range(-2, 2))
+                                      check=in_range(-MAX_PENALTY, MAX_PENALTY))
     repetition_penalty: float = option(1.0, "a prompt's or output's token's logit: divided by this if positive, "
                                        "multiplied if not (1: off)", check=_positive_finite)
 

@@ -170,10 +170,10 @@ class CompletionServer:
         # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a long prompt
         # tokenizes for seconds that the event loop needs
         ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
-        vocab = self.engine.model.cfg.vocab_size
-        bad = next((t for t in req.logit_rules()["logit_bias"] or {} if t >= vocab), None)
-        if bad is not None:
-            raise BadRequest(f"logit_bias has token id {bad}, outside the vocabulary of {vocab}", param="logit_bias")
+        try:
+            LogitRules(**req.logit_rules()).check_vocab(self.engine.model.cfg.vocab_size)
+        except ValueError as e:
+            raise BadRequest(str(e), param="logit_bias") from None
         max_tokens = req.max_tokens
         if max_tokens == 0 and not req.echoes():
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)", param="max_tokens")

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from qspec.spec.logit_rules import MAX_BIAS, MAX_PENALTY
+from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
 from qspec.spec.logprobs import MAX_TOP
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
@@ -85,11 +85,10 @@ class Sampling(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        for key, value in (bias or {}).items():
-            if not key.isdecimal():
-                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
-            if not -MAX_BIAS <= value <= MAX_BIAS:  # NaN fails too
-                raise ValueError(f"the bias of token {key} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value}")
+        bad = next((key for key in bias or {} if not key.isdecimal()), None)
+        if bad is not None:
+            raise ValueError(f"keys must be token ids (decimal integers), got {bad!r}")
+        LogitRules(logit_bias={int(k): v for k, v in (bias or {}).items()})  # its check of the values' range
         return bias
 
     @field_validator("stop_token_ids")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_PENALTY, MAX_BIAS = 2.0, 100.0  # OpenAI's ranges: penalties in [-2, 2], biases in [-100, 100]
+MAX_PENALTY, MAX_BIAS = 2, 100  # OpenAI's ranges: penalties in [-2, 2], biases in [-100, 100]
 
 
 @dataclass
@@ -60,11 +60,15 @@ class LogitRules:
     def _penalised(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def begin(self, prompt: list[int], vocab: int, device: torch.device) -> None:
-        """Start a request after `prompt` over a vocabulary of `vocab` ids: the bias row, no token generated yet."""
+    def check_vocab(self, vocab: int) -> None:
+        """ValueError for a biased token id outside a vocabulary of `vocab` ids."""
         bad = next((t for t in self.logit_bias or {} if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias has token id {bad}, outside the vocabulary of {vocab}")
+
+    def begin(self, prompt: list[int], vocab: int, device: torch.device) -> None:
+        """Start a request after `prompt` over a vocabulary of `vocab` ids: the bias row, no token generated yet."""
+        self.check_vocab(vocab)
         bias = torch.zeros(vocab, dtype=torch.float32)
         for t, b in (self.logit_bias or {}).items():
             bias[t] = b
