@@ -57,6 +57,7 @@ from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
+from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 from qspec.weights import WeightsError
@@ -145,11 +146,40 @@ def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
     return _checked(lambda: from_args(SamplingOptions, a))
 
 
-def _sampler(samp: SamplingOptions) -> Sampler:
+def _sampler(samp: SamplingOptions, tok: Tokenizer, vocab_size: int) -> Sampler:
     rules = LogitRules(presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty,
                        repetition_penalty=samp.repetition_penalty)
+    spec = _grammar_spec(samp)
+    try:
+        grammar = None if spec is None else GrammarCompiler(tok, vocab_size).compile(spec)
+    except GrammarError as e:
+        raise UsageError(f"{_grammar_flag(samp)}: {e}") from None
     return Sampler(temperature=samp.temperature, top_p=samp.top_p, top_k=samp.top_k, min_p=samp.min_p,
-                   generator=torch.Generator().manual_seed(samp.seed), rules=rules)
+                   generator=torch.Generator().manual_seed(samp.seed), rules=rules, grammar=grammar)
+
+
+def _grammar_flag(samp: SamplingOptions) -> str:
+    return next(flag_name(f) for f in ("json_schema", "regex", "grammar") if getattr(samp, f) is not None)
+
+
+def _grammar_spec(samp: SamplingOptions) -> GrammarSpec | None:
+    """What --json-schema (a file, or JSON text when it starts with "{"), --regex or --grammar (a file) ask for;
+    checked before the model loads."""
+    if samp.regex is not None:
+        return GrammarSpec("regex", samp.regex)
+    if samp.json_schema is None and samp.grammar is None:
+        return None
+    text: str = samp.json_schema if samp.json_schema is not None else samp.grammar  # type: ignore[assignment]
+    try:
+        if samp.grammar is not None or not text.lstrip().startswith("{"):  # a file, not a schema's text
+            text = Path(text).read_text(encoding="utf-8")
+        if samp.grammar is not None:
+            return GrammarSpec("lark", text)
+        return GrammarSpec("json", json.loads(text))  # type: ignore[arg-type]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{_grammar_flag(samp)}: cannot read {text!r}: {e}") from None
+    except ValueError as e:  # json's errors and GrammarSpec's
+        raise UsageError(f"{_grammar_flag(samp)}: not a JSON schema ({e})") from None
 
 
 def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[int]:
@@ -338,6 +368,7 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 
 def cmd_run(a: argparse.Namespace) -> int:
     samp = _sampling_options(a)
+    _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     # --compile-ahead asks for compilation too
     uncompiled_short = a.compile is None and not a.compile_ahead and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
     if a.compile is None:  # neither --compile nor --no-compile: compile where it pays (options.RUN_COMPILE_MIN_TOKENS)
@@ -357,7 +388,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
              "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
     ids = request_ids(tok, model.cfg)
-    sampler = _sampler(samp)
+    sampler = _sampler(samp, tok, model.cfg.vocab_size)
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -393,6 +424,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     turn renders the whole conversation through the chat template, and the engine prefills only what its caches do
     not hold (EngineOptions.prefix_cache): the new turn, and the last reply where it tokenizes differently."""
     samp = _sampling_options(a)
+    _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     opts = _engine_options(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
 
@@ -400,7 +432,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
 
     _, tok, engine = _load(a, opts, first_ids)
-    sampler = _sampler(samp)
+    sampler = _sampler(samp, tok, engine.model.cfg.vocab_size)
     tty = sys.stdin.isatty()
     while True:
         if tty:

@@ -10,7 +10,7 @@ The groups are separate classes:
   KernelOptions    kernel and fast-path switches: how a step runs, not what it computes (beyond rounding)
   EngineOptions    what a user chooses (draft depth, context, cache type, the seed's optimizations), plus the
                    kernel switches (it extends KernelOptions, so `EngineOptions(draft=3, pdl=False)` works)
-  SamplingOptions  per request: max tokens, temperature, top-k/p, min-p, seed, penalties
+  SamplingOptions  per request: max tokens, temperature, top-k/p, min-p, seed, penalties, grammar
 Test and benchmark hooks (callables, logs) are not options: they are `qspec.engine.EngineHooks`.
 """
 
@@ -288,9 +288,18 @@ class SamplingOptions:
                                       check=in_range(-MAX_PENALTY, MAX_PENALTY))
     repetition_penalty: float = option(1.0, "a prompt's or output's token's logit: divided by this if positive, "
                                        "multiplied if not (1: off)", check=_positive_finite)
+    json_schema: str | None = option(None, "hold the output to a JSON schema: a file, or the schema's JSON text",
+                                     metavar="SCHEMA", kind=str)
+    regex: str | None = option(None, "hold the output to a regular expression (matched whole)", metavar="RE",
+                               kind=str)
+    grammar: str | None = option(None, "hold the output to a Lark grammar (llguidance's dialect) in this file",
+                                 metavar="FILE", kind=str)
 
     def __post_init__(self) -> None:
         validate(self)
+        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise OptionError(given[1], f"and {{{given[0]}}} both constrain the output: give one of them")
 
 
 def declared(cls: type) -> list[Field]:

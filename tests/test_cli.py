@@ -168,6 +168,23 @@ def test_sampling_flags_reach_the_sampler(models: dict[str, Path], capsys: pytes
     assert top1[1] == greedy[1] != penalised[1]
 
 
+def test_grammar_flags_hold_the_output(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                       tmp_path: Path) -> None:
+    """--regex, --json-schema (text or file) and --grammar: the printed text matches, at every depth alike."""
+    base = ["run", PROMPT, "--model", str(models["gguf"]), "--max-tokens", "24", *FAST]
+    texts = {run(capsys, *base, "--draft", d, "--regex", "[a-z]{2,4}=[0-9]")[1] for d in ("0", "3")}
+    assert len(texts) == 1 and re.fullmatch(r"[a-z]{2,4}=[0-9]\n", texts.pop())
+    schema = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for arg in (json.dumps(schema), str(tmp_path / "s.json")):
+        rc, out, err = run(capsys, *base, "--draft", "2", "--json-schema", arg)
+        assert rc == 0 and isinstance(json.loads(out)["on"], bool), err
+    (tmp_path / "g.lark").write_text('start: "x" | "y" "z"\n')
+    rc, out, err = run(capsys, *base, "--grammar", str(tmp_path / "g.lark"))
+    assert rc == 0 and out in ("x\n", "yz\n"), err
+
+
 @pytest.mark.parametrize("extra", [["--kv-type", "q8_0"], ["--dtype", "bf16", "--kv-type", "bf16"],
                                    ["--dtype", "f16", "--kv-type", "f16", "--hnorm-per-stream"]])
 def test_run_dtype_and_cache_options(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
@@ -314,6 +331,13 @@ def _not_gguf(models: dict[str, Path]) -> Path:
     ("repetition penalty zero", ["run", "x", "--model", "{gguf}", "--repetition-penalty", "0"],
      "--repetition-penalty must be a finite number > 0"),
     ("max-tokens zero", ["run", "x", "--model", "{gguf}", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    ("two grammars", ["run", "x", "--model", "{gguf}", "--regex", "a", "--json-schema", "{{}}"],
+     "--regex and --json-schema both constrain the output"),
+    ("bad regex", ["run", "x", "--model", "{gguf}", "--regex", "a(b"], "--regex: invalid regex grammar"),
+    ("schema not JSON", ["chat", "--model", "{gguf}", "--json-schema", "{{type: object}}"],
+     "--json-schema: not a JSON schema"),
+    ("no grammar file", ["run", "x", "--model", "{gguf}", "--grammar", "{dir}/none.lark"],
+     "--grammar: cannot read"),
     ("negative temperature", ["run", "x", "--model", "{gguf}", "--temperature", "-1"], "--temperature"),
     ("ctx not a multiple of 4", ["run", "x", "--model", "{gguf}", "--ctx", "30"], "multiple of 4"),
     ("not a number", ["run", "x", "--model", "{gguf}", "--draft", "three"], "--draft must be a depth 0..8, auto"),

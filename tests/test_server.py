@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
 from qspec.spec.accept import Sampler  # noqa: E402
+from qspec.spec.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from qspec.spec.logit_rules import LogitRules  # noqa: E402
 from qspec.spec.logprobs import Logprobs  # noqa: E402
 
@@ -325,7 +327,14 @@ def test_completion_errors_use_the_openai_shape(served, raw: bytes, param: str |
 
 @pytest.mark.parametrize("extra,param,words", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema, got 'xml'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs"),
+    ({"guided_regex": "a(b"}, "guided_regex", "invalid regex grammar"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None, "give one of them"),
+    ({"guided_regex": "a", "ignore_eos": True}, None, "ignore_eos cannot be used with guided_regex"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, None, "disagree"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "text parts"),
 ])
@@ -335,6 +344,46 @@ def test_chat_refuses_what_it_cannot_honour(served, extra: dict, param: str | No
     assert r.status_code == 400, r.text
     err = _error_of(r)
     assert err["param"] == param and words in err["message"], err
+
+
+SCHEMA = {"type": "object", "properties": {"go": {"enum": ["left", "right"]}, "fast": {"type": "boolean"}},
+          "required": ["go", "fast"], "additionalProperties": False}
+
+
+def _constrained(engine: Engine, tok, ids: list[int], spec: GrammarSpec, n: int) -> str:  # noqa: ANN001
+    grammar = GrammarCompiler(tok, engine.model.cfg.vocab_size).compile(spec)
+    g = engine.generate(ids, n, sampler=Sampler(grammar=grammar), stop_ids=set(tok.stop_ids))
+    return tok.decode(g.tokens, skip_special=True)
+
+
+def test_structured_output(served) -> None:  # noqa: ANN001
+    """A JSON schema (chat's response_format), choices (completions' structured_outputs) and a regular expression
+    (guided_regex, streamed): the text is the engine's under the same grammar, and matches it."""
+    client, engine, tok = served
+    messages = [{"role": "user", "content": "Which way?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "way", "schema": SCHEMA}}
+    body = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 30,
+                                                     "response_format": fmt}).json()
+    choice = body["choices"][0]
+    doc = json.loads(choice["message"]["content"])
+    assert doc["go"] in ("left", "right") and isinstance(doc["fast"], bool) and choice["finish_reason"] == "stop"
+    ids = tok.encode(tok.apply_chat_template(messages), add_special=True)
+    assert choice["message"]["content"] == _constrained(engine, tok, ids, GrammarSpec("json", SCHEMA), 30)
+
+    options = ["yes", "no", "maybe so"]
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "n": 3, "temperature": 1.0,
+                                             "structured_outputs": {"choice": options}})
+    assert r.status_code == 200, r.text
+    assert all(c["text"] in options and c["finish_reason"] == "stop" for c in r.json()["choices"])
+
+    regex = "[a-z]{3}-[0-9]{2}"
+    payload = {"prompt": PROMPT, "max_tokens": 12, "guided_regex": regex}
+    whole = client.post("/v1/completions", json=payload).json()["choices"][0]["text"]
+    assert re.fullmatch(regex, whole)
+    assert whole == _constrained(engine, tok, tok.encode(PROMPT, add_special=True), GrammarSpec("regex", regex), 12)
+    with client.stream("POST", "/v1/completions", json=payload | {"stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
 
 
 def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa: ANN001

@@ -46,6 +46,7 @@ from qspec.server.requests import (
     stop_strings,
 )
 from qspec.spec.accept import Sampler
+from qspec.spec.grammar import Grammar, GrammarCompiler, GrammarError
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import Tokenizer
@@ -143,6 +144,22 @@ class CompletionServer:
         self.lock = asyncio.Lock()
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name)
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request (~1 s)
+        self._grammars_lock = threading.Lock()
+
+    def grammar(self, req: Sampling) -> Grammar | None:
+        """Blocking: the request's grammar at the start of its output, or None; a 400 naming the field when it does
+        not compile."""
+        spec = req.grammar_spec()
+        if spec is None:
+            return None
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tok, self.engine.model.cfg.vocab_size)
+        try:
+            return self._grammars.compile(spec)
+        except GrammarError as e:
+            raise BadRequest(str(e), param=req.grammar_fields()[0]) from None
 
     def admit(self) -> None:
         """A 503 when the engine is busy and `max_waiting` requests already wait for it (the client may retry)."""
@@ -174,6 +191,7 @@ class CompletionServer:
             LogitRules(**req.logit_rules()).check_vocab(self.engine.model.cfg.vocab_size)
         except ValueError as e:
             raise BadRequest(str(e), param="logit_bias") from None
+        self.grammar(req)  # compiles
         max_tokens = req.max_tokens
         if max_tokens == 0 and not req.echoes():
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)", param="max_tokens")
@@ -202,7 +220,7 @@ class CompletionServer:
         stops = req.stop_ids(self.tok.stop_ids)
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           generator=torch.Generator().manual_seed(seed % (1 << 64)),
-                          rules=LogitRules(**req.logit_rules(), stop_ids=frozenset(stops)))
+                          rules=LogitRules(**req.logit_rules(), stop_ids=frozenset(stops)), grammar=self.grammar(req))
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         ranked = req.candidates() > req.n  # best_of: each candidate's log-probabilities rank it

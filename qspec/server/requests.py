@@ -1,19 +1,20 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
-Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options
-that this engine cannot honour (tools, structured output, `suffix`) are
-accepted only at the value that changes nothing, so a client that asks for more gets a 400 instead
-of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's `\\ud800` escapes can
-carry) is refused rather than replaced, so the model never sees text the client did not send.
+Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options that
+this engine cannot honour (tools, `suffix`) are accepted only at the value that changes nothing, so a client that asks
+for more gets a 400 instead of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's
+`\\ud800` escapes can carry) is refused rather than replaced, so the model never sees text the client did not send.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from qspec.spec.grammar import GrammarError, GrammarSpec
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
 from qspec.spec.logprobs import MAX_TOP
 
@@ -30,8 +31,10 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": ((None, "none"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
     "function_call": ((None, "none"), "function calls are not supported"),
-    "response_format": ((None, {"type": "text"}), 'structured output is not supported (only {"type": "text"})'),
 }
+# vLLM's names for a grammar (`structured_outputs`' keys, and the older `guided_*` fields) -> GrammarSpec's kinds
+_GRAMMAR_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs", *(f"guided_{k}" for k in _GRAMMAR_KEYS))
 
 
 def _unsupported(name: str, value: Any) -> Any:
@@ -81,6 +84,41 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=0, strict=True)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (at most one of them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator(*_GRAMMAR_FIELDS)
+    @classmethod
+    def _grammar(cls, value: Any, info: Any) -> Any:
+        try:
+            _grammar_of(info.field_name, value)
+        except GrammarError as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> Sampling:
+        given = self.grammar_fields()
+        if len(given) > 1:
+            raise PydanticCustomError("value_error", "{error}", {"error": f"{' and '.join(given)}: give one of them"})
+        if given and self.ignore_eos:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": f"ignore_eos cannot be used with {given[0]}: a structured output ends on a stop token"})
+        return self
+
+    def grammar_fields(self) -> list[str]:
+        """The fields that ask for structured output (one at most, once validated)."""
+        return [f for f in _GRAMMAR_FIELDS if getattr(self, f) not in (None, {"type": "text"})]
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """What the output must match (qspec/spec/grammar.py), or None (free text)."""
+        given = self.grammar_fields()
+        return _grammar_of(given[0], getattr(self, given[0])) if given else None
 
     @field_validator("logit_bias")
     @classmethod
@@ -109,8 +147,7 @@ class Sampling(BaseModel):
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
 
-    @field_validator("suffix", "tools",
-                     "tool_choice", "functions", "function_call", "response_format", check_fields=False)
+    @field_validator("suffix", "tools", "tool_choice", "functions", "function_call", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
         return _unsupported(info.field_name, value)
@@ -190,6 +227,38 @@ class CompletionRequest(Sampling):
         return [self.prompt] if one else list(self.prompt)
 
 
+def _grammar_of(field: str, value: Any) -> GrammarSpec | None:
+    """The GrammarSpec a structured-output field asks for (None: free text), or GrammarError."""
+    if value is None or value == {"type": "text"}:
+        return None
+    if field == "response_format":
+        kind = value.get("type")
+        if kind == "json_object":
+            return GrammarSpec("json", {"type": "object"})
+        if kind != "json_schema":
+            raise GrammarError(f"type must be text, json_object or json_schema, got {kind!r}")
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+            raise GrammarError('json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+        return GrammarSpec("json", inner["schema"])
+    if field == "structured_outputs":
+        keys = [k for k in _GRAMMAR_KEYS if value.get(k) is not None]
+        if len(keys) != 1 or set(value) - set(_GRAMMAR_KEYS):
+            raise GrammarError(f"give exactly one of {', '.join(_GRAMMAR_KEYS)}, got {', '.join(value) or 'none'}")
+        return _spec(_GRAMMAR_KEYS[keys[0]], value[keys[0]])
+    return _spec(_GRAMMAR_KEYS[field.removeprefix("guided_")], value)
+
+
+def _spec(kind: str, value: Any) -> GrammarSpec:
+    """A GrammarSpec; a JSON schema may come as JSON text."""
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+    return GrammarSpec(kind, value)
+
+
 def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         return valid_unicode(prompt)
@@ -230,7 +299,6 @@ class ChatRequest(Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:

@@ -17,6 +17,7 @@ constrained requests only), and a mask takes from ~50 us to ~1 ms of host time a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ class GrammarCompiler:
         text = spec.text()
         is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self._ll)
         if is_error:
-            raise GrammarError(f"invalid {spec.kind} grammar: {messages[0]}")
+            raise GrammarError(f"invalid {spec.kind} grammar: {_one_line(messages[0])}")
         return text
 
     def compile(self, spec: GrammarSpec) -> Grammar:
@@ -152,6 +153,12 @@ class Grammar:
         """The target's rows [R, V] with every token the grammar refuses at -inf (a new tensor)."""
         words = self.masks(drafts or [], logits.shape[0]).to(logits.device, non_blocking=True)
         return logits.masked_fill(~allowed_tokens(words, logits.shape[1]), float("-inf"))
+
+
+def _one_line(message: str) -> str:
+    """llguidance's multi-line report in one line: its text lines, without the source echo and the carets."""
+    lines = (ln.strip() for ln in message.splitlines())
+    return " ".join(ln for ln in lines if ln and not set(ln) <= {"^", " "} and not re.match(r"\d+ \|", ln))
 
 
 def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
