@@ -165,6 +165,7 @@ class Engine:
         self.runner = Runner(model, self.opts.cache_options(), cuda_graphs=graphs,
                              switches=KernelSwitches.resolve(self.opts, model.device))
         self.reader = Readback(model.device, capacity=self.opts.draft + 2)  # a round: drafts, k, next token
+        self.draft_reader = Readback(model.device, capacity=max(1, self.opts.draft))  # a grammar's (Sampler.target)
         sw = self.runner.switches
         if sw.fused and sw.compile_backend == "inductor":  # fused with inductor: on CUDA (KernelSwitches.resolve)
             fuse.start_compile_workers()  # they start beside the first prefill, not in the first decode step
@@ -568,7 +569,7 @@ class Engine:
             else:
                 extended = early = None
                 drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler, d)
-                rows = sampler.target(v_logits, upload(drafts, dev) if sampler.adjusts else None)
+                rows = sampler.target(v_logits, upload(drafts, dev) if sampler.adjusts else None, drafts)
                 if forced is not None:
                     k = forced
                     nxt = int(sampler.sample(rows[forced:forced + 1])[0].item())
@@ -671,11 +672,13 @@ class Engine:
         o, run, dev = self.opts, self.runner, self.model.device
         v_rows = torch.cat([upload([tok], dev)] + d_toks)
         drafts = v_rows[1:]
+        if sampler.grammar is not None:  # read while the verify step runs: the host masks its rows meanwhile
+            self.draft_reader.start(drafts)
         v_logits, vX = run.step(v_rows)
         req.phase("verify")
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
-        rows = sampler.target(v_logits, drafts)
+        rows = sampler.target(v_logits, drafts, self.draft_reader.result() if sampler.grammar is not None else None)
         if sampler.greedy:
             pred = argmax_rows(rows)
             k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)

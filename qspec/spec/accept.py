@@ -60,13 +60,16 @@ class Sampler:
         if self.grammar is not None:
             self.grammar.reset()
 
-    def target(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
-        """The target's rows [R, V] under the request's rules (LogitRules.apply) and grammar (Grammar.constrain: the
-        host reads the drafts), or as they are."""
+    def target(self, logits: torch.Tensor, drafts: torch.Tensor | None = None, host_drafts: list[int] | None = None
+               ) -> torch.Tensor:
+        """The target's rows [R, V] under the request's rules (LogitRules.apply) and grammar (Grammar.constrain, on
+        the drafts as the host has them: `host_drafts`, else read from `drafts`), or as they are."""
         if self.ruled:
             logits = self.rules.apply(logits, drafts)  # type: ignore[union-attr]
         if self.grammar is not None:
-            logits = self.grammar.constrain(logits, None if drafts is None else drafts.tolist())
+            if host_drafts is None and drafts is not None:
+                host_drafts = drafts.tolist()
+            logits = self.grammar.constrain(logits, host_drafts)
         return logits
 
     def count(self, tokens: torch.Tensor | list[int], weight: torch.Tensor | None = None) -> None:
