@@ -46,7 +46,7 @@ def measure(compiler: GrammarCompiler, tok: Tokenizer, spec: GrammarSpec, text: 
     for i, t in enumerate(ids):
         one.append(_ms(lambda: g.masks([], 1)))
         ahead = ids[i:i + drafts]
-        verify.append(_ms(lambda: g.masks(ahead, len(ahead) + 1)))
+        verify.append(_ms(lambda a=ahead: g.masks(a, len(a) + 1)))
         g.consume(t)
     return {"tokens": len(ids), "compile ms": compile_ms, "1 row ms": statistics.median(one),
             f"1+{drafts} rows ms": statistics.median(verify), "max 1 row ms": max(one)}

@@ -1,7 +1,7 @@
 """Structured output: a request's tokens held to a JSON schema, a regular expression, a Lark grammar or a list of
 choices, by llguidance (the token-level grammar matcher vLLM and llama.cpp also use).
 
-A `GrammarCompiler` (one per tokenizer: building its token trie takes about a second at the Qwen vocabulary) turns a
+A `GrammarCompiler` (one per tokenizer: building its token table takes about a second at the Qwen vocabulary) turns a
 `GrammarSpec` into a `Grammar`, one request's matcher. The matcher lives on the host and follows the emitted tokens
 (`consume`). Before a token is picked, `constrain` masks the target's rows to the tokens the grammar allows there. In
 a verify step, row i follows drafts[:i]: its mask is the one after those drafts, so each row sees what plain decoding
@@ -10,8 +10,8 @@ refuses ends the round's acceptance (the target's row cannot pick it), so the ro
 that draft's row's mask. Drafts themselves are not constrained: the draft chain stays on the device, and a refused
 draft costs only its round's later rows.
 
-Costs: the round's drafts are read by the host before the masks (one more device-to-host wait a round, for
-constrained requests only), and a mask takes from ~50 us to ~1 ms of host time a row.
+Costs (BENCHMARKS.md §7): a mask is host time, a fraction of a millisecond a row. On the GPU the round's drafts reach
+the host while its verify step runs (Engine._round_on_device), so the masks overlap the step.
 """
 
 from __future__ import annotations
