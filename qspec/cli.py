@@ -57,7 +57,7 @@ from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
-from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 from qspec.weights import WeightsError
@@ -165,6 +165,16 @@ def _grammar_flag(samp: SamplingOptions) -> str:
 def _grammar_spec(samp: SamplingOptions) -> GrammarSpec | None:
     """What --json-schema (a file, or JSON text when it starts with "{"), --regex or --grammar (a file) ask for;
     checked before the model loads."""
+    spec = _read_grammar(samp)
+    if spec is not None:
+        try:
+            check_grammar(spec)
+        except GrammarError as e:
+            raise UsageError(f"{_grammar_flag(samp)}: {e}") from None
+    return spec
+
+
+def _read_grammar(samp: SamplingOptions) -> GrammarSpec | None:
     if samp.regex is not None:
         return GrammarSpec("regex", samp.regex)
     if samp.json_schema is None and samp.grammar is None:

@@ -17,7 +17,7 @@ from test_spec import CAP, oracle_hook
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model.model import Model
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens
+from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens, check_grammar
 from qspec.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
@@ -40,7 +40,7 @@ def compiler(tok: Tokenizer) -> GrammarCompiler:
 
 def follows(compiler: GrammarCompiler, spec: GrammarSpec, tokens: list[int]) -> bool:
     """Whether a fresh matcher takes every token (the end token included)."""
-    m = LLMatcher(compiler._ll, compiler.check(spec), log_level=0)
+    m = LLMatcher(compiler._ll, check_grammar(spec), log_level=0)
     return m.validate_tokens(tokens) == len(tokens)
 
 

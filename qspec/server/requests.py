@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from qspec.spec.grammar import GrammarError, GrammarSpec
+from qspec.spec.grammar import GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
 from qspec.spec.logprobs import MAX_TOP
 
@@ -96,7 +96,9 @@ class Sampling(BaseModel):
     @classmethod
     def _grammar(cls, value: Any, info: Any) -> Any:
         try:
-            _grammar_of(info.field_name, value)
+            spec = _grammar_of(info.field_name, value)
+            if spec is not None:
+                check_grammar(spec)  # all but what needs the tokenizer (CompletionServer.grammar)
         except GrammarError as e:
             raise ValueError(str(e)) from None
         return value

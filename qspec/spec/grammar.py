@@ -94,17 +94,19 @@ class GrammarCompiler:
         self._ll = LLTokenizer(TokenizerWrapper(_TokenTable(tok, vocab_size, self.ends)), n_vocab=vocab_size,
                                eos_token=self.ends)
 
-    def check(self, spec: GrammarSpec) -> str:
-        """The spec's llguidance grammar, or GrammarError naming what is wrong with it."""
-        text = spec.text()
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self._ll)
-        if is_error:
-            raise GrammarError(f"invalid {spec.kind} grammar: {_one_line(messages[0])}")
-        return text
-
     def compile(self, spec: GrammarSpec) -> Grammar:
-        """A request's matcher, at the start of its output."""
-        return Grammar(self._ll, self.check(spec), self.vocab_size, self.ends)
+        """A request's matcher, at the start of its output (GrammarError naming what is wrong with the grammar)."""
+        return Grammar(self._ll, check_grammar(spec, self._ll), self.vocab_size, self.ends)
+
+
+def check_grammar(spec: GrammarSpec, ll: LLTokenizer | None = None) -> str:
+    """The spec's llguidance grammar, or GrammarError naming what is wrong with it (without a tokenizer: what can be
+    checked before the model loads)."""
+    text = spec.text()
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(text, ll)
+    if is_error:
+        raise GrammarError(f"invalid {spec.kind} grammar: {_one_line(messages[0])}")
+    return text
 
 
 class Grammar:
@@ -118,11 +120,6 @@ class Grammar:
     def reset(self) -> None:
         """Back to the start of the output (a generate() call starts there), out of any error state."""
         self._m = LLMatcher(self._ll, self._text, log_level=0)
-
-    @property
-    def done(self) -> bool:
-        """The output is complete: only an end token may follow."""
-        return self._m.is_stopped()
 
     def consume(self, token: int) -> None:
         """An emitted token (GrammarError when the grammar refuses it: a token picked without its mask)."""
