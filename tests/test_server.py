@@ -336,6 +336,7 @@ def test_completion_errors_use_the_openai_shape(served, raw: bytes, param: str |
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None, "give one of them"),
     ({"guided_regex": "a", "ignore_eos": True}, None, "ignore_eos cannot be used with guided_regex"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, None, "disagree"),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs", "true or false"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "text parts"),
 ])
 def test_chat_refuses_what_it_cannot_honour(served, extra: dict, param: str | None, words: str) -> None:  # noqa: ANN001
@@ -384,6 +385,31 @@ def test_structured_output(served) -> None:  # noqa: ANN001
     with client.stream("POST", "/v1/completions", json=payload | {"stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
+
+
+def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
+    """--reasoning-parser qwen3: a reply's think block is the message's reasoning_content, whole and streamed, the
+    rest its content (the blank lines between dropped); enable_thinking opens the block in the prompt."""
+    plain_client, engine, tok = served
+    messages = [{"role": "user", "content": "Why?"}]
+    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+        for opened, regex in ((None, "<think>[a-z]{2,6}</think>\n\n[a-z]{1,5}"),
+                              (True, "[a-z]{2,6}</think>\n\n[a-z]{1,5}")):
+            payload = {"messages": messages, "max_tokens": 30, "guided_regex": regex,
+                       "chat_template_kwargs": {"enable_thinking": opened}}
+            raw = plain_client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]["content"]
+            thought, answer = re.fullmatch("(?:<think>)?([a-z]+)</think>\n\n([a-z]+)", raw).groups()
+            whole = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+            assert whole == {"role": "assistant", "reasoning_content": thought, "content": answer}
+            with client.stream("POST", "/v1/chat/completions", json=payload | {"stream": True}) as r:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
+            assert "".join(d.get("content", "") for d in deltas) == answer
+        r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"tools": 1}})
+        assert r.status_code == 400 and "only enable_thinking" in _error_of(r)["message"]
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        create_app(engine, tok, "tiny", reasoning_parser="deepseek")
 
 
 def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa: ANN001

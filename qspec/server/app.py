@@ -36,6 +36,7 @@ from qspec.runner import ContextError
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
+from qspec.server.reasoning import REASONING_PARSERS, ReasoningSplit
 from qspec.server.requests import (
     ChatMessage,
     ChatRequest,
@@ -113,6 +114,17 @@ class _Run:
     echoed: bool = False  # the echo has been handed out, with the prompt's entries
     mean_logprob: float = -math.inf  # over its tokens, when candidates are ranked (best_of)
     arrived: float | None = None  # the request's arrival (its first choice only: the time to the first token)
+    split: ReasoningSplit | None = None  # a chat reply's reasoning apart from its content (--reasoning-parser)
+
+    def whole_parts(self) -> tuple[str, str]:
+        """The choice's (reasoning, text): the reasoning is "" without a split, and the text starts with the echo."""
+        return ("", self.echo + self.text) if self.split is None else self.split.whole(self.text)
+
+    def piece_parts(self, piece: str | None) -> tuple[str, str]:
+        """A streamed piece's (reasoning, text), or (piece None) what the split held at the choice's end."""
+        if self.split is None:
+            return "", piece or ""
+        return self.split.flush() if piece is None else self.split.push(piece)
 
     def new_logprobs(self) -> list[TokenLogprob] | None:
         """The entries not handed out yet (None when the request asks for none)."""
@@ -139,8 +151,10 @@ class _Run:
 
 
 class CompletionServer:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int,
+                 reasoning_parser: str | None = None) -> None:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, max_waiting
+        self.reasoning_parser = reasoning_parser
         self.lock = asyncio.Lock()
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name)
@@ -168,16 +182,22 @@ class CompletionServer:
             raise BadRequest(f"the server is overloaded: {self.metrics.waiting} requests are waiting (at most "
                              f"{self.max_waiting}); retry later", 503, None, "server_overloaded", "server_error")
 
+    def reasoning_split(self, req: Sampling) -> ReasoningSplit | None:
+        """A chat reply's think block apart from its answer, under --reasoning-parser (None: completions, or none)."""
+        if self.reasoning_parser is None or not isinstance(req, ChatRequest):
+            return None
+        return ReasoningSplit(opened=req.enable_thinking() is True)
+
     def check_model(self, model: str | None) -> None:
         """A 404 for a request naming another model."""
         if model is not None and model != self.model_name:
             raise BadRequest(f"model {model!r} is not served here (this server has {self.model_name!r})", 404,
                              "model", "model_not_found")
 
-    def chat_text(self, messages: list[ChatMessage]) -> str:
+    def chat_text(self, messages: list[ChatMessage], enable_thinking: bool | None = None) -> str:
         """A conversation through the chat template (a 400 naming `messages` when the template refuses it)."""
         try:
-            return self.tok.apply_chat_template([m.model_dump() for m in messages])
+            return self.tok.apply_chat_template([m.model_dump() for m in messages], enable_thinking=enable_thinking)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
 
@@ -329,9 +349,13 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
-               max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING) -> FastAPI:
-    """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503."""
-    srv = CompletionServer(engine, tokenizer, model_name, max_waiting)
+               max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING,
+               reasoning_parser: str | None = None) -> FastAPI:
+    """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
+    `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py)."""
+    if reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
@@ -380,7 +404,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         def prompt() -> tuple[list[int], int]:
-            return srv.prompt_ids(req, srv.chat_text(req.messages))
+            return srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking()))
 
         ids, n = await asyncio.to_thread(prompt)
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
@@ -428,7 +452,8 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     srv.admit()
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
-    runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids))
+    runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids),
+                 split=srv.reasoning_split(req))
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
@@ -457,11 +482,15 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
         finally:
             watcher.cancel()
         best = _best(runs, req.n, req.candidates())
-        choices = [fmt.choice(r.echo + r.text, r.finish, False, True, i, srv.format_logprobs(fmt, r, r.logprobs))
-                   for i, r in enumerate(best)]
+        choices = [_whole_choice(srv, fmt, r, i) for i, r in enumerate(best)]
         srv.count(runs, gens, "cancelled" if len(gens) < len(runs) else runs[0].finish)
         return body(fmt.whole, choices, gens)
     return StreamingResponse(_events(srv, runs, all_choices, body, fmt), media_type="text/event-stream")
+
+
+def _whole_choice(srv: CompletionServer, fmt: type[TextBodies] | type[ChatBodies], run: _Run, index: int) -> dict:
+    reasoning, text = run.whole_parts()
+    return fmt.choice(text, run.finish, False, True, index, srv.format_logprobs(fmt, run, run.logprobs), reasoning)
 
 
 def _best(runs: list[_Run], n: int, candidates: int) -> list[_Run]:
@@ -499,14 +528,17 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
             if piece is None and i == last:
                 tail = entries  # the last choice's end comes with the usage, below
                 continue
-            choice = fmt.choice(piece or "", None if piece is not None else runs[i].finish, True, i not in started, i,
-                                srv.format_logprobs(fmt, runs[i], entries))
+            reasoning, text = runs[i].piece_parts(piece)
+            choice = fmt.choice(text, None if piece is not None else runs[i].finish, True, i not in started, i,
+                                srv.format_logprobs(fmt, runs[i], entries), reasoning)
             started.add(i)
             yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
         gens = await task
         srv.count(runs, gens or [], "cancelled" if gens is None else runs[0].finish)
-        end = fmt.choice("", runs[last].finish, True, last not in started, last,
-                         srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None))
+        reasoning, text = runs[last].piece_parts(None)
+        end = fmt.choice(text, runs[last].finish, True, last not in started, last,
+                         srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None),
+                         reasoning)
         yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
     except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
         log.error("error while streaming a response", exc_info=e)

@@ -28,7 +28,8 @@ class TextBodies:
 
     @staticmethod
     def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, reasoning: str = "") -> dict:
+        """A choice; `reasoning` is chat's alone (completions have no reasoning split: always "")."""
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
@@ -48,11 +49,14 @@ class ChatBodies:
 
     @staticmethod
     def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, reasoning: str = "") -> dict:
+        """A choice; `reasoning`: the reply's think block apart (--reasoning-parser), as `reasoning_content`."""
         if not streamed:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish}
-        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+            thought = {"reasoning_content": reasoning} if reasoning else {}
+            return {"index": index, "message": {"role": "assistant", "content": text} | thought,
+                    "logprobs": logprobs, "finish_reason": finish}
+        delta = (({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
+                 | ({"content": text} if text else {}))
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod

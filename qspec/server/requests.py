@@ -301,6 +301,21 @@ class ChatRequest(Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: {"enable_thinking": bool}, the only one there is
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, kw: dict[str, Any] | None) -> dict[str, Any] | None:
+        bad = next((k for k in kw or {} if k != "enable_thinking"), None)
+        if bad is not None:
+            raise ValueError(f"the chat template takes only enable_thinking, got {bad!r}")
+        if not isinstance((kw or {}).get("enable_thinking", False), bool | None):
+            raise ValueError(f"enable_thinking must be true or false, got {kw['enable_thinking']!r}")  # type: ignore
+        return kw
+
+    def enable_thinking(self) -> bool | None:
+        """True opens the reply's think block in the prompt, False closes an empty one there, None: neither."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking")
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
