@@ -292,7 +292,7 @@ class SamplingOptions:
                                      metavar="SCHEMA", kind=str)
     regex: str | None = option(None, "hold the output to a regular expression (matched whole)", metavar="RE",
                                kind=str)
-    grammar: str | None = option(None, "hold the output to a Lark grammar (llguidance's dialect) in this file",
+    grammar: str | None = option(None, "hold the output to a grammar in this file: Lark (llguidance's) or GBNF",
                                  metavar="FILE", kind=str)
 
     def __post_init__(self) -> None:

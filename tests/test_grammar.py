@@ -24,8 +24,9 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
                                            "tag": {"enum": ["red", "green"]}},
           "required": ["ok", "n", "tag"], "additionalProperties": False}
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
+GBNF = 'root ::= item (", " item){3}\nitem ::= "on" | "off" | [0-9]'  # llama.cpp's grammar format
 GRAMMARS = {"json": GrammarSpec("json", SCHEMA), "regex": GrammarSpec("regex", REGEX),
-            "choice": GrammarSpec("choice", ["alpha", "beta gamma", "del\"ta"])}
+            "choice": GrammarSpec("choice", ["alpha", "beta gamma", "del\"ta"]), "gbnf": GrammarSpec("lark", GBNF)}
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,8 @@ def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer
             assert set(doc) == {"ok", "n", "tag"} and isinstance(doc["ok"], bool) and doc["tag"] in ("red", "green")
         elif kind == "regex":
             assert re.fullmatch(REGEX, text)
+        elif kind == "gbnf":
+            assert re.fullmatch(r"(on|off|[0-9])(, (on|off|[0-9])){3}", text)
         else:
             assert text in GRAMMARS["choice"].value
         return
@@ -116,6 +119,7 @@ def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer
 @pytest.mark.parametrize("spec, words", [
     (("regex", "a(b"), "invalid regex grammar"),
     (("lark", "start: x"), "invalid lark grammar"),
+    (("lark", "root ::= (x"), "invalid GBNF grammar"),
     (("json", {"type": 7}), "invalid json grammar"),
     (("yaml", "a: 1"), "unknown grammar kind 'yaml'"),
     (("json", "{}"), "a json grammar must be a dict, got str"),

@@ -1,5 +1,5 @@
-"""Structured output: a request's tokens held to a JSON schema, a regular expression, a Lark grammar or a list of
-choices, by llguidance (the token-level grammar matcher vLLM and llama.cpp also use).
+"""Structured output: a request's tokens held to a JSON schema, a regular expression, a Lark (or GBNF) grammar or a
+list of choices, by llguidance (the token-level grammar matcher vLLM and llama.cpp also use).
 
 A `GrammarCompiler` (one per tokenizer: building its token table takes about a second at the Qwen vocabulary) turns a
 `GrammarSpec` into a `Grammar`, one request's matcher. The matcher lives on the host and follows the emitted tokens
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
 from qspec.tokenizer import Tokenizer
@@ -40,7 +41,8 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """What a request's output must match. kind "json": `value` is a JSON schema (a dict; {} takes any JSON value,
     {"type": "object"} any object); "regex": a regular expression (Rust's syntax, matched whole); "lark": a Lark
-    grammar (llguidance's dialect); "choice": a list of strings, exactly one of which is the output."""
+    grammar (llguidance's dialect) or one in llama.cpp's GBNF; "choice": a list of strings, exactly one of which is the
+    output."""
     kind: str
     value: Any
 
@@ -63,7 +65,10 @@ class GrammarSpec:
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         if self.kind == "lark":
-            return LLMatcher.grammar_from_lark(self.value)
+            try:  # llama.cpp's GBNF (`root ::= ...`) converted
+                return LLMatcher.grammar_from_lark(any_to_lark(self.value))
+            except GbnfToLarkError as e:
+                raise GrammarError(f"invalid GBNF grammar: {e}") from None
         # each choice a Lark string literal (JSON's escapes are Lark's)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
 
