@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 import warnings
@@ -507,8 +508,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = a.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
          "/tokenize, /detokenize; GET /v1/models, /health, /metrics)")
-    serve(create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser), a.host,
-          a.port, sock=sock)
+    app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
+                     api_key=a.api_key or os.environ.get("QSPEC_API_KEY"))
+    serve(app, a.host, a.port, sock=sock)
     return 0
 
 
@@ -721,6 +723,9 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
     sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
                     help="requests that may wait for the engine before more are refused with a 503")
+    sv.add_argument("--api-key", metavar="KEY",
+                    help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
+                    "$QSPEC_API_KEY, else none)")
     sv.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                     help="chat replies' <think> blocks come back apart, as the message's reasoning_content")
     _on_off(sv, "--no-warmup", "warmup", "skip the short generation at startup that compiles the steps and "

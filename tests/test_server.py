@@ -412,6 +412,18 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
         create_app(engine, tok, "tiny", reasoning_parser="deepseek")
 
 
+def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noqa: ANN001
+    _, engine, tok = served
+    with TestClient(create_app(engine, tok, "tiny", api_key="s3cret")) as client:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = client.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and _error_of(r)["type"] == "authentication_error", r.text
+        assert client.get("/v1/models").status_code == 401
+        assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
 def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa: ANN001
     client = served[0]
     r = client.get("/v1/nothing")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
 import json
 import math
 import socket
@@ -57,6 +58,7 @@ from qspec.tokenizer import Tokenizer
 MAX_BODY_BYTES = 8 << 20
 # requests that may wait for the engine (one runs at a time) before more are refused with a 503 (--max-waiting)
 MAX_WAITING = 64
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 T = TypeVar("T")
 
@@ -327,6 +329,19 @@ class CompletionServer:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _require_key(app: FastAPI, api_key: str) -> None:
+    """A 401 in OpenAI's shape for a request without the key (/health and /metrics stay open to probes)."""
+    want = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Callable) -> Any:  # noqa: ANN401
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path in OPEN_PATHS or hmac.compare_digest(given, want):
+            return await call_next(request)
+        return _error(401, "a valid API key is needed: send the header `Authorization: Bearer <key>`",
+                      code="invalid_api_key", kind="authentication_error")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -350,9 +365,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
                max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, api_key: str | None = None) -> FastAPI:
     """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
-    `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py)."""
+    `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
+    `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>`."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser)
@@ -360,6 +376,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
+    if api_key:
+        _require_key(app, api_key)
 
     @app.get("/health")
     async def health() -> dict:
