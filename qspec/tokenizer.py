@@ -403,6 +403,15 @@ class Tokenizer:
                 out.append("<think>\n")
         return "".join(out)
 
+    def fill_in_middle(self, prefix: list[int], suffix: list[int]) -> list[int]:
+        """Qwen's fill-in-the-middle prompt: `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, the
+        model writing what goes between (ValueError when the tokenizer lacks those tokens)."""
+        marks = [self.token_to_id(f"<|fim_{m}|>") for m in ("prefix", "suffix", "middle")]
+        if None in marks:
+            raise ValueError("this tokenizer has no fill-in-the-middle tokens (<|fim_prefix|>, <|fim_suffix|>, "
+                             "<|fim_middle|>)")
+        return [marks[0], *prefix, marks[1], *suffix, marks[2]]  # type: ignore[list-item]
+
     # --- constructors ---------------------------------------------------------------------------------------------
     @classmethod
     def from_qwen_package(cls, cache_dir: str | os.PathLike[str] | None = None, use_cache: bool = True) -> Tokenizer:

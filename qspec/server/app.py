@@ -209,6 +209,12 @@ class CompletionServer:
         # encode_batch, not encode: only the batch call lets go of the GIL while it works, and a long prompt
         # tokenizes for seconds that the event loop needs
         ids = prompt if isinstance(prompt, list) else self.tok.encode_batch([prompt], add_special=True)[0]
+        suffix = getattr(req, "suffix", None)
+        if suffix:
+            try:
+                ids = self.tok.fill_in_middle(ids, self.tok.encode_batch([suffix])[0])
+            except ValueError as e:
+                raise BadRequest(str(e), param="suffix") from None
         try:
             LogitRules(**req.logit_rules()).check_vocab(self.engine.model.cfg.vocab_size)
         except ValueError as e:

@@ -1,9 +1,10 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options that
-this engine cannot honour (tools, `suffix`) are accepted only at the value that changes nothing, so a client that asks
-for more gets a 400 instead of a silently different answer. Text must be valid Unicode: a lone surrogate (which JSON's
-`\\ud800` escapes can carry) is refused rather than replaced, so the model never sees text the client did not send.
+this engine cannot honour (tools, function calls) are accepted only at the value that changes nothing, so a client
+that asks for more gets a 400 instead of a silently different answer. Text must be valid Unicode: a lone surrogate
+(which JSON's `\\ud800` escapes can carry) is refused rather than replaced, so the model never sees text the client
+did not send.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ MAX_PROMPTS = 64
 
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "suffix": ((None, ""), "inserting text before a suffix is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
@@ -149,7 +149,7 @@ class Sampling(BaseModel):
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
 
-    @field_validator("suffix", "tools", "tool_choice", "functions", "function_call", check_fields=False)
+    @field_validator("tools", "tool_choice", "functions", "function_call", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
         return _unsupported(info.field_name, value)
@@ -192,7 +192,12 @@ class CompletionRequest(Sampling):
     echo: bool = Field(False, strict=True)  # the prompt before the completion, with its log-probabilities
     # candidates generated per prompt, of which the n with the highest mean log-probability per token are returned
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True)
-    suffix: Any = None
+    suffix: str | None = None  # fill in the middle: the completion goes between the prompt and this text
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, suffix: str | None) -> str | None:
+        return None if suffix is None else valid_unicode(suffix)
 
     def logprob_top(self) -> int | None:
         return self.logprobs
@@ -205,6 +210,9 @@ class CompletionRequest(Sampling):
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
+        if self.suffix and self.echo:
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": "echo cannot be used with suffix (the prompt is not the text before the completion)"})
         if self.best_of is not None and self.best_of < self.n:
             raise PydanticCustomError("value_error", "{error}", {
                 "error": f"best_of ({self.best_of}) must be >= n ({self.n})"})
