@@ -90,6 +90,15 @@ def test_greedy_speculation_equals_plain_decoding_under_a_grammar(tiny_model: Mo
         assert 0 < g.spec.accepted < g.spec.drafted
 
 
+def test_the_automatic_depth_under_a_grammar(tiny_model: Model, tok: Tokenizer, compiler: GrammarCompiler) -> None:
+    """--draft auto (plain stretches and rounds, its calibration before the request) emits plain decoding's tokens."""
+    spec, stops, prompt = GRAMMARS["json"], set(tok.stop_ids), tok.encode("Answer: ")
+    plain = Engine(tiny_model, EngineOptions(draft=0, capacity=CAP, exact=True))
+    want = plain.generate(prompt, 40, sampler=Sampler(grammar=compiler.compile(spec)), stop_ids=stops).tokens
+    auto = Engine(tiny_model, EngineOptions(draft=3, draft_auto=True, capacity=CAP, exact=True))
+    assert auto.generate(prompt, 40, sampler=Sampler(grammar=compiler.compile(spec)), stop_ids=stops).tokens == want
+
+
 @pytest.mark.parametrize("kind", sorted(GRAMMARS))
 def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer, compiler: GrammarCompiler,
                                                kind: str) -> None:
