@@ -18,6 +18,7 @@ from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model.model import Model
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens, check_grammar
+from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer"},
@@ -138,6 +139,11 @@ def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer
 def test_a_bad_grammar_is_named(compiler: GrammarCompiler, spec: tuple, words: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(words)):
         compiler.compile(GrammarSpec(*spec))
+
+
+def test_min_tokens_and_a_grammar_are_refused_together(compiler: GrammarCompiler) -> None:
+    with pytest.raises(ValueError, match="min_tokens cannot be used with a grammar"):
+        Sampler(grammar=compiler.compile(GRAMMARS["choice"]), rules=LogitRules(min_tokens=3, stop_ids=frozenset({5})))
 
 
 def test_a_grammar_needs_its_end_tokens_as_stop_ids(tiny_model: Model, tok: Tokenizer,

@@ -336,6 +336,7 @@ def test_completion_errors_use_the_openai_shape(served, raw: bytes, param: str |
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, None, "give one of them"),
     ({"guided_regex": "a", "ignore_eos": True}, None, "ignore_eos cannot be used with guided_regex"),
+    ({"guided_choice": ["a"], "min_tokens": 2}, None, "min_tokens cannot be used with guided_choice"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, None, "disagree"),
     ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs", "true or false"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content", "text parts"),

@@ -108,9 +108,10 @@ class Sampling(BaseModel):
         given = self.grammar_fields()
         if len(given) > 1:
             raise PydanticCustomError("value_error", "{error}", {"error": f"{' and '.join(given)}: give one of them"})
-        if given and self.ignore_eos:
+        if given and (self.ignore_eos or self.min_tokens):
             raise PydanticCustomError("value_error", "{error}", {
-                "error": f"ignore_eos cannot be used with {given[0]}: a structured output ends on a stop token"})
+                "error": f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be used with {given[0]}: a "
+                         "structured output ends on a stop token where its grammar does"})
         return self
 
     def grammar_fields(self) -> list[str]:

@@ -33,6 +33,9 @@ class Sampler:
     _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and self.rules is not None and self.rules.min_tokens:
+            # the rules would refuse the end tokens that a complete grammar allows alone
+            raise ValueError("min_tokens cannot be used with a grammar: the grammar decides where the output ends")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
