@@ -147,10 +147,10 @@ def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
     return _checked(lambda: from_args(SamplingOptions, a))
 
 
-def _sampler(samp: SamplingOptions, tok: Tokenizer, vocab_size: int) -> Sampler:
+def _sampler(samp: SamplingOptions, spec: GrammarSpec | None, tok: Tokenizer, vocab_size: int) -> Sampler:
+    """The request's sampler; `spec`: its grammar as _grammar_spec read it, compiled here for the tokenizer."""
     rules = LogitRules(presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty,
                        repetition_penalty=samp.repetition_penalty)
-    spec = _grammar_spec(samp)
     try:
         grammar = None if spec is None else GrammarCompiler(tok, vocab_size).compile(spec)
     except GrammarError as e:
@@ -160,7 +160,7 @@ def _sampler(samp: SamplingOptions, tok: Tokenizer, vocab_size: int) -> Sampler:
 
 
 def _grammar_flag(samp: SamplingOptions) -> str:
-    return next(flag_name(f) for f in ("json_schema", "regex", "grammar") if getattr(samp, f) is not None)
+    return flag_name(samp.grammar_options()[0])
 
 
 def _grammar_spec(samp: SamplingOptions) -> GrammarSpec | None:
@@ -379,7 +379,7 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 
 def cmd_run(a: argparse.Namespace) -> int:
     samp = _sampling_options(a)
-    _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
+    spec = _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     # --compile-ahead asks for compilation too
     uncompiled_short = a.compile is None and not a.compile_ahead and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
     if a.compile is None:  # neither --compile nor --no-compile: compile where it pays (options.RUN_COMPILE_MIN_TOKENS)
@@ -399,7 +399,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
              "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
     ids = request_ids(tok, model.cfg)
-    sampler = _sampler(samp, tok, model.cfg.vocab_size)
+    sampler = _sampler(samp, spec, tok, model.cfg.vocab_size)
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -435,7 +435,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     turn renders the whole conversation through the chat template, and the engine prefills only what its caches do
     not hold (EngineOptions.prefix_cache): the new turn, and the last reply where it tokenizes differently."""
     samp = _sampling_options(a)
-    _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
+    spec = _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     opts = _engine_options(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
 
@@ -443,7 +443,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
 
     _, tok, engine = _load(a, opts, first_ids)
-    sampler = _sampler(samp, tok, engine.model.cfg.vocab_size)
+    sampler = _sampler(samp, spec, tok, engine.model.cfg.vocab_size)
     tty = sys.stdin.isatty()
     while True:
         if tty:

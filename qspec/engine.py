@@ -569,7 +569,7 @@ class Engine:
             else:
                 extended = early = None
                 drafts, host_q, v_logits, vX = self._round_on_host(req, tok, d_logits, d_X, L, sampler, d)
-                rows = sampler.target(v_logits, upload(drafts, dev) if sampler.adjusts else None, drafts)
+                rows = sampler.target(v_logits, upload(drafts, dev) if sampler.ruled else None, drafts)
                 if forced is not None:
                     k = forced
                     nxt = int(sampler.sample(rows[forced:forced + 1])[0].item())

@@ -297,9 +297,13 @@ class SamplingOptions:
 
     def __post_init__(self) -> None:
         validate(self)
-        given = [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+        given = self.grammar_options()
         if len(given) > 1:
             raise OptionError(given[1], f"and {{{given[0]}}} both constrain the output: give one of them")
+
+    def grammar_options(self) -> list[str]:
+        """The options given that constrain the output (one at most, once checked)."""
+        return [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
 
 
 def declared(cls: type) -> list[Field]:

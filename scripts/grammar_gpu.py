@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from qspec.bench.device_model import bench_config, device_random_model
+from qspec.bench.run import git_commit
 from qspec.engine import Engine, EngineOptions
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import GrammarCompiler, GrammarSpec
@@ -72,7 +72,7 @@ def main() -> None:
 
 def report(a: argparse.Namespace, results: dict[tuple[int, bool], list[float]], accepted: dict[tuple[int, bool], int],
            table_s: float, summary: str) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     lines = [f"# Structured output on {where}, {a.preset} geometry with {a.layers} layers "
              f"({'bf16' if a.device == 'cuda' else 'f32'}), {commit}, "

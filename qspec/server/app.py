@@ -219,7 +219,6 @@ class CompletionServer:
             LogitRules(**req.logit_rules()).check_vocab(self.engine.model.cfg.vocab_size)
         except ValueError as e:
             raise BadRequest(str(e), param="logit_bias") from None
-        self.grammar(req)  # compiles
         max_tokens = req.max_tokens
         if max_tokens == 0 and not req.echoes():
             raise BadRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone, scored)", param="max_tokens")
@@ -421,14 +420,18 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):  # noqa: ANN202
         def prompts() -> list[tuple[str | list[int], list[int], int]]:
-            return [(p, *srv.prompt_ids(req, p)) for p in req.prompts()]
+            out = [(p, *srv.prompt_ids(req, p)) for p in req.prompts()]
+            srv.grammar(req)  # compiles (a 400 when it does not), once for every prompt
+            return out
 
         return await _respond(srv, req, await asyncio.to_thread(prompts), TextBodies, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         def prompt() -> tuple[list[int], int]:
-            return srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking()))
+            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking()))
+            srv.grammar(req)  # compiles (a 400 when it does not)
+            return out
 
         ids, n = await asyncio.to_thread(prompt)
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)

@@ -46,11 +46,6 @@ class Sampler:
         return self.temperature <= 0.0
 
     @property
-    def adjusts(self) -> bool:
-        """Whether `target` changes logits (else it returns them as they are)."""
-        return self.ruled or self.grammar is not None
-
-    @property
     def ruled(self) -> bool:
         """Whether the request has logit rules (else `count` does nothing)."""
         return self.rules is not None and self.rules.active

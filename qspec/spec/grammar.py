@@ -123,8 +123,12 @@ class Grammar:
         self._words = allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32, one bit a token
 
     def reset(self) -> None:
-        """Back to the start of the output (a generate() call starts there), out of any error state."""
-        self._m = LLMatcher(self._ll, self._text, log_level=0)
+        """Back to the start of the output (a generate() call starts there), out of any error state (a matcher never
+        leaves one: it is made again)."""
+        if self._m.is_error():
+            self._m = LLMatcher(self._ll, self._text, log_level=0)
+        else:
+            self._m.reset()
 
     def consume(self, token: int) -> None:
         """An emitted token (GrammarError when the grammar refuses it: a token picked without its mask)."""
