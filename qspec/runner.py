@@ -22,7 +22,7 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
 from qspec.model import fuse, moe, ops
-from qspec.model.model import CacheOptions, Model, ModelCache, SavedPrefix
+from qspec.model.model import CacheOptions, Model, ModelCache, SavedPrefix, Segment
 from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
 from qspec.options import EngineOptions
@@ -252,20 +252,9 @@ class Runner:
 
     def step(self, tokens: torch.Tensor, logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run rows `tokens` after the committed ones. Call `keep` afterwards."""
-        L, T = self.n_tokens, int(tokens.shape[0])
-        if L + T > self.opts.capacity:
-            raise ContextError(f"{L + T} tokens exceed the context capacity {self.opts.capacity}")
-        c = self.cache
-        c.rec.begin_step()
-        c.cells.write(L, T)
-        dev = self.device
-        plans = {}
-        for r, lay in c.layouts.items():
-            plans[r] = plan = lay.plan(L + T, T)
-            self.last_plan_rows[r] = (plan.n_real, plan.rows)
-        upd = _upload_plans(plans, dev)
-        pos = torch.arange(L, L + T, device=dev)
-        kv_len = self.kv_len(L + T)
+        T = int(tokens.shape[0])
+        seg, pos = self.begin_rows(slice(0, T))
+        dev, c, upd, kv_len = self.device, self.cache, seg.upd, seg.kv_len
         if self.use_graphs and T <= GRAPH_MAX_ROWS and logit_rows is None:
             rs = sorted(upd)
             key = ("target", T, kv_len, tuple((r, upd[r].dest.shape[0]) for r in rs))
@@ -278,11 +267,33 @@ class Runner:
             logits, X = self._run(key, fwd, flat)
         else:
             logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows, kv_len)
-        for lay in c.layouts.values():
-            lay.commit()
-        self._pending = (L, T)
-        self._rows = tokens
+        self.end_rows(tokens)
         return logits, X
+
+    def begin_rows(self, rows: slice) -> tuple[Segment, torch.Tensor]:
+        """Book a step's rows after the committed ones (`rows`: where they lie in the step; a batched step holds
+        several sequences'): the cells written, the recurrent half chosen, the pooled-key plans made and uploaded.
+        -> (the rows' Segment, their positions on the device). `end_rows` follows the step."""
+        L, T = self.n_tokens, rows.stop - rows.start
+        if L + T > self.opts.capacity:
+            raise ContextError(f"{L + T} tokens exceed the context capacity {self.opts.capacity}")
+        c = self.cache
+        c.rec.begin_step()
+        c.cells.write(L, T)
+        plans = {}
+        for r, lay in c.layouts.items():
+            plans[r] = plan = lay.plan(L + T, T)
+            self.last_plan_rows[r] = (plan.n_real, plan.rows)
+        pos = torch.arange(L, L + T, device=self.device)
+        return Segment(rows, c, _upload_plans(plans, self.device), self.kv_len(L + T)), pos
+
+    def end_rows(self, tokens: torch.Tensor) -> None:
+        """After the step `begin_rows` booked (`tokens`: its rows' tokens): the pooled-key plans committed. Call
+        `keep` next."""
+        for lay in self.cache.layouts.values():
+            lay.commit()
+        self._pending = (self.n_tokens, int(tokens.shape[0]))
+        self._rows = tokens
 
     def keep(self, n: int, rollback: bool) -> None:
         """Keep the first n rows of the last step; with `rollback`, remove the rest (seq_rm [L+n, end)).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,24 @@ B32_PLANES = True
 # So are the dense Q6_K matrices on CUDA (block_layouts); False: in the file's order (A/B runs). Their one-row int8
 # product's K loop in the file's order moves its terms through shared memory (BENCHMARKS.md §5b), as the head's did.
 Q6K_PLANES = True
+
+
+@dataclass
+class Segment:
+    """One sequence's rows of a step: `rows` of the step's rows, on `cache`, with its pooled-key updates (by ratio)
+    and KV bucket (Model.forward_batch)."""
+    rows: slice
+    cache: ModelCache
+    upd: dict[int, PooledUpdate]
+    kv_len: int | None = None
+
+
+def _per_segment(segments: list[Segment], x: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+    """fn(k, rows of x) over each segment k, the results in row order (one segment: fn(0, x) itself, no copy)."""
+    if len(segments) == 1:
+        return fn(0, x)
+    return torch.cat([fn(k, x[s.rows]) for k, s in enumerate(segments)])
 
 
 def _nbytes(t: object) -> int:
@@ -303,16 +322,24 @@ class Model(torch.nn.Module):
         The recurrent cache must have had `begin_step()`; the caller commits the row to keep.
         Returns (logits [rows, V] of `logit_rows` (all rows by default), wide residual X [T, S*D])."""
         with fuse.step_rows(tokens.shape[0]):
-            return self._forward(tokens, pos, cache, upd, logit_rows, kv_len)
+            seg = Segment(slice(0, tokens.shape[0]), cache, upd or {}, kv_len)
+            return self._forward(tokens, pos, [seg], logit_rows)
 
-    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
-                 upd: dict[int, PooledUpdate] | None, logit_rows: torch.Tensor | None,
-                 kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_batch(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of several sequences in one step: `segments` say which rows are whose (each with its own caches, as
+        `forward` takes them). Row-wise work (mixers, experts, the head) runs once over every row, so each weight is
+        read once for the batch; the sequence mixers (GDN, QSA, the n-gram conv) run per segment on its caches.
+        -> (logits [T, V], X [T, S*D])."""
+        with fuse.step_rows(tokens.shape[0]):
+            return self._forward(tokens, pos, segments, None)
+
+    def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
+                 logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         cos, sin = self.rope(pos)
-        upd_rope = {r: self.rope(u.start) for r, u in upd.items()} if upd else {}
+        upd_rope = [{r: self.rope(u.start) for r, u in s.upd.items()} for s in segments]
         X = embed_rows(self.embed, tokens, self.dtype).repeat(1, c.hc_count)
-        rc, stats, fused = cache.rec, cache.snap_stats, cache.opts.fused_snapshots
         # Each block's output (y, injection weights) waits in `pending` and is added into X by the next mixer's
         # fused function (combine_mix), which saves a kernel per block.
         pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -320,15 +347,9 @@ class Model(torch.nn.Module):
             if i == c.ple_layer and self.ple is not None:
                 if pending is not None:
                     X, pending = hc_combine(X, *pending), None
-                X = self.ple(X, tokens, rc.ple, rc, fused, stats)
+                X = _per_segment(segments, X, lambda k, x: self._ple(segments[k], x, tokens))
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
-            layer = self.layers[i]
-            if isinstance(layer, GatedDeltaNet):
-                y = layer(h, rc.gdn[i], rc, fused, stats)
-            else:
-                r = c.ratio(i)
-                y = layer(h, pos, cos, sin, cache.kv[i], cache.idx.get(i), upd.get(r) if upd else None,
-                          upd_rope.get(r), kv_len=kv_len, sparse=cache.opts.sparse_attention)
+            y = _per_segment(segments, h, lambda k, x, i=i: self._mixer(i, segments[k], upd_rope[k], x, pos, cos, sin))
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
             pending = (self.moe[i](h), inj)
         if logit_rows is None:
@@ -337,6 +358,22 @@ class Model(torch.nn.Module):
             X = X if pending is None else hc_combine(X, *pending)
             out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
+
+    def _ple(self, seg: Segment, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The n-gram embedding added into one segment's rows X, on its recurrent cache."""
+        rc = seg.cache.rec
+        return self.ple(X, tokens[seg.rows], rc.ple, rc, seg.cache.opts.fused_snapshots, seg.cache.snap_stats)
+
+    def _mixer(self, i: int, seg: Segment, upd_rope: dict[int, tuple[torch.Tensor, torch.Tensor]], h: torch.Tensor,
+               pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Layer i's sequence mixer (GDN or QSA) over one segment's rows h, on its caches (pos, cos, sin: the step's
+        rows, all segments')."""
+        cache, layer = seg.cache, self.layers[i]
+        if isinstance(layer, GatedDeltaNet):
+            return layer(h, cache.rec.gdn[i], cache.rec, cache.opts.fused_snapshots, cache.snap_stats)
+        r, rows = self.cfg.ratio(i), seg.rows
+        return layer(h, pos[rows], cos[rows], sin[rows], cache.kv[i], cache.idx.get(i), seg.upd.get(r),
+                     upd_rope.get(r), kv_len=seg.kv_len, sparse=cache.opts.sparse_attention)
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
                     lm_head: Weight | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
