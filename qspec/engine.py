@@ -140,6 +140,35 @@ def context_error(prompt_tokens: int, max_tokens: int, draft: int, capacity: int
             f"more than {names['capacity']} {capacity}")
 
 
+def prefill_chunks(run: Runner, ids: torch.Tensor, step: int, start: int, scores: Logprobs | None, draft: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt `ids` from position `start` through `run` in steps of `step` rows, each committed -> (the last step's
+    logits: its last row's, or every row's when `scores` (from position 0) takes each prompt token's
+    log-probability; the last row's residual H). `draft`: the draft head's cache is filled as well."""
+    dev, P = run.device, len(ids)
+    logits, H = None, None
+    if scores is not None:
+        scores.entries.append(TokenLogprob(int(ids[0]), None, ()))  # the first token: nothing predicts it
+    for s in range(start, P, step):
+        chunk = ids[s:s + step]
+        last = s + step >= P
+        rows = (torch.arange(len(chunk), device=dev) if scores is not None
+                else torch.tensor([len(chunk) - 1], device=dev) if last
+                else torch.zeros(0, dtype=torch.long, device=dev))
+        logits, X = run.step(chunk, logit_rows=rows)
+        run.keep(len(chunk), rollback=False)
+        nxt = ids[s + 1:s + 1 + len(chunk)]  # the tokens the rows predict (the last prompt row's: none)
+        if scores is not None:
+            scores.score(logits[:len(nxt)], nxt.tolist())
+        if draft:
+            # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
+            # kept, so one row goes on through the head's MoE and LM head (its output is not used either)
+            if len(nxt):
+                run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
+            H = X[-1:]
+    return logits, H
+
+
 class Engine:
     """Generation with one model and one set of options. The options are read, never changed: what the engine derives
     from them (the draft head, the kernel switches for its device) lives on the engine and its runner."""
@@ -320,34 +349,10 @@ class Engine:
         `scores` (from position 0) gets each prompt token's log-probability."""
         step = self.prefill_chunk if scores is None else min(self.prefill_chunk, SCORED_PREFILL_ROWS)
         with self.runner.prefill_scope():
-            logits, H = self._prefill_chunks(torch.tensor(prompt, dtype=torch.long), step, start, scores)
+            logits, H = prefill_chunks(self.runner, torch.tensor(prompt, dtype=torch.long), step, start, scores,
+                                       draft=bool(self.opts.draft))
         self.prefix.prompt_done(len(prompt), logits[-1:], H)
         return logits[-1:], H
-
-    def _prefill_chunks(self, ids: torch.Tensor, step: int, start: int, scores: Logprobs | None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        o, run, dev, P = self.opts, self.runner, self.model.device, len(ids)
-        logits, H = None, None
-        if scores is not None:
-            scores.entries.append(TokenLogprob(int(ids[0]), None, ()))  # the first token: nothing predicts it
-        for s in range(start, P, step):
-            chunk = ids[s:s + step]
-            last = s + step >= P
-            rows = (torch.arange(len(chunk), device=dev) if scores is not None
-                    else torch.tensor([len(chunk) - 1], device=dev) if last
-                    else torch.zeros(0, dtype=torch.long, device=dev))
-            logits, X = run.step(chunk, logit_rows=rows)
-            run.keep(len(chunk), rollback=False)
-            nxt = ids[s + 1:s + 1 + len(chunk)]  # the tokens the rows predict (the last prompt row's: none)
-            if scores is not None:
-                scores.score(logits[:len(nxt)], nxt.tolist())
-            if o.draft:
-                # the draft head's cache for prompt positions 1..: rows (t_{j+1}, H_j). Only their K/V cells are
-                # kept, so one row goes on through the head's MoE and LM head (its output is not used either)
-                if len(nxt):
-                    run.mtp_step(nxt, X[:len(nxt)], s + 1, row=len(nxt) - 1)
-                H = X[-1:]
-        return logits, H
 
     def _decode(self, req: _Request, tok: int, sampler: Sampler) -> None:
         """Plain decoding, pipelined: the step that consumes token j is queued (its input is the argmax, or the

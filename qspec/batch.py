@@ -1,0 +1,254 @@
+"""Several requests decoded together: continuous batching of plain decoding over one engine's model.
+
+A Batcher holds `slots` sequences (a Runner each: its own caches, the model shared) and one thread that runs them.
+Requests come from any thread: `generate` blocks its caller until the request ends, as Engine.generate does. The
+thread admits a waiting request into a free slot by prefilling its prompt (the others wait that long), then runs
+one step over every admitted sequence, a row each (Model.forward_batch): each weight is read once for all of them,
+where a lone sequence reads it for one token.
+
+Each request picks, streams and stops as the engine's plain decoding does (its Sampler, stop ids, grammar and
+log-probabilities, qspec/engine.py), so a greedy request's output is the engine's plain output: token for token
+in exact mode (EngineOptions.exact), and up to near ties otherwise, as a verify step's rows are. Drafting is off in
+a batch: the engine's speculative rounds are for one sequence (`Engine.generate`).
+
+A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
+slot and prefills only its new tokens.
+
+Invariant: a slot's runner holds its request's prompt and emitted tokens but the last, committed (the last is fed
+to the next step); a slot is given to one request at a time, and only the batch thread touches runners.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, _Request, prefill_chunks
+from qspec.memory import check_cache_fits
+from qspec.model.model import Segment
+from qspec.model.qsa import PooledUpdate
+from qspec.runner import Runner
+from qspec.spec.accept import Sampler
+from qspec.spec.logprobs import Logprobs
+
+
+@dataclass
+class _Job:
+    """A request in the batch: its bookkeeping (the engine's _Request), where it is, and how it ended."""
+    prompt: list[int]
+    sampler: Sampler
+    req: _Request
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Generation | None = None
+    error: BaseException | None = None
+    slot: int = -1
+    cached: int = 0  # prompt tokens the slot held already
+    tok: int = -1  # the last emitted token: the next step's row
+    t0: float = 0.0
+    prefill_s: float = 0.0
+    t1: float = 0.0  # when decoding began
+
+
+class Batcher:
+    """Continuous batching of plain decoding over `engine`'s model (module docstring). `close` stops its thread."""
+
+    def __init__(self, engine: Engine, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a batch needs at least 1 slot, got {slots}")
+        self.engine, self.model = engine, engine.model
+        opts = replace(engine.opts.cache_options(), n_slots=1)  # plain decoding: one row a step, no rollback
+        self.runners: list[Runner] = []
+        lead = engine.runner
+        for _ in range(slots):
+            check_cache_fits(self.model, opts)  # before each: the free memory left after the slots made already
+            self.runners.append(Runner(self.model, opts, cuda_graphs=lead.use_graphs, switches=lead.switches))
+        # the batched steps' CUDA graphs live in the first slot's store (its own steps, prefill's, have none)
+        self.steps = BatchSteps(self.runners, self.runners[0] if lead.use_graphs else None)
+        self._waiting: deque[_Job] = deque()
+        self._active: dict[int, _Job] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def slots(self) -> int:
+        return len(self.runners)
+
+    def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
+                 stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,
+                 logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> Generation:
+        """Engine.generate's contract, decoded plainly in the batch (blocks until the request ends; an exception
+        raised by `on_token` ends the request and is raised here)."""
+        e = self.engine
+        e.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
+        sampler = sampler or Sampler()
+        if sampler.grammar is not None and not set(sampler.grammar.ends) <= set(stop_ids or ()):
+            raise ValueError(f"a grammar's output ends on token ids {sampler.grammar.ends}: they must be stop ids")
+        sampler.begin(prompt, self.model.cfg.vocab_size, self.model.device)
+        job = _Job(list(prompt), sampler, _Request(max_tokens, stop_ids or set(), on_token, None, logprobs,
+                                                   prompt_logprobs, sampler.grammar))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the batcher is closed")
+            self._waiting.append(job)
+            self._cv.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def close(self) -> None:
+        """Stop the thread once the requests under way have ended; later `generate` calls raise."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    # ---- the batch thread ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._active or self._closed):
+                    self._cv.wait()
+                if self._closed and not (self._waiting or self._active):
+                    return
+                admit = []
+                while self._waiting and len(self._active) + len(admit) < self.slots:
+                    admit.append(self._waiting.popleft())
+            with torch.inference_mode(), self.engine.runner.switches.apply():
+                for job in admit:
+                    self._guarded(job, self._admit)
+                if self._active:
+                    self._step()
+
+    def _guarded(self, job: _Job, fn: Callable[[_Job], None]) -> None:
+        """fn(job); an exception (a client gone, a bad grammar state, out of memory) ends that request alone."""
+        try:
+            fn(job)
+        except BaseException as e:  # noqa: BLE001 - handed to the request's own thread
+            self._finish(job, error=e)
+
+    def _free_slot(self, prompt: list[int], reuse: bool) -> tuple[int, int]:
+        """A free slot for `prompt` -> (slot, prompt tokens it holds): one whose sequence the prompt goes on from,
+        the longest, else the emptiest."""
+        taken = {j.slot for j in self._active.values()}
+        free = [s for s in range(self.slots) if s not in taken]
+        best, kept = min(free, key=lambda s: self.runners[s].n_tokens), 0
+        for s in free:
+            r = self.runners[s]
+            n = r.n_tokens
+            if reuse and kept < n < len(prompt) and r.history == prompt[:n]:
+                best, kept = s, n
+        return best, kept
+
+    def _admit(self, job: _Job) -> None:
+        """Prefill the job's prompt in a free slot and emit its first token; it joins the batch unless that ends it."""
+        req = job.req
+        job.t0 = time.perf_counter()
+        job.slot, job.cached = self._free_slot(job.prompt, reuse=req.prompt_logprobs is None)
+        self._active[job.slot] = job
+        run = self.runners[job.slot]
+        run.begin_request(job.cached)
+        step = self.engine.prefill_chunk
+        if req.prompt_logprobs is not None:
+            step = min(step, SCORED_PREFILL_ROWS)
+        with run.prefill_scope():
+            logits, _ = prefill_chunks(run, torch.tensor(job.prompt, dtype=torch.long), step, job.cached,
+                                       req.prompt_logprobs, draft=False)
+        if not req.max_tokens:  # the prompt scored alone
+            self._finish(job)
+            return
+        self._emit(job, logits[-1:])
+        job.prefill_s = time.perf_counter() - job.t0
+        job.t1 = time.perf_counter()
+
+    def _emit(self, job: _Job, logits: torch.Tensor) -> None:
+        """Pick the job's next token from its logits row [1, V] and emit it; the job ends when that ends it."""
+        sampler, req = job.sampler, job.req
+        nxt = sampler.sample(sampler.target(logits))
+        sampler.count(nxt)
+        if req.logprobs is not None:
+            req.logprobs.queue(logits, nxt, wait=True)
+        job.tok = int(nxt[0])
+        if req.emit(job.tok):
+            self._finish(job)
+
+    def _step(self) -> None:
+        """One row for every active job, in one step; each picks and emits its next token."""
+        jobs = sorted(self._active.values(), key=lambda j: j.slot)
+        tokens = torch.tensor([j.tok for j in jobs], dtype=torch.long)
+        try:
+            logits = self.steps.run([j.slot for j in jobs], tokens)
+        except BaseException as e:  # noqa: BLE001 - every request in the step ends with it; the thread goes on
+            for job in jobs:
+                self._finish(job, error=e)
+            return
+        for k, job in enumerate(jobs):
+            self.runners[job.slot].keep(1, rollback=False)
+            self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1]))
+
+    def _finish(self, job: _Job, error: BaseException | None = None) -> None:
+        """End the job: its slot is free again (its sequence kept for a prompt that goes on from it, unless the
+        request failed), its caller woken with the result or the error."""
+        self._active.pop(job.slot, None)
+        if error is not None:
+            job.error = error
+            if job.slot >= 0:
+                self.runners[job.slot].reset()  # whatever step was under way: nothing of it is reused
+        else:
+            req, now = job.req, time.perf_counter()
+            decode_s = now - job.t1 if job.t1 else 0.0
+            prefill_s = job.prefill_s or now - job.t0
+            reason = "stop token" if req.out and req.out[-1] in req.stop_ids else "max tokens"
+            job.result = Generation(req.out, len(job.prompt), prefill_s, decode_s, req.stats, reason,
+                                    cached_tokens=job.cached)
+        job.done.set()
+
+
+class BatchSteps:
+    """A step of one row for each of some runners' sequences (Model.forward_batch), through a CUDA graph per set of
+    slots, KV buckets and pooled-key update shapes when `graphs` (a runner whose graph store they use) is given."""
+
+    def __init__(self, runners: list[Runner], graphs: Runner | None) -> None:
+        self.runners, self.graphs = runners, graphs
+
+    def run(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""
+        model, dev = self.runners[0].model, self.runners[0].device
+        booked = [self.runners[s].begin_rows(slice(k, k + 1)) for k, s in enumerate(slots)]
+        segs = [seg for seg, _ in booked]
+        pos = torch.cat([p for _, p in booked])
+        if self.graphs is None:
+            logits, _ = model.forward_batch(tokens.to(dev), pos, segs)
+        else:
+            logits = self._graphed(slots, segs, tokens.to(dev), pos)
+        for k, s in enumerate(slots):
+            self.runners[s].end_rows(tokens[k:k + 1])
+        return logits
+
+    def _graphed(self, slots: list[int], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor
+                 ) -> torch.Tensor:
+        ratios = [sorted(s.upd) for s in segs]
+        key = ("batch", tuple(slots), tuple(s.kv_len for s in segs),
+               tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
+        flat = [tokens, pos] + [t for s, rs in zip(segs, ratios, strict=True) for r in rs
+                                for t in (s.upd[r].cells, s.upd[r].start, s.upd[r].dest)]
+        model = self.runners[0].model
+
+        def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            at, parts = 0, []
+            for s, rs in zip(segs, ratios, strict=True):
+                ups = {r: PooledUpdate(*u[at + 3 * i:at + 3 * i + 3]) for i, r in enumerate(rs)}
+                at += 3 * len(rs)
+                parts.append(Segment(s.rows, s.cache, ups, s.kv_len))
+            return model.forward_batch(tok, p, parts)
+
+        assert self.graphs is not None
+        return self.graphs._run(key, fwd, flat)[0]

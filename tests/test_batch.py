@@ -1,0 +1,177 @@
+"""Continuous batching (qspec/batch.py): requests decoded together give each the engine's own plain output."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from conftest import build_model, tiny_config
+
+from qspec.batch import Batcher
+from qspec.engine import Engine, EngineOptions, Generation
+from qspec.model.model import Model, Segment
+from qspec.spec.accept import Sampler
+from qspec.spec.logprobs import Logprobs
+
+CAP = 128
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(511) for _ in range(n)]
+
+
+def engine(model: Model, **kw: object) -> Engine:
+    kw = {"draft": 0, "capacity": CAP, "exact": True, **kw}
+    return Engine(model, EngineOptions(**kw))  # type: ignore[arg-type]
+
+
+def together(b: Batcher, calls: list[dict]) -> list[Generation | BaseException]:
+    """b.generate(**call) for every call, each from its own thread, all started at once."""
+    out: list[Generation | BaseException] = [RuntimeError("not run")] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            out[i] = b.generate(**calls[i])
+        except BaseException as e:  # noqa: BLE001 - compared by the test
+            out[i] = e
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_ple_model() -> Model:
+    """The tiny geometry without the n-gram embedding (the tiny preset has one: its history and conv state are per
+    sequence too), other weights."""
+    return build_model(tiny_config(ple_layer=-1), seed=3)
+
+
+@pytest.mark.parametrize("ple", [True, False])
+def test_forward_batch_rows_equal_each_sequence_alone(tiny_model: Model, no_ple_model: Model, ple: bool) -> None:
+    """One step over three sequences (one, two and one rows) gives each, bit for bit in exact mode, the logits and
+    caches of its own step."""
+    model = tiny_model if ple else no_ple_model
+    e = engine(model)
+    with e.runner.switches.apply():
+        check_forward_batch(model, e)
+
+
+def check_forward_batch(tiny_model: Model, e: Engine) -> None:
+    alone, runs = [], []
+    prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
+    new = [[7], [8, 9], [10]]
+    for p, t in zip(prompts, new, strict=True):
+        r = e.runner.__class__(tiny_model, e.opts.cache_options())
+        r.step(torch.tensor(p)), r.keep(len(p), rollback=False)
+        ref = e.runner.__class__(tiny_model, e.opts.cache_options())
+        ref.step(torch.tensor(p)), ref.keep(len(p), rollback=False)
+        logits, _ = ref.step(torch.tensor(t))
+        ref.keep(len(t), rollback=False)
+        alone.append((logits, ref.committed_state()))
+        runs.append(r)
+    tokens = torch.tensor([x for t in new for x in t])
+    at, segs, pos = 0, [], []
+    for r, t in zip(runs, new, strict=True):
+        seg, p = r.begin_rows(slice(at, at + len(t)))
+        segs.append(seg), pos.append(p)
+        at += len(t)
+    logits, _ = tiny_model.forward_batch(tokens, torch.cat(pos), segs)
+    at = 0
+    for r, t, seg, (want, state) in zip(runs, new, segs, alone, strict=True):
+        r.end_rows(tokens[seg.rows])
+        r.keep(len(t), rollback=False)
+        torch.testing.assert_close(logits[seg.rows], want, atol=0, rtol=0)
+        got = r.committed_state()
+        for k, v in state.items():
+            torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
+    assert isinstance(segs[0], Segment)
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int) -> None:
+    """More requests than slots, of different lengths and stop rules: each gets the engine's plain output."""
+    e = engine(tiny_model)
+    calls = [dict(prompt=prompt_of(6 + 5 * i, i), max_tokens=4 + 3 * i) for i in range(6)]
+    want = [e.generate(**c).tokens for c in calls]
+    stop = want[2][1]  # a stop id the third request meets at its second token
+    calls[2]["stop_ids"], want[2] = {stop}, want[2][:want[2].index(stop) + 1]
+    b = Batcher(engine(tiny_model), slots)
+    try:
+        got = together(b, calls)
+    finally:
+        b.close()
+    for g, w in zip(got, want, strict=True):
+        assert isinstance(g, Generation), g
+        assert g.tokens == w
+    assert got[2].stop_reason == "stop token" and got[0].stop_reason == "max tokens"
+
+
+def test_batched_sampling_and_logprobs_equal_the_engines(no_ple_model: Model) -> None:
+    """Seeded sampling, log-probabilities and a scored prompt in a batch: what the engine gives each request alone."""
+    def call(i: int) -> dict:
+        return dict(prompt=prompt_of(8 + i, 10 + i), max_tokens=6,
+                    sampler=Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(i)),
+                    logprobs=Logprobs(2), prompt_logprobs=Logprobs(1) if i == 1 else None)
+    e = engine(no_ple_model)
+    want = [(e.generate(**c), c) for c in (call(i) for i in range(3))]
+    calls = [call(i) for i in range(3)]
+    b = Batcher(engine(no_ple_model), 3)
+    try:
+        got = together(b, calls)
+    finally:
+        b.close()
+    for g, c, (w, wc) in zip(got, calls, want, strict=True):
+        assert isinstance(g, Generation), g
+        assert g.tokens == w.tokens
+        assert [x.logprob for x in c["logprobs"].entries] == pytest.approx(
+            [x.logprob for x in wc["logprobs"].entries], abs=1e-5)
+        if wc["prompt_logprobs"] is not None:
+            assert len(c["prompt_logprobs"].entries) == len(c["prompt"])
+
+
+def test_a_failing_request_ends_alone_and_a_next_turn_reuses_its_slot(tiny_model: Model) -> None:
+    """An exception from one request's callback ends that request only; a prompt that goes on from a finished one
+    prefills only its new tokens and decodes as the engine does from scratch."""
+    class Gone(Exception):
+        pass
+
+    def leave(_t: int) -> None:
+        raise Gone
+
+    e = engine(tiny_model)
+    first = dict(prompt=prompt_of(10, 5), max_tokens=5)
+    b = Batcher(engine(tiny_model), 2)
+    try:
+        got = together(b, [first, dict(prompt=prompt_of(7, 6), max_tokens=5, on_token=leave)])
+        assert isinstance(got[1], Gone)
+        g = got[0]
+        assert isinstance(g, Generation) and g.tokens == e.generate(**first).tokens
+        turn = first["prompt"] + g.tokens + prompt_of(4, 7)
+        again = b.generate(turn, 5)
+        assert again.cached_tokens == len(first["prompt"]) + len(g.tokens) - 1
+        assert again.tokens == e.generate(turn, 5).tokens
+    finally:
+        b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.generate(prompt_of(4, 1), 2)
+
+
+def test_bad_requests_are_refused_before_they_queue(tiny_model: Model) -> None:
+    b = Batcher(engine(tiny_model), 1)
+    try:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            b.generate([5, 600], 3)
+        with pytest.raises(ValueError, match="context capacity"):
+            b.generate(prompt_of(100, 1), 64)
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        Batcher(engine(tiny_model), 0)
