@@ -104,6 +104,25 @@ class Batcher:
         assert job.result is not None
         return job.result
 
+    def generate_all(self, prompts: list[list[int]], max_tokens: int, **kw: object) -> list[Generation]:
+        """`generate` for every prompt at once (a thread each; `kw` as generate takes it, for all), in order."""
+        out: list[Generation | BaseException | None] = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            try:
+                out[i] = self.generate(prompts[i], max_tokens, **kw)  # type: ignore[arg-type]
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                out[i] = e
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for g in out:
+            if isinstance(g, BaseException):
+                raise g
+        return out  # type: ignore[return-value]
+
     def close(self) -> None:
         """Stop the thread once the requests under way have ended; later `generate` calls raise."""
         with self._cv:
@@ -218,6 +237,7 @@ class BatchSteps:
 
     def __init__(self, runners: list[Runner], graphs: Runner | None) -> None:
         self.runners, self.graphs = runners, graphs
+        self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
 
     def run(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""
@@ -231,6 +251,7 @@ class BatchSteps:
             logits = self._graphed(slots, segs, tokens.to(dev), pos)
         for k, s in enumerate(slots):
             self.runners[s].end_rows(tokens[k:k + 1])
+        self.steps, self.rows = self.steps + 1, self.rows + len(slots)
         return logits
 
     def _graphed(self, slots: list[int], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor

@@ -27,6 +27,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 from gguf import GGMLQuantizationType
 
+from qspec.batch import Batcher
 from qspec.cache import keep_compiled_graphs
 from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock, CompileTimes
@@ -490,6 +491,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 1..65535, got {a.port}")
     if a.max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {a.max_waiting}")
+    if a.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {a.max_batch}")
     try:
         from qspec.server.app import create_app, listen_socket, serve
     except ImportError as e:
@@ -498,18 +501,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
     sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
     ids = _warmup_ids(tok, engine.model.cfg)
+    batcher = Batcher(engine, a.max_batch) if a.max_batch > 1 else None
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
     if a.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
         t0 = time.perf_counter()
         with CompileClock() as clock:
             engine.generate(ids, n)
+            if batcher is not None:  # and every batch size's steps
+                for b in range(1, a.max_batch + 1):
+                    batcher.generate_all([ids] * b, n)
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = a.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
          "/tokenize, /detokenize; GET /v1/models, /health, /metrics)")
     app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
-                     api_key=a.api_key or os.environ.get("QSPEC_API_KEY"))
+                     api_key=a.api_key or os.environ.get("QSPEC_API_KEY"), batcher=batcher)
     serve(app, a.host, a.port, sock=sock)
     return 0
 
@@ -723,6 +730,9 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
     sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
                     help="requests that may wait for the engine before more are refused with a 503")
+    sv.add_argument("--max-batch", type=int, default=1, metavar="N",
+                    help="decode up to N requests together (plain decoding: each weight is read once a step for all "
+                    "of them) instead of one at a time with speculative rounds (default 1)")
     sv.add_argument("--api-key", metavar="KEY",
                     help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
                     "$QSPEC_API_KEY, else none)")

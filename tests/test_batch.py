@@ -111,6 +111,7 @@ def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int) -> 
     for g, w in zip(got, want, strict=True):
         assert isinstance(g, Generation), g
         assert g.tokens == w
+    assert (b.steps.rows > b.steps.steps) == (slots > 1)  # several requests a step when there are slots for them
     assert got[2].stop_reason == "stop token" and got[0].stop_reason == "max tokens"
 
 

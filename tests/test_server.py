@@ -7,6 +7,7 @@ import http.client
 import json
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from qspec.batch import Batcher  # noqa: E402
 from qspec.cli import main  # noqa: E402
 from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
@@ -234,12 +236,16 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     with socket.socket() as probe:  # a port that is free now
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64", "--draft", "1"]) == 0
-    assert seen["port"] == port and seen["host"] == "127.0.0.1"
-    with TestClient(seen["app"]) as client:
-        assert client.get("/v1/models").json()["data"][0]["id"] == "m"
-        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    for batch in ("1", "2"):
+        assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64", "--draft", "1",
+                     "--max-batch", batch]) == 0
+        assert seen["port"] == port and seen["host"] == "127.0.0.1"
+        assert (seen["app"].state.server.batcher is None) == (batch == "1")
+        with TestClient(seen["app"]) as client:
+            assert client.get("/v1/models").json()["data"][0]["id"] == "m"
+            r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--max-batch", "0"]) == 2
 
 
 def test_serve_cli_on_a_busy_port_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -447,6 +453,38 @@ def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noq
         assert client.get("/v1/models").status_code == 401
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: ANN001
+    """--max-batch 3, five requests at once (one streamed, one with a stop string): each gets what the engine gives it
+    alone, the ones past the three slots wait for a place."""
+    _, engine, tok = served
+    prompts = [PROMPT, "def f(x):", "import os", "struct A {", "let x = "]
+    bodies = [{"prompt": p, "max_tokens": 5 + i} for i, p in enumerate(prompts)]
+    want = [_reference(engine, tok, p, 5 + i) for i, p in enumerate(prompts)]
+    bodies[3]["stop"] = [want[3][2:4]]
+    want[3] = want[3][:want[3].index(want[3][2:4])]
+    bodies[4]["stream"] = True
+    got: list[str] = [""] * len(prompts)
+    app = create_app(engine, tok, "tiny", batcher=Batcher(engine, 3))
+    with TestClient(app) as client:
+        def one(i: int) -> None:
+            if i == 4:
+                got[i] = "".join(e["choices"][0]["text"] for e in _stream(client, bodies[i])[1] if e["choices"])
+            else:
+                r = client.post("/v1/completions", json=bodies[i])
+                got[i] = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == want
+        steps = app.state.server.batcher.steps
+        assert steps.rows > steps.steps  # some steps decoded several requests
+        assert re.search(r'qspec:num_requests_running\{[^}]*\} 0', client.get("/metrics").text)
+    with pytest.raises(ValueError, match="served engine"):
+        create_app(engine, tok, "tiny", batcher=Batcher(Engine(engine.model, engine.opts), 2))
 
 
 def test_unknown_paths_and_methods_use_the_openai_shape(served) -> None:  # noqa: ANN001

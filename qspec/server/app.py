@@ -1,13 +1,14 @@
 """An OpenAI-style HTTP server over one Engine: `/v1/completions` and `/v1/chat/completions` (whole or streamed as
 server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/models`, `/health`.
 
-The engine decodes one sequence at a time, so requests wait their turn on a lock; tokenizing and each generation
-run in worker threads, and the event loop stays free to stream tokens and answer health checks. A request whose
-client goes away (streamed or not, queued or running) ends at the next token; one that meets a stop string ends
-at the end of that round. The engine keeps its caches for the next request (a chat's next turn, which repeats the
-conversation, then prefills only its new tokens; Engine.cached_prefix): one stopped mid-round leaves only its
-checkpoints (prompt ends), valid whatever step was under way. Every error answers with OpenAI's error body
-(qspec/server/errors.py).
+The engine decodes one sequence at a time, so requests wait their turn on a lock; with a batcher its slots' requests
+decode together instead (qspec/batch.py: plain decoding, each weight read once a step for all), and the rest wait
+for a place. Tokenizing and each generation run in worker threads, and the event loop stays free to stream tokens
+and answer health checks. A request whose client goes away (streamed or not, queued or running) ends at the next
+token; one that meets a stop string ends at the end of that round. The engine keeps its caches for the next request
+(a chat's next turn, which repeats the conversation, then prefills only its new tokens; Engine.cached_prefix): one
+stopped mid-round leaves only its checkpoints (prompt ends), valid whatever step was under way. Every error answers
+with OpenAI's error body (qspec/server/errors.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from qspec.batch import Batcher
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
@@ -154,10 +156,12 @@ class _Run:
 
 class CompletionServer:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, batcher: Batcher | None = None) -> None:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, max_waiting
         self.reasoning_parser = reasoning_parser
-        self.lock = asyncio.Lock()
+        # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
+        self.batcher = batcher
+        self.lock = asyncio.Semaphore(1 if batcher is None else batcher.slots)
         self.created = int(time.time())
         self.metrics = ServerMetrics(model_name)
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (~1 s)
@@ -289,8 +293,9 @@ class CompletionServer:
                 run.ended.set()
 
         try:
-            g = self.engine.generate(ids, max_tokens, sampler=sampler, logprobs=lp, prompt_logprobs=scored,
-                                     stop_ids=_StopIds(stops, run.ended), on_token=on_token)
+            decode = self.engine.generate if self.batcher is None else self.batcher.generate
+            g = decode(ids, max_tokens, sampler=sampler, logprobs=lp, prompt_logprobs=scored,
+                       stop_ids=_StopIds(stops, run.ended), on_token=on_token)
         except _Stopped:
             return None
         echo()  # no token was emitted (max_tokens 0)
@@ -370,13 +375,18 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
                max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING,
-               reasoning_parser: str | None = None, api_key: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, api_key: str | None = None, batcher: Batcher | None = None
+               ) -> FastAPI:
     """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
+    `batcher` (over `engine`): up to its slots' requests decode together, plainly (qspec/batch.py), instead of one at
+    a time with the engine's speculative rounds;
     `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
     `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>`."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser)
+    if batcher is not None and batcher.engine is not engine:
+        raise ValueError("the batcher must decode with the served engine")
+    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser, batcher)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
@@ -447,8 +457,9 @@ async def _watch_disconnect(request: Request, run: _Run) -> None:
 
 
 async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T | None:
-    """Run `fn` in a worker thread holding the engine's lock; None when the client left while it queued. If this
-    coroutine is cancelled, the worker is told to stop and awaited: the lock must not free a busy engine."""
+    """Run `fn` in a worker thread holding a place on the engine (its lock, or one of the batch's slots); None when
+    the client left while it queued. If this coroutine is cancelled, the worker is told to stop and awaited: the
+    place must not be freed while it works."""
     m = srv.metrics
     m.queue(waiting=1)
     try:
