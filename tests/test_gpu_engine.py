@@ -344,6 +344,26 @@ def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
+def test_batched_requests_through_graphs(setup: Setup) -> None:
+    """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs: each gets its plain
+    decoding alone, up to a near tie (bf16; the batch's products have more rows)."""
+    from qspec.batch import Batcher
+
+    prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
+    refs = [setup.plain] + [engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv, record_logits=True)
+                            .generate(p, 48) for p in prompts[1:]]
+    b = Batcher(engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv), 3)
+    try:
+        gens = b.generate_all(prompts, 48)
+    finally:
+        b.close()
+    for g, ref in zip(gens, refs, strict=True):
+        ok, why = same_or_tie(g.tokens, ref, 0, setup.tie)
+        assert ok, why
+    assert b.steps.rows > b.steps.steps and b.runners[0].graph_stats.replays > 0
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_prompt_is_scored_as_it_prefills(setup: Setup, n: int) -> None:
     """Prompt log-probabilities over several prefill steps: each prompt token's from the row before it (against one

@@ -1,0 +1,114 @@
+"""Continuous batching's throughput (qspec/batch.py): B requests decoded together against the engine's own plain
+decoding of one, in one process, the arms alternated.
+
+A random-weight model made on the device (qspec/bench/device_model.py; `--quant q4_k_m` for GGUF blocks), prompts of
+random ids (a different one per request), greedy, q8_0 KV cache. An arm of batch B starts B requests at once
+(Batcher.generate_all): the batch thread prefills them one after the other, then steps all B together. Its decode
+speed is B x the generated tokens over the wall time less the prefills (which stall the steps; their sum is
+subtracted), and each request's own speed is its tokens over that time too. "engine" is Engine.generate's plain
+decoding of one request (pipelined: the next step is queued before the host reads a token), "batch 1" the batch
+path with one request (a host round trip a step).
+
+    PYTHONPATH=. python scripts/batch_gpu.py --layers 8 --batches 1,2,4,8 --out benchmarks/results/h200-fn8-batch-C.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from qspec.batch import Batcher
+from qspec.bench.device_model import bench_config, device_random_model
+from qspec.bench.run import git_commit
+from qspec.engine import Engine, EngineOptions
+
+
+def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def batch_arm(b: Batcher, prompts: list[list[int]], tokens: int) -> float:
+    """Aggregate decode tok/s of the prompts started together."""
+    t0 = time.perf_counter()
+    gens = b.generate_all(prompts, tokens)
+    wall = time.perf_counter() - t0
+    assert all(len(g.tokens) == tokens for g in gens), [len(g.tokens) for g in gens]
+    return len(prompts) * tokens / (wall - sum(g.prefill_s for g in gens))
+
+
+def engine_arm(e: Engine, prompt: list[int], tokens: int) -> float:
+    g = e.generate(prompt, tokens)
+    assert len(g.tokens) == tokens
+    return g.decode_tps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="flash-next", help="flash-next; tiny (with --device cpu) tries the script")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--quant", default=None, help="a GGUF block mix (q4_k_m, q8_0) instead of bf16")
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    torch.set_grad_enabled(False)
+    batches = [int(x) for x in a.batches.split(",")]
+    cfg = bench_config(a.preset, layers=a.layers)
+    model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16 if a.device == "cuda" else torch.float32,
+                                quant=a.quant)
+    engine = Engine(model, EngineOptions(draft=0, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
+                                         prefix_cache=False))
+    batcher = Batcher(engine, max(batches))
+    arms = ["engine"] + [f"batch {b}" for b in batches]
+    results: dict[str, list[float]] = {arm: [] for arm in arms}
+    try:
+        for r in range(a.reps + 1):  # the first: warm-up (compilation, graph captures), not reported
+            for arm in arms if r % 2 else arms[::-1]:
+                seed = 1000 * r + len(results[arm])
+                if arm == "engine":
+                    tps = engine_arm(engine, prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens)
+                else:
+                    n = int(arm.split()[1])
+                    tps = batch_arm(batcher, prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
+                if r:
+                    results[arm].append(tps)
+    finally:
+        batcher.close()
+    report(a, results, model.weights_summary, batcher.steps.rows / max(1, batcher.steps.steps))
+
+
+def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str, mean_rows: float) -> None:
+    commit = git_commit() or "unknown commit"
+    where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
+    base = statistics.median(results["engine"])
+    lines = [f"# Continuous batching on {where}, {a.preset} geometry with {a.layers} layers "
+             f"({a.quant or ('bf16' if a.device == 'cuda' else 'f32')}), {commit}, {_dt.date.today()}", "",
+             f"`python scripts/batch_gpu.py --layers {a.layers} --batches {a.batches} --prompt {a.prompt} --tokens "
+             f"{a.tokens} --reps {a.reps}{' --quant ' + a.quant if a.quant else ''}`: greedy, {a.prompt}-token "
+             f"prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests together (prefills "
+             f"excluded), median [min-max] of {a.reps} runs after a warm-up, arms alternated; ratio over the engine's "
+             f"plain decoding of one request (truncated). Rows per batched step over the process: {mean_rows:.2f}. "
+             f"Model: {summary}.", "",
+             "| arm | decode tok/s, all requests | per request | ratio |", "|---|---:|---:|---:|"]
+    for arm, v in results.items():
+        n = 1 if arm == "engine" else int(arm.split()[1])
+        med = statistics.median(v)
+        lines.append(f"| {arm} | {med:.2f} [{min(v):.2f}-{max(v):.2f}] | {med / n:.2f} | "
+                     f"×{int(med / base * 1000) / 1000:.3f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
