@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, _Request, prefill_chunks
+from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits
 from qspec.model.model import Segment
 from qspec.model.qsa import PooledUpdate
@@ -188,30 +189,38 @@ class Batcher:
         job.prefill_s = time.perf_counter() - job.t0
         job.t1 = time.perf_counter()
 
-    def _emit(self, job: _Job, logits: torch.Tensor) -> None:
-        """Pick the job's next token from its logits row [1, V] and emit it; the job ends when that ends it."""
+    def _emit(self, job: _Job, logits: torch.Tensor, tok: int | None = None) -> None:
+        """Emit the job's next token: `tok` (a plain greedy pick made already), else picked from its logits row
+        [1, V] by its sampler; the job ends when that token ends it."""
         sampler, req = job.sampler, job.req
-        nxt = sampler.sample(sampler.target(logits))
-        sampler.count(nxt)
-        if req.logprobs is not None:
-            req.logprobs.queue(logits, nxt, wait=True)
-        job.tok = int(nxt[0])
-        if req.emit(job.tok):
+        if tok is None:
+            nxt = sampler.sample(sampler.target(logits))
+            sampler.count(nxt)
+            if req.logprobs is not None:
+                req.logprobs.queue(logits, nxt, wait=True)
+            tok = int(nxt[0])
+        job.tok = tok
+        if req.emit(tok):
             self._finish(job)
 
     def _step(self) -> None:
-        """One row for every active job, in one step; each picks and emits its next token."""
+        """One row for every active job, in one step; each picks and emits its next token. The plain greedy rows
+        (no rules, grammar or log-probabilities) are picked together, in one read-back."""
         jobs = sorted(self._active.values(), key=lambda j: j.slot)
         tokens = torch.tensor([j.tok for j in jobs], dtype=torch.long)
+        t0 = time.perf_counter()
         try:
             logits = self.steps.run([j.slot for j in jobs], tokens)
         except BaseException as e:  # noqa: BLE001 - every request in the step ends with it; the thread goes on
             for job in jobs:
                 self._finish(job, error=e)
             return
+        plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
+        picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
         for k, job in enumerate(jobs):
             self.runners[job.slot].keep(1, rollback=False)
-            self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1]))
+            self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
+        self.steps.timed(len(jobs), time.perf_counter() - t0)
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:
         """End the job: its slot is free again (its sequence kept for a prompt that goes on from it, unless the
@@ -231,6 +240,11 @@ class Batcher:
         job.done.set()
 
 
+def _plain_greedy(job: _Job) -> bool:
+    s = job.sampler
+    return s.greedy and not s.ruled and s.grammar is None and job.req.logprobs is None
+
+
 class BatchSteps:
     """A step of one row for each of some runners' sequences (Model.forward_batch), through a CUDA graph per set of
     slots, KV buckets and pooled-key update shapes when `graphs` (a runner whose graph store they use) is given."""
@@ -238,6 +252,11 @@ class BatchSteps:
     def __init__(self, runners: list[Runner], graphs: Runner | None) -> None:
         self.runners, self.graphs = runners, graphs
         self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
+        # by rows: the last steps' times to their tokens picked (benchmarks)
+        self.seconds: dict[int, deque[float]] = {}
+
+    def timed(self, rows: int, seconds: float) -> None:
+        self.seconds.setdefault(rows, deque(maxlen=4096)).append(seconds)
 
     def run(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""

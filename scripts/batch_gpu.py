@@ -83,10 +83,14 @@ def main() -> None:
                     results[arm].append(tps)
     finally:
         batcher.close()
-    report(a, results, model.weights_summary, batcher.steps.rows / max(1, batcher.steps.steps))
+    steady = {n: statistics.median(t) for n, t in batcher.steps.seconds.items()}
+    g = batcher.runners[0].graph_stats
+    graphs = f"{g.replays} replays, {g.captures} captures, {g.eager} eager steps"
+    report(a, results, model.weights_summary, batcher.steps.rows / max(1, batcher.steps.steps), steady, graphs)
 
 
-def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str, mean_rows: float) -> None:
+def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str, mean_rows: float,
+           steady: dict[int, float], graphs: str) -> None:
     commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     base = statistics.median(results["engine"])
@@ -96,14 +100,17 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
              f"{a.tokens} --reps {a.reps}{' --quant ' + a.quant if a.quant else ''}`: greedy, {a.prompt}-token "
              f"prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests together (prefills "
              f"excluded), median [min-max] of {a.reps} runs after a warm-up, arms alternated; ratio over the engine's "
-             f"plain decoding of one request (truncated). Rows per batched step over the process: {mean_rows:.2f}. "
-             f"Model: {summary}.", "",
-             "| arm | decode tok/s, all requests | per request | ratio |", "|---|---:|---:|---:|"]
+             f"plain decoding of one request (truncated). Steady: the median time of every batched step of that many "
+             f"rows in the process, a step's rows over it (tok/s). Rows per batched step over the process: "
+             f"{mean_rows:.2f}; batched steps' graphs: {graphs}. Model: {summary}.", "",
+             "| arm | decode tok/s, all requests | per request | ratio | steady step, ms | steady tok/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for arm, v in results.items():
         n = 1 if arm == "engine" else int(arm.split()[1])
         med = statistics.median(v)
+        step = "—" if arm == "engine" or n not in steady else f"{steady[n] * 1e3:.3f} | {n / steady[n]:.2f}"
         lines.append(f"| {arm} | {med:.2f} [{min(v):.2f}-{max(v):.2f}] | {med / n:.2f} | "
-                     f"×{int(med / base * 1000) / 1000:.3f} |")
+                     f"×{int(med / base * 1000) / 1000:.3f} | {step if step != '—' else '— | —'} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
