@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -81,12 +83,29 @@ def main() -> None:
                     tps = batch_arm(batcher, prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
                 if r:
                     results[arm].append(tps)
+        if a.profile:
+            profile(batcher, prompts_of(max(batches), a.prompt, cfg.vocab_size, 99), a.tokens)
     finally:
         batcher.close()
     steady = {n: statistics.median(t) for n, t in batcher.steps.seconds.items()}
     g = batcher.runners[0].graph_stats
     graphs = f"{g.replays} replays, {g.captures} captures, {g.eager} eager steps"
     report(a, results, model.weights_summary, batcher.steps.rows / max(1, batcher.steps.steps), steady, graphs)
+
+
+def profile(b: Batcher, prompts: list[list[int]], tokens: int) -> None:
+    """The batch's requests under torch.profiler: the kernels' busy time and the steps' wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    before = b.steps.steps
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        b.generate_all(prompts, tokens)
+        wall = time.perf_counter() - t0
+    steps = b.steps.steps - before
+    print(f"profiled: {steps} batched steps, {wall:.3f} s wall (prefills in)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
 def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str, mean_rows: float,
