@@ -53,35 +53,48 @@ class GatedDeltaNet(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, st: GDNState, rc: RecurrentCache, fused_snapshots: bool,
                 stats: SnapshotStats | None) -> torch.Tensor:
-        c = self.cfg
-        T = h.shape[0]
-        Hk, Hv, dk, dv = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim, c.gdn_v_head_dim
-        qkv, z, b_logit, a_logit = gdn_in(h, self.w_in, c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads)
+        proj = self.project(h)
+        return self.output(self.recur(proj, st, rc, fused_snapshots, stats), proj)
 
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' input projections (qkv, z, beta logits, alpha logits): row by row, so a batched step makes them
+        for every sequence's rows in one product (Model.forward_batch)."""
+        c = self.cfg
+        return gdn_in(h, self.w_in, c.gdn_conv_dim, c.gdn_value_dim, c.gdn_v_heads)
+
+    def output(self, o: torch.Tensor, proj: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The layer's output from the recurrence's o [T, Hv, dv] and the rows' projections (their gate z)."""
+        return gdn_output(o, proj[1], self.norm, self.out, self.cfg.rms_eps)
+
+    def recur(self, proj: tuple[torch.Tensor, ...], st: GDNState, rc: RecurrentCache, fused_snapshots: bool,
+              stats: SnapshotStats | None) -> torch.Tensor:
+        """One sequence's rows (their projections) through the conv and the recurrence on its state -> o [T, Hv, dv]."""
+        c = self.cfg
+        qkv, _, b_logit, a_logit = proj
+        T = qkv.shape[0]
+        Hk, Hv, dk, dv = c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim, c.gdn_v_head_dim
         # conv over [live window || new rows]; snapshots of the window after each row
         last_only = T > rc.n_slots
         X = write_snapshots(st.conv, qkv, st.conv, rc.base, rc.host_base, T, last_only, fused_snapshots, stats,
                             live=rc.live)
         conv_kernel = kernel_takes(X, self.conv_w, T, Hk, Hv, dk, dv)  # on unless conv_kernel_mode(False)
-        if conv_kernel and h.is_cuda and T == 1:
+        if conv_kernel and qkv.is_cuda and T == 1:
             # a one-row step's conv inside the recurrence's launch, each program computing its own q, k and v (at six
             # rows the rows' convs in the recurrence's serial loop cost more than the launch: BENCHMARKS.md §5c)
-            o = gdn_conv_recurrent_triton(X, self.conv_w, Hk, Hv, dk, dv, a_logit, b_logit, st.ssm, rc.live, rc.base,
-                                          (self.a, self.dt_bias))
-            return gdn_output(o, z, self.norm, self.out, c.rms_eps)
+            return gdn_conv_recurrent_triton(X, self.conv_w, Hk, Hv, dk, dv, a_logit, b_logit, st.ssm, rc.live,
+                                             rc.base, (self.a, self.dt_bias))
         if conv_kernel:
             from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 
             q, k, v = gdn_conv_qkv_triton(X, self.conv_w, T, Hk, Hv, dk, dv)
         else:
             q, k, v = gdn_conv_qkv(X, self.conv_w, T, Hk, Hv, dk, dv)
-        if h.is_cuda and (not last_only or (use_triton(h) and T <= FINAL_MAX_ROWS)):
+        if qkv.is_cuda and (not last_only or (use_triton(qkv) and T <= FINAL_MAX_ROWS)):
             # Triton: state tile in registers across the rows, each row's state to its rollback plane (a short
             # prompt: only the last one, so its prefill compiles none of fla's chunked kernels); the kernel
             # computes the gates from the raw logits
-            o = gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias),
-                                     final_only=last_only)
-            return gdn_output(o, z, self.norm, self.out, c.rms_eps)
+            return gdn_recurrent_planes(q, k, v, a_logit, b_logit, st.ssm, rc.live, rc.base, (self.a, self.dt_bias),
+                                        final_only=last_only)
         beta, g = gdn_gates(b_logit, a_logit, self.a, self.dt_bias)
         rep = Hv // Hk
         q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)  # value head n reads key head n % Hk
@@ -92,7 +105,7 @@ class GatedDeltaNet(torch.nn.Module):
         else:
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.step_planes(T), states)
-        return gdn_output(o, z, self.norm, self.out, c.rms_eps)
+        return o
 
 
 @fused

@@ -57,12 +57,18 @@ class Segment:
     kv_len: int | None = None
 
 
-def _per_segment(segments: list[Segment], x: torch.Tensor, fn: Callable[[int, torch.Tensor], torch.Tensor]
-                 ) -> torch.Tensor:
-    """fn(k, rows of x) over each segment k, the results in row order (one segment: fn(0, x) itself, no copy)."""
+def _per_segment_rows(segments: list[Segment], fn: Callable[[int, slice], torch.Tensor]) -> torch.Tensor:
+    """fn(k, segment k's rows) for each segment, the results in row order (one segment: its result as it is)."""
     if len(segments) == 1:
-        return fn(0, x)
-    return torch.cat([fn(k, x[s.rows]) for k, s in enumerate(segments)])
+        return fn(0, segments[0].rows)
+    return torch.cat([fn(k, s.rows) for k, s in enumerate(segments)])
+
+
+def _rows_of(parts: tuple[torch.Tensor, ...], rows: slice) -> tuple[torch.Tensor, ...]:
+    """Those rows of each of a layer's row-wise projections (a single segment's: all of them, as they are)."""
+    if rows.start == 0 and rows.stop == parts[0].shape[0]:
+        return parts
+    return tuple(p[rows] for p in parts)
 
 
 def _nbytes(t: object) -> int:
@@ -347,9 +353,9 @@ class Model(torch.nn.Module):
             if i == c.ple_layer and self.ple is not None:
                 if pending is not None:
                     X, pending = hc_combine(X, *pending), None
-                X = _per_segment(segments, X, lambda k, x: self._ple(segments[k], x, tokens))
+                X = self._ple(segments, X, tokens)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
-            y = _per_segment(segments, h, lambda k, x, i=i: self._mixer(i, segments[k], upd_rope[k], x, pos, cos, sin))
+            y = self._mixer(i, segments, upd_rope, h, pos, cos, sin)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
             pending = (self.moe[i](h), inj)
         if logit_rows is None:
@@ -359,21 +365,42 @@ class Model(torch.nn.Module):
             out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
 
-    def _ple(self, seg: Segment, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The n-gram embedding added into one segment's rows X, on its recurrent cache."""
-        rc = seg.cache.rec
-        return self.ple(X, tokens[seg.rows], rc.ple, rc, seg.cache.opts.fused_snapshots, seg.cache.snap_stats)
+    def _ple(self, segments: list[Segment], X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """X + the n-gram embedding: its table rows and the conv per segment on its recurrent cache, the gather and
+        gate over every row at once."""
+        ple = self.ple
+        assert ple is not None
+        rows = _per_segment_rows(segments, lambda k, r: ple.table_rows(tokens[r], segments[k].cache.rec.ple,
+                                                                       segments[k].cache.rec))
+        G, N = ple.gate(X, rows)
 
-    def _mixer(self, i: int, seg: Segment, upd_rope: dict[int, tuple[torch.Tensor, torch.Tensor]], h: torch.Tensor,
-               pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Layer i's sequence mixer (GDN or QSA) over one segment's rows h, on its caches (pos, cos, sin: the step's
-        rows, all segments')."""
-        cache, layer = seg.cache, self.layers[i]
+        def mix(k: int, r: slice) -> torch.Tensor:
+            c = segments[k].cache
+            return ple.mix(X[r], G[r], N[r], c.rec.ple, c.rec, c.opts.fused_snapshots, c.snap_stats)
+        return _per_segment_rows(segments, mix)
+
+    def _mixer(self, i: int, segments: list[Segment], upd_rope: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
+               h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Layer i's sequence mixer (GDN or QSA) over the step's rows h: the projections in and out over every row
+        at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's)."""
+        layer = self.layers[i]
         if isinstance(layer, GatedDeltaNet):
-            return layer(h, cache.rec.gdn[i], cache.rec, cache.opts.fused_snapshots, cache.snap_stats)
-        r, rows = self.cfg.ratio(i), seg.rows
-        return layer(h, pos[rows], cos[rows], sin[rows], cache.kv[i], cache.idx.get(i), seg.upd.get(r),
-                     upd_rope.get(r), kv_len=seg.kv_len, sparse=cache.opts.sparse_attention)
+            proj = layer.project(h)
+
+            def recur(k: int, rows: slice) -> torch.Tensor:
+                c = segments[k].cache
+                return layer.recur(_rows_of(proj, rows), c.rec.gdn[i], c.rec, c.opts.fused_snapshots, c.snap_stats)
+            return layer.output(_per_segment_rows(segments, recur), proj)
+        r = self.cfg.ratio(i)
+        proj = layer.project(h, cos, sin)
+
+        def attend(k: int, rows: slice) -> torch.Tensor:
+            seg = segments[k]
+            c = seg.cache
+            return layer.attend_rows(_rows_of(proj, rows), pos[rows], cos[rows], sin[rows], c.kv[i], c.idx.get(i),
+                                     seg.upd.get(r), upd_rope[k].get(r), kv_len=seg.kv_len,
+                                     sparse=c.opts.sparse_attention)
+        return layer.output(_per_segment_rows(segments, attend), proj)
 
     def mtp_forward(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cache: ModelCache,
                     lm_head: Weight | Q4Weight | DraftHead | None = None, kv_len: int | None = None,

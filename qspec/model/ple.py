@@ -75,21 +75,38 @@ class PLE(torch.nn.Module):
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache,
                 fused_snapshots: bool, stats: SnapshotStats | None) -> torch.Tensor:
         """X [T, S*D] wide residual -> X + PLE(X)."""
+        G, N = self.gate(X, self.table_rows(tokens, st, rc))
+        return self.mix(X, G, N, st, rc, fused_snapshots, stats)
+
+    def table_rows(self, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache) -> torch.Tensor:
+        """One sequence's rows: their n-gram contexts from its token history (which the step advances) -> the table
+        rows they read."""
         c = self.cfg
-        T, D, S = tokens.shape[0], c.hidden, c.hc_count
+        T = tokens.shape[0]
         hist = st.hist.index_select(0, rc.live.view(1))[0]
         ctx = ngram_contexts(tokens, hist, c.eos_token_id)
         if T > rc.n_slots:
             st.hist.index_copy_(0, rc.base.view(1), ctx[-1:, :2].flip(-1))
         else:
             st.hist.index_copy_(0, rc.step_planes(T), ctx[:, :2].flip(-1))
-        E = self.table.gather(ngram_rows(ctx, c, self.mult, self.vocab, self.off), X.device, X.dtype).reshape(T, -1)
-        G, N = ple_gate(E, X, self.w_kv, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
+        return ngram_rows(ctx, c, self.mult, self.vocab, self.off)
 
-        # dilated causal conv over [9 columns of history || new rows], with rollback snapshots
+    def gate(self, X: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row by row (a batched step: every sequence's rows at once): the table rows gathered, the gated value G and
+        the conv input N (ple_gate)."""
+        c = self.cfg
+        T, D, S = X.shape[0], c.hidden, c.hc_count
+        E = self.table.gather(rows, X.device, X.dtype).reshape(T, -1)
+        return ple_gate(E, X, self.w_kv, self.norm_key, self.norm_query, self.norm_conv, S, D, c.rms_eps)
+
+    def mix(self, X: torch.Tensor, G: torch.Tensor, N: torch.Tensor, st: PLEState, rc: RecurrentCache,
+            fused_snapshots: bool, stats: SnapshotStats | None) -> torch.Tensor:
+        """One sequence's rows: the dilated causal conv over [9 columns of history || its rows], with rollback
+        snapshots -> X + G + conv."""
+        T = X.shape[0]
         Xc = write_snapshots(st.conv, N, st.conv, rc.base, rc.host_base, T, T > rc.n_slots, fused_snapshots, stats,
                              live=rc.live)
-        return ple_out(X, G, Xc, self.conv_w, c.ngram_size)
+        return ple_out(X, G, Xc, self.conv_w, self.cfg.ngram_size)
 
 
 @fused

@@ -68,9 +68,27 @@ class QSAAttention(torch.nn.Module):
         kv_len: cells to attend over (a bucket above the last position; the whole cache by default).
         sparse: attend over the indexer's chosen blocks and the tail directly (kernels/sparse_attention.py)
         instead of a mask over the kv_len cells; the same cells, so the same result up to rounding."""
+        proj = self.project(h, cos, sin)
+        o = self.attend_rows(proj, pos, cos, sin, kv, idx, upd, upd_rope, key_lo, kv_len, sparse)
+        return self.output(o, proj)
+
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows' projections (roped, normed q; the output gate; roped, normed k; v; the indexer's): row by row, so
+        a batched step makes them for every sequence's rows in one product (Model.forward_batch)."""
         c = self.cfg
-        q, gate, k, v, rest = qsa_qkv(h, self.w_in, self.q_norm, self.k_norm, cos, sin, c.n_heads, c.n_kv_heads,
-                                      c.head_dim, c.rms_eps)
+        return qsa_qkv(h, self.w_in, self.q_norm, self.k_norm, cos, sin, c.n_heads, c.n_kv_heads, c.head_dim,
+                       c.rms_eps)
+
+    def output(self, o: torch.Tensor, proj: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The layer's output from the attention's o [T, H, d] and the rows' projections (their output gate)."""
+        return gated_out(o, proj[1], self.wo)
+
+    def attend_rows(self, proj: tuple[torch.Tensor, ...], pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    kv: KVCache, idx: IndexerCache | None, upd: PooledUpdate | None,
+                    upd_rope: tuple[torch.Tensor, torch.Tensor] | None, key_lo: int = 0, kv_len: int | None = None,
+                    sparse: bool = False) -> torch.Tensor:
+        """One sequence's rows (their projections) written to its caches and attending over them -> o [T, H, d]."""
+        q, _, k, v, rest = proj
         kv.write(pos, k, v)
         n = kv.capacity if kv_len is None else kv_len
         if self.ratio and idx is not None:
@@ -79,18 +97,16 @@ class QSAAttention(torch.nn.Module):
                     raise ValueError("sparse attention needs every cell to hold a key (key_lo = 0)")
                 blocks, tail_lo = self.select(rest, pos, cos, sin, idx, upd, upd_rope, n, sparse=True)
                 ks, vs = kv.scales()
-                o = sparse_attention(q, kv.k, kv.v, ks, vs, blocks, tail_lo, pos, self.ratio)
-                return gated_out(o, gate, self.wo)
+                return sparse_attention(q, kv.k, kv.v, ks, vs, blocks, tail_lo, pos, self.ratio)
             mask = self.select(rest, pos, cos, sin, idx, upd, upd_rope, n, key_lo)
         else:
             mask = causal_mask(pos, n, key_lo)
         if kv.fused_attention:  # one pass over the stored cells (q8_0 scaled in registers)
             ks, vs = kv.scales()
-            o = masked_attention(q, kv.k[:n], kv.v[:n], None if ks is None else ks[:n], None if vs is None else vs[:n],
-                                 mask)
-            return gated_out(o, gate, self.wo)
+            return masked_attention(q, kv.k[:n], kv.v[:n], None if ks is None else ks[:n],
+                                    None if vs is None else vs[:n], mask)
         K, V = kv.read(n)
-        return attend(q, K, V, mask, gate, self.wo)
+        return attend(q, K, V, mask)
 
     def select(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                idx: IndexerCache, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int,
@@ -185,9 +201,8 @@ def mask_to_ids(chosen: torch.Tensor, n_top: int) -> torch.Tensor:
 
 
 @fused(context_sized=True)
-def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, gate: torch.Tensor,
-           wo: torch.Tensor) -> torch.Tensor:
-    """Masked GQA softmax attention of q [T, H, d] over K, V [n, Hkv, d], gated by sigmoid(gate), projected by wo."""
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked GQA softmax attention of q [T, H, d] over K, V [n, Hkv, d] -> o [T, H, d]."""
     T, H, d = q.shape
     Hkv = K.shape[1]
     G = H // Hkv
@@ -197,7 +212,7 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor
     scores = scores.float().masked_fill(~m, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(q.dtype)
     o = bmm_rows(p, V.permute(1, 0, 2))  # [Hkv, T*G, d]
-    return _gated_out(o.view(Hkv, T, G, d).permute(1, 0, 2, 3), gate, wo)
+    return o.view(Hkv, T, G, d).permute(1, 0, 2, 3)
 
 
 def _gated_out(o: torch.Tensor, gate: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
@@ -206,4 +221,4 @@ def _gated_out(o: torch.Tensor, gate: torch.Tensor, wo: torch.Tensor) -> torch.T
     return linear(o.reshape(T, -1) * sigmoid(gate.reshape(T, -1)), wo)
 
 
-gated_out = fused(_gated_out)  # the sparse path's own (attend fuses it with the attention)
+gated_out = fused(_gated_out)
