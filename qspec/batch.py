@@ -203,6 +203,10 @@ class Batcher:
         if req.emit(tok):
             self._finish(job)
 
+    def _keep_and_emit(self, job: _Job, logits: torch.Tensor, tok: int | None) -> None:
+        self.runners[job.slot].keep(1, rollback=False)  # the row of the token it consumed
+        self._emit(job, logits, tok)
+
     def _step(self) -> None:
         """One row for every active job, in one step; each picks and emits its next token. The plain greedy rows
         (no rules, grammar or log-probabilities) are picked together, in one read-back."""
@@ -218,8 +222,7 @@ class Batcher:
         plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
         picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
         for k, job in enumerate(jobs):
-            self.runners[job.slot].keep(1, rollback=False)
-            self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
+            self._guarded(job, lambda j, k=k: self._keep_and_emit(j, logits[k:k + 1], picks.get(k)))
         self.steps.timed(len(jobs), time.perf_counter() - t0)
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:

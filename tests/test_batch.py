@@ -176,3 +176,27 @@ def test_bad_requests_are_refused_before_they_queue(tiny_model: Model) -> None:
         b.close()
     with pytest.raises(ValueError, match="at least 1 slot"):
         Batcher(engine(tiny_model), 0)
+
+
+def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_model: Model) -> None:
+    """A regular expression on one request of a batch (beside a free one): its masks follow its own tokens."""
+    import re
+
+    from conftest import tiny_tokenizer
+
+    from qspec.spec.grammar import GrammarCompiler, GrammarSpec
+
+    tok, regex = tiny_tokenizer(), "[a-z]{3,12}( [0-9]{1,3}){2}"
+    compiler = GrammarCompiler(tok, tiny_model.cfg.vocab_size)
+
+    def call() -> dict:
+        return dict(prompt=prompt_of(9, 4), max_tokens=40, stop_ids=set(tok.stop_ids),
+                    sampler=Sampler(grammar=compiler.compile(GrammarSpec("regex", regex))))
+    want = engine(tiny_model).generate(**call()).tokens
+    assert re.fullmatch(regex, tok.decode(want, skip_special=True)) and want[-1] in tok.stop_ids
+    b = Batcher(engine(tiny_model), 2)
+    try:
+        got = together(b, [call(), dict(prompt=prompt_of(12, 8), max_tokens=30)])
+    finally:
+        b.close()
+    assert isinstance(got[0], Generation) and got[0].tokens == want
