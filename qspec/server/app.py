@@ -39,7 +39,7 @@ from qspec.runner import ContextError
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
-from qspec.server.reasoning import REASONING_PARSERS, ReasoningSplit
+from qspec.server.reasoning import CLOSE, OPEN, REASONING_PARSERS, ReasoningSplit
 from qspec.server.requests import (
     ChatMessage,
     ChatRequest,
@@ -50,7 +50,7 @@ from qspec.server.requests import (
     stop_strings,
 )
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import Grammar, GrammarCompiler, GrammarError
+from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import Tokenizer
@@ -181,6 +181,18 @@ class CompletionServer:
         except GrammarError as e:
             raise BadRequest(str(e), param=req.grammar_fields()[0]) from None
 
+    def answer_grammar(self, req: Sampling, ids: list[int]) -> Grammar | AfterThinking | None:
+        """Blocking: the grammar for a choice of the request whose prompt is `ids`: under --reasoning-parser, a chat
+        reply's grammar holds only its answer, after the think block (AfterThinking), where the tokenizer has the
+        tags; else the request's grammar (or None)."""
+        g = self.grammar(req)
+        if g is None or self.reasoning_split(req) is None:
+            return g
+        open_id, close_id = self.tok.token_to_id(OPEN), self.tok.token_to_id(CLOSE)
+        if open_id is None or close_id is None:
+            return g
+        return AfterThinking(g, open_id, close_id, ids)
+
     def admit(self) -> None:
         """A 503 when the engine is busy and `max_waiting` requests already wait for it (the client may retry)."""
         if self.metrics.running and self.metrics.waiting >= self.max_waiting:
@@ -251,7 +263,8 @@ class CompletionServer:
         stops = req.stop_ids(self.tok.stop_ids)
         sampler = Sampler(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                           generator=torch.Generator().manual_seed(seed % (1 << 64)),
-                          rules=LogitRules(**req.logit_rules(), stop_ids=frozenset(stops)), grammar=self.grammar(req))
+                          rules=LogitRules(**req.logit_rules(), stop_ids=frozenset(stops)),
+                          grammar=self.answer_grammar(req, ids))
         stream = self.tok.stream(skip_special=True)
         top = req.logprob_top()
         ranked = req.candidates() > req.n  # best_of: each candidate's log-probabilities rank it

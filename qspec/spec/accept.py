@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qspec.kernels.argmax import argmax_rows
-from qspec.spec.grammar import Grammar
+from qspec.spec.grammar import AfterThinking, Grammar
 from qspec.spec.logit_rules import LogitRules
 
 # (round index, number of drafts) -> accepted count; a test/benchmark hook that overrides acceptance. A hook with
@@ -29,7 +29,7 @@ class Sampler:
     # the request's seeded generator; draws on another device use one generator seeded from it (see _generator)
     generator: torch.Generator | None = None
     rules: LogitRules | None = None
-    grammar: Grammar | None = None  # follows the emitted tokens: the engine feeds it (Engine.generate)
+    grammar: Grammar | AfterThinking | None = None  # follows the emitted tokens: the engine feeds it (Engine.generate)
     _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,9 @@ refuses ends the round's acceptance (the target's row cannot pick it), so the ro
 that draft's row's mask. Drafts themselves are not constrained: the draft chain stays on the device, and a refused
 draft costs only its round's later rows.
 
+A reply that thinks first (Qwen3's `<think>...</think>`) can keep its grammar for the answer: `AfterThinking` lets
+the think block through and starts the grammar after it (the server does so under --reasoning-parser).
+
 Costs (BENCHMARKS.md §7): a mask is host time, a fraction of a millisecond a row. On the GPU the round's drafts reach
 the host while its verify step runs (Engine._round_on_device), so the masks overlap the step.
 """
@@ -157,14 +160,85 @@ class Grammar:
 
     def constrain(self, logits: torch.Tensor, drafts: list[int] | None = None) -> torch.Tensor:
         """The target's rows [R, V] with every token the grammar refuses at -inf (a new tensor)."""
-        words = self.masks(drafts or [], logits.shape[0]).to(logits.device, non_blocking=True)
-        return logits.masked_fill(~allowed_tokens(words, logits.shape[1]), float("-inf"))
+        return masked(logits, self.masks(drafts or [], logits.shape[0]))
+
+
+class AfterThinking:
+    """A grammar that holds only the answer of a reply that may think first (`<think>...</think>`, Qwen3's reasoning):
+    free while the reply thinks, the inner grammar from the token after `</think>` on (vLLM applies structured output
+    after the reasoning parser's end the same way). It is what `Grammar` is to the engine (reset, consume, masks,
+    constrain, ends).
+
+    States: "start" (the reply may open a think block: `<think>` or what the grammar allows), "thinking" (every token,
+    until `</think>`), "answer" (the inner grammar). The start state comes from the prompt: its last think tag, when it
+    has one (a chat template that opened the block, or closed an empty one to turn thinking off), else "start"."""
+
+    def __init__(self, inner: Grammar, open_id: int, close_id: int, prompt: list[int]) -> None:
+        self.inner, self.open_id, self.close_id = inner, open_id, close_id
+        self.vocab_size, self.ends = inner.vocab_size, inner.ends
+        last = next((t for t in reversed(prompt) if t in (open_id, close_id)), None)
+        self.first = "start" if last is None else "thinking" if last == open_id else "answer"
+        self.state = self.first
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.state = self.first
+
+    def consume(self, token: int) -> None:
+        if self.state == "answer":
+            self.inner.consume(token)
+        elif self.state == "thinking":
+            self.state = "answer" if token == self.close_id else "thinking"
+        elif token == self.open_id:
+            self.state = "thinking"
+        else:
+            self.state = "answer"
+            self.inner.consume(token)
+
+    def masks(self, drafts: list[int], rows: int) -> torch.Tensor:
+        """As Grammar.masks: row i allows what may follow the emitted tokens and drafts[:i]."""
+        return self._masks(self.state, drafts, rows)
+
+    def _masks(self, state: str, drafts: list[int], rows: int) -> torch.Tensor:
+        if state == "answer":
+            return self.inner.masks(drafts, rows)
+        if state == "thinking":
+            free = next((i + 1 for i, t in enumerate(drafts[:rows - 1]) if t == self.close_id), rows)
+            every = torch.full((free, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # every bit set
+            if free == rows:
+                return every
+            return torch.cat([every, self.inner.masks(drafts[free:], rows - free)])
+        if drafts[:rows - 1] and drafts[0] == self.open_id:  # row 0 of "start", then a think block
+            return torch.cat([self._with_open(self.inner.masks([], 1)), self._masks("thinking", drafts[1:], rows - 1)])
+        out = self.inner.masks(drafts, rows)
+        out[0] = self._with_open(out[:1])[0]
+        return out
+
+    def _with_open(self, words: torch.Tensor) -> torch.Tensor:
+        """A mask row [1, W] that allows `<think>` as well."""
+        words = words.clone()
+        words[0, self.open_id // 32] |= _bit(self.open_id % 32)
+        return words
+
+    def constrain(self, logits: torch.Tensor, drafts: list[int] | None = None) -> torch.Tensor:
+        return masked(logits, self.masks(drafts or [], logits.shape[0]))
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch stores (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
 
 
 def _one_line(message: str) -> str:
     """llguidance's multi-line report in one line: its text lines, without the source echo and the carets."""
     lines = (ln.strip() for ln in message.splitlines())
     return " ".join(ln for ln in lines if ln and not set(ln) <= {"^", " "} and not re.match(r"\d+ \|", ln))
+
+
+def masked(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with every token whose bit is clear in its row of `words` [R, W] (on the host) at -inf."""
+    words = words.to(logits.device, non_blocking=True)
+    return logits.masked_fill(~allowed_tokens(words, logits.shape[1]), float("-inf"))
 
 
 def allowed_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
