@@ -265,7 +265,10 @@ class BatchSteps:
         """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""
         model, dev = self.runners[0].model, self.runners[0].device
         booked = [self.runners[s].begin_rows(slice(k, k + 1)) for k, s in enumerate(slots)]
-        segs = [seg for seg, _ in booked]
+        # every sequence attends over the batch's largest KV bucket (the cells past its own are masked): a graph
+        # per bucket of the batch, not per combination of its sequences' buckets
+        kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
+        segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
         if self.graphs is None:
             logits, _ = model.forward_batch(tokens.to(dev), pos, segs)
@@ -279,7 +282,7 @@ class BatchSteps:
     def _graphed(self, slots: list[int], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor
                  ) -> torch.Tensor:
         ratios = [sorted(s.upd) for s in segs]
-        key = ("batch", tuple(slots), tuple(s.kv_len for s in segs),
+        key = ("batch", tuple(slots), segs[0].kv_len,
                tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
         flat = [tokens, pos] + [t for s, rs in zip(segs, ratios, strict=True) for r in rs
                                 for t in (s.upd[r].cells, s.upd[r].start, s.upd[r].dest)]

@@ -200,3 +200,16 @@ def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_mode
     finally:
         b.close()
     assert isinstance(got[0], Generation) and got[0].tokens == want
+
+
+def test_sequences_in_different_kv_buckets_decode_together(tiny_model: Model) -> None:
+    """Fast mode (KV buckets, not the whole cache): a batch attends over its largest sequence's bucket, the cells past
+    each shorter sequence masked, and each request still gets the engine's output."""
+    prompts = [prompt_of(n, 20 + n) for n in (30, 600, 100)]  # buckets of 512 and 1,024 cells
+    e = engine(tiny_model, capacity=1024, exact=False, kv_type="q8_0")
+    want = [e.generate(p, 20).tokens for p in prompts]
+    b = Batcher(engine(tiny_model, capacity=1024, exact=False, kv_type="q8_0"), 3)
+    try:
+        assert [g.tokens for g in b.generate_all(prompts, 20)] == want
+    finally:
+        b.close()
