@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -33,7 +33,7 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits
 from qspec.model.model import Segment
 from qspec.model.qsa import PooledUpdate
-from qspec.runner import Runner
+from qspec.runner import Readback, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
 
@@ -74,6 +74,8 @@ class Batcher:
         self._active: dict[int, _Job] = {}
         self._cv = threading.Condition()
         self._closed = False
+        self._ahead: tuple[list[_Job], torch.Tensor] | None = None  # a step launched and kept, its logits not read
+        self.reader = Readback(self.model.device, capacity=slots)
         self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
         self._thread.start()
 
@@ -203,27 +205,76 @@ class Batcher:
         if req.emit(tok):
             self._finish(job)
 
-    def _keep_and_emit(self, job: _Job, logits: torch.Tensor, tok: int | None) -> None:
-        self.runners[job.slot].keep(1, rollback=False)  # the row of the token it consumed
-        self._emit(job, logits, tok)
-
     def _step(self) -> None:
-        """One row for every active job, in one step; each picks and emits its next token. The plain greedy rows
-        (no rules, grammar or log-probabilities) are picked together, in one read-back."""
-        jobs = sorted(self._active.values(), key=lambda j: j.slot)
-        tokens = torch.tensor([j.tok for j in jobs], dtype=torch.long)
+        """Every active job's next token. The step that gives them was launched ahead by the last call (`_ahead`),
+        or is launched now from the tokens the host holds. When its rows are all plain greedy (no rules, grammar,
+        log-probabilities or sampling), the step that consumes their picks is launched before the host reads them,
+        as the engine's plain decoding does (runner.Readback): the read waits for this step only, and the host's
+        work for it overlaps the next."""
         t0 = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            jobs = _by_slot(self._active.values())
+            logits = self._launch(jobs, torch.tensor([j.tok for j in jobs], dtype=torch.long))
+            if logits is None:
+                return
+            for job in jobs:  # the rows of tokens emitted already
+                self._guarded(job, lambda j: self.runners[j.slot].keep(1, rollback=False))
+            jobs = [j for j in jobs if self._is_active(j)]
+        else:
+            jobs, logits = ahead
+        if all(_plain_greedy(j) for j in self._active.values()):
+            self._emit_launching_next(jobs, logits)
+        else:
+            plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
+            picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
+            for k, job in enumerate(jobs):
+                self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
+        self.steps.timed(len(jobs), time.perf_counter() - t0)
+
+    def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+        """Greedy picks of `jobs`' rows, the next step launched on them (for the jobs that may go on, and those that
+        joined since) before they are read; then each emitted, and each row of the next step kept, or dropped where
+        its token ended the job (the next call reads that step: `_ahead`)."""
+        picks = argmax_rows(logits)
+        self.reader.start(picks)
+        go = [k for k, j in enumerate(jobs) if len(j.req.out) + 1 < j.req.max_tokens]  # else this pick ends it
+        joined = _by_slot(j for j in self._active.values() if j not in jobs)  # their first token is on the host
+        nxt = jobs_next = None
+        if go or joined:
+            jobs_next = [jobs[k] for k in go] + joined
+            tokens = torch.cat([picks[torch.tensor(go, dtype=torch.long, device=picks.device)],
+                                torch.tensor([j.tok for j in joined], dtype=torch.long, device=picks.device)])
+            nxt = self._launch(jobs_next, tokens)
+        toks = self.reader.result()
+        for k, job in enumerate(jobs):
+            if self._is_active(job):
+                self._guarded(job, lambda j, k=k: self._emit(j, None, toks[k]))
+        if nxt is None or jobs_next is None:
+            return
+        alive = []
+        for r, job in enumerate(jobs_next):
+            if self._is_active(job):
+                self._guarded(job, lambda j: self.runners[j.slot].keep(1, rollback=False))
+                if self._is_active(job):
+                    alive.append(r)
+            elif job.error is None:  # ended by the token it consumed: its row goes (a failed job's slot was reset)
+                self.runners[job.slot].keep(0, rollback=True)
+        if alive:
+            self._ahead = ([jobs_next[r] for r in alive], nxt if len(alive) == len(jobs_next) else nxt[alive])
+
+    def _launch(self, jobs: list[_Job], tokens: torch.Tensor) -> torch.Tensor | None:
+        """A step of one row for each job (tokens on the host or the device) -> its logits; None when it failed,
+        which ends every one of those jobs with the error (the thread goes on)."""
         try:
-            logits = self.steps.run([j.slot for j in jobs], tokens)
-        except BaseException as e:  # noqa: BLE001 - every request in the step ends with it; the thread goes on
+            return self.steps.run([j.slot for j in jobs], tokens)
+        except BaseException as e:  # noqa: BLE001 - handed to each request's own thread
             for job in jobs:
                 self._finish(job, error=e)
-            return
-        plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
-        picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
-        for k, job in enumerate(jobs):
-            self._guarded(job, lambda j, k=k: self._keep_and_emit(j, logits[k:k + 1], picks.get(k)))
-        self.steps.timed(len(jobs), time.perf_counter() - t0)
+            return None
+
+    def _is_active(self, job: _Job) -> bool:
+        return self._active.get(job.slot) is job
 
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:
         """End the job: its slot is free again (its sequence kept for a prompt that goes on from it, unless the
@@ -241,6 +292,10 @@ class Batcher:
             job.result = Generation(req.out, len(job.prompt), prefill_s, decode_s, req.stats, reason,
                                     cached_tokens=job.cached)
         job.done.set()
+
+
+def _by_slot(jobs: Iterable[_Job]) -> list[_Job]:
+    return sorted(jobs, key=lambda j: j.slot)
 
 
 def _plain_greedy(job: _Job) -> bool:

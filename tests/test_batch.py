@@ -213,3 +213,22 @@ def test_sequences_in_different_kv_buckets_decode_together(tiny_model: Model) ->
         assert [g.tokens for g in b.generate_all(prompts, 20)] == want
     finally:
         b.close()
+
+
+def test_a_turn_after_a_stop_token_goes_on_from_its_slot(tiny_model: Model) -> None:
+    """A request that ends on a stop token while the step after it is under way: that step's row is dropped, so the
+    slot holds the prompt and the output but its last token, and a next turn prefills only what follows."""
+    e = engine(tiny_model)
+    prompt = prompt_of(11, 30)
+    free = e.generate(prompt, 12).tokens
+    stop = free[5]
+    assert stop not in free[:5]
+    b = Batcher(engine(tiny_model), 2)
+    try:
+        first, _ = b.generate_all([prompt, prompt_of(9, 31)], 12, stop_ids={stop})
+        assert first.tokens == free[:6] and first.stop_reason == "stop token"
+        turn = prompt + first.tokens + prompt_of(3, 32)
+        again = b.generate(turn, 6)
+        assert again.cached_tokens == len(prompt) + 5 and again.tokens == e.generate(turn, 6).tokens
+    finally:
+        b.close()
