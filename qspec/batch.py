@@ -8,8 +8,9 @@ where a lone sequence reads it for one token.
 
 Each request picks, streams and stops as the engine's plain decoding does (its Sampler, stop ids, grammar and
 log-probabilities, qspec/engine.py), so a greedy request's output is the engine's plain output: token for token
-in exact mode (EngineOptions.exact), and up to near ties otherwise, as a verify step's rows are. Drafting is off in
-a batch: the engine's speculative rounds are for one sequence (`Engine.generate`).
+in exact mode (EngineOptions.exact), and up to near ties otherwise, as a verify step's rows are. A batch does not
+draft; a request alone does: with an engine that drafts, a request that finds the batcher empty decodes with the
+engine's speculative rounds (Engine.generate), and hands over to the batch when another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
 slot and prefills only its new tokens.
@@ -36,6 +37,10 @@ from qspec.model.qsa import PooledUpdate
 from qspec.runner import Readback, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
+
+
+class _Yield(Exception):  # noqa: N818 - not an error: a lone request's decoding hands over to the batch
+    """Raised from a lone request's token callback when another request waits (Batcher._decode_alone)."""
 
 
 @dataclass
@@ -142,13 +147,54 @@ class Batcher:
                 if self._closed and not (self._waiting or self._active):
                     return
                 admit = []
-                while self._waiting and len(self._active) + len(admit) < self.slots:
-                    admit.append(self._waiting.popleft())
+                if not self._active and len(self._waiting) == 1 and self._alone_ok(self._waiting[0]):
+                    alone = self._waiting.popleft()
+                else:
+                    alone = None
+                    while self._waiting and len(self._active) + len(admit) < self.slots:
+                        admit.append(self._waiting.popleft())
             with torch.inference_mode(), self.engine.runner.switches.apply():
+                if alone is not None:
+                    self._guarded(alone, self._decode_alone)
                 for job in admit:
                     self._guarded(job, self._admit)
                 if self._active:
                     self._step()
+
+    def _alone_ok(self, job: _Job) -> bool:
+        """Whether a request alone in the batcher decodes with the engine's speculative rounds (`_decode_alone`):
+        when the engine drafts, and the request asks for no log-probabilities (a round stopped midway leaves
+        their queue half read)."""
+        return bool(self.engine.opts.draft) and job.req.logprobs is None and job.req.prompt_logprobs is None
+
+    def _decode_alone(self, job: _Job) -> None:
+        """A request alone decodes with the engine (speculative rounds, its prefix cache), and keeps the speed of
+        `--max-batch 1`. When another request arrives, it yields after its next emitted token: it goes on in the
+        batch, its prompt and output so far prefilled in a slot (greedy, the same tokens: speculation equals plain
+        decoding)."""
+        req, emitted = job.req, []
+        job.t0 = time.perf_counter()
+
+        def on_token(t: int) -> None:
+            if not emitted:
+                job.t1 = time.perf_counter()
+                job.prefill_s = job.t1 - job.t0
+            emitted.append(t)
+            if req.on_token is not None:
+                req.on_token(t)
+            if self._waiting and t not in req.stop_ids and len(emitted) < req.max_tokens:
+                raise _Yield
+
+        try:
+            g = self.engine.generate(job.prompt, req.max_tokens, sampler=job.sampler, stop_ids=req.stop_ids,
+                                     on_token=on_token)
+        except _Yield:
+            req.out.extend(emitted)  # streamed and consumed by the grammar already
+            job.tok = emitted[-1]
+            self._place(job, job.prompt + emitted[:-1], reuse=True)
+            return
+        job.result = g
+        job.done.set()
 
     def _guarded(self, job: _Job, fn: Callable[[_Job], None]) -> None:
         """fn(job); an exception (a client gone, a bad grammar state, out of memory) ends that request alone."""
@@ -174,22 +220,26 @@ class Batcher:
         """Prefill the job's prompt in a free slot and emit its first token; it joins the batch unless that ends it."""
         req = job.req
         job.t0 = time.perf_counter()
-        job.slot, job.cached = self._free_slot(job.prompt, reuse=req.prompt_logprobs is None)
-        self._active[job.slot] = job
-        run = self.runners[job.slot]
-        run.begin_request(job.cached)
-        step = self.engine.prefill_chunk
-        if req.prompt_logprobs is not None:
-            step = min(step, SCORED_PREFILL_ROWS)
-        with run.prefill_scope():
-            logits, _ = prefill_chunks(run, torch.tensor(job.prompt, dtype=torch.long), step, job.cached,
-                                       req.prompt_logprobs, draft=False)
+        logits = self._place(job, job.prompt, reuse=req.prompt_logprobs is None, scores=req.prompt_logprobs)
         if not req.max_tokens:  # the prompt scored alone
             self._finish(job)
             return
         self._emit(job, logits[-1:])
         job.prefill_s = time.perf_counter() - job.t0
         job.t1 = time.perf_counter()
+
+    def _place(self, job: _Job, tokens: list[int], reuse: bool, scores: Logprobs | None = None) -> torch.Tensor:
+        """Give the job a free slot (the one that holds the most of `tokens`, with `reuse`) and prefill the rest of
+        `tokens` there -> the last step's logits (every row's with `scores`: SCORED_PREFILL_ROWS a step)."""
+        job.slot, job.cached = self._free_slot(tokens, reuse=reuse)
+        self._active[job.slot] = job
+        run = self.runners[job.slot]
+        run.begin_request(job.cached)
+        step = self.engine.prefill_chunk if scores is None else min(self.engine.prefill_chunk, SCORED_PREFILL_ROWS)
+        with run.prefill_scope():
+            logits, _ = prefill_chunks(run, torch.tensor(tokens, dtype=torch.long), step, job.cached, scores,
+                                       draft=False)
+        return logits
 
     def _emit(self, job: _Job, logits: torch.Tensor, tok: int | None = None) -> None:
         """Emit the job's next token: `tok` (a plain greedy pick made already), else picked from its logits row

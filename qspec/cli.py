@@ -732,7 +732,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
                     help="requests that may wait for the engine before more are refused with a 503")
     sv.add_argument("--max-batch", type=int, default=1, metavar="N",
                     help="decode up to N requests together (plain decoding: each weight is read once a step for all "
-                    "of them) instead of one at a time with speculative rounds (default 1)")
+                    "of them; a request alone still drafts with --draft) instead of one at a time (default 1)")
     sv.add_argument("--api-key", metavar="KEY",
                     help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
                     "$QSPEC_API_KEY, else none)")

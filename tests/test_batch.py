@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -230,5 +231,34 @@ def test_a_turn_after_a_stop_token_goes_on_from_its_slot(tiny_model: Model) -> N
         turn = prompt + first.tokens + prompt_of(3, 32)
         again = b.generate(turn, 6)
         assert again.cached_tokens == len(prompt) + 5 and again.tokens == e.generate(turn, 6).tokens
+    finally:
+        b.close()
+
+
+def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: Model) -> None:
+    """With an engine that drafts, a request alone decodes with its speculative rounds; when a second request
+    arrives, the first goes on in the batch after its next token (its prompt and output so far prefilled in a slot).
+    Both outputs are the engine's (greedy speculation equals plain decoding)."""
+    first, second = prompt_of(10, 40), prompt_of(8, 41)
+    plain = engine(tiny_model)
+    want = [plain.generate(first, 30).tokens, plain.generate(second, 12).tokens]
+    b = Batcher(engine(tiny_model, draft=2), 2)
+    try:
+        alone = b.generate(first, 30)
+        assert alone.tokens == want[0] and alone.spec.drafted > 0  # the engine's rounds
+        got: dict[str, Generation] = {}
+        seen: list[int] = []
+        other = threading.Thread(target=lambda: got.update(second=b.generate(second, 12)))
+
+        def arrive(t: int) -> None:  # at the first request's 5th token, the second one queues
+            seen.append(t)
+            if len(seen) == 5:
+                other.start()
+                while not b._waiting:
+                    time.sleep(0.001)
+        got["first"] = b.generate(first, 30, on_token=arrive)
+        other.join()
+        assert got["first"].tokens == want[0] == seen and got["second"].tokens == want[1]
+        assert b.steps.rows > b.steps.steps  # they decoded together
     finally:
         b.close()
