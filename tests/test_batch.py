@@ -262,3 +262,29 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
         assert b.steps.rows > b.steps.steps  # they decoded together
     finally:
         b.close()
+
+
+def test_a_request_that_fails_midway_leaves_the_others_and_its_slot_clean(tiny_model: Model) -> None:
+    """A callback that raises at a request's 4th token (a client gone while the next step is under way): that
+    request ends with the error, the others decode on, and a request later given its slot decodes as the engine."""
+    class Gone(Exception):
+        pass
+
+    seen: list[int] = []
+
+    def leave(t: int) -> None:
+        seen.append(t)
+        if len(seen) == 4:
+            raise Gone
+
+    e = engine(tiny_model)
+    calls = [dict(prompt=prompt_of(9, 50), max_tokens=12), dict(prompt=prompt_of(7, 51), max_tokens=12, on_token=leave)]
+    b = Batcher(engine(tiny_model), 2)
+    try:
+        got = together(b, calls)
+        assert isinstance(got[1], Gone) and len(seen) == 4
+        assert isinstance(got[0], Generation) and got[0].tokens == e.generate(**calls[0]).tokens
+        later = prompt_of(6, 52)
+        assert [g.tokens for g in b.generate_all([later, prompt_of(5, 53)], 8)][0] == e.generate(later, 8).tokens
+    finally:
+        b.close()
