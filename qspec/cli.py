@@ -1,7 +1,7 @@
-"""The `qspec` command: `run` (generate, streaming), `serve` (an HTTP completions API), `make-model` (random-weight
-models), `logits` (one prefill forward, full-vocabulary logits), `perplexity` (over a text file), `chat` (a
-conversation on the terminal), `draft-vocab` (the token ids the draft head may propose, counted over text), and
-`bench` when `qspec.bench.cli` provides it.
+"""The `qspec` command: `run` (generate, streaming), `batch` (a file of prompts, decoded together), `serve` (an HTTP
+completions API), `make-model` (random-weight models), `logits` (one prefill forward, full-vocabulary logits),
+`perplexity` (over a text file), `chat` (a conversation on the terminal), `draft-vocab` (the token ids the draft head
+may propose, counted over text), and `bench` when `qspec.bench.cli` provides it.
 
 Every user error (missing or bad model file, prompt too long, bad numbers) prints one line
 `qspec: error: ...` on stderr and returns 2; only bugs show a traceback.
@@ -19,6 +19,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -148,12 +149,14 @@ def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
     return _checked(lambda: from_args(SamplingOptions, a))
 
 
-def _sampler(samp: SamplingOptions, spec: GrammarSpec | None, tok: Tokenizer, vocab_size: int) -> Sampler:
-    """The request's sampler; `spec`: its grammar as _grammar_spec read it, compiled here for the tokenizer."""
+def _sampler(samp: SamplingOptions, spec: GrammarSpec | None, tok: Tokenizer, vocab_size: int,
+             compiler: GrammarCompiler | None = None) -> Sampler:
+    """The request's sampler; `spec`: its grammar as _grammar_spec read it, compiled here for the tokenizer (by
+    `compiler` when given: its token table is built once for many requests)."""
     rules = LogitRules(presence_penalty=samp.presence_penalty, frequency_penalty=samp.frequency_penalty,
                        repetition_penalty=samp.repetition_penalty)
     try:
-        grammar = None if spec is None else GrammarCompiler(tok, vocab_size).compile(spec)
+        grammar = None if spec is None else (compiler or GrammarCompiler(tok, vocab_size)).compile(spec)
     except GrammarError as e:
         raise UsageError(f"{_grammar_flag(samp)}: {e}") from None
     return Sampler(temperature=samp.temperature, top_p=samp.top_p, top_k=samp.top_k, min_p=samp.min_p,
@@ -479,6 +482,86 @@ def _chat_turn(engine: Engine, tok: Tokenizer, ids: list[int], max_tokens: int, 
     return tok.decode(g.tokens, skip_special=True)
 
 
+# ---- qspec batch -----------------------------------------------------------------------------------------------------
+def _read_prompts(path: str) -> list[str]:
+    """The prompts of a file: one a line, or JSON lines each with a "prompt" string (blank lines skipped)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read the prompts in {path}: {e}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                prompt = json.loads(line).get("prompt")
+            except (ValueError, AttributeError) as e:
+                raise UsageError(f"{path}:{n}: not a JSON object ({e})") from None
+            if not isinstance(prompt, str):
+                raise UsageError(f'{path}:{n}: a JSON line needs a "prompt" string')
+            line = prompt
+        bad = prompt_text_error(line)
+        if bad is not None:
+            raise UsageError(f"{path}:{n}: the prompt {bad}")
+        prompts.append(line)
+    if not prompts:
+        raise UsageError(f"{path} has no prompt")
+    return prompts
+
+
+def cmd_batch(a: argparse.Namespace) -> int:
+    """Every prompt of a file, up to --max-batch decoded together (qspec/batch.py); a JSON line per prompt, in the
+    file's order. Sampled prompts take the seed --seed + their index."""
+    samp = _sampling_options(a)
+    spec = _grammar_spec(samp)
+    _check_max_batch(a.max_batch)
+    texts = _read_prompts(a.prompts)
+    opts = _engine_options(a)
+    path, tok, engine = _load(a, opts, lambda t, cfg: _prompt_ids(t, texts[0], cfg.vocab_size, a.chat))
+    vocab = engine.model.cfg.vocab_size
+    prompts = [_prompt_ids(tok, t, vocab, a.chat) for t in texts]
+    for i, ids in enumerate(prompts):
+        if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
+            raise UsageError(f"prompt {i}: " + context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
+                                                              names=_REQUEST_NAMES))
+    compiler = GrammarCompiler(tok, vocab) if spec is not None else None
+    batcher = Batcher(engine, min(a.max_batch, len(prompts)))
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(max_workers=2 * batcher.slots) as pool:  # enough callers to keep the slots full
+            futures = [pool.submit(batcher.generate, ids, samp.max_tokens, stop_ids=set(tok.stop_ids),
+                                   sampler=_sampler(replace(samp, seed=(samp.seed + i) % 2**64), spec, tok, vocab,
+                                                    compiler))
+                       for i, ids in enumerate(prompts)]
+            out = open(a.out, "w", encoding="utf-8") if a.out else sys.stdout  # noqa: SIM115 - stdout or a file
+            try:
+                generated = sum(_write_generation(out, i, f.result(), tok) for i, f in enumerate(futures))
+            finally:
+                if a.out:
+                    out.close()
+    finally:
+        batcher.close()
+    wall = time.perf_counter() - t0
+    _say(f"qspec: {len(prompts)} prompts, {generated} tokens generated in {wall:.2f} s ({generated / wall:.2f} tok/s, "
+         f"up to {batcher.slots} at once)")
+    return 0
+
+
+def _write_generation(out: TextIO, index: int, g: Generation, tok: Tokenizer) -> int:
+    """One prompt's JSON line -> its generated tokens."""
+    doc = {"index": index, "text": tok.decode(g.tokens, skip_special=True), "tokens": g.tokens,
+           "prompt_tokens": g.prompt_tokens, "generated_tokens": len(g.tokens), "stop_reason": g.stop_reason}
+    out.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    out.flush()
+    return len(g.tokens)
+
+
+def _check_max_batch(n: int) -> None:
+    if n < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {n}")
+
+
 def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
     """The server's warm-up prompt."""
     return tok.encode("Hello", add_special=True) or [0]
@@ -491,8 +574,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 1..65535, got {a.port}")
     if a.max_waiting < 0:
         raise UsageError(f"--max-waiting must be >= 0, got {a.max_waiting}")
-    if a.max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {a.max_batch}")
+    _check_max_batch(a.max_batch)
     try:
         from qspec.server.app import create_app, listen_socket, serve
     except ImportError as e:
@@ -706,8 +788,14 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_max_batch(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--max-batch", type=int, default=default, metavar="N",
+                   help=f"decode up to N requests together (plain decoding: each weight is read once a step for all of "
+                   f"them; a request alone still drafts with --draft; default {default})")
+
+
 def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
-    """run, chat, serve: the engine's flags, and sampling's for run and chat."""
+    """run, chat, batch, serve: the engine's flags, and sampling's for run, chat and batch."""
     r = sub.add_parser("run", help="generate text from a prompt, streaming it to stdout")
     r.add_argument("prompt")
     r.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (one user turn)")
@@ -724,15 +812,23 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(ch)
     ch.set_defaults(func=cmd_chat)
 
+    b = sub.add_parser("batch", help="generate for every prompt of a file (one a line, or JSON lines with a "
+                                     "\"prompt\"), up to --max-batch at once; a JSON line per prompt")
+    b.add_argument("prompts", metavar="FILE")
+    b.add_argument("--out", metavar="FILE", help="where the JSON lines go (default: stdout)")
+    b.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (one user turn)")
+    _add_max_batch(b, 8)
+    add_arguments(b, SamplingOptions)
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_batch)
+
     sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
     sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
                     help="requests that may wait for the engine before more are refused with a 503")
-    sv.add_argument("--max-batch", type=int, default=1, metavar="N",
-                    help="decode up to N requests together (plain decoding: each weight is read once a step for all "
-                    "of them; a request alone still drafts with --draft) instead of one at a time (default 1)")
+    _add_max_batch(sv, 1)
     sv.add_argument("--api-key", metavar="KEY",
                     help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
                     "$QSPEC_API_KEY, else none)")

@@ -47,6 +47,45 @@ def counters(err: str) -> dict[str, float]:
     return {k: float(v) for k, v in zip(keys, m.groups(), strict=True)}
 
 
+def test_batch_writes_what_run_generates(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                        tmp_path: Path) -> None:
+    """`qspec batch`: a line per prompt (plain lines and JSON lines, blank lines skipped), in order, each the tokens
+    `qspec run` generates for it; to stdout, or --out."""
+    texts = [PROMPT, "let x = 1;", "struct A {"]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"{texts[0]}\n\n{json.dumps({'prompt': texts[1]})}\n{texts[2]}\n", encoding="utf-8")
+    want = []
+    for t in texts:
+        js = tmp_path / "one.json"
+        assert run(capsys, "run", t, "--model", str(models["gguf"]), "--max-tokens", "6", "--json", str(js),
+                   *FAST)[0] == 0
+        want.append(json.loads(js.read_text())["tokens"])
+    for draft in ("0", "2"):
+        rc, out, err = run(capsys, "batch", str(prompts), "--model", str(models["gguf"]), "--max-tokens", "6",
+                           "--max-batch", "2", "--draft", draft, *FAST)
+        assert rc == 0, err
+        lines = [json.loads(x) for x in out.splitlines()]
+        assert [x["index"] for x in lines] == [0, 1, 2] and [x["tokens"] for x in lines] == want
+        assert "3 prompts, 18 tokens generated" in err
+    assert run(capsys, "batch", str(prompts), "--model", str(models["gguf"]), "--max-tokens", "6", "--out",
+               str(tmp_path / "o.jsonl"), *FAST)[0] == 0
+    assert [json.loads(x)["tokens"] for x in (tmp_path / "o.jsonl").read_text().splitlines()] == want
+
+
+@pytest.mark.parametrize("content, words", [("", "has no prompt"), ('{"prompt": 3}\n', ':1: a JSON line needs'),
+                                            ('ok\n{"prompt": \n', ":2: not a JSON object"), (None, "cannot read")])
+def test_batch_refuses_a_bad_prompt_file(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                         tmp_path: Path, content: str | None, words: str) -> None:
+    path = tmp_path / "p.txt"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    rc, _, err = run(capsys, "batch", str(path), "--model", str(models["gguf"]), *FAST)
+    assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    path.write_text("ok\n", encoding="utf-8")
+    rc, _, err = run(capsys, "batch", str(path), "--model", str(models["gguf"]), "--max-batch", "0", *FAST)
+    assert rc == 2 and "--max-batch must be >= 1" in err
+
+
 def test_run_streams_text_and_reports(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                       tmp_path: Path) -> None:
     js = tmp_path / "gen.json"
