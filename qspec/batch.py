@@ -2,9 +2,10 @@
 
 A Batcher holds `slots` sequences (a Runner each: its own caches, the model shared) and one thread that runs them.
 Requests come from any thread: `generate` blocks its caller until the request ends, as Engine.generate does. The
-thread admits a waiting request into a free slot by prefilling its prompt (the others wait that long), then runs
-one step over every admitted sequence, a row each (Model.forward_batch): each weight is read once for all of them,
-where a lone sequence reads it for one token.
+thread gives a waiting request a free slot and prefills its prompt a chunk (EngineOptions.prefill_chunk) between
+steps, so the sequences decoding wait a chunk at a time, not a whole prompt; each step runs every decoding sequence,
+a row each (Model.forward_batch): each weight is read once for all of them, where a lone sequence reads it for one
+token.
 
 Each request picks, streams and stops as the engine's plain decoding does (its Sampler, stop ids, grammar and
 log-probabilities, qspec/engine.py), so a greedy request's output is the engine's plain output: token for token
@@ -43,7 +44,7 @@ class _Yield(Exception):  # noqa: N818 - not an error: a lone request's decoding
     """Raised from a lone request's token callback when another request waits (Batcher._decode_alone)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: compared by identity
 class _Job:
     """A request in the batch: its bookkeeping (the engine's _Request), where it is, and how it ended."""
     prompt: list[int]
@@ -54,6 +55,8 @@ class _Job:
     error: BaseException | None = None
     slot: int = -1
     cached: int = 0  # prompt tokens the slot held already
+    ids: torch.Tensor | None = None  # the tokens its slot prefills (its prompt, or prompt and output so far)
+    filled: int = 0  # how many of them the slot holds
     tok: int = -1  # the last emitted token: the next step's row
     t0: float = 0.0
     prefill_s: float = 0.0
@@ -76,7 +79,8 @@ class Batcher:
         # the batched steps' CUDA graphs live in the first slot's store (its own steps, prefill's, have none)
         self.steps = BatchSteps(self.runners, self.runners[0] if lead.use_graphs else None)
         self._waiting: deque[_Job] = deque()
-        self._active: dict[int, _Job] = {}
+        self._active: dict[int, _Job] = {}  # decoding, by slot
+        self._filling: deque[_Job] = deque()  # given a slot, their prompts prefilling a chunk a step, in order
         self._cv = threading.Condition()
         self._closed = False
         self._ahead: tuple[list[_Job], torch.Tensor] | None = None  # a step launched and kept, its logits not read
@@ -142,22 +146,25 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._waiting or self._active or self._closed):
+                while not (self._waiting or self._active or self._filling or self._closed):
                     self._cv.wait()
-                if self._closed and not (self._waiting or self._active):
+                if self._closed and not (self._waiting or self._active or self._filling):
                     return
                 admit = []
-                if not self._active and len(self._waiting) == 1 and self._alone_ok(self._waiting[0]):
+                busy = self._active or self._filling
+                if not busy and len(self._waiting) == 1 and self._alone_ok(self._waiting[0]):
                     alone = self._waiting.popleft()
                 else:
                     alone = None
-                    while self._waiting and len(self._active) + len(admit) < self.slots:
+                    while self._waiting and len(self._active) + len(self._filling) + len(admit) < self.slots:
                         admit.append(self._waiting.popleft())
             with torch.inference_mode(), self.engine.runner.switches.apply():
                 if alone is not None:
                     self._guarded(alone, self._decode_alone)
                 for job in admit:
                     self._guarded(job, self._admit)
+                if self._filling:  # one chunk a step: the sequences decoding wait a chunk, not a whole prompt
+                    self._guarded(self._filling[0], self._prefill_chunk)
                 if self._active:
                     self._step()
 
@@ -191,7 +198,11 @@ class Batcher:
         except _Yield:
             req.out.extend(emitted)  # streamed and consumed by the grammar already
             job.tok = emitted[-1]
-            self._place(job, job.prompt + emitted[:-1], reuse=True)
+            self._take_slot(job, job.prompt + emitted[:-1], reuse=True)
+            run = self.runners[job.slot]
+            with run.prefill_scope():  # at once: the request that arrived waits for it
+                prefill_chunks(run, job.ids, self.engine.prefill_chunk, job.filled, None, draft=False)
+            self._active[job.slot] = job
             return
         job.result = g
         job.done.set()
@@ -206,7 +217,7 @@ class Batcher:
     def _free_slot(self, prompt: list[int], reuse: bool) -> tuple[int, int]:
         """A free slot for `prompt` -> (slot, prompt tokens it holds): one whose sequence the prompt goes on from,
         the longest, else the emptiest."""
-        taken = {j.slot for j in self._active.values()}
+        taken = {j.slot for j in self._active.values()} | {j.slot for j in self._filling}
         free = [s for s in range(self.slots) if s not in taken]
         best, kept = min(free, key=lambda s: self.runners[s].n_tokens), 0
         for s in free:
@@ -217,10 +228,28 @@ class Batcher:
         return best, kept
 
     def _admit(self, job: _Job) -> None:
-        """Prefill the job's prompt in a free slot and emit its first token; it joins the batch unless that ends it."""
-        req = job.req
+        """Give the job a slot (the one that holds the most of its prompt) and queue its prompt's prefill."""
         job.t0 = time.perf_counter()
-        logits = self._place(job, job.prompt, reuse=req.prompt_logprobs is None, scores=req.prompt_logprobs)
+        self._take_slot(job, job.prompt, reuse=job.req.prompt_logprobs is None)
+        self._filling.append(job)
+
+    def _prefill_chunk(self, job: _Job) -> None:
+        """One prefill step of the first job in line; after its prompt's last, it emits its first token and joins
+        the batch (unless that token ends it)."""
+        req, ids = job.req, job.ids
+        assert ids is not None
+        run = self.runners[job.slot]
+        step = self.engine.prefill_chunk
+        if req.prompt_logprobs is not None:
+            step = min(step, SCORED_PREFILL_ROWS)
+        end = min(job.filled + step, len(ids))
+        with run.prefill_scope():
+            logits, _ = prefill_chunks(run, ids, step, job.filled, req.prompt_logprobs, draft=False, end=end)
+        job.filled = end
+        if end < len(ids):
+            return
+        self._filling.popleft()
+        self._active[job.slot] = job
         if not req.max_tokens:  # the prompt scored alone
             self._finish(job)
             return
@@ -228,18 +257,12 @@ class Batcher:
         job.prefill_s = time.perf_counter() - job.t0
         job.t1 = time.perf_counter()
 
-    def _place(self, job: _Job, tokens: list[int], reuse: bool, scores: Logprobs | None = None) -> torch.Tensor:
-        """Give the job a free slot (the one that holds the most of `tokens`, with `reuse`) and prefill the rest of
-        `tokens` there -> the last step's logits (every row's with `scores`: SCORED_PREFILL_ROWS a step)."""
+    def _take_slot(self, job: _Job, tokens: list[int], reuse: bool) -> None:
+        """A free slot for the job (the one that holds the most of `tokens`, with `reuse`), its sequence cut to
+        what `tokens` share with it; the rest of `tokens` is left to prefill."""
         job.slot, job.cached = self._free_slot(tokens, reuse=reuse)
-        self._active[job.slot] = job
-        run = self.runners[job.slot]
-        run.begin_request(job.cached)
-        step = self.engine.prefill_chunk if scores is None else min(self.engine.prefill_chunk, SCORED_PREFILL_ROWS)
-        with run.prefill_scope():
-            logits, _ = prefill_chunks(run, torch.tensor(tokens, dtype=torch.long), step, job.cached, scores,
-                                       draft=False)
-        return logits
+        self.runners[job.slot].begin_request(job.cached)
+        job.ids, job.filled = torch.tensor(tokens, dtype=torch.long), job.cached
 
     def _emit(self, job: _Job, logits: torch.Tensor, tok: int | None = None) -> None:
         """Emit the job's next token: `tok` (a plain greedy pick made already), else picked from its logits row
@@ -329,7 +352,10 @@ class Batcher:
     def _finish(self, job: _Job, error: BaseException | None = None) -> None:
         """End the job: its slot is free again (its sequence kept for a prompt that goes on from it, unless the
         request failed), its caller woken with the result or the error."""
-        self._active.pop(job.slot, None)
+        if self._active.get(job.slot) is job:
+            del self._active[job.slot]
+        if job in self._filling:  # by identity
+            self._filling.remove(job)
         if error is not None:
             job.error = error
             if job.slot >= 0:

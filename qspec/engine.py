@@ -140,18 +140,20 @@ def context_error(prompt_tokens: int, max_tokens: int, draft: int, capacity: int
             f"more than {names['capacity']} {capacity}")
 
 
-def prefill_chunks(run: Runner, ids: torch.Tensor, step: int, start: int, scores: Logprobs | None, draft: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prompt `ids` from position `start` through `run` in steps of `step` rows, each committed -> (the last step's
-    logits: its last row's, or every row's when `scores` (from position 0) takes each prompt token's
-    log-probability; the last row's residual H). `draft`: the draft head's cache is filled as well."""
+def prefill_chunks(run: Runner, ids: torch.Tensor, step: int, start: int, scores: Logprobs | None, draft: bool,
+                   end: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompt `ids` from position `start` (to `end`: a part of it, the rest later) through `run` in steps of `step`
+    rows, each committed -> (the last step's logits: its last row's, or every row's when `scores` takes each prompt
+    token's log-probability (from position 0); the last row's residual H). `draft`: the draft head's cache is
+    filled as well."""
     dev, P = run.device, len(ids)
     logits, H = None, None
-    if scores is not None:
+    if scores is not None and start == 0:
         scores.entries.append(TokenLogprob(int(ids[0]), None, ()))  # the first token: nothing predicts it
-    for s in range(start, P, step):
-        chunk = ids[s:s + step]
-        last = s + step >= P
+    stop = P if end is None else end
+    for s in range(start, stop, step):
+        chunk = ids[s:min(s + step, stop)]
+        last = s + len(chunk) >= P
         rows = (torch.arange(len(chunk), device=dev) if scores is not None
                 else torch.tensor([len(chunk) - 1], device=dev) if last
                 else torch.zeros(0, dtype=torch.long, device=dev))

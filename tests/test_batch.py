@@ -288,3 +288,32 @@ def test_a_request_that_fails_midway_leaves_the_others_and_its_slot_clean(tiny_m
         assert [g.tokens for g in b.generate_all([later, prompt_of(5, 53)], 8)][0] == e.generate(later, 8).tokens
     finally:
         b.close()
+
+
+def test_a_long_prompt_prefills_a_chunk_a_step_while_others_decode(tiny_model: Model) -> None:
+    """A prompt of 8 prefill chunks that arrives while another request decodes: that request emits a token after
+    each chunk instead of waiting for the whole prompt, and both outputs are the engine's."""
+    log: list[str] = []
+    first, second = prompt_of(9, 60), prompt_of(64, 61)
+    plain = engine(tiny_model, prefill_chunk=8)
+    want = [plain.generate(first, 30).tokens, plain.generate(second, 4).tokens]
+    b = Batcher(engine(tiny_model, prefill_chunk=8), 2)
+    got: dict[str, Generation] = {}
+    other = threading.Thread(target=lambda: got.update(
+        second=b.generate(second, 4, on_token=lambda t: log.append("b"))))
+
+    def first_token(t: int) -> None:
+        log.append("a")
+        if log.count("a") == 3:
+            other.start()
+            while not b._waiting:
+                time.sleep(0.001)
+            log.append("queued")
+    try:
+        got["first"] = b.generate(first, 30, on_token=first_token)
+        other.join()
+    finally:
+        b.close()
+    assert got["first"].tokens == want[0] and got["second"].tokens == want[1]
+    between = log[log.index("queued"):log.index("b")]
+    assert between.count("a") >= 7, log  # a token of the first request after each of the chunks but the last
