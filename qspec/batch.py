@@ -170,9 +170,11 @@ class Batcher:
 
     def _alone_ok(self, job: _Job) -> bool:
         """Whether a request alone in the batcher decodes with the engine's speculative rounds (`_decode_alone`):
-        when the engine drafts, and the request asks for no log-probabilities (a round stopped midway leaves
-        their queue half read)."""
-        return bool(self.engine.opts.draft) and job.req.logprobs is None and job.req.prompt_logprobs is None
+        when the engine drafts, the request is greedy (a sampled one would draw from its seed by speculative
+        sampling, then by plain sampling from whenever another request arrived: its output would depend on the
+        others), and it asks for no log-probabilities (a round stopped midway leaves their queue half read)."""
+        r = job.req
+        return bool(self.engine.opts.draft) and job.sampler.greedy and r.logprobs is None and r.prompt_logprobs is None
 
     def _decode_alone(self, job: _Job) -> None:
         """A request alone decodes with the engine (speculative rounds, its prefix cache), and keeps the speed of

@@ -3,6 +3,7 @@ returns, streams the same text, honours stop strings, and answers bad requests w
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import re
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
@@ -506,6 +508,23 @@ def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: 
         steps = app.state.server.batcher.steps
         assert steps.rows > steps.steps  # some steps decoded several requests
         assert re.search(r'qspec:num_requests_running\{[^}]*\} 0', client.get("/metrics").text)
+    # a request's n sampled choices (whole and streamed) decode together, each as plain decoding samples it alone
+    # (seeded by the request's seed + the choice's index)
+    plain = Engine(engine.model, dataclasses.replace(engine.opts, draft=0))
+    ids = tok.encode(PROMPT, add_special=True)
+    want = [tok.decode(plain.generate(ids, 8, stop_ids=set(tok.stop_ids), sampler=Sampler(
+        temperature=0.9, generator=torch.Generator().manual_seed(7 + i))).tokens, skip_special=True) for i in range(3)]
+    assert len(set(want)) > 1
+    with TestClient(app) as client:
+        for stream in (False, True):
+            payload = {"prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 0.9, "seed": 7, "stream": stream}
+            if stream:
+                events = _stream(client, payload)[1]
+                got = ["".join(e["choices"][0]["text"] for e in events
+                               if e["choices"] and e["choices"][0]["index"] == i) for i in range(3)]
+            else:
+                got = [ch["text"] for ch in client.post("/v1/completions", json=payload).json()["choices"]]
+            assert got == want
     with pytest.raises(ValueError, match="served engine"):
         create_app(engine, tok, "tiny", batcher=Batcher(Engine(engine.model, engine.opts), 2))
 

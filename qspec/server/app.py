@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -498,8 +499,8 @@ async def _in_worker(srv: CompletionServer, run: _Run, fn: Callable[[], T]) -> T
 async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str | list[int], list[int], int]],
                    fmt: type[TextBodies] | type[ChatBodies], request: Request):  # noqa: ANN202
     """Generate for one request, each prompt's `n` choices one after the other (each after the first finds the prompt
-    in the caches); prompts: (as sent, its ids, its max_tokens). A whole JSON body, or a stream of server-sent events
-    ending with `[DONE]`."""
+    in the caches), or with a batcher together; prompts: (as sent, its ids, its max_tokens). A whole JSON body, or a
+    stream of server-sent events ending with `[DONE]`."""
     srv.admit()
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
@@ -514,16 +515,23 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
         return head | {"object": obj, "choices": choices} | done
 
     def all_choices(emit: Callable[[int, str | None, list | None], None] | None = None) -> list[Generation] | None:
-        """Blocking: every choice in turn; emit(index, piece, log-probabilities since the last piece), and
-        emit(index, None, the rest) at each choice's end."""
+        """Blocking: every choice, in turn (with a batcher: together, a thread each); emit(index, piece,
+        log-probabilities since the last piece), and emit(index, None, the rest) at each choice's end."""
+        def one(i: int) -> Generation | None:
+            g = srv.generate(req, runs[i], None if emit is None else partial(emit, i))
+            if g is not None and emit is not None:
+                emit(i, None, runs[i].new_logprobs())
+            return g
+        if srv.batcher is not None and len(runs) > 1:
+            with ThreadPoolExecutor(len(runs)) as pool:
+                gens = list(pool.map(one, range(len(runs))))
+            return None if any(g is None for g in gens) else gens
         gens = []
-        for i, run in enumerate(runs):
-            g = srv.generate(req, run, None if emit is None else partial(emit, i))
+        for i in range(len(runs)):
+            g = one(i)
             if g is None:
                 return None
             gens.append(g)
-            if emit is not None:
-                emit(i, None, run.new_logprobs())
         return gens
 
     if not req.stream:
