@@ -10,7 +10,7 @@ token.
 Each request picks, streams and stops as the engine's plain decoding does (its Sampler, stop ids, grammar and
 log-probabilities, qspec/engine.py), so a greedy request's output is the engine's plain output: token for token
 in exact mode (EngineOptions.exact), and up to near ties otherwise, as a verify step's rows are. A batch does not
-draft; a request alone does: with an engine that drafts, a request that finds the batcher empty decodes with the
+draft; a greedy request alone does: with an engine that drafts, one that finds the batcher empty decodes with the
 engine's speculative rounds (Engine.generate), and hands over to the batch when another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
