@@ -32,7 +32,7 @@ import torch
 
 from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, _Request, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
-from qspec.memory import check_cache_fits
+from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
 from qspec.model.qsa import PooledUpdate
 from qspec.runner import Readback, Runner
@@ -91,6 +91,13 @@ class Batcher:
     @property
     def slots(self) -> int:
         return len(self.runners)
+
+    def describe(self) -> str:
+        """A line on the batch: its slots and what their caches hold in memory."""
+        dev, host = held_bytes(self.model, [r.cache for r in self.runners])
+        where = "host" if self.model.device.type == "cpu" else "GPU"
+        return (f"up to {self.slots} requests at once, their caches {(dev or host) / 2**30:.2f} GiB of {where} "
+                f"memory ({self.runners[0].opts.capacity:,} tokens each)")
 
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,

@@ -527,6 +527,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
                                                               names=_REQUEST_NAMES))
     compiler = GrammarCompiler(tok, vocab) if spec is not None else None
     batcher = Batcher(engine, min(a.max_batch, len(prompts)))
+    _say(f"qspec: batch: {batcher.describe()}")
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=2 * batcher.slots) as pool:  # enough callers to keep the slots full
@@ -584,6 +585,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     path, tok, engine = _load(a, opts, _warmup_ids)
     ids = _warmup_ids(tok, engine.model.cfg)
     batcher = Batcher(engine, a.max_batch) if a.max_batch > 1 else None
+    if batcher is not None:
+        _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
     if a.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it

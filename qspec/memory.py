@@ -75,8 +75,15 @@ def _collect(obj: Any, seen: set[int], sizes: dict[str, int], depth: int = 0) ->
 
 def cache_bytes(model: Model, opts: CacheOptions) -> tuple[int, int]:
     """(device bytes, host bytes) of the cache `model.new_cache(opts)` allocates (it allocates it to count)."""
+    return held_bytes(model, [model.new_cache(opts)])
+
+
+def held_bytes(model: Model, caches: list[Any]) -> tuple[int, int]:
+    """(device bytes, host bytes) of these caches, each storage once (on a CPU model, all of it host bytes)."""
     sizes: dict[str, int] = {}
-    _collect(model.new_cache(opts), set(), sizes)
+    seen: set[int] = set()
+    for c in caches:
+        _collect(c, seen, sizes)
     if model.device.type == "cpu":
         return 0, sizes.get("host", 0) + sizes.get("device", 0)
     return sizes.get("device", 0), sizes.get("host", 0)

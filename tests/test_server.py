@@ -507,7 +507,9 @@ def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: 
         assert got == want
         steps = app.state.server.batcher.steps
         assert steps.rows > steps.steps  # some steps decoded several requests
-        assert re.search(r'qspec:num_requests_running\{[^}]*\} 0', client.get("/metrics").text)
+        text = client.get("/metrics").text
+        assert re.search(r'qspec:num_requests_running\{[^}]*\} 0', text)
+        assert re.search(rf'qspec:batch_rows_total\{{[^}}]*\}} {steps.rows}\n', text)
     # a request's n sampled choices (whole and streamed) decode together, each as plain decoding samples it alone
     # (seeded by the request's seed + the choice's index)
     plain = Engine(engine.model, dataclasses.replace(engine.opts, draft=0))

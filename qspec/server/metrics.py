@@ -24,7 +24,7 @@ class ServerMetrics:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     waiting: int = 0  # requests queued for the engine
-    running: int = 0  # 0 or 1: the engine runs one request at a time
+    running: int = 0  # 0 or 1 (the engine runs one request at a time), or up to a batcher's slots
     rejected: int = 0  # refused because the queue was full
     ttft: list[int] = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS) + 1))  # per bucket, +Inf last
     ttft_sum: float = 0.0
@@ -53,8 +53,8 @@ class ServerMetrics:
             self.running += running
             self.rejected += rejected
 
-    def render(self) -> str:
-        """Prometheus' text exposition format."""
+    def render(self, batch_steps: tuple[int, int] | None = None) -> str:
+        """Prometheus' text exposition format; `batch_steps`: a batcher's steps and their rows (qspec/batch.py)."""
         with self._lock:
             lab = f'model_name="{_label(self.model)}"'
             out = _metric("qspec:requests_total", "counter", "requests ended, by the first choice's finish reason",
@@ -71,6 +71,10 @@ class ServerMetrics:
                 out += _metric(f"qspec:{name}", "counter", help_, [(lab, value)])
             out += _metric("qspec:num_requests_waiting", "gauge", "requests queued", [(lab, self.waiting)])
             out += _metric("qspec:num_requests_running", "gauge", "requests running", [(lab, self.running)])
+            if batch_steps is not None:  # rows / steps: the mean batch
+                out += _metric("qspec:batch_steps_total", "counter", "batched decode steps", [(lab, batch_steps[0])])
+                out += _metric("qspec:batch_rows_total", "counter", "rows (requests' tokens) of batched decode steps",
+                               [(lab, batch_steps[1])])
             cum, rows = 0, []
             for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft, strict=True):
                 cum += n
