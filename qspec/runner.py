@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,10 @@ GRAPH_MAX_WRITE_ROWS = 32
 # Attention and indexer scoring read the cells below a bucket of this many tokens above the last
 # position, so their cost follows the context, while shapes (and graphs) change only per bucket.
 KV_BUCKET = 512
+
+
+# held around every block that runs the model under KernelSwitches (re-entrant: a batcher's thread runs an engine)
+MODEL_LOCK = threading.RLock()
 
 
 class ContextError(ValueError):
@@ -83,8 +88,10 @@ class KernelSwitches:
 
     @contextlib.contextmanager
     def apply(self) -> Iterator[None]:
-        """Every switch set inside the block, and restored after it."""
-        with ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
+        """Every switch set inside the block, and restored after it. The switches are module-level modes, one set
+        for the process: a block holds MODEL_LOCK, so another thread's block (a batcher's thread and an engine
+        used elsewhere, say) waits for it instead of saving and restoring the modes in between."""
+        with MODEL_LOCK, ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
