@@ -144,6 +144,34 @@ def test_the_engine_leaves_the_callers_options_alone(tiny_model: Model) -> None:
     assert len(Engine(tiny_model).generate([1, 2, 3], 2).tokens) == 2  # no options: the defaults
 
 
+def test_switch_blocks_of_two_threads_do_not_interleave() -> None:
+    """The switches are process-wide modes: a block in one thread waits for another thread's block to end (else it
+    would save that block's modes as the ones to restore, and leave them set)."""
+    import threading
+
+    from qspec.model import ops
+
+    inside, release, entered = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with KernelSwitches(row_exact=True).apply():
+            inside.set()
+            release.wait()
+
+    def other() -> None:
+        with KernelSwitches().apply():
+            entered.set()
+    first, second = threading.Thread(target=hold), threading.Thread(target=other)
+    first.start()
+    inside.wait()
+    second.start()
+    assert not entered.wait(0.2)  # the second block waits for the first
+    release.set()
+    first.join()
+    second.join()
+    assert entered.is_set() and ops._ROW_EXACT is KernelSwitches().row_exact
+
+
 def test_kernel_switch_defaults_are_the_modules() -> None:
     """Outside any engine the modules hold KernelSwitches' defaults, and the option defaults resolve to them on the
     CPU, except what the CPU lacks."""
