@@ -17,7 +17,9 @@ A slot keeps its sequence after its request ends: a prompt that goes on from it 
 slot and prefills only its new tokens.
 
 Invariant: a slot's runner holds its request's prompt and emitted tokens but the last, committed (the last is fed
-to the next step); a slot is given to one request at a time, and only the batch thread touches runners.
+to the next step); a slot is given to one request at a time, and only the batch thread touches runners. Each pass
+of the thread runs under KernelSwitches.apply, which holds runner.MODEL_LOCK: the engine used from another thread
+waits for it (the switches are process-wide modes).
 """
 
 from __future__ import annotations
