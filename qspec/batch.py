@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, _Request, prefill_chunks
+from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, RequestState, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
@@ -48,10 +48,10 @@ class _Yield(Exception):  # noqa: N818 - not an error: a lone request's decoding
 
 @dataclass(eq=False)  # a job is itself: compared by identity
 class _Job:
-    """A request in the batch: its bookkeeping (the engine's _Request), where it is, and how it ended."""
+    """A request in the batch: its bookkeeping (the engine's RequestState), where it is, and how it ended."""
     prompt: list[int]
     sampler: Sampler
-    req: _Request
+    req: RequestState
     done: threading.Event = field(default_factory=threading.Event)
     result: Generation | None = None
     error: BaseException | None = None
@@ -112,7 +112,7 @@ class Batcher:
         if sampler.grammar is not None and not set(sampler.grammar.ends) <= set(stop_ids or ()):
             raise ValueError(f"a grammar's output ends on token ids {sampler.grammar.ends}: they must be stop ids")
         sampler.begin(prompt, self.model.cfg.vocab_size, self.model.device)
-        job = _Job(list(prompt), sampler, _Request(max_tokens, stop_ids or set(), on_token, None, logprobs,
+        job = _Job(list(prompt), sampler, RequestState(max_tokens, stop_ids or set(), on_token, None, logprobs,
                                                    prompt_logprobs, sampler.grammar))
         with self._cv:
             if self._closed:

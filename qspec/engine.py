@@ -268,7 +268,7 @@ class Engine:
         if self.depth is not None and not self.depth.calibrated:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
-            req = _Request(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
+            req = RequestState(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
                            logprobs, prompt_logprobs, sampler.grammar)
             return self._generate(prompt, req, sampler)
 
@@ -288,7 +288,7 @@ class Engine:
         step writes it (its shape's graph: a new shape would compile where this runs)."""
         self.runner.mtp_step(upload([token], self.model.device), h, pos, self.draft_lm_head)
 
-    def _generate(self, prompt: list[int], req: _Request, sampler: Sampler) -> Generation:
+    def _generate(self, prompt: list[int], req: RequestState, sampler: Sampler) -> Generation:
         o, run = self.opts, self.runner
         start = self.prefix.begin(prompt, self._write_head_row, reuse=req.prompt_logprobs is None)
         cached, cp = start.cached, start.checkpoint
@@ -356,7 +356,7 @@ class Engine:
         self.prefix.prompt_done(len(prompt), logits[-1:], H)
         return logits[-1:], H
 
-    def _decode(self, req: _Request, tok: int, sampler: Sampler) -> None:
+    def _decode(self, req: RequestState, tok: int, sampler: Sampler) -> None:
         """Plain decoding, pipelined: the step that consumes token j is queued (its input is the argmax, or the
         sampler's draw, on the device) before the host reads token j, so the host's work for a step overlaps the
         previous step on the GPU. A step queued behind a token that ends the request is discarded (keep 0 rows)."""
@@ -433,7 +433,7 @@ class Engine:
         self._plain_tokens = choice.plain_tokens
         return choice.depth
 
-    def _speculate(self, req: _Request, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
+    def _speculate(self, req: RequestState, tok: int, H: torch.Tensor, P: int, sampler: Sampler) -> None:
         """Speculative rounds until the request ends; `tok` was emitted and not yet run, H is the residual of
         the position before it. With the automatic depth, a choice of depth 0 decodes a stretch plainly, the draft
         head running the stretch's rows on the side, so that the next (probe) round drafts from a current head."""
@@ -501,7 +501,7 @@ class Engine:
                 t, x = _padded(t, x, W)
             run.mtp_write_kv(t, x, start + c)
 
-    def _plain_stretch(self, req: _Request, tok: int, sampler: Sampler, n: int
+    def _plain_stretch(self, req: RequestState, tok: int, sampler: Sampler, n: int
                        ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Plain decoding of up to n tokens after `tok` (emitted, not yet run), pipelined as in _decode but the last
         step, whose token the next round runs. The draft head runs each step's row (token, residual) in batches of
@@ -547,7 +547,7 @@ class Engine:
                 return tok, d_logits, d_X
             run.keep(1, rollback=False)
 
-    def _rounds(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, d: int,
+    def _rounds(self, req: RequestState, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, d: int,
                 sampler: Sampler) -> int | None:
         """Speculative rounds from depth d while the depth stays above 0; `tok` was emitted and not yet run,
         d_logits / d_X are the draft head's step over it -> None when the request ended, else the token emitted
@@ -628,7 +628,7 @@ class Engine:
             if not d:
                 return tok
 
-    def _draft_chain(self, req: _Request, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler,
+    def _draft_chain(self, req: RequestState, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler,
                      n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Drafts d_1..d_n as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
         d_1 from the logits of the step that saw the committed tokens (the extend), then n - 1 head steps chained on
@@ -662,7 +662,7 @@ class Engine:
             d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, n - 1, self.draft_lm_head, at=at)[0])
         return d_toks
 
-    def _round_on_device(self, req: _Request, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
+    def _round_on_device(self, req: RequestState, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
                          L: int, forced: int | None, sampler: Sampler, d: int, d_next: int
                          ) -> tuple[list[int], int, int, torch.Tensor, tuple[torch.Tensor, torch.Tensor],
                                     tuple[list[torch.Tensor], torch.Tensor | None] | None]:
@@ -717,7 +717,7 @@ class Engine:
         read = self.reader.result()
         return read[:d], read[d], read[d + 1], vX, extended, early
 
-    def _round_on_host(self, req: _Request, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
+    def _round_on_host(self, req: RequestState, tok: int, d_logits: torch.Tensor, d_X: torch.Tensor, L: int,
                        sampler: Sampler, d: int) -> tuple[list[int], list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """The draft chain, its drafts read by the host and passed through the draft hook, then the verify step
         -> (drafts, the draft distributions [1, V] when sampling, verify logits, verify residuals). Only a draft
@@ -740,13 +740,13 @@ def _padded(toks: torch.Tensor, X: torch.Tensor, rows: int) -> tuple[torch.Tenso
     return torch.cat([toks, toks[-1:].expand(pad)]), torch.cat([X, X[-1:].expand(pad, -1)])
 
 
-def _replay_key(hook: AcceptHook, req: _Request) -> int:
+def _replay_key(hook: AcceptHook, req: RequestState) -> int:
     """What an accept hook is asked with: the round's index, or, for a hook replaying a text (`by_position`), the
     request's token position (tokens emitted so far), which plain stretches advance too."""
     return len(req.out) if getattr(hook, "by_position", False) else len(req.rounds_log)
 
 
-class _Request:
+class RequestState:
     """One generate() call's bookkeeping: the emitted tokens, the stop rule, counters, logs and phase timing."""
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
