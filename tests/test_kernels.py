@@ -195,7 +195,7 @@ def test_gdn_final_only_writes_the_last_state_alone(T: int, Hq: int, Hv: int) ->
 
 
 def test_gdn_planes_matches_model_path() -> None:
-    """The reference is what GatedDeltaNet.forward does for a short step."""
+    """The reference is what GatedDeltaNet.recur does for a short step."""
     q, k, v, g, beta, ssm = gdn_inputs(4, 4, 4, 16, 16, 8, seed=3)
     live, base = torch.tensor(2), torch.tensor(4)
     o_model, states = gdn_recurrent_torch(q, k, v, g, beta, ssm[2], keep_states=True)

@@ -118,7 +118,7 @@ def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
                                base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None,
                                final_only: bool = False) -> torch.Tensor:
-    """Reference: what GatedDeltaNet.forward does today for a short step (gather, recurrence, scatter)."""
+    """Reference: what GatedDeltaNet.recur does today for a short step (gather, recurrence, scatter)."""
     if gates is not None:
         beta, g = gdn_gates(beta, g, *gates)
     _check(q, k, v, g, beta, ssm, final_only)

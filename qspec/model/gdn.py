@@ -51,11 +51,6 @@ class GatedDeltaNet(torch.nn.Module):
         self.norm = w[f"{b}.ssm_norm.weight"]
         self.out = w[f"{b}.ssm_out.weight"]
 
-    def forward(self, h: torch.Tensor, st: GDNState, rc: RecurrentCache, fused_snapshots: bool,
-                stats: SnapshotStats | None) -> torch.Tensor:
-        proj = self.project(h)
-        return self.output(self.recur(proj, st, rc, fused_snapshots, stats), proj)
-
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows' input projections (qkv, z, beta logits, alpha logits): row by row, so a batched step makes them
         for every sequence's rows in one product (Model.forward_batch)."""

@@ -72,12 +72,6 @@ class PLE(torch.nn.Module):
         self.vocab = torch.tensor(cfg.ple_head_vocab[:cfg.ple_heads], dtype=torch.long, device=dev)
         self.off = torch.tensor(cfg.ple_head_offsets[:cfg.ple_heads], dtype=torch.long, device=dev)
 
-    def forward(self, X: torch.Tensor, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache,
-                fused_snapshots: bool, stats: SnapshotStats | None) -> torch.Tensor:
-        """X [T, S*D] wide residual -> X + PLE(X)."""
-        G, N = self.gate(X, self.table_rows(tokens, st, rc))
-        return self.mix(X, G, N, st, rc, fused_snapshots, stats)
-
     def table_rows(self, tokens: torch.Tensor, st: PLEState, rc: RecurrentCache) -> torch.Tensor:
         """One sequence's rows: their n-gram contexts from its token history (which the step advances) -> the table
         rows they read."""

@@ -215,10 +215,9 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor
     return o.view(Hkv, T, G, d).permute(1, 0, 2, 3)
 
 
-def _gated_out(o: torch.Tensor, gate: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+@fused
+def gated_out(o: torch.Tensor, gate: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
     """wo (o * sigmoid(gate)) for attention outputs o and gates [T, H, d]."""
     T = o.shape[0]
     return linear(o.reshape(T, -1) * sigmoid(gate.reshape(T, -1)), wo)
 
-
-gated_out = fused(_gated_out)
