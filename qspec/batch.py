@@ -36,7 +36,6 @@ from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, RequestState, 
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
-from qspec.model.qsa import PooledUpdate
 from qspec.runner import Readback, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
@@ -79,7 +78,7 @@ class Batcher:
             check_cache_fits(self.model, opts)  # before each: the free memory left after the slots made already
             self.runners.append(Runner(self.model, opts, cuda_graphs=lead.use_graphs, switches=lead.switches))
         # the batched steps' CUDA graphs live in the first slot's store (its own steps, prefill's, have none)
-        self.steps = BatchSteps(self.runners, self.runners[0] if lead.use_graphs else None)
+        self.steps = BatchSteps(self.runners)
         self._waiting: deque[_Job] = deque()
         self._active: dict[int, _Job] = {}  # decoding, by slot
         self._filling: deque[_Job] = deque()  # given a slot, their prompts prefilling a chunk a step, in order
@@ -392,10 +391,10 @@ def _plain_greedy(job: _Job) -> bool:
 
 class BatchSteps:
     """A step of one row for each of some runners' sequences (Model.forward_batch), through a CUDA graph per set of
-    slots, KV buckets and pooled-key update shapes when `graphs` (a runner whose graph store they use) is given."""
+    slots, KV bucket and pooled-key update shapes where graphs are on (in the first runner's store)."""
 
-    def __init__(self, runners: list[Runner], graphs: Runner | None) -> None:
-        self.runners, self.graphs = runners, graphs
+    def __init__(self, runners: list[Runner]) -> None:
+        self.runners = runners
         self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
         # by rows: the last steps' times to their tokens picked (benchmarks)
         self.seconds: dict[int, deque[float]] = {}
@@ -405,38 +404,15 @@ class BatchSteps:
 
     def run(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""
-        model, dev = self.runners[0].model, self.runners[0].device
+        lead = self.runners[0]
         booked = [self.runners[s].begin_rows(slice(k, k + 1)) for k, s in enumerate(slots)]
         # every sequence attends over the batch's largest KV bucket (the cells past its own are masked): a graph
         # per bucket of the batch, not per combination of its sequences' buckets
         kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
         segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
-        if self.graphs is None:
-            logits, _ = model.forward_batch(tokens.to(dev), pos, segs)
-        else:
-            logits = self._graphed(slots, segs, tokens.to(dev), pos)
+        logits, _ = lead.forward_segments(("batch", tuple(slots)), segs, tokens.to(lead.device), pos)
         for k, s in enumerate(slots):
             self.runners[s].end_rows(tokens[k:k + 1])
         self.steps, self.rows = self.steps + 1, self.rows + len(slots)
         return logits
-
-    def _graphed(self, slots: list[int], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor
-                 ) -> torch.Tensor:
-        ratios = [sorted(s.upd) for s in segs]
-        key = ("batch", tuple(slots), segs[0].kv_len,
-               tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
-        flat = [tokens, pos] + [t for s, rs in zip(segs, ratios, strict=True) for r in rs
-                                for t in (s.upd[r].cells, s.upd[r].start, s.upd[r].dest)]
-        model = self.runners[0].model
-
-        def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            at, parts = 0, []
-            for s, rs in zip(segs, ratios, strict=True):
-                ups = {r: PooledUpdate(*u[at + 3 * i:at + 3 * i + 3]) for i, r in enumerate(rs)}
-                at += 3 * len(rs)
-                parts.append(Segment(s.rows, s.cache, ups, s.kv_len))
-            return model.forward_batch(tok, p, parts)
-
-        assert self.graphs is not None
-        return self.graphs._run(key, fwd, flat)[0]

@@ -261,21 +261,33 @@ class Runner:
         """Run rows `tokens` after the committed ones. Call `keep` afterwards."""
         T = int(tokens.shape[0])
         seg, pos = self.begin_rows(slice(0, T))
-        dev, c, upd, kv_len = self.device, self.cache, seg.upd, seg.kv_len
         if self.use_graphs and T <= GRAPH_MAX_ROWS and logit_rows is None:
-            rs = sorted(upd)
-            key = ("target", T, kv_len, tuple((r, upd[r].dest.shape[0]) for r in rs))
-            flat = [tokens.to(dev), pos] + [t for r in rs for t in (upd[r].cells, upd[r].start, upd[r].dest)]
-
-            def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                ups = {r: PooledUpdate(*u[3 * i:3 * i + 3]) for i, r in enumerate(rs)}
-                return self.model(tok, p, c, ups, None, kv_len)
-
-            logits, X = self._run(key, fwd, flat)
+            logits, X = self.forward_segments(("target", T), [seg], tokens.to(self.device), pos)
         else:
-            logits, X = self.model(tokens.to(dev), pos, c, upd, logit_rows, kv_len)
+            logits, X = self.model(tokens.to(self.device), pos, self.cache, seg.upd, logit_rows, seg.kv_len)
         self.end_rows(tokens)
         return logits, X
+
+    def forward_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.forward_batch over `segs` (one KV bucket for all), through a CUDA graph of this runner's when graphs
+        are on: the pooled-key updates' tensors are its inputs beside the tokens and positions, and its key is
+        `kind` (a name and what tells its steps apart), the bucket and the updates' shapes."""
+        ratios = [sorted(s.upd) for s in segs]
+        key = (*kind, segs[0].kv_len,
+               tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
+        flat = [tokens, pos] + [t for s, rs in zip(segs, ratios, strict=True) for r in rs
+                                for t in (s.upd[r].cells, s.upd[r].start, s.upd[r].dest)]
+
+        def fwd(tok: torch.Tensor, p: torch.Tensor, *u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            at, parts = 0, []
+            for s, rs in zip(segs, ratios, strict=True):
+                parts.append(Segment(s.rows, s.cache, {r: PooledUpdate(*u[at + 3 * i:at + 3 * i + 3])
+                                                       for i, r in enumerate(rs)}, s.kv_len))
+                at += 3 * len(rs)
+            return self.model.forward_batch(tok, p, parts)
+
+        return self._run(key, fwd, flat)
 
     def begin_rows(self, rows: slice) -> tuple[Segment, torch.Tensor]:
         """Book a step's rows after the committed ones (`rows`: where they lie in the step; a batched step holds
