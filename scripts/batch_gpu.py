@@ -24,6 +24,7 @@ import torch
 
 from qspec.batch import Batcher
 from qspec.bench.device_model import bench_config, device_random_model
+from qspec.bench.report import print_report
 from qspec.bench.run import git_commit
 from qspec.engine import Engine, EngineOptions
 
@@ -130,10 +131,7 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
         step = "—" if arm == "engine" or n not in steady else f"{steady[n] * 1e3:.3f} | {n / steady[n]:.2f}"
         lines.append(f"| {arm} | {med:.2f} [{min(v):.2f}-{max(v):.2f}] | {med / n:.2f} | "
                      f"×{int(med / base * 1000) / 1000:.3f} | {step if step != '—' else '— | —'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    print_report(lines, a.out)
 
 
 if __name__ == "__main__":

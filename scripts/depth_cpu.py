@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from qspec.bench.accept import AcceptProfile
+from qspec.bench.report import print_report
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer
 from qspec.model.model import Model
@@ -180,10 +181,7 @@ def main() -> int:
             mean = record_trace(model, prompts, a.gen, path, f"{k}: {len(prompts)} prompts of {a.prompt_tokens}")
             lines.append(f"\nAcceptance trace ({k}, greedy MTP8, mean accepted {mean:.2f}): `{path.name}` "
                          f"(`--accept-profile trace={path}`)")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    print_report(lines, a.out)
     return 0
 
 

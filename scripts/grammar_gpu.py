@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from qspec.bench.device_model import bench_config, device_random_model
+from qspec.bench.report import print_report
 from qspec.bench.run import git_commit
 from qspec.engine import Engine, EngineOptions
 from qspec.spec.accept import Sampler
@@ -89,10 +90,7 @@ def report(a: argparse.Namespace, results: dict[tuple[int, bool], list[float]], 
         lines.append(f"| {'plain' if d == 0 else f'MTP{d}'} | {statistics.median(off):.2f} "
                      f"[{min(off):.2f}-{max(off):.2f}] | {statistics.median(on):.2f} [{min(on):.2f}-{max(on):.2f}] "
                      f"| ×{ratio:.3f} | {accepted[(d, False)]} / {accepted[(d, True)]} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    print_report(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from qspec.bench.report import print_report
 from qspec.engine import Engine, EngineOptions, Generation
 from qspec.loader import DEMO_MODEL, load_model, load_tokenizer
 from qspec.model.model import Model
@@ -122,10 +123,7 @@ def main() -> None:
              "reused: the reusing engine's prompt tokens not prefilled; ratios: the other engine's time over the "
              "reusing one's.", "", "## One conversation", ""]
     lines += table(runs1, list(one)) + ["", "## Two users taking turns", ""] + table(runs2, list(two))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    print_report(lines, a.out)
 
 
 if __name__ == "__main__":

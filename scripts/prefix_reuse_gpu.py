@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from qspec.bench.device_model import bench_config, device_random_model
+from qspec.bench.report import print_report
 from qspec.engine import Engine, EngineOptions, Generation
 
 REPLY, TURN = 32, 64  # tokens generated a turn, new user tokens a later turn
@@ -142,10 +143,7 @@ def report(a: argparse.Namespace, runs: list, offload: list, build_s: float, sum
     lines += ["", f"A's sequence ({n:,} tokens committed) in host memory: {nbytes / 1e6:.1f} MB; "
               f"`save_prefix` {save * 1e3:.1f} ms ({nbytes / save / 1e9:.2f} GB/s), `load_prefix` {load * 1e3:.1f} ms "
               f"({nbytes / load / 1e9:.2f} GB/s); medians of {3 * len(offload)} calls."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        a.out.write_text(text)
+    print_report(lines, a.out)
 
 
 if __name__ == "__main__":

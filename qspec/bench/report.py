@@ -10,6 +10,14 @@ from typing import Any
 from qspec.bench.accept import REPLAYED_LABEL
 
 
+def print_report(lines: list[str], out: Path | None) -> None:
+    """A script's report: its lines printed, and written to `out` when given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        out.write_text(text)
+
+
 def k_tokens(n: int) -> str:
     """512 -> '512', 4096 -> '4K', 6144 -> '6K' (the seed's axis labels)."""
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
