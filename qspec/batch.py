@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from qspec.engine import SCORED_PREFILL_ROWS, Engine, Generation, RequestState, prefill_chunks
+from qspec.engine import Engine, Generation, RequestState, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
@@ -249,9 +249,7 @@ class Batcher:
         req, ids = job.req, job.ids
         assert ids is not None
         run = self.runners[job.slot]
-        step = self.engine.prefill_chunk
-        if req.prompt_logprobs is not None:
-            step = min(step, SCORED_PREFILL_ROWS)
+        step = self.engine.prefill_rows(scored=req.prompt_logprobs is not None)
         end = min(job.filled + step, len(ids))
         with run.prefill_scope():
             logits, _ = prefill_chunks(run, ids, step, job.filled, req.prompt_logprobs, draft=False, end=end)

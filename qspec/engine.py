@@ -334,6 +334,11 @@ class Engine:
                           req.phases, req.draft_log, self.depth.stats.as_dict() if self.depth is not None else {},
                           cached)
 
+    def prefill_rows(self, scored: bool) -> int:
+        """Prompt rows a prefill step takes: the prefill chunk, at most SCORED_PREFILL_ROWS when every row's logits
+        are kept (the prompt `scored`)."""
+        return min(self.prefill_chunk, SCORED_PREFILL_ROWS) if scored else self.prefill_chunk
+
     def _precompile(self, prompt_rows: int) -> None:
         """On this engine's first request, with block weights on CUDA: the block products of the prompt's first step
         (`prompt_rows`) and of the decode and verify steps queued for compilation beside the prefill
@@ -349,7 +354,7 @@ class Engine:
         """Run the prompt from position `start` (the caches hold the tokens before it) in chunks, and the draft head
         over it -> (last row's logits, last row's residual H); a checkpoint of the prompt's end when they are on.
         `scores` (from position 0) gets each prompt token's log-probability."""
-        step = self.prefill_chunk if scores is None else min(self.prefill_chunk, SCORED_PREFILL_ROWS)
+        step = self.prefill_rows(scored=scores is not None)
         with self.runner.prefill_scope():
             logits, H = prefill_chunks(self.runner, torch.tensor(prompt, dtype=torch.long), step, start, scores,
                                        draft=bool(self.opts.draft))
