@@ -213,6 +213,16 @@ def _prompt_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool) -> list[
     return ids
 
 
+def _fitting_ids(tok: Tokenizer, text: str, vocab_size: int, chat: bool, max_tokens: int, opts: EngineOptions,
+                 which: str = "") -> list[int]:
+    """A prompt's ids (_prompt_ids), or UsageError (prefixed with `which`) when it and max_tokens do not fit the
+    context."""
+    ids = _prompt_ids(tok, text, vocab_size, chat)
+    if cells_needed(len(ids), max_tokens, opts.draft) > opts.capacity:
+        raise UsageError(which + context_error(len(ids), max_tokens, opts.draft, opts.capacity, names=_REQUEST_NAMES))
+    return ids
+
+
 def _jsonable(x: Any) -> Any:
     """Counter dicts may have tuple or int keys; JSON wants strings."""
     if isinstance(x, dict):
@@ -391,11 +401,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
 
     def request_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
-        ids = _prompt_ids(tok, a.prompt, cfg.vocab_size, a.chat)
-        if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
-            raise UsageError(context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
-                                           names=_REQUEST_NAMES))
-        return ids
+        return _fitting_ids(tok, a.prompt, cfg.vocab_size, a.chat, samp.max_tokens, opts)
 
     path, tok, engine = _load(a, opts, request_ids)
     model = engine.model
@@ -520,11 +526,8 @@ def cmd_batch(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
     path, tok, engine = _load(a, opts, lambda t, cfg: _prompt_ids(t, texts[0], cfg.vocab_size, a.chat))
     vocab = engine.model.cfg.vocab_size
-    prompts = [_prompt_ids(tok, t, vocab, a.chat) for t in texts]
-    for i, ids in enumerate(prompts):
-        if cells_needed(len(ids), samp.max_tokens, opts.draft) > opts.capacity:
-            raise UsageError(f"prompt {i}: " + context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
-                                                              names=_REQUEST_NAMES))
+    prompts = [_fitting_ids(tok, t, vocab, a.chat, samp.max_tokens, opts, f"prompt {i}: ")
+               for i, t in enumerate(texts)]
     compiler = GrammarCompiler(tok, vocab) if spec is not None else None
     batcher = Batcher(engine, min(a.max_batch, len(prompts)))
     _say(f"qspec: batch: {batcher.describe()}")
