@@ -2,12 +2,11 @@
 decoding of one, in one process, the arms alternated.
 
 A random-weight model made on the device (qspec/bench/device_model.py; `--quant q4_k_m` for GGUF blocks), prompts of
-random ids (a different one per request), greedy, q8_0 KV cache. An arm of batch B starts B requests at once
-(Batcher.generate_all): the batch thread prefills them one after the other, then steps all B together. Its decode
-speed is B x the generated tokens over the wall time less the prefills (which stall the steps; their sum is
-subtracted), and each request's own speed is its tokens over that time too. "engine" is Engine.generate's plain
-decoding of one request (pipelined: the next step is queued before the host reads a token), "batch 1" the batch
-path with one request (a host round trip a step).
+random ids (a different one per request), greedy, q8_0 KV cache. An arm of batch B starts B requests at once: the
+batch thread prefills them a chunk at a time between steps, then steps all B together. Its decode speed counts the
+tokens emitted while all B decode (the last request's first token to the first one's last) over that window; a
+request's own speed is that over B. "engine" is Engine.generate's plain decoding of one request (pipelined: the
+next step is queued before the host reads a token), "batch 1" the batch path with one request.
 
     PYTHONPATH=. python scripts/batch_gpu.py --layers 8 --batches 1,2,4,8 --out benchmarks/results/h200-fn8-batch-C.md
 """
@@ -17,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -35,12 +35,25 @@ def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def batch_arm(b: Batcher, prompts: list[list[int]], tokens: int) -> float:
-    """Aggregate decode tok/s of the prompts started together."""
-    t0 = time.perf_counter()
-    gens = b.generate_all(prompts, tokens)
-    wall = time.perf_counter() - t0
-    assert all(len(g.tokens) == tokens for g in gens), [len(g.tokens) for g in gens]
-    return len(prompts) * tokens / (wall - sum(g.prefill_s for g in gens))
+    """Aggregate decode tok/s of the prompts started together, over the window in which all of them decode: from
+    the last request's first token to the first request's last token (the tokens each emitted in it, over its
+    length). Outside it a prefill stalls the steps or fewer rows are left."""
+    stamps: list[list[float]] = [[] for _ in prompts]
+    gens: list[object] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        gens[i] = b.generate(prompts[i], tokens, on_token=lambda _t: stamps[i].append(time.perf_counter()))
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(len(s) == tokens for s in stamps), [len(s) for s in stamps]
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    emitted = sum(start < t <= end for s in stamps for t in s)
+    if end <= start or emitted < len(prompts):
+        raise SystemExit(f"batch {len(prompts)}: no window in which all requests decode (raise --tokens)")
+    return emitted / (end - start)
 
 
 def engine_arm(e: Engine, prompt: list[int], tokens: int) -> float:
@@ -118,10 +131,10 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
              f"({a.quant or ('bf16' if a.device == 'cuda' else 'f32')}), {commit}, {_dt.date.today()}", "",
              f"`python scripts/batch_gpu.py --layers {a.layers} --batches {a.batches} --prompt {a.prompt} --tokens "
              f"{a.tokens} --reps {a.reps}{' --quant ' + a.quant if a.quant else ''}`: greedy, {a.prompt}-token "
-             f"prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests together (prefills "
-             f"excluded), median [min-max] of {a.reps} runs after a warm-up, arms alternated; ratio over the engine's "
-             f"plain decoding of one request (truncated). Steady: the median time of every batched step of that many "
-             f"rows in the process, a step's rows over it (tok/s). Rows per batched step over the process: "
+             f"prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests together (while "
+             f"all decode), median [min-max] of {a.reps} runs after a warm-up, arms alternated; ratio over the "
+             f"engine's plain decoding of one request (truncated). Steady: the median time of every batched step of "
+             f"that many rows in the process, a step's rows over it (tok/s). Rows per batched step over the process: "
              f"{mean_rows:.2f}; batched steps' graphs: {graphs}. Model: {summary}.", "",
              "| arm | decode tok/s, all requests | per request | ratio | steady step, ms | steady tok/s |",
              "|---|---:|---:|---:|---:|---:|"]
