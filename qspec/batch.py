@@ -1,17 +1,21 @@
-"""Several requests decoded together: continuous batching of plain decoding over one engine's model.
+"""Several requests decoded together: continuous batching over one engine's model.
 
 A Batcher holds `slots` sequences (a Runner each: its own caches, the model shared) and one thread that runs them.
 Requests come from any thread: `generate` blocks its caller until the request ends, as Engine.generate does. The
 thread gives a waiting request a free slot and prefills its prompt a chunk (EngineOptions.prefill_chunk) between
-steps, so the sequences decoding wait a chunk at a time, not a whole prompt; each step runs every decoding sequence,
-a row each (Model.forward_batch): each weight is read once for all of them, where a lone sequence reads it for one
-token.
+steps, so the sequences decoding wait a chunk at a time, not a whole prompt; each step runs every decoding sequence
+(Model.forward_batch): each weight is read once for all of them, where a lone sequence reads it for its own rows.
 
-Each request picks, streams and stops as the engine's plain decoding does (its Sampler, stop ids, grammar and
-log-probabilities, qspec/engine.py), so a greedy request's output is the engine's plain output: token for token
-in exact mode (EngineOptions.exact), and up to near ties otherwise, as a verify step's rows are. A batch does not
-draft; a greedy request alone does: with an engine that drafts, one that finds the batcher empty decodes with the
-engine's speculative rounds (Engine.generate), and hands over to the batch when another request arrives.
+Each request picks, streams and stops as the engine does (its Sampler, stop ids, grammar and log-probabilities,
+qspec/engine.py). With an engine that does not draft, a step is a row of each sequence, and a greedy request's
+output is the engine's plain output: token for token in exact mode (EngineOptions.exact), and up to near ties
+otherwise, as a verify step's rows are. With an engine that drafts (EngineOptions.draft = d), a step is a
+speculative round of each sequence at depth d (`_spec_round`): its own draft head's chain, d + 1 verify rows in
+the batched step, the acceptance on the device, its caches rolled back to what it emits. A request's rounds are
+the ones the engine would run for it alone at that depth, so greedy output is still plain output, and a sampled
+request's output is decided by its seed alone. A greedy request alone decodes with the engine itself
+(Engine.generate: the automatic depth, the chain queued before the read-back) and hands over to the batch when
+another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
 slot and prefills only its new tokens.
@@ -29,16 +33,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 
-from qspec.engine import Engine, Generation, RequestState, prefill_chunks
+from qspec.engine import Engine, Generation, RequestState, accept_on_device, draft_chain, forced_accept, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
-from qspec.runner import Readback, Runner
+from qspec.runner import Readback, Runner, upload
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
+
+_T = TypeVar("_T")
 
 
 class _Yield(Exception):  # noqa: N818 - not an error: a lone request's decoding hands over to the batch
@@ -59,6 +66,7 @@ class _Job:
     ids: torch.Tensor | None = None  # the tokens its slot prefills (its prompt, or prompt and output so far)
     filled: int = 0  # how many of them the slot holds
     tok: int = -1  # the last emitted token: the next step's row
+    head: tuple[torch.Tensor, torch.Tensor] | None = None  # drafting: the draft head's (logits, residual) over tok
     t0: float = 0.0
     prefill_s: float = 0.0
     t1: float = 0.0  # when decoding began
@@ -71,7 +79,10 @@ class Batcher:
         if slots < 1:
             raise ValueError(f"a batch needs at least 1 slot, got {slots}")
         self.engine, self.model = engine, engine.model
-        opts = replace(engine.opts.cache_options(), n_slots=1)  # plain decoding: one row a step, no rollback
+        # with an engine that drafts, every sequence drafts that deep (a verify step's rows rolled back); else
+        # plain decoding: one row a step, no rollback
+        self.depth = engine.opts.draft
+        opts = engine.opts.cache_options() if self.depth else replace(engine.opts.cache_options(), n_slots=1)
         self.runners: list[Runner] = []
         lead = engine.runner
         for _ in range(slots):
@@ -85,7 +96,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._closed = False
         self._ahead: tuple[list[_Job], torch.Tensor] | None = None  # a step launched and kept, its logits not read
-        self.reader = Readback(self.model.device, capacity=slots)
+        self.reader = Readback(self.model.device, capacity=slots * (self.depth + 2))
         self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
         self._thread.start()
 
@@ -103,7 +114,7 @@ class Batcher:
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,
                  logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> Generation:
-        """Engine.generate's contract, decoded plainly in the batch (blocks until the request ends; an exception
+        """Engine.generate's contract, decoded in the batch (blocks until the request ends; an exception
         raised by `on_token` ends the request and is raised here)."""
         e = self.engine
         e.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
@@ -178,9 +189,9 @@ class Batcher:
 
     def _alone_ok(self, job: _Job) -> bool:
         """Whether a request alone in the batcher decodes with the engine's speculative rounds (`_decode_alone`):
-        when the engine drafts, the request is greedy (a sampled one would draw from its seed by speculative
-        sampling, then by plain sampling from whenever another request arrived: its output would depend on the
-        others), and it asks for no log-probabilities (a round stopped midway leaves their queue half read)."""
+        when the engine drafts, the request is greedy (a sampled one's draws would depend on when another request
+        arrived: the hand-over moves its rounds' boundaries, and with them what each draw decides), and it asks for
+        no log-probabilities (a round stopped midway leaves their queue half read)."""
         r = job.req
         return bool(self.engine.opts.draft) and job.sampler.greedy and r.logprobs is None and r.prompt_logprobs is None
 
@@ -211,8 +222,9 @@ class Batcher:
             self._take_slot(job, job.prompt + emitted[:-1], reuse=True)
             run = self.runners[job.slot]
             with run.prefill_scope():  # at once: the request that arrived waits for it
-                prefill_chunks(run, job.ids, self.engine.prefill_chunk, job.filled, None, draft=False)
+                _, H = prefill_chunks(run, job.ids, self.engine.prefill_chunk, job.filled, None, draft=self.depth > 0)
             self._active[job.slot] = job
+            self._start_drafting(job, H)
             return
         job.result = g
         job.done.set()
@@ -252,7 +264,8 @@ class Batcher:
         step = self.engine.prefill_rows(scored=req.prompt_logprobs is not None)
         end = min(job.filled + step, len(ids))
         with run.prefill_scope():
-            logits, _ = prefill_chunks(run, ids, step, job.filled, req.prompt_logprobs, draft=False, end=end)
+            logits, H = prefill_chunks(run, ids, step, job.filled, req.prompt_logprobs, draft=self.depth > 0,
+                                       end=end)
         job.filled = end
         if end < len(ids):
             return
@@ -262,8 +275,18 @@ class Batcher:
             self._finish(job)
             return
         self._emit(job, logits[-1:])
+        if self._is_active(job):
+            self._start_drafting(job, H)
         job.prefill_s = time.perf_counter() - job.t0
         job.t1 = time.perf_counter()
+
+    def _start_drafting(self, job: _Job, H: torch.Tensor | None) -> None:
+        """When the batch drafts: the draft head's step over the job's first token (emitted, not yet run), H the
+        residual of the position before it (the prompt's last), as the engine's first round starts."""
+        if self.depth:
+            run = self.runners[job.slot]
+            assert H is not None
+            job.head = run.mtp_step(upload([job.tok], run.device), H, run.n_tokens, self.engine.draft_lm_head)
 
     def _take_slot(self, job: _Job, tokens: list[int], reuse: bool) -> None:
         """A free slot for the job (the one that holds the most of `tokens`, with `reuse`), its sequence cut to
@@ -292,13 +315,17 @@ class Batcher:
         log-probabilities or sampling), the step that consumes their picks is launched before the host reads them,
         as the engine's plain decoding does (runner.Readback): the read waits for this step only, and the host's
         work for it overlaps the next."""
+        if self.depth:
+            self._spec_round()
+            return
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             jobs = _by_slot(self._active.values())
-            logits = self._launch(jobs, torch.tensor([j.tok for j in jobs], dtype=torch.long))
-            if logits is None:
+            out = self._launch(jobs, torch.tensor([j.tok for j in jobs], dtype=torch.long))
+            if out is None:
                 return
+            logits = out[0]
             for job in jobs:  # the rows of tokens emitted already
                 self._guarded(job, lambda j: self.runners[j.slot].keep(1, rollback=False))
             jobs = [j for j in jobs if self._is_active(j)]
@@ -326,7 +353,8 @@ class Batcher:
             jobs_next = [jobs[k] for k in go] + joined
             tokens = torch.cat([picks[torch.tensor(go, dtype=torch.long, device=picks.device)],
                                 torch.tensor([j.tok for j in joined], dtype=torch.long, device=picks.device)])
-            nxt = self._launch(jobs_next, tokens)
+            launched = self._launch(jobs_next, tokens)
+            nxt = None if launched is None else launched[0]
         toks = self.reader.result()
         for k, job in enumerate(jobs):
             if self._is_active(job):
@@ -344,15 +372,102 @@ class Batcher:
         if alive:
             self._ahead = ([jobs_next[r] for r in alive], nxt if len(alive) == len(jobs_next) else nxt[alive])
 
-    def _launch(self, jobs: list[_Job], tokens: torch.Tensor) -> torch.Tensor | None:
-        """A step of one row for each job (tokens on the host or the device) -> its logits; None when it failed,
-        which ends every one of those jobs with the error (the thread goes on)."""
+    def _launch(self, jobs: list[_Job], tokens: torch.Tensor, rows: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A step of `rows` rows for each job (tokens on the host or the device, a job's rows together) -> its
+        logits and residuals; None when it failed, which ends every one of those jobs with the error (the thread
+        goes on)."""
         try:
-            return self.steps.run([j.slot for j in jobs], tokens)
+            return self.steps.run([j.slot for j in jobs], tokens, rows)
         except BaseException as e:  # noqa: BLE001 - handed to each request's own thread
             for job in jobs:
                 self._finish(job, error=e)
             return None
+
+    # ---- speculative rounds (an engine that drafts) --------------------------------------------------------------
+    def _spec_round(self) -> None:
+        """A speculative round of every active job, as the engine's rounds are, at its fixed depth d: each drafts d
+        tokens from its own draft head (a chain per sequence); one batched verify step runs every sequence's d + 1
+        rows; each accepts on the device (greedy prefix match, or speculative sampling) and its head extends over
+        the committed rows; one read-back for all of them; then each emits its tokens and rolls its caches back to
+        them."""
+        t0, d = time.perf_counter(), self.depth
+        drafts = self._each(_by_slot(self._active.values()), self._draft)
+        jobs = _by_slot(self._active.values())
+        if not jobs:
+            return
+        dev = self.model.device
+        tokens = torch.cat([torch.cat([upload([j.tok], dev), drafts[j.slot][0]]) for j in jobs])
+        out = self._launch(jobs, tokens, rows=d + 1)
+        if out is None:
+            return
+        v_logits, vX = out
+        rows = {j.slot: slice(i * (d + 1), (i + 1) * (d + 1)) for i, j in enumerate(jobs)}
+        # every job's reads of the verify logits are queued before any extend's replay, and the residuals copied:
+        # a replay may reuse the verify step's memory (the first slot's graph pool)
+        accepted = self._each(jobs, lambda j: self._accept(j, drafts[j.slot], v_logits[rows[j.slot]]))
+        vX = vX.clone()
+        heads = self._each(jobs, lambda j: self._extend(j, accepted[j.slot], vX[rows[j.slot]]))
+        live = [j for j in jobs if self._is_active(j)]
+        if live:
+            self.reader.start(torch.cat([t for j in live for t in (drafts[j.slot][0], *accepted[j.slot][:2])]))
+            read = self.reader.result()
+            for i, job in enumerate(live):
+                got = read[i * (d + 2):(i + 1) * (d + 2)]
+                self._guarded(job, lambda j, g=got: self._commit(j, g[:d], g[d], g[d + 1], heads[j.slot]))
+        self.steps.timed(len(jobs), time.perf_counter() - t0)
+
+    def _each(self, jobs: list[_Job], fn: Callable[[_Job], _T]) -> dict[int, _T]:
+        """fn(job) for each job still active, by slot; one that raises ends that job alone (`_guarded`)."""
+        out: dict[int, _T] = {}
+        for job in jobs:
+            if self._is_active(job):
+                self._guarded(job, lambda j: out.__setitem__(j.slot, fn(j)))
+        return out
+
+    def _draft(self, job: _Job) -> tuple[torch.Tensor, list[torch.Tensor], list[int] | None]:
+        """The job's d drafts from its head -> (drafts [d] on the device, their distributions when sampling, the
+        drafts on the host when a grammar masks its verify rows)."""
+        run, (d_logits, d_X) = self.runners[job.slot], job.head  # type: ignore[misc]
+        d_toks, q_rows = draft_chain(run, self.engine.draft_lm_head, d_logits, d_X, run.n_tokens, job.sampler,
+                                     self.depth)
+        drafts = torch.cat(d_toks)  # now: another chain's replay may reuse this one's memory
+        return drafts, q_rows, drafts.tolist() if job.sampler.grammar is not None else None
+
+    def _accept(self, job: _Job, drafted: tuple[torch.Tensor, list[torch.Tensor], list[int] | None],
+                v_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The job's acceptance on the device over its verify rows -> (k [1], the next token [1], the committed rows
+        padded, as accept_on_device gives them); its log-probability rows queued."""
+        drafts, q_rows, host = drafted
+        forced = forced_accept(self.engine.hooks.accept_hook, job.req, self.depth)  # a benchmark's replayed count
+        k, nxt, ext = accept_on_device(job.sampler, v_logits, drafts, q_rows, host, forced)
+        if job.req.logprobs is not None:  # row i emits ext[i]; the read-back's wait covers their copy
+            job.req.logprobs.queue(v_logits, ext, wait=False)
+        return k, nxt, ext
+
+    def _extend(self, job: _Job, accepted: tuple[torch.Tensor, torch.Tensor, torch.Tensor], vX: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The job's draft head over the committed rows (the target's residuals vX) -> its step over the next
+        token, which the next round drafts from."""
+        k, _, ext = accepted
+        run = self.runners[job.slot]
+        return run.mtp_step(ext, vX, run.n_tokens + 1, self.engine.draft_lm_head, row=k)
+
+    def _commit(self, job: _Job, drafts: list[int], k: int, nxt: int, head: tuple[torch.Tensor, torch.Tensor]
+                ) -> None:
+        """Emit the round's tokens (the accepted drafts and the next token, as many as the request takes) and keep
+        their rows in the slot's caches, the rest rolled back; the job ends when one of them ends it."""
+        req, run = job.req, self.runners[job.slot]
+        committed = drafts[:k] + [nxt]
+        n_emit, ends = req.emits(committed)
+        req.emit_round(committed[:n_emit], None)
+        run.keep(min(k + 1, n_emit), rollback=True)  # the verify rows of the token before and the emitted drafts
+        req.stats.record(self.depth, k, len(committed))
+        req.rounds_log.append({"accepted": k})  # (an accept hook counts the request's rounds by it)
+        if ends:
+            self._finish(job)
+        else:
+            job.tok, job.head = nxt, head
 
     def _is_active(self, job: _Job) -> bool:
         return self._active.get(job.slot) is job
@@ -400,17 +515,18 @@ class BatchSteps:
     def timed(self, rows: int, seconds: float) -> None:
         self.seconds.setdefault(rows, deque(maxlen=4096)).append(seconds)
 
-    def run(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (one per slot, in `slots`' order) -> logits [B, V]; each runner's `keep` follows."""
+    def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
+        runner's `keep` follows."""
         lead = self.runners[0]
-        booked = [self.runners[s].begin_rows(slice(k, k + 1)) for k, s in enumerate(slots)]
+        booked = [self.runners[s].begin_rows(slice(k * rows, (k + 1) * rows)) for k, s in enumerate(slots)]
         # every sequence attends over the batch's largest KV bucket (the cells past its own are masked): a graph
         # per bucket of the batch, not per combination of its sequences' buckets
         kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
         segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
-        logits, _ = lead.forward_segments(("batch", tuple(slots)), segs, tokens.to(lead.device), pos)
+        logits, X = lead.forward_segments(("batch", tuple(slots), rows), segs, tokens.to(lead.device), pos)
         for k, s in enumerate(slots):
-            self.runners[s].end_rows(tokens[k:k + 1])
-        self.steps, self.rows = self.steps + 1, self.rows + len(slots)
-        return logits
+            self.runners[s].end_rows(tokens[k * rows:(k + 1) * rows])
+        self.steps, self.rows = self.steps + 1, self.rows + len(tokens)
+        return logits, X

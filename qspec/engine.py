@@ -42,6 +42,9 @@ from qspec.spec.grammar import AfterThinking, Grammar
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.spec.stats import SpecStats
 
+# the LM head a draft reads (Engine._draft_head): the target's own (None), a Q4_0 copy, or some vocabulary rows
+DraftLMHead = torch.Tensor | Q4Weight | DraftHead | None
+
 # Rows of a plain stretch the draft head writes at a time (their K/V cells only: runner.mtp_write_kv, a CUDA graph of
 # its own with graphs), and the rows of each of its steps at a stretch's end when no graph runs them (with graphs: the
 # depth-N extend's N + 1 rows, whose graph exists). The head's cache is kept current over the stretch so that the probe
@@ -86,7 +89,7 @@ class EngineHooks:
     # (the draft step whose context is the emitted tokens alone) in Generation.draft_logits (tests)
     record_logits: bool = False
     # an explicit LM head for drafting only (tests, profiling); None: the one `draft_head` and `draft_vocab` make
-    draft_lm_head: torch.Tensor | Q4Weight | DraftHead | None = None
+    draft_lm_head: DraftLMHead = None
 
 
 @dataclass
@@ -122,6 +125,61 @@ def accepted_on_device(drafts: torch.Tensor, pred: torch.Tensor) -> torch.Tensor
     """greedy_accept on the device: drafts [N], the target's predictions [N+1] -> [1], the length of the prefix
     of drafts equal to the predictions."""
     return torch.cumprod((drafts == pred[:-1]).long(), 0).sum().view(1)
+
+
+def accept_on_device(sampler: Sampler, v_logits: torch.Tensor, drafts: torch.Tensor, q_rows: list[torch.Tensor],
+                     host_drafts: list[int] | None, forced: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's acceptance on the device, without a host round trip: verify logits [d + 1, V] over drafts [d] (with
+    their distributions q_rows when sampling; host_drafts: the drafts on the host, for a grammar's masks; `forced`: a
+    benchmark's replayed count) -> (accepted count k [1], the target's next token [1], the committed rows padded with
+    it, drafts[:k] + [nxt] * (d + 1 - k) [d + 1])."""
+    dev, d = drafts.device, int(drafts.shape[0])
+    rows = sampler.target(v_logits, drafts, host_drafts)
+    if sampler.greedy:
+        pred = argmax_rows(rows)
+        k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)
+        nxt = pred.index_select(0, k)
+    else:
+        p = sampler.probs(rows)
+        if forced is None:
+            k, nxt = speculative_accept_on_device(drafts, torch.cat(q_rows), p, sampler)
+        else:
+            k = upload([forced], dev)
+            nxt = sampler.sample_probs(p.index_select(0, k))
+    ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
+    if sampler.ruled:  # (no kernel otherwise: this is every round's path)
+        sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
+    return k, nxt, ext
+
+
+def draft_chain(run: Runner, head: DraftLMHead, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler,
+                n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Drafts d_1..d_n as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
+    d_1 from the logits of the step that saw the committed tokens (the extend), then n - 1 head steps chained on
+    the head's own residual at positions L + 1.. (L: the committed tokens once the round's rollback is done).
+    -> (drafts, their distributions [1, V] when sampling)."""
+    if sampler.greedy:
+        return greedy_chain(run, head, d_logits, d_X, L + 1, n), []
+    d_toks: list[torch.Tensor] = []
+    q_rows: list[torch.Tensor] = []
+    for i in range(n):
+        if i:
+            d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, head)
+        # computed before the next replay can reuse the logits' memory
+        q_rows.append(sampler.probs(d_logits[-1:]))
+        d_toks.append(sampler.sample_probs(q_rows[-1]))
+    return d_toks, q_rows
+
+
+def greedy_chain(run: Runner, head: DraftLMHead, d_logits: torch.Tensor, d_X: torch.Tensor, start: int, n: int,
+                 at: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Greedy drafts as [1] device tensors: d_1, the argmax of d_logits' last row, then the other n - 1 as one
+    chain (one graph replay) from position `start`, or from `at` (a [1] device position; `start` bounds it)."""
+    d_toks = [argmax_rows(d_logits[-1:])]
+    if n > 1:
+        d_toks.append(run.mtp_chain(d_toks[0], d_X, start, n - 1, head, at=at)[0])
+    return d_toks
 
 
 def cells_needed(prompt_tokens: int, max_tokens: int, draft: int) -> int:
@@ -209,7 +267,7 @@ class Engine:
         self._ahead: Future | None = None  # those compilations, until a decode step has waited for them
         self.prefix = PrefixCache(self.opts, self.runner)  # what earlier requests left
 
-    def _draft_head(self) -> torch.Tensor | Q4Weight | DraftHead | None:
+    def _draft_head(self) -> DraftLMHead:
         """The LM head the drafts read: the hooks' explicit one, a Q4_0 copy (`draft_head` q4), the rows of
         `draft_vocab`, or None (the target's own)."""
         o, model = self.opts, self.model
@@ -573,8 +631,7 @@ class Engine:
             d_next = self._next_depth()
             # a benchmark's replayed acceptance depends on the round (or its token position) only: asked once,
             # before the round
-            forced = (None if hooks.accept_hook is None
-                      else max(0, min(d, int(hooks.accept_hook(_replay_key(hooks.accept_hook, req), d)))))
+            forced = forced_accept(hooks.accept_hook, req, d)
             if on_device:
                 drafts, k, nxt, vX, extended, early = self._round_on_device(req, tok, d_toks, q_rows, L, forced,
                                                                             sampler, d, d_next)
@@ -635,37 +692,13 @@ class Engine:
 
     def _draft_chain(self, req: RequestState, d_logits: torch.Tensor, d_X: torch.Tensor, L: int, sampler: Sampler,
                      n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Drafts d_1..d_n as [1] device tensors (argmax, or the sampler's draw), queued without a host round trip:
-        d_1 from the logits of the step that saw the committed tokens (the extend), then n - 1 head steps chained on
-        the head's own residual at positions L + 1.. (L: the committed tokens once the round's rollback is done).
-        -> (drafts, their distributions [1, V] when sampling)."""
-        run = self.runner
+        """draft_chain on the engine's runner (with the draft head's logits recorded when asked for)."""
         if self.hooks.record_logits:
             # now: the chain's graph replays may reuse the memory of the step that made d_logits (see Runner._run)
             req.draft_log.append(d_logits[-1:].cpu())
-        d_toks: list[torch.Tensor] = []
-        q_rows: list[torch.Tensor] = []
-        if sampler.greedy:
-            d_toks = self._greedy_chain(d_logits, d_X, L + 1, n)
-            req.phase("draft")
-            return d_toks, q_rows
-        for i in range(n):
-            if i:
-                d_logits, d_X = run.mtp_step(d_toks[-1], d_X, L + i, self.draft_lm_head)
-            # computed before the next replay can reuse the logits' memory
-            q_rows.append(sampler.probs(d_logits[-1:]))
-            d_toks.append(sampler.sample_probs(q_rows[-1]))
+        out = draft_chain(self.runner, self.draft_lm_head, d_logits, d_X, L, sampler, n)
         req.phase("draft")
-        return d_toks, q_rows
-
-    def _greedy_chain(self, d_logits: torch.Tensor, d_X: torch.Tensor, start: int, n: int,
-                      at: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Greedy drafts as [1] device tensors: d_1, the argmax of d_logits' last row, then the other n - 1 as one
-        chain (one graph replay) from position `start`, or from `at` (a [1] device position; `start` bounds it)."""
-        d_toks = [argmax_rows(d_logits[-1:])]
-        if n > 1:
-            d_toks.append(self.runner.mtp_chain(d_toks[0], d_X, start, n - 1, self.draft_lm_head, at=at)[0])
-        return d_toks
+        return out
 
     def _round_on_device(self, req: RequestState, tok: int, d_toks: list[torch.Tensor], q_rows: list[torch.Tensor],
                          L: int, forced: int | None, sampler: Sampler, d: int, d_next: int
@@ -690,22 +723,8 @@ class Engine:
         req.phase("verify")
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
-        rows = sampler.target(v_logits, drafts, self.draft_reader.result() if sampler.grammar is not None else None)
-        if sampler.greedy:
-            pred = argmax_rows(rows)
-            k = accepted_on_device(drafts, pred) if forced is None else upload([forced], dev)
-            nxt = pred.index_select(0, k)
-        else:
-            p = sampler.probs(rows)
-            if forced is None:
-                k, nxt = speculative_accept_on_device(drafts, torch.cat(q_rows), p, sampler)
-            else:
-                k = upload([forced], dev)
-                nxt = sampler.sample_probs(p.index_select(0, k))
-        # committed rows padded with the target's next token: drafts[:k] + [nxt] * (d + 1 - k)
-        ext = torch.where(torch.arange(d + 1, device=dev) < k, torch.cat([drafts, nxt]), nxt)
-        if sampler.ruled:  # (no kernel otherwise: this is every round's path)
-            sampler.count(ext, torch.arange(d + 1, device=dev) <= k)  # its rows 0..k are the round's tokens
+        host = self.draft_reader.result() if sampler.grammar is not None else None
+        k, nxt, ext = accept_on_device(sampler, v_logits, drafts, q_rows, host, forced)
         if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
             req.logprobs.queue(v_logits, ext, wait=False)
         self.reader.start(torch.cat([drafts, k, nxt]))
@@ -717,7 +736,7 @@ class Engine:
             # device, and the bound L + d + 2 (k = d) picks its KV buckets, whose extra cells the causal mask hides
             # read before the chain's replay reuses its memory
             log = extended[0][-1:].cpu() if self.hooks.record_logits else None
-            early = self._greedy_chain(*extended, L + d + 2, d_next, at=k + (L + 2)), log
+            early = greedy_chain(run, self.draft_lm_head, *extended, L + d + 2, d_next, at=k + (L + 2)), log
             req.phase("draft")
         read = self.reader.result()
         return read[:d], read[d], read[d + 1], vX, extended, early
@@ -745,10 +764,14 @@ def _padded(toks: torch.Tensor, X: torch.Tensor, rows: int) -> tuple[torch.Tenso
     return torch.cat([toks, toks[-1:].expand(pad)]), torch.cat([X, X[-1:].expand(pad, -1)])
 
 
-def _replay_key(hook: AcceptHook, req: RequestState) -> int:
-    """What an accept hook is asked with: the round's index, or, for a hook replaying a text (`by_position`), the
-    request's token position (tokens emitted so far), which plain stretches advance too."""
-    return len(req.out) if getattr(hook, "by_position", False) else len(req.rounds_log)
+def forced_accept(hook: AcceptHook | None, req: RequestState, d: int) -> int | None:
+    """A benchmark's replayed accepted count for the request's next round of depth d (None without a hook). The hook
+    is asked with the round's index, or, for a hook replaying a text (`by_position`), the request's token position
+    (tokens emitted so far), which plain stretches advance too."""
+    if hook is None:
+        return None
+    key = len(req.out) if getattr(hook, "by_position", False) else len(req.rounds_log)
+    return max(0, min(d, int(hook(key, d))))
 
 
 class RequestState:

@@ -11,7 +11,7 @@ import torch
 from conftest import build_model, tiny_config
 
 from qspec.batch import Batcher
-from qspec.engine import Engine, EngineOptions, Generation
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
 from qspec.model.model import Model, Segment
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
@@ -96,15 +96,16 @@ def check_forward_batch(tiny_model: Model, e: Engine) -> None:
     assert isinstance(segs[0], Segment)
 
 
-@pytest.mark.parametrize("slots", [1, 2, 4])
-def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int) -> None:
-    """More requests than slots, of different lengths and stop rules: each gets the engine's plain output."""
+@pytest.mark.parametrize(("slots", "draft"), [(1, 0), (2, 0), (4, 0), (1, 3), (3, 3)])
+def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int, draft: int) -> None:
+    """More requests than slots, of different lengths and stop rules: each gets the engine's plain output, also
+    when the batch drafts (its sequences' speculative rounds verified in one step: bit for bit in exact mode)."""
     e = engine(tiny_model)
     calls = [dict(prompt=prompt_of(6 + 5 * i, i), max_tokens=4 + 3 * i) for i in range(6)]
     want = [e.generate(**c).tokens for c in calls]
     stop = want[2][1]  # a stop id the third request meets at its second token
     calls[2]["stop_ids"], want[2] = {stop}, want[2][:want[2].index(stop) + 1]
-    b = Batcher(engine(tiny_model), slots)
+    b = Batcher(engine(tiny_model, draft=draft), slots)
     try:
         got = together(b, calls)
     finally:
@@ -112,8 +113,38 @@ def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int) -> 
     for g, w in zip(got, want, strict=True):
         assert isinstance(g, Generation), g
         assert g.tokens == w
-    assert (b.steps.rows > b.steps.steps) == (slots > 1)  # several requests a step when there are slots for them
+    # several requests a step when there are slots for them
+    assert (b.steps.rows > b.steps.steps * (draft + 1)) == (slots > 1)
     assert got[2].stop_reason == "stop token" and got[0].stop_reason == "max tokens"
+    if draft:
+        assert all(isinstance(g, Generation) and g.spec.drafted for g in got)
+
+
+def test_batched_rounds_equal_the_engines_at_every_accepted_count(no_ple_model: Model) -> None:
+    """The batch's speculative rounds are the engine's: with acceptance forced by a hook (each round's count in
+    turn, so that every count 0..d is rolled back to), greedy and sampled requests with log-probabilities, one of
+    them waiting for a slot, give the tokens and log-probabilities the engine gives each alone under the same hook,
+    round by round."""
+    d = 3
+    hooks = EngineHooks(accept_hook=lambda r, n: (r + 1) % (n + 1))
+
+    def call(i: int) -> dict:
+        return dict(prompt=prompt_of(7 + 3 * i, 70 + i), max_tokens=13 + i, logprobs=Logprobs(1),
+                    sampler=Sampler(temperature=0.9, generator=torch.Generator().manual_seed(i)) if i == 2 else None)
+    e = Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks)
+    want = [(e.generate(**c), c) for c in (call(i) for i in range(4))]
+    calls = [call(i) for i in range(4)]
+    b = Batcher(Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks), 3)
+    try:
+        got = together(b, calls)
+    finally:
+        b.close()
+    for g, c, (w, wc) in zip(got, calls, want, strict=True):
+        assert isinstance(g, Generation), g
+        assert g.tokens == w.tokens and g.spec.rounds == w.spec.rounds and g.spec.accepted == w.spec.accepted
+        assert [x.logprob for x in c["logprobs"].entries] == pytest.approx(
+            [x.logprob for x in wc["logprobs"].entries], abs=1e-5)
+    assert b.steps.rows > b.steps.steps * (d + 1)  # rounds of several sequences
 
 
 def test_batched_sampling_and_logprobs_equal_the_engines(no_ple_model: Model) -> None:
@@ -179,7 +210,8 @@ def test_bad_requests_are_refused_before_they_queue(tiny_model: Model) -> None:
         Batcher(engine(tiny_model), 0)
 
 
-def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_model: Model) -> None:
+@pytest.mark.parametrize("draft", [0, 3])
+def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_model: Model, draft: int) -> None:
     """A regular expression on one request of a batch (beside a free one): its masks follow its own tokens."""
     import re
 
@@ -195,7 +227,7 @@ def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_mode
                     sampler=Sampler(grammar=compiler.compile(GrammarSpec("regex", regex))))
     want = engine(tiny_model).generate(**call()).tokens
     assert re.fullmatch(regex, tok.decode(want, skip_special=True)) and want[-1] in tok.stop_ids
-    b = Batcher(engine(tiny_model), 2)
+    b = Batcher(engine(tiny_model, draft=draft), 2)
     try:
         got = together(b, [call(), dict(prompt=prompt_of(12, 8), max_tokens=30)])
     finally:
@@ -203,13 +235,14 @@ def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_mode
     assert isinstance(got[0], Generation) and got[0].tokens == want
 
 
-def test_sequences_in_different_kv_buckets_decode_together(tiny_model: Model) -> None:
+@pytest.mark.parametrize("draft", [0, 2])
+def test_sequences_in_different_kv_buckets_decode_together(tiny_model: Model, draft: int) -> None:
     """Fast mode (KV buckets, not the whole cache): a batch attends over its largest sequence's bucket, the cells past
     each shorter sequence masked, and each request still gets the engine's output."""
     prompts = [prompt_of(n, 20 + n) for n in (30, 600, 100)]  # buckets of 512 and 1,024 cells
     e = engine(tiny_model, capacity=1024, exact=False, kv_type="q8_0")
     want = [e.generate(p, 20).tokens for p in prompts]
-    b = Batcher(engine(tiny_model, capacity=1024, exact=False, kv_type="q8_0"), 3)
+    b = Batcher(engine(tiny_model, capacity=1024, exact=False, kv_type="q8_0", draft=draft), 3)
     try:
         assert [g.tokens for g in b.generate_all(prompts, 20)] == want
     finally:
@@ -264,7 +297,8 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
         b.close()
 
 
-def test_a_request_that_fails_midway_leaves_the_others_and_its_slot_clean(tiny_model: Model) -> None:
+@pytest.mark.parametrize("draft", [0, 2])
+def test_a_request_that_fails_midway_leaves_the_others_and_its_slot_clean(tiny_model: Model, draft: int) -> None:
     """A callback that raises at a request's 4th token (a client gone while the next step is under way): that
     request ends with the error, the others decode on, and a request later given its slot decodes as the engine."""
     class Gone(Exception):
@@ -279,7 +313,7 @@ def test_a_request_that_fails_midway_leaves_the_others_and_its_slot_clean(tiny_m
 
     e = engine(tiny_model)
     calls = [dict(prompt=prompt_of(9, 50), max_tokens=12), dict(prompt=prompt_of(7, 51), max_tokens=12, on_token=leave)]
-    b = Batcher(engine(tiny_model), 2)
+    b = Batcher(engine(tiny_model, draft=draft), 2)
     try:
         got = together(b, calls)
         assert isinstance(got[1], Gone) and len(seen) == 4
