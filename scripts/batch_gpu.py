@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from qspec.batch import Batcher
+from qspec.bench.accept import AcceptProfile
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.report import print_report
 from qspec.bench.run import git_commit
-from qspec.engine import Engine, EngineOptions
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
 
 
 def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -34,15 +35,16 @@ def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def batch_arm(b: Batcher, prompts: list[list[int]], tokens: int) -> float:
+def batch_arm(b: Batcher, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
     """Aggregate decode tok/s of the prompts started together, over the window in which all of them decode: from
     the last request's first token to the first request's last token (the tokens each emitted in it, over its
-    length). Outside it a prefill stalls the steps or fewer rows are left."""
+    length). Outside it a prefill stalls the steps or fewer rows are left. -> (that tok/s, tokens a speculative
+    round committed on average, 1 without drafting)."""
     stamps: list[list[float]] = [[] for _ in prompts]
-    gens: list[object] = [None] * len(prompts)
+    gens: list[Generation] = []
 
     def one(i: int) -> None:
-        gens[i] = b.generate(prompts[i], tokens, on_token=lambda _t: stamps[i].append(time.perf_counter()))
+        gens.append(b.generate(prompts[i], tokens, on_token=lambda _t: stamps[i].append(time.perf_counter())))
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
@@ -53,7 +55,8 @@ def batch_arm(b: Batcher, prompts: list[list[int]], tokens: int) -> float:
     emitted = sum(start < t <= end for s in stamps for t in s)
     if end <= start or emitted < len(prompts):
         raise SystemExit(f"batch {len(prompts)}: no window in which all requests decode (raise --tokens)")
-    return emitted / (end - start)
+    rounds = sum(g.spec.rounds for g in gens)
+    return emitted / (end - start), sum(g.spec.tokens for g in gens) / rounds if rounds else 1.0
 
 
 def engine_arm(e: Engine, prompt: list[int], tokens: int) -> float:
@@ -72,6 +75,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--draft", type=int, default=0,
+                    help="also the arms that draft this deep: the engine's rounds and the batch's (mtpN)")
+    ap.add_argument("--accept-profile", default="p=0.85", help="the drafting arms' replayed acceptance "
+                    "(qspec/bench/accept.py; the random model's own drafts are almost never accepted)")
     ap.add_argument("--profile", action="store_true",
                     help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
     ap.add_argument("--out", type=Path)
@@ -81,30 +88,37 @@ def main() -> None:
     cfg = bench_config(a.preset, layers=a.layers)
     model = device_random_model(cfg, device=a.device, dtype=torch.bfloat16 if a.device == "cuda" else torch.float32,
                                 quant=a.quant)
-    engine = Engine(model, EngineOptions(draft=0, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
-                                         prefix_cache=False))
-    batcher = Batcher(engine, max(batches))
-    arms = ["engine"] + [f"batch {b}" for b in batches]
+    variants = {"": 0} | ({f" mtp{a.draft}": a.draft} if a.draft else {})
+    hooks = EngineHooks(accept_hook=AcceptProfile.parse(a.accept_profile).hook())
+    engines = {v: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
+                                              prefix_cache=False), hooks if d else None) for v, d in variants.items()}
+    batchers = {v: Batcher(e, max(batches)) for v, e in engines.items()}
+    arms = [f"{kind}{v}" for v in variants for kind in ["engine"] + [f"batch {b}" for b in batches]]
     results: dict[str, list[float]] = {arm: [] for arm in arms}
+    per_round: dict[str, list[float]] = {arm: [] for arm in arms}
     try:
         for r in range(a.reps + 1):  # the first: warm-up (compilation, graph captures), not reported
             for arm in arms if r % 2 else arms[::-1]:
-                seed = 1000 * r + len(results[arm])
-                if arm == "engine":
-                    tps = engine_arm(engine, prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens)
+                seed, v = 1000 * r + len(results[arm]), arm[arm.index(" mtp"):] if " mtp" in arm else ""
+                if arm.startswith("engine"):
+                    tps, tpr = engine_arm(engines[v], prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens), 1.0
                 else:
                     n = int(arm.split()[1])
-                    tps = batch_arm(batcher, prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
+                    tps, tpr = batch_arm(batchers[v], prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
                 if r:
                     results[arm].append(tps)
+                    per_round[arm].append(tpr)
         if a.profile:
-            profile(batcher, prompts_of(max(batches), a.prompt, cfg.vocab_size, 99), a.tokens)
+            profile(batchers[list(variants)[-1]], prompts_of(max(batches), a.prompt, cfg.vocab_size, 99), a.tokens)
     finally:
-        batcher.close()
-    steady = {n: statistics.median(t) for n, t in batcher.steps.seconds.items()}
-    g = batcher.runners[0].graph_stats
-    graphs = f"{g.replays} replays, {g.captures} captures, {g.eager} eager steps"
-    report(a, results, model.weights_summary, batcher.steps.rows / max(1, batcher.steps.steps), steady, graphs)
+        for b in batchers.values():
+            b.close()
+    steady = {f"batch {n}{v}": (statistics.median(t), statistics.mean(per_round[f"batch {n}{v}"]))
+              for v, b in batchers.items() for n, t in b.steps.seconds.items() if f"batch {n}{v}" in results}
+    notes = [f"batch{v or ' (plain)'}: rows per step {b.steps.rows / max(1, b.steps.steps):.2f}, graphs "
+             f"{b.runners[0].graph_stats.replays} replays, {b.runners[0].graph_stats.captures} captures, "
+             f"{b.runners[0].graph_stats.eager} eager steps" for v, b in batchers.items()]
+    report(a, results, model.weights_summary, steady, "; ".join(notes))
 
 
 def profile(b: Batcher, prompts: list[list[int]], tokens: int) -> None:
@@ -122,28 +136,31 @@ def profile(b: Batcher, prompts: list[list[int]], tokens: int) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
 
 
-def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str, mean_rows: float,
-           steady: dict[int, float], graphs: str) -> None:
+def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
+           steady: dict[str, tuple[float, float]], notes: str) -> None:
     commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     base = statistics.median(results["engine"])
+    drafting = (f" --draft {a.draft} --accept-profile {a.accept_profile}" if a.draft else "")
     lines = [f"# Continuous batching on {where}, {a.preset} geometry with {a.layers} layers "
              f"({a.quant or ('bf16' if a.device == 'cuda' else 'f32')}), {commit}, {_dt.date.today()}", "",
              f"`python scripts/batch_gpu.py --layers {a.layers} --batches {a.batches} --prompt {a.prompt} --tokens "
-             f"{a.tokens} --reps {a.reps}{' --quant ' + a.quant if a.quant else ''}`: greedy, {a.prompt}-token "
-             f"prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests together (while "
-             f"all decode), median [min-max] of {a.reps} runs after a warm-up, arms alternated; ratio over the "
-             f"engine's plain decoding of one request (truncated). Steady: the median time of every batched step of "
-             f"that many rows in the process, a step's rows over it (tok/s). Rows per batched step over the process: "
-             f"{mean_rows:.2f}; batched steps' graphs: {graphs}. Model: {summary}.", "",
+             f"{a.tokens} --reps {a.reps}{' --quant ' + a.quant if a.quant else ''}{drafting}`: greedy, "
+             f"{a.prompt}-token prompts, {a.tokens} generated per request; decode tok/s of all a batch's requests "
+             f"together (while all decode), median [min-max] of {a.reps} runs after a warm-up, arms alternated; "
+             f"ratio over the engine's plain decoding of one request (truncated). mtpN: drafting N deep at "
+             f"{'replayed acceptance ' + a.accept_profile if a.draft else '-'}. Steady: the median time of every "
+             f"batched step (or round) of that many requests in the process, and their tokens over it (a round's: "
+             f"the mean it committed). {notes}. Model: {summary}.", "",
              "| arm | decode tok/s, all requests | per request | ratio | steady step, ms | steady tok/s |",
              "|---|---:|---:|---:|---:|---:|"]
     for arm, v in results.items():
-        n = 1 if arm == "engine" else int(arm.split()[1])
+        n = 1 if arm.startswith("engine") else int(arm.split()[1])
         med = statistics.median(v)
-        step = "—" if arm == "engine" or n not in steady else f"{steady[n] * 1e3:.3f} | {n / steady[n]:.2f}"
+        step = "— | —" if arm not in steady else (f"{steady[arm][0] * 1e3:.3f} | "
+                                                   f"{n * steady[arm][1] / steady[arm][0]:.2f}")
         lines.append(f"| {arm} | {med:.2f} [{min(v):.2f}-{max(v):.2f}] | {med / n:.2f} | "
-                     f"×{int(med / base * 1000) / 1000:.3f} | {step if step != '—' else '— | —'} |")
+                     f"×{int(med / base * 1000) / 1000:.3f} | {step} |")
     print_report(lines, a.out)
 
 
