@@ -344,15 +344,17 @@ def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
-def test_batched_requests_through_graphs(setup: Setup) -> None:
-    """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs: each gets its plain
+@pytest.mark.parametrize("draft", [0, 3])
+def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
+    """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs, plainly or in speculative
+    rounds (the draft chains, verify steps and extends of three slots through their graphs): each gets its plain
     decoding alone, up to a near tie (bf16; the batch's products have more rows)."""
     from qspec.batch import Batcher
 
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
     refs = [setup.plain] + [engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv, record_logits=True)
                             .generate(p, 48) for p in prompts[1:]]
-    b = Batcher(engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv), 3)
+    b = Batcher(engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv), 3)
     try:
         gens = b.generate_all(prompts, 48)
     finally:
@@ -361,6 +363,42 @@ def test_batched_requests_through_graphs(setup: Setup) -> None:
         ok, why = same_or_tie(g.tokens, ref, 0, setup.tie)
         assert ok, why
     assert b.steps.rows > b.steps.steps and b.runners[0].graph_stats.replays > 0
+
+
+@pytest.mark.cuda
+def test_batched_rounds_equal_the_engines_through_graphs(setup: Setup) -> None:
+    """Speculative rounds of three requests in a batch, acceptance forced round by round (every count 0..3, so every
+    rollback), through the slots' graphs (the first slot's draft graphs share a memory pool with the batch's verify
+    step): each request's tokens are those the engine's rounds give it alone under the same hook (f32: the batch's
+    larger products may only move a near tie, which f32 random logits do not have)."""
+    import threading
+
+    from qspec.batch import Batcher
+    from qspec.spec.logprobs import Logprobs
+
+    if setup.tie:
+        pytest.skip("bf16: a draft's near tie may differ between the batch and a sequence alone")
+    hook = {"accept_hook": lambda r, n: (r + 1) % (n + 1)}
+    prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
+    refs = [engine(setup.gpu, draft=3, capacity=256, kv_type=setup.kv, **hook).generate(p, 40) for p in prompts]
+    b = Batcher(engine(setup.gpu, draft=3, capacity=256, kv_type=setup.kv, **hook), 3)
+    def together() -> list[Generation]:  # log-probabilities: no request decodes alone with the engine (Batcher)
+        out: dict[int, Generation] = {}
+        threads = [threading.Thread(target=lambda i=i: out.update({i: b.generate(prompts[i], 40,
+                                                                                  logprobs=Logprobs(1))}))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [out[i] for i in range(3)]
+    try:
+        gens = [together() for _ in range(2)][-1]  # the second: through the graphs captured by the first
+    finally:
+        b.close()
+    assert [g.tokens for g in gens] == [r.tokens for r in refs]
+    assert [g.spec.accepted for g in gens] == [r.spec.accepted for r in refs]
+    assert b.runners[0].graph_stats.replays > 0
 
 
 @pytest.mark.cuda
