@@ -41,7 +41,7 @@ from qspec.engine import Engine, Generation, RequestState, accept_on_device, dra
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
-from qspec.runner import Readback, Runner, upload
+from qspec.runner import GRAPH_MAX_ROWS, Readback, Runner, upload
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
 
@@ -517,7 +517,19 @@ class BatchSteps:
 
     def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
-        runner's `keep` follows."""
+        runner's `keep` follows. With graphs, a step of more than GRAPH_MAX_ROWS rows (a round's verify rows of
+        many sequences) runs as several steps of as many sequences as fit: the few-token kernels, which a graph can
+        capture, take that many rows at most (the larger products synchronise with the host)."""
+        per = len(slots)
+        if self.runners[0].use_graphs and per * rows > GRAPH_MAX_ROWS:
+            per = max(1, GRAPH_MAX_ROWS // rows)
+        outs = [self._step(slots[i:i + per], tokens[i * rows:(i + per) * rows], rows)
+                for i in range(0, len(slots), per)]
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def _step(self, slots: list[int], tokens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         lead = self.runners[0]
         booked = [self.runners[s].begin_rows(slice(k * rows, (k + 1) * rows)) for k, s in enumerate(slots)]
         # every sequence attends over the batch's largest KV bucket (the cells past its own are masked): a graph

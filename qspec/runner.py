@@ -272,7 +272,8 @@ class Runner:
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Model.forward_batch over `segs` (one KV bucket for all), through a CUDA graph of this runner's when graphs
         are on: the pooled-key updates' tensors are its inputs beside the tokens and positions, and its key is
-        `kind` (a name and what tells its steps apart), the bucket and the updates' shapes."""
+        `kind` (a name and what tells its steps apart), the bucket and the updates' shapes; eagerly for more than
+        GRAPH_MAX_ROWS rows."""
         ratios = [sorted(s.upd) for s in segs]
         key = (*kind, segs[0].kv_len,
                tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
@@ -287,6 +288,8 @@ class Runner:
                 at += 3 * len(rs)
             return self.model.forward_batch(tok, p, parts)
 
+        if int(tokens.shape[0]) > GRAPH_MAX_ROWS:
+            return fwd(*flat)
         return self._run(key, fwd, flat)
 
     def begin_rows(self, rows: slice) -> tuple[Segment, torch.Tensor]:

@@ -344,10 +344,11 @@ def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("draft", [0, 3])
+@pytest.mark.parametrize("draft", [0, 5])
 def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
     """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs, plainly or in speculative
-    rounds (the draft chains, verify steps and extends of three slots through their graphs): each gets its plain
+    rounds (the draft chains, verify steps and extends of three slots through their graphs; 18 verify rows, run as
+    two steps of at most GRAPH_MAX_ROWS): each gets its plain
     decoding alone, up to a near tie (bf16; the batch's products have more rows)."""
     from qspec.batch import Batcher
 
@@ -367,10 +368,10 @@ def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
 
 @pytest.mark.cuda
 def test_batched_rounds_equal_the_engines_through_graphs(setup: Setup) -> None:
-    """Speculative rounds of three requests in a batch, acceptance forced round by round (every count 0..3, so every
-    rollback), through the slots' graphs (the first slot's draft graphs share a memory pool with the batch's verify
-    step): each request's tokens are those the engine's rounds give it alone under the same hook (f32: the batch's
-    larger products may only move a near tie, which f32 random logits do not have)."""
+    """Speculative rounds of three requests in a batch, acceptance forced round by round (every count 0..5, so every
+    rollback; 18 verify rows, two steps), through the slots' graphs (the first slot's draft graphs share a memory
+    pool with the batch's verify step): each request's tokens are those the engine's rounds give it alone under the
+    same hook (f32: the batch's larger products may only move a near tie, which f32 random logits do not have)."""
     import threading
 
     from qspec.batch import Batcher
@@ -380,8 +381,8 @@ def test_batched_rounds_equal_the_engines_through_graphs(setup: Setup) -> None:
         pytest.skip("bf16: a draft's near tie may differ between the batch and a sequence alone")
     hook = {"accept_hook": lambda r, n: (r + 1) % (n + 1)}
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
-    refs = [engine(setup.gpu, draft=3, capacity=256, kv_type=setup.kv, **hook).generate(p, 40) for p in prompts]
-    b = Batcher(engine(setup.gpu, draft=3, capacity=256, kv_type=setup.kv, **hook), 3)
+    refs = [engine(setup.gpu, draft=5, capacity=256, kv_type=setup.kv, **hook).generate(p, 40) for p in prompts]
+    b = Batcher(engine(setup.gpu, draft=5, capacity=256, kv_type=setup.kv, **hook), 3)
     def together() -> list[Generation]:  # log-probabilities: no request decodes alone with the engine (Batcher)
         out: dict[int, Generation] = {}
         threads = [threading.Thread(target=lambda i=i: out.update({i: b.generate(prompts[i], 40,
