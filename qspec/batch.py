@@ -37,11 +37,11 @@ from typing import TypeVar
 
 import torch
 
-from qspec.engine import Engine, Generation, RequestState, accept_on_device, draft_chain, forced_accept, prefill_chunks
+from qspec.engine import DraftLMHead, Engine, Generation, RequestState, accept_on_device, forced_accept, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.model.model import Segment
-from qspec.runner import GRAPH_MAX_ROWS, Readback, Runner, upload
+from qspec.runner import GRAPH_MAX_ROWS, ContextError, Readback, Runner, upload
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
 
@@ -377,24 +377,19 @@ class Batcher:
         """A step of `rows` rows for each job (tokens on the host or the device, a job's rows together) -> its
         logits and residuals; None when it failed, which ends every one of those jobs with the error (the thread
         goes on)."""
-        try:
-            return self.steps.run([j.slot for j in jobs], tokens, rows)
-        except BaseException as e:  # noqa: BLE001 - handed to each request's own thread
-            for job in jobs:
-                self._finish(job, error=e)
-            return None
+        return self._all_or_none(jobs, lambda: self.steps.run([j.slot for j in jobs], tokens, rows))
 
     # ---- speculative rounds (an engine that drafts) --------------------------------------------------------------
     def _spec_round(self) -> None:
-        """A speculative round of every active job, as the engine's rounds are, at its fixed depth d: each drafts d
-        tokens from its own draft head (a chain per sequence); one batched verify step runs every sequence's d + 1
-        rows; each accepts on the device (greedy prefix match, or speculative sampling) and its head extends over
-        the committed rows; one read-back for all of them; then each emits its tokens and rolls its caches back to
-        them."""
+        """A speculative round of every active job, as the engine's rounds are, at its fixed depth d. The draft
+        head's steps run every sequence's rows at once (each on its own head cache): d - 1 chained draft steps,
+        then after the batched verify step and each job's acceptance on the device (greedy prefix match, or
+        speculative sampling), one extend over every sequence's committed rows; one read-back for all of them;
+        then each emits its tokens and rolls its caches back to them."""
         t0, d = time.perf_counter(), self.depth
-        drafts = self._each(_by_slot(self._active.values()), self._draft)
         jobs = _by_slot(self._active.values())
-        if not jobs:
+        drafts = self._all_or_none(jobs, lambda: self._draft(jobs))
+        if drafts is None:
             return
         dev = self.model.device
         tokens = torch.cat([torch.cat([upload([j.tok], dev), drafts[j.slot][0]]) for j in jobs])
@@ -403,13 +398,12 @@ class Batcher:
             return
         v_logits, vX = out
         rows = {j.slot: slice(i * (d + 1), (i + 1) * (d + 1)) for i, j in enumerate(jobs)}
-        # every job's reads of the verify logits are queued before any extend's replay, and the residuals copied:
-        # a replay may reuse the verify step's memory (the first slot's graph pool)
+        # every job's reads of the verify logits are queued before the extend's replay, which may reuse their memory
         accepted = self._each(jobs, lambda j: self._accept(j, drafts[j.slot], v_logits[rows[j.slot]]))
-        vX = vX.clone()
-        heads = self._each(jobs, lambda j: self._extend(j, accepted[j.slot], vX[rows[j.slot]]))
         live = [j for j in jobs if self._is_active(j)]
-        if live:
+        heads = self._all_or_none(live, lambda: self._extend(live, accepted, torch.cat([vX[rows[j.slot]]
+                                                                                         for j in live])))
+        if heads is not None and live:
             self.reader.start(torch.cat([t for j in live for t in (drafts[j.slot][0], *accepted[j.slot][:2])]))
             read = self.reader.result()
             for i, job in enumerate(live):
@@ -425,14 +419,38 @@ class Batcher:
                 self._guarded(job, lambda j: out.__setitem__(j.slot, fn(j)))
         return out
 
-    def _draft(self, job: _Job) -> tuple[torch.Tensor, list[torch.Tensor], list[int] | None]:
-        """The job's d drafts from its head -> (drafts [d] on the device, their distributions when sampling, the
-        drafts on the host when a grammar masks its verify rows)."""
-        run, (d_logits, d_X) = self.runners[job.slot], job.head  # type: ignore[misc]
-        d_toks, q_rows = draft_chain(run, self.engine.draft_lm_head, d_logits, d_X, run.n_tokens, job.sampler,
-                                     self.depth)
-        drafts = torch.cat(d_toks)  # now: another chain's replay may reuse this one's memory
-        return drafts, q_rows, drafts.tolist() if job.sampler.grammar is not None else None
+    def _all_or_none(self, jobs: list[_Job], fn: Callable[[], _T]) -> _T | None:
+        """fn(), a step of all the jobs' rows; None when it raised, which ends every one of them with the error."""
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 - handed to each request's own thread
+            for job in jobs:
+                self._finish(job, error=e)
+            return None
+
+    def _draft(self, jobs: list[_Job]) -> dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int] | None]]:
+        """Every job's d drafts, the head's steps over all of them at once: draft 1 from each head's logits over the
+        job's last token, each next one from a head step on the one before (at positions L + 1..), as the engine's
+        chain drafts them -> by slot: (drafts [d] on the device, their distributions when sampling, the drafts on
+        the host when a grammar masks its verify rows)."""
+        slots = [j.slot for j in jobs]
+        logits = torch.cat([j.head[0] for j in jobs])  # type: ignore[index]
+        X = torch.cat([j.head[1] for j in jobs])  # type: ignore[index]
+        picks: list[torch.Tensor] = []
+        dists: list[list[torch.Tensor | None]] = []
+        for i in range(self.depth):
+            if i:
+                logits, X = self.steps.draft(slots, [self.runners[s].n_tokens + i for s in slots], picks[-1], X,
+                                             self.engine.draft_lm_head)
+            t, q = _pick_drafts(jobs, logits)  # before the next step's replay may reuse the logits' memory
+            picks.append(t)
+            dists.append(q)
+        D = torch.stack(picks, 1)  # [B, d]
+        out = {}
+        for k, job in enumerate(jobs):
+            q_rows = [] if job.sampler.greedy else [q[k] for q in dists]
+            out[job.slot] = D[k], q_rows, D[k].tolist() if job.sampler.grammar is not None else None
+        return out  # type: ignore[return-value]
 
     def _accept(self, job: _Job, drafted: tuple[torch.Tensor, list[torch.Tensor], list[int] | None],
                 v_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -445,13 +463,19 @@ class Batcher:
             job.req.logprobs.queue(v_logits, ext, wait=False)
         return k, nxt, ext
 
-    def _extend(self, job: _Job, accepted: tuple[torch.Tensor, torch.Tensor, torch.Tensor], vX: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The job's draft head over the committed rows (the target's residuals vX) -> its step over the next
-        token, which the next round drafts from."""
-        k, _, ext = accepted
-        run = self.runners[job.slot]
-        return run.mtp_step(ext, vX, run.n_tokens + 1, self.engine.draft_lm_head, row=k)
+    def _extend(self, jobs: list[_Job], accepted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                vX: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The draft heads over every job's committed rows (padded to d + 1, at positions L + 1..; the target's
+        residuals vX), in one step -> by slot: each head's logits and residual at its accepted row, which the next
+        round drafts from (copied: a later replay may reuse the step's memory)."""
+        d1 = self.depth + 1
+        slots = [j.slot for j in jobs]
+        ext = torch.cat([accepted[s][2] for s in slots])
+        pick = torch.cat([accepted[s][0] + k * d1 for k, s in enumerate(slots)])
+        logits, X = self.steps.draft(slots, [self.runners[s].n_tokens + 1 for s in slots], ext, vX,
+                                     self.engine.draft_lm_head, rows=d1, pick=pick)
+        logits, X = logits.clone(), X.clone()
+        return {s: (logits[k:k + 1], X[k:k + 1]) for k, s in enumerate(slots)}
 
     def _commit(self, job: _Job, drafts: list[int], k: int, nxt: int, head: tuple[torch.Tensor, torch.Tensor]
                 ) -> None:
@@ -517,17 +541,31 @@ class BatchSteps:
 
     def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
-        runner's `keep` follows. With graphs, a step of more than GRAPH_MAX_ROWS rows (a round's verify rows of
-        many sequences) runs as several steps of as many sequences as fit: the few-token kernels, which a graph can
-        capture, take that many rows at most (the larger products synchronise with the host)."""
-        per = len(slots)
-        if self.runners[0].use_graphs and per * rows > GRAPH_MAX_ROWS:
-            per = max(1, GRAPH_MAX_ROWS // rows)
-        outs = [self._step(slots[i:i + per], tokens[i * rows:(i + per) * rows], rows)
-                for i in range(0, len(slots), per)]
-        if len(outs) == 1:
-            return outs[0]
-        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        runner's `keep` follows."""
+        per = self._per_step(len(slots), rows)
+        return _joined([self._step(slots[i:i + per], tokens[i * rows:(i + per) * rows], rows)
+                        for i in range(0, len(slots), per)])
+
+    def draft(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
+              lm_head: DraftLMHead, rows: int = 1, pick: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-head rows of several sequences in one step (Model.mtp_forward_batch), the head's weights read once
+        for all: `rows` rows of each slot's at positions starts[k].. (tokens and the residuals H of the positions
+        before them), on its own head cache; with `pick` ([B] device indices, one into each sequence's rows of the
+        step), the logits and residual of those rows only -> (logits, X)."""
+        per = self._per_step(len(slots), rows)
+        return _joined([self._draft_step(slots[i:i + per], starts[i:i + per], tokens[i * rows:(i + per) * rows],
+                                         H[i * rows:(i + per) * rows], lm_head, rows,
+                                         None if pick is None else pick[i:i + per] - i * rows)
+                        for i in range(0, len(slots), per)])
+
+    def _per_step(self, n: int, rows: int) -> int:
+        """Sequences a step takes: all of them, but with graphs only as many as fit GRAPH_MAX_ROWS rows (a round's
+        verify rows of many sequences), the few-token kernels that a graph can capture taking that many at most
+        (the larger products synchronise with the host); a step of more rows is then several steps."""
+        if self.runners[0].use_graphs and n * rows > GRAPH_MAX_ROWS:
+            return max(1, GRAPH_MAX_ROWS // rows)
+        return n
 
     def _step(self, slots: list[int], tokens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         lead = self.runners[0]
@@ -537,8 +575,48 @@ class BatchSteps:
         kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
         segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
-        logits, X = lead.forward_segments(("batch", tuple(slots), rows), segs, tokens.to(lead.device), pos)
+        logits, X = lead.forward_segments(("batch", (tuple(slots), rows)), segs, tokens.to(lead.device), pos)
         for k, s in enumerate(slots):
             self.runners[s].end_rows(tokens[k * rows:(k + 1) * rows])
         self.steps, self.rows = self.steps + 1, self.rows + len(tokens)
         return logits, X
+
+    def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
+                    lm_head: DraftLMHead, rows: int, pick: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = self.runners[0]
+        for s, p0 in zip(slots, starts, strict=True):
+            if p0 + rows > self.runners[s].opts.capacity:
+                raise ContextError(f"draft rows reach position {p0 + rows} beyond the capacity "
+                                   f"{self.runners[s].opts.capacity}")
+        segs = [Segment(slice(k * rows, (k + 1) * rows), self.runners[s].cache, {}) for k, s in enumerate(slots)]
+        kv_len = max(self.runners[s].kv_len(p0 + rows) for s, p0 in zip(slots, starts, strict=True))
+        inputs = [tokens.to(lead.device), H, upload([p0 + j for p0 in starts for j in range(rows)], lead.device)]
+        inputs += [] if pick is None else [pick]
+
+        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+            return lead.model.mtp_forward_batch(tok, h, p, segs, lm_head, kv_len, r[0] if r else None)
+        if not lead.use_graphs or len(tokens) > GRAPH_MAX_ROWS:
+            return fwd(*inputs)
+        return lead._run(("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None), kv_len), fwd, inputs)
+
+
+def _joined(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (logits, residuals) of steps that together made one, in order."""
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def _pick_drafts(jobs: list[_Job], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Each job's draft from its row of the head's logits [B, V]: the argmax, or its sampler's draw -> (the drafts
+    [B], each sampling job's distribution [1, V])."""
+    if all(j.sampler.greedy for j in jobs):
+        return argmax_rows(logits), [None] * len(jobs)
+    toks, dists = [], []
+    for k, job in enumerate(jobs):
+        row = logits[k:k + 1]
+        q = None if job.sampler.greedy else job.sampler.probs(row)
+        dists.append(q)
+        toks.append(argmax_rows(row) if q is None else job.sampler.sample_probs(q))
+    return torch.cat(toks), dists

@@ -410,9 +410,18 @@ class Model(torch.nn.Module):
         lm_head: the draft's head (None: the model's own); a DraftHead reads only its rows and gives -inf logits
         at every other id. row (a device index [1]): logits and residual of that row only (the draft extend needs
         the accepted row's; the other rows stop after writing their K/V cells, see MTPHead.forward)."""
+        return self.mtp_forward_batch(tokens, H, pos, [Segment(slice(0, tokens.shape[0]), cache, {})], lm_head,
+                                      kv_len, row)
+
+    def mtp_forward_batch(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
+                          lm_head: Weight | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
+                          row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """mtp_forward over several sequences' rows, each on its own head cache (`segments`; their pooled-key
+        updates unused): the head's weights are read once for all. row: one index a sequence into the step's rows."""
         with fuse.step_rows(tokens.shape[0]):
-            emb, cos, sin = self._mtp_inputs(tokens, pos, cache)
-            out, X = self.mtp(emb, H, pos, cos, sin, cache.mtp_kv, kv_len, row)
+            emb, cos, sin = self._mtp_inputs(tokens, pos, [s.cache for s in segments])
+            kvs = [(s.rows, s.cache.mtp_kv) for s in segments]
+            out, X = self.mtp(emb, H, pos, cos, sin, kvs, kv_len, row)
             if isinstance(lm_head, DraftHead):
                 return spread_logits(_head(out, lm_head.weight), lm_head.ids, lm_head.vocab), X
         return _head(out, self.lm_head if lm_head is None else lm_head), X
@@ -423,14 +432,16 @@ class Model(torch.nn.Module):
         which later drafts attend to) -> (the attention output [T, D], X [T, S*D]), the same cells as mtp_forward's
         at a fraction of its work (no MoE, no mixers after the attention, no head)."""
         with fuse.step_rows(tokens.shape[0]):
-            emb, cos, sin = self._mtp_inputs(tokens, pos, cache)
-            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, cache.mtp_kv, kv_len)
+            emb, cos, sin = self._mtp_inputs(tokens, pos, [cache])
+            rows = [(slice(0, tokens.shape[0]), cache.mtp_kv)]
+            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, rows, kv_len)
         return y, X
 
-    def _mtp_inputs(self, tokens: torch.Tensor, pos: torch.Tensor, cache: ModelCache
+    def _mtp_inputs(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[ModelCache]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The draft rows' embeddings and rotary tables (emb, cos, sin), once the model has an MTP head loaded."""
-        if self.mtp is None or cache.mtp_kv is None:
+        """The draft rows' embeddings and rotary tables (emb, cos, sin), once the model has an MTP head loaded (and
+        each cache room for its rows)."""
+        if self.mtp is None or any(c.mtp_kv is None for c in caches):
             raise RuntimeError("this model has no MTP head loaded")
         cos, sin = self.rope(pos)
         return embed_rows(self.embed, tokens, self.dtype), cos, sin

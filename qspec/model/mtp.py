@@ -96,23 +96,28 @@ class MTPHead(torch.nn.Module):
         self.moe = MoE(w, b, cfg.n_experts_used)
 
     def attend(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kv: KVCache, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               kvs: list[tuple[slice, KVCache]], kv_len: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The block up to its attention, which writes every row's K/V cells -> (X [T, S*D], the attention output
-        y [T, D], the injection logits): all a row needs for the rows after it to attend to it."""
-        c = self.cfg
+        y [T, D], the injection logits): all a row needs for the rows after it to attend to it. `kvs`: each
+        sequence's rows and its head's cache (several in a batched step: the row-wise work runs once over all)."""
+        c, a = self.cfg, self.attn
         X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
         h, inj = self.mix_attn(X)
-        return X, self.attn(h, pos, cos, sin, kv, None, None, None, key_lo=1, kv_len=kv_len), inj
+        proj = a.project(h, cos, sin)
+        o = [a.attend_rows(tuple(p[r] for p in proj) if len(kvs) > 1 else proj, pos[r], cos[r], sin[r], kv, None,
+                           None, None, key_lo=1, kv_len=kv_len) for r, kv in kvs]
+        return X, a.output(o[0] if len(o) == 1 else torch.cat(o), proj), inj
 
     def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: KVCache, kv_len: int | None = None, row: torch.Tensor | None = None
+                kvs: list[tuple[slice, KVCache]], kv_len: int | None = None, row: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D]).
 
-        row (a device index [1]): every row writes its K/V cells, but only that row goes on through the MoE and the
-        mixers after the attention -> (h [1, D], X [1, S*D]). The draft extend needs one row's output, and the other
-        rows' MoE would read ~47 more experts (for 6 rows) for nothing."""
-        X, y, inj = self.attend(emb, H, pos, cos, sin, kv, kv_len)
+        row (device indices [B], one per sequence in `kvs`): every row writes its K/V cells, but only those rows go
+        on through the MoE and the mixers after the attention -> (h [B, D], X [B, S*D]). The draft extend needs one
+        row's output a sequence, and the other rows' MoE would read ~47 more experts (for 6 rows) for nothing."""
+        X, y, inj = self.attend(emb, H, pos, cos, sin, kvs, kv_len)
         if row is not None:
             X, y = X.index_select(0, row), y.index_select(0, row)
             inj = None if inj is None else inj.index_select(0, row)
