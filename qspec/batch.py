@@ -10,12 +10,12 @@ Each request picks, streams and stops as the engine does (its Sampler, stop ids,
 qspec/engine.py). With an engine that does not draft, a step is a row of each sequence, and a greedy request's
 output is the engine's plain output: token for token in exact mode (EngineOptions.exact), and up to near ties
 otherwise, as a verify step's rows are. With an engine that drafts (EngineOptions.draft = d), a step is a
-speculative round of each sequence at depth d (`_spec_round`): its own draft head's chain, d + 1 verify rows in
-the batched step, the acceptance on the device, its caches rolled back to what it emits. A request's rounds are
-the ones the engine would run for it alone at that depth, so greedy output is still plain output, and a sampled
-request's output is decided by its seed alone. A greedy request alone decodes with the engine itself
-(Engine.generate: the automatic depth, the chain queued before the read-back) and hands over to the batch when
-another request arrives.
+speculative round of each sequence at depth d (`_spec_round`): the draft heads' steps over every sequence at once
+(each on its own head cache), d + 1 verify rows of each in the batched step, each one's acceptance on the device,
+its caches rolled back to what it emits. A request's rounds are the ones the engine would run for it alone at that
+depth, so greedy output is still plain output, and a sampled request's output is decided by its seed alone. A
+greedy request alone decodes with the engine itself (Engine.generate: the automatic depth, the chain queued before
+the read-back) and hands over to the batch when another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
 slot and prefills only its new tokens.
