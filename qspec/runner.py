@@ -292,6 +292,21 @@ class Runner:
             return fwd(*flat)
         return self._run(key, fwd, flat)
 
+    def draft_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, H: torch.Tensor,
+                       pos: torch.Tensor, lm_head: torch.Tensor | Q4Weight | DraftHead | None, kv_len: int,
+                       pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.mtp_forward_batch over `segs` (each sequence on its own head cache), through a CUDA graph of this
+        runner's keyed (kind, the KV bucket) when graphs are on; eagerly for more than GRAPH_MAX_ROWS rows."""
+        inputs = [tokens.to(self.device), H, pos] + ([] if pick is None else [pick])
+
+        def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.model.mtp_forward_batch(tok, h, p, segs, lm_head, kv_len, r[0] if r else None)
+
+        if int(tokens.shape[0]) > GRAPH_MAX_ROWS:
+            return fwd(*inputs)
+        return self._run((*kind, kv_len), fwd, inputs)
+
     def begin_rows(self, rows: slice) -> tuple[Segment, torch.Tensor]:
         """Book a step's rows after the committed ones (`rows`: where they lie in the step; a batched step holds
         several sequences'): the cells written, the recurrent half chosen, the pooled-key plans made and uploaded.

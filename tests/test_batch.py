@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import build_model, tiny_config
 
-from qspec.batch import Batcher, BatchSteps
+from qspec.batch import Batcher
+from qspec.batch_steps import BatchSteps
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, prefill_chunks
 from qspec.model.model import Model, Segment
 from qspec.runner import Runner

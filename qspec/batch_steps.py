@@ -1,0 +1,88 @@
+"""Steps over several sequences at once, each in its own Runner (its own caches, the model shared): the target's
+rows (Model.forward_batch) and the draft head's (Model.mtp_forward_batch), each weight read once for all of them,
+through CUDA graphs in the first runner's store. qspec/batch.py's Batcher decides what each step carries."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from qspec.engine import DraftLMHead
+from qspec.model.model import Segment
+from qspec.runner import GRAPH_MAX_ROWS, ContextError, Runner, upload
+
+
+class BatchSteps:
+    """A step of one row for each of some runners' sequences (Model.forward_batch), through a CUDA graph per set of
+    slots, KV bucket and pooled-key update shapes where graphs are on (in the first runner's store)."""
+
+    def __init__(self, runners: list[Runner]) -> None:
+        self.runners = runners
+        self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
+        # by rows: the last steps' times to their tokens picked (benchmarks)
+        self.seconds: dict[int, deque[float]] = {}
+
+    def timed(self, rows: int, seconds: float) -> None:
+        self.seconds.setdefault(rows, deque(maxlen=4096)).append(seconds)
+
+    def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
+        runner's `keep` follows."""
+        per = self._per_step(len(slots), rows)
+        return _joined([self._step(slots[i:i + per], tokens[i * rows:(i + per) * rows], rows)
+                        for i in range(0, len(slots), per)])
+
+    def draft(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
+              lm_head: DraftLMHead, rows: int = 1, pick: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-head rows of several sequences in one step (Model.mtp_forward_batch), the head's weights read once
+        for all: `rows` rows of each slot's at positions starts[k].. (tokens and the residuals H of the positions
+        before them), on its own head cache; with `pick` ([B] device indices, one into each sequence's rows of the
+        step), the logits and residual of those rows only -> (logits, X)."""
+        per = self._per_step(len(slots), rows)
+        return _joined([self._draft_step(slots[i:i + per], starts[i:i + per], tokens[i * rows:(i + per) * rows],
+                                         H[i * rows:(i + per) * rows], lm_head, rows,
+                                         None if pick is None else pick[i:i + per] - i * rows)
+                        for i in range(0, len(slots), per)])
+
+    def _per_step(self, n: int, rows: int) -> int:
+        """Sequences a step takes: all of them, but with graphs only as many as fit GRAPH_MAX_ROWS rows (a round's
+        verify rows of many sequences), the few-token kernels that a graph can capture taking that many at most
+        (the larger products synchronise with the host); a step of more rows is then several steps."""
+        if self.runners[0].use_graphs and n * rows > GRAPH_MAX_ROWS:
+            return max(1, GRAPH_MAX_ROWS // rows)
+        return n
+
+    def _step(self, slots: list[int], tokens: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = self.runners[0]
+        booked = [self.runners[s].begin_rows(slice(k * rows, (k + 1) * rows)) for k, s in enumerate(slots)]
+        # every sequence attends over the batch's largest KV bucket (the cells past its own are masked): a graph
+        # per bucket of the batch, not per combination of its sequences' buckets
+        kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
+        segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
+        pos = torch.cat([p for _, p in booked])
+        logits, X = lead.forward_segments(("batch", (tuple(slots), rows)), segs, tokens.to(lead.device), pos)
+        for k, s in enumerate(slots):
+            self.runners[s].end_rows(tokens[k * rows:(k + 1) * rows])
+        self.steps, self.rows = self.steps + 1, self.rows + len(tokens)
+        return logits, X
+
+    def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
+                    lm_head: DraftLMHead, rows: int, pick: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = self.runners[0]
+        for s, p0 in zip(slots, starts, strict=True):
+            if p0 + rows > self.runners[s].opts.capacity:
+                raise ContextError(f"draft rows reach position {p0 + rows} beyond the capacity "
+                                   f"{self.runners[s].opts.capacity}")
+        segs = [Segment(slice(k * rows, (k + 1) * rows), self.runners[s].cache, {}) for k, s in enumerate(slots)]
+        kv_len = max(self.runners[s].kv_len(p0 + rows) for s, p0 in zip(slots, starts, strict=True))
+        pos = upload([p0 + j for p0 in starts for j in range(rows)], lead.device)
+        kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None))
+        return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick)
+
+def _joined(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (logits, residuals) of steps that together made one, in order."""
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
