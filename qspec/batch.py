@@ -215,7 +215,7 @@ class Batcher:
 
         try:
             g = self.engine.generate(job.prompt, req.max_tokens, sampler=job.sampler, stop_ids=req.stop_ids,
-                                     on_token=on_token)
+                                     on_token=on_token, counters=req.stats)  # its rounds' counts go on in the batch
         except _Yield:
             req.out.extend(emitted)  # streamed and consumed by the grammar already
             job.tok = emitted[-1]

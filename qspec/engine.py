@@ -313,11 +313,14 @@ class Engine:
     @torch.inference_mode()
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,
-                 logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None) -> Generation:
+                 logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None,
+                 counters: SpecStats | None = None) -> Generation:
         """Generate up to max_tokens after `prompt`; on_token(t) sees each emitted token; `logprobs` collects each
         emitted token's log-probability (qspec/spec/logprobs.py). `prompt_logprobs` collects the prompt's: an entry
         per prompt token, each predicted from the tokens before it (the first from none: its log-probability is None);
-        the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone)."""
+        the whole prompt prefills then, whatever the caches hold, and max_tokens may be 0 (the prompt scored alone).
+        `counters`: the speculative counters the request's rounds are recorded in (the Generation's `spec`; a request
+        that an exception from on_token hands elsewhere keeps them), else new ones."""
         self.check_request(prompt, max_tokens, scoring=prompt_logprobs is not None)
         sampler = sampler or Sampler()
         if sampler.grammar is not None and not set(sampler.grammar.ends) <= set(stop_ids or ()):
@@ -327,7 +330,7 @@ class Engine:
             self.calibrate_depths(prompt)
         with self.runner.switches.apply():
             req = RequestState(max_tokens, stop_ids or set(), on_token, self._sync if self.hooks.time_phases else None,
-                           logprobs, prompt_logprobs, sampler.grammar)
+                               logprobs, prompt_logprobs, sampler.grammar, counters)
             return self._generate(prompt, req, sampler)
 
     @property
@@ -779,12 +782,13 @@ class RequestState:
 
     def __init__(self, max_tokens: int, stop_ids: set[int], on_token: Callable[[int], None] | None,
                  sync: Callable[[], None] | None, logprobs: Logprobs | None = None,
-                 prompt_logprobs: Logprobs | None = None, grammar: Grammar | AfterThinking | None = None) -> None:
+                 prompt_logprobs: Logprobs | None = None, grammar: Grammar | AfterThinking | None = None,
+                 stats: SpecStats | None = None) -> None:
         self.max_tokens, self.stop_ids, self.on_token, self.logprobs = max_tokens, stop_ids, on_token, logprobs
         self.prompt_logprobs, self.grammar = prompt_logprobs, grammar
         self.sync = sync  # set when timing phases: synchronise at every phase boundary
         self.out: list[int] = []
-        self.stats = SpecStats()
+        self.stats = SpecStats() if stats is None else stats
         self.rounds_log: list[dict[str, int]] = []
         self.logits_log: list[torch.Tensor] = []
         self.draft_log: list[torch.Tensor] = []

@@ -15,6 +15,7 @@ from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
 from qspec.model.model import Model, Segment
 from qspec.spec.accept import Sampler
 from qspec.spec.logprobs import Logprobs
+from qspec.spec.stats import SpecStats
 
 CAP = 128
 
@@ -295,6 +296,26 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
         assert b.steps.rows > b.steps.steps  # they decoded together
     finally:
         b.close()
+
+
+def test_a_request_handed_over_keeps_its_rounds_counts(tiny_model: Model) -> None:
+    """The engine records a request's rounds in the counters it is given (Engine.generate's `counters`), and they
+    keep the rounds done before an exception from on_token hands the request elsewhere (as the batcher's hand-over
+    does): the request's Generation reports the rounds of both parts."""
+    e = engine(tiny_model, draft=2)
+    mine = SpecStats()
+    g = e.generate(prompt_of(9, 80), 12, counters=mine)
+    assert g.spec is mine and mine.rounds > 0
+    seen: list[int] = []
+
+    def leave(t: int) -> None:
+        seen.append(t)
+        if len(seen) == 8:
+            raise KeyError("handed over")
+    kept = SpecStats()
+    with pytest.raises(KeyError):
+        e.generate(prompt_of(9, 81), 30, on_token=leave, counters=kept)
+    assert kept.rounds > 0 and kept.drafted == 2 * kept.rounds  # the rounds before the 8th token
 
 
 @pytest.mark.parametrize("draft", [0, 2])

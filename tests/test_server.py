@@ -63,7 +63,9 @@ def test_completion_equals_engine_output(served) -> None:  # noqa: ANN001
     assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 12, "total_tokens": n_prompt + 12,
                              "prompt_tokens_details": {"cached_tokens": cached}}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["qspec"]["drafted"] > 0  # the engine drafted (draft=2)
+    stats = body["qspec"]  # the engine drafted (draft=2): its rounds and each draft position's acceptance rate
+    assert stats["drafted"] == 2 * stats["rounds"] > 0 and len(stats["acceptance_by_position"]) == 2
+    assert all(0 <= a <= 1 for a in stats["acceptance_by_position"])
     # token ids work as a prompt too
     r2 = client.post("/v1/completions", json={"prompt": tok.encode(PROMPT, add_special=True), "max_tokens": 12})
     assert r2.json()["choices"][0]["text"] == want

@@ -7,6 +7,7 @@ from typing import Any
 
 from qspec.engine import Generation
 from qspec.spec.logprobs import TokenLogprob
+from qspec.spec.stats import SpecStats
 from qspec.tokenizer import Tokenizer
 
 
@@ -18,8 +19,14 @@ def qspec_stats(gens: list[Generation]) -> dict[str, Any]:
         return {}
     after_first, seconds = sum(max(len(g.tokens) - 1, 0) for g in gens), sum(g.decode_s for g in gens)
     tps = after_first / seconds if after_first > 0 and seconds > 0 else None
+    spec = SpecStats()
+    for g in gens:
+        spec.merge(g.spec)
+    # rounds: the verify steps, so that the mean acceptance length (accepted / rounds + 1) and each draft position's
+    # rate can be read per request, not only from /metrics
     return {"qspec": {"decode_tokens_per_s": tps, "prefill_s": sum(g.prefill_s for g in gens),
-                      "drafted": sum(g.spec.drafted for g in gens), "accepted": sum(g.spec.accepted for g in gens)}}
+                      "drafted": spec.drafted, "accepted": spec.accepted, "rounds": spec.rounds,
+                      "acceptance_by_position": [round(x, 4) for x in spec.acceptance_by_position()]}}
 
 
 class TextBodies:
