@@ -3,7 +3,6 @@ returns, streams the same text, honours stop strings, and answers bad requests w
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import re
@@ -512,11 +511,11 @@ def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: 
         text = client.get("/metrics").text
         assert re.search(r'qspec:num_requests_running\{[^}]*\} 0', text)
         assert re.search(rf'qspec:batch_rows_total\{{[^}}]*\}} {steps.rows}\n', text)
-    # a request's n sampled choices (whole and streamed) decode together, each as plain decoding samples it alone
-    # (seeded by the request's seed + the choice's index)
-    plain = Engine(engine.model, dataclasses.replace(engine.opts, draft=0))
+    # a request's n sampled choices (whole and streamed) decode together, each as the engine samples it alone (its
+    # speculative rounds at the same depth, seeded by the request's seed + the choice's index)
+    alone = Engine(engine.model, engine.opts)
     ids = tok.encode(PROMPT, add_special=True)
-    want = [tok.decode(plain.generate(ids, 8, stop_ids=set(tok.stop_ids), sampler=Sampler(
+    want = [tok.decode(alone.generate(ids, 8, stop_ids=set(tok.stop_ids), sampler=Sampler(
         temperature=0.9, generator=torch.Generator().manual_seed(7 + i))).tokens, skip_special=True) for i in range(3)]
     assert len(set(want)) > 1
     with TestClient(app) as client:
