@@ -73,15 +73,16 @@ class _Job:
 
 
 class Batcher:
-    """Continuous batching of plain decoding over `engine`'s model (module docstring). `close` stops its thread."""
+    """Continuous batching over `engine`'s model (module docstring); with `draft` False the batch decodes plainly
+    even when the engine drafts (a request alone still does). `close` stops its thread."""
 
-    def __init__(self, engine: Engine, slots: int) -> None:
+    def __init__(self, engine: Engine, slots: int, draft: bool = True) -> None:
         if slots < 1:
             raise ValueError(f"a batch needs at least 1 slot, got {slots}")
         self.engine, self.model = engine, engine.model
-        # with an engine that drafts, every sequence drafts that deep (a verify step's rows rolled back); else
-        # plain decoding: one row a step, no rollback
-        self.depth = engine.opts.draft
+        # with an engine that drafts (and `draft`), every sequence drafts that deep (a verify step's rows rolled
+        # back); else plain decoding: one row a step, no rollback (a request alone still drafts with the engine)
+        self.depth = engine.opts.draft if draft else 0
         opts = engine.opts.cache_options() if self.depth else replace(engine.opts.cache_options(), n_slots=1)
         self.runners: list[Runner] = []
         lead = engine.runner

@@ -529,7 +529,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
     prompts = [_fitting_ids(tok, t, vocab, a.chat, samp.max_tokens, opts, f"prompt {i}: ")
                for i, t in enumerate(texts)]
     compiler = GrammarCompiler(tok, vocab) if spec is not None else None
-    batcher = Batcher(engine, min(a.max_batch, len(prompts)))
+    batcher = Batcher(engine, min(a.max_batch, len(prompts)), draft=a.batch_draft)
     _say(f"qspec: batch: {batcher.describe()}")
     t0 = time.perf_counter()
     try:
@@ -587,7 +587,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
     ids = _warmup_ids(tok, engine.model.cfg)
-    batcher = Batcher(engine, a.max_batch) if a.max_batch > 1 else None
+    batcher = Batcher(engine, a.max_batch, draft=a.batch_draft) if a.max_batch > 1 else None
     if batcher is not None:
         _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
@@ -796,8 +796,10 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
 def _add_max_batch(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--max-batch", type=int, default=default, metavar="N",
-                   help=f"decode up to N requests together (plain decoding: each weight is read once a step for all of "
-                   f"them; a request alone still drafts with --draft; default {default})")
+                   help=f"decode up to N requests together, each weight read once a step for all of them; with "
+                   f"--draft, each step is a speculative round of every request (default {default})")
+    _on_off(p, "--no-batch-draft", "batch_draft", "with --draft, requests decoded together decode plainly (a request "
+            "alone still drafts): BENCHMARKS.md §9 has where drafting stops paying as the batch grows")
 
 
 def _add_generation_commands(sub: argparse._SubParsersAction) -> None:

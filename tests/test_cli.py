@@ -60,9 +60,9 @@ def test_batch_writes_what_run_generates(models: dict[str, Path], capsys: pytest
         assert run(capsys, "run", t, "--model", str(models["gguf"]), "--max-tokens", "6", "--json", str(js),
                    *FAST)[0] == 0
         want.append(json.loads(js.read_text())["tokens"])
-    for draft in ("0", "2"):
+    for draft in (["--draft", "0"], ["--draft", "2"], ["--draft", "2", "--no-batch-draft"]):
         rc, out, err = run(capsys, "batch", str(prompts), "--model", str(models["gguf"]), "--max-tokens", "6",
-                           "--max-batch", "2", "--draft", draft, *FAST)
+                           "--max-batch", "2", *draft, *FAST)
         assert rc == 0, err
         lines = [json.loads(x) for x in out.splitlines()]
         assert [x["index"] for x in lines] == [0, 1, 2] and [x["tokens"] for x in lines] == want
