@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--draft", type=int, default=0,
                     help="also the arms that draft this deep: the engine's rounds and the batch's (mtpN)")
+    ap.add_argument("--draft-head", default="full", choices=("full", "q4"),
+                    help="the LM head the drafts read (q4: the engine's Q4_0 copy, as the `ours` arms use)")
     ap.add_argument("--accept-profile", default="p=0.85", help="the drafting arms' replayed acceptance "
                     "(qspec/bench/accept.py; the random model's own drafts are almost never accepted)")
     ap.add_argument("--profile", action="store_true",
@@ -91,7 +93,8 @@ def main() -> None:
     variants = {"": 0} | ({f" mtp{a.draft}": a.draft} if a.draft else {})
     hooks = EngineHooks(accept_hook=AcceptProfile.parse(a.accept_profile).hook())
     engines = {v: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
-                                              prefix_cache=False), hooks if d else None) for v, d in variants.items()}
+                                              prefix_cache=False, draft_head=a.draft_head), hooks if d else None)
+               for v, d in variants.items()}
     batchers = {v: Batcher(e, max(batches)) for v, e in engines.items()}
     arms = [f"{kind}{v}" for v in variants for kind in ["engine"] + [f"batch {b}" for b in batches]]
     results: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -141,7 +144,8 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
     commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     base = statistics.median(results["engine"])
-    drafting = (f" --draft {a.draft} --accept-profile {a.accept_profile}" if a.draft else "")
+    drafting = (f" --draft {a.draft} --draft-head {a.draft_head} --accept-profile {a.accept_profile}" if a.draft
+                else "")
     lines = [f"# Continuous batching on {where}, {a.preset} geometry with {a.layers} layers "
              f"({a.quant or ('bf16' if a.device == 'cuda' else 'f32')}), {commit}, {_dt.date.today()}", "",
              f"`python scripts/batch_gpu.py --layers {a.layers} --batches {a.batches} --prompt {a.prompt} --tokens "
