@@ -109,8 +109,9 @@ class Batcher:
         """A line on the batch: its slots and what their caches hold in memory."""
         dev, host = held_bytes(self.model, [r.cache for r in self.runners])
         where = "host" if self.model.device.type == "cpu" else "GPU"
-        return (f"up to {self.slots} requests at once, their caches {(dev or host) / 2**30:.2f} GiB of {where} "
-                f"memory ({self.runners[0].opts.capacity:,} tokens each)")
+        steps = f"speculative rounds {self.depth} deep" if self.depth else "plain steps"
+        return (f"up to {self.slots} requests at once in {steps}, their caches {(dev or host) / 2**30:.2f} GiB of "
+                f"{where} memory ({self.runners[0].opts.capacity:,} tokens each)")
 
     def generate(self, prompt: list[int], max_tokens: int, *, sampler: Sampler | None = None,
                  stop_ids: set[int] | None = None, on_token: Callable[[int], None] | None = None,

@@ -2,13 +2,13 @@
 server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/models`, `/health`.
 
 The engine decodes one sequence at a time, so requests wait their turn on a lock; with a batcher its slots' requests
-decode together instead (qspec/batch.py: plain decoding, each weight read once a step for all; a request alone
-drafts), and the rest wait for a place. Tokenizing and each generation run in worker threads, and the event loop
-stays free to stream tokens and answer health checks. A request whose client goes away (streamed or not, queued or
-running) ends at the next token; one that meets a stop string ends at the end of that round. The engine keeps its
-caches for the next request (a chat's next turn, which repeats the conversation, then prefills only its new tokens;
-Engine.cached_prefix): one stopped mid-round leaves only its checkpoints (prompt ends), valid whatever step was
-under way. Every error answers with OpenAI's error body (qspec/server/errors.py).
+decode together instead (qspec/batch.py: each weight read once a step for all, each step a speculative round of
+every request when the engine drafts), and the rest wait for a place. Tokenizing and each generation run in worker
+threads, and the event loop stays free to stream tokens and answer health checks. A request whose client goes away
+(streamed or not, queued or running) ends at the next token; one that meets a stop string ends at the end of that
+round. The engine keeps its caches for the next request (a chat's next turn, which repeats the conversation, then
+prefills only its new tokens; Engine.cached_prefix): one stopped mid-round leaves only its checkpoints (prompt
+ends), valid whatever step was under way. Every error answers with OpenAI's error body (qspec/server/errors.py).
 """
 
 from __future__ import annotations
@@ -392,8 +392,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
                reasoning_parser: str | None = None, api_key: str | None = None, batcher: Batcher | None = None
                ) -> FastAPI:
     """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
-    `batcher` (over `engine`): up to its slots' requests decode together, plainly (qspec/batch.py; a request alone
-    drafts), instead of one at a time;
+    `batcher` (over `engine`): up to its slots' requests decode together (qspec/batch.py) instead of one at a time;
     `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
     `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>`."""
     if reasoning_parser not in REASONING_PARSERS:
