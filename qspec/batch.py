@@ -43,9 +43,14 @@ from qspec.kernels.argmax import argmax_rows
 from qspec.memory import check_cache_fits, held_bytes
 from qspec.runner import Readback, Runner, upload
 from qspec.spec.accept import Sampler
+from qspec.spec.depth import BatchDraftChoice
 from qspec.spec.logprobs import Logprobs
 
 _T = TypeVar("_T")
+
+# Whether a batch over an engine that drafts drafts too: in every step, where it pays at the batch's size (measured:
+# BatchDraftChoice), or never.
+BATCH_DRAFT = ("auto", "on", "off")
 
 
 class _Yield(Exception):  # noqa: N818 - not an error: a lone request's decoding hands over to the batch
@@ -66,7 +71,10 @@ class _Job:
     ids: torch.Tensor | None = None  # the tokens its slot prefills (its prompt, or prompt and output so far)
     filled: int = 0  # how many of them the slot holds
     tok: int = -1  # the last emitted token: the next step's row
-    head: tuple[torch.Tensor, torch.Tensor] | None = None  # drafting: the draft head's (logits, residual) over tok
+    # drafting: the draft head's (logits, residual) over tok, or None when it is to be computed (by the next round)
+    # from last_x, the target's residual of the position before tok
+    head: tuple[torch.Tensor, torch.Tensor] | None = None
+    last_x: torch.Tensor | None = None
     t0: float = 0.0
     prefill_s: float = 0.0
     t1: float = 0.0  # when decoding began
@@ -76,13 +84,17 @@ class Batcher:
     """Continuous batching over `engine`'s model (module docstring); with `draft` False the batch decodes plainly
     even when the engine drafts (a request alone still does). `close` stops its thread."""
 
-    def __init__(self, engine: Engine, slots: int, draft: bool = True) -> None:
+    def __init__(self, engine: Engine, slots: int, draft: str = "auto") -> None:
         if slots < 1:
             raise ValueError(f"a batch needs at least 1 slot, got {slots}")
+        if draft not in BATCH_DRAFT:
+            raise ValueError(f"batch drafting must be one of {BATCH_DRAFT}, got {draft!r}")
         self.engine, self.model = engine, engine.model
-        # with an engine that drafts (and `draft`), every sequence drafts that deep (a verify step's rows rolled
-        # back); else plain decoding: one row a step, no rollback (a request alone still drafts with the engine)
-        self.depth = engine.opts.draft if draft else 0
+        # with an engine that drafts (unless `draft` is off), every sequence drafts that deep (a verify step's rows
+        # rolled back), in every step (on) or where it pays at that batch size (auto); else plain decoding: one row
+        # a step, no rollback (a request alone still drafts with the engine)
+        self.depth = engine.opts.draft if draft != "off" else 0
+        self.choice = BatchDraftChoice(self.depth) if self.depth and draft == "auto" else None
         opts = engine.opts.cache_options() if self.depth else replace(engine.opts.cache_options(), n_slots=1)
         self.runners: list[Runner] = []
         lead = engine.runner
@@ -96,7 +108,8 @@ class Batcher:
         self._filling: deque[_Job] = deque()  # given a slot, their prompts prefilling a chunk a step, in order
         self._cv = threading.Condition()
         self._closed = False
-        self._ahead: tuple[list[_Job], torch.Tensor] | None = None  # a step launched and kept, its logits not read
+        # a step launched and kept, its logits (and residuals) not read
+        self._ahead: tuple[list[_Job], torch.Tensor, torch.Tensor] | None = None
         self.reader = Readback(self.model.device, capacity=slots * (self.depth + 2))
         self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
         self._thread.start()
@@ -283,12 +296,12 @@ class Batcher:
         job.t1 = time.perf_counter()
 
     def _start_drafting(self, job: _Job, H: torch.Tensor | None) -> None:
-        """When the batch drafts: the draft head's step over the job's first token (emitted, not yet run), H the
-        residual of the position before it (the prompt's last), as the engine's first round starts."""
+        """When the batch drafts: the draft head's step over the job's first token (emitted, not yet run) is left to
+        the next round (`_refresh_heads`, for every new job at once), H the residual of the position before it (the
+        prompt's last), as the engine's first round starts."""
         if self.depth:
-            run = self.runners[job.slot]
             assert H is not None
-            job.head = run.mtp_step(upload([job.tok], run.device), H, run.n_tokens, self.engine.draft_lm_head)
+            job.head, job.last_x = None, H.clone()
 
     def _take_slot(self, job: _Job, tokens: list[int], reuse: bool) -> None:
         """A free slot for the job (the one that holds the most of `tokens`, with `reuse`), its sequence cut to
@@ -312,37 +325,62 @@ class Batcher:
             self._finish(job)
 
     def _step(self) -> None:
-        """Every active job's next token. The step that gives them was launched ahead by the last call (`_ahead`),
-        or is launched now from the tokens the host holds. When its rows are all plain greedy (no rules, grammar,
-        log-probabilities or sampling), the step that consumes their picks is launched before the host reads them,
-        as the engine's plain decoding does (runner.Readback): the read waits for this step only, and the host's
-        work for it overlaps the next."""
-        if self.depth:
+        """Every active job's next token(s): a speculative round (`_spec_round`) when the batch drafts now, else a
+        plain step. A plain step was launched ahead by the last call (`_ahead`), or is launched now from the tokens
+        the host holds. When its rows are all plain greedy (no rules, grammar, log-probabilities or sampling), the
+        step that consumes their picks is launched before the host reads them, as the engine's plain decoding does
+        (runner.Readback): the read waits for this step only, and the host's work for it overlaps the next."""
+        t0, n, depth = time.perf_counter(), len(self._active), self._depth_now()
+        if depth and self._ahead is None:
             self._spec_round()
             return
-        t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             jobs = _by_slot(self._active.values())
             out = self._launch(jobs, torch.tensor([j.tok for j in jobs], dtype=torch.long))
             if out is None:
                 return
-            logits = out[0]
+            logits, X = out
             for job in jobs:  # the rows of tokens emitted already
                 self._guarded(job, lambda j: self.runners[j.slot].keep(1, rollback=False))
             jobs = [j for j in jobs if self._is_active(j)]
         else:
-            jobs, logits = ahead
-        if all(_plain_greedy(j) for j in self._active.values()):
-            self._emit_launching_next(jobs, logits)
+            jobs, logits, X = ahead
+        if not depth and all(_plain_greedy(j) for j in self._active.values()):  # (a round next: none ahead)
+            self._emit_launching_next(jobs, logits, X)
         else:
             plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
             picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
             for k, job in enumerate(jobs):
                 self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
-        self.steps.timed(len(jobs), time.perf_counter() - t0)
+        self._timed(n, 0, time.perf_counter() - t0)
 
-    def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor) -> None:
+    def _depth_now(self) -> int:
+        """The depth of this pass's step: the batch's when it always drafts or a job is not greedy (a sampled one's
+        draws would depend on when the batch drafted), else as the measured rates choose at this batch size."""
+        if not self.depth or self.choice is None or not all(j.sampler.greedy for j in self._active.values()):
+            return self.depth
+        return self.choice.choose(len(self._active))
+
+    def _timed(self, n: int, depth: int, seconds: float, tokens_per_sequence: float = 1.0) -> None:
+        self.steps.timed((n, depth), seconds)
+        if self.choice is not None:
+            self.choice.observe(n, depth, seconds, tokens_per_sequence)
+
+    def _write_head_rows(self, jobs: list[_Job], tokens: torch.Tensor) -> None:
+        """Before a plain step in a batch that drafts: the draft heads' K/V cells of the rows it runs (each job's
+        token, with the residual of the position before it) where no step wrote them (a round's extend writes its
+        committed rows'), so that a later round drafts from a current head; the heads' logits are left to that round
+        (`_refresh_heads`)."""
+        stale = [k for k, j in enumerate(jobs) if j.head is None]
+        if not stale:
+            return
+        slots = [jobs[k].slot for k in stale]
+        rows = tokens.to(self.model.device)[upload(stale, self.model.device)]
+        self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], rows,
+                         torch.cat([jobs[k].last_x for k in stale]), None, write_only=True)  # type: ignore[misc]
+
+    def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor, X: torch.Tensor) -> None:
         """Greedy picks of `jobs`' rows, the next step launched on them (for the jobs that may go on, and those that
         joined since) before they are read; then each emitted, and each row of the next step kept, or dropped where
         its token ended the job (the next call reads that step: `_ahead`)."""
@@ -356,7 +394,7 @@ class Batcher:
             tokens = torch.cat([picks[torch.tensor(go, dtype=torch.long, device=picks.device)],
                                 torch.tensor([j.tok for j in joined], dtype=torch.long, device=picks.device)])
             launched = self._launch(jobs_next, tokens)
-            nxt = None if launched is None else launched[0]
+            nxt = None if launched is None else launched
         toks = self.reader.result()
         for k, job in enumerate(jobs):
             if self._is_active(job):
@@ -372,14 +410,25 @@ class Batcher:
             elif job.error is None:  # ended by the token it consumed: its row goes (a failed job's slot was reset)
                 self.runners[job.slot].keep(0, rollback=True)
         if alive:
-            self._ahead = ([jobs_next[r] for r in alive], nxt if len(alive) == len(jobs_next) else nxt[alive])
+            every = len(alive) == len(jobs_next)
+            self._ahead = ([jobs_next[r] for r in alive], *(t if every else t[alive] for t in nxt))
 
     def _launch(self, jobs: list[_Job], tokens: torch.Tensor, rows: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A step of `rows` rows for each job (tokens on the host or the device, a job's rows together) -> its
         logits and residuals; None when it failed, which ends every one of those jobs with the error (the thread
         goes on)."""
-        return self._all_or_none(jobs, lambda: self.steps.run([j.slot for j in jobs], tokens, rows))
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            plain_in_rounds = self.depth and rows == 1  # a batch that drafts, decoding plainly at this size
+            if plain_in_rounds:
+                self._write_head_rows(jobs, tokens)
+            out = self.steps.run([j.slot for j in jobs], tokens, rows)
+            if plain_in_rounds:
+                X = out[1].clone()  # a replay may reuse the step's memory before the next rows' heads take these
+                for k, job in enumerate(jobs):
+                    job.head, job.last_x = None, X[k:k + 1]
+            return out
+        return self._all_or_none(jobs, step)
 
     # ---- speculative rounds (an engine that drafts) --------------------------------------------------------------
     def _spec_round(self) -> None:
@@ -390,7 +439,7 @@ class Batcher:
         then each emits its tokens and rolls its caches back to them."""
         t0, d = time.perf_counter(), self.depth
         jobs = _by_slot(self._active.values())
-        drafts = self._all_or_none(jobs, lambda: self._draft(jobs))
+        drafts = self._all_or_none(jobs, lambda: self._refresh_heads(jobs) or self._draft(jobs))
         if drafts is None:
             return
         dev = self.model.device
@@ -405,13 +454,30 @@ class Batcher:
         live = [j for j in jobs if self._is_active(j)]
         heads = self._all_or_none(live, lambda: self._extend(live, accepted, torch.cat([vX[rows[j.slot]]
                                                                                          for j in live])))
+        committed = 1.0  # tokens a sequence committed in the round, on average
         if heads is not None and live:
             self.reader.start(torch.cat([t for j in live for t in (drafts[j.slot][0], *accepted[j.slot][:2])]))
             read = self.reader.result()
+            committed = sum(read[i * (d + 2) + d] + 1 for i in range(len(live))) / len(live)
             for i, job in enumerate(live):
                 got = read[i * (d + 2):(i + 1) * (d + 2)]
                 self._guarded(job, lambda j, g=got: self._commit(j, g[:d], g[d], g[d + 1], heads[j.slot]))
-        self.steps.timed(len(jobs), time.perf_counter() - t0)
+        self._timed(len(jobs), d, time.perf_counter() - t0, committed)
+
+    def _refresh_heads(self, jobs: list[_Job]) -> None:
+        """The draft head's step over the last emitted token of each job whose head is not current (a new job, or
+        one that decoded plainly): at its position, with the residual of the position before (`last_x`), as the
+        engine's first round starts; one step for all of them."""
+        stale = [j for j in jobs if j.head is None]
+        if not stale:
+            return
+        slots = [j.slot for j in stale]
+        tokens = upload([j.tok for j in stale], self.model.device)
+        logits, X = self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], tokens,
+                                     torch.cat([j.last_x for j in stale]), self.engine.draft_lm_head)  # type: ignore[misc]
+        logits, X = logits.clone(), X.clone()  # kept until the draft chain, after other replays
+        for k, job in enumerate(stale):
+            job.head = logits[k:k + 1], X[k:k + 1]
 
     def _each(self, jobs: list[_Job], fn: Callable[[_Job], _T]) -> dict[int, _T]:
         """fn(job) for each job still active, by slot; one that raises ends that job alone (`_guarded`)."""

@@ -20,11 +20,11 @@ class BatchSteps:
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
         self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
-        # by rows: the last steps' times to their tokens picked (benchmarks)
-        self.seconds: dict[int, deque[float]] = {}
+        # by (sequences, depth: 0 for a plain step): the last steps' or rounds' times to their tokens (benchmarks)
+        self.seconds: dict[tuple[int, int], deque[float]] = {}
 
-    def timed(self, rows: int, seconds: float) -> None:
-        self.seconds.setdefault(rows, deque(maxlen=4096)).append(seconds)
+    def timed(self, key: tuple[int, int], seconds: float) -> None:
+        self.seconds.setdefault(key, deque(maxlen=4096)).append(seconds)
 
     def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
@@ -34,16 +34,17 @@ class BatchSteps:
                         for i in range(0, len(slots), per)])
 
     def draft(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
-              lm_head: DraftLMHead, rows: int = 1, pick: torch.Tensor | None = None
+              lm_head: DraftLMHead, rows: int = 1, pick: torch.Tensor | None = None, write_only: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft-head rows of several sequences in one step (Model.mtp_forward_batch), the head's weights read once
         for all: `rows` rows of each slot's at positions starts[k].. (tokens and the residuals H of the positions
         before them), on its own head cache; with `pick` ([B] device indices, one into each sequence's rows of the
-        step), the logits and residual of those rows only -> (logits, X)."""
+        step), the logits and residual of those rows only -> (logits, X); with `write_only`, only their K/V cells are
+        written (what a plain step's rows leave the head: the rows later drafts attend to)."""
         per = self._per_step(len(slots), rows)
         return _joined([self._draft_step(slots[i:i + per], starts[i:i + per], tokens[i * rows:(i + per) * rows],
                                          H[i * rows:(i + per) * rows], lm_head, rows,
-                                         None if pick is None else pick[i:i + per] - i * rows)
+                                         None if pick is None else pick[i:i + per] - i * rows, write_only)
                         for i in range(0, len(slots), per)])
 
     def _per_step(self, n: int, rows: int) -> int:
@@ -69,7 +70,8 @@ class BatchSteps:
         return logits, X
 
     def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
-                    lm_head: DraftLMHead, rows: int, pick: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    lm_head: DraftLMHead, rows: int, pick: torch.Tensor | None, write_only: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         lead = self.runners[0]
         for s, p0 in zip(slots, starts, strict=True):
             if p0 + rows > self.runners[s].opts.capacity:
@@ -78,8 +80,8 @@ class BatchSteps:
         segs = [Segment(slice(k * rows, (k + 1) * rows), self.runners[s].cache, {}) for k, s in enumerate(slots)]
         kv_len = max(self.runners[s].kv_len(p0 + rows) for s, p0 in zip(slots, starts, strict=True))
         pos = upload([p0 + j for p0 in starts for j in range(rows)], lead.device)
-        kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None))
-        return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick)
+        kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None, write_only))
+        return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick, write_only)
 
 def _joined(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The (logits, residuals) of steps that together made one, in order."""

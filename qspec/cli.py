@@ -28,7 +28,7 @@ from typing import Any, NoReturn, TextIO
 import torch
 from gguf import GGMLQuantizationType
 
-from qspec.batch import Batcher
+from qspec.batch import BATCH_DRAFT, Batcher
 from qspec.cache import keep_compiled_graphs
 from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock, CompileTimes
@@ -798,8 +798,10 @@ def _add_max_batch(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--max-batch", type=int, default=default, metavar="N",
                    help=f"decode up to N requests together, each weight read once a step for all of them; with "
                    f"--draft, each step is a speculative round of every request (default {default})")
-    _on_off(p, "--no-batch-draft", "batch_draft", "with --draft, requests decoded together decode plainly (a request "
-            "alone still drafts): BENCHMARKS.md §9 has where drafting stops paying as the batch grows")
+    p.add_argument("--batch-draft", choices=BATCH_DRAFT, default="auto",
+                   help="with --draft, whether requests decoded together draft: where it pays at the batch's size, "
+                   "measured as they decode (auto; a batch with a sampled request always drafts), always, or never "
+                   "(a request alone drafts in any case; BENCHMARKS.md §9)")
 
 
 def _add_generation_commands(sub: argparse._SubParsersAction) -> None:

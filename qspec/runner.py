@@ -294,13 +294,16 @@ class Runner:
 
     def draft_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, H: torch.Tensor,
                        pos: torch.Tensor, lm_head: torch.Tensor | Q4Weight | DraftHead | None, kv_len: int,
-                       pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model.mtp_forward_batch over `segs` (each sequence on its own head cache), through a CUDA graph of this
-        runner's keyed (kind, the KV bucket) when graphs are on; eagerly for more than GRAPH_MAX_ROWS rows."""
+                       pick: torch.Tensor | None = None, write_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.mtp_forward_batch over `segs` (each sequence on its own head cache), or with `write_only` its K/V
+        cells alone (Model.mtp_write_kv_batch), through a CUDA graph of this runner's keyed (kind, the KV bucket)
+        when graphs are on; eagerly for more than GRAPH_MAX_ROWS rows."""
         inputs = [tokens.to(self.device), H, pos] + ([] if pick is None else [pick])
 
         def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            if write_only:
+                return self.model.mtp_write_kv_batch(tok, h, p, segs, kv_len)
             return self.model.mtp_forward_batch(tok, h, p, segs, lm_head, kv_len, r[0] if r else None)
 
         if int(tokens.shape[0]) > GRAPH_MAX_ROWS:

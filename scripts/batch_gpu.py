@@ -95,7 +95,7 @@ def main() -> None:
     engines = {v: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
                                               prefix_cache=False, draft_head=a.draft_head), hooks if d else None)
                for v, d in variants.items()}
-    batchers = {v: Batcher(e, max(batches)) for v, e in engines.items()}
+    batchers = {v: Batcher(e, max(batches), draft="on") for v, e in engines.items()}
     arms = [f"{kind}{v}" for v in variants for kind in ["engine"] + [f"batch {b}" for b in batches]]
     results: dict[str, list[float]] = {arm: [] for arm in arms}
     per_round: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -117,7 +117,7 @@ def main() -> None:
         for b in batchers.values():
             b.close()
     steady = {f"batch {n}{v}": (statistics.median(t), statistics.mean(per_round[f"batch {n}{v}"]))
-              for v, b in batchers.items() for n, t in b.steps.seconds.items() if f"batch {n}{v}" in results}
+              for v, b in batchers.items() for (n, _), t in b.steps.seconds.items() if f"batch {n}{v}" in results}
     notes = [f"batch{v or ' (plain)'}: rows per step {b.steps.rows / max(1, b.steps.steps):.2f}, graphs "
              f"{b.runners[0].graph_stats.replays} replays, {b.runners[0].graph_stats.captures} captures, "
              f"{b.runners[0].graph_stats.eager} eager steps" for v, b in batchers.items()]

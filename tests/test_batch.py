@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -11,9 +12,11 @@ import torch
 from conftest import build_model, tiny_config
 
 from qspec.batch import Batcher
-from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
+from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, prefill_chunks
 from qspec.model.model import Model, Segment
+from qspec.runner import Runner
 from qspec.spec.accept import Sampler
+from qspec.spec.depth import BatchDraftChoice
 from qspec.spec.logprobs import Logprobs
 from qspec.spec.stats import SpecStats
 
@@ -97,16 +100,18 @@ def check_forward_batch(tiny_model: Model, e: Engine) -> None:
     assert isinstance(segs[0], Segment)
 
 
-@pytest.mark.parametrize(("slots", "draft"), [(1, 0), (2, 0), (4, 0), (1, 3), (3, 3)])
-def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int, draft: int) -> None:
+@pytest.mark.parametrize(("slots", "draft", "mode"), [(1, 0, "on"), (2, 0, "on"), (4, 0, "on"), (1, 3, "on"),
+                                                      (3, 3, "on"), (3, 3, "auto")])
+def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int, draft: int, mode: str) -> None:
     """More requests than slots, of different lengths and stop rules: each gets the engine's plain output, also
-    when the batch drafts (its sequences' speculative rounds verified in one step: bit for bit in exact mode)."""
+    when the batch drafts (its sequences' speculative rounds verified in one step: bit for bit in exact mode), in
+    every step or where the measured rates say it pays."""
     e = engine(tiny_model)
     calls = [dict(prompt=prompt_of(6 + 5 * i, i), max_tokens=4 + 3 * i) for i in range(6)]
     want = [e.generate(**c).tokens for c in calls]
     stop = want[2][1]  # a stop id the third request meets at its second token
     calls[2]["stop_ids"], want[2] = {stop}, want[2][:want[2].index(stop) + 1]
-    b = Batcher(engine(tiny_model, draft=draft), slots)
+    b = Batcher(engine(tiny_model, draft=draft), slots, draft=mode)
     try:
         got = together(b, calls)
     finally:
@@ -117,7 +122,7 @@ def test_batched_greedy_equals_plain_decoding(tiny_model: Model, slots: int, dra
     # several requests a step when there are slots for them
     assert (b.steps.rows > b.steps.steps * (draft + 1)) == (slots > 1)
     assert got[2].stop_reason == "stop token" and got[0].stop_reason == "max tokens"
-    if draft:
+    if draft and mode == "on":
         assert all(isinstance(g, Generation) and g.spec.drafted for g in got)
 
 
@@ -135,7 +140,7 @@ def test_batched_rounds_equal_the_engines_at_every_accepted_count(no_ple_model: 
     e = Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks)
     want = [(e.generate(**c), c) for c in (call(i) for i in range(4))]
     calls = [call(i) for i in range(4)]
-    b = Batcher(Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks), 3)
+    b = Batcher(Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks), 3, draft="on")
     try:
         got = together(b, calls)
     finally:
@@ -269,8 +274,8 @@ def test_a_turn_after_a_stop_token_goes_on_from_its_slot(tiny_model: Model) -> N
         b.close()
 
 
-@pytest.mark.parametrize("batch_draft", [True, False])
-def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: Model, batch_draft: bool) -> None:
+@pytest.mark.parametrize("batch_draft", ["on", "off"])
+def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: Model, batch_draft: str) -> None:
     """With an engine that drafts, a request alone decodes with its speculative rounds; when a second request
     arrives, the first goes on in the batch after its next token (its prompt and output so far prefilled in a slot).
     Both outputs are the engine's (greedy speculation equals plain decoding)."""
@@ -279,7 +284,7 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
     want = [plain.generate(first, 30).tokens, plain.generate(second, 12).tokens]
     b = Batcher(engine(tiny_model, draft=2), 2, draft=batch_draft)
     try:
-        assert b.depth == (2 if batch_draft else 0)
+        assert b.depth == (2 if batch_draft == "on" else 0)
         alone = b.generate(first, 30)
         assert alone.tokens == want[0] and alone.spec.drafted > 0  # the engine's rounds
         got: dict[str, Generation] = {}
@@ -298,6 +303,64 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
         assert b.steps.rows > b.steps.steps  # they decoded together
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_a_batch_switching_between_rounds_and_plain_steps_keeps_outputs_and_draft_heads(tiny_model: Model,
+                                                                                        logprobs: bool) -> None:
+    """A batch that drafts in some passes and decodes plainly in others (the choice forced to a pattern): each
+    request's output is its plain decoding, and each slot's draft head holds the K/V cells of every
+    position it committed, whichever step decoded it (a plain step writes its rows' cells, a round's extend its
+    committed rows', a prefill the prompt's), as a prefill of the same tokens writes them. Plain greedy steps are
+    pipelined; with log-probabilities they are not."""
+    e = engine(tiny_model, draft=2)
+    calls = [dict(prompt=prompt_of(7 + 4 * i, 90 + i), max_tokens=14 + 3 * i) for i in range(3)]
+    want = [engine(tiny_model).generate(**c).tokens for c in calls]
+    b = Batcher(e, 3, draft="auto")
+    pattern = itertools.cycle([2, 0, 0, 2, 2, 0])
+    b.choice.choose = lambda n: next(pattern)  # type: ignore[union-attr, method-assign]
+    b._alone_ok = lambda job: False  # type: ignore[method-assign]  # every request in the batch
+    try:
+        got = together(b, [dict(c, logprobs=Logprobs(1) if logprobs else None) for c in calls])
+    finally:
+        b.close()
+    assert [g.tokens for g in got] == want  # type: ignore[union-attr]
+    assert {k[1] for k in b.steps.seconds} == {0, 2}  # both kinds of step ran
+    for g, c in zip(got, calls, strict=True):
+        ids = c["prompt"] + g.tokens[:-1]  # type: ignore[union-attr]
+        slot = next(r for r in b.runners if r.history == ids)
+        ref = Runner(tiny_model, e.opts.cache_options())
+        with e.runner.switches.apply():
+            prefill_chunks(ref, torch.tensor(ids), 64, 0, None, draft=True)
+        n = len(ids)
+        # up to rounding: the head's products are not row-exact (steps of other row counts round differently)
+        torch.testing.assert_close(slot.cache.mtp_kv.k[1:n], ref.cache.mtp_kv.k[1:n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(slot.cache.mtp_kv.v[1:n], ref.cache.mtp_kv.v[1:n], atol=1e-5, rtol=1e-4)
+
+
+def test_the_batch_draft_choice_measures_each_mode_at_each_size() -> None:
+    """BatchDraftChoice: a mode not measured at a batch size is tried first (its first uses, which compile and
+    capture, not counted), then the one with more tokens a second wins: rounds against the tokens they commit, plain
+    steps against one; the losing mode is measured again after `recheck` choices."""
+    c = BatchDraftChoice(3, measure=2, skip=1, recheck=5)
+
+    def run(n: int, round_s: float, step_s: float, tokens: float) -> int:
+        d = c.choose(n)
+        c.observe(n, d, round_s if d else step_s, tokens)
+        return d
+    first = [run(4, 0.010, 0.004, 3.0) for _ in range(6)]
+    assert first == [3, 3, 3, 0, 0, 0]  # each mode: one skipped, two measured
+    assert c.rate(4, 3) == pytest.approx(300.0) and c.rate(4, 0) == pytest.approx(250.0)
+    assert [c.choose(4) for _ in range(4)] == [3] * 4
+    assert c.choose(4) == 0  # the 5th choice: the losing mode measured afresh
+    assert c.rate(4, 0) is None and c.rate(2, 3) is None  # and another batch size is measured on its own
+    for _ in range(3):
+        c.observe(4, 0, 0.002)  # plain steps got faster: they win now
+    assert c.choose(4) == 0 and c.rate(4, 0) == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="batch draft choice"):
+        BatchDraftChoice(0)
+    with pytest.raises(ValueError, match="batch drafting must be one of"):
+        Batcher(engine(build_model(tiny_config(), seed=1), draft=1), 1, draft="sometimes")
 
 
 def test_a_request_handed_over_keeps_its_rounds_counts(tiny_model: Model) -> None:

@@ -355,7 +355,7 @@ def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
     refs = [setup.plain] + [engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv, record_logits=True)
                             .generate(p, 48) for p in prompts[1:]]
-    b = Batcher(engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv), 3)
+    b = Batcher(engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv), 3, draft="on")
     try:
         gens = b.generate_all(prompts, 48)
     finally:
@@ -382,7 +382,7 @@ def test_batched_rounds_equal_the_engines_through_graphs(setup: Setup) -> None:
     hook = {"accept_hook": lambda r, n: (r + 1) % (n + 1)}
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
     refs = [engine(setup.gpu, draft=5, capacity=256, kv_type=setup.kv, **hook).generate(p, 40) for p in prompts]
-    b = Batcher(engine(setup.gpu, draft=5, capacity=256, kv_type=setup.kv, **hook), 3)
+    b = Batcher(engine(setup.gpu, draft=5, capacity=256, kv_type=setup.kv, **hook), 3, draft="on")
     def together() -> list[Generation]:  # log-probabilities: no request decodes alone with the engine (Batcher)
         out: dict[int, Generation] = {}
         threads = [threading.Thread(target=lambda i=i: out.update({i: b.generate(prompts[i], 40,

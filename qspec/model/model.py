@@ -431,10 +431,14 @@ class Model(torch.nn.Module):
         """Draft rows whose outputs nobody reads: only their K/V cells are written (the rows a plain stretch commits,
         which later drafts attend to) -> (the attention output [T, D], X [T, S*D]), the same cells as mtp_forward's
         at a fraction of its work (no MoE, no mixers after the attention, no head)."""
+        return self.mtp_write_kv_batch(tokens, H, pos, [Segment(slice(0, tokens.shape[0]), cache, {})], kv_len)
+
+    def mtp_write_kv_batch(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
+                           kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """mtp_write_kv over several sequences' rows, each on its own head cache (`segments`)."""
         with fuse.step_rows(tokens.shape[0]):
-            emb, cos, sin = self._mtp_inputs(tokens, pos, [cache])
-            rows = [(slice(0, tokens.shape[0]), cache.mtp_kv)]
-            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, rows, kv_len)
+            emb, cos, sin = self._mtp_inputs(tokens, pos, [s.cache for s in segments])
+            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, [(s.rows, s.cache.mtp_kv) for s in segments], kv_len)
         return y, X
 
     def _mtp_inputs(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[ModelCache]

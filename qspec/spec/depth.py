@@ -361,3 +361,55 @@ class DepthController:
             g = self.prior_decay ** rounds
             self.long_reached = [x * g for x in self.long_reached]
             self.long_accepted = [x * g for x in self.long_accepted]
+
+
+class BatchDraftChoice:
+    """Whether a batch of B sequences decodes in speculative rounds (depth `depth`) or in plain steps (0): the one
+    with more tokens per second by the times measured at B, a round's time against the tokens a sequence commits in
+    one (over the recent rounds of any batch size: acceptance belongs to the text), a plain step's against one.
+
+    More sequences read more experts per step and verify more rows, so the batch size at which drafting stops paying
+    depends on the model and the device (BENCHMARKS.md §9): it is measured, not assumed. A mode is tried until it has
+    `measure` samples at B, after the first `skip` (a shape's first uses compile and capture a graph); every
+    `recheck` choices at B the mode that lost is measured afresh, so that a change of text or load is seen."""
+
+    def __init__(self, depth: int, *, window: int = 16, measure: int = 3, skip: int = 2, recheck: int = 256) -> None:
+        if depth < 1 or measure < 1 or skip < 0 or recheck < 1:
+            raise ValueError(f"batch draft choice: depth, measure and recheck >= 1, skip >= 0 (got {depth}, "
+                             f"{measure}, {recheck}, {skip})")
+        self.depth, self.window, self.measure, self.skip, self.recheck = depth, window, measure, skip, recheck
+        self.times: dict[tuple[int, int], deque[float]] = {}
+        self.seen: Counter = Counter()  # observations per (B, mode), skipped ones included
+        self.tokens: deque[float] = deque(maxlen=64)  # tokens a sequence committed per round, recent rounds
+        self.since: Counter = Counter()  # choices at B since the other mode was last measured
+
+    def rate(self, n: int, mode: int) -> float | None:
+        """A sequence's tokens per second at batch size n in `mode` (None until measured)."""
+        t = self.times.get((n, mode))
+        if not t or len(t) < self.measure:
+            return None
+        per_round = statistics.median(self.tokens) if mode and self.tokens else 1.0
+        return per_round / statistics.median(t)
+
+    def choose(self, n: int) -> int:
+        for mode in (self.depth, 0):
+            if self.rate(n, mode) is None:
+                return mode
+        best = self.depth if self.rate(n, self.depth) >= self.rate(n, 0) else 0  # type: ignore[operator]
+        self.since[n] += 1
+        if self.since[n] < self.recheck:
+            return best
+        # the other mode measured afresh (its old samples may be of another load), its shapes compiled already
+        other, self.since[n] = self.depth - best, 0
+        self.times[(n, other)].clear()
+        self.seen[(n, other)] = self.skip
+        return other
+
+    def observe(self, n: int, mode: int, seconds: float, tokens_per_sequence: float = 1.0) -> None:
+        """A step (mode 0) or round of n sequences took `seconds`; a round committed `tokens_per_sequence` each."""
+        key = (n, mode)
+        self.seen[key] += 1
+        if mode:
+            self.tokens.append(tokens_per_sequence)
+        if self.seen[key] > self.skip:
+            self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
