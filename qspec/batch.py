@@ -108,8 +108,7 @@ class Batcher:
         self._filling: deque[_Job] = deque()  # given a slot, their prompts prefilling a chunk a step, in order
         self._cv = threading.Condition()
         self._closed = False
-        # a step launched and kept, its logits (and residuals) not read
-        self._ahead: tuple[list[_Job], torch.Tensor, torch.Tensor] | None = None
+        self._ahead: tuple[list[_Job], torch.Tensor] | None = None  # a step launched and kept, its logits not read
         self.reader = Readback(self.model.device, capacity=slots * (self.depth + 2))
         self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
         self._thread.start()
@@ -340,20 +339,21 @@ class Batcher:
             out = self._launch(jobs, torch.tensor([j.tok for j in jobs], dtype=torch.long))
             if out is None:
                 return
-            logits, X = out
+            logits = out[0]
             for job in jobs:  # the rows of tokens emitted already
                 self._guarded(job, lambda j: self.runners[j.slot].keep(1, rollback=False))
             jobs = [j for j in jobs if self._is_active(j)]
         else:
-            jobs, logits, X = ahead
+            jobs, logits = ahead
         if not depth and all(_plain_greedy(j) for j in self._active.values()):  # (a round next: none ahead)
-            self._emit_launching_next(jobs, logits, X)
+            self._emit_launching_next(jobs, logits)
         else:
             plain = [k for k, j in enumerate(jobs) if _plain_greedy(j)]
             picks = dict(zip(plain, argmax_rows(logits[plain]).tolist(), strict=True)) if plain else {}
             for k, job in enumerate(jobs):
                 self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
-        self._timed(n, 0, time.perf_counter() - t0)
+        if not depth:  # (a pass that only reads the step launched ahead, before a round, is not a step's time)
+            self._timed(n, 0, time.perf_counter() - t0)
 
     def _depth_now(self) -> int:
         """The depth of this pass's step: the batch's when it always drafts or a job is not greedy (a sampled one's
@@ -380,7 +380,7 @@ class Batcher:
         self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], rows,
                          torch.cat([jobs[k].last_x for k in stale]), None, write_only=True)  # type: ignore[misc]
 
-    def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor, X: torch.Tensor) -> None:
+    def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor) -> None:
         """Greedy picks of `jobs`' rows, the next step launched on them (for the jobs that may go on, and those that
         joined since) before they are read; then each emitted, and each row of the next step kept, or dropped where
         its token ended the job (the next call reads that step: `_ahead`)."""
@@ -394,7 +394,7 @@ class Batcher:
             tokens = torch.cat([picks[torch.tensor(go, dtype=torch.long, device=picks.device)],
                                 torch.tensor([j.tok for j in joined], dtype=torch.long, device=picks.device)])
             launched = self._launch(jobs_next, tokens)
-            nxt = None if launched is None else launched
+            nxt = None if launched is None else launched[0]
         toks = self.reader.result()
         for k, job in enumerate(jobs):
             if self._is_active(job):
@@ -410,8 +410,7 @@ class Batcher:
             elif job.error is None:  # ended by the token it consumed: its row goes (a failed job's slot was reset)
                 self.runners[job.slot].keep(0, rollback=True)
         if alive:
-            every = len(alive) == len(jobs_next)
-            self._ahead = ([jobs_next[r] for r in alive], *(t if every else t[alive] for t in nxt))
+            self._ahead = ([jobs_next[r] for r in alive], nxt if len(alive) == len(jobs_next) else nxt[alive])
 
     def _launch(self, jobs: list[_Job], tokens: torch.Tensor, rows: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
