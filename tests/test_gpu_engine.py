@@ -344,18 +344,19 @@ def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("draft", [0, 5])
-def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
+@pytest.mark.parametrize(("draft", "mode"), [(0, "on"), (5, "on"), (3, "auto")])
+def test_batched_requests_through_graphs(setup: Setup, draft: int, mode: str) -> None:
     """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs, plainly or in speculative
     rounds (the draft chains, verify steps and extends of three slots through their graphs; 18 verify rows, run as
-    two steps of at most GRAPH_MAX_ROWS): each gets its plain
+    two steps of at most GRAPH_MAX_ROWS), or both as the measured rates choose (auto: each mode is measured at
+    each batch size first, so rounds and plain steps that write the draft heads' cells both run): each gets its plain
     decoding alone, up to a near tie (bf16; the batch's products have more rows)."""
     from qspec.batch import Batcher
 
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]
     refs = [setup.plain] + [engine(setup.gpu, draft=0, capacity=256, kv_type=setup.kv, record_logits=True)
                             .generate(p, 48) for p in prompts[1:]]
-    b = Batcher(engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv), 3, draft="on")
+    b = Batcher(engine(setup.gpu, draft=draft, capacity=256, kv_type=setup.kv), 3, draft=mode)
     try:
         gens = b.generate_all(prompts, 48)
     finally:
@@ -364,6 +365,8 @@ def test_batched_requests_through_graphs(setup: Setup, draft: int) -> None:
         ok, why = same_or_tie(g.tokens, ref, 0, setup.tie)
         assert ok, why
     assert b.steps.rows > b.steps.steps and b.runners[0].graph_stats.replays > 0
+    if mode == "auto":
+        assert {d for _, d in b.steps.seconds} == {0, draft}
 
 
 @pytest.mark.cuda
