@@ -438,7 +438,7 @@ class Batcher:
         then each emits its tokens and rolls its caches back to them."""
         t0, d = time.perf_counter(), self.depth
         jobs = _by_slot(self._active.values())
-        drafts = self._all_or_none(jobs, lambda: self._refresh_heads(jobs) or self._draft(jobs))
+        drafts = self._all_or_none(jobs, lambda: self._draft(jobs))
         if drafts is None:
             return
         dev = self.model.device
@@ -472,8 +472,9 @@ class Batcher:
             return
         slots = [j.slot for j in stale]
         tokens = upload([j.tok for j in stale], self.model.device)
-        logits, X = self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], tokens,
-                                     torch.cat([j.last_x for j in stale]), self.engine.draft_lm_head)  # type: ignore[misc]
+        H = torch.cat([j.last_x for j in stale])  # type: ignore[misc]  # set with every head left stale
+        logits, X = self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], tokens, H,
+                                     self.engine.draft_lm_head)
         logits, X = logits.clone(), X.clone()  # kept until the draft chain, after other replays
         for k, job in enumerate(stale):
             job.head = logits[k:k + 1], X[k:k + 1]
@@ -500,6 +501,7 @@ class Batcher:
         job's last token, each next one from a head step on the one before (at positions L + 1..), as the engine's
         chain drafts them -> by slot: (drafts [d] on the device, their distributions when sampling, the drafts on
         the host when a grammar masks its verify rows)."""
+        self._refresh_heads(jobs)
         slots = [j.slot for j in jobs]
         logits = torch.cat([j.head[0] for j in jobs])  # type: ignore[index]
         X = torch.cat([j.head[1] for j in jobs])  # type: ignore[index]
