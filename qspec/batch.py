@@ -95,6 +95,7 @@ class Batcher:
         # a step, no rollback (a request alone still drafts with the engine)
         self.depth = engine.opts.draft if draft != "off" else 0
         self.choice = BatchDraftChoice(self.depth) if self.depth and draft == "auto" else None
+        self.rounds = 0  # passes that were speculative rounds (the others: plain steps)
         opts = engine.opts.cache_options() if self.depth else replace(engine.opts.cache_options(), n_slots=1)
         self.runners: list[Runner] = []
         lead = engine.runner
@@ -121,7 +122,9 @@ class Batcher:
         """A line on the batch: its slots and what their caches hold in memory."""
         dev, host = held_bytes(self.model, [r.cache for r in self.runners])
         where = "host" if self.model.device.type == "cpu" else "GPU"
-        steps = f"speculative rounds {self.depth} deep" if self.depth else "plain steps"
+        steps = (f"speculative rounds {self.depth} deep" + (" or plain steps, whichever is faster at its size"
+                                                             if self.choice is not None else "")
+                 if self.depth else "plain steps")
         return (f"up to {self.slots} requests at once in {steps}, their caches {(dev or host) / 2**30:.2f} GiB of "
                 f"{where} memory ({self.runners[0].opts.capacity:,} tokens each)")
 
@@ -438,6 +441,7 @@ class Batcher:
         then each emits its tokens and rolls its caches back to them."""
         t0, d = time.perf_counter(), self.depth
         jobs = _by_slot(self._active.values())
+        self.rounds += 1
         drafts = self._all_or_none(jobs, lambda: self._draft(jobs))
         if drafts is None:
             return
