@@ -372,16 +372,13 @@ class Batcher:
 
     def _write_head_rows(self, jobs: list[_Job], tokens: torch.Tensor) -> None:
         """Before a plain step in a batch that drafts: the draft heads' K/V cells of the rows it runs (each job's
-        token, with the residual of the position before it) where no step wrote them (a round's extend writes its
-        committed rows'), so that a later round drafts from a current head; the heads' logits are left to that round
-        (`_refresh_heads`)."""
-        stale = [k for k, j in enumerate(jobs) if j.head is None]
-        if not stale:
-            return
-        slots = [jobs[k].slot for k in stale]
-        rows = tokens.to(self.model.device)[upload(stale, self.model.device)]
-        self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], rows,
-                         torch.cat([jobs[k].last_x for k in stale]), None, write_only=True)  # type: ignore[misc]
+        token, with the residual of the position before it), so that a later round drafts from a current head; the
+        heads' logits are left to that round (`_refresh_heads`). Every job's, also where a round's extend wrote the
+        row already: one step shape (and graph) per set of slots, not per subset of them."""
+        slots = [j.slot for j in jobs]
+        H = torch.cat([j.last_x for j in jobs])  # type: ignore[misc]  # set with every token left to run
+        self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], tokens.to(self.model.device), H, None,
+                         write_only=True)
 
     def _emit_launching_next(self, jobs: list[_Job], logits: torch.Tensor) -> None:
         """Greedy picks of `jobs`' rows, the next step launched on them (for the jobs that may go on, and those that
@@ -469,14 +466,16 @@ class Batcher:
 
     def _refresh_heads(self, jobs: list[_Job]) -> None:
         """The draft head's step over the last emitted token of each job whose head is not current (a new job, or
-        one that decoded plainly): at its position, with the residual of the position before (`last_x`), as the
-        engine's first round starts; one step for all of them."""
+        one after plain steps): at its position, with the residual of the position before (`last_x`), as the
+        engine's first round starts; one step for all of them. The current heads stay as their rounds left them,
+        so that a job's rounds are the ones it would run alone (a subset's step shape seldom recurs, and then runs
+        eagerly rather than taking a graph: Runner._run)."""
         stale = [j for j in jobs if j.head is None]
         if not stale:
             return
         slots = [j.slot for j in stale]
         tokens = upload([j.tok for j in stale], self.model.device)
-        H = torch.cat([j.last_x for j in stale])  # type: ignore[misc]  # set with every head left stale
+        H = torch.cat([j.last_x for j in stale])  # type: ignore[misc]  # set with every token left to run
         logits, X = self.steps.draft(slots, [self.runners[s].n_tokens for s in slots], tokens, H,
                                      self.engine.draft_lm_head)
         logits, X = logits.clone(), X.clone()  # kept until the draft chain, after other replays
@@ -537,21 +536,22 @@ class Batcher:
         return k, nxt, ext
 
     def _extend(self, jobs: list[_Job], accepted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                vX: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+                vX: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The draft heads over every job's committed rows (padded to d + 1, at positions L + 1..; the target's
         residuals vX), in one step -> by slot: each head's logits and residual at its accepted row, which the next
-        round drafts from (copied: a later replay may reuse the step's memory)."""
+        round drafts from (copied: a later replay may reuse the step's memory), and the target's residual there (of
+        the position before the next token)."""
         d1 = self.depth + 1
         slots = [j.slot for j in jobs]
         ext = torch.cat([accepted[s][2] for s in slots])
         pick = torch.cat([accepted[s][0] + k * d1 for k, s in enumerate(slots)])
         logits, X = self.steps.draft(slots, [self.runners[s].n_tokens + 1 for s in slots], ext, vX,
                                      self.engine.draft_lm_head, rows=d1, pick=pick)
-        logits, X = logits.clone(), X.clone()
-        return {s: (logits[k:k + 1], X[k:k + 1]) for k, s in enumerate(slots)}
+        logits, X, last = logits.clone(), X.clone(), vX.index_select(0, pick)
+        return {s: (logits[k:k + 1], X[k:k + 1], last[k:k + 1]) for k, s in enumerate(slots)}
 
-    def _commit(self, job: _Job, drafts: list[int], k: int, nxt: int, head: tuple[torch.Tensor, torch.Tensor]
-                ) -> None:
+    def _commit(self, job: _Job, drafts: list[int], k: int, nxt: int,
+                head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """Emit the round's tokens (the accepted drafts and the next token, as many as the request takes) and keep
         their rows in the slot's caches, the rest rolled back; the job ends when one of them ends it."""
         req, run = job.req, self.runners[job.slot]
@@ -564,7 +564,7 @@ class Batcher:
         if ends:
             self._finish(job)
         else:
-            job.tok, job.head = nxt, head
+            job.tok, job.head, job.last_x = nxt, head[:2], head[2]
 
     def _is_active(self, job: _Job) -> bool:
         return self._active.get(job.slot) is job
