@@ -13,9 +13,12 @@ otherwise, as a verify step's rows are. With an engine that drafts (EngineOption
 speculative round of each sequence at depth d (`_spec_round`): the draft heads' steps over every sequence at once
 (each on its own head cache), d + 1 verify rows of each in the batched step, each one's acceptance on the device,
 its caches rolled back to what it emits. A request's rounds are the ones the engine would run for it alone at that
-depth, so greedy output is still plain output, and a sampled request's output is decided by its seed alone. A
-greedy request alone decodes with the engine itself (Engine.generate: the automatic depth, the chain queued before
-the read-back) and hands over to the batch when another request arrives.
+depth, so greedy output is still plain output, and a sampled request's output is decided by its seed alone. Where
+drafting pays falls as the batch grows (more rows read more experts), so by default (BATCH_DRAFT "auto") a batch of
+greedy requests decodes in rounds or in plain steps as the times measured at its size say (BatchDraftChoice); over
+plain steps each sequence's draft head gets the K/V cells of its rows, and its logits are computed again before the
+next round (`_refresh_heads`). A greedy request alone decodes with the engine itself (Engine.generate: the automatic
+depth, the chain queued before the read-back) and hands over to the batch when another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
 slot and prefills only its new tokens.
@@ -81,8 +84,8 @@ class _Job:
 
 
 class Batcher:
-    """Continuous batching over `engine`'s model (module docstring); with `draft` False the batch decodes plainly
-    even when the engine drafts (a request alone still does). `close` stops its thread."""
+    """Continuous batching over `engine`'s model (module docstring). When the engine drafts, `draft` says whether
+    the batch does (BATCH_DRAFT; a request alone drafts with the engine in any case). `close` stops its thread."""
 
     def __init__(self, engine: Engine, slots: int, draft: str = "auto") -> None:
         if slots < 1:
