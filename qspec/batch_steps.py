@@ -10,12 +10,13 @@ import torch
 
 from qspec.engine import DraftLMHead
 from qspec.model.model import Segment
-from qspec.runner import GRAPH_MAX_ROWS, ContextError, Runner, upload
+from qspec.runner import GRAPH_MAX_ROWS, Runner, upload
 
 
 class BatchSteps:
-    """A step of one row for each of some runners' sequences (Model.forward_batch), through a CUDA graph per set of
-    slots, KV bucket and pooled-key update shapes where graphs are on (in the first runner's store)."""
+    """Steps over some runners' sequences at once: the target's rows (`run`: Model.forward_batch) and the draft
+    head's (`draft`), each sequence's rows together, through a CUDA graph per set of slots, row count, KV bucket
+    (and pooled-key update shapes) where graphs are on, in the first runner's store."""
 
     def __init__(self, runners: list[Runner]) -> None:
         self.runners = runners
@@ -74,14 +75,13 @@ class BatchSteps:
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         lead = self.runners[0]
         for s, p0 in zip(slots, starts, strict=True):
-            if p0 + rows > self.runners[s].opts.capacity:
-                raise ContextError(f"draft rows reach position {p0 + rows} beyond the capacity "
-                                   f"{self.runners[s].opts.capacity}")
+            self.runners[s].check_draft_end(p0 + rows)
         segs = [Segment(slice(k * rows, (k + 1) * rows), self.runners[s].cache, {}) for k, s in enumerate(slots)]
         kv_len = max(self.runners[s].kv_len(p0 + rows) for s, p0 in zip(slots, starts, strict=True))
         pos = upload([p0 + j for p0 in starts for j in range(rows)], lead.device)
         kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None, write_only))
         return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick, write_only)
+
 
 def _joined(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The (logits, residuals) of steps that together made one, in order."""

@@ -362,6 +362,11 @@ class Runner:
         else:
             self.history.extend(kept.tolist())
 
+    def check_draft_end(self, end: int) -> None:
+        """ContextError when draft-head rows would reach position `end` past the capacity."""
+        if end > self.opts.capacity:
+            raise ContextError(f"draft rows reach position {end} beyond the capacity {self.opts.capacity}")
+
     def mtp_step(self, tokens: torch.Tensor, H: torch.Tensor, start: int,
                  lm_head: torch.Tensor | Q4Weight | DraftHead | None = None, row: int | torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,8 +399,7 @@ class Runner:
         """Draft-head rows at positions start.. through body(kv_len)(tokens, H, positions, *extra): the capacity
         check, and one CUDA graph per shape, keyed (kind[0], rows, KV bucket, *kind[1:])."""
         T = int(tokens.shape[0])
-        if start + T > self.opts.capacity:
-            raise ContextError(f"draft rows reach position {start + T} beyond the capacity {self.opts.capacity}")
+        self.check_draft_end(start + T)
         dev = self.device
         inputs = [tokens.to(dev), H, torch.arange(start, start + T, device=dev), *extra]
         kv_len = self.kv_len(start + T)
@@ -419,8 +423,7 @@ class Runner:
         one chain graph, not one per straddling position."""
         if n < 1:
             raise ValueError(f"a draft chain needs at least one step, got {n}")
-        if start + n > self.opts.capacity:
-            raise ContextError(f"draft rows reach position {start + n} beyond the capacity {self.opts.capacity}")
+        self.check_draft_end(start + n)
         kv_len = self.kv_len(start + n)
         dev = self.device
 
