@@ -6,6 +6,7 @@ import itertools
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -49,6 +50,27 @@ def together(b: Batcher, calls: list[dict]) -> list[Generation | BaseException]:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+def batched_and_alone(b: Batcher, alone: Engine, call: Callable[[int], dict], n: int
+                      ) -> list[tuple[Generation, dict, Generation, dict]]:
+    """call(0..n-1) through `alone` one at a time, then again (fresh log-probabilities and samplers) through the
+    batcher all at once (closed after); each batched request's tokens and log-probabilities are its alone ->
+    (batched, its call, alone, its call) for each."""
+    want = [(alone.generate(**c), c) for c in (call(i) for i in range(n))]
+    calls = [call(i) for i in range(n)]
+    try:
+        got = together(b, calls)
+    finally:
+        b.close()
+    out = []
+    for g, c, (w, wc) in zip(got, calls, want, strict=True):
+        assert isinstance(g, Generation), g
+        assert g.tokens == w.tokens
+        assert [x.logprob for x in c["logprobs"].entries] == pytest.approx(
+            [x.logprob for x in wc["logprobs"].entries], abs=1e-5)
+        out.append((g, c, w, wc))
     return out
 
 
@@ -138,18 +160,9 @@ def test_batched_rounds_equal_the_engines_at_every_accepted_count(no_ple_model: 
         return dict(prompt=prompt_of(7 + 3 * i, 70 + i), max_tokens=13 + i, logprobs=Logprobs(1),
                     sampler=Sampler(temperature=0.9, generator=torch.Generator().manual_seed(i)) if i == 2 else None)
     e = Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks)
-    want = [(e.generate(**c), c) for c in (call(i) for i in range(4))]
-    calls = [call(i) for i in range(4)]
     b = Batcher(Engine(no_ple_model, EngineOptions(draft=d, capacity=CAP, exact=True), hooks), 3, draft="on")
-    try:
-        got = together(b, calls)
-    finally:
-        b.close()
-    for g, c, (w, wc) in zip(got, calls, want, strict=True):
-        assert isinstance(g, Generation), g
-        assert g.tokens == w.tokens and g.spec.rounds == w.spec.rounds and g.spec.accepted == w.spec.accepted
-        assert [x.logprob for x in c["logprobs"].entries] == pytest.approx(
-            [x.logprob for x in wc["logprobs"].entries], abs=1e-5)
+    for g, _, w, _ in batched_and_alone(b, e, call, 4):
+        assert g.spec.rounds == w.spec.rounds and g.spec.accepted == w.spec.accepted
     assert b.steps.rows > b.steps.steps * (d + 1)  # rounds of several sequences
 
 
@@ -159,19 +172,7 @@ def test_batched_sampling_and_logprobs_equal_the_engines(no_ple_model: Model) ->
         return dict(prompt=prompt_of(8 + i, 10 + i), max_tokens=6,
                     sampler=Sampler(temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(i)),
                     logprobs=Logprobs(2), prompt_logprobs=Logprobs(1) if i == 1 else None)
-    e = engine(no_ple_model)
-    want = [(e.generate(**c), c) for c in (call(i) for i in range(3))]
-    calls = [call(i) for i in range(3)]
-    b = Batcher(engine(no_ple_model), 3)
-    try:
-        got = together(b, calls)
-    finally:
-        b.close()
-    for g, c, (w, wc) in zip(got, calls, want, strict=True):
-        assert isinstance(g, Generation), g
-        assert g.tokens == w.tokens
-        assert [x.logprob for x in c["logprobs"].entries] == pytest.approx(
-            [x.logprob for x in wc["logprobs"].entries], abs=1e-5)
+    for _, c, _, wc in batched_and_alone(Batcher(engine(no_ple_model), 3), engine(no_ple_model), call, 3):
         if wc["prompt_logprobs"] is not None:
             assert len(c["prompt_logprobs"].entries) == len(c["prompt"])
 
