@@ -5,6 +5,7 @@ through CUDA graphs in the first runner's store. qspec/batch.py's Batcher decide
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -30,9 +31,7 @@ class BatchSteps:
     def run(self, slots: list[int], tokens: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B * rows] (`rows` per slot, in `slots`' order) -> (logits, residuals) [B * rows, ...]; each
         runner's `keep` follows."""
-        per = self._per_step(len(slots), rows)
-        return _joined([self._step(slots[i:i + per], tokens[i * rows:(i + per) * rows], rows)
-                        for i in range(0, len(slots), per)])
+        return self._in_steps(len(slots), rows, lambda i, j: self._step(slots[i:j], tokens[i * rows:j * rows], rows))
 
     def draft(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
               lm_head: DraftLMHead, rows: int = 1, pick: torch.Tensor | None = None, write_only: bool = False
@@ -42,11 +41,25 @@ class BatchSteps:
         before them), on its own head cache; with `pick` ([B] device indices, one into each sequence's rows of the
         step), the logits and residual of those rows only -> (logits, X); with `write_only`, only their K/V cells are
         written (what a plain step's rows leave the head: the rows later drafts attend to)."""
-        per = self._per_step(len(slots), rows)
-        return _joined([self._draft_step(slots[i:i + per], starts[i:i + per], tokens[i * rows:(i + per) * rows],
-                                         H[i * rows:(i + per) * rows], lm_head, rows,
-                                         None if pick is None else pick[i:i + per] - i * rows, write_only)
-                        for i in range(0, len(slots), per)])
+        return self._in_steps(len(slots), rows, lambda i, j: self._draft_step(
+            slots[i:j], starts[i:j], tokens[i * rows:j * rows], H[i * rows:j * rows], lm_head, rows,
+            None if pick is None else pick[i:j] - i * rows, write_only))
+
+    def _in_steps(self, n: int, rows: int, step: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """step(i, j) over sequences i..j-1, for all n in one step or in several (`_per_step`) -> their (logits,
+        residuals) in order. The graphs of several steps share the first runner's memory pool, where a graph's
+        outputs may lie in memory that another graph uses for its intermediates (Runner._run): each step's outputs
+        are copied before the next step replays."""
+        per = self._per_step(n, rows)
+        if per >= n:
+            return step(0, n)
+        logits, X = [], []
+        for i in range(0, n, per):
+            out = step(i, min(i + per, n))
+            logits.append(out[0].clone())
+            X.append(out[1].clone())
+        return torch.cat(logits), torch.cat(X)
 
     def _per_step(self, n: int, rows: int) -> int:
         """Sequences a step takes: all of them, but with graphs only as many as fit GRAPH_MAX_ROWS rows (a round's
@@ -82,9 +95,3 @@ class BatchSteps:
         kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None, write_only))
         return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick, write_only)
 
-
-def _joined(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (logits, residuals) of steps that together made one, in order."""
-    if len(outs) == 1:
-        return outs[0]
-    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from test_batch import engine, prompt_of
 
@@ -41,3 +43,45 @@ def test_batched_draft_head_steps_equal_each_sequence_alone(tiny_model: Model) -
             torch.testing.assert_close(g[0][k:k + 1], w[0], atol=0, rtol=0)
             torch.testing.assert_close(g[1][k:k + 1], w[1], atol=0, rtol=0)
         torch.testing.assert_close(together_[k].cache.mtp_kv.k, alone[k].cache.mtp_kv.k, atol=0, rtol=0)
+
+
+def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> None:
+    """A batched step of more rows than a graph takes runs as several steps (BatchSteps._per_step). Their graphs
+    share one memory pool, where a step's outputs may lie in memory that the next step's graph overwrites
+    (Runner._run); here every step's outputs are put in one buffer that the next step overwrites. The split verify
+    step and draft-head step still give each sequence, bit for bit, what one step of all the rows gives it."""
+    e = engine(tiny_model, draft=2)
+    prompts = [prompt_of(n, s) for n, s in ((9, 21), (14, 22), (11, 23))]
+
+    def prefilled() -> tuple[BatchSteps, list[torch.Tensor]]:
+        runs, hs = [], []
+        for p in prompts:
+            r = Runner(tiny_model, e.opts.cache_options())
+            hs.append(prefill_chunks(r, torch.tensor(p), 64, 0, None, draft=True)[1][-1:])
+            runs.append(r)
+        return BatchSteps(runs), hs
+
+    def one_buffer(fn: Callable[..., tuple[torch.Tensor, ...]]) -> Callable[..., tuple[torch.Tensor, ...]]:
+        bufs: dict[int, torch.Tensor] = {}
+
+        def call(*a: object, **kw: object) -> tuple[torch.Tensor, ...]:
+            out = []
+            for i, t in enumerate(fn(*a, **kw)):
+                buf = bufs.setdefault(i, torch.empty(1 << 20, dtype=t.dtype))
+                out.append(buf[:t.numel()].view(t.shape).copy_(t))
+            return tuple(out)
+        return call
+    tokens, starts = torch.tensor([3, 4, 5, 6, 7, 8, 9, 10, 11]), [len(p) for p in prompts]
+    with e.runner.switches.apply():
+        (whole, hs), (split, _) = prefilled(), prefilled()
+        lead = split.runners[0]
+        lead.forward_segments = one_buffer(lead.forward_segments)  # type: ignore[method-assign]
+        lead.draft_segments = one_buffer(lead.draft_segments)  # type: ignore[method-assign]
+        split._per_step = lambda n, rows: 1  # type: ignore[method-assign]
+        H = torch.cat(hs)
+        for steps in (whole, split):
+            steps.out = (steps.draft([0, 1, 2], starts, tokens[:3], H, None),  # type: ignore[attr-defined]
+                         steps.run([0, 1, 2], tokens, rows=3))
+    for got, want in zip(split.out, whole.out, strict=True):  # type: ignore[attr-defined]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
