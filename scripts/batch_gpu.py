@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--draft", type=int, default=0,
                     help="also the arms that draft this deep: the engine's rounds and the batch's (mtpN)")
+    ap.add_argument("--modes", default="on", help="the drafting batch's modes, one set of arms each (on, auto: "
+                    "Batcher(draft=...)); the auto arms are named 'mtpN auto'")
     ap.add_argument("--draft-head", default="full", choices=("full", "q4"),
                     help="the LM head the drafts read (q4: the engine's Q4_0 copy, as the `ours` arms use)")
     ap.add_argument("--accept-profile", default="p=0.85", help="the drafting arms' replayed acceptance "
@@ -95,30 +97,37 @@ def main() -> None:
     engines = {v: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
                                               prefix_cache=False, draft_head=a.draft_head), hooks if d else None)
                for v, d in variants.items()}
-    batchers = {v: Batcher(e, max(batches), draft="on") for v, e in engines.items()}
-    arms = [f"{kind}{v}" for v in variants for kind in ["engine"] + [f"batch {b}" for b in batches]]
+    modes = {v: (v, "on") if v else (v, "off") for v in variants}  # a batch's arms' name -> (variant, its mode)
+    if a.draft:
+        del modes[f" mtp{a.draft}"]
+        modes |= {f" mtp{a.draft}" + ("" if m == "on" else f" {m}"): (f" mtp{a.draft}", m) for m in a.modes.split(",")}
+    batchers = {k: Batcher(engines[v], max(batches), draft=m) for k, (v, m) in modes.items()}
+    arms = [f"engine{v}" for v in variants] + [f"batch {b}{k}" for k in modes for b in batches]
     results: dict[str, list[float]] = {arm: [] for arm in arms}
     per_round: dict[str, list[float]] = {arm: [] for arm in arms}
     try:
         for r in range(a.reps + 1):  # the first: warm-up (compilation, graph captures), not reported
             for arm in arms if r % 2 else arms[::-1]:
-                seed, v = 1000 * r + len(results[arm]), arm[arm.index(" mtp"):] if " mtp" in arm else ""
+                seed, k = 1000 * r + len(results[arm]), arm[arm.index(" mtp"):] if " mtp" in arm else ""
                 if arm.startswith("engine"):
-                    tps, tpr = engine_arm(engines[v], prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens), 1.0
+                    tps, tpr = engine_arm(engines[k], prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens), 1.0
                 else:
                     n = int(arm.split()[1])
-                    tps, tpr = batch_arm(batchers[v], prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
+                    tps, tpr = batch_arm(batchers[k], prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
                 if r:
                     results[arm].append(tps)
                     per_round[arm].append(tpr)
         if a.profile:
-            profile(batchers[list(variants)[-1]], prompts_of(max(batches), a.prompt, cfg.vocab_size, 99), a.tokens)
+            profile(batchers[list(batchers)[-1]], prompts_of(max(batches), a.prompt, cfg.vocab_size, 99), a.tokens)
     finally:
         for b in batchers.values():
             b.close()
-    steady = {f"batch {n}{v}": (statistics.median(t), statistics.mean(per_round[f"batch {n}{v}"]))
-              for v, b in batchers.items() for (n, _), t in b.steps.seconds.items() if f"batch {n}{v}" in results}
-    notes = [f"batch{v or ' (plain)'}: rows per step {b.steps.rows / max(1, b.steps.steps):.2f}, graphs "
+    # an auto batch times both kinds of step: its steady step is the kind it ran most
+    steady = {f"batch {n}{k}": (statistics.median(t), statistics.mean(per_round[f"batch {n}{k}"]))
+              for k, b in batchers.items() for (n, _), t in sorted(b.steps.seconds.items(), key=lambda e: len(e[1]))
+              if f"batch {n}{k}" in results}
+    notes = [f"batch{v or ' (plain)'}: rows per step {b.steps.rows / max(1, b.steps.steps):.2f}, {b.rounds} "
+             f"rounds, graphs "
              f"{b.runners[0].graph_stats.replays} replays, {b.runners[0].graph_stats.captures} captures, "
              f"{b.runners[0].graph_stats.eager} eager steps" for v, b in batchers.items()]
     report(a, results, model.weights_summary, steady, "; ".join(notes))
@@ -144,7 +153,8 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
     commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     base = statistics.median(results["engine"])
-    drafting = (f" --draft {a.draft} --draft-head {a.draft_head} --accept-profile {a.accept_profile}" if a.draft
+    drafting = (f" --draft {a.draft} --modes {a.modes} --draft-head {a.draft_head} --accept-profile "
+                f"{a.accept_profile}" if a.draft
                 else "")
     lines = [f"# Continuous batching on {where}, {a.preset} geometry with {a.layers} layers "
              f"({a.quant or ('bf16' if a.device == 'cuda' else 'f32')}), {commit}, {_dt.date.today()}", "",
