@@ -35,6 +35,11 @@ GRAPH_MAX_WRITE_ROWS = 32
 # Attention and indexer scoring read the cells below a bucket of this many tokens above the last
 # position, so their cost follows the context, while shapes (and graphs) change only per bucket.
 KV_BUCKET = 512
+# At the graph limit, a graph not replayed in this many graphed steps makes room for a new one: a server's batches
+# come in ever new sets of slots and KV buckets, and the graphs of those gone by would otherwise keep every later
+# shape eager. Those replayed within the window stay (a working set above the limit runs its excess eagerly
+# rather than capturing again and again).
+GRAPH_STALE_STEPS = 2048
 
 
 # held around every block that runs the model under KernelSwitches (re-entrant: a batcher's thread runs an engine)
@@ -108,6 +113,7 @@ class _Graph:
     inputs: list[torch.Tensor]
     outputs: tuple[torch.Tensor, torch.Tensor]
     snap: SnapshotStats  # what one replay adds to the snapshot counters (host logic runs only at capture)
+    used: int = 0  # the graphed step (Runner._clock) that last replayed or captured it
 
 
 @dataclass
@@ -115,11 +121,12 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     eager: int = 0
+    evicted: int = 0  # graphs dropped at the limit, stale (GRAPH_STALE_STEPS)
     eager_reasons: Counter = field(default_factory=Counter)
     shapes: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, object]:
-        return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager,
+        return {"captures": self.captures, "replays": self.replays, "eager_steps": self.eager, "evicted": self.evicted,
                 "eager_reasons": dict(self.eager_reasons),
                 "graphs_by_shape": {str(k): v for k, v in self.shapes.items()}}
 
@@ -137,6 +144,7 @@ class Runner:
         self.use_graphs = cuda_graphs and model.device.type == "cuda" and model.graph_safe
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
+        self._clock = 0  # graphed steps run (replayed, captured or eager): the graphs' ages
         self._seen: Counter = Counter()
         self._families: set[tuple] = set()  # captured keys without their KV bucket (see _run)
         self.graph_stats = GraphStats()
@@ -211,8 +219,10 @@ class Runner:
         # a graph records the kernels of its capture: a shape run fused and unfused (prefill_scope) keeps two
         key = (*key, fuse.enabled())
         st = self.graph_stats
+        self._clock += 1
         g = self.graphs.get(key)
         if g is not None:
+            g.used = self._clock
             for buf, x in zip(g.inputs, inputs, strict=True):
                 buf.copy_(x, non_blocking=True)
             g.graph.replay()
@@ -228,7 +238,7 @@ class Runner:
         st.eager += 1
         family = key[:2] + key[3:]
         recurs = self._seen[key] >= 2 or family in self._families
-        capture = recurs and len(self.graphs) < self.max_graphs
+        capture = recurs and self._room_for_a_graph()
         st.eager_reasons[("second use: captured" if self._seen[key] >= 2 else "new KV bucket: captured") if capture
                          else "first use of a shape" if not recurs else "graph limit reached"] += 1
         # The real step of a capture runs on the graph's own input buffers: the compiled step functions then
@@ -251,11 +261,25 @@ class Runner:
         with _no_gc(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outs = fn(*bufs)
         self.cache.snap_stats = saved
-        self.graphs[key] = _Graph(graph, bufs, outs, snap)
+        self.graphs[key] = _Graph(graph, bufs, outs, snap, self._clock)
         self._families.add(family)
         st.captures += 1
         st.shapes[key] += 1
         return out
+
+    def _room_for_a_graph(self) -> bool:
+        """Whether a graph may be captured now: under the limit, or once the least recently used graph, if stale,
+        is dropped (its memory goes back to the pool; a tensor of its outputs still held keeps its own)."""
+        if len(self.graphs) < self.max_graphs:
+            return True
+        if not self.graphs:
+            return False
+        oldest = min(self.graphs, key=lambda k: self.graphs[k].used)
+        if self._clock - self.graphs[oldest].used <= GRAPH_STALE_STEPS:
+            return False
+        del self.graphs[oldest]
+        self.graph_stats.evicted += 1
+        return True
 
     def step(self, tokens: torch.Tensor, logit_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run rows `tokens` after the committed ones. Call `keep` afterwards."""

@@ -344,6 +344,22 @@ def test_a_grammar_through_graphs(setup: Setup, n: int) -> None:
 
 
 @pytest.mark.cuda
+def test_graphs_dropped_at_the_limit_change_no_output(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for 3 graphs, a graph unused for 2 graphed steps dropped for a new one (Runner._room_for_a_graph): MTP3's
+    shapes (draft chains, verify, extend, over KV buckets) take turns in the graphs and eagerly, and the tokens are
+    still plain decoding's (up to a near tie in bf16)."""
+    import qspec.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GRAPH_STALE_STEPS", 2)
+    e = engine(setup.gpu, draft=3, capacity=256, kv_type=setup.kv)
+    e.runner.max_graphs = 3
+    g = e.generate(setup.prompt, 48)
+    ok, why = same_or_tie(g.tokens, setup.plain, 0, setup.tie)
+    assert ok, why
+    assert e.runner.graph_stats.evicted > 0 and e.runner.graph_stats.replays > 0
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(("draft", "mode"), [(0, "on"), (5, "on"), (3, "auto")])
 def test_batched_requests_through_graphs(setup: Setup, draft: int, mode: str) -> None:
     """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs, plainly or in speculative

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -316,11 +317,9 @@ def test_draft_chain_straddling_a_bucket_is_one_graph(tiny_model: Model, monkeyp
     assert toks.tolist() == want
 
 
-def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A shape's second use runs the real step and then the capture on the same input buffers, so the compiled
-    functions see identical tensors in both (a different storage offset would recompile, and inductor's
-    autotuning synchronises, which a capture forbids: the H200 merge benchmark crashed that way). The CUDA
-    graph calls are stubbed: this checks the runner's policy on the CPU."""
+def graphs_stubbed(model: Model, monkeypatch: pytest.MonkeyPatch, **kw: int) -> tuple[Runner, list[str], list[bool]]:
+    """A Runner whose CUDA graph calls are stubbed, to check its graph policy on the CPU -> (the runner, each
+    capture's error mode, whether the garbage collector was on at each capture)."""
     class FakeGraph:
         def replay(self) -> None:
             pass
@@ -336,8 +335,16 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
         return contextlib.nullcontext()
 
     monkeypatch.setattr(torch.cuda, "graph", graph)
-    run = Runner(tiny_model, EngineOptions(draft=0, capacity=CAP).cache_options())
+    run = Runner(model, EngineOptions(draft=0, capacity=CAP).cache_options(), **kw)  # type: ignore[arg-type]
     run.use_graphs = True
+    return run, modes, gc_on
+
+
+def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape's second use runs the real step and then the capture on the same input buffers, so the compiled
+    functions see identical tensors in both (a different storage offset would recompile, and inductor's
+    autotuning synchronises, which a capture forbids: the H200 merge benchmark crashed that way)."""
+    run, modes, gc_on = graphs_stubbed(tiny_model, monkeypatch)
     seen: list[list[torch.Tensor]] = []
 
     def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +370,35 @@ def test_capture_meets_the_tensors_of_its_real_step(tiny_model: Model, monkeypat
     run._run(("target", 1, 1024, ()), fn, [view])
     assert len(seen) == 5  # 512: eager, then eager + capture; 1024: eager + capture, then a replay
     assert run.graph_stats.eager_reasons["new KV bucket: captured"] == 1 and run.graph_stats.captures == 3
+
+
+def test_at_the_graph_limit_a_stale_graph_makes_room(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At max_graphs, a shape that recurs takes the place of the least recently used graph if that one has not run
+    in GRAPH_STALE_STEPS graphed steps (a server's batches move on to new sets of slots and KV buckets); a graph
+    in use stays, and the new shape runs eagerly meanwhile."""
+    import qspec.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "GRAPH_STALE_STEPS", 3)
+    run, _, _ = graphs_stubbed(tiny_model, monkeypatch, max_graphs=2)
+    calls: list[str] = []
+
+    def fn_of(name: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(name)
+            return x + 1, x
+        return fn
+    x = torch.zeros(2)
+    for name in "AABBACC":  # A and B captured (steps 2, 4); C's second use at step 7: B last ran 3 steps before
+        run._run((name,), fn_of(name), [x])
+    assert set(run.graphs) == {("A", False), ("B", False)} and run.graph_stats.eager_reasons["graph limit reached"]
+    run._run(("C",), fn_of("C"), [x])  # step 8: B last ran 4 steps before: dropped, C captured
+    assert set(run.graphs) == {("A", False), ("C", False)} and run.graph_stats.evicted == 1
+    calls.clear()
+    for name in "BCA":  # step 9: A last ran at 5: dropped for B; 10: C replays; 11: B ran at 9, A runs eagerly
+        run._run((name,), fn_of(name), [x])
+    assert run.graph_stats.evicted == 2 and ("B", False) in run.graphs and ("A", False) not in run.graphs
+    assert calls == ["B", "B", "A"]  # B: its real step and its capture (stubbed: it calls fn); A: eager
+    assert run.graph_stats.captures == 4
 
 
 @pytest.mark.parametrize("n_draft", [0, 3])
