@@ -13,12 +13,13 @@ otherwise, as a verify step's rows are. With an engine that drafts (EngineOption
 speculative round of each sequence at depth d (`_spec_round`): the draft heads' steps over every sequence at once
 (each on its own head cache), d + 1 verify rows of each in the batched step, each one's acceptance on the device,
 its caches rolled back to what it emits. A request's rounds are the ones the engine would run for it alone at that
-depth, so greedy output is still plain output, and a sampled request's output is decided by its seed alone. Where
-drafting pays falls as the batch grows (more rows read more experts), so by default (BATCH_DRAFT "auto") a batch of
-greedy requests decodes in rounds or in plain steps as the times measured at its size say (BatchDraftChoice); over
-plain steps each sequence's draft head gets the K/V cells of its rows, and its logits are computed again before the
-next round (`_refresh_heads`). A greedy request alone decodes with the engine itself (Engine.generate: the automatic
-depth, the chain queued before the read-back) and hands over to the batch when another request arrives.
+depth, so greedy output is still plain output, and a sampled request's output is decided by its seed alone. The
+depth that pays falls as the batch grows (more rows read more experts), so by default (BATCH_DRAFT "auto") a batch
+of greedy requests decodes in rounds 1..d deep or in plain steps, as the times measured at its size and the
+acceptance say (BatchDraftChoice); over plain steps each sequence's draft head gets the K/V cells of its rows, and
+its logits are computed again before the next round (`_refresh_heads`). A greedy request alone decodes with the
+engine itself (Engine.generate: the automatic depth, the chain queued before the read-back) and hands over to the
+batch when another request arrives.
 
 A slot keeps its sequence after its request ends: a prompt that goes on from it (a chat's next turn) is given that
 slot and prefills only its new tokens.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -94,8 +95,8 @@ class Batcher:
             raise ValueError(f"batch drafting must be one of {BATCH_DRAFT}, got {draft!r}")
         self.engine, self.model = engine, engine.model
         # with an engine that drafts (unless `draft` is off), every sequence drafts that deep (a verify step's rows
-        # rolled back), in every step (on) or where it pays at that batch size (auto); else plain decoding: one row
-        # a step, no rollback (a request alone still drafts with the engine)
+        # rolled back) in every step (on), or as deep as pays at that batch size, plain steps included (auto); else
+        # plain decoding: one row a step, no rollback (a request alone still drafts with the engine)
         self.depth = engine.opts.draft if draft != "off" else 0
         self.choice = BatchDraftChoice(self.depth) if self.depth and draft == "auto" else None
         self.rounds = 0  # passes that were speculative rounds (the others: plain steps)
@@ -125,9 +126,9 @@ class Batcher:
         """A line on the batch: its slots and what their caches hold in memory."""
         dev, host = held_bytes(self.model, [r.cache for r in self.runners])
         where = "host" if self.model.device.type == "cpu" else "GPU"
-        steps = (f"speculative rounds {self.depth} deep" + (" or plain steps, whichever is faster at its size"
-                                                             if self.choice is not None else "")
-                 if self.depth else "plain steps")
+        steps = ("plain steps" if not self.depth else f"speculative rounds {self.depth} deep"
+                 if self.choice is None else f"speculative rounds up to {self.depth} deep or plain steps, whichever "
+                 "is fastest at its size")
         return (f"up to {self.slots} requests at once in {steps}, their caches {(dev or host) / 2**30:.2f} GiB of "
                 f"{where} memory ({self.runners[0].opts.capacity:,} tokens each)")
 
@@ -337,7 +338,7 @@ class Batcher:
         (runner.Readback): the read waits for this step only, and the host's work for it overlaps the next."""
         t0, n, depth = time.perf_counter(), len(self._active), self._depth_now()
         if depth and self._ahead is None:
-            self._spec_round()
+            self._spec_round(depth)
             return
         ahead, self._ahead = self._ahead, None
         if ahead is None:
@@ -362,16 +363,17 @@ class Batcher:
             self._timed(n, 0, time.perf_counter() - t0)
 
     def _depth_now(self) -> int:
-        """The depth of this pass's step: the batch's when it always drafts or a job is not greedy (a sampled one's
-        draws would depend on when the batch drafted), else as the measured rates choose at this batch size."""
+        """The depth of this pass's step (0: a plain step): the batch's when it always drafts or a job is not greedy
+        (a sampled one's draws would depend on when and how deep the batch drafted), else the one that the measured
+        rates choose at this batch size."""
         if not self.depth or self.choice is None or not all(j.sampler.greedy for j in self._active.values()):
             return self.depth
         return self.choice.choose(len(self._active))
 
-    def _timed(self, n: int, depth: int, seconds: float, tokens_per_sequence: float = 1.0) -> None:
+    def _timed(self, n: int, depth: int, seconds: float, accepted: Sequence[int] = ()) -> None:
         self.steps.timed((n, depth), seconds)
         if self.choice is not None:
-            self.choice.observe(n, depth, seconds, tokens_per_sequence)
+            self.choice.observe(n, depth, seconds, accepted)
 
     def _write_head_rows(self, jobs: list[_Job], tokens: torch.Tensor) -> None:
         """Before a plain step in a batch that drafts: the draft heads' K/V cells of the rows it runs (each job's
@@ -433,16 +435,16 @@ class Batcher:
         return self._all_or_none(jobs, step)
 
     # ---- speculative rounds (an engine that drafts) --------------------------------------------------------------
-    def _spec_round(self) -> None:
-        """A speculative round of every active job, as the engine's rounds are, at its fixed depth d. The draft
+    def _spec_round(self, d: int) -> None:
+        """A speculative round of every active job d deep, as the engine's rounds at that depth are. The draft
         head's steps run every sequence's rows at once (each on its own head cache): d - 1 chained draft steps,
         then after the batched verify step and each job's acceptance on the device (greedy prefix match, or
         speculative sampling), one extend over every sequence's committed rows; one read-back for all of them;
         then each emits its tokens and rolls its caches back to them."""
-        t0, d = time.perf_counter(), self.depth
+        t0 = time.perf_counter()
         jobs = _by_slot(self._active.values())
         self.rounds += 1
-        drafts = self._all_or_none(jobs, lambda: self._draft(jobs))
+        drafts = self._all_or_none(jobs, lambda: self._draft(jobs, d))
         if drafts is None:
             return
         dev = self.model.device
@@ -453,19 +455,19 @@ class Batcher:
         v_logits, vX = out
         rows = {j.slot: slice(i * (d + 1), (i + 1) * (d + 1)) for i, j in enumerate(jobs)}
         # every job's reads of the verify logits are queued before the extend's replay, which may reuse their memory
-        accepted = self._each(jobs, lambda j: self._accept(j, drafts[j.slot], v_logits[rows[j.slot]]))
+        accepted = self._each(jobs, lambda j: self._accept(j, drafts[j.slot], v_logits[rows[j.slot]], d))
         live = [j for j in jobs if self._is_active(j)]
         heads = self._all_or_none(live, lambda: self._extend(live, accepted, torch.cat([vX[rows[j.slot]]
-                                                                                         for j in live])))
-        committed = 1.0  # tokens a sequence committed in the round, on average
+                                                                                         for j in live]), d))
+        counts: list[int] = []  # the drafts each sequence accepted
         if heads is not None and live:
             self.reader.start(torch.cat([t for j in live for t in (drafts[j.slot][0], *accepted[j.slot][:2])]))
             read = self.reader.result()
-            committed = sum(read[i * (d + 2) + d] + 1 for i in range(len(live))) / len(live)
+            counts = [read[i * (d + 2) + d] for i in range(len(live))]
             for i, job in enumerate(live):
                 got = read[i * (d + 2):(i + 1) * (d + 2)]
                 self._guarded(job, lambda j, g=got: self._commit(j, g[:d], g[d], g[d + 1], heads[j.slot]))
-        self._timed(len(jobs), d, time.perf_counter() - t0, committed)
+        self._timed(len(jobs), d, time.perf_counter() - t0, counts)
 
     def _refresh_heads(self, jobs: list[_Job]) -> None:
         """The draft head's step over the last emitted token of each job whose head is not current (a new job, or
@@ -502,7 +504,8 @@ class Batcher:
                 self._finish(job, error=e)
             return None
 
-    def _draft(self, jobs: list[_Job]) -> dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int] | None]]:
+    def _draft(self, jobs: list[_Job], d: int
+               ) -> dict[int, tuple[torch.Tensor, list[torch.Tensor], list[int] | None]]:
         """Every job's d drafts, the head's steps over all of them at once: draft 1 from each head's logits over the
         job's last token, each next one from a head step on the one before (at positions L + 1..), as the engine's
         chain drafts them -> by slot: (drafts [d] on the device, their distributions when sampling, the drafts on
@@ -513,7 +516,7 @@ class Batcher:
         X = torch.cat([j.head[1] for j in jobs])  # type: ignore[index]
         picks: list[torch.Tensor] = []
         dists: list[list[torch.Tensor | None]] = []
-        for i in range(self.depth):
+        for i in range(d):
             if i:
                 logits, X = self.steps.draft(slots, [self.runners[s].n_tokens + i for s in slots], picks[-1], X,
                                              self.engine.draft_lm_head)
@@ -528,23 +531,23 @@ class Batcher:
         return out  # type: ignore[return-value]
 
     def _accept(self, job: _Job, drafted: tuple[torch.Tensor, list[torch.Tensor], list[int] | None],
-                v_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                v_logits: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The job's acceptance on the device over its verify rows -> (k [1], the next token [1], the committed rows
         padded, as accept_on_device gives them); its log-probability rows queued."""
         drafts, q_rows, host = drafted
-        forced = forced_accept(self.engine.hooks.accept_hook, job.req, self.depth)  # a benchmark's replayed count
+        forced = forced_accept(self.engine.hooks.accept_hook, job.req, d)  # a benchmark's replayed count
         k, nxt, ext = accept_on_device(job.sampler, v_logits, drafts, q_rows, host, forced)
         if job.req.logprobs is not None:  # row i emits ext[i]; the read-back's wait covers their copy
             job.req.logprobs.queue(v_logits, ext, wait=False)
         return k, nxt, ext
 
     def _extend(self, jobs: list[_Job], accepted: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                vX: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                vX: torch.Tensor, d: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """The draft heads over every job's committed rows (padded to d + 1, at positions L + 1..; the target's
         residuals vX), in one step -> by slot: each head's logits and residual at its accepted row, which the next
         round drafts from (copied: a later replay may reuse the step's memory), and the target's residual there (of
         the position before the next token)."""
-        d1 = self.depth + 1
+        d1 = d + 1
         slots = [j.slot for j in jobs]
         ext = torch.cat([accepted[s][2] for s in slots])
         pick = torch.cat([accepted[s][0] + k * d1 for k, s in enumerate(slots)])
@@ -562,7 +565,7 @@ class Batcher:
         n_emit, ends = req.emits(committed)
         req.emit_round(committed[:n_emit], None)
         run.keep(min(k + 1, n_emit), rollback=True)  # the verify rows of the token before and the emitted drafts
-        req.stats.record(self.depth, k, len(committed))
+        req.stats.record(len(drafts), k, len(committed))
         req.rounds_log.append({"accepted": k})  # (an accept hook counts the request's rounds by it)
         if ends:
             self._finish(job)

@@ -799,9 +799,9 @@ def _add_max_batch(p: argparse.ArgumentParser, default: int) -> None:
                    help=f"decode up to N requests together, each weight read once a step for all of them; with "
                    f"--draft, each step is a speculative round of every request (default {default})")
     p.add_argument("--batch-draft", choices=BATCH_DRAFT, default="auto",
-                   help="with --draft, whether requests decoded together draft: where it pays at the batch's size, "
-                   "measured as they decode (auto; a batch with a sampled request always drafts), always, or never "
-                   "(a request alone drafts in any case; BENCHMARKS.md §9)")
+                   help="with --draft N, whether and how deep requests decoded together draft: as deep (0..N) as "
+                   "pays at the batch's size, measured as they decode (auto; a batch with a sampled request always "
+                   "drafts N deep), always N deep, or never (a request alone drafts in any case; BENCHMARKS.md §9)")
 
 
 def _add_generation_commands(sub: argparse._SubParsersAction) -> None:

@@ -122,15 +122,26 @@ def main() -> None:
     finally:
         for b in batchers.values():
             b.close()
-    # an auto batch times both kinds of step: its steady step is the kind it ran most
-    steady = {f"batch {n}{k}": (statistics.median(t), statistics.mean(per_round[f"batch {n}{k}"]))
-              for k, b in batchers.items() for (n, _), t in sorted(b.steps.seconds.items(), key=lambda e: len(e[1]))
-              if f"batch {n}{k}" in results}
+    steady = {arm: v for k, b in batchers.items() for arm, v in steady_steps(b, k, per_round).items()}
     notes = [f"batch{v or ' (plain)'}: rows per step {b.steps.rows / max(1, b.steps.steps):.2f}, {b.rounds} "
              f"rounds, graphs "
              f"{b.runners[0].graph_stats.replays} replays, {b.runners[0].graph_stats.captures} captures, "
              f"{b.runners[0].graph_stats.eager} eager steps" for v, b in batchers.items()]
     report(a, results, model.weights_summary, steady, "; ".join(notes))
+
+
+def steady_steps(b: Batcher, name: str, per_round: dict[str, list[float]]) -> dict[str, tuple[float, float, int]]:
+    """Per batch size, the median time of the batch's steps or rounds in the process and the tokens a sequence
+    commits in one -> {arm: (seconds, tokens, depth)}. An auto batch times several depths: its steady step is the
+    depth it ran most, its tokens the ones its choice expects at that depth."""
+    out: dict[str, tuple[float, float, int]] = {}
+    for (n, d), t in sorted(b.steps.seconds.items(), key=lambda e: len(e[1])):
+        arm = f"batch {n}{name}"
+        if arm in per_round:
+            expected = b.choice.tokens(d) if b.choice is not None and d else None
+            tokens = 1.0 if not d else expected or statistics.mean(per_round[arm])
+            out[arm] = (statistics.median(t), tokens, d)
+    return out
 
 
 def profile(b: Batcher, prompts: list[list[int]], tokens: int) -> None:
@@ -149,7 +160,7 @@ def profile(b: Batcher, prompts: list[list[int]], tokens: int) -> None:
 
 
 def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
-           steady: dict[str, tuple[float, float]], notes: str) -> None:
+           steady: dict[str, tuple[float, float, int]], notes: str) -> None:
     commit = git_commit() or "unknown commit"
     where = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     base = statistics.median(results["engine"])
@@ -165,14 +176,15 @@ def report(a: argparse.Namespace, results: dict[str, list[float]], summary: str,
              f"ratio over the engine's plain decoding of one request (truncated). mtpN: drafting N deep at "
              f"{'replayed acceptance ' + a.accept_profile if a.draft else '-'}. Steady: the median time of every "
              f"batched step (or round) of that many requests in the process, and their tokens over it (a round's: "
-             f"the mean it committed). {notes}. Model: {summary}.", "",
-             "| arm | decode tok/s, all requests | per request | ratio | steady step, ms | steady tok/s |",
+             f"the mean it committed; auto: at the depth it ran most, the tokens its choice expects there). {notes}. "
+             f"Model: {summary}.", "",
+             "| arm | decode tok/s, all requests | per request | ratio | steady step, ms (depth) | steady tok/s |",
              "|---|---:|---:|---:|---:|---:|"]
     for arm, v in results.items():
         n = 1 if arm.startswith("engine") else int(arm.split()[1])
         med = statistics.median(v)
-        step = "— | —" if arm not in steady else (f"{steady[arm][0] * 1e3:.3f} | "
-                                                   f"{n * steady[arm][1] / steady[arm][0]:.2f}")
+        sec, tokens, depth = steady.get(arm, (0.0, 0.0, 0))
+        step = "— | —" if not sec else f"{sec * 1e3:.3f}{f' (mtp{depth})' if depth else ''} | {n * tokens / sec:.2f}"
         lines.append(f"| {arm} | {med:.2f} [{min(v):.2f}-{max(v):.2f}] | {med / n:.2f} | "
                      f"×{int(med / base * 1000) / 1000:.3f} | {step} |")
     print_report(lines, a.out)

@@ -309,7 +309,8 @@ def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: 
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_a_batch_switching_between_rounds_and_plain_steps_keeps_outputs_and_draft_heads(tiny_model: Model,
                                                                                         logprobs: bool) -> None:
-    """A batch that drafts in some passes and decodes plainly in others (the choice forced to a pattern): each
+    """A batch that drafts in some passes (1 or 2 deep) and decodes plainly in others (the choice forced to a
+    pattern): each
     request's output is its plain decoding, and each slot's draft head holds the K/V cells of every
     position it committed, whichever step decoded it (a plain step writes its rows' cells, a round's extend its
     committed rows', a prefill the prompt's), as a prefill of the same tokens writes them. Plain greedy steps are
@@ -318,7 +319,7 @@ def test_a_batch_switching_between_rounds_and_plain_steps_keeps_outputs_and_draf
     calls = [dict(prompt=prompt_of(7 + 4 * i, 90 + i), max_tokens=14 + 3 * i) for i in range(3)]
     want = [engine(tiny_model).generate(**c).tokens for c in calls]
     b = Batcher(e, 3, draft="auto")
-    pattern = itertools.cycle([2, 0, 0, 2, 2, 0])
+    pattern = itertools.cycle([2, 0, 0, 2, 1, 0, 1, 2])
     b.choice.choose = lambda n: next(pattern)  # type: ignore[union-attr, method-assign]
     b._alone_ok = lambda job: False  # type: ignore[method-assign]  # every request in the batch
     try:
@@ -326,7 +327,7 @@ def test_a_batch_switching_between_rounds_and_plain_steps_keeps_outputs_and_draf
     finally:
         b.close()
     assert [g.tokens for g in got] == want  # type: ignore[union-attr]
-    assert {k[1] for k in b.steps.seconds} == {0, 2}  # both kinds of step ran
+    assert {k[1] for k in b.steps.seconds} == {0, 1, 2}  # plain steps and rounds of both depths ran
     for g, c in zip(got, calls, strict=True):
         ids = c["prompt"] + g.tokens[:-1]  # type: ignore[union-attr]
         slot = next(r for r in b.runners if r.history == ids)
@@ -339,25 +340,47 @@ def test_a_batch_switching_between_rounds_and_plain_steps_keeps_outputs_and_draf
         torch.testing.assert_close(slot.cache.mtp_kv.v[1:n], ref.cache.mtp_kv.v[1:n], atol=1e-5, rtol=1e-4)
 
 
-def test_the_batch_draft_choice_measures_each_mode_at_each_size() -> None:
-    """BatchDraftChoice: a mode not measured at a batch size is tried first (its first uses, which compile and
-    capture, not counted), then the one with more tokens a second wins: rounds against the tokens they commit, plain
-    steps against one; the losing mode is measured again after `recheck` choices."""
-    c = BatchDraftChoice(3, measure=2, skip=1, recheck=5)
+def test_the_batch_draft_choice_learns_each_draft_positions_acceptance(no_ple_model: Model) -> None:
+    """With acceptance forced to one draft a round, the batch's choice (auto) learns from every sequence's rounds,
+    whatever their depth, that draft 1 is accepted and draft 2 is not: a round 2 deep commits 2 tokens, as one 1
+    deep does."""
+    hooks = EngineHooks(accept_hook=lambda r, n: min(1, n))
+    b = Batcher(Engine(no_ple_model, EngineOptions(draft=2, capacity=CAP, exact=True), hooks), 3, draft="auto")
+    b._alone_ok = lambda job: False  # type: ignore[method-assign]  # every request in the batch
+    try:
+        together(b, [dict(prompt=prompt_of(8 + i, 40 + i), max_tokens=24) for i in range(3)])
+    finally:
+        b.close()
+    c = b.choice
+    assert c is not None and b.rounds > 0 and len(c.hits[1]) > 0
+    assert all(c.hits[0]) and not any(c.hits[1]) and c.tokens(2) == c.tokens(1) == 2.0
 
-    def run(n: int, round_s: float, step_s: float, tokens: float) -> int:
+
+def test_the_batch_draft_choice_measures_each_depth_at_each_size() -> None:
+    """BatchDraftChoice: a depth not measured at a batch size is tried first, deepest first (its first uses, which
+    compile and capture, not counted); then the one with the most tokens a second wins: a round against the tokens
+    a sequence is expected to commit at its depth (each draft position's acceptance, from every round that drafted
+    it), a plain step against one; after `recheck` choices the losing depths are measured again in turn."""
+    c = BatchDraftChoice(2, measure=2, skip=1, recheck=5)
+    times = {2: 0.010, 1: 0.005, 0: 0.004}  # seconds a step at each depth, 4 sequences
+    accepted = {2: [2, 2, 1, 0], 1: [1, 1, 1, 0]}  # drafts 1 and 2 accepted with 3/4 and 2/3
+
+    def run(n: int) -> int:
         d = c.choose(n)
-        c.observe(n, d, round_s if d else step_s, tokens)
+        c.observe(n, d, times[d], accepted.get(d, ()))
         return d
-    first = [run(4, 0.010, 0.004, 3.0) for _ in range(6)]
-    assert first == [3, 3, 3, 0, 0, 0]  # each mode: one skipped, two measured
-    assert c.rate(4, 3) == pytest.approx(300.0) and c.rate(4, 0) == pytest.approx(250.0)
-    assert [c.choose(4) for _ in range(4)] == [3] * 4
-    assert c.choose(4) == 0  # the 5th choice: the losing mode measured afresh
-    assert c.rate(4, 0) is None and c.rate(2, 3) is None  # and another batch size is measured on its own
-    for _ in range(3):
-        c.observe(4, 0, 0.002)  # plain steps got faster: they win now
-    assert c.choose(4) == 0 and c.rate(4, 0) == pytest.approx(500.0)
+    assert [run(4) for _ in range(9)] == [2] * 3 + [1] * 3 + [0] * 3  # each depth: one skipped, two measured
+    assert c.tokens(1) == pytest.approx(1 + 15 / 20) and c.tokens(2) == pytest.approx(1 + 15 / 20 + 6 / 12)
+    assert c.rate(4, 1) == pytest.approx(350.0) and c.rate(4, 2) == pytest.approx(225.0)
+    assert c.rate(4, 0) == pytest.approx(250.0)
+    assert [c.choose(4) for _ in range(4)] == [1] * 4
+    assert c.choose(4) == 2  # the 5th choice: a losing depth measured afresh, the deepest first
+    assert c.rate(4, 2) is None and c.rate(2, 1) is None  # and another batch size is measured on its own
+    for _ in range(2):
+        c.observe(4, 2, 0.004, [2, 2, 2, 2])  # rounds 2 deep got faster, and their drafts accepted: they win now
+    assert c.choose(4) == 2
+    c.since[4] = 10**6
+    assert c.choose(4) == 0  # the next recheck: the next losing depth in turn (1 and 0 lose to 2 now)
     with pytest.raises(ValueError, match="batch draft choice"):
         BatchDraftChoice(0)
     with pytest.raises(ValueError, match="batch drafting must be one of"):

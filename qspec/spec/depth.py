@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # What a round's cost is relative to a plain step, per draft, before anything is measured: H200, flash-next at MTP3
@@ -364,52 +365,68 @@ class DepthController:
 
 
 class BatchDraftChoice:
-    """Whether a batch of B sequences decodes in speculative rounds (depth `depth`) or in plain steps (0): the one
-    with more tokens per second by the times measured at B, a round's time against the tokens a sequence commits in
-    one (over the recent rounds of any batch size: acceptance belongs to the text), a plain step's against one.
+    """The depth at which a batch of B sequences decodes: speculative rounds d deep (1..`depth`) or plain steps (0),
+    the one with the most tokens per second by the times measured at B. A round's time is set against the tokens a
+    sequence is expected to commit at that depth, 1 + sum_i P(draft i accepted), each position's acceptance over the
+    recent rounds of any depth and batch size that drafted it (acceptance belongs to the text); a plain step's
+    against one token.
 
-    More sequences read more experts per step and verify more rows, so the batch size at which drafting stops paying
-    depends on the model and the device (BENCHMARKS.md §9): it is measured, not assumed. A mode is tried until it has
-    `measure` samples at B, after the first `skip` (a shape's first uses compile and capture a graph); every
-    `recheck` choices at B the mode that lost is measured afresh, so that a change of text or load is seen."""
+    More sequences read more experts per step and verify more rows, so the depth that pays falls as the batch grows,
+    and where drafting stops paying depends on the model and the device (BENCHMARKS.md §9): it is measured, not
+    assumed. At each B every depth is tried, deepest first, until it has `measure` samples after its first `skip`
+    (a shape's first uses compile and capture a graph); every `recheck` choices at B, one of the depths that lost,
+    in turn, is measured afresh, so that a change of text or load is seen."""
 
-    def __init__(self, depth: int, *, window: int = 16, measure: int = 3, skip: int = 2, recheck: int = 256) -> None:
-        if depth < 1 or measure < 1 or skip < 0 or recheck < 1:
-            raise ValueError(f"batch draft choice: depth, measure and recheck >= 1, skip >= 0 (got {depth}, "
-                             f"{measure}, {recheck}, {skip})")
+    def __init__(self, depth: int, *, window: int = 16, measure: int = 3, skip: int = 2, recheck: int = 256,
+                 accept_window: int = 256) -> None:
+        if depth < 1 or measure < 1 or skip < 0 or recheck < 1 or accept_window < 1:
+            raise ValueError(f"batch draft choice: depth, measure, recheck and accept_window >= 1, skip >= 0 (got "
+                             f"{depth}, {measure}, {recheck}, {accept_window}, {skip})")
         self.depth, self.window, self.measure, self.skip, self.recheck = depth, window, measure, skip, recheck
+        self.depths = tuple(range(depth, -1, -1))  # the candidates, deepest first
         self.times: dict[tuple[int, int], deque[float]] = {}
-        self.seen: Counter = Counter()  # observations per (B, mode), skipped ones included
-        self.tokens: deque[float] = deque(maxlen=64)  # tokens a sequence committed per round, recent rounds
-        self.since: Counter = Counter()  # choices at B since the other mode was last measured
+        self.seen: Counter = Counter()  # observations per (B, depth), skipped ones included
+        # per draft position: whether it was accepted, in the recent rounds' sequences that drafted it
+        self.hits: list[deque[bool]] = [deque(maxlen=accept_window) for _ in range(depth)]
+        self.since: Counter = Counter()  # choices at B since a losing depth was last measured
+        self.turn: Counter = Counter()  # rechecks at B so far: which losing depth is next
 
-    def rate(self, n: int, mode: int) -> float | None:
-        """A sequence's tokens per second at batch size n in `mode` (None until measured)."""
-        t = self.times.get((n, mode))
-        if not t or len(t) < self.measure:
+    def tokens(self, depth: int) -> float | None:
+        """Tokens a sequence is expected to commit in a round `depth` deep (None: a position never drafted)."""
+        if any(not self.hits[i] for i in range(depth)):
             return None
-        per_round = statistics.median(self.tokens) if mode and self.tokens else 1.0
-        return per_round / statistics.median(t)
+        return 1.0 + sum(sum(self.hits[i]) / len(self.hits[i]) for i in range(depth))
+
+    def rate(self, n: int, depth: int) -> float | None:
+        """A sequence's tokens per second at batch size n and `depth` (None until measured)."""
+        t, tokens = self.times.get((n, depth)), self.tokens(depth)
+        if not t or len(t) < self.measure or tokens is None:
+            return None
+        return tokens / statistics.median(t)
 
     def choose(self, n: int) -> int:
-        for mode in (self.depth, 0):
-            if self.rate(n, mode) is None:
-                return mode
-        best = self.depth if self.rate(n, self.depth) >= self.rate(n, 0) else 0  # type: ignore[operator]
+        for d in self.depths:
+            if self.rate(n, d) is None:
+                return d
+        best = max(self.depths, key=lambda d: self.rate(n, d))  # type: ignore[arg-type, return-value]
         self.since[n] += 1
         if self.since[n] < self.recheck:
             return best
-        # the other mode measured afresh (its old samples may be of another load), its shapes compiled already
-        other, self.since[n] = self.depth - best, 0
+        # a losing depth measured afresh (its old samples may be of another load), its shapes compiled already
+        losers = [d for d in self.depths if d != best]
+        other = losers[self.turn[n] % len(losers)]
+        self.since[n], self.turn[n] = 0, self.turn[n] + 1
         self.times[(n, other)].clear()
         self.seen[(n, other)] = self.skip
         return other
 
-    def observe(self, n: int, mode: int, seconds: float, tokens_per_sequence: float = 1.0) -> None:
-        """A step (mode 0) or round of n sequences took `seconds`; a round committed `tokens_per_sequence` each."""
-        key = (n, mode)
+    def observe(self, n: int, depth: int, seconds: float, accepted: Sequence[int] = ()) -> None:
+        """A plain step (depth 0) or round of n sequences took `seconds`; in a round, the sequences accepted
+        `accepted` drafts (each of `depth`)."""
+        for k in accepted:
+            for i in range(depth):
+                self.hits[i].append(k > i)
+        key = (n, depth)
         self.seen[key] += 1
-        if mode:
-            self.tokens.append(tokens_per_sequence)
         if self.seen[key] > self.skip:
             self.times.setdefault(key, deque(maxlen=self.window)).append(seconds)
