@@ -64,6 +64,18 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # The same format as `Tokenizer.apply_chat_template`, for HF dirs and GGUF files (tests check they agree).
 QWEN_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}"
+    "{{- (messages[0].content if messages[0].content is string else '') + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{- raise_exception('Unexpected message role: ' + message.role) }}"
@@ -76,7 +88,17 @@ QWEN_CHAT_TEMPLATE = (
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- else %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else fn.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif not (message.role == 'system' and tools) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
@@ -87,6 +109,45 @@ QWEN_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
+
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
+
+def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The system turn's tools section: each tool's JSON signature on a line of its own (JSON as Jinja's `tojson`
+    in transformers and llama.cpp writes it), and how to call one."""
+    return TOOLS_INTRO + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_OUTRO
+
+
+def _text_of(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise TypeError(f"message {i}: content must be a string, got {type(content).__name__}")
+    return content
+
+
+def _tool_call_blocks(calls: Any, after_content: bool, i: int) -> str:
+    """An assistant message's tool calls ({"function": {"name", "arguments"}}, OpenAI's shape) as `<tool_call>`
+    blocks, a newline before each but a first one that opens the message."""
+    if not isinstance(calls, list):
+        raise TypeError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        name, args = (fn.get("name"), fn.get("arguments", {})) if isinstance(fn, Mapping) else (None, None)
+        if not isinstance(name, str) or not isinstance(args, str | Mapping):
+            raise TypeError(f"message {i}: tool call {k} needs a function name (a string) and arguments (a JSON "
+                            "object or its text)")
+        args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        out.append(("\n" if k or after_content else "") + f'<tool_call>\n{{"name": "{name}", "arguments": '
+                   f"{args_text}}}\n</tool_call>")
+    return "".join(out)
+
 
 # Bump when the conversion changes, so stale caches are not reused.
 _CONVERTER_VERSION = 1
@@ -368,32 +429,38 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """Qwen ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header.
 
-        Tool results follow Qwen's template: consecutive `tool` messages become one user turn of
-        `<tool_response>` blocks. enable_thinking=False appends an empty think block (thinking off), True opens
-        `<think>\\n`, None appends nothing. `QWEN_CHAT_TEMPLATE` is the same in Jinja.
+        Tools follow Qwen's template: their JSON signatures in the system turn (opened for them when the
+        conversation has none), an assistant message's `tool_calls` as `<tool_call>` blocks after its content, and
+        consecutive `tool` messages as one user turn of `<tool_response>` blocks. enable_thinking=False appends an
+        empty think block (thinking off), True opens `<think>\\n`, None appends nothing. `QWEN_CHAT_TEMPLATE` is the
+        same in Jinja.
         """
         out: list[str] = []
+        if tools:  # the conversation's system message first, if it has one
+            system = messages[0] if messages and messages[0].get("role") == "system" else None
+            head = "" if system is None else _text_of(system.get("content"), 0) + "\n\n"
+            out.append(f"<|im_start|>system\n{head}{tools_prompt(tools)}<|im_end|>\n")
         for i, m in enumerate(messages):
             role = m.get("role")
             if role not in CHAT_ROLES:
                 raise ValueError(f"message {i}: role {role!r} is not one of {', '.join(CHAT_ROLES)}")
             if role == "system" and i != 0:
                 raise ValueError(f"message {i}: a system message must be the first message")
-            content = m.get("content")
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise TypeError(f"message {i}: content must be a string, got {type(content).__name__}")
+            content = _text_of(m.get("content"), i)
             if role == "tool":
                 if i == 0 or messages[i - 1].get("role") != "tool":
                     out.append("<|im_start|>user")
                 out.append(f"\n<tool_response>\n{content}\n</tool_response>")
                 if i == len(messages) - 1 or messages[i + 1].get("role") != "tool":
                     out.append("<|im_end|>\n")
-            else:
+            elif role == "assistant" and m.get("tool_calls"):
+                out.append(f"<|im_start|>assistant\n{content}{_tool_call_blocks(m['tool_calls'], bool(content), i)}"
+                           "<|im_end|>\n")
+            elif not (role == "system" and tools):  # (with tools, written above)
                 out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")

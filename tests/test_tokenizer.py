@@ -345,3 +345,36 @@ def test_chat_template_tools_and_jinja_agree(tok: Tokenizer) -> None:
                 assert template.render(messages=m, add_generation_prompt=gen, **kw) == want
     with pytest.raises(ValueError, match="role"):
         template.render(messages=[{"role": "bot", "content": "x"}], add_generation_prompt=True)
+
+
+def test_tool_signatures_and_calls_in_the_chat_template(tok: Tokenizer) -> None:
+    """Tools: their signatures in the system turn (the conversation's system message first), an assistant message's
+    tool calls as `<tool_call>` blocks (arguments as an object or as its JSON text), the same from the Jinja
+    template as transformers renders it (its `tojson`: json.dumps, non-ASCII kept)."""
+    jinja2 = pytest.importorskip("jinja2")
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Wetter für eine Stadt",
+                                               "parameters": {"type": "object", "properties": {"city": {
+                                                   "type": "string"}}, "required": ["city"]}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Köln"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Bonn"}}}]
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"},
+            {"role": "assistant", "content": "checking", "tool_calls": calls[:1]}, {"role": "user", "content": "U2"}]
+    text = tok.apply_chat_template(msgs, tools=tools)
+    signature = '{"type": "function", "function": {"name": "weather", "description": "Wetter für eine Stadt"'
+    assert text.startswith("<|im_start|>system\nS\n\n# Tools\n\nYou may call one or more functions")
+    assert f"<tools>\n{signature}" in text and text.count("<|im_start|>system") == 1
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Köln"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "weather", "arguments": {"city": "Bonn"}}\n</tool_call><|im_end|>\n') in text
+    assert '<|im_start|>assistant\nchecking\n<tool_call>\n{"name": "weather"' in text
+    assert tok.apply_chat_template(msgs[1:2], tools=tools).startswith("<|im_start|>system\n# Tools\n")
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    template = env.from_string(QWEN_CHAT_TEMPLATE)
+    for m in (msgs, msgs[1:], msgs[:3]):
+        for t in (tools, None):
+            assert template.render(messages=m, tools=t, add_generation_prompt=True) == \
+                tok.apply_chat_template(m, tools=t)
+    with pytest.raises(TypeError, match="tool call 0 needs a function name"):
+        tok.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}])
