@@ -336,7 +336,7 @@ def test_completion_errors_use_the_openai_shape(served, raw: bytes, param: str |
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "JSON schema object"),
     ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema, got 'xml'"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs"),
     ({"guided_regex": "a(b"}, "guided_regex", "invalid regex grammar"),
@@ -396,6 +396,84 @@ def test_structured_output(served) -> None:  # noqa: ANN001
     with client.stream("POST", "/v1/completions", json=payload | {"stream": True}) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == whole
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "today's weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {
+                                               "type": "string"}}}}}]
+
+
+def test_tool_calls_come_apart(served) -> None:  # noqa: ANN001
+    """`tools`: the prompt offers them (the chat template's system turn), and a reply's <tool_call> block becomes the
+    message's tool_calls (arguments as JSON text), whole and streamed, finishing with "tool_calls"; the content is
+    the text around the block. A history with calls and their results goes back into the prompt."""
+    _, model_engine, tok = served
+    engine = Engine(model_engine.model, EngineOptions(draft=2, capacity=1024, exact=True))
+    regex = 'so\n<tool_call>\n\\{"name": "weather", "arguments": \\{"city": "[a-z]{2,6}"\\}\\}\n</tool_call>'
+    messages = [{"role": "user", "content": "Weather?"}]
+    raw = _constrained(engine, tok, tok.encode(tok.apply_chat_template(messages, tools=TOOLS), add_special=True),
+                       GrammarSpec("regex", regex), 80)
+    city = re.fullmatch(regex.replace("[a-z]{2,6}", "([a-z]{2,6})"), raw).group(1)
+    payload = {"messages": messages, "max_tokens": 80, "guided_regex": regex, "tools": TOOLS}
+    with TestClient(create_app(engine, tok, "tiny")) as client:
+        choice = client.post("/v1/chat/completions", json=payload).json()["choices"][0]
+        msg, calls = choice["message"], choice["message"]["tool_calls"]
+        assert msg["content"] == "so" and choice["finish_reason"] == "tool_calls" and len(calls) == 1
+        assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+        assert calls[0]["function"] == {"name": "weather", "arguments": json.dumps({"city": city})}
+        with client.stream("POST", "/v1/chat/completions", json=payload | {"stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+        deltas = [c["delta"] for c in chunks]
+        assert "".join(d.get("content", "") for d in deltas).strip() == "so"
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [c["index"] for c in streamed] == [0] and streamed[0]["function"] == calls[0]["function"]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        # tool_choice none: the prompt offers no tools, and a reply is text
+        text = client.post("/v1/chat/completions", json=payload | {"tool_choice": "none"}).json()["choices"][0]
+        assert text["finish_reason"] == "stop" and "tool_calls" not in text["message"]
+        assert text["message"]["content"] == _constrained(
+            engine, tok, tok.encode(tok.apply_chat_template(messages), add_special=True), GrammarSpec("regex", regex),
+            80)
+        history = messages + [msg, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]
+        r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 3, "tools": TOOLS})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(
+            history, tools=TOOLS), add_special=True))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("tools", [{"type": "function", "function": {"name": "two words"}}], "tool 0: the function name"),
+    ("tools", [{"type": "retrieval"}], "tool 0: must be"),
+    ("tools", [TOOLS[0], TOOLS[0]], "given twice"),
+    ("tool_choice", "required", "cannot force one"),
+    ("tool_choice", {"type": "function", "function": {"name": "weather"}}, "cannot force one"),
+    ("tool_choice", "sometimes", 'must be "auto" or "none"'),
+    ("functions", [{"name": "f"}], "function calls are not supported (tools are)"),
+])
+def test_bad_tools_are_a_400(served, field: str, value: object, words: str) -> None:  # noqa: ANN001
+    client, _, _ = served
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
+    assert r.status_code == 400 and words in _error_of(r)["message"], r.text
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_tool_call_blocks_come_apart_however_the_text_is_cut(cut: int) -> None:
+    """ToolCallSplit: the same content and calls for a reply whole and in pieces cut anywhere; a block that is not a
+    call stays content, and so does a block never closed."""
+    from qspec.server.tools import ToolCallSplit
+
+    text = ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\nnot json\n'
+            '</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call><tool_call>{"name": "c"')
+    whole, calls = ToolCallSplit().whole(text)
+    assert [c["function"] for c in calls] == [{"name": "a", "arguments": '{"x": 1}'}, {"name": "b", "arguments": "{}"}]
+    assert whole == 'Let me look.\n\n<tool_call>\nnot json\n</tool_call>\n<tool_call>{"name": "c"'
+    split, content, got = ToolCallSplit(), "", []
+    for i in range(0, len(text), cut):
+        piece, new = split.push(text[i:i + cut])
+        content, got = content + piece, got + new
+    content += split.flush()
+    assert [c["function"] for c in got] == [c["function"] for c in calls]
+    assert content.replace("\n", "") == whole.replace("\n", "")
 
 
 def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001

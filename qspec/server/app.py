@@ -50,6 +50,7 @@ from qspec.server.requests import (
     TokenizeRequest,
     stop_strings,
 )
+from qspec.server.tools import ToolCallSplit
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError
 from qspec.spec.logit_rules import LogitRules
@@ -120,16 +121,34 @@ class _Run:
     mean_logprob: float = -math.inf  # over its tokens, when candidates are ranked (best_of)
     arrived: float | None = None  # the request's arrival (its first choice only: the time to the first token)
     split: ReasoningSplit | None = None  # a chat reply's reasoning apart from its content (--reasoning-parser)
+    tools: ToolCallSplit | None = None  # a chat reply's tool calls apart from its content (the request's tools)
 
-    def whole_parts(self) -> tuple[str, str]:
-        """The choice's (reasoning, text): the reasoning is "" without a split, and the text starts with the echo."""
-        return ("", self.echo + self.text) if self.split is None else self.split.whole(self.text)
+    def whole_parts(self) -> tuple[str, str, list[dict]]:
+        """The choice's (reasoning, text, tool calls): the reasoning is "" without a split, and the text starts with
+        the echo."""
+        reasoning, text = ("", self.echo + self.text) if self.split is None else self.split.whole(self.text)
+        if self.tools is None:
+            return reasoning, text, []
+        return reasoning, *self.tools.whole(text)
 
-    def piece_parts(self, piece: str | None) -> tuple[str, str]:
-        """A streamed piece's (reasoning, text), or (piece None) what the split held at the choice's end."""
+    def piece_parts(self, piece: str | None) -> tuple[str, str, list[dict]]:
+        """A streamed piece's (reasoning, text, tool calls, each with its index in the reply), or (piece None) what
+        the splits held at the choice's end."""
         if self.split is None:
-            return "", piece or ""
-        return self.split.flush() if piece is None else self.split.push(piece)
+            reasoning, text = "", piece or ""
+        else:
+            reasoning, text = self.split.flush() if piece is None else self.split.push(piece)
+        if self.tools is None:
+            return reasoning, text, []
+        text, calls = self.tools.push(text)
+        if piece is None:
+            text += self.tools.flush()
+        first = self.tools.calls - len(calls)
+        return reasoning, text, [{"index": first + k} | c for k, c in enumerate(calls)]
+
+    def finish_reason(self) -> str:
+        """How the choice ended: "tool_calls" when it stopped after calling a tool, else stop, length, ..."""
+        return "tool_calls" if self.tools is not None and self.tools.calls and self.finish == "stop" else self.finish
 
     def new_logprobs(self) -> list[TokenLogprob] | None:
         """The entries not handed out yet (None when the request asks for none)."""
@@ -213,10 +232,13 @@ class CompletionServer:
             raise BadRequest(f"model {model!r} is not served here (this server has {self.model_name!r})", 404,
                              "model", "model_not_found")
 
-    def chat_text(self, messages: list[ChatMessage], enable_thinking: bool | None = None) -> str:
-        """A conversation through the chat template (a 400 naming `messages` when the template refuses it)."""
+    def chat_text(self, messages: list[ChatMessage], enable_thinking: bool | None = None,
+                  tools: list[dict] | None = None) -> str:
+        """A conversation through the chat template, offering `tools` (a 400 naming `messages` when the template
+        refuses it)."""
         try:
-            return self.tok.apply_chat_template([m.model_dump() for m in messages], enable_thinking=enable_thinking)
+            return self.tok.apply_chat_template([m.model_dump() for m in messages], enable_thinking=enable_thinking,
+                                                tools=tools)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
 
@@ -454,7 +476,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         def prompt() -> tuple[list[int], int]:
-            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking()))
+            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking(), req.prompt_tools()))
             srv.grammar(req)  # compiles (a 400 when it does not)
             return out
 
@@ -505,8 +527,9 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     srv.admit()
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
+    tools = isinstance(req, ChatRequest) and req.prompt_tools() is not None
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids),
-                 split=srv.reasoning_split(req))
+                 split=srv.reasoning_split(req), tools=ToolCallSplit() if tools else None)
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}
@@ -549,8 +572,9 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
 
 
 def _whole_choice(srv: CompletionServer, fmt: type[TextBodies] | type[ChatBodies], run: _Run, index: int) -> dict:
-    reasoning, text = run.whole_parts()
-    return fmt.choice(text, run.finish, False, True, index, srv.format_logprobs(fmt, run, run.logprobs), reasoning)
+    reasoning, text, calls = run.whole_parts()
+    return fmt.choice(text, run.finish_reason(), False, True, index, srv.format_logprobs(fmt, run, run.logprobs),
+                      reasoning, calls)
 
 
 def _best(runs: list[_Run], n: int, candidates: int) -> list[_Run]:
@@ -588,17 +612,17 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
             if piece is None and i == last:
                 tail = entries  # the last choice's end comes with the usage, below
                 continue
-            reasoning, text = runs[i].piece_parts(piece)
-            choice = fmt.choice(text, None if piece is not None else runs[i].finish, True, i not in started, i,
-                                srv.format_logprobs(fmt, runs[i], entries), reasoning)
+            reasoning, text, calls = runs[i].piece_parts(piece)
+            choice = fmt.choice(text, None if piece is not None else runs[i].finish_reason(), True, i not in started,
+                                i, srv.format_logprobs(fmt, runs[i], entries), reasoning, calls)
             started.add(i)
             yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
         gens = await task
         srv.count(runs, gens or [], "cancelled" if gens is None else runs[0].finish)
-        reasoning, text = runs[last].piece_parts(None)
-        end = fmt.choice(text, runs[last].finish, True, last not in started, last,
+        reasoning, text, calls = runs[last].piece_parts(None)
+        end = fmt.choice(text, runs[last].finish_reason(), True, last not in started, last,
                          srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None),
-                         reasoning)
+                         reasoning, calls)
         yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
     except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
         log.error("error while streaming a response", exc_info=e)

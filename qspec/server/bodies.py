@@ -35,8 +35,8 @@ class TextBodies:
 
     @staticmethod
     def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None, reasoning: str = "") -> dict:
-        """A choice; `reasoning` is chat's alone (completions have no reasoning split: always "")."""
+               logprobs: dict | None = None, reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
+        """A choice; `reasoning` and `tool_calls` are chat's alone (completions have neither: "" and none)."""
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
@@ -56,14 +56,17 @@ class ChatBodies:
 
     @staticmethod
     def choice(text: str, finish: str | None, streamed: bool, first: bool, index: int = 0,
-               logprobs: dict | None = None, reasoning: str = "") -> dict:
-        """A choice; `reasoning`: the reply's think block apart (--reasoning-parser), as `reasoning_content`."""
+               logprobs: dict | None = None, reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
+        """A choice; `reasoning`: the reply's think block apart (--reasoning-parser), as `reasoning_content`;
+        `tool_calls`: the calls the reply made (a streamed chunk's carry their index in the reply)."""
+        calls = {"tool_calls": tool_calls} if tool_calls else {}
         if not streamed:
             thought = {"reasoning_content": reasoning} if reasoning else {}
-            return {"index": index, "message": {"role": "assistant", "content": text} | thought,
+            content = None if calls and not text else text  # OpenAI's: no content beside the calls
+            return {"index": index, "message": {"role": "assistant", "content": content} | thought | calls,
                     "logprobs": logprobs, "finish_reason": finish}
         delta = (({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
-                 | ({"content": text} if text else {}))
+                 | ({"content": text} if text else {}) | calls)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod

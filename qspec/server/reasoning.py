@@ -39,7 +39,7 @@ class ReasoningSplit:
         if self.state == "reasoning":
             end = text.find(CLOSE)
             if end < 0:
-                keep = _tag_start(text, CLOSE)
+                keep = tag_start(text, CLOSE)
                 self.held = text[keep:]
                 return text[:keep], ""
             reasoning, text, self.state = text[:end], text[end + len(CLOSE):], "after"
@@ -64,7 +64,7 @@ class ReasoningSplit:
         return r1 + r2, c1 + c2
 
 
-def _tag_start(text: str, tag: str) -> int:
+def tag_start(text: str, tag: str) -> int:
     """Where a suffix of `text` that is a proper prefix of `tag` starts (len(text) when none)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

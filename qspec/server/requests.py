@@ -1,10 +1,10 @@
 """The request bodies the server accepts, validated by pydantic so that a bad value is a 400 naming the field.
 
 Unknown fields are refused (a typo or an option this server lacks must not be ignored silently). OpenAI options that
-this engine cannot honour (tools, function calls) are accepted only at the value that changes nothing, so a client
-that asks for more gets a 400 instead of a silently different answer. Text must be valid Unicode: a lone surrogate
-(which JSON's `\\ud800` escapes can carry) is refused rather than replaced, so the model never sees text the client
-did not send.
+this engine cannot honour (the deprecated function calls) are accepted only at the value that changes nothing, so a
+client that asks for more gets a 400 instead of a silently different answer. Text must be valid Unicode: a lone
+surrogate (which JSON's `\\ud800` escapes can carry) is refused rather than replaced, so the model never sees text the
+client did not send.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from qspec.server.tools import check_tool_choice, check_tools
 from qspec.spec.grammar import GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
 from qspec.spec.logprobs import MAX_TOP
@@ -27,10 +28,8 @@ MAX_PROMPTS = 64
 
 # option -> (the values that change nothing, why other values are refused)
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tool calls are not supported"),
-    "tool_choice": ((None, "none"), "tool calls are not supported"),
-    "functions": ((None, []), "function calls are not supported"),
-    "function_call": ((None, "none"), "function calls are not supported"),
+    "functions": ((None, []), "function calls are not supported (tools are)"),
+    "function_call": ((None, "none"), "function calls are not supported (tools are)"),
 }
 # vLLM's names for a grammar (`structured_outputs`' keys, and the older `guided_*` fields) -> GrammarSpec's kinds
 _GRAMMAR_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
@@ -150,7 +149,7 @@ class Sampling(BaseModel):
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                 "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens}
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", check_fields=False)
+    @field_validator("functions", "function_call", check_fields=False)
     @classmethod
     def _neutral_only(cls, value: Any, info: Any) -> Any:
         return _unsupported(info.field_name, value)
@@ -288,6 +287,8 @@ class ChatMessage(BaseModel):
     role: str
     content: Any = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls (qspec/server/tools.py)
+    tool_call_id: str | None = None  # a tool message's answer to one
 
     @field_validator("content")
     @classmethod
@@ -306,7 +307,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)
-    tools: Any = None
+    tools: list[dict[str, Any]] | None = None  # qspec/server/tools.py
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
@@ -321,6 +322,21 @@ class ChatRequest(Sampling):
         if not isinstance((kw or {}).get("enable_thinking", False), bool | None):
             raise ValueError(f"enable_thinking must be true or false, got {kw['enable_thinking']!r}")  # type: ignore
         return kw
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if tools is None else check_tools(tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any) -> str | None:
+        return check_tool_choice(choice)
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers the model, whose calls the reply is parsed for: none with tool_choice
+        "none"."""
+        return self.tools or None if self.tool_choice != "none" else None
 
     def enable_thinking(self) -> bool | None:
         """True opens the reply's think block in the prompt, False closes an empty one there, None: neither."""
