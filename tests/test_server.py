@@ -24,6 +24,7 @@ from qspec.cli import main  # noqa: E402
 from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
+from qspec.server.tools import ToolCallSplit  # noqa: E402
 from qspec.spec.accept import Sampler  # noqa: E402
 from qspec.spec.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from qspec.spec.logit_rules import LogitRules  # noqa: E402
@@ -445,23 +446,52 @@ def test_tool_calls_come_apart(served) -> None:  # noqa: ANN001
     ("tools", [{"type": "function", "function": {"name": "two words"}}], "tool 0: the function name"),
     ("tools", [{"type": "retrieval"}], "tool 0: must be"),
     ("tools", [TOOLS[0], TOOLS[0]], "given twice"),
-    ("tool_choice", "required", "cannot force one"),
-    ("tool_choice", {"type": "function", "function": {"name": "weather"}}, "cannot force one"),
-    ("tool_choice", "sometimes", 'must be "auto" or "none"'),
+    ("tool_choice", "required", "needs tools"),
+    ("tool_choice", {"type": "function", "function": {"name": "weather"}}, "needs tools"),
+    ("tool_choice", "sometimes", 'must be "auto", "none", "required"'),
     ("functions", [{"name": "f"}], "function calls are not supported (tools are)"),
 ])
 def test_bad_tools_are_a_400(served, field: str, value: object, words: str) -> None:  # noqa: ANN001
     client, _, _ = served
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
     assert r.status_code == 400 and words in _error_of(r)["message"], r.text
+    named = {"type": "function", "function": {"name": "rain"}}
+    for extra, words in (({"tool_choice": named}, "'rain', which is not one of the tools"),
+                         ({"tool_choice": "required", "guided_regex": "a"}, "give one of them")):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                      "tools": TOOLS} | extra)
+        assert r.status_code == 400 and words in _error_of(r)["message"], r.text
+
+
+def test_a_forced_tool_call_follows_the_tools_schema(served) -> None:  # noqa: ANN001
+    """tool_choice "required" or a named function: the reply is `<tool_call>` blocks of calls of those tools, their
+    arguments held to the parameters' schema, as the engine writes them under that grammar."""
+    from qspec.server.tools import call_grammar
+
+    _, model_engine, tok = served
+    engine = Engine(model_engine.model, EngineOptions(draft=2, capacity=1024, exact=True))
+    tools = TOOLS + [{"type": "function", "function": {"name": "rain", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Rain?"}]
+    ids = tok.encode(tok.apply_chat_template(messages, tools=tools), add_special=True)
+    with TestClient(create_app(engine, tok, "tiny")) as client:
+        for choice, offered in (({"type": "function", "function": {"name": "rain"}}, tools[1:]), ("required", tools)):
+            payload = {"messages": messages, "max_tokens": 200, "tools": tools, "tool_choice": choice}
+            msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+            raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(offered)), 200)
+            want = [(c["function"]["name"], c["function"]["arguments"]) for c in ToolCallSplit().whole(raw)[1]]
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == want and want
+            for name, args in want:
+                assert name in {t["function"]["name"] for t in offered}
+                if name == "rain":
+                    assert set(json.loads(args)) == {"city"} and len(json.loads(args)["city"]) <= 4
 
 
 @pytest.mark.parametrize("cut", range(1, 12))
 def test_tool_call_blocks_come_apart_however_the_text_is_cut(cut: int) -> None:
     """ToolCallSplit: the same content and calls for a reply whole and in pieces cut anywhere; a block that is not a
     call stays content, and so does a block never closed."""
-    from qspec.server.tools import ToolCallSplit
-
     text = ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\nnot json\n'
             '</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call><tool_call>{"name": "c"')
     whole, calls = ToolCallSplit().whole(text)

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from qspec.server.tools import check_tool_choice, check_tools
+from qspec.server.tools import call_grammar, check_tool_choice, check_tools, forced_tools
 from qspec.spec.grammar import GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
 from qspec.spec.logprobs import MAX_TOP
@@ -330,8 +330,26 @@ class ChatRequest(Sampling):
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, choice: Any) -> str | None:
+    def _tool_choice(cls, choice: Any) -> str | dict[str, Any] | None:
         return check_tool_choice(choice)
+
+    @model_validator(mode="after")
+    def _tools_to_call(self) -> ChatRequest:
+        try:
+            forced_tools(self.tools, self.tool_choice)
+        except ValueError as e:
+            raise PydanticCustomError("value_error", "{error}", {"error": str(e)}) from None
+        return self
+
+    def grammar_fields(self) -> list[str]:
+        """The fields that ask for structured output, tool_choice among them where it forces a call."""
+        forced = forced_tools(self.tools, self.tool_choice) if self.tools else None
+        return super().grammar_fields() + (["tool_choice"] if forced else [])
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """What the output must match: under a forced tool call, the tools' calls (qspec/server/tools.py)."""
+        forced = forced_tools(self.tools, self.tool_choice) if self.tools else None
+        return GrammarSpec("lark", call_grammar(forced)) if forced else super().grammar_spec()
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt offers the model, whose calls the reply is parsed for: none with tool_choice

@@ -8,8 +8,9 @@
 Each such block of the reply becomes an entry of the message's `tool_calls` (arguments as JSON text, as OpenAI
 returns them) and leaves its content; a reply with a call finishes with "tool_calls". A block that is not a JSON
 object with a string name and object arguments stays in the content as the model wrote it, as vLLM's hermes parser
-keeps it. `tool_choice` "auto" (the default with tools) parses the calls, "none" leaves the reply as text; a
-call cannot be forced ("required", or a named function: the request is refused).
+keeps it. `tool_choice` "auto" (the default with tools) parses the calls, "none" leaves the reply as text (the
+prompt offers no tools), and "required" or a named function forces a call: the reply is held to a grammar of
+`<tool_call>` blocks whose JSON calls one of those tools with arguments that match its parameters' schema.
 
 Streamed text arrives in pieces that may cut a tag anywhere, so a piece's end that could begin `<tool_call>` is held
 back until the next piece tells, and a block's text is held until it closes: a call is sent whole, in one delta.
@@ -23,9 +24,10 @@ import uuid
 from typing import Any
 
 from qspec.server.reasoning import tag_start
+from qspec.spec.grammar import JSON_LAYOUT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -53,14 +55,42 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def check_tool_choice(choice: Any) -> str | None:
-    """`tool_choice` -> "auto", "none" or None (not given), or ValueError: a call cannot be forced here."""
+def check_tool_choice(choice: Any) -> str | dict[str, Any] | None:
+    """`tool_choice`: "auto", "none", "required", {"type": "function", "function": {"name": ...}} or None (not
+    given), else ValueError."""
     if choice is None or choice in TOOL_CHOICES:
         return choice
-    if choice == "required" or isinstance(choice, dict):
-        raise ValueError(f"{json.dumps(choice)} is not supported: the server parses the calls the model writes "
-                         "and cannot force one (use \"auto\" or \"none\")")
-    raise ValueError(f"must be \"auto\" or \"none\", got {choice!r}")
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(fn, dict) and choice.get("type") == "function" and isinstance(fn.get("name"), str):
+        return choice
+    raise ValueError(f"must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": "
+                     f"{{\"name\": ...}}}}, got {choice!r}")
+
+
+def forced_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[str, Any]] | None:
+    """The tools one of which the reply must call ("required": any; a named function: that one), or None (the
+    model chooses); ValueError when the choice names no tool of the request."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise ValueError(f"tool_choice {json.dumps(choice)} needs tools")
+    if choice == "required":
+        return tools
+    named = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    if not named:
+        raise ValueError(f"tool_choice names {choice['function']['name']!r}, which is not one of the tools")
+    return named
+
+
+def call_grammar(tools: list[dict[str, Any]]) -> str:
+    """A Lark grammar (llguidance's, its JSON laid out as json.dumps writes it) of a reply that is one or more
+    `<tool_call>` blocks, each a call of one of `tools` with arguments that match its parameters' schema."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
+    return (f'start: block ("\\n" block)*\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n'
+            f"call: %json {json.dumps(schema)}\n")
 
 
 def parse_call(block: str) -> dict[str, Any] | None:
