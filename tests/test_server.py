@@ -937,7 +937,8 @@ def test_an_error_mid_stream_is_the_last_event(served, monkeypatch: pytest.Monke
 
 
 def test_tokenize_and_detokenize(served) -> None:  # noqa: ANN001
-    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, and their errors."""
+    """vLLM's /tokenize (a prompt, or messages through the chat template, with tools) and /detokenize, and their
+    errors."""
     client, engine, tok = served
     r = client.post("/tokenize", json={"prompt": PROMPT}).json()
     assert r == {"tokens": tok.encode(PROMPT, add_special=True), "count": len(r["tokens"]), "max_model_len": 64}
@@ -945,8 +946,11 @@ def test_tokenize_and_detokenize(served) -> None:  # noqa: ANN001
     r = client.post("/tokenize", json={"messages": messages, "add_special_tokens": False}).json()
     assert r["tokens"] == tok.encode(tok.apply_chat_template(messages))
     assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    offered = client.post("/tokenize", json={"messages": messages, "tools": TOOLS}).json()["tokens"]
+    assert offered == tok.encode(tok.apply_chat_template(messages, tools=TOOLS), add_special=True)
     for path, payload, words in [("/tokenize", {}, "one of prompt and messages"),
                                  ("/tokenize", {"prompt": "a", "messages": messages}, "one of prompt and messages"),
+                                 ("/tokenize", {"messages": messages, "tools": [{}]}, "tool 0: must be"),
                                  ("/detokenize", {"tokens": [1, 10 ** 6]}, "token id 1000000"),
                                  ("/detokenize", {"tokens": ["1"]}, "tokens.0"),
                                  ("/detokenize", {"tokens": [1], "model": "other"}, "'other'")]:

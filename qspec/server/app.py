@@ -449,7 +449,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
         srv.check_model(req.model)
 
         def ids() -> list[int]:
-            text = req.prompt if req.messages is None else srv.chat_text(req.messages)
+            text = req.prompt if req.messages is None else srv.chat_text(req.messages, tools=req.tools or None)
             return tokenizer.encode_batch([text], add_special=req.add_special_tokens)[0]
 
         tokens = await asyncio.to_thread(ids)

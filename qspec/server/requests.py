@@ -378,13 +378,20 @@ class ChatRequest(Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    """/tokenize (vLLM's shape): a prompt's tokens, or a conversation's through the chat template."""
+    """/tokenize (vLLM's shape): a prompt's tokens, or a conversation's through the chat template (with `tools`, as
+    a chat request offers them)."""
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = Field(True, strict=True)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if tools is None else check_tools(tools)
 
     @field_validator("prompt")
     @classmethod
