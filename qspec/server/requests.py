@@ -10,9 +10,9 @@ client did not send.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from qspec.server.tools import call_grammar, check_tool_choice, check_tools, forced_tools
@@ -31,6 +31,8 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((None, []), "function calls are not supported (tools are)"),
     "function_call": ((None, "none"), "function calls are not supported (tools are)"),
 }
+# a request's `tools`, each checked (qspec/server/tools.py)
+ToolList = Annotated[list[dict[str, Any]], AfterValidator(check_tools)]
 # vLLM's names for a grammar (`structured_outputs`' keys, and the older `guided_*` fields) -> GrammarSpec's kinds
 _GRAMMAR_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "lark"}
 _GRAMMAR_FIELDS = ("response_format", "structured_outputs", *(f"guided_{k}" for k in _GRAMMAR_KEYS))
@@ -307,7 +309,7 @@ class ChatRequest(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)
-    tools: list[dict[str, Any]] | None = None  # qspec/server/tools.py
+    tools: ToolList | None = None  # qspec/server/tools.py
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
@@ -323,11 +325,6 @@ class ChatRequest(Sampling):
             raise ValueError(f"enable_thinking must be true or false, got {kw['enable_thinking']!r}")  # type: ignore
         return kw
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        return None if tools is None else check_tools(tools)
-
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice: Any) -> str | dict[str, Any] | None:
@@ -341,14 +338,17 @@ class ChatRequest(Sampling):
             raise PydanticCustomError("value_error", "{error}", {"error": str(e)}) from None
         return self
 
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools one of which the reply must call (tool_choice "required" or a named function), or None."""
+        return forced_tools(self.tools, self.tool_choice) if self.tools else None
+
     def grammar_fields(self) -> list[str]:
         """The fields that ask for structured output, tool_choice among them where it forces a call."""
-        forced = forced_tools(self.tools, self.tool_choice) if self.tools else None
-        return super().grammar_fields() + (["tool_choice"] if forced else [])
+        return super().grammar_fields() + (["tool_choice"] if self.forced_tools() else [])
 
     def grammar_spec(self) -> GrammarSpec | None:
         """What the output must match: under a forced tool call, the tools' calls (qspec/server/tools.py)."""
-        forced = forced_tools(self.tools, self.tool_choice) if self.tools else None
+        forced = self.forced_tools()
         return GrammarSpec("lark", call_grammar(forced)) if forced else super().grammar_spec()
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
@@ -385,13 +385,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: ToolList | None = None
     add_special_tokens: bool = Field(True, strict=True)
-
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        return None if tools is None else check_tools(tools)
 
     @field_validator("prompt")
     @classmethod
