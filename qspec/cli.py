@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 
 from qspec.batch import BATCH_DRAFT, Batcher
 from qspec.cache import keep_compiled_graphs
+from qspec.chat_template import ChatTemplateError
 from qspec.compile_ahead import load_compiling_ahead
 from qspec.compile_clock import CompileClock, CompileTimes
 from qspec.config import ConfigError, ModelConfig, preset
@@ -62,7 +63,7 @@ from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
 from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import LogitRules
-from qspec.tokenizer import Tokenizer
+from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -345,6 +346,29 @@ def _mtp_label(model: Any, draft: int) -> str:
     return "MTP head not loaded (--draft 0)" if model.cfg.has_mtp and not draft else "no MTP"
 
 
+def _choose_chat_template(tok: Tokenizer, choice: str | None, model: Path, chats: bool) -> None:
+    """The chat template `--chat-template` names (`builtin`, a Jinja file) or the model file's own, parsed before the
+    weights load when the command chats (`chats`), so that a broken one is one error up front."""
+    if choice == "builtin":
+        tok.use_chat_template(None)
+        return
+    if choice is not None:
+        try:
+            source, where = Path(choice).read_text(encoding="utf-8"), f"--chat-template {choice}"
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {choice}: cannot read it ({e})") from None
+    elif chats:
+        source, where = tok.chat_template, f"{model.name}'s chat template"
+    else:
+        return
+    try:
+        tok.use_chat_template(source)
+    except ChatTemplateError as e:
+        raise UsageError(f"{where}: {e} (--chat-template builtin uses qspec's own Qwen format)") from None
+    if tok.chat_template != QWEN_CHAT_TEMPLATE:
+        _say(f"qspec: chat turns go through {where} (Jinja)")
+
+
 def _load(a: argparse.Namespace, opts: EngineOptions, prompt: Callable[[Tokenizer, ModelConfig], list[int]]
           ) -> tuple[Path, Tokenizer, Engine]:
     """The model, its tokenizer and an engine from the options `run` and `serve` share (`opts`: checked already).
@@ -354,6 +378,7 @@ def _load(a: argparse.Namespace, opts: EngineOptions, prompt: Callable[[Tokenize
     path = _model_path(a.model)
     t0 = time.perf_counter()
     tok = load_tokenizer(path)
+    _choose_chat_template(tok, a.chat_template, path, chats=getattr(a, "chat", True))
     tok_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     dtype = DTYPES[a.dtype] if a.dtype else default_dtype(dev)
@@ -768,6 +793,9 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
                         "token_embd/output)")
     m.add_argument("--hnorm-per-stream", action="store_true",
                    help="MTP hnorm per hyper-connection stream (llama.cpp) instead of over the bundle")
+    m.add_argument("--chat-template", metavar="FILE",
+                   help="chat through this Jinja template, or `builtin` for qspec's own Qwen format (default: the "
+                        "template the model's file carries, else qspec's own)")
     m.add_argument("--accept-profile", metavar="SPEC",
                    help="force each round's accepted count (testing and benchmarking random-weight models): "
                         "fixed=K, p=0.85 (per position, conditional), or trace=FILE; needs --draft N; the output "

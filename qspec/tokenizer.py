@@ -31,6 +31,8 @@ from typing import Any
 import tokenizers
 
 from qspec.cache import cache_dir as qspec_cache_dir
+from qspec.chat_template import compiled as compiled_chat_template
+from qspec.chat_template import render as render_chat_template
 
 # --- pre-tokenizer regexes, by GGUF `tokenizer.ggml.pre` name ------------------------------------------------
 # Qwen3.5 added \p{M} to the letter runs so combining marks stay with their letters.
@@ -437,8 +439,14 @@ class Tokenizer:
         conversation has none), an assistant message's `tool_calls` as `<tool_call>` blocks after its content, and
         consecutive `tool` messages as one user turn of `<tool_response>` blocks. enable_thinking=False appends an
         empty think block (thinking off), True opens `<think>\\n`, None appends nothing. `QWEN_CHAT_TEMPLATE` is the
-        same in Jinja.
+        same in Jinja. A model whose file carries another template gets that one, rendered in Jinja
+        (qspec/chat_template.py; ChatTemplateError, a ValueError, when it fails or refuses the conversation).
         """
+        if self.chat_template != QWEN_CHAT_TEMPLATE:
+            special = {"bos_token": self.id_to_token(self.bos_id) or "",
+                       "eos_token": self.id_to_token(self.eos_id) or ""}
+            return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                        enable_thinking=enable_thinking, tools=tools, special_tokens=special)
         out: list[str] = []
         if tools:  # the conversation's system message first, if it has one
             system = messages[0] if messages and messages[0].get("role") == "system" else None
@@ -469,6 +477,13 @@ class Tokenizer:
             elif enable_thinking is True:
                 out.append("<think>\n")
         return "".join(out)
+
+    def use_chat_template(self, source: str | None) -> None:
+        """Chat through Jinja template `source` from now on (None: qspec's own Qwen format), parsed now
+        (ChatTemplateError naming the line where it does not)."""
+        if source is not None and source != QWEN_CHAT_TEMPLATE:
+            compiled_chat_template(source)
+        self.chat_template = QWEN_CHAT_TEMPLATE if source is None else source
 
     def fill_in_middle(self, prefix: list[int], suffix: list[int]) -> list[int]:
         """Qwen's fill-in-the-middle prompt: `<|fim_prefix|>` prefix `<|fim_suffix|>` suffix `<|fim_middle|>`, the

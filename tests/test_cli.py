@@ -249,6 +249,31 @@ def test_chat_template_wraps_the_prompt(models: dict[str, Path], capsys: pytest.
     assert tok.im_start_id in want and json.loads(js.read_text())["prompt_tokens"] == len(want)
 
 
+def test_chat_template_option(models: dict[str, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--chat-template FILE: chat turns go through that Jinja template; `builtin`: qspec's own; one that does not
+    parse is one error before the weights load."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n{% endfor %}[ASSISTANT]",
+                        encoding="utf-8")
+    tok = load_tokenizer(models["gguf"])
+    lengths = {}
+    for name, choice in (("file", [str(template)]), ("builtin", ["builtin"])):
+        js = tmp_path / f"{name}.json"
+        rc, _, err = run(capsys, "run", "hi", "--chat", "--model", str(models["gguf"]), "--max-tokens", "1",
+                         "--json", str(js), "--chat-template", *choice, *FAST)
+        assert rc == 0, err
+        lengths[name] = json.loads(js.read_text())["prompt_tokens"]
+    assert lengths["file"] == len(tok.encode("[USER] hi\n[ASSISTANT]"))
+    assert lengths["builtin"] == len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}])))
+    template.write_text("{% for m in messages %}", encoding="utf-8")
+    rc, _, err = run(capsys, "run", "hi", "--chat", "--model", str(models["gguf"]), "--chat-template", str(template))
+    assert rc == 2 and f"--chat-template {template}: the chat template does not parse: line 1" in err
+    assert "--chat-template builtin" in err and "loaded in" not in err
+    rc, _, err = run(capsys, "run", "hi", "--chat", "--model", str(models["gguf"]), "--chat-template",
+                     str(tmp_path / "missing.jinja"))
+    assert rc == 2 and "cannot read it" in err
+
+
 def test_gguf_and_hf_copies_give_identical_logits(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                                   tmp_path: Path) -> None:
     got = {}

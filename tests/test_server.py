@@ -283,6 +283,26 @@ def test_chat_completion_uses_the_chat_template(served) -> None:  # noqa: ANN001
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
 
 
+def test_chat_goes_through_the_models_own_template(served) -> None:  # noqa: ANN001
+    """A model whose template is not qspec's: chat requests render it, and a conversation it refuses (its
+    raise_exception) is a 400 with its words, after which the server keeps serving."""
+    client, _, tok = served
+    template = ("{% if messages | length > 1 %}{{ raise_exception('this model takes one message') }}{% endif %}"
+                "Q: {{ messages[0].content }}\nA:")
+    tok.use_chat_template(template)
+    try:
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("Q: hi\nA:",
+                                                                                              add_special=True))
+        two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        err = _error_of(client.post("/v1/chat/completions", json={"messages": two}))
+        assert err["message"] == "this model takes one message" and err["param"] == "messages"
+        assert client.post("/v1/chat/completions", json={"messages": two[:1], "max_tokens": 1}).status_code == 200
+    finally:
+        tok.use_chat_template(None)
+
+
 # ---- the error contract ------------------------------------------------------------------------------------------
 def _error_of(r) -> dict:  # noqa: ANN001
     """The OpenAI error object of a response, checked for its shape and a one-line message."""
