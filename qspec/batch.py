@@ -44,7 +44,8 @@ import torch
 from qspec.batch_steps import BatchSteps
 from qspec.engine import Engine, Generation, RequestState, accept_on_device, forced_accept, prefill_chunks
 from qspec.kernels.argmax import argmax_rows
-from qspec.memory import check_cache_fits, held_bytes
+from qspec.memory import caches_that_fit, check_cache_fits, held_bytes
+from qspec.model.model import CacheOptions
 from qspec.runner import Readback, Runner, upload
 from qspec.spec.accept import Sampler
 from qspec.spec.depth import BatchDraftChoice
@@ -100,7 +101,7 @@ class Batcher:
         self.depth = engine.opts.draft if draft != "off" else 0
         self.choice = BatchDraftChoice(self.depth) if self.depth and draft == "auto" else None
         self.rounds = 0  # passes that were speculative rounds (the others: plain steps)
-        opts = engine.opts.cache_options() if self.depth else replace(engine.opts.cache_options(), n_slots=1)
+        opts = self.slot_options(engine, draft)
         self.runners: list[Runner] = []
         lead = engine.runner
         for _ in range(slots):
@@ -117,6 +118,17 @@ class Batcher:
         self.reader = Readback(self.model.device, capacity=slots * (self.depth + 2))
         self._thread = threading.Thread(target=self._loop, name="qspec-batch", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def slot_options(engine: Engine, draft: str = "auto") -> CacheOptions:
+        """A slot's cache options: the engine's, with one rollback slot per draft row where the batch drafts."""
+        opts = engine.opts.cache_options()
+        return opts if engine.opts.draft and draft != "off" else replace(opts, n_slots=1)
+
+    @classmethod
+    def slots_that_fit(cls, engine: Engine, most: int, draft: str = "auto") -> int:
+        """How many slots (0..most) the free memory holds at the engine's context (memory.caches_that_fit)."""
+        return caches_that_fit(engine.model, cls.slot_options(engine, draft), most)
 
     @property
     def slots(self) -> int:
@@ -209,18 +221,22 @@ class Batcher:
                     self._step()
 
     def _alone_ok(self, job: _Job) -> bool:
-        """Whether a request alone in the batcher decodes with the engine's speculative rounds (`_decode_alone`):
-        when the engine drafts, the request is greedy (a sampled one's draws would depend on when another request
-        arrived: the hand-over moves its rounds' boundaries, and with them what each draw decides), and it asks for
-        no log-probabilities (a round stopped midway leaves their queue half read)."""
+        """Whether a request alone in the batcher decodes with the engine (its speculative rounds, or its pipelined
+        plain steps, which a batch of one does not match: BENCHMARKS.md §9) (`_decode_alone`): when the request is
+        greedy (a sampled one's draws would depend on when another request arrived: the hand-over moves its rounds'
+        boundaries, and a pipelined step may have drawn already), it asks for no log-probabilities (a round
+        stopped midway leaves their queue half read), and the engine's caches hold as much of its prompt as a slot
+        does (a conversation's next turn goes on in the slot that decoded its last, rather than prefilling again)."""
         r = job.req
-        return bool(self.engine.opts.draft) and job.sampler.greedy and r.logprobs is None and r.prompt_logprobs is None
+        if not (job.sampler.greedy and r.logprobs is None and r.prompt_logprobs is None):
+            return False
+        return self.engine.cached_prefix(job.prompt) >= self._free_slot(job.prompt, reuse=True)[1]
 
     def _decode_alone(self, job: _Job) -> None:
-        """A request alone decodes with the engine (speculative rounds, its prefix cache), and keeps the speed of
-        `--max-batch 1`. When another request arrives, it yields after its next emitted token: it goes on in the
-        batch, its prompt and output so far prefilled in a slot (greedy, the same tokens: speculation equals plain
-        decoding)."""
+        """A request alone decodes with the engine (speculative rounds or plain steps, its prefix cache), and keeps
+        the speed of `--max-batch 1`. When another request arrives, it yields after its next emitted token: it goes
+        on in the batch, its prompt and output so far prefilled in a slot (greedy, the same tokens: speculation
+        equals plain decoding)."""
         req, emitted = job.req, []
         job.t0 = time.perf_counter()
 

@@ -554,7 +554,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
     prompts = [_fitting_ids(tok, t, vocab, a.chat, samp.max_tokens, opts, f"prompt {i}: ")
                for i, t in enumerate(texts)]
     compiler = GrammarCompiler(tok, vocab) if spec is not None else None
-    batcher = Batcher(engine, min(a.max_batch, len(prompts)), draft=a.batch_draft)
+    batcher = Batcher(engine, min(_batch_slots(a, engine), len(prompts)), draft=a.batch_draft)
     _say(f"qspec: batch: {batcher.describe()}")
     t0 = time.perf_counter()
     try:
@@ -586,9 +586,20 @@ def _write_generation(out: TextIO, index: int, g: Generation, tok: Tokenizer) ->
     return len(g.tokens)
 
 
-def _check_max_batch(n: int) -> None:
-    if n < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {n}")
+def _check_max_batch(n: int | str) -> None:
+    if n != "auto" and int(n) < 1:
+        raise UsageError(f"--max-batch must be >= 1 or auto, got {n}")
+
+
+def _batch_slots(a: argparse.Namespace, engine: Engine) -> int:
+    """--max-batch's slots: the count given, or with auto as many as fit (Batcher.slots_that_fit), said."""
+    if a.max_batch != "auto":
+        return int(a.max_batch)
+    n = Batcher.slots_that_fit(engine, AUTO_MAX_BATCH, a.batch_draft)
+    if n < 2:
+        _say(f"qspec: batch: --max-batch auto: room for {n} slot(s) at --ctx {engine.opts.capacity:,} beside the "
+             "engine's caches: one request at a time (a smaller --ctx leaves room for more)")
+    return max(n, 1)
 
 
 def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
@@ -612,7 +623,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
     ids = _warmup_ids(tok, engine.model.cfg)
-    batcher = Batcher(engine, a.max_batch, draft=a.batch_draft) if a.max_batch > 1 else None
+    slots = _batch_slots(a, engine)
+    batcher = Batcher(engine, slots, draft=a.batch_draft) if slots > 1 else None
     if batcher is not None:
         _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
@@ -622,7 +634,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         with CompileClock() as clock:
             engine.generate(ids, n)
             if batcher is not None:  # and every batch size's steps
-                for b in range(1, a.max_batch + 1):
+                for b in range(1, slots + 1):
                     batcher.generate_all([ids] * b, n)
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = a.served_name or path.stem
@@ -822,10 +834,24 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def _add_max_batch(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--max-batch", type=int, default=default, metavar="N",
+# the most requests `--max-batch auto` decodes together (BENCHMARKS.md §9: what batches of 2-8 gain)
+AUTO_MAX_BATCH = 8
+
+
+def _max_batch_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or auto, got {text!r}") from None
+
+
+def _add_max_batch(p: argparse.ArgumentParser, default: int | str) -> None:
+    p.add_argument("--max-batch", type=_max_batch_arg, default=default, metavar="N",
                    help=f"decode up to N requests together, each weight read once a step for all of them; with "
-                   f"--draft, each step is a speculative round of every request (default {default})")
+                   f"--draft, each step is a speculative round of every request; auto: as many as the free memory "
+                   f"holds at the context, up to {AUTO_MAX_BATCH} (default {default})")
     p.add_argument("--batch-draft", choices=BATCH_DRAFT, default="auto",
                    help="with --draft N, whether and how deep requests decoded together draft: as deep (0..N) as "
                    "pays at the batch's size, measured as they decode (auto; a batch with a sampled request always "
@@ -866,7 +892,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
     sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
                     help="requests that may wait for the engine before more are refused with a 503")
-    _add_max_batch(sv, 1)
+    _add_max_batch(sv, "auto")
     sv.add_argument("--api-key", metavar="KEY",
                     help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
                     "$QSPEC_API_KEY, else none)")

@@ -108,6 +108,20 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def caches_that_fit(model: Model, opts: CacheOptions, most: int, available: tuple[int, int] | None = None) -> int:
+    """How many caches of `opts.capacity` tokens (0..most) fit in BUDGET of the free memory (`available`: (device,
+    host) free bytes, default asked of the system), measured at every capacity: a batch's slots chosen by memory."""
+    need_dev, need_host = footprint(model, opts).bytes(opts.capacity)
+    if available is None:
+        host = available_bytes(torch.device("cpu"))
+        available = (available_bytes(model.device) if model.device.type == "cuda" else host, host)
+    n = most
+    for need, free in ((need_dev, available[0]), (need_host, available[1])):
+        if need > 0:
+            n = min(n, int(BUDGET * free // need))
+    return max(0, n)
+
+
 def check_cache_fits(model: Model, opts: CacheOptions, available: tuple[int, int] | None = None,
                      reserve: int = 0) -> None:
     """Raise CacheMemoryError, before anything is allocated at that size, when a cache of `opts.capacity` tokens

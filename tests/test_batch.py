@@ -275,19 +275,22 @@ def test_a_turn_after_a_stop_token_goes_on_from_its_slot(tiny_model: Model) -> N
         b.close()
 
 
-@pytest.mark.parametrize("batch_draft", ["on", "off"])
-def test_a_request_alone_drafts_and_hands_over_when_another_arrives(tiny_model: Model, batch_draft: str) -> None:
-    """With an engine that drafts, a request alone decodes with its speculative rounds; when a second request
-    arrives, the first goes on in the batch after its next token (its prompt and output so far prefilled in a slot).
-    Both outputs are the engine's (greedy speculation equals plain decoding)."""
+@pytest.mark.parametrize(("draft", "batch_draft"), [(2, "on"), (2, "off"), (0, "off")])
+def test_a_request_alone_decodes_with_the_engine_and_hands_over_when_another_arrives(tiny_model: Model, draft: int,
+                                                                                     batch_draft: str) -> None:
+    """A greedy request alone decodes with the engine (its speculative rounds with an engine that drafts, its plain
+    steps without); when a second request arrives, the first goes on in the batch after its next token (its prompt
+    and output so far prefilled in a slot). Both outputs are the engine's (greedy speculation equals plain
+    decoding)."""
     first, second = prompt_of(10, 40), prompt_of(8, 41)
     plain = engine(tiny_model)
     want = [plain.generate(first, 30).tokens, plain.generate(second, 12).tokens]
-    b = Batcher(engine(tiny_model, draft=2), 2, draft=batch_draft)
+    b = Batcher(engine(tiny_model, draft=draft), 2, draft=batch_draft)
     try:
         assert b.depth == (2 if batch_draft == "on" else 0)
         alone = b.generate(first, 30)
-        assert alone.tokens == want[0] and alone.spec.drafted > 0  # the engine's rounds
+        assert alone.tokens == want[0] and (alone.spec.drafted > 0) == (draft > 0)  # the engine's rounds or steps
+        assert b.steps.steps == 0  # none of the batch's
         got: dict[str, Generation] = {}
         seen: list[int] = []
         other = threading.Thread(target=lambda: got.update(second=b.generate(second, 12)))

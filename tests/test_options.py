@@ -231,6 +231,22 @@ def test_cache_memory_is_checked_before_allocating(tiny_model: Model) -> None:
         Engine(tiny_model, EngineOptions(capacity=10**9), EngineHooks())
 
 
+def test_a_batch_takes_the_slots_that_fit(tiny_model: Model) -> None:
+    """caches_that_fit: as many caches as BUDGET of the free memory holds, at most `most`, measured at a small
+    context too (where check_cache_fits checks nothing); the count grows with the memory and falls with the context."""
+    from qspec.memory import BUDGET, caches_that_fit
+
+    opts = EngineOptions(draft=2, capacity=256).cache_options()
+    need = footprint(tiny_model, opts).bytes(256)[1]
+    assert need == cache_bytes(tiny_model, opts)[1]
+    for k in (0, 1, 3, 7):
+        free = int((k * need + need // 2) / BUDGET)  # room for k caches and half of another
+        assert caches_that_fit(tiny_model, opts, 8, available=(0, free)) == k
+    assert caches_that_fit(tiny_model, opts, 4, available=(0, 100 * need)) == 4
+    longer = dataclasses.replace(opts, capacity=4096)
+    assert caches_that_fit(tiny_model, longer, 8, available=(0, int(7.5 * need / BUDGET))) < 7
+
+
 def test_cache_options_follow_the_engine_options() -> None:
     """The cache's options are the engine's: the same defaults, and every one passed through."""
     from qspec.model.model import CacheOptions

@@ -19,8 +19,9 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from qspec import memory  # noqa: E402
 from qspec.batch import Batcher  # noqa: E402
-from qspec.cli import main  # noqa: E402
+from qspec.cli import AUTO_MAX_BATCH, main  # noqa: E402
 from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
@@ -250,6 +251,11 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
             r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--max-batch", "0"]) == 2
+    # the default, auto: as many slots as the free memory holds, up to AUTO_MAX_BATCH; with room for one, no batch
+    base = ["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64", "--no-warmup"]
+    assert main(base) == 0 and seen["app"].state.server.batcher.slots == AUTO_MAX_BATCH
+    monkeypatch.setattr(memory, "available_bytes", lambda dev: 4096)  # 4 KiB free: not even one slot
+    assert main(base) == 0 and seen["app"].state.server.batcher is None
 
 
 def test_serve_cli_on_a_busy_port_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
