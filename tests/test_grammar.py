@@ -130,6 +130,8 @@ def test_a_finished_output_matches_its_grammar(tiny_model: Model, tok: Tokenizer
     (("regex", "a(b"), "invalid regex grammar"),
     (("lark", "start: x"), "invalid lark grammar"),
     (("lark", "root ::= (x"), "invalid GBNF grammar"),
+    (("lark", ""), "invalid grammar: No 'root' rule found (a Lark grammar starts from a `start:` rule"),
+    (("lark", 'value ::= "a"'), "invalid grammar: No 'root' rule found"),
     (("json", {"type": 7}), "invalid json grammar"),
     (("yaml", "a: 1"), "unknown grammar kind 'yaml'"),
     (("json", "{}"), "a json grammar must be a dict, got str"),

@@ -72,6 +72,9 @@ class GrammarSpec:
                 return LLMatcher.grammar_from_lark(any_to_lark(self.value))
             except GbnfToLarkError as e:
                 raise GrammarError(f"invalid GBNF grammar: {e}") from None
+            except Exception as e:  # noqa: BLE001 - the converter raises a bare Exception for a missing root rule
+                raise GrammarError(f"invalid grammar: {e} (a Lark grammar starts from a `start:` rule, GBNF from "
+                                   "`root ::=`)") from None
         # each choice a Lark string literal (JSON's escapes are Lark's)
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
 
