@@ -977,6 +977,10 @@ def main(argv: list[str] | None = None) -> int:
         # first, so those keep their traceback.
         except (UsageError, WeightsError, ConfigError, ContextError, OSError) as e:
             _say(f"qspec: error: {e}")
+        except torch.OutOfMemoryError as e:  # not a bug: a model, context or batch larger than the GPU
+            first = str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
+            _say(f"qspec: error: the GPU ran out of memory: {first} (a smaller --ctx or --max-batch, or a smaller "
+                 "quantization of the model)")
         except SystemExit as e:  # --help
             return e.code if isinstance(e.code, int) else 0
         except KeyboardInterrupt:

@@ -274,6 +274,19 @@ def test_chat_template_option(models: dict[str, Path], capsys: pytest.CaptureFix
     assert rc == 2 and "cannot read it" in err
 
 
+def test_out_of_gpu_memory_is_one_error_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import qspec.cli as cli
+
+    def too_large(*_a: object, **_k: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nOf the allocated memory ...")
+    monkeypatch.setattr(cli, "load_model", too_large)
+    rc, _, err = run(capsys, "run", "hi", "--model", str(models["gguf"]), *FAST)
+    assert rc == 2 and err.strip().splitlines()[-1] == (
+        "qspec: error: the GPU ran out of memory: CUDA out of memory. Tried to allocate 2.00 GiB. (a smaller --ctx or "
+        "--max-batch, or a smaller quantization of the model)")
+
+
 def test_gguf_and_hf_copies_give_identical_logits(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
                                                   tmp_path: Path) -> None:
     got = {}

@@ -349,6 +349,31 @@ def test_k_mix_file_loads_as_k_blocks(tmp_path: Path) -> None:
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_the_weights_device_bytes_are_known_before_they_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a GGUF loads, its weights' device bytes are counted from the file (blocks as their bytes, the rest at
+    the load's dtype, the n-gram table left on the host): at most what the load then holds, within 5%; a GPU with
+    less free memory is one error naming both sizes."""
+    from qspec.weights import gguf_io
+
+    cfg = tiny_config(mtp=True).with_(hidden=256, expert_ff=256, shared_ff=256)
+    write_model(tmp_path / "k.gguf", cfg, quant="q4_k_m")
+    seen: dict[str, int] = {}
+    monkeypatch.setattr(gguf_io, "check_weights_fit", lambda path, need, device: seen.update(need=need))
+    _, w = read_gguf(tmp_path / "k.gguf")
+    held, ids = 0, set()
+    for v in w.values():
+        if id(v) not in ids and isinstance(v, (QuantWeight, torch.Tensor)):
+            ids.add(id(v))
+            held += v.nbytes if isinstance(v, QuantWeight) else v.numel() * v.element_size()
+    need = seen["need"]
+    assert any(isinstance(v, QuantWeight) for v in w.values()) and need <= held <= 1.05 * need
+    monkeypatch.undo()
+    gguf_io.check_weights_fit(tmp_path / "k.gguf", need, torch.device("cuda"), free=need)
+    with pytest.raises(WeightsError, match=r"k\.gguf: its weights take at least [\d.]+ MiB of GPU memory and "
+                                           r"[\d.]+ MiB is free on cuda"):
+        gguf_io.check_weights_fit(tmp_path / "k.gguf", need, torch.device("cuda"), free=need - 1)
+
+
 def test_progress_goes_to_stderr_when_asked(qfile: tuple[Path, Q], capsys: pytest.CaptureFixture[str]) -> None:
     _, w = read_gguf(qfile[0], progress=True)
     err = capsys.readouterr().err

@@ -313,6 +313,7 @@ def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[in
     `progress`: a tensor/byte count on stderr (None: when stderr is a terminal)."""
     jobs = _resolve(path, {t.name: t for t in reader.tensors}, shapes, ignore_prefix)
     files = {j[1].name: j[1] for j in jobs.values() if j[0] != "alias" and j[1].name != PLE_TABLE}
+    check_weights_fit(path, device_bytes(jobs, dtype, dequantize_all), torch.device(device))
     bar = LoadProgress(len(files), sum(int(t.n_bytes) for t in files.values()), progress)
     out = LoadedWeights()
     fused_cache: dict[str, torch.Tensor | QuantWeight] = {}
@@ -335,6 +336,34 @@ def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[in
     out.host_peak = bar.host_peak
     out.files = len(reader.parts) or 1
     return out
+
+
+def device_bytes(jobs: dict[str, Any], dtype: torch.dtype, dequantize_all: bool) -> int:
+    """The bytes the load jobs put on the device, at least: a matrix kept as its blocks takes its file bytes, any
+    other tensor its elements at `dtype` (the n-gram table stays in host memory; a fused gate_up tensor counts
+    once)."""
+    total, seen = 0, set()
+    for name, job in jobs.items():
+        if job[0] == "alias" or name == PLE_TABLE or job[1].name in seen:
+            continue
+        t, shape = job[1], job[2]
+        seen.add(t.name)
+        packed = not dequantize_all and keep_packed(name) and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES
+        total += int(t.n_bytes) if packed else math.prod(shape) * dtype.itemsize
+    return total
+
+
+def check_weights_fit(path: Path, need: int, device: torch.device, free: int | None = None) -> None:
+    """WeightsError before anything loads when a GPU's free memory (`free`, default asked of the device) is less
+    than the weights need: a file too large for the GPU is one error up front, not an out-of-memory error minutes
+    into the load."""
+    if device.type != "cuda" and free is None:
+        return
+    if free is None:
+        free = torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise WeightsError(f"{path}: its weights take at least {_size(need)} of GPU memory and {_size(free)} is "
+                           f"free on {device}: a smaller quantization of the model, or a GPU with more memory")
 
 
 class LoadedWeights(dict):  # type: ignore[type-arg]
