@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -291,8 +291,17 @@ def _hf_json(
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
 
 
+def _built(make: Callable[[], tokenizers.Tokenizer]) -> tokenizers.Tokenizer:
+    """make(), its failure a ValueError: `tokenizers` raises a bare Exception for a vocabulary or merges that do not
+    agree (a merge naming a token the vocabulary lacks)."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - see above
+        raise ValueError(f"the tokenizer does not build: {e}") from None
+
+
 def _load_hf_json(text: str, added: Sequence[tuple[int, str, bool]]) -> tokenizers.Tokenizer:
-    hf = tokenizers.Tokenizer.from_str(text)
+    hf = _built(lambda: tokenizers.Tokenizer.from_str(text))
     for i, content, _ in added:
         if hf.token_to_id(content) != i:
             raise ValueError(f"added token {content!r} got id {hf.token_to_id(content)}, expected {i}")
@@ -554,7 +563,7 @@ class Tokenizer:
         cls, path: str | os.PathLike[str], config: Mapping[str, Any] | None = None, chat_template: str | None = None
     ) -> Tokenizer:
         """Load an HF tokenizer.json; `config` is an optional tokenizer_config.json dict (eos/bos/pad/template)."""
-        hf = tokenizers.Tokenizer.from_file(str(path))
+        hf = _built(lambda: tokenizers.Tokenizer.from_file(str(path)))
         config = config or {}
 
         def tid(key: str) -> int | None:

@@ -293,6 +293,22 @@ def test_gguf_metadata_missing_key() -> None:
         Tokenizer.from_gguf_metadata({**kv, "tokenizer.ggml.token_type": [1]})
 
 
+def test_merges_that_name_no_token_are_a_value_error(tmp_path: Path) -> None:
+    """A merge whose parts or result the vocabulary lacks (a damaged file): one ValueError naming the token, from GGUF
+    metadata and from an HF tokenizer.json (tokenizers raises a bare Exception)."""
+    kv = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<|endoftext|>"],
+          "tokenizer.ggml.token_type": [1, 1, 1, 3], "tokenizer.ggml.merges": ["a b"]}
+    good = Tokenizer.from_gguf_metadata(kv)
+    assert good.encode("ab") == [2]
+    with pytest.raises(ValueError, match="the tokenizer does not build: .*out of vocabulary"):
+        Tokenizer.from_gguf_metadata({**kv, "tokenizer.ggml.merges": ["a x"]})
+    doc = json.loads(good._hf.to_str())
+    doc["model"]["merges"] = [["a", "x"]]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(doc), encoding="utf-8")
+    with pytest.raises(ValueError, match="the tokenizer does not build: .*out of vocabulary"):
+        Tokenizer.from_hf_file(tmp_path / "tokenizer.json")
+
+
 def test_chat_template(tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi!"}]
     prompt = (
