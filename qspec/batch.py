@@ -46,7 +46,7 @@ from qspec.engine import Engine, Generation, RequestState, accept_on_device, for
 from qspec.kernels.argmax import argmax_rows
 from qspec.memory import caches_that_fit, check_cache_fits, held_bytes
 from qspec.model.model import CacheOptions
-from qspec.runner import Readback, Runner, upload
+from qspec.runner import EAGER_AT_LIMIT, Readback, Runner, upload
 from qspec.spec.accept import Sampler
 from qspec.spec.depth import BatchDraftChoice
 from qspec.spec.logprobs import Logprobs
@@ -352,7 +352,7 @@ class Batcher:
         the host holds. When its rows are all plain greedy (no rules, grammar, log-probabilities or sampling), the
         step that consumes their picks is launched before the host reads them, as the engine's plain decoding does
         (runner.Readback): the read waits for this step only, and the host's work for it overlaps the next."""
-        t0, n, depth = time.perf_counter(), len(self._active), self._depth_now()
+        t0, mark, n, depth = time.perf_counter(), self._first_uses(), len(self._active), self._depth_now()
         if depth and self._ahead is None:
             self._spec_round(depth)
             return
@@ -376,7 +376,7 @@ class Batcher:
             for k, job in enumerate(jobs):
                 self._guarded(job, lambda j, k=k: self._emit(j, logits[k:k + 1], picks.get(k)))
         if not depth:  # (a pass that only reads the step launched ahead, before a round, is not a step's time)
-            self._timed(n, 0, time.perf_counter() - t0)
+            self._timed(n, 0, t0, mark)
 
     def _depth_now(self) -> int:
         """The depth of this pass's step (0: a plain step): the batch's when it always drafts or a job is not greedy
@@ -386,10 +386,20 @@ class Batcher:
             return self.depth
         return self.choice.choose(len(self._active))
 
-    def _timed(self, n: int, depth: int, seconds: float, accepted: Sequence[int] = ()) -> None:
+    def _first_uses(self) -> int:
+        """The batch's steps run eagerly so far for a reason that passes: a shape's first use, or its capture
+        (runner._run); a shape left eager at the graph limit stays so, and its time is the step's."""
+        st = self.runners[0].graph_stats
+        return st.eager - st.eager_reasons.get(EAGER_AT_LIMIT, 0)
+
+    def _timed(self, n: int, depth: int, t0: float, mark: int, accepted: Sequence[int] = ()) -> None:
+        """A pass of n sequences at `depth` that began at t0 (`mark`: _first_uses then): its time, a sample of the
+        depth's unless a shape ran eagerly for the first time or was captured in it (then only its acceptance
+        counts: a capture's seconds would hold a depth back for a cost it paid once)."""
+        seconds = time.perf_counter() - t0
         self.steps.timed((n, depth), seconds)
         if self.choice is not None:
-            self.choice.observe(n, depth, seconds, accepted)
+            self.choice.observe(n, depth, seconds if self._first_uses() == mark else None, accepted)
 
     def _write_head_rows(self, jobs: list[_Job], tokens: torch.Tensor) -> None:
         """Before a plain step in a batch that drafts: the draft heads' K/V cells of the rows it runs (each job's
@@ -457,7 +467,7 @@ class Batcher:
         then after the batched verify step and each job's acceptance on the device (greedy prefix match, or
         speculative sampling), one extend over every sequence's committed rows; one read-back for all of them;
         then each emits its tokens and rolls its caches back to them."""
-        t0 = time.perf_counter()
+        t0, mark = time.perf_counter(), self._first_uses()
         jobs = _by_slot(self._active.values())
         self.rounds += 1
         drafts = self._all_or_none(jobs, lambda: self._draft(jobs, d))
@@ -483,7 +493,7 @@ class Batcher:
             for i, job in enumerate(live):
                 got = read[i * (d + 2):(i + 1) * (d + 2)]
                 self._guarded(job, lambda j, g=got: self._commit(j, g[:d], g[d], g[d + 1], heads[j.slot]))
-        self._timed(len(jobs), d, time.perf_counter() - t0, counts)
+        self._timed(len(jobs), d, t0, mark, counts)
 
     def _refresh_heads(self, jobs: list[_Job]) -> None:
         """The draft head's step over the last emitted token of each job whose head is not current (a new job, or

@@ -116,6 +116,10 @@ class _Graph:
     used: int = 0  # the graphed step (Runner._clock) that last replayed or captured it
 
 
+# GraphStats.eager_reasons' key for a step run eagerly because no graph may be captured (the limit, none stale)
+EAGER_AT_LIMIT = "graph limit reached"
+
+
 @dataclass
 class GraphStats:
     captures: int = 0
@@ -240,7 +244,7 @@ class Runner:
         recurs = self._seen[key] >= 2 or family in self._families
         capture = recurs and self._room_for_a_graph()
         st.eager_reasons[("second use: captured" if self._seen[key] >= 2 else "new KV bucket: captured") if capture
-                         else "first use of a shape" if not recurs else "graph limit reached"] += 1
+                         else "first use of a shape" if not recurs else EAGER_AT_LIMIT] += 1
         # The real step of a capture runs on the graph's own input buffers: the compiled step functions then
         # meet, inside the capture, exactly the tensors (strides, storage offsets, alignment) they were just
         # run with, so nothing recompiles or autotunes there (inductor's autotuning synchronises, which a

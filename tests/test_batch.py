@@ -15,7 +15,7 @@ from conftest import build_model, tiny_config
 from qspec.batch import Batcher
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation, prefill_chunks
 from qspec.model.model import Model, Segment
-from qspec.runner import Runner
+from qspec.runner import EAGER_AT_LIMIT, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.depth import BatchDraftChoice
 from qspec.spec.logprobs import Logprobs
@@ -388,6 +388,38 @@ def test_the_batch_draft_choice_measures_each_depth_at_each_size() -> None:
         BatchDraftChoice(0)
     with pytest.raises(ValueError, match="batch drafting must be one of"):
         Batcher(engine(build_model(tiny_config(), seed=1), draft=1), 1, draft="sometimes")
+
+
+def test_a_pass_that_compiles_or_captures_is_no_sample_of_its_depths_time(tiny_model: Model) -> None:
+    """A pass in which a batch step ran eagerly for a passing reason (a shape's first use, its capture: the lead
+    runner's eager count outside the graph limit's) gives the draft choice its acceptance but not its time; a step
+    eager at the graph limit stays so, and is a sample."""
+    def run(b: Batcher) -> BatchDraftChoice:
+        try:
+            b.generate_all([prompt_of(8 + k, 90 + k) for k in range(3)], 12)
+        finally:
+            b.close()
+        assert b.choice is not None and len(b.choice.hits[0]) > 0  # acceptance counted in any case
+        return b.choice
+    assert sum(map(len, run(Batcher(engine(tiny_model, draft=2), 3)).times.values())) > 0
+    b = Batcher(engine(tiny_model, draft=2), 3)
+    st = b.runners[0].graph_stats
+
+    def first_use(*_a: object) -> torch.Tensor:  # every batch step "eager for the first time"
+        st.eager += 1
+        return real(*_a)
+    real, b.steps.run = b.steps.run, first_use  # type: ignore[method-assign]
+    choice = run(b)
+    assert not choice.times and sum(choice.seen.values()) == 0
+    b = Batcher(engine(tiny_model, draft=2), 3)
+    st = b.runners[0].graph_stats
+
+    def at_limit(*_a: object) -> torch.Tensor:
+        st.eager += 1
+        st.eager_reasons[EAGER_AT_LIMIT] += 1
+        return real(*_a)
+    real, b.steps.run = b.steps.run, at_limit  # type: ignore[method-assign]
+    assert sum(map(len, run(b).times.values())) > 0
 
 
 def test_a_request_handed_over_keeps_its_rounds_counts(tiny_model: Model) -> None:

@@ -420,12 +420,14 @@ class BatchDraftChoice:
         self.seen[(n, other)] = self.skip
         return other
 
-    def observe(self, n: int, depth: int, seconds: float, accepted: Sequence[int] = ()) -> None:
-        """A plain step (depth 0) or round of n sequences took `seconds`; in a round, the sequences accepted
-        `accepted` drafts (each of `depth`)."""
+    def observe(self, n: int, depth: int, seconds: float | None, accepted: Sequence[int] = ()) -> None:
+        """A plain step (depth 0) or round of n sequences took `seconds` (None: no sample of its time, a pass that
+        compiled or captured); in a round, the sequences accepted `accepted` drafts (each of `depth`)."""
         for k in accepted:
             for i in range(depth):
                 self.hits[i].append(k > i)
+        if seconds is None:
+            return
         key = (n, depth)
         self.seen[key] += 1
         if self.seen[key] > self.skip:
