@@ -223,20 +223,23 @@ class Batcher:
     def _alone_ok(self, job: _Job) -> bool:
         """Whether a request alone in the batcher decodes with the engine (its speculative rounds, or its pipelined
         plain steps, which a batch of one does not match: BENCHMARKS.md §9) (`_decode_alone`): when the request is
-        greedy (a sampled one's draws would depend on when another request arrived: the hand-over moves its rounds'
-        boundaries, and a pipelined step may have drawn already), it asks for no log-probabilities (a round
-        stopped midway leaves their queue half read), and the engine's caches hold as much of its prompt as a slot
-        does (a conversation's next turn goes on in the slot that decoded its last, rather than prefilling again)."""
+        greedy, or sampled by an engine that does not draft (a round's draws would depend on when another request
+        arrived: the hand-over moves the rounds' boundaries; plain steps draw one token each, and the engine draws
+        the next only after the host has emitted the last, so the batch goes on from the same draws), it asks for no
+        log-probabilities (a round stopped midway leaves their queue half read), and the engine's caches hold as
+        much of its prompt as a slot does (a conversation's next turn goes on in the slot that decoded its last,
+        rather than prefilling again)."""
         r = job.req
-        if not (job.sampler.greedy and r.logprobs is None and r.prompt_logprobs is None):
+        if not ((job.sampler.greedy or not self.engine.opts.draft) and r.logprobs is None
+                and r.prompt_logprobs is None):
             return False
         return self.engine.cached_prefix(job.prompt) >= self._free_slot(job.prompt, reuse=True)[1]
 
     def _decode_alone(self, job: _Job) -> None:
         """A request alone decodes with the engine (speculative rounds or plain steps, its prefix cache), and keeps
         the speed of `--max-batch 1`. When another request arrives, it yields after its next emitted token: it goes
-        on in the batch, its prompt and output so far prefilled in a slot (greedy, the same tokens: speculation
-        equals plain decoding)."""
+        on in the batch, its prompt and output so far prefilled in a slot (the same tokens: greedy speculation equals
+        plain decoding, and a sampled request's draws go on where the engine's stopped)."""
         req, emitted = job.req, []
         job.t0 = time.perf_counter()
 

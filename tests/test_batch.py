@@ -275,20 +275,25 @@ def test_a_turn_after_a_stop_token_goes_on_from_its_slot(tiny_model: Model) -> N
         b.close()
 
 
-@pytest.mark.parametrize(("draft", "batch_draft"), [(2, "on"), (2, "off"), (0, "off")])
-def test_a_request_alone_decodes_with_the_engine_and_hands_over_when_another_arrives(tiny_model: Model, draft: int,
-                                                                                     batch_draft: str) -> None:
+@pytest.mark.parametrize(("draft", "batch_draft", "temperature"), [(2, "on", 0.0), (2, "off", 0.0), (0, "off", 0.0),
+                                                                   (0, "off", 0.9)])
+def test_a_request_alone_decodes_with_the_engine_and_hands_over_when_another_arrives(
+        tiny_model: Model, draft: int, batch_draft: str, temperature: float) -> None:
     """A greedy request alone decodes with the engine (its speculative rounds with an engine that drafts, its plain
-    steps without); when a second request arrives, the first goes on in the batch after its next token (its prompt
-    and output so far prefilled in a slot). Both outputs are the engine's (greedy speculation equals plain
-    decoding)."""
+    steps without), and so does a sampled one when the engine does not draft; when a second request arrives, the
+    first goes on in the batch after its next token (its prompt and output so far prefilled in a slot). Both
+    outputs are the engine's (greedy speculation equals plain decoding; the sampled draws go on where the engine's
+    stopped)."""
     first, second = prompt_of(10, 40), prompt_of(8, 41)
     plain = engine(tiny_model)
-    want = [plain.generate(first, 30).tokens, plain.generate(second, 12).tokens]
+
+    def sampler() -> Sampler:
+        return Sampler(temperature=temperature, generator=torch.Generator().manual_seed(7))
+    want = [plain.generate(first, 30, sampler=sampler()).tokens, plain.generate(second, 12).tokens]
     b = Batcher(engine(tiny_model, draft=draft), 2, draft=batch_draft)
     try:
         assert b.depth == (2 if batch_draft == "on" else 0)
-        alone = b.generate(first, 30)
+        alone = b.generate(first, 30, sampler=sampler())
         assert alone.tokens == want[0] and (alone.spec.drafted > 0) == (draft > 0)  # the engine's rounds or steps
         assert b.steps.steps == 0  # none of the batch's
         got: dict[str, Generation] = {}
@@ -301,7 +306,7 @@ def test_a_request_alone_decodes_with_the_engine_and_hands_over_when_another_arr
                 other.start()
                 while not b._waiting:
                     time.sleep(0.001)
-        got["first"] = b.generate(first, 30, on_token=arrive)
+        got["first"] = b.generate(first, 30, on_token=arrive, sampler=sampler())
         other.join()
         assert got["first"].tokens == want[0] == seen and got["second"].tokens == want[1]
         assert b.steps.rows > b.steps.steps  # they decoded together
