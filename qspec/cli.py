@@ -881,7 +881,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("prompts", metavar="FILE")
     b.add_argument("--out", metavar="FILE", help="where the JSON lines go (default: stdout)")
     b.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (one user turn)")
-    _add_max_batch(b, 8)
+    _add_max_batch(b, "auto")
     add_arguments(b, SamplingOptions)
     _add_engine_args(b)
     b.set_defaults(func=cmd_batch)
