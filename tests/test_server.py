@@ -512,6 +512,16 @@ def test_a_forced_tool_call_follows_the_tools_schema(served) -> None:  # noqa: A
                 assert name in {t["function"]["name"] for t in offered}
                 if name == "rain":
                     assert set(json.loads(args)) == {"city"} and len(json.loads(args)["city"]) <= 4
+        # parallel_tool_calls false: the grammar holds the reply to one block
+        payload = {"messages": messages, "max_tokens": 200, "tools": tools, "tool_choice": "required",
+                   "parallel_tool_calls": False}
+        msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+        raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(tools, parallel=False)), 200)
+        assert raw.count("<tool_call>") == 1 and call_grammar(tools, parallel=False).startswith("start: block\n")
+        assert [c["function"]["name"] for c in msg["tool_calls"]] == [ToolCallSplit().whole(raw)[1][0]["function"][
+            "name"]]
+        bad = client.post("/v1/chat/completions", json={**payload, "parallel_tool_calls": "no"})
+        assert bad.status_code == 400 and _error_of(bad)["param"] == "parallel_tool_calls"
 
 
 @pytest.mark.parametrize("cut", range(1, 12))
@@ -530,6 +540,12 @@ def test_tool_call_blocks_come_apart_however_the_text_is_cut(cut: int) -> None:
     content += split.flush()
     assert [c["function"] for c in got] == [c["function"] for c in calls]
     assert content.replace("\n", "") == whole.replace("\n", "")
+    # parallel_tool_calls false: the first call, the later ones' blocks dropped (an invalid block stays content)
+    split, content, got = ToolCallSplit(1), "", []
+    for i in range(0, len(text), cut):
+        piece, new = split.push(text[i:i + cut])
+        content, got = content + piece, got + new
+    assert [c["function"]["name"] for c in got] == ["a"] and '"b"' not in content and "not json" in content
 
 
 def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001

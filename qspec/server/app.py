@@ -528,8 +528,9 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     cancelled = threading.Event()  # one for all: the client leaving stops the choice under way and the ones after it
     stops = stop_strings(req.stop)
     tools = isinstance(req, ChatRequest) and req.prompt_tools() is not None
+    most = None if not isinstance(req, ChatRequest) or req.parallel_tool_calls else 1
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids),
-                 split=srv.reasoning_split(req), tools=ToolCallSplit() if tools else None)
+                 split=srv.reasoning_split(req), tools=ToolCallSplit(most) if tools else None)
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}

@@ -311,6 +311,7 @@ class ChatRequest(Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP, strict=True)
     tools: ToolList | None = None  # qspec/server/tools.py
     tool_choice: Any = None
+    parallel_tool_calls: bool = Field(True, strict=True)  # false: one call at most (a forced one's grammar, the reply)
     functions: Any = None
     function_call: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: {"enable_thinking": bool}, the only one there is
@@ -349,7 +350,7 @@ class ChatRequest(Sampling):
     def grammar_spec(self) -> GrammarSpec | None:
         """What the output must match: under a forced tool call, the tools' calls (qspec/server/tools.py)."""
         forced = self.forced_tools()
-        return GrammarSpec("lark", call_grammar(forced)) if forced else super().grammar_spec()
+        return GrammarSpec("lark", call_grammar(forced, self.parallel_tool_calls)) if forced else super().grammar_spec()
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt offers the model, whose calls the reply is parsed for: none with tool_choice

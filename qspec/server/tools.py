@@ -82,14 +82,16 @@ def forced_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[s
     return named
 
 
-def call_grammar(tools: list[dict[str, Any]]) -> str:
+def call_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
     """A Lark grammar (llguidance's, its JSON laid out as json.dumps writes it) of a reply that is one or more
-    `<tool_call>` blocks, each a call of one of `tools` with arguments that match its parameters' schema."""
+    `<tool_call>` blocks (one, not `parallel`), each a call of one of `tools` with arguments that match its
+    parameters' schema."""
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                "arguments": t["function"].get("parameters") or {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
-    return (f'start: block ("\\n" block)*\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n'
+    more = ' ("\\n" block)*' if parallel else ""
+    return (f'start: block{more}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n'
             f"call: %json {json.dumps(schema)}\n")
 
 
@@ -112,10 +114,11 @@ def parse_call(block: str) -> dict[str, Any] | None:
 class ToolCallSplit:
     """One reply's content, piece by piece -> (content, tool calls) pieces."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
         self.held = ""  # text that may begin a block's tag, or (inside) a block's text while it is not closed
         self.inside = False
         self.calls = 0  # tool calls found so far
+        self.most = most  # the calls returned (parallel_tool_calls false: 1); the blocks of later ones are dropped
 
     def push(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
         """The content and the whole tool calls that `piece` adds."""
@@ -138,7 +141,7 @@ class ToolCallSplit:
             call = parse_call(text[:end])
             if call is None:
                 content.append(OPEN + text[:end + len(CLOSE)])
-            else:
+            elif self.most is None or self.calls + len(calls) < self.most:
                 calls.append(call)
             text, self.inside = text[end + len(CLOSE):], False
         self.calls += len(calls)
