@@ -837,9 +837,10 @@ def test_chat_token_limits(served) -> None:  # noqa: ANN001
     assert rest > 16 and body["usage"]["completion_tokens"] > 16
 
 
-def test_models_report_created(served) -> None:  # noqa: ANN001
+def test_models_report_created_and_the_context(served) -> None:  # noqa: ANN001
     model = served[0].get("/v1/models").json()["data"][0]
     assert isinstance(model["created"], int) and model["created"] > 1_600_000_000
+    assert model["max_model_len"] == served[1].opts.capacity == 64
 
 
 # ---- a real server over a socket: connections, disconnects, a busy tokenizer -------------------------------------

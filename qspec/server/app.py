@@ -441,8 +441,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
 
     @app.get("/v1/models")
     async def models() -> dict:
+        # max_model_len as vLLM reports it: the context (--ctx) a prompt and its reply share
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": srv.created,
-                                            "owned_by": "qspec"}]}
+                                            "owned_by": "qspec", "max_model_len": engine.opts.capacity}]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
