@@ -293,18 +293,24 @@ def test_chat_goes_through_the_models_own_template(served) -> None:  # noqa: ANN
     """A model whose template is not qspec's: chat requests render it, and a conversation it refuses (its
     raise_exception) is a 400 with its words, after which the server keeps serving."""
     client, _, tok = served
-    template = ("{% if messages | length > 1 %}{{ raise_exception('this model takes one message') }}{% endif %}"
-                "Q: {{ messages[0].content }}\nA:")
+    template = ("{% if messages | length > 2 %}{{ raise_exception('this model takes one message') }}{% endif %}"
+                "Q: {{ messages[0].content }}\nA:{% if messages | length > 1 %} ({{ messages[1].reasoning_content }})"
+                "{% endif %}")
     tok.use_chat_template(template)
     try:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("Q: hi\nA:",
                                                                                               add_special=True))
-        two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+        two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": "hm"}]
+        r = client.post("/tokenize", json={"messages": two})  # the reply's thinking reaches the template
+        assert r.json()["tokens"] == tok.encode("Q: hi\nA: (hm)", add_special=True)
+        two.append({"role": "user", "content": "and?"})
         err = _error_of(client.post("/v1/chat/completions", json={"messages": two}))
         assert err["message"] == "this model takes one message" and err["param"] == "messages"
         assert client.post("/v1/chat/completions", json={"messages": two[:1], "max_tokens": 1}).status_code == 200
+        bad = client.post("/v1/chat/completions", json={"messages": [{**two[1], "reasoning_content": 3}]})
+        assert bad.status_code == 400
     finally:
         tok.use_chat_template(None)
 

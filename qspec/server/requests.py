@@ -291,6 +291,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls (qspec/server/tools.py)
     tool_call_id: str | None = None  # a tool message's answer to one
+    # an assistant message's thinking, as --reasoning-parser returns it: a model's own template may write it back
+    # (qspec's Qwen format leaves earlier turns' thinking out)
+    reasoning_content: str | None = None
+
+    @field_validator("reasoning_content")
+    @classmethod
+    def _reasoning(cls, text: str | None) -> str | None:
+        return None if text is None else valid_unicode(text)
 
     @field_validator("content")
     @classmethod
