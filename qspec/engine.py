@@ -294,12 +294,19 @@ class Engine:
         """Raise ValueError (ContextError when it does not fit the cache) for a request generate() cannot run,
         before any work: callers that answer for a request (the server) check it up front with the same rules.
         `scoring`: the prompt's log-probabilities are asked for, and max_tokens may be 0 (the prompt alone)."""
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"the prompt must be a list of token ids, got {type(prompt).__name__}"
+                            + (" (tensor.tolist() gives one)" if isinstance(prompt, torch.Tensor) else ""))
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.model.cfg.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        bad = next((t for t in prompt if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
+            if type(bad) is not int:
+                raise TypeError(f"the prompt's token ids must be integers, got {bad!r} ({type(bad).__name__})")
             raise ValueError(f"the prompt has token id {bad}, outside the vocabulary of {vocab}")
+        if type(max_tokens) is not int:
+            raise TypeError(f"max_tokens must be an integer, got {max_tokens!r}")
         if max_tokens < (0 if scoring else 1):
             raise ValueError(f"max_tokens must be >= {0 if scoring else 1}, got {max_tokens}")
         o = self.opts

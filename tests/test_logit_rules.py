@@ -104,6 +104,12 @@ def test_top_k_and_min_p_keep_the_likeliest() -> None:
         Sampler(top_k=-1)
     with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\]"):
         Sampler(min_p=math.nan)
+    for bad in (math.nan, math.inf, -0.5):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            Sampler(temperature=bad)
+    for bad in (0.0, 1.5, math.nan):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            Sampler(temperature=1.0, top_p=bad)
 
 
 def test_top_k_1_samples_the_greedy_tokens(tiny_model: Model) -> None:

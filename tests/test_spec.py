@@ -110,6 +110,15 @@ def test_bad_depth_and_context(tiny_model: Model) -> None:
         eng.generate([1, 512], 4)
     with pytest.raises(ValueError, match="token id -1"):
         eng.check_request([-1], 4)
+    # the Python API's types: a list of ints, an int max_tokens
+    with pytest.raises(TypeError, match=r"must be a list of token ids, got Tensor \(tensor.tolist\(\) gives one\)"):
+        eng.generate(torch.tensor([1, 2]), 4)
+    with pytest.raises(TypeError, match="must be a list of token ids, got str"):
+        eng.generate("hello", 4)
+    with pytest.raises(TypeError, match=r"token ids must be integers, got 1.5 \(float\)"):
+        eng.generate([1, 1.5], 4)
+    with pytest.raises(TypeError, match="max_tokens must be an integer, got True"):
+        eng.generate([1, 2], True)
 
 
 def test_sampling_is_seeded_and_stops(tiny_model: Model) -> None:

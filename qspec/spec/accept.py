@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class Sampler:
         if self.grammar is not None and self.rules is not None and self.rules.min_tokens:
             # the rules would refuse the end tokens that a complete grammar allows alone
             raise ValueError("min_tokens cannot be used with a grammar: the grammar decides where the output ends")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if type(self.top_k) is not int or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
