@@ -669,6 +669,7 @@ def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: 
         assert re.search(rf'qspec:batch_rows_total\{{[^}}]*\}} {steps.rows}\n', text)
         rounds = app.state.server.batcher.rounds  # the engine drafts: the batch's first passes at a size are rounds
         assert rounds > 0 and re.search(rf'qspec:batch_rounds_total\{{[^}}]*\}} {rounds}\n', text)
+        assert re.search(r'qspec:batch_slots\{[^}]*\} 3\n', text)
     # a request's n sampled choices (whole and streamed) decode together, each as the engine samples it alone (its
     # speculative rounds at the same depth, seeded by the request's seed + the choice's index)
     alone = Engine(engine.model, engine.opts)

@@ -436,8 +436,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         b = srv.batcher
-        return PlainTextResponse(srv.metrics.render(None if b is None else (b.steps.steps, b.steps.rows, b.rounds)),
-                                 media_type="text/plain; version=0.0.4")
+        batch = None if b is None else (b.steps.steps, b.steps.rows, b.rounds, b.slots)
+        return PlainTextResponse(srv.metrics.render(batch), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:

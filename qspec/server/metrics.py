@@ -53,9 +53,9 @@ class ServerMetrics:
             self.running += running
             self.rejected += rejected
 
-    def render(self, batch_steps: tuple[int, int, int] | None = None) -> str:
-        """Prometheus' text exposition format; `batch_steps`: a batcher's steps, their rows and its speculative
-        rounds (qspec/batch.py)."""
+    def render(self, batch_steps: tuple[int, int, int, int] | None = None) -> str:
+        """Prometheus' text exposition format; `batch_steps`: a batcher's steps, their rows, its speculative
+        rounds and its slots (qspec/batch.py)."""
         with self._lock:
             lab = f'model_name="{_label(self.model)}"'
             out = _metric("qspec:requests_total", "counter", "requests ended, by the first choice's finish reason",
@@ -78,6 +78,8 @@ class ServerMetrics:
                                [(lab, batch_steps[1])])
                 out += _metric("qspec:batch_rounds_total", "counter", "passes of the batch that were speculative "
                                "rounds (the others were plain steps)", [(lab, batch_steps[2])])
+                out += _metric("qspec:batch_slots", "gauge", "requests the batch decodes at once at most (--max-batch)",
+                               [(lab, batch_steps[3])])
             cum, rows = 0, []
             for b, n in zip((*TTFT_BUCKETS, "+Inf"), self.ttft, strict=True):
                 cum += n
