@@ -18,6 +18,10 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# the variables the renderer sets itself (a request's own variables may not replace them)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception", "strftime_now"})
+
 
 class ChatTemplateError(ValueError):
     """A chat template that does not parse, fails while rendering, or refuses the conversation
@@ -52,10 +56,11 @@ def compiled(source: str) -> jinja2.Template:
 
 def render(source: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
            enable_thinking: bool | None, tools: Sequence[Mapping[str, Any]] | None,
-           special_tokens: Mapping[str, str]) -> str:
+           special_tokens: Mapping[str, str], variables: Mapping[str, Any] | None = None) -> str:
     """The conversation through template `source`. enable_thinking None leaves the variable undefined, as a client
-    that does not set it does; special_tokens (bos_token, eos_token) are variables too, as transformers passes them."""
-    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    that does not set it does; special_tokens (bos_token, eos_token) are variables too, as transformers passes them;
+    `variables`: the caller's own (a request's chat_template_kwargs; none of TEMPLATE_VARIABLES)."""
+    extra = {**(variables or {}), **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}
     try:
         return compiled(source).render(messages=list(messages), tools=list(tools) if tools else None,
                                        add_generation_prompt=add_generation_prompt, **special_tokens, **extra)

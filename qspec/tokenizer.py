@@ -441,6 +441,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Qwen ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then the assistant header.
 
@@ -449,13 +450,16 @@ class Tokenizer:
         consecutive `tool` messages as one user turn of `<tool_response>` blocks. enable_thinking=False appends an
         empty think block (thinking off), True opens `<think>\\n`, None appends nothing. `QWEN_CHAT_TEMPLATE` is the
         same in Jinja. A model whose file carries another template gets that one, rendered in Jinja
-        (qspec/chat_template.py; ChatTemplateError, a ValueError, when it fails or refuses the conversation).
+        (qspec/chat_template.py; ChatTemplateError, a ValueError, when it fails or refuses the conversation), with
+        `variables` of the caller's own; qspec's format has none (ValueError naming one).
         """
+        self.check_template_variables(variables)
         if self.chat_template != QWEN_CHAT_TEMPLATE:
             special = {"bos_token": self.id_to_token(self.bos_id) or "",
                        "eos_token": self.id_to_token(self.eos_id) or ""}
             return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                        enable_thinking=enable_thinking, tools=tools, special_tokens=special)
+                                        enable_thinking=enable_thinking, tools=tools, special_tokens=special,
+                                        variables=variables)
         out: list[str] = []
         if tools:  # the conversation's system message first, if it has one
             system = messages[0] if messages and messages[0].get("role") == "system" else None
@@ -486,6 +490,12 @@ class Tokenizer:
             elif enable_thinking is True:
                 out.append("<think>\n")
         return "".join(out)
+
+    def check_template_variables(self, variables: Mapping[str, Any] | None) -> None:
+        """ValueError when the chat template takes none of `variables` (qspec's own format takes none)."""
+        if variables and self.chat_template == QWEN_CHAT_TEMPLATE:
+            raise ValueError(f"qspec's Qwen chat template takes no variable {next(iter(variables))!r} (only "
+                             "enable_thinking; a model's own template may)")
 
     def use_chat_template(self, source: str | None) -> None:
         """Chat through Jinja template `source` from now on (None: qspec's own Qwen format), parsed now

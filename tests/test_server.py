@@ -294,14 +294,17 @@ def test_chat_goes_through_the_models_own_template(served) -> None:  # noqa: ANN
     raise_exception) is a 400 with its words, after which the server keeps serving."""
     client, _, tok = served
     template = ("{% if messages | length > 2 %}{{ raise_exception('this model takes one message') }}{% endif %}"
-                "Q: {{ messages[0].content }}\nA:{% if messages | length > 1 %} ({{ messages[1].reasoning_content }})"
-                "{% endif %}")
+                "{{ greeting | default('') }}Q: {{ messages[0].content }}\nA:{% if messages | length > 1 %} "
+                "({{ messages[1].reasoning_content }}){% endif %}")
     tok.use_chat_template(template)
     try:
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                       "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(tok.encode("Q: hi\nA:",
                                                                                               add_special=True))
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                      "chat_template_kwargs": {"greeting": "Hello. "}})
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("Hello. Q: hi\nA:", add_special=True))
         two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": "hm"}]
         r = client.post("/tokenize", json={"messages": two})  # the reply's thinking reaches the template
         assert r.json()["tokens"] == tok.encode("Q: hi\nA: (hm)", add_special=True)
@@ -574,7 +577,11 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
             assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
             assert "".join(d.get("content", "") for d in deltas) == answer
         r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"tools": 1}})
-        assert r.status_code == 400 and "only enable_thinking" in _error_of(r)["message"]
+        assert r.status_code == 400 and "'tools' is set by the server" in _error_of(r)["message"]
+        r = client.post("/v1/chat/completions", json={"messages": messages, "chat_template_kwargs": {"x": 1}})
+        err = _error_of(r)  # qspec's own template has no variables to set
+        assert "takes no variable 'x' (only enable_thinking" in err["message"]
+        assert err["param"] == "chat_template_kwargs"
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
         create_app(engine, tok, "tiny", reasoning_parser="deepseek")
 

@@ -233,12 +233,16 @@ class CompletionServer:
                              "model", "model_not_found")
 
     def chat_text(self, messages: list[ChatMessage], enable_thinking: bool | None = None,
-                  tools: list[dict] | None = None) -> str:
-        """A conversation through the chat template, offering `tools` (a 400 naming `messages` when the template
-        refuses it)."""
+                  tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
+        """A conversation through the chat template, offering `tools`, with a request's own template `variables`
+        (a 400 naming `messages` when the template refuses it, `chat_template_kwargs` when it takes no variables)."""
+        try:
+            self.tok.check_template_variables(variables)
+        except ValueError as e:
+            raise BadRequest(str(e), param="chat_template_kwargs") from None
         try:
             return self.tok.apply_chat_template([m.model_dump() for m in messages], enable_thinking=enable_thinking,
-                                                tools=tools)
+                                                tools=tools, variables=variables)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
 
@@ -477,7 +481,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
         def prompt() -> tuple[list[int], int]:
-            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking(), req.prompt_tools()))
+            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(),
+                                                       req.template_variables()))
             srv.grammar(req)  # compiles (a 400 when it does not)
             return out
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from qspec.chat_template import TEMPLATE_VARIABLES
 from qspec.server.tools import call_grammar, check_tool_choice, check_tools, forced_tools
 from qspec.spec.grammar import GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
@@ -322,14 +323,15 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool = Field(True, strict=True)  # false: one call at most (a forced one's grammar, the reply)
     functions: Any = None
     function_call: Any = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: {"enable_thinking": bool}, the only one there is
+    # vLLM's: {"enable_thinking": bool}, and for a model's own template (qspec/chat_template.py) its other variables
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, kw: dict[str, Any] | None) -> dict[str, Any] | None:
-        bad = next((k for k in kw or {} if k != "enable_thinking"), None)
+        bad = next((k for k in kw or {} if k in TEMPLATE_VARIABLES), None)
         if bad is not None:
-            raise ValueError(f"the chat template takes only enable_thinking, got {bad!r}")
+            raise ValueError(f"{bad!r} is set by the server, not by chat_template_kwargs")
         if not isinstance((kw or {}).get("enable_thinking", False), bool | None):
             raise ValueError(f"enable_thinking must be true or false, got {kw['enable_thinking']!r}")  # type: ignore
         return kw
@@ -368,6 +370,10 @@ class ChatRequest(Sampling):
     def enable_thinking(self) -> bool | None:
         """True opens the reply's think block in the prompt, False closes an empty one there, None: neither."""
         return (self.chat_template_kwargs or {}).get("enable_thinking")
+
+    def template_variables(self) -> dict[str, Any]:
+        """chat_template_kwargs but enable_thinking: variables for a model's own template."""
+        return {k: v for k, v in (self.chat_template_kwargs or {}).items() if k != "enable_thinking"}
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatRequest:
