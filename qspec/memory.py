@@ -104,6 +104,12 @@ def available_bytes(dev: torch.device) -> int:
     return available_host_bytes()
 
 
+def free_bytes(model: Model) -> tuple[int, int]:
+    """(device, host) bytes free for new allocations where the model's caches go (on a CPU model, the host twice)."""
+    host = available_bytes(torch.device("cpu"))
+    return (available_bytes(model.device) if model.device.type == "cuda" else host, host)
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
@@ -113,8 +119,7 @@ def caches_that_fit(model: Model, opts: CacheOptions, most: int, available: tupl
     host) free bytes, default asked of the system), measured at every capacity: a batch's slots chosen by memory."""
     need_dev, need_host = footprint(model, opts).bytes(opts.capacity)
     if available is None:
-        host = available_bytes(torch.device("cpu"))
-        available = (available_bytes(model.device) if model.device.type == "cuda" else host, host)
+        available = free_bytes(model)
     n = most
     for need, free in ((need_dev, available[0]), (need_host, available[1])):
         if need > 0:
@@ -138,8 +143,7 @@ def check_cache_fits(model: Model, opts: CacheOptions, available: tuple[int, int
         fp = replace(fp, device_fixed=fp.device_fixed + reserve)
     need_dev, need_host = fp.bytes(opts.capacity)
     if available is None:
-        host = available_bytes(torch.device("cpu"))
-        available = (available_bytes(model.device) if model.device.type == "cuda" else host, host)
+        available = free_bytes(model)
     budget_dev, budget_host = (BUDGET * a for a in available)
     if need_dev <= budget_dev and need_host <= budget_host:
         return

@@ -215,6 +215,11 @@ def _drop_pages(a: np.ndarray) -> None:
     mm.madvise(mmap.MADV_DONTNEED, lo, start + a.nbytes - lo)
 
 
+def _as_blocks(t: Any, shape: tuple[int, ...], packed: bool) -> bool:
+    """Whether file tensor t (of `shape`) loads as its blocks: `packed` asked, a matrix, a type in PACKED_QTYPES."""
+    return packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES
+
+
 def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype,
                  packed: bool) -> torch.Tensor | QuantWeight:
     """One file tensor on `device`: as its blocks (`packed` and a type in PACKED_QTYPES) or expanded to `dtype`.
@@ -223,7 +228,7 @@ def _materialize(t: Any, shape: tuple[int, ...], device: torch.device | str, dty
     largest tensor, never the file)."""
     raw = np.array(np.asarray(t.data).reshape(-1).view(np.uint8))  # the one host copy
     _drop_pages(t.data)
-    if packed and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES:
+    if _as_blocks(t, shape, packed):
         # shaped before torch sees it: a tensor of its own shape (not a view), so nothing is copied again, on the
         # device or (blocks on the CPU) by from_blocks
         blocks = torch.from_numpy(raw.reshape(*shape[:-1], row_bytes(t.tensor_type, shape[-1])))
@@ -348,8 +353,8 @@ def device_bytes(jobs: dict[str, Any], dtype: torch.dtype, dequantize_all: bool)
             continue
         t, shape = job[1], job[2]
         seen.add(t.name)
-        packed = not dequantize_all and keep_packed(name) and len(shape) >= 2 and t.tensor_type in PACKED_QTYPES
-        total += int(t.n_bytes) if packed else math.prod(shape) * dtype.itemsize
+        blocks = _as_blocks(t, shape, not dequantize_all and keep_packed(name))
+        total += int(t.n_bytes) if blocks else math.prod(shape) * dtype.itemsize
     return total
 
 
@@ -357,9 +362,9 @@ def check_weights_fit(path: Path, need: int, device: torch.device, free: int | N
     """WeightsError before anything loads when a GPU's free memory (`free`, default asked of the device) is less
     than the weights need: a file too large for the GPU is one error up front, not an out-of-memory error minutes
     into the load."""
-    if device.type != "cuda" and free is None:
-        return
     if free is None:
+        if device.type != "cuda":
+            return
         free = torch.cuda.mem_get_info(device)[0]
     if need > free:
         raise WeightsError(f"{path}: its weights take at least {_size(need)} of GPU memory and {_size(free)} is "
