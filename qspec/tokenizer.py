@@ -64,6 +64,18 @@ QWEN_TEXT_TOKENS = frozenset(
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
+TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}\n</tool_call>")
+
+
+def _jinja_text(text: str) -> str:
+    """`text` as a Jinja string literal (single-quoted; the template's own escapes)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace('"', '\\"').replace("\n", "\\n") + "'"
+
+
 # The same format as `Tokenizer.apply_chat_template`, for HF dirs and GGUF files (tests check they agree).
 QWEN_CHAT_TEMPLATE = (
     "{%- if tools %}"
@@ -71,12 +83,9 @@ QWEN_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' %}"
     "{{- (messages[0].content if messages[0].content is string else '') + '\\n\\n' }}"
     "{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
-    "function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{{- " + _jinja_text(TOOLS_INTRO) + " }}"
     "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
-    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- " + _jinja_text(TOOLS_OUTRO + "<|im_end|>\n") + " }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}"
@@ -111,13 +120,6 @@ QWEN_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endif %}"
 )
-
-TOOLS_INTRO = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-TOOLS_OUTRO = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-               "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-               "<args-json-object>}\n</tool_call>")
-
 
 def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
     """The system turn's tools section: each tool's JSON signature on a line of its own (JSON as Jinja's `tojson`
