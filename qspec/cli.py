@@ -59,6 +59,7 @@ from qspec.options import (
 )
 from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
+from qspec.server.call_formats import CALL_FORMATS
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
 from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
@@ -641,6 +642,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
          "/tokenize, /detokenize; GET /v1/models, /health, /metrics)")
     app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
+                     tool_call_parser=a.tool_call_parser,
                      api_key=a.api_key or os.environ.get("QSPEC_API_KEY"), batcher=batcher)
     serve(app, a.host, a.port, sock=sock)
     return 0
@@ -898,6 +900,9 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
                     "$QSPEC_API_KEY, else none)")
     sv.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                     help="chat replies' <think> blocks come back apart, as the message's reasoning_content")
+    sv.add_argument("--tool-call-parser", choices=list(CALL_FORMATS), default=None,
+                    help="how replies write tool calls: hermes (Qwen's JSON) or qwen3_coder (<function=...> tags); "
+                    "default: the one the chat template asks for")
     _on_off(sv, "--no-warmup", "warmup", "skip the short generation at startup that compiles the steps and "
             "captures their graphs before the first request")
     _add_engine_args(sv)

@@ -25,7 +25,8 @@ from qspec.cli import AUTO_MAX_BATCH, main  # noqa: E402
 from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
-from qspec.server.tools import ToolCallSplit  # noqa: E402
+from qspec.server.call_formats import HermesCalls  # noqa: E402
+from qspec.server.tools import ToolCallSplit, merged_calls  # noqa: E402
 from qspec.spec.accept import Sampler  # noqa: E402
 from qspec.spec.grammar import GrammarCompiler, GrammarSpec  # noqa: E402
 from qspec.spec.logit_rules import LogitRules  # noqa: E402
@@ -462,7 +463,10 @@ def test_tool_calls_come_apart(served) -> None:  # noqa: ANN001
         deltas = [c["delta"] for c in chunks]
         assert "".join(d.get("content", "") for d in deltas).strip() == "so"
         streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-        assert [c["index"] for c in streamed] == [0] and streamed[0]["function"] == calls[0]["function"]
+        # the call's id and name first, then its arguments as they are written
+        assert {c["index"] for c in streamed} == {0} and len(streamed) > 1 and streamed[0]["id"].startswith("call_")
+        assert streamed[0]["function"]["name"] == "weather" and all("id" not in c for c in streamed[1:])
+        assert [c["function"] for c in merged_calls(streamed)] == [calls[0]["function"]]
         assert chunks[-1]["finish_reason"] == "tool_calls"
         # tool_choice none: the prompt offers no tools, and a reply is text
         text = client.post("/v1/chat/completions", json=payload | {"tool_choice": "none"}).json()["choices"][0]
@@ -514,7 +518,7 @@ def test_a_forced_tool_call_follows_the_tools_schema(served) -> None:  # noqa: A
         for choice, offered in (({"type": "function", "function": {"name": "rain"}}, tools[1:]), ("required", tools)):
             payload = {"messages": messages, "max_tokens": 200, "tools": tools, "tool_choice": choice}
             msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
-            raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(offered)), 200)
+            raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(HermesCalls(), offered)), 200)
             want = [(c["function"]["name"], c["function"]["arguments"]) for c in ToolCallSplit().whole(raw)[1]]
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == want and want
             for name, args in want:
@@ -525,35 +529,41 @@ def test_a_forced_tool_call_follows_the_tools_schema(served) -> None:  # noqa: A
         payload = {"messages": messages, "max_tokens": 200, "tools": tools, "tool_choice": "required",
                    "parallel_tool_calls": False}
         msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
-        raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(tools, parallel=False)), 200)
-        assert raw.count("<tool_call>") == 1 and call_grammar(tools, parallel=False).startswith("start: block\n")
+        one = call_grammar(HermesCalls(), tools, parallel=False)
+        raw = _constrained(engine, tok, ids, GrammarSpec("lark", one), 200)
+        assert raw.count("<tool_call>") == 1 and one.startswith("start: block\n")
         assert [c["function"]["name"] for c in msg["tool_calls"]] == [ToolCallSplit().whole(raw)[1][0]["function"][
             "name"]]
         bad = client.post("/v1/chat/completions", json={**payload, "parallel_tool_calls": "no"})
         assert bad.status_code == 400 and _error_of(bad)["param"] == "parallel_tool_calls"
 
 
+def _split_in_pieces(split: ToolCallSplit, text: str, cut: int) -> tuple[str, list[dict]]:
+    """A reply pushed `cut` characters at a time -> (its content, its whole calls from the deltas)."""
+    content, deltas = "", []
+    for i in range(0, len(text), cut):
+        piece, new = split.push(text[i:i + cut])
+        content, deltas = content + piece, deltas + new
+    rest, more = split.flush()
+    return content + rest, merged_calls(deltas + more)
+
+
 @pytest.mark.parametrize("cut", range(1, 12))
 def test_tool_call_blocks_come_apart_however_the_text_is_cut(cut: int) -> None:
     """ToolCallSplit: the same content and calls for a reply whole and in pieces cut anywhere; a block that is not a
-    call stays content, and so does a block never closed."""
+    call stays content, and so does a block never closed that names no call."""
     text = ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\nnot json\n'
-            '</tool_call>\n<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call><tool_call>{"name": "c"')
+            '</tool_call>\n<tool_call>\n{"arguments": {"y": [2, "}"]}, "name": "b"}\n</tool_call>'
+            '<tool_call>{"name": "c"')
     whole, calls = ToolCallSplit().whole(text)
-    assert [c["function"] for c in calls] == [{"name": "a", "arguments": '{"x": 1}'}, {"name": "b", "arguments": "{}"}]
+    assert [c["function"] for c in calls] == [{"name": "a", "arguments": '{"x": 1}'},
+                                              {"name": "b", "arguments": '{"y": [2, "}"]}'}]
     assert whole == 'Let me look.\n\n<tool_call>\nnot json\n</tool_call>\n<tool_call>{"name": "c"'
-    split, content, got = ToolCallSplit(), "", []
-    for i in range(0, len(text), cut):
-        piece, new = split.push(text[i:i + cut])
-        content, got = content + piece, got + new
-    content += split.flush()
+    content, got = _split_in_pieces(ToolCallSplit(), text, cut)
     assert [c["function"] for c in got] == [c["function"] for c in calls]
     assert content.replace("\n", "") == whole.replace("\n", "")
     # parallel_tool_calls false: the first call, the later ones' blocks dropped (an invalid block stays content)
-    split, content, got = ToolCallSplit(1), "", []
-    for i in range(0, len(text), cut):
-        piece, new = split.push(text[i:i + cut])
-        content, got = content + piece, got + new
+    content, got = _split_in_pieces(ToolCallSplit(most=1), text, cut)
     assert [c["function"]["name"] for c in got] == ["a"] and '"b"' not in content and "not json" in content
 
 

@@ -38,6 +38,7 @@ from qspec.batch import Batcher
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
+from qspec.server.call_formats import CALL_FORMATS, CallFormat, call_format, template_call_format
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
 from qspec.server.reasoning import CLOSE, OPEN, REASONING_PARSERS, ReasoningSplit
@@ -50,7 +51,7 @@ from qspec.server.requests import (
     TokenizeRequest,
     stop_strings,
 )
-from qspec.server.tools import ToolCallSplit
+from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError
 from qspec.spec.logit_rules import LogitRules
@@ -132,8 +133,8 @@ class _Run:
         return reasoning, *self.tools.whole(text)
 
     def piece_parts(self, piece: str | None) -> tuple[str, str, list[dict]]:
-        """A streamed piece's (reasoning, text, tool calls, each with its index in the reply), or (piece None) what
-        the splits held at the choice's end."""
+        """A streamed piece's (reasoning, text, tool call deltas, each with its call's index in the reply), or (piece
+        None) what the splits held at the choice's end."""
         if self.split is None:
             reasoning, text = "", piece or ""
         else:
@@ -142,9 +143,9 @@ class _Run:
             return reasoning, text, []
         text, calls = self.tools.push(text)
         if piece is None:
-            text += self.tools.flush()
-        first = self.tools.calls - len(calls)
-        return reasoning, text, [{"index": first + k} | c for k, c in enumerate(calls)]
+            rest, more = self.tools.flush()
+            text, calls = text + rest, calls + more
+        return reasoning, text, calls
 
     def finish_reason(self) -> str:
         """How the choice ended: "tool_calls" when it stopped after calling a tool, else stop, length, ..."""
@@ -176,9 +177,12 @@ class _Run:
 
 class CompletionServer:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int,
-                 reasoning_parser: str | None = None, batcher: Batcher | None = None) -> None:
+                 reasoning_parser: str | None = None, batcher: Batcher | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, max_waiting
         self.reasoning_parser = reasoning_parser
+        # how replies write tool calls: as the chat template asks, unless told
+        self.tool_call_parser = tool_call_parser or template_call_format(tokenizer.chat_template)
         # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
         self.batcher = batcher
         self.lock = asyncio.Semaphore(1 if batcher is None else batcher.slots)
@@ -190,7 +194,7 @@ class CompletionServer:
     def grammar(self, req: Sampling) -> Grammar | None:
         """Blocking: the request's grammar at the start of its output, or None; a 400 naming the field when it does
         not compile."""
-        spec = req.grammar_spec()
+        spec = req.grammar_spec(self.call_format(req))
         if spec is None:
             return None
         with self._grammars_lock:
@@ -212,6 +216,10 @@ class CompletionServer:
         if open_id is None or close_id is None:
             return g
         return AfterThinking(g, open_id, close_id, ids)
+
+    def call_format(self, req: Sampling) -> CallFormat:
+        """How the request's reply writes its tool calls (qspec/server/call_formats.py)."""
+        return call_format(self.tool_call_parser, getattr(req, "tools", None))
 
     def admit(self) -> None:
         """A 503 when the engine is busy and `max_waiting` requests already wait for it (the client may retry)."""
@@ -241,8 +249,8 @@ class CompletionServer:
         except ValueError as e:
             raise BadRequest(str(e), param="chat_template_kwargs") from None
         try:
-            return self.tok.apply_chat_template([m.model_dump() for m in messages], enable_thinking=enable_thinking,
-                                                tools=tools, variables=variables)
+            return self.tok.apply_chat_template([calls_as_mappings(m.model_dump()) for m in messages],
+                                                enable_thinking=enable_thinking, tools=tools, variables=variables)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
 
@@ -415,17 +423,20 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
                max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING,
-               reasoning_parser: str | None = None, api_key: str | None = None, batcher: Batcher | None = None
-               ) -> FastAPI:
+               reasoning_parser: str | None = None, api_key: str | None = None, batcher: Batcher | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
     `batcher` (over `engine`): up to its slots' requests decode together (qspec/batch.py) instead of one at a time;
     `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
+    `tool_call_parser` (CALL_FORMATS; None: the one the chat template asks for): how replies write tool calls;
     `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>`."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+    if tool_call_parser not in (None, *CALL_FORMATS):
+        raise ValueError(f"tool_call_parser must be one of {CALL_FORMATS}, got {tool_call_parser!r}")
     if batcher is not None and batcher.engine is not engine:
         raise ValueError("the batcher must decode with the served engine")
-    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser, batcher)
+    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser, batcher, tool_call_parser)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
@@ -536,7 +547,7 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     tools = isinstance(req, ChatRequest) and req.prompt_tools() is not None
     most = None if not isinstance(req, ChatRequest) or req.parallel_tool_calls else 1
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids),
-                 split=srv.reasoning_split(req), tools=ToolCallSplit(most) if tools else None)
+                 split=srv.reasoning_split(req), tools=ToolCallSplit(srv.call_format(req), most) if tools else None)
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}

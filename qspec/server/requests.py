@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, fi
 from pydantic_core import PydanticCustomError
 
 from qspec.chat_template import TEMPLATE_VARIABLES
+from qspec.server.call_formats import CallFormat, HermesCalls
 from qspec.server.tools import call_grammar, check_tool_choice, check_tools, forced_tools
 from qspec.spec.grammar import GrammarError, GrammarSpec, check_grammar
 from qspec.spec.logit_rules import MAX_PENALTY, LogitRules
@@ -120,8 +121,9 @@ class Sampling(BaseModel):
         """The fields that ask for structured output (one at most, once validated)."""
         return [f for f in _GRAMMAR_FIELDS if getattr(self, f) not in (None, {"type": "text"})]
 
-    def grammar_spec(self) -> GrammarSpec | None:
-        """What the output must match (qspec/spec/grammar.py), or None (free text)."""
+    def grammar_spec(self, calls: CallFormat | None = None) -> GrammarSpec | None:
+        """What the output must match (qspec/spec/grammar.py), or None (free text); `calls`: the format of a chat
+        reply's tool calls."""
         given = self.grammar_fields()
         return _grammar_of(given[0], getattr(self, given[0])) if given else None
 
@@ -357,10 +359,13 @@ class ChatRequest(Sampling):
         """The fields that ask for structured output, tool_choice among them where it forces a call."""
         return super().grammar_fields() + (["tool_choice"] if self.forced_tools() else [])
 
-    def grammar_spec(self) -> GrammarSpec | None:
-        """What the output must match: under a forced tool call, the tools' calls (qspec/server/tools.py)."""
+    def grammar_spec(self, calls: CallFormat | None = None) -> GrammarSpec | None:
+        """What the output must match: under a forced tool call, the tools' calls in the format `calls` (hermes
+        unless given; qspec/server/tools.py)."""
         forced = self.forced_tools()
-        return GrammarSpec("lark", call_grammar(forced, self.parallel_tool_calls)) if forced else super().grammar_spec()
+        if not forced:
+            return super().grammar_spec()
+        return GrammarSpec("lark", call_grammar(calls or HermesCalls(), forced, self.parallel_tool_calls))
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt offers the model, whose calls the reply is parsed for: none with tool_choice

@@ -1,19 +1,22 @@
 """Tool calls in chat replies (OpenAI's `tools`): the request's tools go into the prompt through the chat template
-(Tokenizer.apply_chat_template), and the model calls one by writing, in Qwen's format,
+(Tokenizer.apply_chat_template), and the model calls one by writing a `<tool_call>` block in the format its
+template asks for (qspec/server/call_formats.py: Qwen's JSON, "hermes", or Qwen3-Coder's tags, "qwen3_coder"):
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 Each such block of the reply becomes an entry of the message's `tool_calls` (arguments as JSON text, as OpenAI
-returns them) and leaves its content; a reply with a call finishes with "tool_calls". A block that is not a JSON
-object with a string name and object arguments stays in the content as the model wrote it, as vLLM's hermes parser
-keeps it. `tool_choice` "auto" (the default with tools) parses the calls, "none" leaves the reply as text (the
-prompt offers no tools), and "required" or a named function forces a call: the reply is held to a grammar of
-`<tool_call>` blocks whose JSON calls one of those tools with arguments that match its parameters' schema.
+returns them) and leaves its content; a reply with a call finishes with "tool_calls". A block in which the format
+finds no call stays in the content as the model wrote it, as vLLM's parsers keep it. `tool_choice` "auto" (the
+default with tools) parses the calls, "none" leaves the reply as text (the prompt offers no tools), and "required" or
+a named function forces a call: the reply is held to a grammar of `<tool_call>` blocks that call one of those tools
+with arguments that match its parameters' schema.
 
 Streamed text arrives in pieces that may cut a tag anywhere, so a piece's end that could begin `<tool_call>` is held
-back until the next piece tells, and a block's text is held until it closes: a call is sent whole, in one delta.
+back until the next piece tells. A call is streamed as OpenAI streams one: a first delta with its id and name once the
+block names the function, then its arguments' text as it grows (call_formats.py says when text is final); a block
+that names no function is held until it closes.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import re
 import uuid
 from typing import Any
 
+from qspec.server.call_formats import CallFormat, HermesCalls
 from qspec.server.reasoning import tag_start
-from qspec.spec.grammar import JSON_LAYOUT
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CHOICES = ("auto", "none", "required")
@@ -82,48 +85,32 @@ def forced_tools(tools: list[dict[str, Any]] | None, choice: Any) -> list[dict[s
     return named
 
 
-def call_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
-    """A Lark grammar (llguidance's, its JSON laid out as json.dumps writes it) of a reply that is one or more
-    `<tool_call>` blocks (one, not `parallel`), each a call of one of `tools` with arguments that match its
-    parameters' schema."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "arguments": t["function"].get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = {"x-guidance": JSON_LAYOUT, "anyOf": calls}
+def call_grammar(fmt: CallFormat, tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    """A Lark grammar (llguidance's) of a reply that is one or more `<tool_call>` blocks (one, not `parallel`), each
+    a call of one of `tools` in the format `fmt`, with arguments that match its parameters' schema."""
     more = ' ("\\n" block)*' if parallel else ""
-    return (f'start: block{more}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n'
-            f"call: %json {json.dumps(schema)}\n")
-
-
-def parse_call(block: str) -> dict[str, Any] | None:
-    """A `<tool_call>` block's text -> OpenAI's tool call (a fresh id; arguments as JSON text), None when it is not a
-    JSON object with a string name and object arguments."""
-    try:
-        obj = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, dict):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return f'start: block{more}\nblock: "{OPEN}\\n" call "\\n{CLOSE}"\n' + fmt.grammar(tools)
 
 
 class ToolCallSplit:
-    """One reply's content, piece by piece -> (content, tool calls) pieces."""
+    """One reply's content, piece by piece -> (content, tool call deltas) pieces.
 
-    def __init__(self, most: int | None = None) -> None:
-        self.held = ""  # text that may begin a block's tag, or (inside) a block's text while it is not closed
+    Invariant: the deltas of a call, their `arguments` joined, are the call whole, whatever the pieces were."""
+
+    def __init__(self, fmt: CallFormat | None = None, most: int | None = None) -> None:
+        self.fmt = fmt or HermesCalls()
+        self.held = ""  # text that may begin a block's tag, or (inside) the open block's text
         self.inside = False
-        self.calls = 0  # tool calls found so far
+        self.calls = 0  # tool calls found so far (announced, or whole)
         self.most = most  # the calls returned (parallel_tool_calls false: 1); the blocks of later ones are dropped
+        self.sent: int | None = None  # the open block's call: characters of its arguments sent (None: no call yet)
+        self.dropped = False  # the open block's call is past `most`
 
     def push(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
-        """The content and the whole tool calls that `piece` adds."""
+        """The content and the tool call deltas that `piece` adds."""
         text, self.held = self.held + piece, ""
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[dict[str, Any]] = []
         while text:
             if not self.inside:
                 start = text.find(OPEN)
@@ -136,30 +123,84 @@ class ToolCallSplit:
                 text, self.inside = text[start + len(OPEN):], True
             end = text.find(CLOSE)
             if end < 0:
-                self.held = text  # the block's text so far, until it closes (or the reply ends: then it is content)
+                self.held = text  # the block's text so far, until it closes (or the reply ends)
+                deltas += self._block_deltas(text, closed=False)
                 break
-            call = parse_call(text[:end])
-            if call is None:
+            new = self._block_deltas(text[:end], closed=True)
+            if self.sent is None and not new and not self.dropped:  # no call in it: the block as the model wrote it
                 content.append(OPEN + text[:end + len(CLOSE)])
-            elif self.most is None or self.calls + len(calls) < self.most:
-                calls.append(call)
-            text, self.inside = text[end + len(CLOSE):], False
-        self.calls += len(calls)
-        return _between_calls("".join(content), bool(self.calls)), calls
+            deltas += new
+            text, self.inside, self.sent, self.dropped = text[end + len(CLOSE):], False, None, False
+        return _between_calls("".join(content), bool(self.calls)), deltas
 
-    def flush(self) -> str:
-        """What is held at the reply's end (a tag's start, or a block never closed), as content."""
-        held = (OPEN if self.inside else "") + self.held
+    def flush(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is held at the reply's end: a tag's start, or a block never closed, as content, unless the block
+        named a call: then the rest of that call's arguments."""
+        held, inside = self.held, self.inside
         self.held, self.inside = "", False
-        return held
+        if not inside:
+            return held, []
+        deltas = self._block_deltas(held, closed=True)
+        named = self.sent is not None or self.dropped
+        self.sent, self.dropped = None, False
+        return ("" if named else OPEN + held), deltas
 
     def whole(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """A whole reply -> (content, tool calls)."""
-        content, calls = self.push(text)
-        return (content + self.flush()).strip() if calls else content + self.flush(), calls
+        content, deltas = self.push(text)
+        rest, more = self.flush()
+        calls = merged_calls(deltas + more)
+        return ((content + rest).strip() if calls else content + rest), calls
+
+    def _block_deltas(self, text: str, closed: bool) -> list[dict[str, Any]]:
+        """The open block's call deltas that its text so far adds: the call's first (id, name and the arguments so
+        far), then its arguments' new text."""
+        if self.dropped:
+            return []
+        call = self.fmt.read(text, closed)
+        if call is None:
+            return []
+        if self.sent is None:
+            if self.most is not None and self.calls >= self.most:
+                self.dropped = True
+                return []
+            self.calls, self.sent = self.calls + 1, len(call.arguments)
+            return [{"index": self.calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}}]
+        new, self.sent = call.arguments[self.sent:], len(call.arguments)
+        return [{"index": self.calls - 1, "function": {"arguments": new}}] if new else []
+
+
+def calls_as_mappings(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for a chat template: its tool calls' arguments, which OpenAI's clients send as JSON text, as the
+    mapping that templates iterate (Qwen3-Coder's `arguments|items`; transformers documents them so, and vLLM passes
+    them so); text that is not a JSON object stays text, for the template to take or refuse."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        out.append(call | {"function": fn | {"arguments": parsed}} if isinstance(parsed, dict) else call)
+    return message | {"tool_calls": out}
+
+
+def merged_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool call deltas -> the whole calls (OpenAI's message `tool_calls`), their arguments joined."""
+    calls: list[dict[str, Any]] = []
+    for d in deltas:
+        if "id" in d:
+            calls.append({"id": d["id"], "type": d["type"], "function": dict(d["function"])})
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return calls
 
 
 def _between_calls(content: str, after_a_call: bool) -> str:
     """Content after a call: the newlines the model writes between blocks are not content."""
     return content.strip("\n") if after_a_call and not content.strip() else content
-
