@@ -3,6 +3,7 @@ returns, streams the same text, honours stop strings, and answers bad requests w
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import re
@@ -536,6 +537,84 @@ def test_a_forced_tool_call_follows_the_tools_schema(served) -> None:  # noqa: A
             "name"]]
         bad = client.post("/v1/chat/completions", json={**payload, "parallel_tool_calls": "no"})
         assert bad.status_code == 400 and _error_of(bad)["param"] == "parallel_tool_calls"
+
+
+# Tool calls as Qwen3-Coder's templates (and Qwen3.5's after them) ask for them: <function=...> tags, a history's
+# calls rendered from their arguments' mapping (`arguments|items`).
+XML_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for t in tools %}
+{{ t | tojson }}{% endfor %}
+</tools>
+Call a function in this format:
+<tool_call>
+<function=example_function_name>
+<parameter=example_parameter>
+value
+</parameter>
+</function>
+</tool_call><|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role if m.role != 'tool' else 'user' }}
+{% if m.role == 'tool' %}<tool_response>
+{{ m.content }}
+</tool_response>{% else %}{{ m.content or '' }}{% endif %}{% for c in m.tool_calls or [] %}
+<tool_call>
+<function={{ c.function.name }}>
+{% for k, v in c.function.arguments | items %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tool_calls_in_qwen3_coder_tags(served) -> None:  # noqa: ANN001
+    """A model whose template asks for <function=...> calls: the server reads its replies so (the template says it),
+    a forced call's grammar writes them so, the streamed deltas add up to the whole reply's calls, and the calls go
+    back into the next prompt through the template, their arguments as a mapping."""
+    from qspec.server.call_formats import Qwen3CoderCalls
+    from qspec.server.tools import call_grammar
+
+    _, model_engine, served_tok = served
+    tok = copy.copy(served_tok)
+    tok.use_chat_template(XML_TEMPLATE)
+    engine = Engine(model_engine.model, EngineOptions(draft=2, capacity=1024, exact=True))
+    tools = [{"type": "function", "function": {"name": "rain", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                         "days": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["city", "days"]}}}]  # short values: a random model's free text may not end
+    messages = [{"role": "user", "content": "Rain?"}]
+    ids = tok.encode(tok.apply_chat_template(messages, tools=tools), add_special=True)
+    raw = _constrained(engine, tok, ids, GrammarSpec("lark", call_grammar(Qwen3CoderCalls(tools), tools, False)), 160)
+    assert raw.startswith("<tool_call>\n<function=rain>\n<parameter=city>\n")
+    payload = {"messages": messages, "max_tokens": 160, "tools": tools, "tool_choice": "required",
+               "parallel_tool_calls": False}
+    with TestClient(create_app(engine, tok, "tiny")) as client:
+        msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+        (call,) = msg["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "rain" and set(args) == {"city", "days"} and isinstance(args["days"], int)
+        assert f"<parameter=city>\n{args['city']}\n</parameter>" in raw
+        with client.stream("POST", "/v1/chat/completions", json=payload | {"stream": True}) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = [c for ch in chunks for c in ch["delta"].get("tool_calls", [])]
+        assert [c["function"] for c in merged_calls(streamed)] == [call["function"]]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        # the call and its answer in the next prompt, as the template writes a call
+        history = messages + [msg, {"role": "tool", "tool_call_id": call["id"], "content": "dry"}]
+        r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2, "tools": tools})
+        text = tok.apply_chat_template([messages[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "rain", "arguments": args}}]}, history[2]], tools=tools)
+        assert r.status_code == 200 and f"<parameter=days>\n{args['days']}\n</parameter>" in text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special=True))
+    # the parser named: replies read as JSON calls though the template shows tags
+    with TestClient(create_app(engine, tok, "tiny", tool_call_parser="hermes")) as client:
+        msg = client.post("/v1/chat/completions", json=payload | {"tool_choice": "auto", "guided_regex": re.escape(
+            raw)}).json()["choices"][0]["message"]
+        assert "tool_calls" not in msg and msg["content"] == raw
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        create_app(engine, tok, "tiny", tool_call_parser="xml")
 
 
 def _split_in_pieces(split: ToolCallSplit, text: str, cut: int) -> tuple[str, list[dict]]:
