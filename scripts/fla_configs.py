@@ -97,7 +97,9 @@ def write(out: Path | None, tokens: int, preset_name: str) -> int:
         doc = {"kernel_name": kernel, "triton_version": triton.__version__, "autotune_entries": entries}
         (out / f"{kernel}.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"{kernel}: {len(entries)} key(s) -> {out / (kernel + '.json')}")
-    (out / fla_configs.TUNED_WITH).write_text(f"fla-core {fla_configs.installed_fla()}\ntriton {triton.__version__}\n")
+    major, minor = torch.cuda.get_device_capability()
+    (out / fla_configs.TUNED_WITH).write_text(f"fla-core {fla_configs.installed_fla()}\ntriton {triton.__version__}\n"
+                                              f"capability {major}.{minor}\n")
     return 0
 
 

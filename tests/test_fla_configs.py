@@ -14,7 +14,7 @@ SHIPPED = sorted(fla_configs.CONFIG_ROOT.glob("*/*.json"))
 
 def test_each_gpu_records_its_tuning_run() -> None:
     for gpu in (p for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir()):
-        assert set(fla_configs.tuned_with(gpu)) == {"fla-core", "triton"}, gpu.name
+        assert set(fla_configs.tuned_with(gpu)) == {"fla-core", "triton", "capability"}, gpu.name
 
 
 @pytest.mark.parametrize("name, expected", [("NVIDIA H100 80GB HBM3", "NVIDIA_H100_80GB_HBM3"),
@@ -40,6 +40,19 @@ def test_use_shipped_points_fla_at_a_tuned_gpu(monkeypatch: pytest.MonkeyPatch) 
     assert path == fla_configs.CONFIG_ROOT / tuned
     assert fla_configs.os.environ["FLA_CONFIG_DIR"] == str(path)
     assert fla_configs.os.environ["FLA_CACHE_MODE"] == "strict"  # a config only for the exact key it was tuned for
+
+
+def test_a_gpu_without_configs_takes_those_of_its_capability(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """An H200 (none tuned on it) takes the configs of a GPU of its compute capability, and says so; a GPU of
+    another capability takes none."""
+    tuned = _tuned_gpu(monkeypatch)
+    capability = fla_configs.tuned_with(fla_configs.CONFIG_ROOT / tuned)["capability"]
+    assert fla_configs.use_shipped("Some GPU nobody tuned", "1.0") is None
+    assert "FLA_CONFIG_DIR" not in fla_configs.os.environ
+    path = fla_configs.use_shipped("Some GPU nobody tuned", capability)
+    assert path == fla_configs.CONFIG_ROOT / tuned and fla_configs.os.environ["FLA_CONFIG_DIR"] == str(path)
+    assert f"the configs tuned on {tuned} (compute capability {capability})" in capsys.readouterr().err
 
 
 def test_use_shipped_leaves_others_alone(monkeypatch: pytest.MonkeyPatch) -> None:

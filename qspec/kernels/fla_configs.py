@@ -11,7 +11,10 @@ decorates with Triton's plain autotuner (not its cached one) still autotune.
 
 Both variables are read when fla is first imported, so `use_shipped` must run before that; a user's own
 FLA_CONFIG_DIR or FLA_CACHE_MODE is left alone. A GPU's directory records the fla-core release its configs were
-tuned with (TUNED_WITH); under another release (whose kernels may take other parameters) they are not used.
+tuned with (TUNED_WITH); under another release (whose kernels may take other parameters) they are not used. It also
+records the GPU's compute capability: a GPU with no configs of its own takes those of a GPU of the same capability
+(an H200 an H100's: the same SMs and shared memory, other memory), which any GPU of that architecture runs
+correctly, rather than autotuning every kernel on its first long prompt.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import functools
 import importlib.metadata
 import os
 import re
+import sys
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parent.parent / "assets" / "fla_configs"
-TUNED_WITH = "tuned_with.txt"  # in a GPU's directory: "package version" lines of the tuning run (fla-core, triton)
+# in a GPU's directory: "package version" lines of the tuning run (fla-core, triton), and "capability MAJOR.MINOR"
+TUNED_WITH = "tuned_with.txt"
 
 
 def gpu_dir_name(device_name: str) -> str:
@@ -50,21 +55,30 @@ def tuned_with(path: Path) -> dict[str, str]:
 
 
 @functools.cache
-def shipped_dir(device_name: str, fla_version: str | None) -> Path | None:
-    """The shipped configs of this GPU for this fla-core release, or None where none were tuned with it."""
-    path = CONFIG_ROOT / gpu_dir_name(device_name)
-    if not path.is_dir() or not any(path.glob("*.json")):
+def shipped_dir(device_name: str, fla_version: str | None, capability: str | None = None) -> Path | None:
+    """The shipped configs of this GPU for this fla-core release, else those of a GPU of the same compute
+    `capability` ("9.0"), or None where none were tuned with that release."""
+    if fla_version is None:
         return None
-    return path if fla_version is not None and tuned_with(path).get("fla-core") == fla_version else None
+    own = CONFIG_ROOT / gpu_dir_name(device_name)
+    kin = sorted(p for p in CONFIG_ROOT.iterdir() if p.is_dir() and capability is not None
+                 and tuned_with(p).get("capability") == capability) if CONFIG_ROOT.is_dir() else []
+    for path in [own, *kin]:
+        if path.is_dir() and any(path.glob("*.json")) and tuned_with(path).get("fla-core") == fla_version:
+            return path
+    return None
 
 
-def use_shipped(device_name: str) -> Path | None:
-    """Point fla at this GPU's shipped configs unless the user chose a config dir or mode. Returns the directory
-    fla will read, or None (no configs for this GPU, or the user's settings kept)."""
+def use_shipped(device_name: str, capability: str | None = None) -> Path | None:
+    """Point fla at this GPU's shipped configs (or a GPU's of its compute `capability`) unless the user chose a
+    config dir or mode. Returns the directory fla will read, or None (none tuned, or the user's settings kept)."""
     if "FLA_CONFIG_DIR" in os.environ or "FLA_CACHE_MODE" in os.environ:
         return None
-    path = shipped_dir(device_name, installed_fla())
+    path = shipped_dir(device_name, installed_fla(), capability)
     if path is not None:
         os.environ["FLA_CONFIG_DIR"] = str(path)
         os.environ["FLA_CACHE_MODE"] = "strict"
+        if path.name != gpu_dir_name(device_name):
+            print(f"qspec: fla's prefill kernels take the configs tuned on {path.name} (compute capability "
+                  f"{capability}); none were tuned on {device_name}", file=sys.stderr, flush=True)
     return path

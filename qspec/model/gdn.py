@@ -23,7 +23,9 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 S0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule for prefill: fla's Triton kernel on CUDA when installed, torch otherwise."""
     if q.is_cuda:
-        fla_configs.use_shipped(torch.cuda.get_device_name(q.device))  # before fla's first import reads them
+        major, minor = torch.cuda.get_device_capability(q.device)
+        # before fla's first import reads them
+        fla_configs.use_shipped(torch.cuda.get_device_name(q.device), f"{major}.{minor}")
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError:
