@@ -18,7 +18,7 @@ from qspec.server.call_formats import (
     template_call_format,
 )
 from qspec.server.tools import ToolCallSplit, call_grammar, calls_as_mappings, merged_calls
-from qspec.spec.grammar import GrammarCompiler, GrammarSpec, check_grammar
+from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
 from tests.conftest import tiny_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
@@ -106,6 +106,30 @@ def test_a_streamed_call_adds_up_to_the_whole_one(fmt_name: str, block: str, cut
     assert [d["index"] for d in deltas if "id" in d] == [0, 1, 2]
     # parallel_tool_calls false: the first call only
     assert [c["function"]["name"] for c in ToolCallSplit(fmt, most=1).whole(text)[1]] == ["weather"]
+
+
+@pytest.mark.parametrize("cut", range(1, 14))
+def test_a_closing_tag_cut_apart_is_not_arguments(cut: int) -> None:
+    """A block that closes before its arguments do: the start of `</tool_call>` that a piece ends with is held back,
+    not sent as arguments that the whole reply does not have."""
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>\n<tool_call>\n<function=g>\n<parameter=b>\nx'
+    for fmt in (HermesCalls(), Qwen3CoderCalls()):
+        split, deltas = ToolCallSplit(fmt), []
+        for i in range(0, len(text), cut):
+            deltas += split.push(text[i:i + cut])[1]
+        deltas += split.flush()[1]
+        assert [c["function"] for c in merged_calls(deltas)] == [c["function"] for c in ToolCallSplit(fmt).whole(
+            text)[1]]
+
+
+def test_the_qwen3_coder_grammar_refuses_what_its_tags_cannot_write() -> None:
+    def tool(params: dict) -> list[dict]:
+        return [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    for params, words in (({"properties": [1]}, "must be an object"), ({"properties": {}, "required": "a"}, "a list"),
+                          ({"properties": {"a>b": {}}}, "'a>b' cannot be written"),
+                          ({"properties": {" a": {}}}, "blanks at its ends")):
+        with pytest.raises(GrammarError, match=words):
+            Qwen3CoderCalls(tool(params)).grammar(tool(params))
 
 
 def test_the_template_says_which_format() -> None:

@@ -608,6 +608,10 @@ def test_tool_calls_in_qwen3_coder_tags(served) -> None:  # noqa: ANN001
             {"function": {"name": "rain", "arguments": args}}]}, history[2]], tools=tools)
         assert r.status_code == 200 and f"<parameter=days>\n{args['days']}\n</parameter>" in text
         assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special=True))
+        # a forced call whose parameter its tags cannot write: a 400 naming it
+        odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a>b": {}}}}}]
+        r = client.post("/v1/chat/completions", json=payload | {"tools": odd})
+        assert r.status_code == 400 and "'a>b' cannot be written" in _error_of(r)["message"], r.text
     # the parser named: replies read as JSON calls though the template shows tags
     with TestClient(create_app(engine, tok, "tiny", tool_call_parser="hermes")) as client:
         msg = client.post("/v1/chat/completions", json=payload | {"tool_choice": "auto", "guided_regex": re.escape(

@@ -194,13 +194,13 @@ class CompletionServer:
     def grammar(self, req: Sampling) -> Grammar | None:
         """Blocking: the request's grammar at the start of its output, or None; a 400 naming the field when it does
         not compile."""
-        spec = req.grammar_spec(self.call_format(req))
-        if spec is None:
-            return None
-        with self._grammars_lock:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tok, self.engine.model.cfg.vocab_size)
         try:
+            spec = req.grammar_spec(self.call_format(req))  # a forced call's tools may not fit their format
+            if spec is None:
+                return None
+            with self._grammars_lock:
+                if self._grammars is None:
+                    self._grammars = GrammarCompiler(self.tok, self.engine.model.cfg.vocab_size)
             return self._grammars.compile(spec)
         except GrammarError as e:
             raise BadRequest(str(e), param=req.grammar_fields()[0]) from None

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from qspec.spec.grammar import JSON_LAYOUT
+from qspec.spec.grammar import JSON_LAYOUT, GrammarError
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,9 @@ class Qwen3CoderCalls:
         ones always, a string's text free of the closing tag, other types JSON that matches their schema."""
         rules, calls = [], []
         for i, t in enumerate(tools):
-            params = _parameters(t)
-            required = set(params.get("required") or [])
+            properties, required = _checked_parameters(t)
             parts = []
-            for j, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            for j, (key, schema) in enumerate(properties.items()):
                 opener = json.dumps(f"<parameter={key}>\n")
                 rules.append(f"p{i}_{j}: {opener} {_value_rule(schema)}")
                 parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
@@ -131,6 +130,22 @@ def template_call_format(template: str) -> str:
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object"}
+
+
+def _checked_parameters(tool: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """A tool's parameters' (properties, required names) for qwen3_coder's grammar, or GrammarError naming what its
+    tags cannot write."""
+    params, name = _parameters(tool), tool["function"]["name"]
+    properties, required = params.get("properties") or {}, params.get("required") or []
+    if not isinstance(properties, dict) or not isinstance(required, list) or \
+            not all(isinstance(k, str) for k in required):
+        raise GrammarError(f"tool {name!r}: its parameters' properties must be an object and required a list of "
+                           "names")
+    bad = next((k for k in properties if not re.fullmatch(r"[^>\s](?:[^>\n]*[^>\s])?", k)), None)
+    if bad is not None:
+        raise GrammarError(f"tool {name!r}: the parameter name {bad!r} cannot be written in a <parameter=...> tag "
+                           "(empty, '>', a line break, or blanks at its ends)")
+    return properties, set(required)
 
 
 def _json_value_end(text: str, start: int) -> int:

@@ -124,7 +124,7 @@ class ToolCallSplit:
             end = text.find(CLOSE)
             if end < 0:
                 self.held = text  # the block's text so far, until it closes (or the reply ends)
-                deltas += self._block_deltas(text, closed=False)
+                deltas += self._block_deltas(text[:tag_start(text, CLOSE)], closed=False)  # not a tag's start
                 break
             new = self._block_deltas(text[:end], closed=True)
             if self.sent is None and not new and not self.dropped:  # no call in it: the block as the model wrote it
