@@ -59,7 +59,8 @@ def test_hermes_passes_the_arguments_through_as_written() -> None:
     other = '{"arguments": {"k":1}, "name": "f"}'
     assert HermesCalls().read(other, closed=False) is None
     assert HermesCalls().read(other, closed=True) == CallText("f", '{"k": 1}')
-    for bad in ("not json", '{"name": 3, "arguments": {}}', '{"name": "f", "arguments": [1]}'):
+    for bad in ("not json", '{"name": 3, "arguments": {}}', '{"name": "f", "arguments": [1]}',
+                '{"name": "\\q", "arguments": {}}'):
         assert HermesCalls().read(bad, closed=True) is None
 
 

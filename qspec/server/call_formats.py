@@ -44,10 +44,13 @@ class HermesCalls:
     def read(self, text: str, closed: bool) -> CallText | None:
         """The call in a block's `text` so far (all of it when `closed`), or None when it does not name one yet."""
         head = self._HEAD.match(text)
-        if head is not None:
-            start = head.end()
-            return CallText(json.loads(head.group(1)), text[start:_json_value_end(text, start)])
-        return _whole_json_call(text) if closed else None
+        if head is None:
+            return _whole_json_call(text) if closed else None
+        try:
+            name = json.loads(head.group(1))
+        except ValueError:  # an escape JSON has not: no call, now or once closed
+            return None
+        return CallText(name, text[head.end():_json_value_end(text, head.end())])
 
     def grammar(self, tools: list[dict[str, Any]]) -> str:
         """Lark rules (llguidance's) whose `call` is a call of one of `tools`, its arguments held to the tool's
