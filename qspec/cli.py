@@ -644,6 +644,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
                      tool_call_parser=a.tool_call_parser,
                      api_key=a.api_key or os.environ.get("QSPEC_API_KEY"), batcher=batcher)
+    parser = app.state.server.tool_call_parser
+    _say(f"qspec: tool calls read as {parser} ({'--tool-call-parser' if a.tool_call_parser else 'the chat template'})")
     serve(app, a.host, a.port, sock=sock)
     return 0
 

@@ -258,6 +258,11 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert main(base) == 0 and seen["app"].state.server.batcher.slots == AUTO_MAX_BATCH
     monkeypatch.setattr(memory, "available_bytes", lambda dev: 4096)  # 4 KiB free: not even one slot
     assert main(base) == 0 and seen["app"].state.server.batcher is None
+    # tool calls: as the chat template asks (qspec's own: hermes), unless --tool-call-parser names the format
+    assert seen["app"].state.server.tool_call_parser == "hermes"
+    assert main(base + ["--tool-call-parser", "qwen3_coder"]) == 0
+    assert seen["app"].state.server.tool_call_parser == "qwen3_coder"
+    assert main(base + ["--tool-call-parser", "xml"]) == 2
 
 
 def test_serve_cli_on_a_busy_port_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
