@@ -17,7 +17,15 @@ from test_spec import CAP, oracle_hook
 from qspec.engine import Engine, EngineHooks, EngineOptions
 from qspec.model.model import Model
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import AfterThinking, GrammarCompiler, GrammarError, GrammarSpec, allowed_tokens, check_grammar
+from qspec.spec.grammar import (
+    AfterThinking,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    allowed_tokens,
+    check_grammar,
+    think_state_of,
+)
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import Tokenizer
 
@@ -185,6 +193,18 @@ def test_after_thinking_masks_follow_the_think_block(compiler: GrammarCompiler, 
     assert start.state == "answer"
     start.reset()
     assert start.state == "start"
+
+
+def test_a_replys_think_state_comes_from_its_own_turn() -> None:
+    """think_state_of: the last think tag after the last turn start decides; a history's tags in earlier turns do
+    not (a tool loop's earlier reasoning, closed, before a turn that opens a new block or none)."""
+    open_, close, turn = 7, 8, 9
+    assert think_state_of([1, turn, 2, open_], open_, close, turn) == "thinking"
+    assert think_state_of([1, turn, 2, open_, 3, close, 4], open_, close, turn) == "answer"
+    assert think_state_of([turn, open_, 3, close, 4, turn, 5], open_, close, turn) == "start"
+    assert think_state_of([turn, open_, 3, close, 4, turn, 5], open_, close) == "answer"  # no turns: the last tag
+    assert think_state_of([turn, open_, close, turn, 2, open_, 1], open_, close, turn) == "thinking"
+    assert think_state_of([], open_, close, turn) == "start"
 
 
 def test_a_grammar_after_thinking_through_the_engine(tiny_model: Model, tok: Tokenizer,

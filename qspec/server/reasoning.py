@@ -2,9 +2,10 @@
 `<think>...</think>` block before they answer. The block's text becomes the message's `reasoning_content`, the rest
 its `content` (the blank lines after the block dropped), as vLLM, SGLang and llama.cpp's server return them.
 
-A reply thinks when its text starts with `<think>`, or when the prompt opened the block itself (the chat template's
-`enable_thinking: true` ends the prompt with `<think>`): then everything up to `</think>` is reasoning, all of it if
-the reply stops before the block closes. A reply that does neither is all content.
+A reply thinks when its text starts with `<think>`, or when its prompt opened the block in the reply's own turn (a
+template that thinks by default, as Qwen3.5's; qspec's with `enable_thinking: true`; grammar.think_state_of): then
+everything up to `</think>` is reasoning, all of it if the reply stops before the block closes. A reply that does
+neither is all content.
 
 Streamed text arrives in pieces that may cut a tag anywhere, so a piece's end that could begin a tag is held back
 until the next piece tells.

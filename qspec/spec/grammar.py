@@ -173,14 +173,13 @@ class AfterThinking:
     constrain, ends).
 
     States: "start" (the reply may open a think block: `<think>` or what the grammar allows), "thinking" (every token,
-    until `</think>`), "answer" (the inner grammar). The start state comes from the prompt: its last think tag, when it
-    has one (a chat template that opened the block, or closed an empty one to turn thinking off), else "start"."""
+    until `</think>`), "answer" (the inner grammar). The start state comes from the prompt (think_state_of)."""
 
-    def __init__(self, inner: Grammar, open_id: int, close_id: int, prompt: list[int]) -> None:
+    def __init__(self, inner: Grammar, open_id: int, close_id: int, prompt: list[int],
+                 turn_id: int | None = None) -> None:
         self.inner, self.open_id, self.close_id = inner, open_id, close_id
         self.vocab_size, self.ends = inner.vocab_size, inner.ends
-        last = next((t for t in reversed(prompt) if t in (open_id, close_id)), None)
-        self.first = "start" if last is None else "thinking" if last == open_id else "answer"
+        self.first = think_state_of(prompt, open_id, close_id, turn_id)
         self.state = self.first
 
     def reset(self) -> None:
@@ -225,6 +224,21 @@ class AfterThinking:
 
     def constrain(self, logits: torch.Tensor, drafts: list[int] | None = None) -> torch.Tensor:
         return masked(logits, self.masks(drafts or [], logits.shape[0]))
+
+
+def think_state_of(prompt: list[int], open_id: int, close_id: int, turn_id: int | None = None) -> str:
+    """How a reply to `prompt` starts, by the prompt's last think tag in the reply's own turn (after the last
+    `turn_id`, the chat template's `<|im_start|>`): "thinking" where the template opened the block (Qwen3.5's do
+    by default, qspec's with enable_thinking), "answer" where it closed an empty one (thinking off), else "start"
+    (the reply may open one). A history's reasoning, in earlier turns, says nothing of this one."""
+    for t in reversed(prompt):
+        if t == open_id:
+            return "thinking"
+        if t == close_id:
+            return "answer"
+        if t == turn_id:
+            break
+    return "start"
 
 
 def _bit(i: int) -> int:
