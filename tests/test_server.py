@@ -180,10 +180,13 @@ def test_stop_string_ends_the_text(served) -> None:  # noqa: ANN001
     want = full[:full.index(stop)]
     r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "stop": stop})
     choice = r.json()["choices"][0]
-    assert choice["text"] == want and choice["finish_reason"] == "stop"
+    assert choice["text"] == want and choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
     assert r.json()["usage"]["completion_tokens"] < 24
     text, events = _stream(client, {"prompt": PROMPT, "max_tokens": 24, "stop": [stop, "\x00never"]})
     assert text == want and events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"][0]["stop_reason"] == stop  # vLLM's: the stop string that ended it
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert r.json()["choices"][0]["stop_reason"] is None
 
 
 @pytest.mark.parametrize("payload,status,word", [

@@ -123,6 +123,7 @@ class _Run:
     arrived: float | None = None  # the request's arrival (its first choice only: the time to the first token)
     split: ReasoningSplit | None = None  # a chat reply's reasoning apart from its content (--reasoning-parser)
     tools: ToolCallSplit | None = None  # a chat reply's tool calls apart from its content (the request's tools)
+    stop_hit: str | None = None  # the stop string that ended the choice (vLLM's `stop_reason`)
 
     def whole_parts(self) -> tuple[str, str, list[dict]]:
         """The choice's (reasoning, text, tool calls): the reasoning is "" without a split, and the text starts with
@@ -147,6 +148,10 @@ class _Run:
             text, calls = text + rest, calls + more
         return reasoning, text, calls
 
+    def ended_choice(self, choice: dict) -> dict:
+        """A choice body that ends the choice, with vLLM's `stop_reason`: the stop string that ended it, or null."""
+        return choice | {"stop_reason": self.stop_hit}
+
     def finish_reason(self) -> str:
         """How the choice ended: "tool_calls" when it stopped after calling a tool, else stop, length, ..."""
         return "tool_calls" if self.tools is not None and self.tools.calls and self.finish == "stop" else self.finish
@@ -166,9 +171,9 @@ class _Run:
         longest = max((len(s) for s in self.stops), default=0)
         start = max(0, len(self.text) - longest + 1)
         self.text += piece
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        hits = sorted((i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0)
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text, self.stop_hit = self.text[:hits[0][0]], hits[0][1]
         hold = 0 if final or hits else max(0, longest - 1)
         end = max(self.sent, len(self.text) - hold)
         out, self.sent = self.text[self.sent:end], end
@@ -604,8 +609,8 @@ async def _respond(srv: CompletionServer, req: Sampling, prompts: list[tuple[str
 
 def _whole_choice(srv: CompletionServer, fmt: type[TextBodies] | type[ChatBodies], run: _Run, index: int) -> dict:
     reasoning, text, calls = run.whole_parts()
-    return fmt.choice(text, run.finish_reason(), False, True, index, srv.format_logprobs(fmt, run, run.logprobs),
-                      reasoning, calls)
+    return run.ended_choice(fmt.choice(text, run.finish_reason(), False, True, index,
+                                       srv.format_logprobs(fmt, run, run.logprobs), reasoning, calls))
 
 
 def _best(runs: list[_Run], n: int, candidates: int) -> list[_Run]:
@@ -646,14 +651,16 @@ async def _events(srv: CompletionServer, runs: list[_Run], all_choices: Callable
             reasoning, text, calls = runs[i].piece_parts(piece)
             choice = fmt.choice(text, None if piece is not None else runs[i].finish_reason(), True, i not in started,
                                 i, srv.format_logprobs(fmt, runs[i], entries), reasoning, calls)
+            if piece is None:
+                choice = runs[i].ended_choice(choice)
             started.add(i)
             yield f"data: {json.dumps(body(fmt.chunk, [choice]))}\n\n"
         gens = await task
         srv.count(runs, gens or [], "cancelled" if gens is None else runs[0].finish)
         reasoning, text, calls = runs[last].piece_parts(None)
-        end = fmt.choice(text, runs[last].finish_reason(), True, last not in started, last,
-                         srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None),
-                         reasoning, calls)
+        end = runs[last].ended_choice(fmt.choice(
+            text, runs[last].finish_reason(), True, last not in started, last,
+            srv.format_logprobs(fmt, runs[last], tail if runs[last].logprobs is not None else None), reasoning, calls))
         yield f"data: {json.dumps(body(fmt.chunk, [end], gens or []))}\n\n"
     except Exception as e:  # the 200 has been sent: the error becomes the stream's last event
         log.error("error while streaming a response", exc_info=e)
