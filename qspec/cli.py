@@ -640,7 +640,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = a.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
-         "/tokenize, /detokenize; GET /v1/models, /health, /metrics)")
+         "/v1/messages, /tokenize, /detokenize; GET /v1/models, /health, /metrics)")
     app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
                      tool_call_parser=a.tool_call_parser,
                      api_key=a.api_key or os.environ.get("QSPEC_API_KEY"), batcher=batcher)

@@ -32,11 +32,20 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qspec.batch import Batcher
 from qspec.engine import Engine, Generation, cells_needed
 from qspec.runner import ContextError
+from qspec.server.anthropic import (
+    CountRequest,
+    MessagesRequest,
+    chat_body,
+    message_body,
+    message_events,
+    new_message_id,
+)
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
 from qspec.server.call_formats import CALL_FORMATS, CallFormat, call_format, template_call_format
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
@@ -271,6 +280,13 @@ class CompletionServer:
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
 
+    def chat_prompt(self, req: ChatRequest) -> tuple[list[int], int]:
+        """Blocking: a chat request's (prompt ids, max_tokens), its grammar compiled (a 400 when it does not)."""
+        out = self.prompt_ids(req, self.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(),
+                                                  req.template_variables()))
+        self.grammar(req)
+        return out
+
     def prompt_ids(self, req: Sampling, prompt: str | list[int]) -> tuple[list[int], int]:
         """Blocking (a worker thread: a long prompt tokenizes for seconds) -> (prompt ids, max_tokens)."""
         self.check_model(req.model)
@@ -432,7 +448,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         where = f"{request.method} {request.url.path}"
         if exc.status_code == 404:
             return _error(404, f"no such endpoint: {where} (this server has POST /v1/completions, "
-                          "POST /v1/chat/completions, GET /v1/models, GET /health)", code="unknown_url")
+                          "POST /v1/chat/completions, POST /v1/messages, GET /v1/models, GET /health)",
+                          code="unknown_url")
         if exc.status_code == 405:
             return _error(405, f"method not allowed: {where}", code="method_not_allowed")
         return _error(exc.status_code, f"{where}: {exc.detail}")
@@ -508,16 +525,40 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):  # noqa: ANN202
-        def prompt() -> tuple[list[int], int]:
-            out = srv.prompt_ids(req, srv.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(),
-                                                       req.template_variables()))
-            srv.grammar(req)  # compiles (a 400 when it does not)
-            return out
-
-        ids, n = await asyncio.to_thread(prompt)
+        ids, n = await asyncio.to_thread(srv.chat_prompt, req)
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
 
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request):  # noqa: ANN202
+        as_chat = _as_chat(req)
+        ids, n = await asyncio.to_thread(srv.chat_prompt, as_chat)
+        out, mid = await _respond(srv, as_chat, [(ids, ids, n)], ChatBodies, request), new_message_id()
+        if isinstance(out, StreamingResponse):
+            return StreamingResponse(message_events(out.body_iterator, mid, srv.model_name, len(ids)),
+                                     media_type="text/event-stream")
+        return message_body(out, mid)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: CountRequest) -> dict:
+        as_chat = _as_chat(req)
+        srv.check_model(as_chat.model)
+        text = srv.chat_text(as_chat.messages, as_chat.enable_thinking(), as_chat.prompt_tools(),
+                             as_chat.template_variables())
+        ids = await asyncio.to_thread(lambda: srv.tok.encode_batch([text], add_special=True)[0])
+        return {"input_tokens": len(ids)}
+
     return app
+
+
+def _as_chat(req: MessagesRequest | CountRequest) -> ChatRequest:
+    """The chat request an Anthropic one means (qspec/server/anthropic.py), or a 400 naming what does not fit."""
+    try:
+        return ChatRequest.model_validate(chat_body(req))
+    except ValidationError as e:
+        message, param, code = describe_validation(e.errors())
+        raise BadRequest(message, param=param, code=code) from None
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 async def _watch_disconnect(request: Request, run: _Run) -> None:
