@@ -775,11 +775,16 @@ def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noq
     _, engine, tok = served
     with TestClient(create_app(engine, tok, "tiny", api_key="s3cret")) as client:
         body = {"prompt": PROMPT, "max_tokens": 2}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"x-api-key": "wrong"},
+                        {"Authorization": "Bearer wrong", "x-api-key": "s3cret"}):
             r = client.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and _error_of(r)["type"] == "authentication_error", r.text
         assert client.get("/v1/models").status_code == 401
         assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # Anthropic's clients send the key as x-api-key
+        r = client.post("/v1/messages", json={"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"x-api-key": "s3cret"})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 

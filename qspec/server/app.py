@@ -421,16 +421,19 @@ class CompletionServer:
 
 
 def _require_key(app: FastAPI, api_key: str) -> None:
-    """A 401 in OpenAI's shape for a request without the key (/health and /metrics stay open to probes)."""
-    want = f"Bearer {api_key}".encode()
+    """A 401 in OpenAI's shape for a request without the key (/health and /metrics stay open to probes); the key
+    comes as OpenAI's clients send it (`Authorization: Bearer`) or as Anthropic's do (`x-api-key`)."""
+    want = api_key.encode()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Callable) -> Any:  # noqa: ANN401
-        given = request.headers.get("authorization", "").encode()
+        bearer = request.headers.get("authorization", "")
+        given = (bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else request.headers.get(
+            "x-api-key", "")).encode()
         if request.url.path in OPEN_PATHS or hmac.compare_digest(given, want):
             return await call_next(request)
-        return _error(401, "a valid API key is needed: send the header `Authorization: Bearer <key>`",
-                      code="invalid_api_key", kind="authentication_error")
+        return _error(401, "a valid API key is needed: send the header `Authorization: Bearer <key>` (or "
+                      "`x-api-key: <key>`)", code="invalid_api_key", kind="authentication_error")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -528,6 +531,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
         ids, n = await asyncio.to_thread(srv.chat_prompt, req)
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
 
+    _add_messages_routes(app, srv)
+    return app
+
+
+def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
+    """Anthropic's Messages API over the chat endpoint (qspec/server/anthropic.py)."""
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):  # noqa: ANN202
         as_chat = _as_chat(req)
@@ -546,8 +555,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
                              as_chat.template_variables())
         ids = await asyncio.to_thread(lambda: srv.tok.encode_batch([text], add_special=True)[0])
         return {"input_tokens": len(ids)}
-
-    return app
 
 
 def _as_chat(req: MessagesRequest | CountRequest) -> ChatRequest:
