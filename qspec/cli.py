@@ -898,8 +898,8 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
                     help="requests that may wait for the engine before more are refused with a 503")
     _add_max_batch(sv, "auto")
     sv.add_argument("--api-key", metavar="KEY",
-                    help="requests need `Authorization: Bearer KEY` (all but /health and /metrics; default: "
-                    "$QSPEC_API_KEY, else none)")
+                    help="requests need `Authorization: Bearer KEY` or `x-api-key: KEY` (all but /health and "
+                    "/metrics; default: $QSPEC_API_KEY, else none)")
     sv.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
                     help="chat replies' <think> blocks come back apart, as the message's reasoning_content")
     sv.add_argument("--tool-call-parser", choices=list(CALL_FORMATS), default=None,

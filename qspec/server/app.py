@@ -466,7 +466,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
     `batcher` (over `engine`): up to its slots' requests decode together (qspec/batch.py) instead of one at a time;
     `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
     `tool_call_parser` (CALL_FORMATS; None: the one the chat template asks for): how replies write tool calls;
-    `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>`."""
+    `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>` (or `x-api-key`)."""
     if reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
     if tool_call_parser not in (None, *CALL_FORMATS):
