@@ -1,4 +1,5 @@
-"""`qspec bench merge` / `qspec bench sweep`, and the Python API behind them (`run_merge`, `run_sweep`).
+"""`qspec bench merge` / `qspec bench sweep`, and the Python API behind them (`run_merge`, `run_sweep`); `qspec bench
+serve`, many clients against a running server (qspec/bench/serve.py).
 
 Models: `--model PATH` (a GGUF file or HF checkpoint dir; default: the embedded default model), or
 `--preset tiny|flash-next [--layers N] [--experts N] [--vocab N]`: random weights generated directly on the
@@ -250,14 +251,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `bench` with its `merge` and `sweep` subcommands on an argparse subparsers object.
 
     Each subcommand sets `func` (args -> exit status)."""
-    p = subparsers.add_parser("bench", help="the seed's benchmarks (Rust merge task, context sweep)",
+    p = subparsers.add_parser("bench", help="the seed's benchmarks (merge task, context sweep), a server's load test",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _populate(p)
     return p
 
 
 def _populate(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench_command", metavar="{merge,sweep,report}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{merge,sweep,report,serve}")
     sub.required = True
     m = sub.add_parser("merge", help="4,096-token prompt, 512 generated tokens, 3 runs per arm",
                        description="The seed's headline benchmark: decode tok/s per arm on the Rust merge task.")
@@ -282,6 +283,17 @@ def _populate(p: argparse.ArgumentParser) -> None:
     rp.add_argument("--markdown", metavar="OUT", help="write the Markdown table")
     rp.add_argument("--plot", metavar="OUT.png", help="write the figure")
     rp.set_defaults(func=_cmd_report)
+    sv = sub.add_parser("serve", help="many clients at once against a running server: throughput, TTFT, TPOT",
+                        description=serve_doc())
+    sv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    sv.add_argument("--requests", type=int, default=32, help="default %(default)s")
+    sv.add_argument("--concurrency", type=int, default=8, help="clients at once (default %(default)s)")
+    sv.add_argument("--prompt-tokens", type=int, default=512, help="about this many a prompt (default %(default)s)")
+    sv.add_argument("--max-tokens", type=int, default=128, help="generated a request (default %(default)s)")
+    sv.add_argument("--model", help="the model name to send (default: none, the server's)")
+    sv.add_argument("--api-key", default=os.environ.get("QSPEC_API_KEY"), help="default: $QSPEC_API_KEY")
+    sv.add_argument("--json", metavar="OUT", help="write the summary and every request's timing as JSON")
+    sv.set_defaults(func=_cmd_serve)
 
 
 def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -338,6 +350,29 @@ def report_files(inputs: Sequence[str | os.PathLike[str]], *, json_out: str | os
 
 def _cmd_report(a: argparse.Namespace) -> int:
     return _guard(lambda a: report_files(a.inputs, json_out=a.json, markdown_out=a.markdown, plot_out=a.plot), a)
+
+
+def serve_doc() -> str:
+    from qspec.bench import serve
+
+    return serve.__doc__ or ""
+
+
+def _cmd_serve(a: argparse.Namespace) -> int:
+    import json
+
+    from qspec.bench.serve import markdown, run_serve
+
+    try:
+        result = run_serve(a.url, a.requests, a.concurrency, a.prompt_tokens, a.max_tokens, a.model, a.api_key)
+    except ValueError as e:
+        print(f"qspec bench serve: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown(result))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote json: {a.json}", file=sys.stderr)
+    return 0 if result["completed"] else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
