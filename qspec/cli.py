@@ -52,6 +52,7 @@ from qspec.options import (
     RUN_COMPILE_MIN_TOKENS,
     OptionError,
     SamplingOptions,
+    ServerOptions,
     add_arguments,
     flag_name,
     from_args,
@@ -59,7 +60,6 @@ from qspec.options import (
 )
 from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
-from qspec.server.call_formats import CALL_FORMATS
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
 from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
@@ -611,17 +611,14 @@ def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
 # ---- qspec serve -----------------------------------------------------------------------------------------------------
 def cmd_serve(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
-    if not 0 < a.port < 65536:
-        raise UsageError(f"--port must be in 1..65535, got {a.port}")
-    if a.max_waiting < 0:
-        raise UsageError(f"--max-waiting must be >= 0, got {a.max_waiting}")
+    server = _checked(lambda: from_args(ServerOptions, a, api_key=a.api_key or os.environ.get("QSPEC_API_KEY")))
     _check_max_batch(a.max_batch)
     try:
         from qspec.server.app import create_app, listen_socket, serve
     except ImportError as e:
         raise UsageError(f"qspec serve needs fastapi and uvicorn ({e.name} is missing): "
                          "pip install 'qspec[server]'") from None
-    sock = listen_socket(a.host, a.port)  # a busy port or unknown host fails before the model loads
+    sock = listen_socket(server.host, server.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
     ids = _warmup_ids(tok, engine.model.cfg)
     slots = _batch_slots(a, engine)
@@ -629,7 +626,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if batcher is not None:
         _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
-    if a.warmup and n >= 1:
+    if server.warmup and n >= 1:
         # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
         t0 = time.perf_counter()
         with CompileClock() as clock:
@@ -638,15 +635,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
                 for b in range(1, slots + 1):
                     batcher.generate_all([ids] * b, n)
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
-    name = a.served_name or path.stem
-    _say(f"qspec: serving {name!r} at http://{a.host}:{a.port} (POST /v1/completions, /v1/chat/completions, "
-         "/v1/messages, /tokenize, /detokenize; GET /v1/models, /health, /metrics)")
-    app = create_app(engine, tok, name, max_waiting=a.max_waiting, reasoning_parser=a.reasoning_parser,
-                     tool_call_parser=a.tool_call_parser,
-                     api_key=a.api_key or os.environ.get("QSPEC_API_KEY"), batcher=batcher)
-    parser = app.state.server.tool_call_parser
-    _say(f"qspec: tool calls read as {parser} ({'--tool-call-parser' if a.tool_call_parser else 'the chat template'})")
-    serve(app, a.host, a.port, sock=sock)
+    name = server.served_name or path.stem
+    _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
+         "/v1/chat/completions, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, /metrics)")
+    app = create_app(engine, tok, name, server, batcher=batcher)
+    told = "--tool-call-parser" if server.tool_call_parser else "the chat template"
+    _say(f"qspec: tool calls read as {app.state.server.tool_call_parser} ({told})")
+    serve(app, server.host, server.port, sock=sock)
     return 0
 
 
@@ -790,10 +785,6 @@ def cmd_draft_vocab(a: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------------------------------
-def _on_off(p: argparse.ArgumentParser, flag: str, dest: str, help: str) -> None:
-    p.add_argument(flag, dest=dest, action="store_false", help=help)
-
-
 def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share: the model's own flags here, the engine's from their
     declarations (qspec/options.py)."""
@@ -891,22 +882,8 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_batch)
 
     sv = sub.add_parser("serve", help="serve an OpenAI-style completions API over HTTP (needs qspec[server])")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--served-name", metavar="NAME", help="the model name the API reports (default: the file's stem)")
-    sv.add_argument("--max-waiting", type=int, default=64, metavar="N",
-                    help="requests that may wait for the engine before more are refused with a 503")
+    add_arguments(sv, ServerOptions)
     _add_max_batch(sv, "auto")
-    sv.add_argument("--api-key", metavar="KEY",
-                    help="requests need `Authorization: Bearer KEY` or `x-api-key: KEY` (all but /health and "
-                    "/metrics; default: $QSPEC_API_KEY, else none)")
-    sv.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
-                    help="chat replies' <think> blocks come back apart, as the message's reasoning_content")
-    sv.add_argument("--tool-call-parser", choices=list(CALL_FORMATS), default=None,
-                    help="how replies write tool calls: hermes (Qwen's JSON) or qwen3_coder (<function=...> tags); "
-                    "default: the one the chat template asks for")
-    _on_off(sv, "--no-warmup", "warmup", "skip the short generation at startup that compiles the steps and "
-            "captures their graphs before the first request")
     _add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -11,6 +11,7 @@ The groups are separate classes:
   EngineOptions    what a user chooses (draft depth, context, cache type, the seed's optimizations), plus the
                    kernel switches (it extends KernelOptions, so `EngineOptions(draft=3, pdl=False)` works)
   SamplingOptions  per request: max tokens, temperature, top-k/p, min-p, seed, penalties, grammar
+  ServerOptions    `qspec serve`: where it listens, its queue, its key, how replies are parsed (server/app.py)
 Test and benchmark hooks (callables, logs) are not options: they are `qspec.engine.EngineHooks`.
 """
 
@@ -304,6 +305,35 @@ class SamplingOptions:
     def grammar_options(self) -> list[str]:
         """The options given that constrain the output (one at most, once checked)."""
         return [f for f in ("json_schema", "regex", "grammar") if getattr(self, f) is not None]
+
+
+# the formats tool calls are read in (qspec/server/call_formats.py) and the reasoning parsers (server/reasoning.py)
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder")
+REASONING_PARSERS = ("qwen3",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """The server. `qspec serve`'s flags; create_app takes them (host, port and warmup are the command's)."""
+
+    host: str = option("127.0.0.1", "the address to listen on", kind=str)
+    port: int = option(8000, "the port to listen on", check=in_range(1, 65535))
+    served_name: str | None = option(None, "the model name the API reports (unset: the file's stem)", metavar="NAME",
+                                     kind=str)
+    max_waiting: int = option(64, "requests that may wait for the engine before more are refused with a 503",
+                              check=_at_least(0), metavar="N")
+    api_key: str | None = option(None, "requests need `Authorization: Bearer KEY` or `x-api-key: KEY` (all but "
+                                 "/health and /metrics; unset: $QSPEC_API_KEY, else no key)", metavar="KEY", kind=str)
+    reasoning_parser: str | None = option(None, "chat replies' <think> blocks come back apart, as the message's "
+                                          "reasoning_content", choices=REASONING_PARSERS, kind=str)
+    tool_call_parser: str | None = option(None, "how replies write tool calls: hermes (Qwen's JSON) or qwen3_coder "
+                                          "(<function=...> tags); unset: the one the chat template asks for",
+                                          choices=TOOL_CALL_PARSERS, kind=str)
+    warmup: bool = option(True, "a short generation at startup that compiles the steps and captures their graphs "
+                          "before the first request")
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 def declared(cls: type) -> list[Field]:

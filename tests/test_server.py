@@ -25,6 +25,7 @@ from qspec.batch import Batcher  # noqa: E402
 from qspec.cli import AUTO_MAX_BATCH, main  # noqa: E402
 from qspec.engine import Engine, EngineOptions  # noqa: E402
 from qspec.loader import load_model, load_tokenizer  # noqa: E402
+from qspec.options import ServerOptions  # noqa: E402
 from qspec.server.app import create_app  # noqa: E402
 from qspec.server.call_formats import HermesCalls  # noqa: E402
 from qspec.server.tools import ToolCallSplit, merged_calls  # noqa: E402
@@ -621,12 +622,12 @@ def test_tool_calls_in_qwen3_coder_tags(served) -> None:  # noqa: ANN001
         r = client.post("/v1/chat/completions", json=payload | {"tools": odd})
         assert r.status_code == 400 and "'a>b' cannot be written" in _error_of(r)["message"], r.text
     # the parser named: replies read as JSON calls though the template shows tags
-    with TestClient(create_app(engine, tok, "tiny", tool_call_parser="hermes")) as client:
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(tool_call_parser="hermes"))) as client:
         msg = client.post("/v1/chat/completions", json=payload | {"tool_choice": "auto", "guided_regex": re.escape(
             raw)}).json()["choices"][0]["message"]
         assert "tool_calls" not in msg and msg["content"] == raw
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        create_app(engine, tok, "tiny", tool_call_parser="xml")
+        create_app(engine, tok, "tiny", ServerOptions(tool_call_parser="xml"))
 
 
 def _split_in_pieces(split: ToolCallSplit, text: str, cut: int) -> tuple[str, list[dict]]:
@@ -663,7 +664,7 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
     rest its content (the blank lines between dropped); enable_thinking opens the block in the prompt."""
     plain_client, engine, tok = served
     messages = [{"role": "user", "content": "Why?"}]
-    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(reasoning_parser="qwen3"))) as client:
         for opened, regex in ((None, "<think>[a-z]{2,6}</think>\n\n[a-z]{1,5}"),
                               (True, "[a-z]{2,6}</think>\n\n[a-z]{1,5}")):
             payload = {"messages": messages, "max_tokens": 30, "guided_regex": regex,
@@ -684,7 +685,7 @@ def test_reasoning_comes_apart(served) -> None:  # noqa: ANN001
         assert "takes no variable 'x' (only enable_thinking" in err["message"]
         assert err["param"] == "chat_template_kwargs"
     with pytest.raises(ValueError, match="reasoning_parser must be one of"):
-        create_app(engine, tok, "tiny", reasoning_parser="deepseek")
+        create_app(engine, tok, "tiny", ServerOptions(reasoning_parser="deepseek"))
 
 
 def test_a_grammar_holds_the_answer_after_the_think_block(served) -> None:  # noqa: ANN001
@@ -698,7 +699,7 @@ def test_a_grammar_holds_the_answer_after_the_think_block(served) -> None:  # no
                                           "<|im_start|>": 510, "<|im_end|>": 511})
     payload = {"messages": [{"role": "user", "content": "Name?"}], "max_tokens": 20, "guided_regex": "[a-z]{2,5}",
                "logit_bias": {"508": 100}, "chat_template_kwargs": {"enable_thinking": True}}
-    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(reasoning_parser="qwen3"))) as client:
         r = client.post("/v1/chat/completions", json=payload)
         assert r.status_code == 200, r.text
         msg = r.json()["choices"][0]["message"]
@@ -735,7 +736,7 @@ def test_the_prompt_says_whether_a_reply_starts_thinking(served) -> None:  # noq
     tok.use_chat_template(THINKS_TEMPLATE)
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning_content": "hm"},
                {"role": "user", "content": "Name?"}]
-    with TestClient(create_app(engine, tok, "tiny", reasoning_parser="qwen3")) as client:
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(reasoning_parser="qwen3"))) as client:
         # the template opened the block: `</think>` (biased to come first) closes it, and the answer follows
         r = client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 20, "logit_bias": {
             "508": 100}, "guided_regex": "[a-z]{2,5}"})
@@ -773,7 +774,7 @@ def test_suffix_fills_in_the_middle(served) -> None:  # noqa: ANN001
 
 def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noqa: ANN001
     _, engine, tok = served
-    with TestClient(create_app(engine, tok, "tiny", api_key="s3cret")) as client:
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(api_key="s3cret"))) as client:
         body = {"prompt": PROMPT, "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"x-api-key": "wrong"},
                         {"Authorization": "Bearer wrong", "x-api-key": "s3cret"}):

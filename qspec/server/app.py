@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qspec.batch import Batcher
 from qspec.engine import Engine, Generation, cells_needed
+from qspec.options import ServerOptions
 from qspec.runner import ContextError
 from qspec.server.anthropic import (
     CountRequest,
@@ -47,10 +48,10 @@ from qspec.server.anthropic import (
     new_message_id,
 )
 from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
-from qspec.server.call_formats import CALL_FORMATS, CallFormat, call_format, template_call_format
+from qspec.server.call_formats import CallFormat, call_format, template_call_format
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
-from qspec.server.reasoning import CLOSE, OPEN, REASONING_PARSERS, ReasoningSplit
+from qspec.server.reasoning import CLOSE, OPEN, ReasoningSplit
 from qspec.server.requests import (
     ChatMessage,
     ChatRequest,
@@ -70,8 +71,6 @@ from qspec.tokenizer import Tokenizer
 # The largest request body read: a prompt that fits the context is far smaller (a 262,144-token context holds
 # about 1 MB of text), and bounding the body keeps one client from tying up a tokenizer thread for seconds.
 MAX_BODY_BYTES = 8 << 20
-# requests that may wait for the engine (one runs at a time) before more are refused with a 503 (--max-waiting)
-MAX_WAITING = 64
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 T = TypeVar("T")
@@ -190,13 +189,12 @@ class _Run:
 
 
 class CompletionServer:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, max_waiting: int,
-                 reasoning_parser: str | None = None, batcher: Batcher | None = None,
-                 tool_call_parser: str | None = None) -> None:
-        self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, max_waiting
-        self.reasoning_parser = reasoning_parser
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, opts: ServerOptions,
+                 batcher: Batcher | None = None) -> None:
+        self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, opts.max_waiting
+        self.reasoning_parser = opts.reasoning_parser
         # how replies write tool calls: as the chat template asks, unless told
-        self.tool_call_parser = tool_call_parser or template_call_format(tokenizer.chat_template)
+        self.tool_call_parser = opts.tool_call_parser or template_call_format(tokenizer.chat_template)
         # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
         self.batcher = batcher
         self.lock = asyncio.Semaphore(1 if batcher is None else batcher.slots)
@@ -458,28 +456,21 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(exc.status_code, f"{where}: {exc.detail}")
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec",
-               max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = MAX_WAITING,
-               reasoning_parser: str | None = None, api_key: str | None = None, batcher: Batcher | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
-    """The app; `max_waiting`: requests that may wait for the engine before more are refused with a 503;
-    `batcher` (over `engine`): up to its slots' requests decode together (qspec/batch.py) instead of one at a time;
-    `reasoning_parser` "qwen3": chat replies' think blocks become `reasoning_content` (qspec/server/reasoning.py);
-    `tool_call_parser` (CALL_FORMATS; None: the one the chat template asks for): how replies write tool calls;
-    `api_key`: every endpoint but /health and /metrics needs `Authorization: Bearer <api_key>` (or `x-api-key`)."""
-    if reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
-    if tool_call_parser not in (None, *CALL_FORMATS):
-        raise ValueError(f"tool_call_parser must be one of {CALL_FORMATS}, got {tool_call_parser!r}")
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", options: ServerOptions | None = None,
+               *, batcher: Batcher | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app serving `engine` as `model_name`, by `options` (qspec/options.py: the queue's length, the API key,
+    the reasoning and tool call parsers); `batcher` (over `engine`): up to its slots' requests decode together
+    (qspec/batch.py) instead of one at a time."""
+    opts = options or ServerOptions()
     if batcher is not None and batcher.engine is not engine:
         raise ValueError("the batcher must decode with the served engine")
-    srv = CompletionServer(engine, tokenizer, model_name, max_waiting, reasoning_parser, batcher, tool_call_parser)
+    srv = CompletionServer(engine, tokenizer, model_name, opts, batcher)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
     app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
-    if api_key:
-        _require_key(app, api_key)
+    if opts.api_key:
+        _require_key(app, opts.api_key)
 
     @app.get("/health")
     async def health() -> dict:

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from qspec.options import TOOL_CALL_PARSERS
 from qspec.spec.grammar import JSON_LAYOUT, GrammarError
 
 
@@ -111,7 +112,7 @@ class Qwen3CoderCalls:
 
 
 CallFormat = HermesCalls | Qwen3CoderCalls
-CALL_FORMATS = ("hermes", "qwen3_coder")
+CALL_FORMATS = TOOL_CALL_PARSERS
 # a string parameter's text: anything without a closing tag, up to its own (a lazy lexeme, ended by its suffix)
 _TEXT_RULE = r'text[suffix="\n</parameter>\n"]: /(?s:.*)/ & ~/(?s:.*)<\/parameter>(?s:.*)/'
 _CLOSE_PARAM = '"\\n</parameter>\\n"'

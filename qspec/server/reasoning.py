@@ -14,7 +14,6 @@ until the next piece tells.
 from __future__ import annotations
 
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = (None, "qwen3")
 
 
 class ReasoningSplit:
