@@ -101,6 +101,18 @@ def test_tool_use_and_its_result(client: TestClient) -> None:
     assert r.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
 
 
+def test_max_tokens_past_the_context_is_what_it_leaves(client: TestClient) -> None:
+    """Claude Code asks for 32,000 tokens: the reply gets the rest of the context (1,024 cells here), and stops
+    there with max_tokens; a prompt that does not fit is still a 400."""
+    msg = client.post("/v1/messages", json={"max_tokens": 32000, "temperature": 0, "stop_sequences": ["\n\n\n\n"],
+                                            "messages": [{"role": "user", "content": "hi"}], "system": "x " * 490})
+    assert msg.status_code == 200, msg.text
+    used = msg.json()["usage"]
+    assert used["input_tokens"] + used["output_tokens"] <= 1024 and used["output_tokens"] > 0
+    r = client.post("/v1/messages", json={"max_tokens": 5, "messages": [{"role": "user", "content": "x " * 1100}]})
+    assert r.status_code == 400 and "capacity 1024" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("change, words", [
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' is not supported"),

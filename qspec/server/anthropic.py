@@ -8,7 +8,8 @@ message parts (`text`; an assistant's `tool_use` its `tool_calls` and `thinking`
 disabled as enable_thinking. The reply is the chat reply's, written as a message (`message_body`) or as Anthropic's
 stream of events (`message_events`): a think block, text and each tool call are content blocks in the order the
 model wrote them, a call's input streamed as `input_json_delta` pieces as the chat stream sends its arguments.
-Images and documents are refused (a 400); fields this server has no use for (metadata, cache_control) are ignored.
+`max_tokens` past what the context leaves is what it leaves. Images and documents are refused (a 400); fields this
+server has no use for (metadata, cache_control) are ignored.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def chat_body(req: MessagesRequest | CountRequest) -> dict[str, Any]:
     if thinking in ("enabled", "disabled"):
         body["chat_template_kwargs"] = {"enable_thinking": thinking == "enabled"}
     if isinstance(req, MessagesRequest):
-        body |= {"max_tokens": req.max_tokens, "temperature": req.temperature, "stream": req.stream}
+        # no max_tokens: the rest of the context, which the route bounds by the request's (Claude Code asks for
+        # 32,000, more than many a context leaves)
+        body |= {"temperature": req.temperature, "stream": req.stream}
         body |= {k: v for k, v in (("stop", req.stop_sequences), ("top_p", req.top_p), ("top_k", req.top_k))
                  if v is not None}
         body |= _tool_choice(req.tool_choice, bool(req.tools))

@@ -531,7 +531,8 @@ def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):  # noqa: ANN202
         as_chat = _as_chat(req)
-        ids, n = await asyncio.to_thread(srv.chat_prompt, as_chat)
+        ids, rest = await asyncio.to_thread(srv.chat_prompt, as_chat)  # rest: what the context leaves
+        n = min(rest, req.max_tokens)
         out, mid = await _respond(srv, as_chat, [(ids, ids, n)], ChatBodies, request), new_message_id()
         if isinstance(out, StreamingResponse):
             return StreamingResponse(message_events(out.body_iterator, mid, srv.model_name, len(ids)),
