@@ -331,6 +331,12 @@ class ServerOptions:
                                           choices=TOOL_CALL_PARSERS, kind=str)
     warmup: bool = option(True, "a short generation at startup that compiles the steps and captures their graphs "
                           "before the first request")
+    allowed_origins: str | None = option(None, "web pages from these origins (comma-separated, or *) may call the "
+                                         "API from a browser (CORS); unset: none", metavar="ORIGINS", kind=str)
+
+    def origins(self) -> list[str]:
+        """allowed_origins as a list ([] when unset)."""
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     def __post_init__(self) -> None:
         validate(self)

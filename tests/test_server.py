@@ -789,6 +789,26 @@ def test_an_api_key_guards_every_endpoint_but_the_probes(served) -> None:  # noq
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
 
 
+def test_allowed_origins_let_a_browser_call(served) -> None:  # noqa: ANN001
+    """--allowed-origins: a browser's preflight from such an origin is answered (before the key check: it carries
+    no key) and responses name the origin; another origin, or a server without the option, gets no CORS headers."""
+    _, engine, tok = served
+    pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    opts = ServerOptions(api_key="k", allowed_origins="http://ui.example, http://other.example")
+    with TestClient(create_app(engine, tok, "tiny", opts)) as client:
+        r = client.options("/v1/chat/completions", headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = client.get("/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = client.options("/v1/chat/completions", headers=pre | {"Origin": "http://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        assert client.get("/v1/models", headers={"Origin": "http://ui.example"}).status_code == 401
+    with TestClient(create_app(engine, tok, "tiny")) as client:
+        r = client.get("/v1/models", headers={"Origin": "http://ui.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_batched_requests_each_get_the_engines_output(served) -> None:  # noqa: ANN001
     """--max-batch 3, five requests at once (one streamed, one with a stop string): each gets what the engine gives it
     alone, the ones past the three slots wait for a place."""

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -467,10 +468,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", 
     srv = CompletionServer(engine, tokenizer, model_name, opts, batcher)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
-    app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
-    _add_error_handlers(app)
     if opts.api_key:
         _require_key(app, opts.api_key)
+    if opts.origins():  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=opts.origins(), allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(ErrorBoundary, max_body_bytes=max_body_bytes)
+    _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> dict:
