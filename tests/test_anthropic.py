@@ -101,6 +101,22 @@ def test_tool_use_and_its_result(client: TestClient) -> None:
     assert r.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
 
 
+def test_a_final_assistant_message_is_the_replys_start(client: TestClient) -> None:
+    """A prefill: the reply goes on from the last assistant message's text (not in the reply), as the chat endpoint
+    does with continue_final_message; the prompt is the assistant's turn opened, then that text."""
+    messages = [{"role": "user", "content": "fn main"}, {"role": "assistant", "content": "() {"}]
+    msg = client.post("/v1/messages", json={"max_tokens": 6, "temperature": 0, "messages": messages}).json()
+    chat = client.post("/v1/chat/completions", json={"max_tokens": 6, "messages": messages,
+                                                     "continue_final_message": True}).json()
+    assert msg["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    opened = client.post("/tokenize", json={"messages": messages[:1]}).json()["tokens"]
+    text = client.post("/detokenize", json={"tokens": opened}).json()["prompt"] + "() {"
+    want = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["count"]
+    assert chat["usage"]["prompt_tokens"] == want == msg["usage"]["input_tokens"]
+    r = client.post("/v1/chat/completions", json={"messages": messages[:1], "continue_final_message": True})
+    assert r.status_code == 400 and "the last message to be the assistant's" in r.json()["error"]["message"]
+
+
 def test_max_tokens_past_the_context_is_what_it_leaves(client: TestClient) -> None:
     """Claude Code asks for 32,000 tokens: the reply gets the rest of the context (1,024 cells here), and stops
     there with max_tokens; a prompt that does not fit is still a 400."""

@@ -8,7 +8,8 @@ message parts (`text`; an assistant's `tool_use` its `tool_calls` and `thinking`
 disabled as enable_thinking. The reply is the chat reply's, written as a message (`message_body`) or as Anthropic's
 stream of events (`message_events`): a think block, text and each tool call are content blocks in the order the
 model wrote them, a call's input streamed as `input_json_delta` pieces as the chat stream sends its arguments.
-`max_tokens` past what the context leaves is what it leaves. Images and documents are refused (a 400); fields this
+A last assistant message is the reply's start (a prefill), which the reply goes on from. `max_tokens` past what
+the context leaves is what it leaves. Images and documents are refused (a 400); fields this
 server has no use for (metadata, cache_control) are ignored.
 """
 
@@ -71,6 +72,8 @@ def chat_body(req: MessagesRequest | CountRequest) -> dict[str, Any]:
     """The chat completions request (its JSON body) that an Anthropic request means; ValueError naming a field
     that has no such meaning."""
     body: dict[str, Any] = {"model": req.model, "messages": _chat_messages(req)}
+    if req.messages[-1].role == "assistant":  # a prefill: the reply goes on from its text
+        body["continue_final_message"] = True
     if req.tools:
         body["tools"] = [_function(t, i) for i, t in enumerate(req.tools)]
     thinking = (req.thinking or {}).get("type")

@@ -266,23 +266,28 @@ class CompletionServer:
                              "model", "model_not_found")
 
     def chat_text(self, messages: list[ChatMessage], enable_thinking: bool | None = None,
-                  tools: list[dict] | None = None, variables: dict[str, Any] | None = None) -> str:
+                  tools: list[dict] | None = None, variables: dict[str, Any] | None = None,
+                  continue_final: bool = False) -> str:
         """A conversation through the chat template, offering `tools`, with a request's own template `variables`
-        (a 400 naming `messages` when the template refuses it, `chat_template_kwargs` when it takes no variables)."""
+        (a 400 naming `messages` when the template refuses it, `chat_template_kwargs` when it takes no variables).
+        `continue_final`: the last message is the reply's start, after the assistant's turn opens, as the model
+        would have written it."""
         try:
             self.tok.check_template_variables(variables)
         except ValueError as e:
             raise BadRequest(str(e), param="chat_template_kwargs") from None
+        turns = messages[:-1] if continue_final else messages
         try:
-            return self.tok.apply_chat_template([calls_as_mappings(m.model_dump()) for m in messages],
+            text = self.tok.apply_chat_template([calls_as_mappings(m.model_dump()) for m in turns],
                                                 enable_thinking=enable_thinking, tools=tools, variables=variables)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
+        return text + (messages[-1].content or "") if continue_final else text
 
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], int]:
         """Blocking: a chat request's (prompt ids, max_tokens), its grammar compiled (a 400 when it does not)."""
         out = self.prompt_ids(req, self.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(),
-                                                  req.template_variables()))
+                                                  req.template_variables(), req.continue_final_message))
         self.grammar(req)
         return out
 
@@ -547,7 +552,7 @@ def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
         as_chat = _as_chat(req)
         srv.check_model(as_chat.model)
         text = srv.chat_text(as_chat.messages, as_chat.enable_thinking(), as_chat.prompt_tools(),
-                             as_chat.template_variables())
+                             as_chat.template_variables(), as_chat.continue_final_message)
         ids = await asyncio.to_thread(lambda: srv.tok.encode_batch([text], add_special=True)[0])
         return {"input_tokens": len(ids)}
 

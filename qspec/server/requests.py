@@ -327,6 +327,8 @@ class ChatRequest(Sampling):
     function_call: Any = None
     # vLLM's: {"enable_thinking": bool}, and for a model's own template (qspec/chat_template.py) its other variables
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the reply goes on from the last message, the assistant's text so far (a prefill), not a new turn
+    continue_final_message: bool = Field(False, strict=True)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -388,6 +390,9 @@ class ChatRequest(Sampling):
                 "error": f"max_tokens ({a}) and max_completion_tokens ({b}) disagree: give one of them"})
         if a is None:
             self.max_tokens = b
+        if self.continue_final_message and (self.messages[-1].role != "assistant" or self.messages[-1].tool_calls):
+            raise PydanticCustomError("value_error", "{error}", {
+                "error": "continue_final_message needs the last message to be the assistant's text"})
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("value_error", "{error}", {
                 "error": f"top_logprobs ({self.top_logprobs}) needs logprobs: true"})
