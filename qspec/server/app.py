@@ -67,7 +67,7 @@ from qspec.spec.accept import Sampler
 from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError, think_state_of
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
-from qspec.tokenizer import Tokenizer
+from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 
 # The largest request body read: a prompt that fits the context is far smaller (a 262,144-token context holds
 # about 1 MB of text), and bounding the body keeps one client from tying up a tokenizer thread for seconds.
@@ -276,9 +276,11 @@ class CompletionServer:
             self.tok.check_template_variables(variables)
         except ValueError as e:
             raise BadRequest(str(e), param="chat_template_kwargs") from None
-        turns = messages[:-1] if continue_final else messages
+        turns = [m.model_dump() for m in (messages[:-1] if continue_final else messages)]
+        if self.tok.chat_template != QWEN_CHAT_TEMPLATE:  # qspec's own format writes a call's text as it came
+            turns = [calls_as_mappings(m) for m in turns]
         try:
-            text = self.tok.apply_chat_template([calls_as_mappings(m.model_dump()) for m in turns],
+            text = self.tok.apply_chat_template(turns,
                                                 enable_thinking=enable_thinking, tools=tools, variables=variables)
         except (ValueError, TypeError) as e:
             raise BadRequest(str(e), param="messages") from None
