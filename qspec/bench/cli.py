@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qspec.bench import serve as serve_bench
 from qspec.bench.accept import AcceptProfile
 from qspec.bench.arms import DEFAULT_ARMS, parse_arms
 from qspec.bench.device_model import DEFAULT_NGRAM_VOCAB_BASE, bench_config, device_random_model, param_count
@@ -284,7 +285,7 @@ def _populate(p: argparse.ArgumentParser) -> None:
     rp.add_argument("--plot", metavar="OUT.png", help="write the figure")
     rp.set_defaults(func=_cmd_report)
     sv = sub.add_parser("serve", help="many clients at once against a running server: throughput, TTFT, TPOT",
-                        description=serve_doc())
+                        description=serve_bench.__doc__)
     sv.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     sv.add_argument("--requests", type=int, default=32, help="default %(default)s")
     sv.add_argument("--concurrency", type=int, default=8, help="clients at once (default %(default)s)")
@@ -352,23 +353,16 @@ def _cmd_report(a: argparse.Namespace) -> int:
     return _guard(lambda a: report_files(a.inputs, json_out=a.json, markdown_out=a.markdown, plot_out=a.plot), a)
 
 
-def serve_doc() -> str:
-    from qspec.bench import serve
-
-    return serve.__doc__ or ""
-
-
 def _cmd_serve(a: argparse.Namespace) -> int:
     import json
 
-    from qspec.bench.serve import markdown, run_serve
-
     try:
-        result = run_serve(a.url, a.requests, a.concurrency, a.prompt_tokens, a.max_tokens, a.model, a.api_key)
+        result = serve_bench.run_serve(a.url, a.requests, a.concurrency, a.prompt_tokens, a.max_tokens, a.model,
+                                       a.api_key)
     except ValueError as e:
         print(f"qspec bench serve: error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(markdown(result))
+    sys.stdout.write(serve_bench.markdown(result))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote json: {a.json}", file=sys.stderr)

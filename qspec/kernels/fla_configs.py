@@ -60,10 +60,10 @@ def shipped_dir(device_name: str, fla_version: str | None, capability: str | Non
     `capability` ("9.0"), or None where none were tuned with that release."""
     if fla_version is None:
         return None
-    own = CONFIG_ROOT / gpu_dir_name(device_name)
-    kin = sorted(p for p in CONFIG_ROOT.iterdir() if p.is_dir() and capability is not None
-                 and tuned_with(p).get("capability") == capability) if CONFIG_ROOT.is_dir() else []
-    for path in [own, *kin]:
+    candidates = [CONFIG_ROOT / gpu_dir_name(device_name)]
+    if capability is not None and CONFIG_ROOT.is_dir():
+        candidates += sorted(p for p in CONFIG_ROOT.iterdir() if tuned_with(p).get("capability") == capability)
+    for path in candidates:
         if path.is_dir() and any(path.glob("*.json")) and tuned_with(path).get("fla-core") == fla_version:
             return path
     return None

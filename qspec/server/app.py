@@ -226,7 +226,8 @@ class CompletionServer:
         tags = self._think_tags()
         if g is None or not self._splits_reasoning(req) or tags is None:
             return g
-        return AfterThinking(g, *tags, ids, self.tok.token_to_id("<|im_start|>"))
+        open_id, close_id, turn_id = tags
+        return AfterThinking(g, open_id, close_id, ids, turn_id)
 
     def call_format(self, req: Sampling) -> CallFormat:
         """How the request's reply writes its tool calls (qspec/server/call_formats.py)."""
@@ -242,10 +243,13 @@ class CompletionServer:
     def _splits_reasoning(self, req: Sampling) -> bool:
         return self.reasoning_parser is not None and isinstance(req, ChatRequest)
 
-    def _think_tags(self) -> tuple[int, int] | None:
-        """The ids of `<think>` and `</think>`, where the tokenizer has them as tokens."""
+    def _think_tags(self) -> tuple[int, int, int | None] | None:
+        """The ids of `<think>` and `</think>`, where the tokenizer has them as tokens, and of `<|im_start|>` (a
+        turn's start, where it has one): what grammar.think_state_of reads a prompt by."""
         open_id, close_id = self.tok.token_to_id(OPEN), self.tok.token_to_id(CLOSE)
-        return None if open_id is None or close_id is None else (open_id, close_id)
+        if open_id is None or close_id is None:
+            return None
+        return open_id, close_id, self.tok.token_to_id("<|im_start|>")
 
     def reasoning_split(self, req: Sampling, ids: list[int]) -> ReasoningSplit | None:
         """A chat reply's think block apart from its answer, under --reasoning-parser (None: completions, or none);
@@ -256,8 +260,7 @@ class CompletionServer:
         tags = self._think_tags()
         if tags is None:
             return ReasoningSplit(opened=req.enable_thinking() is True)
-        turn = self.tok.token_to_id("<|im_start|>")
-        return ReasoningSplit(opened=think_state_of(ids, *tags, turn) == "thinking")
+        return ReasoningSplit(opened=think_state_of(ids, *tags) == "thinking")
 
     def check_model(self, model: str | None) -> None:
         """A 404 for a request naming another model."""
@@ -286,10 +289,14 @@ class CompletionServer:
             raise BadRequest(str(e), param="messages") from None
         return text + (messages[-1].content or "") if continue_final else text
 
+    def request_text(self, req: ChatRequest) -> str:
+        """A chat request's conversation through the chat template, as its fields ask."""
+        return self.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(), req.template_variables(),
+                              req.continue_final_message)
+
     def chat_prompt(self, req: ChatRequest) -> tuple[list[int], int]:
         """Blocking: a chat request's (prompt ids, max_tokens), its grammar compiled (a 400 when it does not)."""
-        out = self.prompt_ids(req, self.chat_text(req.messages, req.enable_thinking(), req.prompt_tools(),
-                                                  req.template_variables(), req.continue_final_message))
+        out = self.prompt_ids(req, self.request_text(req))
         self.grammar(req)
         return out
 
@@ -553,8 +560,7 @@ def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
     async def count_tokens(req: CountRequest) -> dict:
         as_chat = _as_chat(req)
         srv.check_model(as_chat.model)
-        text = srv.chat_text(as_chat.messages, as_chat.enable_thinking(), as_chat.prompt_tools(),
-                             as_chat.template_variables(), as_chat.continue_final_message)
+        text = srv.request_text(as_chat)
         ids = await asyncio.to_thread(lambda: srv.tok.encode_batch([text], add_special=True)[0])
         return {"input_tokens": len(ids)}
 

@@ -112,19 +112,18 @@ class Qwen3CoderCalls:
 
 
 CallFormat = HermesCalls | Qwen3CoderCalls
-CALL_FORMATS = TOOL_CALL_PARSERS
 # a string parameter's text: anything without a closing tag, up to its own (a lazy lexeme, ended by its suffix)
 _TEXT_RULE = r'text[suffix="\n</parameter>\n"]: /(?s:.*)/ & ~/(?s:.*)<\/parameter>(?s:.*)/'
 _CLOSE_PARAM = '"\\n</parameter>\\n"'
 
 
 def call_format(name: str, tools: list[dict[str, Any]] | None = None) -> CallFormat:
-    """The format `name` (one of CALL_FORMATS) for a request offering `tools`."""
+    """The format `name` (one of options.TOOL_CALL_PARSERS) for a request offering `tools`."""
     if name == "hermes":
         return HermesCalls()
     if name == "qwen3_coder":
         return Qwen3CoderCalls(tools)
-    raise ValueError(f"the tool call format must be one of {', '.join(CALL_FORMATS)}, got {name!r}")
+    raise ValueError(f"the tool call format must be one of {', '.join(TOOL_CALL_PARSERS)}, got {name!r}")
 
 
 def template_call_format(template: str) -> str:
