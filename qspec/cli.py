@@ -638,7 +638,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     name = server.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
          "/v1/chat/completions, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, /metrics)")
-    app = create_app(engine, tok, name, server, batcher=batcher)
+    try:
+        app = create_app(engine, tok, name, server, batcher=batcher)
+    except ValueError as e:  # an option this model cannot take (a thinking budget without think tokens)
+        raise UsageError(str(e)) from None
     told = "--tool-call-parser" if server.tool_call_parser else "the chat template"
     _say(f"qspec: tool calls read as {app.state.server.tool_call_parser} ({told})")
     serve(app, server.host, server.port, sock=sock)

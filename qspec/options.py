@@ -123,6 +123,10 @@ def _at_least(lo: int) -> Check:
     return check
 
 
+def _no_think_tag(text: str) -> str | None:
+    return f"must not hold a think tag, got {text!r}" if "<think>" in text or "</think>" in text else None
+
+
 # `qspec run` (one request per process) compiles the steps' small ops only for requests of at least this many
 # tokens unless told: compiling costs a fresh process seconds to tens of seconds before its second token and a warm
 # one several, and pays back only over thousands of tokens (BENCHMARKS.md §5c).
@@ -329,6 +333,12 @@ class ServerOptions:
     tool_call_parser: str | None = option(None, "how replies write tool calls: hermes (Qwen's JSON) or qwen3_coder "
                                           "(<function=...> tags); unset: the one the chat template asks for",
                                           choices=TOOL_CALL_PARSERS, kind=str)
+    reasoning_budget: int | None = option(None, "tokens a reply may think (its <think> block) before </think> is "
+                                          "forced, unless the request's thinking_token_budget says; unset: no limit",
+                                          check=_at_least(0), metavar="N", kind=int)
+    reasoning_budget_message: str | None = option(None, "text forced before </think> when a think block reaches its "
+                                                  "budget, telling the model to answer now; unset: the tag alone",
+                                                  check=_no_think_tag, metavar="TEXT", kind=str)
     warmup: bool = option(True, "a short generation at startup that compiles the steps and captures their graphs "
                           "before the first request")
     allowed_origins: str | None = option(None, "web pages from these origins (comma-separated, or *) may call the "

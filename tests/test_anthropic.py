@@ -138,6 +138,9 @@ def test_max_tokens_past_the_context_is_what_it_leaves(client: TestClient) -> No
     ({"tools": [{"description": "no name"}]}, "tools.0: a tool needs a name"),
     ({"system": [{"type": "image"}]}, "system must be a string or a list of text blocks"),
     ({"model": "claude"}, "'claude' is not served here"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking.budget_tokens must be an integer >= 0"),
+    # the budget reaches the chat request, whose model has no think tokens to close a block with
+    ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "a thinking budget needs <think> and </think> tokens"),
 ])
 def test_bad_messages_are_a_4xx(client: TestClient, change: dict, words: str) -> None:
     payload = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]} | change

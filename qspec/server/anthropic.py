@@ -4,13 +4,14 @@ speak it (Claude Code and the anthropic SDK, pointed at this server with ANTHROP
 A request becomes the chat request it means (`chat_body`): `system` the first message, content blocks the OpenAI
 message parts (`text`; an assistant's `tool_use` its `tool_calls` and `thinking` its `reasoning_content`; a user's
 `tool_result` blocks `tool` messages before its text), `tools` functions (`input_schema` their parameters),
-`tool_choice` auto / any / tool / none as auto / required / the named function / none, `thinking` enabled or
-disabled as enable_thinking. The reply is the chat reply's, written as a message (`message_body`) or as Anthropic's
-stream of events (`message_events`): a think block, text and each tool call are content blocks in the order the
-model wrote them, a call's input streamed as `input_json_delta` pieces as the chat stream sends its arguments.
-A last assistant message is the reply's start (a prefill), which the reply goes on from. `max_tokens` past what
-the context leaves is what it leaves. Images and documents are refused (a 400); fields this
-server has no use for (metadata, cache_control) are ignored.
+`tool_choice` auto / any / tool / none as auto / required / the named function / none, `thinking` enabled or disabled
+as enable_thinking (its budget_tokens as thinking_token_budget: the think block is closed past it). The reply is the
+chat reply's, written as a message (`message_body`) or as Anthropic's stream of events (`message_events`): a think
+block, text and each tool call are content blocks in the order the model wrote them, a call's input streamed as
+`input_json_delta` pieces as the chat stream sends its arguments.
+A last assistant message is the reply's start (a prefill), which the reply goes on from. `max_tokens` past what the
+context leaves is what it leaves. Images and documents are refused (a 400); fields this server has no use for
+(metadata, cache_control) are ignored.
 """
 
 from __future__ import annotations
@@ -86,7 +87,16 @@ def chat_body(req: MessagesRequest | CountRequest) -> dict[str, Any]:
         body |= {k: v for k, v in (("stop", req.stop_sequences), ("top_p", req.top_p), ("top_k", req.top_k))
                  if v is not None}
         body |= _tool_choice(req.tool_choice, bool(req.tools))
+        if thinking == "enabled" and "budget_tokens" in (req.thinking or {}):
+            body["thinking_token_budget"] = _budget(req.thinking["budget_tokens"])  # type: ignore[index]
     return body
+
+
+def _budget(tokens: Any) -> int:
+    """thinking.budget_tokens: the reply's think block is closed for it past this many tokens."""
+    if type(tokens) is not int or tokens < 0:
+        raise ValueError(f"thinking.budget_tokens must be an integer >= 0, got {tokens!r}")
+    return tokens
 
 
 def message_body(chat: dict[str, Any], message_id: str) -> dict[str, Any]:

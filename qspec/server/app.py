@@ -64,7 +64,15 @@ from qspec.server.requests import (
 )
 from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import AfterThinking, Grammar, GrammarCompiler, GrammarError, think_state_of
+from qspec.spec.grammar import (
+    AfterThinking,
+    FreeText,
+    Grammar,
+    GrammarCompiler,
+    GrammarError,
+    ThinkingBudget,
+    think_state_of,
+)
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
@@ -194,6 +202,7 @@ class CompletionServer:
                  batcher: Batcher | None = None) -> None:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, opts.max_waiting
         self.reasoning_parser = opts.reasoning_parser
+        self.reasoning_budget, self._closing = opts.reasoning_budget, self._closing_tokens(opts)
         # how replies write tool calls: as the chat template asks, unless told
         self.tool_call_parser = opts.tool_call_parser or template_call_format(tokenizer.chat_template)
         # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
@@ -219,15 +228,37 @@ class CompletionServer:
             raise BadRequest(str(e), param=req.grammar_fields()[0]) from None
 
     def answer_grammar(self, req: Sampling, ids: list[int]) -> Grammar | AfterThinking | None:
-        """Blocking: the grammar for a choice of the request whose prompt is `ids`: under --reasoning-parser, a chat
-        reply's grammar holds only its answer, after the think block (AfterThinking), where the tokenizer has the
-        tags; else the request's grammar (or None)."""
-        g = self.grammar(req)
+        """Blocking: the grammar for a choice of the request whose prompt is `ids`: under --reasoning-parser, or with a
+        thinking budget, the request's grammar holds only the reply's answer, after the think block, and the budget
+        the block (AfterThinking, where the tokenizer has the tags); else the request's grammar (or None)."""
+        g, budget = self.grammar(req), self.thinking_budget(req)
         tags = self._think_tags()
-        if g is None or not self._splits_reasoning(req) or tags is None:
+        if tags is None or (budget is None and (g is None or not self._splits_reasoning(req))):
             return g
         open_id, close_id, turn_id = tags
-        return AfterThinking(g, open_id, close_id, ids, turn_id)
+        inner = g if g is not None else FreeText(self.engine.model.cfg.vocab_size)
+        return AfterThinking(inner, open_id, close_id, ids, turn_id, budget)
+
+    def thinking_budget(self, req: Sampling) -> ThinkingBudget | None:
+        """The request's thinking_token_budget, else --reasoning-budget for a chat request (None: no limit); a 400
+        when the tokenizer has no think tags to close a block with."""
+        tokens = req.thinking_token_budget
+        if tokens is None and isinstance(req, ChatRequest):
+            tokens = self.reasoning_budget
+        if tokens is None:
+            return None
+        tags = self._think_tags()
+        if tags is None:
+            raise BadRequest("a thinking budget needs <think> and </think> tokens, which this model's tokenizer lacks",
+                             param="thinking_token_budget")
+        return ThinkingBudget(tokens, (*self._closing, tags[1]))
+
+    def _closing_tokens(self, opts: ServerOptions) -> tuple[int, ...]:
+        """--reasoning-budget-message's tokens (forced before `</think>`); ValueError for a budget on a tokenizer
+        without think tags."""
+        if opts.reasoning_budget is not None and self._think_tags() is None:
+            raise ValueError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
+        return tuple(self.tok.encode(opts.reasoning_budget_message or ""))
 
     def call_format(self, req: Sampling) -> CallFormat:
         """How the request's reply writes its tool calls (qspec/server/call_formats.py)."""

@@ -87,6 +87,8 @@ class Sampling(BaseModel):
     top_k: int = Field(0, ge=0, strict=True)
     min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    # vLLM's: tokens the reply may think before its think block is closed for it (serve --reasoning-budget otherwise)
+    thinking_token_budget: int | None = Field(None, ge=0, strict=True)
     # structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (at most one of them)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -34,7 +34,7 @@ class Sampler:
     _derived: dict[str, torch.Generator] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.grammar is not None and self.rules is not None and self.rules.min_tokens:
+        if self.grammar is not None and self.grammar.ends and self.rules is not None and self.rules.min_tokens:
             # the rules would refuse the end tokens that a complete grammar allows alone
             raise ValueError("min_tokens cannot be used with a grammar: the grammar decides where the output ends")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -11,7 +11,10 @@ that draft's row's mask. Drafts themselves are not constrained: the draft chain 
 draft costs only its round's later rows.
 
 A reply that thinks first (Qwen3's `<think>...</think>`) can keep its grammar for the answer: `AfterThinking` lets
-the think block through and starts the grammar after it (the server does so under --reasoning-parser).
+the think block through and starts the grammar after it (the server does so under --reasoning-parser). It also holds
+a think block to a budget (`ThinkingBudget`): past that many tokens of thinking, only the tokens that close the block
+are allowed, so a reply that would think on until max_tokens gives an answer (vLLM's thinking_token_budget,
+llama.cpp's --reasoning-budget).
 
 Costs (BENCHMARKS.md §7): a mask is host time, a fraction of a millisecond a row. On the GPU the round's drafts reach
 the host while its verify step runs (Engine._round_on_device), so the masks overlap the step.
@@ -166,55 +169,111 @@ class Grammar:
         return masked(logits, self.masks(drafts or [], logits.shape[0]))
 
 
+class FreeText:
+    """No grammar: every token allowed, anywhere (the answer after a think block held only to a budget)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size, self.ends = vocab_size, list[int]()
+
+    def reset(self) -> None:
+        pass
+
+    def consume(self, token: int) -> None:
+        pass
+
+    def masks(self, drafts: list[int], rows: int) -> torch.Tensor:
+        return torch.full((rows, _words(self.vocab_size)), -1, dtype=torch.int32)  # every bit set
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `tokens` tokens of thinking in a reply, then `closing` forced, one token a step: ids that end with
+    `</think>` (the tag alone, or after a message telling the model to answer now: llama.cpp's
+    --reasoning-budget-message). A block that closes earlier by itself is not touched."""
+    tokens: int
+    closing: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if type(self.tokens) is not int or self.tokens < 0:
+            raise ValueError(f"a thinking budget must be an integer >= 0, got {self.tokens!r}")
+        if not self.closing:
+            raise ValueError("a thinking budget needs the tokens that close the think block")
+
+
 class AfterThinking:
     """A grammar that holds only the answer of a reply that may think first (`<think>...</think>`, Qwen3's reasoning):
     free while the reply thinks, the inner grammar from the token after `</think>` on (vLLM applies structured output
-    after the reasoning parser's end the same way). It is what `Grammar` is to the engine (reset, consume, masks,
-    constrain, ends).
+    after the reasoning parser's end the same way). With a `budget`, the think block's tokens past budget.tokens are
+    its closing tokens, forced. It is what `Grammar` is to the engine (reset, consume, masks, constrain, ends).
 
     States: "start" (the reply may open a think block: `<think>` or what the grammar allows), "thinking" (every token,
-    until `</think>`), "answer" (the inner grammar). The start state comes from the prompt (think_state_of)."""
+    until `</think>`; `thought` counts them), "answer" (the inner grammar). The start state comes from the prompt
+    (think_state_of)."""
 
-    def __init__(self, inner: Grammar, open_id: int, close_id: int, prompt: list[int],
-                 turn_id: int | None = None) -> None:
-        self.inner, self.open_id, self.close_id = inner, open_id, close_id
+    def __init__(self, inner: Grammar | FreeText, open_id: int, close_id: int, prompt: list[int],
+                 turn_id: int | None = None, budget: ThinkingBudget | None = None) -> None:
+        if budget is not None and (budget.closing[-1] != close_id or close_id in budget.closing[:-1]
+                                   or open_id in budget.closing):
+            raise ValueError(f"a thinking budget's closing tokens {list(budget.closing)} must end with </think> "
+                             f"({close_id}) and hold no other think tag")
+        self.inner, self.open_id, self.close_id, self.budget = inner, open_id, close_id, budget
         self.vocab_size, self.ends = inner.vocab_size, inner.ends
         self.first = think_state_of(prompt, open_id, close_id, turn_id)
-        self.state = self.first
+        self.state, self.thought = self.first, 0
 
     def reset(self) -> None:
         self.inner.reset()
-        self.state = self.first
+        self.state, self.thought = self.first, 0
 
     def consume(self, token: int) -> None:
         if self.state == "answer":
             self.inner.consume(token)
         elif self.state == "thinking":
-            self.state = "answer" if token == self.close_id else "thinking"
+            forced = self._forced(self.thought)
+            if forced is not None and token != forced:
+                raise GrammarError(f"token {token} past the thinking budget (only {forced} may follow there)")
+            self.state, self.thought = ("answer", self.thought) if token == self.close_id else ("thinking",
+                                                                                                self.thought + 1)
         elif token == self.open_id:
-            self.state = "thinking"
+            self.state, self.thought = "thinking", 0
         else:
             self.state = "answer"
             self.inner.consume(token)
 
     def masks(self, drafts: list[int], rows: int) -> torch.Tensor:
         """As Grammar.masks: row i allows what may follow the emitted tokens and drafts[:i]."""
-        return self._masks(self.state, drafts, rows)
-
-    def _masks(self, state: str, drafts: list[int], rows: int) -> torch.Tensor:
-        if state == "answer":
+        if self.state == "thinking":
+            return self._thinking_masks(self.thought, drafts, rows)
+        if self.state == "answer":
             return self.inner.masks(drafts, rows)
-        if state == "thinking":
-            free = next((i + 1 for i, t in enumerate(drafts[:rows - 1]) if t == self.close_id), rows)
-            every = torch.full((free, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # every bit set
-            if free == rows:
-                return every
-            return torch.cat([every, self.inner.masks(drafts[free:], rows - free)])
         if drafts[:rows - 1] and drafts[0] == self.open_id:  # row 0 of "start", then a think block
-            return torch.cat([self._with_open(self.inner.masks([], 1)), self._masks("thinking", drafts[1:], rows - 1)])
+            return torch.cat([self._with_open(self.inner.masks([], 1)), self._thinking_masks(0, drafts[1:], rows - 1)])
         out = self.inner.masks(drafts, rows)
         out[0] = self._with_open(out[:1])[0]
         return out
+
+    def _thinking_masks(self, thought: int, drafts: list[int], rows: int) -> torch.Tensor:
+        """Rows from inside the think block, `thought` tokens into it: each row by its count (every token, or past the
+        budget its forced closing token) up to the row after a draft `</think>`, the inner grammar's rows from there
+        (drafts past one the mask refuses are never used: their rows follow them as if allowed)."""
+        out = torch.full((rows, _words(self.vocab_size)), -1, dtype=torch.int32)
+        for i in range(rows):
+            forced = self._forced(thought + i)
+            if forced is not None:
+                out[i] = 0
+                out[i, forced // 32] = _bit(forced % 32)
+            if i < rows - 1 and i < len(drafts) and drafts[i] == self.close_id:
+                out[i + 1:] = self.inner.masks(drafts[i + 1:], rows - i - 1)
+                break
+        return out
+
+    def _forced(self, thought: int) -> int | None:
+        """The one token allowed `thought` tokens into the think block: past the budget its closing tokens in turn,
+        else None (any)."""
+        b = self.budget
+        if b is None or thought < b.tokens:
+            return None
+        return b.closing[min(thought - b.tokens, len(b.closing) - 1)]
 
     def _with_open(self, words: torch.Tensor) -> torch.Tensor:
         """A mask row [1, W] that allows `<think>` as well."""
@@ -239,6 +298,11 @@ def think_state_of(prompt: list[int], open_id: int, close_id: int, turn_id: int 
         if t == turn_id:
             break
     return "start"
+
+
+def _words(vocab_size: int) -> int:
+    """int32 words of a vocabulary's bit mask."""
+    return (vocab_size + 31) // 32
 
 
 def _bit(i: int) -> int:
