@@ -556,7 +556,7 @@ class Batcher:
         out = {}
         for k, job in enumerate(jobs):
             q_rows = [] if job.sampler.greedy else [q[k] for q in dists]
-            out[job.slot] = D[k], q_rows, D[k].tolist() if job.sampler.grammar is not None else None
+            out[job.slot] = D[k], q_rows, D[k].tolist() if job.sampler.constrained else None
         return out  # type: ignore[return-value]
 
     def _accept(self, job: _Job, drafted: tuple[torch.Tensor, list[torch.Tensor], list[int] | None],
@@ -631,7 +631,7 @@ def _by_slot(jobs: Iterable[_Job]) -> list[_Job]:
 
 def _plain_greedy(job: _Job) -> bool:
     s = job.sampler
-    return s.greedy and not s.ruled and s.grammar is None and job.req.logprobs is None
+    return s.greedy and not s.ruled and not s.constrained and job.req.logprobs is None
 
 
 def _pick_drafts(jobs: list[_Job], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:

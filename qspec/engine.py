@@ -727,13 +727,13 @@ class Engine:
         o, run, dev = self.opts, self.runner, self.model.device
         v_rows = torch.cat([upload([tok], dev)] + d_toks)
         drafts = v_rows[1:]
-        if sampler.grammar is not None:  # read while the verify step runs: the host masks its rows meanwhile
+        if sampler.constrained:  # read while the verify step runs: the host masks its rows meanwhile
             self.draft_reader.start(drafts)
         v_logits, vX = run.step(v_rows)
         req.phase("verify")
         if self.hooks.record_logits:
             req.logits_log.append(v_logits.cpu())
-        host = self.draft_reader.result() if sampler.grammar is not None else None
+        host = self.draft_reader.result() if sampler.constrained else None
         k, nxt, ext = accept_on_device(sampler, v_logits, drafts, q_rows, host, forced)
         if req.logprobs is not None:  # row i emits ext[i]; before the read-back, whose wait covers their copy
             req.logprobs.queue(v_logits, ext, wait=False)

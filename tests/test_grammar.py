@@ -221,9 +221,10 @@ def test_a_thinking_budget_forces_the_block_closed(compiler: GrammarCompiler, to
     assert torch.equal(allowed_tokens(g.masks([], 1), 512)[0], only(20))
     with pytest.raises(GrammarError, match="past the thinking budget"):
         g.consume(9)
+    assert Sampler(grammar=g).constrained
     for t in (*MSG, CLOSE, 9):
         g.consume(t)
-    assert g.state == "answer"
+    assert g.state == "answer" and not Sampler(grammar=g).constrained  # the engine decodes as without a grammar
     g.reset()
     assert g.state == "thinking" and g.thought == 0
     # from the start, with a grammar after the block and a budget of 1: `<think>` or the grammar, one token of
@@ -233,6 +234,9 @@ def test_a_thinking_budget_forces_the_block_closed(compiler: GrammarCompiler, to
     m = start.masks([OPEN, 5, CLOSE, *word[:1]], 5)
     assert torch.equal(m[1], every) and torch.equal(allowed_tokens(m[2:3], 512)[0], only(CLOSE))
     assert torch.equal(m[3:], compiler.compile(spec).masks(word[:1], 2))
+    for t in (OPEN, 5, CLOSE):
+        start.consume(t)
+    assert start.state == "answer" and Sampler(grammar=start).constrained  # the grammar's answer
     zero = AfterThinking(FreeText(512), OPEN, CLOSE, [OPEN], budget=ThinkingBudget(0, (CLOSE,)))
     assert torch.equal(allowed_tokens(zero.masks([], 1), 512)[0], only(CLOSE))
     with pytest.raises(ValueError, match="must end with </think>"):

@@ -51,6 +51,11 @@ class Sampler:
         return self.temperature <= 0.0
 
     @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks the rows from here on (a thinking budget's alone does not once its block closed)."""
+        return self.grammar is not None and not self.grammar.unconstrained
+
+    @property
     def ruled(self) -> bool:
         """Whether the request has logit rules (else `count` does nothing)."""
         return self.rules is not None and self.rules.active
@@ -69,7 +74,7 @@ class Sampler:
         the drafts as the host has them: `host_drafts`, else read from `drafts`), or as they are."""
         if self.ruled:
             logits = self.rules.apply(logits, drafts)  # type: ignore[union-attr]
-        if self.grammar is not None:
+        if self.constrained:
             if host_drafts is None and drafts is not None:
                 host_drafts = drafts.tolist()
             logits = self.grammar.constrain(logits, host_drafts)

@@ -126,6 +126,8 @@ def check_grammar(spec: GrammarSpec, ll: LLTokenizer | None = None) -> str:
 class Grammar:
     """One request's matcher: `consume` the emitted tokens, `constrain` the target's rows."""
 
+    unconstrained = False  # (AfterThinking's answer without a grammar is)
+
     def __init__(self, ll: LLTokenizer, text: str, vocab_size: int, ends: list[int]) -> None:
         self._ll, self._text, self.vocab_size, self.ends = ll, text, vocab_size, ends
         self._m = LLMatcher(ll, text, log_level=0)
@@ -224,6 +226,11 @@ class AfterThinking:
     def reset(self) -> None:
         self.inner.reset()
         self.state, self.thought = self.first, 0
+
+    @property
+    def unconstrained(self) -> bool:
+        """Whether nothing is masked from here on: the answer, with no grammar (the engine then decodes as without)."""
+        return self.state == "answer" and isinstance(self.inner, FreeText)
 
     def consume(self, token: int) -> None:
         if self.state == "answer":
