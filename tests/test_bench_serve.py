@@ -72,3 +72,31 @@ def test_the_command_writes_its_summary(url: str, tmp_path: Path, capsys: pytest
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     assert main(["bench", "serve", "--url", dead, "--requests", "1", "--max-tokens", "2"]) == 1
     assert "ConnectionRefusedError" in capsys.readouterr().out
+
+
+def test_the_gpu_script_measures_each_server(tmp_path: Path) -> None:
+    """scripts/serve_gpu.py at the tiny preset on the CPU: it writes the GGUF, starts `qspec serve` on it with each
+    server's flags, loads it at each client count and reports every run (the GPU run: seed_protocol.sh
+    gpu-serve-q4km8)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "serve"
+    r = subprocess.run([sys.executable, str(root / "scripts" / "serve_gpu.py"), "--preset", "tiny", "--layers", "2",
+                        "--quant", "q8_0", "--device", "cpu", "--file", str(tmp_path / "t.gguf"), "--servers",
+                        "plain=--draft 0|mtp2=--draft 2 --accept-profile p=0.85", "--concurrency", "1,2",
+                        "--max-tokens", "6", "--prompt-tokens", "24", "--common", "--ctx 512", "--max-batch", "2",
+                        "--port", str(port), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.with_suffix(".json").read_text())
+    assert [s["server"] for s in res["servers"]] == ["plain", "mtp2"]
+    for s in res["servers"]:
+        assert [run["concurrency"] for run in s["runs"]] == [1, 2]
+        assert all(run["failed"] == 0 and run["output_tokens"] == 6 * run["completed"] for run in s["runs"])
+    table = out.with_suffix(".md").read_text()
+    assert table.count("| plain |") == 2 and table.count("| mtp2 |") == 2
+    assert all("qspec: serving" in (tmp_path / f"serve-{n}.log").read_text() for n in ("plain", "mtp2"))
