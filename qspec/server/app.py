@@ -52,7 +52,7 @@ from qspec.server.bodies import ChatBodies, TextBodies, qspec_stats, token_text
 from qspec.server.call_formats import CallFormat, call_format, template_call_format
 from qspec.server.errors import ErrorBoundary, describe_validation, error_body, log
 from qspec.server.metrics import ServerMetrics
-from qspec.server.reasoning import CLOSE, OPEN, ReasoningSplit
+from qspec.server.reasoning import ReasoningSplit
 from qspec.server.requests import (
     ChatMessage,
     ChatRequest,
@@ -66,12 +66,13 @@ from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import (
     AfterThinking,
-    FreeText,
     Grammar,
     GrammarCompiler,
     GrammarError,
     ThinkingBudget,
     think_state_of,
+    thinking_budget,
+    with_thinking,
 )
 from qspec.spec.logit_rules import LogitRules
 from qspec.spec.logprobs import Logprobs, TokenLogprob
@@ -202,7 +203,9 @@ class CompletionServer:
                  batcher: Batcher | None = None) -> None:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, opts.max_waiting
         self.reasoning_parser = opts.reasoning_parser
-        self.reasoning_budget, self._closing = opts.reasoning_budget, self._closing_tokens(opts)
+        self.reasoning_budget, self.reasoning_budget_message = opts.reasoning_budget, opts.reasoning_budget_message
+        if opts.reasoning_budget is not None and tokenizer.think_tags() is None:
+            raise ValueError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
         # how replies write tool calls: as the chat template asks, unless told
         self.tool_call_parser = opts.tool_call_parser or template_call_format(tokenizer.chat_template)
         # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
@@ -232,12 +235,9 @@ class CompletionServer:
         thinking budget, the request's grammar holds only the reply's answer, after the think block, and the budget
         the block (AfterThinking, where the tokenizer has the tags); else the request's grammar (or None)."""
         g, budget = self.grammar(req), self.thinking_budget(req)
-        tags = self._think_tags()
-        if tags is None or (budget is None and (g is None or not self._splits_reasoning(req))):
+        if budget is None and (g is None or not self._splits_reasoning(req)):
             return g
-        open_id, close_id, turn_id = tags
-        inner = g if g is not None else FreeText(self.engine.model.cfg.vocab_size)
-        return AfterThinking(inner, open_id, close_id, ids, turn_id, budget)
+        return with_thinking(g, self.tok, ids, self.engine.model.cfg.vocab_size, budget)
 
     def thinking_budget(self, req: Sampling) -> ThinkingBudget | None:
         """The request's thinking_token_budget, else --reasoning-budget for a chat request (None: no limit); a 400
@@ -247,18 +247,10 @@ class CompletionServer:
             tokens = self.reasoning_budget
         if tokens is None:
             return None
-        tags = self._think_tags()
-        if tags is None:
-            raise BadRequest("a thinking budget needs <think> and </think> tokens, which this model's tokenizer lacks",
-                             param="thinking_token_budget")
-        return ThinkingBudget(tokens, (*self._closing, tags[1]))
-
-    def _closing_tokens(self, opts: ServerOptions) -> tuple[int, ...]:
-        """--reasoning-budget-message's tokens (forced before `</think>`); ValueError for a budget on a tokenizer
-        without think tags."""
-        if opts.reasoning_budget is not None and self._think_tags() is None:
-            raise ValueError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
-        return tuple(self.tok.encode(opts.reasoning_budget_message or ""))
+        try:
+            return thinking_budget(self.tok, tokens, self.reasoning_budget_message)
+        except ValueError as e:
+            raise BadRequest(str(e), param="thinking_token_budget") from None
 
     def call_format(self, req: Sampling) -> CallFormat:
         """How the request's reply writes its tool calls (qspec/server/call_formats.py)."""
@@ -274,21 +266,13 @@ class CompletionServer:
     def _splits_reasoning(self, req: Sampling) -> bool:
         return self.reasoning_parser is not None and isinstance(req, ChatRequest)
 
-    def _think_tags(self) -> tuple[int, int, int | None] | None:
-        """The ids of `<think>` and `</think>`, where the tokenizer has them as tokens, and of `<|im_start|>` (a
-        turn's start, where it has one): what grammar.think_state_of reads a prompt by."""
-        open_id, close_id = self.tok.token_to_id(OPEN), self.tok.token_to_id(CLOSE)
-        if open_id is None or close_id is None:
-            return None
-        return open_id, close_id, self.tok.token_to_id("<|im_start|>")
-
     def reasoning_split(self, req: Sampling, ids: list[int]) -> ReasoningSplit | None:
         """A chat reply's think block apart from its answer, under --reasoning-parser (None: completions, or none);
         the reply starts inside the block where its prompt (`ids`) opened it: a template that thinks by default, or
         enable_thinking (the request's word where the tokenizer has no think tokens)."""
         if not self._splits_reasoning(req):
             return None
-        tags = self._think_tags()
+        tags = self.tok.think_tags()
         if tags is None:
             return ReasoningSplit(opened=req.enable_thinking() is True)
         return ReasoningSplit(opened=think_state_of(ids, *tags) == "thinking")

@@ -292,6 +292,26 @@ class AfterThinking:
         return masked(logits, self.masks(drafts or [], logits.shape[0]))
 
 
+def thinking_budget(tok: Tokenizer, tokens: int, message: str | None = None) -> ThinkingBudget:
+    """`tokens` of thinking, then `message` (if any) and `</think>` forced; ValueError where the tokenizer has no
+    think tags."""
+    tags = tok.think_tags()
+    if tags is None:
+        raise ValueError("a thinking budget needs <think> and </think> tokens, which this model's tokenizer lacks")
+    return ThinkingBudget(tokens, (*tok.encode(message or ""), tags[1]))
+
+
+def with_thinking(grammar: Grammar | None, tok: Tokenizer, prompt: list[int], vocab_size: int,
+                  budget: ThinkingBudget | None) -> Grammar | AfterThinking | None:
+    """A reply's rules for the prompt `prompt`: `grammar` (or none) for its answer after a think block, the block held
+    to `budget` (AfterThinking); `grammar` as it is where the tokenizer has no think tags."""
+    tags = tok.think_tags()
+    if tags is None:
+        return grammar
+    inner = grammar if grammar is not None else FreeText(vocab_size)
+    return AfterThinking(inner, tags[0], tags[1], prompt, tags[2], budget)
+
+
 def think_state_of(prompt: list[int], open_id: int, close_id: int, turn_id: int | None = None) -> str:
     """How a reply to `prompt` starts, by the prompt's last think tag in the reply's own turn (after the last
     `turn_id`, the chat template's `<|im_start|>`): "thinking" where the template opened the block (Qwen3.5's do
