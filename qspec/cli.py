@@ -671,7 +671,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
     name = server.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
-         "/v1/chat/completions, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, /metrics)")
+         "/v1/chat/completions, /v1/responses, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, "
+         "/metrics)")
     try:
         app = create_app(engine, tok, name, server, batcher=batcher)
     except ValueError as e:  # an option this model cannot take (a thinking budget without think tokens)

@@ -3,5 +3,5 @@
 app.py: the endpoints, the request queue and `serve`/`listen_socket`; requests.py: the request bodies and their
 validation; errors.py: the error contract (OpenAI error bodies for every error, the body-size limit); tools.py: tool
 calls apart from a reply's content, call_formats.py: the formats they are written in; reasoning.py: think blocks;
-anthropic.py: Anthropic's Messages API over the chat endpoint.
+anthropic.py and responses.py: Anthropic's Messages API and OpenAI's Responses API over the chat endpoint.
 """

@@ -1,5 +1,6 @@
 """An OpenAI-style HTTP server over one Engine: `/v1/completions` and `/v1/chat/completions` (whole or streamed as
-server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/models`, `/health`.
+server-sent events; chat messages go through the tokenizer's Qwen chat template), `/v1/responses` and `/v1/messages`
+over the chat endpoint (responses.py, anthropic.py), `/v1/models`, `/health`.
 
 The engine decodes one sequence at a time, so requests wait their turn on a lock; with a batcher its slots' requests
 decode together instead (qspec/batch.py: each weight read once a step for all, each step a speculative round of
@@ -62,6 +63,8 @@ from qspec.server.requests import (
     TokenizeRequest,
     stop_strings,
 )
+from qspec.server.responses import ResponsesRequest, new_response_id, response_body, response_events, response_shell
+from qspec.server.responses import chat_body as responses_chat_body
 from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
 from qspec.spec.grammar import (
@@ -479,7 +482,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         where = f"{request.method} {request.url.path}"
         if exc.status_code == 404:
             return _error(404, f"no such endpoint: {where} (this server has POST /v1/completions, "
-                          "POST /v1/chat/completions, POST /v1/messages, GET /v1/models, GET /health)",
+                          "POST /v1/chat/completions, POST /v1/responses, POST /v1/messages, GET /v1/models, "
+                          "GET /health)",
                           code="unknown_url")
         if exc.status_code == 405:
             return _error(405, f"method not allowed: {where}", code="method_not_allowed")
@@ -555,6 +559,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", 
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
 
     _add_messages_routes(app, srv)
+    _add_responses_route(app, srv)
     return app
 
 
@@ -580,10 +585,26 @@ def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
         return {"input_tokens": len(ids)}
 
 
-def _as_chat(req: MessagesRequest | CountRequest) -> ChatRequest:
-    """The chat request an Anthropic one means (qspec/server/anthropic.py), or a 400 naming what does not fit."""
+def _add_responses_route(app: FastAPI, srv: CompletionServer) -> None:
+    """OpenAI's Responses API over the chat endpoint (qspec/server/responses.py)."""
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):  # noqa: ANN202
+        as_chat = _as_chat(req)
+        ids, rest = await asyncio.to_thread(srv.chat_prompt, as_chat)  # rest: what the context leaves
+        n = min(rest, req.max_output_tokens or rest)
+        out = await _respond(srv, as_chat, [(ids, ids, n)], ChatBodies, request)
+        shell = response_shell(req, new_response_id(), srv.model_name)
+        if isinstance(out, StreamingResponse):
+            return StreamingResponse(response_events(out.body_iterator, shell), media_type="text/event-stream")
+        return response_body(out, shell)
+
+
+def _as_chat(req: MessagesRequest | CountRequest | ResponsesRequest) -> ChatRequest:
+    """The chat request an Anthropic or a Responses one means (qspec/server/anthropic.py, responses.py), or a 400
+    naming what does not fit."""
     try:
-        return ChatRequest.model_validate(chat_body(req))
+        body = responses_chat_body(req) if isinstance(req, ResponsesRequest) else chat_body(req)
+        return ChatRequest.model_validate(body)
     except ValidationError as e:
         message, param, code = describe_validation(e.errors())
         raise BadRequest(message, param=param, code=code) from None

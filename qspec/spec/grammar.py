@@ -175,7 +175,8 @@ class FreeText:
     """No grammar: every token allowed, anywhere (the answer after a think block held only to a budget)."""
 
     def __init__(self, vocab_size: int) -> None:
-        self.vocab_size, self.ends = vocab_size, list[int]()
+        self.vocab_size = vocab_size
+        self.ends: list[int] = []  # no grammar of its own ends the output
 
     def reset(self) -> None:
         pass

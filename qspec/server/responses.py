@@ -1,0 +1,311 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat endpoint, for clients that speak it (the openai SDK's
+`client.responses`, agents such as Codex CLI with `wire_api = "responses"`).
+
+A request becomes the chat request it means (`chat_body`): `instructions` the system message, `input` the
+conversation (text, or items: messages of role user / system / developer / assistant with text parts,
+`function_call` items an assistant's tool calls, `function_call_output` items tool messages, `reasoning` items an
+assistant's reasoning_content), function `tools`, `tool_choice`, `parallel_tool_calls`, `max_output_tokens`,
+`temperature`, `top_p`, `text.format` as response_format, `reasoning.effort` "none" as thinking off. The reply
+becomes the response's output items (`response_body`): a reasoning item (under --reasoning-parser), a message with
+its output_text, a function_call item per tool call; whole, or as the Responses stream of events
+(`response_events`: response.created, each item added, its text, reasoning or arguments deltas and done events,
+response.completed). A reply cut by its token limit is `incomplete` (reason max_output_tokens).
+
+This server keeps no responses: `previous_response_id` is refused (a 400); a client sends the whole conversation in
+`input`, as it does with `store: false`. Images and files are refused (the model reads text); built-in tools
+(web search, file search, ...) too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TEXT_PARTS = ("input_text", "output_text", "text")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+class ResponsesRequest(BaseModel):
+    """The Responses request body; unknown fields are ignored, as clients send ones of other features."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = Field(True, strict=True)
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def chat_body(req: ResponsesRequest) -> dict[str, Any]:
+    """The chat completions request (its JSON body) that a Responses request means, without max_tokens (the route
+    bounds the reply by what the context leaves); ValueError naming a field that has no such meaning here."""
+    if req.previous_response_id is not None:
+        raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation in input")
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
+    if not messages:
+        raise ValueError("input: the conversation is empty")
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "temperature": req.temperature,
+                            "top_p": req.top_p, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
+    if req.tools:
+        body["tools"] = [_function(t, i) for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    fmt = _response_format((req.text or {}).get("format"))
+    if fmt is not None:
+        body["response_format"] = fmt
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise ValueError(f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}")
+    if effort in ("none", "minimal"):
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    return body
+
+
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items -> chat messages: a run of function_call items (and reasoning before them) is one assistant
+    message's calls, each function_call_output a tool message."""
+    out: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant message after it
+    for i, item in enumerate(items):
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "reasoning":
+            thought += _reasoning_text(item)
+        elif kind == "message":
+            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            if role not in ("user", "system", "assistant"):
+                raise ValueError(f"input.{i}: role must be user, system, developer or assistant, got {role!r}")
+            out.append({"role": role, "content": _text(item.get("content", ""), f"input.{i}")}
+                       | ({"reasoning_content": thought} if thought and role == "assistant" else {}))
+            thought = "" if role == "assistant" else thought
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant" or thought:  # else the calls of the message before
+                last = {"role": "assistant", "content": ""} | ({"reasoning_content": thought} if thought else {})
+                out.append(last)
+                thought = ""
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": _text(item.get("output", ""), f"input.{i}: a function_call_output's output")})
+        else:
+            raise ValueError(f"input.{i}: items of type {kind!r} are not supported (message, function_call, "
+                             "function_call_output and reasoning are)")
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text parts joined; an image or a file is refused."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        bad = next((p.get("type") for p in content if p.get("type") not in TEXT_PARTS), None)
+        if bad is None:
+            return "".join(str(p.get("text", "")) for p in content)
+        raise ValueError(f"{where}: content parts of type {bad!r} are not supported (the model reads text)")
+    raise ValueError(f"{where}: content must be a string or a list of text parts")
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    return "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict))
+
+
+def _function(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise ValueError(f"tools.{i}: tools of type {kind!r} are not supported (function tools are)")
+    if not isinstance(tool.get("name"), str):
+        raise ValueError(f"tools.{i}: a function tool needs a name")
+    fn = {"name": tool["name"]} | {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ValueError(f"tool_choice must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}, got "
+                     f"{json.dumps(choice)}")
+
+
+def _response_format(fmt: Any) -> dict[str, Any] | None:
+    """text.format -> chat's response_format (None: plain text)."""
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        named = {k: fmt[k] for k in ("name", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": named | {"schema": fmt["schema"]}}
+    raise ValueError("text.format must be {\"type\": \"text\" | \"json_object\"} or {\"type\": \"json_schema\", "
+                     f"\"schema\": {{...}}}}, got {json.dumps(fmt)}")
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex[:24]}"
+
+
+def response_shell(req: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
+    """The response object's fields that echo the request, with no output yet (status in_progress)."""
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "error": None, "incomplete_details": None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": req.reasoning or {"effort": None}, "store": False, "temperature": req.temperature,
+            "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [], "top_p": req.top_p, "metadata": req.metadata or {}, "usage": None}
+
+
+def response_body(chat: dict[str, Any], shell: dict[str, Any]) -> dict[str, Any]:
+    """A whole chat completion -> the response: its output items, status and usage."""
+    choice = chat["choices"][0]
+    msg, items = choice["message"], _Items()
+    if msg.get("reasoning_content"):
+        items.open("reasoning")
+        items.add_text(msg["reasoning_content"])
+    if msg.get("content"):
+        items.open("message")
+        items.add_text(msg["content"])
+    for call in msg.get("tool_calls") or []:
+        items.open("function_call", call["id"], call["function"]["name"])
+        items.add_text(call["function"]["arguments"])
+    items.close()
+    return _finished(shell, items.done, choice, chat["usage"])
+
+
+def _finished(shell: dict[str, Any], output: list[dict[str, Any]], choice: dict[str, Any], usage: dict[str, Any]
+              ) -> dict[str, Any]:
+    cut = choice.get("finish_reason") == "length"
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return shell | {"status": "incomplete" if cut else "completed", "output": output,
+                    "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+                    "usage": {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {
+                        "cached_tokens": cached}, "output_tokens": usage["completion_tokens"],
+                        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}}
+
+
+async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict[str, Any]) -> AsyncIterator[str]:
+    """The chat stream's server-sent events -> the Responses stream: response.created and response.in_progress, each
+    output item added, its deltas and done events, then response.completed (or response.incomplete) with the whole
+    response; an error event stays an error."""
+    items = _Items()
+    yield items.event("response.created", {"response": shell})
+    yield items.event("response.in_progress", {"response": shell})
+    try:
+        async for raw in chunks:
+            line = raw.decode() if isinstance(raw, bytes) else raw
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                yield items.event("error", {"code": chunk["error"].get("code"), "message": chunk["error"]["message"],
+                                            "param": chunk["error"].get("param")})
+                return
+            for event in items.add_delta(chunk["choices"][0].get("delta", {})):
+                yield event
+            if "usage" in chunk:
+                for event in items.close():
+                    yield event
+                body = _finished(shell, items.done, chunk["choices"][0], chunk["usage"])
+                yield items.event(f"response.{body['status']}", {"response": body})
+    finally:  # a client that left: the chat stream stops its worker when it is closed
+        await chunks.aclose()
+
+
+class _Items:
+    """A reply's output items as they are written: an item opens when the kind of what arrives changes (reasoning,
+    message text, a function call) and the one before it is done. Each change returns its stream events (an event
+    per step, numbered); `done` holds the finished items."""
+
+    def __init__(self) -> None:
+        self.done: list[dict[str, Any]] = []
+        self.item: dict[str, Any] | None = None  # the open item
+        self.key: str | None = None  # what it holds: "reasoning", "message" or a call's id
+        self.text, self.seq = "", 0
+
+    def event(self, kind: str, data: dict[str, Any]) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1} | data)}\n\n"
+
+    def add_delta(self, delta: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if delta.get("reasoning_content"):
+            out += self.open("reasoning") + self.add_text(delta["reasoning_content"])
+        if delta.get("content"):
+            out += self.open("message") + self.add_text(delta["content"])
+        for call in delta.get("tool_calls") or []:
+            fn = call.get("function", {})
+            if "id" in call:
+                out += self.open("function_call", call["id"], fn.get("name", ""))
+            if fn.get("arguments"):
+                out += self.add_text(fn["arguments"])
+        return out
+
+    def open(self, kind: str, call_id: str | None = None, name: str = "") -> list[str]:
+        key = call_id or kind
+        if self.key == key:
+            return []
+        out = self.close()
+        self.key, self.text = key, ""
+        ident = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind] + "_" + uuid.uuid4().hex[:24]
+        self.item = {"type": kind, "id": ident} | {
+            "reasoning": {"summary": [], "content": []},
+            "message": {"status": "in_progress", "role": "assistant", "content": []},
+            "function_call": {"call_id": call_id, "name": name, "arguments": "", "status": "in_progress"}}[kind]
+        out.append(self.event("response.output_item.added", {"output_index": len(self.done), "item": self.item}))
+        if kind == "message":
+            out.append(self.event("response.content_part.added", self._at() | {"part": self._part("")}))
+        return out
+
+    def add_text(self, text: str) -> list[str]:
+        assert self.item is not None
+        self.text += text
+        kind = {"reasoning": "response.reasoning_text.delta", "message": "response.output_text.delta",
+                "function_call": "response.function_call_arguments.delta"}[self.item["type"]]
+        scores = {"logprobs": []} if self.item["type"] == "message" else {}
+        return [self.event(kind, self._at() | {"delta": text} | scores)]
+
+    def close(self) -> list[str]:
+        if self.item is None:
+            return []
+        item, text, out = self.item, self.text, []
+        if item["type"] == "reasoning":
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            out.append(self.event("response.reasoning_text.done", self._at() | {"text": text}))
+        elif item["type"] == "message":
+            item |= {"status": "completed", "content": [self._part(text)]}
+            out.append(self.event("response.output_text.done", self._at() | {"text": text, "logprobs": []}))
+            out.append(self.event("response.content_part.done", self._at() | {"part": self._part(text)}))
+        else:
+            item |= {"arguments": text, "status": "completed"}
+            out.append(self.event("response.function_call_arguments.done", self._at() | {"arguments": text}))
+        out.append(self.event("response.output_item.done", {"output_index": len(self.done), "item": item}))
+        self.done.append(item)
+        self.item, self.key = None, None
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        assert self.item is not None
+        where = {"item_id": self.item["id"], "output_index": len(self.done)}
+        return where if self.item["type"] == "function_call" else where | {"content_index": 0}
+
+    @staticmethod
+    def _part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -1,0 +1,130 @@
+"""OpenAI's Responses API (qspec/server/responses.py) on a tiny random model: a response is the chat endpoint's reply
+to the conversation it means, whole and streamed as the Responses events; function calls and their outputs go both
+ways; bad requests are a 400 naming the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from qspec.cli import main  # noqa: E402
+from qspec.engine import Engine, EngineOptions  # noqa: E402
+from qspec.loader import load_model, load_tokenizer  # noqa: E402
+from qspec.server.app import create_app  # noqa: E402
+
+TOOL = {"type": "function", "name": "rain", "description": "rain in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}
+CHAT_TOOL = {"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    d: Path = tmp_path_factory.mktemp("responses")
+    assert main(["make-model", str(d / "tiny.gguf"), "--vocab-size", "512", "--seed", "3"]) == 0
+    engine = Engine(load_model(d / "tiny.gguf", device="cpu"), EngineOptions(draft=2, capacity=1024, exact=True))
+    with TestClient(create_app(engine, load_tokenizer(d / "tiny.gguf"), "tiny")) as c:
+        yield c
+
+
+def _events(client: TestClient, payload: dict) -> list[tuple[str, dict]]:
+    with client.stream("POST", "/v1/responses", json=payload | {"stream": True}) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    pairs = list(zip(lines[::2], lines[1::2], strict=True))
+    out = [(k.removeprefix("event: "), json.loads(v.removeprefix("data: "))) for k, v in pairs]
+    assert all(data["type"] == kind for kind, data in out)
+    assert [data["sequence_number"] for _, data in out] == list(range(len(out)))
+    return out
+
+
+def test_a_response_is_the_chat_reply(client: TestClient) -> None:
+    """Instructions and text input: the output message's text and the usage are the chat endpoint's; cut by
+    max_output_tokens, the response is incomplete; streamed, the text deltas add up to it between the item's
+    added and done events, and the last event carries the whole response."""
+    payload = {"model": "tiny", "max_output_tokens": 12, "temperature": 0, "instructions": "Be brief.",
+               "input": [{"role": "user", "content": [{"type": "input_text", "text": "fn main"}, {
+                   "type": "input_text", "text": "() {"}]}]}
+    chat = client.post("/v1/chat/completions", json={"max_tokens": 12, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "fn main() {"}]}).json()
+    resp = client.post("/v1/responses", json=payload).json()
+    assert resp["object"] == "response" and resp["id"].startswith("resp_") and resp["model"] == "tiny"
+    (item,) = resp["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
+    assert item["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"] and resp["usage"]["output_tokens"] == 12
+    assert client.post("/v1/responses", json=payload | {"input": "fn main() {"}).json()["usage"][
+        "input_tokens"] == resp["usage"]["input_tokens"]
+    events = _events(client, payload)
+    kinds = [k for k, _ in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"] and set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(d["delta"] for k, d in events if k == "response.output_text.delta")
+    assert text == item["content"][0]["text"] == events[-4][1]["text"]
+    final = events[-1][1]["response"]
+    assert final["output"][0]["content"] == item["content"] and final["usage"] == resp["usage"]
+
+
+def test_function_calls_and_their_outputs(client: TestClient) -> None:
+    """tool_choice required: a function_call item whose arguments follow the schema; streamed, its arguments as
+    deltas; the call and a function_call_output go back as the chat endpoint's assistant and tool messages."""
+    user = {"role": "user", "content": "Rain?"}
+    payload = {"max_output_tokens": 160, "temperature": 0, "input": [user], "tools": [TOOL],
+               "tool_choice": "required", "parallel_tool_calls": False}
+    resp = client.post("/v1/responses", json=payload).json()
+    (call,) = [i for i in resp["output"] if i["type"] == "function_call"]
+    assert call["name"] == "rain" and json.loads(call["arguments"])["city"] in ("Oslo", "Rome")
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_") and resp["status"] == "completed"
+    events = _events(client, payload)
+    added = [d["item"] for k, d in events if k == "response.output_item.added"]
+    assert added[-1]["type"] == "function_call" and added[-1]["name"] == "rain"
+    pieces = [d["delta"] for k, d in events if k == "response.function_call_arguments.delta"]
+    assert json.loads("".join(pieces)) == json.loads(call["arguments"])
+    # the next turn, as the openai SDK sends it: the call item, then its output
+    turn = [user, {"type": "function_call", "call_id": call["call_id"], "name": "rain",
+                   "arguments": call["arguments"]},
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "dry"},
+            {"role": "user", "content": "So?"}]
+    r = client.post("/v1/responses", json={"max_output_tokens": 2, "input": turn, "tools": [TOOL]})
+    assert r.status_code == 200, r.text
+    chat = client.post("/v1/chat/completions", json={"max_tokens": 2, "tools": [CHAT_TOOL], "messages": [
+        user, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": call["call_id"], "type": "function", "function": {"name": "rain", "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "dry"}, {"role": "user", "content": "So?"}]})
+    assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_a_json_schema_format_holds_the_text(client: TestClient) -> None:
+    """text.format json_schema: the output text is JSON that follows the schema (chat's response_format)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    resp = client.post("/v1/responses", json={"input": "Is it?", "max_output_tokens": 40, "text": {"format": {
+        "type": "json_schema", "name": "answer", "schema": schema, "strict": True}}}).json()
+    assert isinstance(json.loads(resp["output"][0]["content"][0]["text"])["ok"], bool), resp
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "'input_image' are not supported"),
+    ({"input": [{"type": "web_search_call"}]}, "items of type 'web_search_call' are not supported"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "role must be user, system, developer or assistant"),
+    ({"input": []}, "the conversation is empty"),
+    ({"tools": [{"type": "web_search"}]}, "tools of type 'web_search' are not supported"),
+    ({"tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text.format must be"),
+    ({"reasoning": {"effort": "max"}}, "reasoning.effort must be one of"),
+    ({"temperature": 3}, "temperature"),
+    ({"model": "gpt-5"}, "'gpt-5' is not served here"),
+])
+def test_bad_requests_are_a_4xx(client: TestClient, change: dict, words: str) -> None:
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4} | change)
+    assert r.status_code in (400, 404) and words in r.json()["error"]["message"], r.text
