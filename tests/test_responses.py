@@ -128,3 +128,16 @@ def test_a_json_schema_format_holds_the_text(client: TestClient) -> None:
 def test_bad_requests_are_a_4xx(client: TestClient, change: dict, words: str) -> None:
     r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4} | change)
     assert r.status_code in (400, 404) and words in r.json()["error"]["message"], r.text
+
+
+def test_instructions_and_developer_messages_are_one_system_message(client: TestClient) -> None:
+    """Instructions, then developer (or system) items before the conversation, as agents send them: the chat
+    endpoint's one system message, their texts joined by a blank line (the chat template takes one, first)."""
+    resp = client.post("/v1/responses", json={"instructions": "Be brief.", "max_output_tokens": 2, "temperature": 0,
+                                              "input": [{"role": "developer", "content": "Use Rust."},
+                                                        {"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200, resp.text
+    chat = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+        {"role": "system", "content": "Be brief.\n\nUse Rust."}, {"role": "user", "content": "hi"}]}).json()
+    assert resp.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert resp.json()["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]

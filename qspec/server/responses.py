@@ -58,6 +58,9 @@ def chat_body(req: ResponsesRequest) -> dict[str, Any]:
     messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
     if not messages:
         raise ValueError("input: the conversation is empty")
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead > 1:  # instructions and developer messages before the conversation: one system message, as chat takes it
+        messages[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}]
     body: dict[str, Any] = {"model": req.model, "messages": messages, "temperature": req.temperature,
                             "top_p": req.top_p, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls}
     if req.tools:
