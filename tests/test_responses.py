@@ -112,7 +112,7 @@ def test_a_json_schema_format_holds_the_text(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"previous_response_id": "resp_1"}, "no response 'resp_1' is kept here"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "'input_image' are not supported"),
     ({"input": [{"type": "web_search_call"}]}, "items of type 'web_search_call' are not supported"),
@@ -141,3 +141,32 @@ def test_instructions_and_developer_messages_are_one_system_message(client: Test
         {"role": "system", "content": "Be brief.\n\nUse Rust."}, {"role": "user", "content": "hi"}]}).json()
     assert resp.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert resp.json()["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+
+
+def test_a_stored_response_goes_on_by_previous_response_id(client: TestClient) -> None:
+    """A stored response (the default) is kept with its conversation: a request naming it as previous_response_id
+    is the chat endpoint's reply to that conversation, the response's output and the new input (instructions not
+    carried over); GET returns it, DELETE forgets it; `store: false` keeps nothing."""
+    first = client.post("/v1/responses", json={"instructions": "Be brief.", "input": "fn main", "temperature": 0,
+                                               "max_output_tokens": 4}).json()
+    said = first["output"][0]["content"][0]["text"]
+    assert client.get(f"/v1/responses/{first['id']}").json() == first
+    second = client.post("/v1/responses", json={"previous_response_id": first["id"], "input": "and?",
+                                                "temperature": 0, "max_output_tokens": 4}).json()
+    assert second["previous_response_id"] == first["id"]
+    chat = client.post("/v1/chat/completions", json={"max_tokens": 4, "messages": [
+        {"role": "user", "content": "fn main"}, {"role": "assistant", "content": said},
+        {"role": "user", "content": "and?"}]}).json()
+    assert second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    # streamed, the response is kept as well; then a third turn goes on from it
+    with client.stream("POST", "/v1/responses", json={"previous_response_id": second["id"], "input": "ok",
+                                                      "max_output_tokens": 2, "stream": True}) as r:
+        last = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")][-1]["response"]
+    assert client.get(f"/v1/responses/{last['id']}").json()["output"] == last["output"]
+    assert client.delete(f"/v1/responses/{first['id']}").json()["deleted"] is True
+    assert client.get(f"/v1/responses/{first['id']}").status_code == 404
+    r = client.post("/v1/responses", json={"previous_response_id": first["id"], "input": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    unkept = client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1, "store": False}).json()
+    assert unkept["store"] is False and client.get(f"/v1/responses/{unkept['id']}").status_code == 404

@@ -63,7 +63,15 @@ from qspec.server.requests import (
     TokenizeRequest,
     stop_strings,
 )
-from qspec.server.responses import ResponsesRequest, new_response_id, response_body, response_events, response_shell
+from qspec.server.responses import (
+    ResponsesRequest,
+    ResponseStore,
+    conversation,
+    new_response_id,
+    response_body,
+    response_events,
+    response_shell,
+)
 from qspec.server.responses import chat_body as responses_chat_body
 from qspec.server.tools import ToolCallSplit, calls_as_mappings
 from qspec.spec.accept import Sampler
@@ -559,7 +567,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", 
         return await _respond(srv, req, [(ids, ids, n)], ChatBodies, request)
 
     _add_messages_routes(app, srv)
-    _add_responses_route(app, srv)
+    _add_responses_routes(app, srv)
     return app
 
 
@@ -585,25 +593,53 @@ def _add_messages_routes(app: FastAPI, srv: CompletionServer) -> None:
         return {"input_tokens": len(ids)}
 
 
-def _add_responses_route(app: FastAPI, srv: CompletionServer) -> None:
-    """OpenAI's Responses API over the chat endpoint (qspec/server/responses.py)."""
+def _add_responses_routes(app: FastAPI, srv: CompletionServer) -> None:
+    """OpenAI's Responses API over the chat endpoint, the stored responses in memory (qspec/server/responses.py)."""
+    kept = ResponseStore()
+
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):  # noqa: ANN202
-        as_chat = _as_chat(req)
+        try:
+            messages = conversation(req, kept)
+        except LookupError as e:
+            raise BadRequest(str(e), param="previous_response_id") from None
+        except ValueError as e:
+            raise BadRequest(str(e), param="input") from None
+        as_chat = _as_chat(req, messages)
         ids, rest = await asyncio.to_thread(srv.chat_prompt, as_chat)  # rest: what the context leaves
         n = min(rest, req.max_output_tokens or rest)
         out = await _respond(srv, as_chat, [(ids, ids, n)], ChatBodies, request)
         shell = response_shell(req, new_response_id(), srv.model_name)
+
+        def done(body: dict[str, Any]) -> None:
+            if req.store:
+                kept.put(body, messages)
         if isinstance(out, StreamingResponse):
-            return StreamingResponse(response_events(out.body_iterator, shell), media_type="text/event-stream")
-        return response_body(out, shell)
+            return StreamingResponse(response_events(out.body_iterator, shell, done), media_type="text/event-stream")
+        body = response_body(out, shell)
+        done(body)
+        return body
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored(response_id: str) -> dict:
+        found = kept.get(response_id)
+        if found is None:
+            raise BadRequest(f"no response {response_id!r} is kept here", 404, "response_id", "not_found")
+        return found[1]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def forget(response_id: str) -> dict:
+        if not kept.delete(response_id):
+            raise BadRequest(f"no response {response_id!r} is kept here", 404, "response_id", "not_found")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _as_chat(req: MessagesRequest | CountRequest | ResponsesRequest) -> ChatRequest:
-    """The chat request an Anthropic or a Responses one means (qspec/server/anthropic.py, responses.py), or a 400
-    naming what does not fit."""
+def _as_chat(req: MessagesRequest | CountRequest | ResponsesRequest, messages: list[dict[str, Any]] | None = None
+             ) -> ChatRequest:
+    """The chat request an Anthropic or a Responses one (whose conversation is `messages`) means
+    (qspec/server/anthropic.py, responses.py), or a 400 naming what does not fit."""
     try:
-        body = responses_chat_body(req) if isinstance(req, ResponsesRequest) else chat_body(req)
+        body = responses_chat_body(req, messages or []) if isinstance(req, ResponsesRequest) else chat_body(req)
         return ChatRequest.model_validate(body)
     except ValidationError as e:
         message, param, code = describe_validation(e.errors())

@@ -11,17 +11,21 @@ its output_text, a function_call item per tool call; whole, or as the Responses 
 (`response_events`: response.created, each item added, its text, reasoning or arguments deltas and done events,
 response.completed). A reply cut by its token limit is `incomplete` (reason max_output_tokens).
 
-This server keeps no responses: `previous_response_id` is refused (a 400); a client sends the whole conversation in
-`input`, as it does with `store: false`. Images and files are refused (the model reads text); built-in tools
-(web search, file search, ...) too.
+A stored response (`store`, true unless told) is kept in memory with its conversation (ResponseStore, the last 1,024),
+so a later request can go on from it by `previous_response_id` (its input after that conversation, whose tokens the
+engine's prefix reuse finds in its caches) and `GET /v1/responses/{id}` returns it (`DELETE` forgets it); a restart
+forgets them all. Images and files are refused (the model reads text); built-in tools (web search, file search, ...)
+too.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,16 +50,54 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    store: bool = Field(True, strict=True)  # kept for a later request's previous_response_id (ResponseStore)
     metadata: dict[str, Any] | None = None
 
 
-def chat_body(req: ResponsesRequest) -> dict[str, Any]:
-    """The chat completions request (its JSON body) that a Responses request means, without max_tokens (the route
-    bounds the reply by what the context leaves); ValueError naming a field that has no such meaning here."""
+class ResponseStore:
+    """The last `most` stored responses, each with its conversation as chat messages (the input before it, its own
+    input and its output; instructions are not carried over, as OpenAI's are not): what a request naming it as
+    previous_response_id goes on from. In memory only: a restart forgets them."""
+
+    def __init__(self, most: int = 1024) -> None:
+        self.most = most
+        self._kept: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep a finished response, its conversation with its output appended."""
+        with self._lock:
+            self._kept[body["id"]] = (conversation + _messages(body["output"]), body)
+            while len(self._kept) > self.most:
+                self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        with self._lock:
+            return self._kept.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._kept.pop(response_id, None) is not None
+
+
+def conversation(req: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The request's conversation as chat messages, after its previous response's (LookupError: none kept by that
+    id; ValueError: an input item that has no such meaning); its instructions apart."""
+    before: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        raise ValueError("previous_response_id: this server keeps no responses; send the whole conversation in input")
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
+        kept = store.get(req.previous_response_id)
+        if kept is None:
+            raise LookupError(f"previous_response_id: no response {req.previous_response_id!r} is kept here (the last "
+                             f"{store.most} stored ones are, until the server restarts)")
+        before = kept[0]
+    return before + ([{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input))
+
+
+def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions request (its JSON body) that a Responses request whose conversation is `messages` means,
+    without max_tokens (the route bounds the reply by what the context leaves); ValueError naming a field that has
+    no such meaning here."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
     if not messages:
         raise ValueError("input: the conversation is empty")
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
@@ -170,8 +212,8 @@ def response_shell(req: ResponsesRequest, response_id: str, model: str) -> dict[
     return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "model": model, "output": [],
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
-            "reasoning": req.reasoning or {"effort": None}, "store": False, "temperature": req.temperature,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning or {"effort": None}, "store": req.store, "temperature": req.temperature,
             "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [], "top_p": req.top_p, "metadata": req.metadata or {}, "usage": None}
 
@@ -204,10 +246,11 @@ def _finished(shell: dict[str, Any], output: list[dict[str, Any]], choice: dict[
                         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}}
 
 
-async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict[str, Any]) -> AsyncIterator[str]:
+async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict[str, Any],
+                          done: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
     """The chat stream's server-sent events -> the Responses stream: response.created and response.in_progress, each
     output item added, its deltas and done events, then response.completed (or response.incomplete) with the whole
-    response; an error event stays an error."""
+    response, which `done` gets first; an error event stays an error."""
     items = _Items()
     yield items.event("response.created", {"response": shell})
     yield items.event("response.in_progress", {"response": shell})
@@ -227,6 +270,7 @@ async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict
                 for event in items.close():
                     yield event
                 body = _finished(shell, items.done, chunk["choices"][0], chunk["usage"])
+                done(body)
                 yield items.event(f"response.{body['status']}", {"response": body})
     finally:  # a client that left: the chat stream stops its worker when it is closed
         await chunks.aclose()
