@@ -139,6 +139,7 @@ def test_max_tokens_past_the_context_is_what_it_leaves(client: TestClient) -> No
     ({"system": [{"type": "image"}]}, "system must be a string or a list of text blocks"),
     ({"model": "claude"}, "'claude' is not served here"),
     ({"thinking": {"type": "enabled", "budget_tokens": "many"}}, "thinking.budget_tokens must be an integer >= 0"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type must be enabled, adaptive or disabled"),
     # the budget reaches the chat request, whose model has no think tokens to close a block with
     ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "a thinking budget needs <think> and </think> tokens"),
 ])

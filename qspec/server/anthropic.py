@@ -4,11 +4,11 @@ speak it (Claude Code and the anthropic SDK, pointed at this server with ANTHROP
 A request becomes the chat request it means (`chat_body`): `system` the first message, content blocks the OpenAI
 message parts (`text`; an assistant's `tool_use` its `tool_calls` and `thinking` its `reasoning_content`; a user's
 `tool_result` blocks `tool` messages before its text), `tools` functions (`input_schema` their parameters),
-`tool_choice` auto / any / tool / none as auto / required / the named function / none, `thinking` enabled or disabled
-as enable_thinking (its budget_tokens as thinking_token_budget: the think block is closed past it). The reply is the
-chat reply's, written as a message (`message_body`) or as Anthropic's stream of events (`message_events`): a think
-block, text and each tool call are content blocks in the order the model wrote them, a call's input streamed as
-`input_json_delta` pieces as the chat stream sends its arguments.
+`tool_choice` auto / any / tool / none as auto / required / the named function / none, `thinking` enabled (or
+adaptive) or disabled as enable_thinking (its budget_tokens as thinking_token_budget: the think block is closed past
+it). The reply is the chat reply's, written as a message (`message_body`) or as Anthropic's stream of events
+(`message_events`): a think block, text and each tool call are content blocks in the order the model wrote them, a
+call's input streamed as `input_json_delta` pieces as the chat stream sends its arguments.
 A last assistant message is the reply's start (a prefill), which the reply goes on from. `max_tokens` past what the
 context leaves is what it leaves. Images and documents are refused (a 400); fields this server has no use for
 (metadata, cache_control) are ignored.
@@ -78,8 +78,10 @@ def chat_body(req: MessagesRequest | CountRequest) -> dict[str, Any]:
     if req.tools:
         body["tools"] = [_function(t, i) for i, t in enumerate(req.tools)]
     thinking = (req.thinking or {}).get("type")
-    if thinking in ("enabled", "disabled"):
-        body["chat_template_kwargs"] = {"enable_thinking": thinking == "enabled"}
+    if thinking is not None and thinking not in ("enabled", "adaptive", "disabled"):
+        raise ValueError(f"thinking.type must be enabled, adaptive or disabled, got {thinking!r}")
+    if thinking is not None:  # adaptive: the model thinks as it sees fit, which a thinking template's model does
+        body["chat_template_kwargs"] = {"enable_thinking": thinking != "disabled"}
     if isinstance(req, MessagesRequest):
         # no max_tokens: the rest of the context, which the route bounds by the request's (Claude Code asks for
         # 32,000, more than many a context leaves)
