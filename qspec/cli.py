@@ -654,6 +654,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          "pip install 'qspec[server]'") from None
     sock = listen_socket(server.host, server.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
+    _check_thinking(server, tok)
     ids = _warmup_ids(tok, engine.model.cfg)
     slots = _batch_slots(a, engine)
     batcher = Batcher(engine, slots, draft=a.batch_draft) if slots > 1 else None
@@ -673,10 +674,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
          "/v1/chat/completions, /v1/responses, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, "
          "/metrics)")
-    try:
-        app = create_app(engine, tok, name, server, batcher=batcher)
-    except ValueError as e:  # an option this model cannot take (a thinking budget without think tokens)
-        raise UsageError(str(e)) from None
+    app = create_app(engine, tok, name, server, batcher=batcher)
     told = "--tool-call-parser" if server.tool_call_parser else "the chat template"
     _say(f"qspec: tool calls read as {app.state.server.tool_call_parser} ({told})")
     serve(app, server.host, server.port, sock=sock)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -619,7 +620,11 @@ def test_a_reasoning_budget_closes_the_think_block(models: dict[str, Path], caps
                        "--reasoning-budget", "3", "--reasoning-budget-message", "So:", *FAST)
     assert rc == 0, err
     assert json.loads(out.splitlines()[0])["tokens"] == want
-    rc, _, err = run(capsys, "run", "x", "--model", str(models["gguf"]), "--reasoning-budget", "3", *FAST)
-    assert rc == 2 and "--reasoning-budget needs <think> and </think> tokens" in err
+    with socket.socket() as sock:  # a free port for serve, which fails before it listens
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    for cmd in (["run", "x"], ["serve", "--port", port, "--no-warmup"]):
+        rc, _, err = run(capsys, *cmd, "--model", str(models["gguf"]), "--reasoning-budget", "3", *FAST)
+        assert rc == 2 and "--reasoning-budget needs <think> and </think> tokens" in err, err
     rc, _, err = run(capsys, "run", "x", "--model", str(path), "--reasoning-budget-message", "a</think>", *FAST)
     assert rc == 2 and "--reasoning-budget-message must not hold a think tag" in err
