@@ -165,8 +165,11 @@ def _thinking_options(a: argparse.Namespace) -> ThinkingOptions:
 
 def _check_thinking(think: ThinkingOptions, tok: Tokenizer) -> None:
     """--reasoning-budget needs the tokenizer's think tags (once the model is loaded)."""
-    if think.reasoning_budget is not None and tok.think_tags() is None:
-        raise UsageError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
+    try:
+        if think.reasoning_budget is not None:
+            thinking_budget(tok, think.reasoning_budget, think.reasoning_budget_message)
+    except ValueError as e:
+        raise UsageError(f"--reasoning-budget: {e}") from None
 
 
 def _held_to_budget(sampler: Sampler, think: ThinkingOptions, tok: Tokenizer, ids: list[int], vocab_size: int

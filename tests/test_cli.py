@@ -625,6 +625,6 @@ def test_a_reasoning_budget_closes_the_think_block(models: dict[str, Path], caps
         port = str(sock.getsockname()[1])
     for cmd in (["run", "x"], ["serve", "--port", port, "--no-warmup"]):
         rc, _, err = run(capsys, *cmd, "--model", str(models["gguf"]), "--reasoning-budget", "3", *FAST)
-        assert rc == 2 and "--reasoning-budget needs <think> and </think> tokens" in err, err
+        assert rc == 2 and "--reasoning-budget: a thinking budget needs <think> and </think> tokens" in err, err
     rc, _, err = run(capsys, "run", "x", "--model", str(path), "--reasoning-budget-message", "a</think>", *FAST)
     assert rc == 2 and "--reasoning-budget-message must not hold a think tag" in err

@@ -782,7 +782,7 @@ def test_a_thinking_budget_closes_the_block(served) -> None:  # noqa: ANN001
         assert msg == {"role": "assistant", "reasoning_content": "x" * 12, "content": ""}, msg  # thinks to the end
     r = plain_client.post("/v1/chat/completions", json=payload | {"thinking_token_budget": 4})
     assert r.status_code == 400 and "needs <think> and </think> tokens" in _error_of(r)["message"]
-    with pytest.raises(ValueError, match="--reasoning-budget needs <think>"):
+    with pytest.raises(ValueError, match="a thinking budget needs <think>"):
         create_app(engine, plain_tok, "tiny", ServerOptions(reasoning_budget=4))
     with pytest.raises(ValueError, match="reasoning_budget_message must not hold a think tag"):
         ServerOptions(reasoning_budget_message="ok</think>")

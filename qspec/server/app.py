@@ -215,8 +215,8 @@ class CompletionServer:
         self.engine, self.tok, self.model_name, self.max_waiting = engine, tokenizer, model_name, opts.max_waiting
         self.reasoning_parser = opts.reasoning_parser
         self.reasoning_budget, self.reasoning_budget_message = opts.reasoning_budget, opts.reasoning_budget_message
-        if opts.reasoning_budget is not None and tokenizer.think_tags() is None:
-            raise ValueError("--reasoning-budget needs <think> and </think> tokens, which this model's tokenizer lacks")
+        if opts.reasoning_budget is not None:  # ValueError where the tokenizer has no think tags
+            thinking_budget(tokenizer, opts.reasoning_budget, opts.reasoning_budget_message)
         # how replies write tool calls: as the chat template asks, unless told
         self.tool_call_parser = opts.tool_call_parser or template_call_format(tokenizer.chat_template)
         # one request at a time on the engine (speculative rounds), or up to the batcher's slots decoded together
