@@ -16,9 +16,10 @@ from qspec.config import ModelConfig, preset
 from qspec.engine import Engine, EngineOptions, Generation
 from qspec.loader import default_model_path, load_model, load_tokenizer
 from qspec.spec.accept import Sampler
-from qspec.spec.grammar import GrammarCompiler, GrammarSpec
+from qspec.spec.grammar import GrammarCompiler, GrammarSpec, thinking_budget, with_thinking
 from qspec.spec.logprobs import Logprobs, TokenLogprob
 
 __version__ = "0.1.0"
 __all__ = ["Batcher", "Engine", "EngineOptions", "Generation", "GrammarCompiler", "GrammarSpec", "Logprobs",
-           "ModelConfig", "Sampler", "TokenLogprob", "default_model_path", "load_model", "load_tokenizer", "preset"]
+           "ModelConfig", "Sampler", "TokenLogprob", "default_model_path", "load_model", "load_tokenizer", "preset",
+           "thinking_budget", "with_thinking"]
