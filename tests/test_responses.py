@@ -168,5 +168,8 @@ def test_a_stored_response_goes_on_by_previous_response_id(client: TestClient) -
     assert client.get(f"/v1/responses/{first['id']}").status_code == 404
     r = client.post("/v1/responses", json={"previous_response_id": first["id"], "input": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    r = client.post("/v1/responses", json={"previous_response_id": last["id"], "input": "x"})  # its chain is broken
+    assert r.status_code == 400 and f"{first['id']!r}, which {last['id']!r} goes on from" in r.json()["error"][
+        "message"]
     unkept = client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1, "store": False}).json()
     assert unkept["store"] is False and client.get(f"/v1/responses/{unkept['id']}").status_code == 404

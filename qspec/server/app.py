@@ -222,12 +222,12 @@ def _add_responses_routes(app: FastAPI, srv: CompletionServer) -> None:
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, request: Request):  # noqa: ANN202
         try:
-            messages = conversation(req, kept)
+            before, turn = conversation(req, kept)
         except LookupError as e:
             raise BadRequest(str(e), param="previous_response_id") from None
         except ValueError as e:
             raise BadRequest(str(e), param="input") from None
-        as_chat = _as_chat(req, messages)
+        as_chat = _as_chat(req, before + turn)
         ids, rest = await asyncio.to_thread(srv.chat_prompt, as_chat)  # rest: what the context leaves
         n = min(rest, req.max_output_tokens or rest)
         out = await _respond(srv, as_chat, [(ids, ids, n)], ChatBodies, request)
@@ -235,7 +235,7 @@ def _add_responses_routes(app: FastAPI, srv: CompletionServer) -> None:
 
         def done(body: dict[str, Any]) -> None:
             if req.store:
-                kept.put(body, messages)
+                kept.put(body, req.previous_response_id, turn)
         if isinstance(out, StreamingResponse):
             return StreamingResponse(response_events(out.body_iterator, shell, done), media_type="text/event-stream")
         body = response_body(out, shell)
@@ -247,7 +247,7 @@ def _add_responses_routes(app: FastAPI, srv: CompletionServer) -> None:
         found = kept.get(response_id)
         if found is None:
             raise BadRequest(f"no response {response_id!r} is kept here", 404, "response_id", "not_found")
-        return found[1]
+        return found
 
     @app.delete("/v1/responses/{response_id}")
     async def forget(response_id: str) -> dict:

@@ -11,11 +11,11 @@ its output_text, a function_call item per tool call; whole, or as the Responses 
 (`response_events`: response.created, each item added, its text, reasoning or arguments deltas and done events,
 response.completed). A reply cut by its token limit is `incomplete` (reason max_output_tokens).
 
-A stored response (`store`, true unless told) is kept in memory with its conversation (ResponseStore, the last 1,024),
-so a later request can go on from it by `previous_response_id` (its input after that conversation, whose tokens the
-engine's prefix reuse finds in its caches) and `GET /v1/responses/{id}` returns it (`DELETE` forgets it); a restart
-forgets them all. Images and files are refused (the model reads text); built-in tools (web search, file search, ...)
-too.
+A stored response (`store`, true unless told) is kept in memory with its turn and the response it went on from
+(ResponseStore, the last 1,024), so a later request can go on from it by `previous_response_id` (its input after that
+chain's conversation, whose tokens the engine's prefix reuse finds in its caches) and `GET /v1/responses/{id}` returns
+it (`DELETE` forgets it); a restart forgets them all. Images and files are refused (the model reads text); built-in
+tools (web search, file search, ...) too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -54,43 +55,63 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
+@dataclass
+class _Kept:
+    previous: str | None  # the response this one went on from
+    turn: list[dict[str, Any]]  # its input and its output, as chat messages
+    body: dict[str, Any]
+
+
 class ResponseStore:
-    """The last `most` stored responses, each with its conversation as chat messages (the input before it, its own
-    input and its output; instructions are not carried over, as OpenAI's are not): what a request naming it as
-    previous_response_id goes on from. In memory only: a restart forgets them."""
+    """The last `most` stored responses (the least recently used leave first), each with its own turn as chat
+    messages (its input and its output) and the response it went on from: a request naming one as
+    previous_response_id goes on from the chain of turns back to the first (instructions are not carried over, as
+    OpenAI's are not). A turn is kept once, so a long conversation takes memory in proportion to its length. In memory
+    only: a restart forgets them."""
 
     def __init__(self, most: int = 1024) -> None:
         self.most = most
-        self._kept: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep a finished response, its conversation with its output appended."""
+    def put(self, body: dict[str, Any], previous: str | None, turn_input: list[dict[str, Any]]) -> None:
+        """Keep a finished response: its input (chat messages), its output, and the response it went on from."""
         with self._lock:
-            self._kept[body["id"]] = (conversation + _messages(body["output"]), body)
+            self._kept[body["id"]] = _Kept(previous, turn_input + _messages(body["output"]), body)
             while len(self._kept) > self.most:
                 self._kept.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+    def get(self, response_id: str) -> dict[str, Any] | None:
         with self._lock:
-            return self._kept.get(response_id)
+            kept = self._kept.get(response_id)
+            return None if kept is None else kept.body
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]]:
+        """The chat messages of the chain of turns that ends with that response (LookupError: a link not kept)."""
+        turns, rid = [], response_id
+        with self._lock:
+            while rid is not None:
+                kept = self._kept.get(rid)
+                if kept is None:
+                    after = "" if rid == response_id else f", which {response_id!r} goes on from,"
+                    raise LookupError(f"previous_response_id: no response {rid!r}{after} is kept here (the last "
+                                      f"{self.most} stored ones are, until the server restarts)")
+                self._kept.move_to_end(rid)
+                turns.append(kept.turn)
+                rid = kept.previous
+        return [m for turn in reversed(turns) for m in turn]
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
             return self._kept.pop(response_id, None) is not None
 
 
-def conversation(req: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
-    """The request's conversation as chat messages, after its previous response's (LookupError: none kept by that
-    id; ValueError: an input item that has no such meaning); its instructions apart."""
-    before: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        kept = store.get(req.previous_response_id)
-        if kept is None:
-            raise LookupError(f"previous_response_id: no response {req.previous_response_id!r} is kept here (the last "
-                             f"{store.most} stored ones are, until the server restarts)")
-        before = kept[0]
-    return before + ([{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input))
+def conversation(req: ResponsesRequest, store: ResponseStore) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the conversation before the request's input: its previous response's chain; its input) as chat messages,
+    its instructions apart (LookupError: a previous response not kept; ValueError: an input item that has no such
+    meaning)."""
+    before = [] if req.previous_response_id is None else store.conversation(req.previous_response_id)
+    return before, [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
 
 
 def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
