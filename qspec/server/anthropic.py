@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from qspec.server.bodies import chat_chunks
+
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -124,13 +126,9 @@ async def message_events(chunks: AsyncGenerator[str | bytes, None], message_id: 
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
         "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}})
-    blocks = _Blocks()
+    blocks, parsed = _Blocks(), chat_chunks(chunks)
     try:
-        async for raw in chunks:
-            line = raw.decode() if isinstance(raw, bytes) else raw
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
+        async for chunk in parsed:
             if "error" in chunk:
                 yield _event("error", {"error": {"type": "api_error", "message": chunk["error"]["message"]}})
                 return
@@ -143,7 +141,7 @@ async def message_events(chunks: AsyncGenerator[str | bytes, None], message_id: 
                                                "usage": _usage(chunk["usage"])})
         yield _event("message_stop", {})
     finally:  # a client that left: the chat stream stops its worker when it is closed
-        await chunks.aclose()
+        await parsed.aclose()
 
 
 def new_message_id() -> str:

@@ -1,8 +1,11 @@
 """The JSON bodies the server answers with: OpenAI's text_completion and chat.completion objects (whole, and chunks
-when streamed), their log-probability objects, and qspec's own statistics."""
+when streamed), their log-probability objects, and qspec's own statistics; `chat_chunks` reads a chat stream's
+chunks back (the Messages and Responses APIs rewrite them as their own events)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from qspec.engine import Generation
@@ -81,3 +84,15 @@ class ChatBodies:
 def token_text(tok: Tokenizer, token: int) -> str:
     """A token's text (its bytes as UTF-8, a partial character replaced)."""
     return tok.id_to_bytes(token).decode("utf-8", "replace")
+
+
+async def chat_chunks(stream: AsyncGenerator[str | bytes, None]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of a chat stream's server-sent events (blank lines and `[DONE]` skipped). Closing this
+    generator closes the stream: a client that left stops the chat stream's worker."""
+    try:
+        async for raw in stream:
+            line = raw.decode() if isinstance(raw, bytes) else raw
+            if line.startswith("data: {"):
+                yield json.loads(line[len("data: "):])
+    finally:
+        await stream.aclose()

@@ -31,6 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from qspec.server.bodies import chat_chunks
+
 TEXT_PARTS = ("input_text", "output_text", "text")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -242,18 +244,35 @@ def response_shell(req: ResponsesRequest, response_id: str, model: str) -> dict[
 def response_body(chat: dict[str, Any], shell: dict[str, Any]) -> dict[str, Any]:
     """A whole chat completion -> the response: its output items, status and usage."""
     choice = chat["choices"][0]
-    msg, items = choice["message"], _Items()
-    if msg.get("reasoning_content"):
-        items.open("reasoning")
-        items.add_text(msg["reasoning_content"])
-    if msg.get("content"):
-        items.open("message")
-        items.add_text(msg["content"])
-    for call in msg.get("tool_calls") or []:
-        items.open("function_call", call["id"], call["function"]["name"])
-        items.add_text(call["function"]["arguments"])
-    items.close()
-    return _finished(shell, items.done, choice, chat["usage"])
+    msg = choice["message"]
+    parts = [("reasoning", msg.get("reasoning_content"), None, ""), ("message", msg.get("content"), None, "")]
+    parts += [("function_call", c["function"]["arguments"], c["id"], c["function"]["name"])
+              for c in msg.get("tool_calls") or []]
+    output = [_finished_item(_open_item(kind, call_id, name), text or "") for kind, text, call_id, name in parts
+              if text or call_id]
+    return _finished(shell, output, choice, chat["usage"])
+
+
+def _open_item(kind: str, call_id: str | None = None, name: str = "") -> dict[str, Any]:
+    """A new output item of `kind` (reasoning, message, function_call), in progress and empty."""
+    ident = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind] + "_" + uuid.uuid4().hex[:24]
+    return {"type": kind, "id": ident} | {
+        "reasoning": {"summary": [], "content": []},
+        "message": {"status": "in_progress", "role": "assistant", "content": []},
+        "function_call": {"call_id": call_id, "name": name, "arguments": "", "status": "in_progress"}}[kind]
+
+
+def _finished_item(item: dict[str, Any], text: str) -> dict[str, Any]:
+    """The item done with its whole text (a function call's: its arguments)."""
+    if item["type"] == "reasoning":
+        return item | {"content": [{"type": "reasoning_text", "text": text}]}
+    if item["type"] == "message":
+        return item | {"status": "completed", "content": [_text_part(text)]}
+    return item | {"arguments": text, "status": "completed"}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _finished(shell: dict[str, Any], output: list[dict[str, Any]], choice: dict[str, Any], usage: dict[str, Any]
@@ -272,15 +291,11 @@ async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict
     """The chat stream's server-sent events -> the Responses stream: response.created and response.in_progress, each
     output item added, its deltas and done events, then response.completed (or response.incomplete) with the whole
     response, which `done` gets first; an error event stays an error."""
-    items = _Items()
+    items, parsed = _Items(), chat_chunks(chunks)
     yield items.event("response.created", {"response": shell})
     yield items.event("response.in_progress", {"response": shell})
     try:
-        async for raw in chunks:
-            line = raw.decode() if isinstance(raw, bytes) else raw
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: "):])
+        async for chunk in parsed:
             if "error" in chunk:
                 yield items.event("error", {"code": chunk["error"].get("code"), "message": chunk["error"]["message"],
                                             "param": chunk["error"].get("param")})
@@ -294,7 +309,7 @@ async def response_events(chunks: AsyncGenerator[str | bytes, None], shell: dict
                 done(body)
                 yield items.event(f"response.{body['status']}", {"response": body})
     finally:  # a client that left: the chat stream stops its worker when it is closed
-        await chunks.aclose()
+        await parsed.aclose()
 
 
 class _Items:
@@ -331,15 +346,10 @@ class _Items:
         if self.key == key:
             return []
         out = self.close()
-        self.key, self.text = key, ""
-        ident = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind] + "_" + uuid.uuid4().hex[:24]
-        self.item = {"type": kind, "id": ident} | {
-            "reasoning": {"summary": [], "content": []},
-            "message": {"status": "in_progress", "role": "assistant", "content": []},
-            "function_call": {"call_id": call_id, "name": name, "arguments": "", "status": "in_progress"}}[kind]
+        self.key, self.text, self.item = key, "", _open_item(kind, call_id, name)
         out.append(self.event("response.output_item.added", {"output_index": len(self.done), "item": self.item}))
         if kind == "message":
-            out.append(self.event("response.content_part.added", self._at() | {"part": self._part("")}))
+            out.append(self.event("response.content_part.added", self._at() | {"part": _text_part("")}))
         return out
 
     def add_text(self, text: str) -> list[str]:
@@ -353,16 +363,13 @@ class _Items:
     def close(self) -> list[str]:
         if self.item is None:
             return []
-        item, text, out = self.item, self.text, []
+        item, text, out = _finished_item(self.item, self.text), self.text, []
         if item["type"] == "reasoning":
-            item["content"] = [{"type": "reasoning_text", "text": text}]
             out.append(self.event("response.reasoning_text.done", self._at() | {"text": text}))
         elif item["type"] == "message":
-            item |= {"status": "completed", "content": [self._part(text)]}
             out.append(self.event("response.output_text.done", self._at() | {"text": text, "logprobs": []}))
-            out.append(self.event("response.content_part.done", self._at() | {"part": self._part(text)}))
+            out.append(self.event("response.content_part.done", self._at() | {"part": _text_part(text)}))
         else:
-            item |= {"arguments": text, "status": "completed"}
             out.append(self.event("response.function_call_arguments.done", self._at() | {"arguments": text}))
         out.append(self.event("response.output_item.done", {"output_index": len(self.done), "item": item}))
         self.done.append(item)
@@ -373,7 +380,3 @@ class _Items:
         assert self.item is not None
         where = {"item_id": self.item["id"], "output_index": len(self.done)}
         return where if self.item["type"] == "function_call" else where | {"content_index": 0}
-
-    @staticmethod
-    def _part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
