@@ -31,6 +31,7 @@ from qspec.model.fuse import MAX_ROWS as MAX_FUSED_ROWS
 from qspec.model.model import CacheOptions
 from qspec.spec.depth import FIRST_STRETCH, STRETCH_GROWTH
 from qspec.spec.logit_rules import MAX_PENALTY
+from qspec.tokenizer import THINK_CLOSE, THINK_OPEN
 
 MAX_DRAFT = 8
 MAX_MIXER_ROWS = 8  # kernels/triton_hc_mix.MAX_ROWS (a test checks they agree; importing it here would load Triton)
@@ -124,7 +125,7 @@ def _at_least(lo: int) -> Check:
 
 
 def _no_think_tag(text: str) -> str | None:
-    return f"must not hold a think tag, got {text!r}" if "<think>" in text or "</think>" in text else None
+    return f"must not hold a think tag, got {text!r}" if THINK_OPEN in text or THINK_CLOSE in text else None
 
 
 # `qspec run` (one request per process) compiles the steps' small ops only for requests of at least this many

@@ -58,8 +58,9 @@ TOKEN_UNUSED = 5
 # keeps them because reasoning / tool-call parsers need them. Every other added token is a control token. Qwen's
 # HF config also marks the FIM/repo markers non-special, but llama.cpp's converter makes every `<|...|>` CONTROL;
 # we follow llama.cpp so a GGUF round trip is exact.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # a reply's reasoning block (Qwen3)
 QWEN_TEXT_TOKENS = frozenset(
-    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", THINK_OPEN, THINK_CLOSE}
 )
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -415,7 +416,7 @@ class Tokenizer:
         """The ids of `<think>` and `</think>` where the vocabulary has them as tokens (else None), and of
         `<|im_start|>`, a turn's start, where it has one: what a reply's think block is read and held by
         (spec/grammar.py: think_state_of, AfterThinking)."""
-        open_id, close_id = self.token_to_id("<think>"), self.token_to_id("</think>")
+        open_id, close_id = self.token_to_id(THINK_OPEN), self.token_to_id(THINK_CLOSE)
         if open_id is None or close_id is None:
             return None
         return open_id, close_id, self.token_to_id("<|im_start|>")

@@ -13,7 +13,8 @@ until the next piece tells.
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+from qspec.tokenizer import THINK_CLOSE as CLOSE
+from qspec.tokenizer import THINK_OPEN as OPEN
 
 
 class ReasoningSplit:
