@@ -67,6 +67,7 @@ from qspec.spec.grammar import (
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
+    ThinkingBudget,
     check_grammar,
     thinking_budget,
     with_thinking,
@@ -163,22 +164,22 @@ def _thinking_options(a: argparse.Namespace) -> ThinkingOptions:
     return _checked(lambda: from_args(ThinkingOptions, a))
 
 
-def _check_thinking(think: ThinkingOptions, tok: Tokenizer) -> None:
-    """--reasoning-budget needs the tokenizer's think tags (once the model is loaded)."""
+def _budget(think: ThinkingOptions, tok: Tokenizer) -> ThinkingBudget | None:
+    """--reasoning-budget for this tokenizer (None: no limit); a usage error where it has no think tags."""
     try:
-        if think.reasoning_budget is not None:
-            thinking_budget(tok, think.reasoning_budget, think.reasoning_budget_message)
+        if think.reasoning_budget is None:
+            return None
+        return thinking_budget(tok, think.reasoning_budget, think.reasoning_budget_message)
     except ValueError as e:
         raise UsageError(f"--reasoning-budget: {e}") from None
 
 
-def _held_to_budget(sampler: Sampler, think: ThinkingOptions, tok: Tokenizer, ids: list[int], vocab_size: int
-                    ) -> Sampler:
-    """The sampler for the prompt `ids`: a reply's think block held to --reasoning-budget, its grammar (if any) then
-    holding the answer after the block (spec/grammar.py: with_thinking); `sampler` as it is without a budget."""
-    if think.reasoning_budget is None:
+def _held_to_budget(sampler: Sampler, budget: ThinkingBudget | None, tok: Tokenizer, ids: list[int],
+                    vocab_size: int) -> Sampler:
+    """The sampler for the prompt `ids`: a reply's think block held to `budget`, its grammar (if any) then holding
+    the answer after the block (spec/grammar.py: with_thinking); `sampler` as it is without a budget."""
+    if budget is None:
         return sampler
-    budget = thinking_budget(tok, think.reasoning_budget, think.reasoning_budget_message)
     return replace(sampler, grammar=with_thinking(sampler.grammar, tok, ids, vocab_size, budget))
 
 
@@ -465,9 +466,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if uncompiled_short and model.device.type == "cuda":
         _say(f"qspec: the steps' small ops run uncompiled: a run of under {RUN_COMPILE_MIN_TOKENS} tokens ends "
              "sooner without the compilation (--compile compiles them: faster steady decoding after it)")
-    _check_thinking(think, tok)
+    budget = _budget(think, tok)
     ids = request_ids(tok, model.cfg)
-    sampler = _held_to_budget(_sampler(samp, spec, tok, model.cfg.vocab_size), think, tok, ids, model.cfg.vocab_size)
+    sampler = _held_to_budget(_sampler(samp, spec, tok, model.cfg.vocab_size), budget, tok, ids, model.cfg.vocab_size)
 
     out = sys.stdout
     stream = tok.stream(skip_special=True)  # stop tokens and other control tokens are not text
@@ -511,7 +512,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return tok.encode(tok.apply_chat_template(messages + [{"role": "user", "content": "Hello"}]), add_special=True)
 
     _, tok, engine = _load(a, opts, first_ids)
-    _check_thinking(think, tok)
+    budget = _budget(think, tok)
     vocab = engine.model.cfg.vocab_size
     sampler = _sampler(samp, spec, tok, vocab)
     tty = sys.stdin.isatty()
@@ -533,7 +534,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             raise UsageError("the conversation no longer fits the context: "
                              + context_error(len(ids), samp.max_tokens, opts.draft, opts.capacity,
                                              names=_REQUEST_NAMES))
-        reply = _chat_turn(engine, tok, ids, samp.max_tokens, _held_to_budget(sampler, think, tok, ids, vocab))
+        reply = _chat_turn(engine, tok, ids, samp.max_tokens, _held_to_budget(sampler, budget, tok, ids, vocab))
         messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
 
 
@@ -585,7 +586,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
     texts = _read_prompts(a.prompts)
     opts = _engine_options(a)
     path, tok, engine = _load(a, opts, lambda t, cfg: _prompt_ids(t, texts[0], cfg.vocab_size, a.chat))
-    _check_thinking(think, tok)
+    budget = _budget(think, tok)
     vocab = engine.model.cfg.vocab_size
     prompts = [_fitting_ids(tok, t, vocab, a.chat, samp.max_tokens, opts, f"prompt {i}: ")
                for i, t in enumerate(texts)]
@@ -595,7 +596,7 @@ def cmd_batch(a: argparse.Namespace) -> int:
 
     def sampler(i: int, ids: list[int]) -> Sampler:  # prompt i's: its seed, and its own think block's budget
         own = _sampler(replace(samp, seed=(samp.seed + i) % 2**64), spec, tok, vocab, compiler)
-        return _held_to_budget(own, think, tok, ids, vocab)
+        return _held_to_budget(own, budget, tok, ids, vocab)
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=2 * batcher.slots) as pool:  # enough callers to keep the slots full
@@ -657,7 +658,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                          "pip install 'qspec[server]'") from None
     sock = listen_socket(server.host, server.port)  # a busy port or unknown host fails before the model loads
     path, tok, engine = _load(a, opts, _warmup_ids)
-    _check_thinking(server, tok)
+    _budget(server, tok)  # a budget this tokenizer cannot hold: before the warm-up
     ids = _warmup_ids(tok, engine.model.cfg)
     slots = _batch_slots(a, engine)
     batcher = Batcher(engine, slots, draft=a.batch_draft) if slots > 1 else None
