@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -85,3 +86,33 @@ def routing(T_: int, E: int, k: int, seed: int, device: str = "cpu") -> tuple[to
     if T_ > 1:
         top_i[1, 0] = top_i[0, 0]  # two tokens share an expert
     return top_i.to(device), torch.rand(T_, k, generator=g).to(device)
+
+
+@pytest.fixture(scope="module")
+def tiny_api(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """A TestClient of the server over a tiny random model written as a GGUF (vocab 512, seed 3), its engine drafting
+    2 deep in row-exact mode with 1,024 cells (skipped without fastapi)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from qspec.cli import main
+    from qspec.engine import Engine, EngineOptions
+    from qspec.loader import load_model, load_tokenizer
+    from qspec.server.app import create_app
+
+    path = tmp_path_factory.mktemp("api") / "tiny.gguf"
+    assert main(["make-model", str(path), "--vocab-size", "512", "--seed", "3"]) == 0
+    engine = Engine(load_model(path, device="cpu"), EngineOptions(draft=2, capacity=1024, exact=True))
+    with TestClient(create_app(engine, load_tokenizer(path), "tiny")) as c:
+        yield c
+
+
+def named_events(client: object, path: str, payload: dict) -> list[tuple[str, dict]]:
+    """A streamed request's server-sent events as (event name, data), each data's type its event's name."""
+    with client.stream("POST", path, json=payload | {"stream": True}) as r:  # type: ignore[attr-defined]
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    pairs = list(zip(lines[::2], lines[1::2], strict=True))
+    out = [(k.removeprefix("event: "), json.loads(v.removeprefix("data: "))) for k, v in pairs]
+    assert all(data["type"] == kind for kind, data in out)
+    return out

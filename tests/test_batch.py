@@ -217,6 +217,18 @@ def test_bad_requests_are_refused_before_they_queue(tiny_model: Model) -> None:
         Batcher(engine(tiny_model), 0)
 
 
+def beside_a_free_request(model: Model, draft: int, call: dict) -> list[int]:
+    """The tokens of the request `call` (Batcher.generate's arguments) decoded in a batch of two beside a request
+    with no rules."""
+    b = Batcher(engine(model, draft=draft), 2)
+    try:
+        got = together(b, [call, dict(prompt=prompt_of(12, 8), max_tokens=30)])
+    finally:
+        b.close()
+    assert isinstance(got[0], Generation)
+    return got[0].tokens
+
+
 @pytest.mark.parametrize("draft", [0, 3])
 def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_model: Model, draft: int) -> None:
     """A regular expression on one request of a batch (beside a free one): its masks follow its own tokens."""
@@ -234,12 +246,7 @@ def test_a_grammar_in_a_batch_picks_what_plain_decoding_under_it_picks(tiny_mode
                     sampler=Sampler(grammar=compiler.compile(GrammarSpec("regex", regex))))
     want = engine(tiny_model).generate(**call()).tokens
     assert re.fullmatch(regex, tok.decode(want, skip_special=True)) and want[-1] in tok.stop_ids
-    b = Batcher(engine(tiny_model, draft=draft), 2)
-    try:
-        got = together(b, [call(), dict(prompt=prompt_of(12, 8), max_tokens=30)])
-    finally:
-        b.close()
-    assert isinstance(got[0], Generation) and got[0].tokens == want
+    assert beside_a_free_request(tiny_model, draft, call()) == want
 
 
 @pytest.mark.parametrize("draft", [0, 3])
@@ -257,12 +264,7 @@ def test_a_thinking_budget_in_a_batch_closes_where_plain_decoding_closes(tiny_mo
             FreeText(tiny_model.cfg.vocab_size), 7, close, prompt, budget=budget)))
     want = engine(tiny_model).generate(**call()).tokens
     assert want[:5] == free[:5] and want[5:7] == [free[0], close] and want != free
-    b = Batcher(engine(tiny_model, draft=draft), 2)
-    try:
-        got = together(b, [call(), dict(prompt=prompt_of(12, 8), max_tokens=30)])
-    finally:
-        b.close()
-    assert isinstance(got[0], Generation) and got[0].tokens == want
+    assert beside_a_free_request(tiny_model, draft, call()) == want
 
 
 @pytest.mark.parametrize("draft", [0, 2])

@@ -5,17 +5,12 @@ ways; bad requests are a 400 naming the problem."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
+from conftest import named_events  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
-
-from qspec.cli import main  # noqa: E402
-from qspec.engine import Engine, EngineOptions  # noqa: E402
-from qspec.loader import load_model, load_tokenizer  # noqa: E402
-from qspec.server.app import create_app  # noqa: E402
 
 TOOL = {"type": "function", "name": "rain", "description": "rain in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}}, "required": ["city"],
@@ -24,21 +19,12 @@ CHAT_TOOL = {"type": "function", "function": {k: TOOL[k] for k in ("name", "desc
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    d: Path = tmp_path_factory.mktemp("responses")
-    assert main(["make-model", str(d / "tiny.gguf"), "--vocab-size", "512", "--seed", "3"]) == 0
-    engine = Engine(load_model(d / "tiny.gguf", device="cpu"), EngineOptions(draft=2, capacity=1024, exact=True))
-    with TestClient(create_app(engine, load_tokenizer(d / "tiny.gguf"), "tiny")) as c:
-        yield c
+def client(tiny_api: TestClient) -> TestClient:
+    return tiny_api
 
 
 def _events(client: TestClient, payload: dict) -> list[tuple[str, dict]]:
-    with client.stream("POST", "/v1/responses", json=payload | {"stream": True}) as r:
-        assert r.status_code == 200
-        lines = [ln for ln in r.iter_lines() if ln]
-    pairs = list(zip(lines[::2], lines[1::2], strict=True))
-    out = [(k.removeprefix("event: "), json.loads(v.removeprefix("data: "))) for k, v in pairs]
-    assert all(data["type"] == kind for kind, data in out)
+    out = named_events(client, "/v1/responses", payload)
     assert [data["sequence_number"] for _, data in out] == list(range(len(out)))
     return out
 
