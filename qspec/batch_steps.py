@@ -12,6 +12,7 @@ import torch
 from qspec.engine import DraftLMHead
 from qspec.model.model import Segment
 from qspec.runner import GRAPH_MAX_ROWS, Runner, upload
+from qspec.state.recurrent import RecurrentTables
 
 
 class BatchSteps:
@@ -24,6 +25,9 @@ class BatchSteps:
         self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
         # by (sequences, depth: 0 for a plain step): the last steps' or rounds' times to their tokens (benchmarks)
         self.seconds: dict[tuple[int, int], deque[float]] = {}
+        # by set of slots: their recurrent caches' addresses (GDN's launches for all of them), made once outside any
+        # graph capture and kept as long as the graphs that read them (the first runner's)
+        self._tables: dict[tuple[int, ...], RecurrentTables] = {}
 
     def timed(self, key: tuple[int, int], seconds: float) -> None:
         self.seconds.setdefault(key, deque(maxlen=4096)).append(seconds)
@@ -77,11 +81,21 @@ class BatchSteps:
         kv_len = max(seg.kv_len or 0 for seg, _ in booked) or None
         segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
-        logits, X = lead.forward_segments(("batch", (tuple(slots), rows)), segs, tokens.to(lead.device), pos)
+        logits, X = lead.forward_segments(("batch", (tuple(slots), rows)), segs, tokens.to(lead.device), pos,
+                                          self._recurrent_tables(slots))
         for k, s in enumerate(slots):
             self.runners[s].end_rows(tokens[k * rows:(k + 1) * rows])
         self.steps, self.rows = self.steps + 1, self.rows + len(tokens)
         return logits, X
+
+    def _recurrent_tables(self, slots: list[int]) -> RecurrentTables | None:
+        """The slots' recurrent tables (None for one slot, or a model without GDN layers)."""
+        key = tuple(slots)
+        if len(key) < 2 or not self.runners[0].cache.rec.gdn:
+            return None
+        if key not in self._tables:
+            self._tables[key] = RecurrentTables([self.runners[s].cache.rec for s in key])
+        return self._tables[key]
 
     def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,
                     lm_head: DraftLMHead, rows: int, pick: torch.Tensor | None, write_only: bool

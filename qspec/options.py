@@ -169,6 +169,9 @@ class KernelOptions:
                               "bf16; off: a loop over the experts)", applies="CUDA, sm_90/sm_100", arm="gmm")
     gdn_conv_kernel: bool = option(True, "GDN steps' causal conv, silu and q/k norms in one Triton launch per layer "
                                    "(off: compiled)", applies="CUDA", arm="gconv")
+    gdn_seqs: bool = option(True, "a batched step runs every sequence's GDN conv snapshots and recurrence in two "
+                            "launches a layer (off: two or three launches per sequence)", applies="CUDA, batches",
+                            arm="gseqs")
     int8_dot: bool = option(True, "one-row products with GGUF block weights (and the few-token experts) with the "
                             "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "
                             "blocks expanded to f32 in registers)", applies="CUDA, block weights",

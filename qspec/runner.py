@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qspec.kernels import gated_norm, gdn_conv, gemv, hc_mix, qmatmul, triton_common, triton_qdot, triton_qmatmul
+from qspec.kernels import (
+    gated_norm,
+    gdn_conv,
+    gdn_seqs,
+    gemv,
+    hc_mix,
+    qmatmul,
+    triton_common,
+    triton_qdot,
+    triton_qmatmul,
+)
 from qspec.kernels.argmax import argmax_rows
 from qspec.kernels.conv_snapshot import SnapshotStats
 from qspec.kernels.q4 import Q4Weight
@@ -27,6 +37,7 @@ from qspec.model.model import CacheOptions, Model, ModelCache, SavedPrefix, Segm
 from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
 from qspec.options import EngineOptions
+from qspec.state.recurrent import RecurrentTables
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
 GRAPH_MAX_ROWS = 16
@@ -64,6 +75,7 @@ class KernelSwitches:
     compile_backend: str = "inductor"  # fuse._BACKEND
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON
+    gdn_seqs: bool = True  # gdn_seqs._ON: a batched step's GDN layers in two launches for all sequences
     pdl: bool = False  # triton_common._PDL: programmatic dependent launch
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
@@ -84,6 +96,7 @@ class KernelSwitches:
                    fused=opts.compile and (device.type == "cuda" or opts.compile_backend != "inductor"),
                    compile_prefill=opts.compile_prefill,
                    compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
+                   gdn_seqs=opts.gdn_seqs,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
                    mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks,
@@ -98,6 +111,7 @@ class KernelSwitches:
         used elsewhere, say) waits for it instead of saving and restoring the modes in between."""
         with MODEL_LOCK, ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
+                gdn_seqs.enabled_mode(self.gdn_seqs), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
                 fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
@@ -296,12 +310,12 @@ class Runner:
         self.end_rows(tokens)
         return logits, X
 
-    def forward_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model.forward_batch over `segs` (one KV bucket for all), through a CUDA graph of this runner's when graphs
-        are on: the pooled-key updates' tensors are its inputs beside the tokens and positions, and its key is
-        `kind` (a name and what tells its steps apart), the bucket and the updates' shapes; eagerly for more than
-        GRAPH_MAX_ROWS rows."""
+    def forward_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor,
+                         tables: RecurrentTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.forward_batch over `segs` (one KV bucket for all; `tables`: their recurrent caches' addresses, which
+        `kind` must tell apart), through a CUDA graph of this runner's when graphs are on: the pooled-key updates'
+        tensors are its inputs beside the tokens and positions, and its key is `kind` (a name and what tells its
+        steps apart), the bucket and the updates' shapes; eagerly for more than GRAPH_MAX_ROWS rows."""
         ratios = [sorted(s.upd) for s in segs]
         key = (*kind, segs[0].kv_len,
                tuple(tuple((r, s.upd[r].dest.shape[0]) for r in rs) for s, rs in zip(segs, ratios, strict=True)))
@@ -314,7 +328,7 @@ class Runner:
                 parts.append(Segment(s.rows, s.cache, {r: PooledUpdate(*u[at + 3 * i:at + 3 * i + 3])
                                                        for i, r in enumerate(rs)}, s.kv_len))
                 at += 3 * len(rs)
-            return self.model.forward_batch(tok, p, parts)
+            return self.model.forward_batch(tok, p, parts, tables)
 
         if int(tokens.shape[0]) > GRAPH_MAX_ROWS:
             return fwd(*flat)

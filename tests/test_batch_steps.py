@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from test_batch import engine, prompt_of
 
 from qspec.batch_steps import BatchSteps
 from qspec.engine import prefill_chunks
+from qspec.kernels.triton_common import HAS_TRITON
 from qspec.model.model import Model
 from qspec.runner import Runner
 
@@ -85,3 +91,59 @@ def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> N
     for got, want in zip(split.out, whole.out, strict=True):  # type: ignore[attr-defined]
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+_GDN_SEQS_STEPS = """
+import torch
+from conftest import build_model, tiny_config
+from test_batch import engine, prompt_of
+
+from qspec.batch_steps import BatchSteps
+from qspec.kernels import gdn_seqs
+from qspec.runner import Runner
+
+model = build_model(tiny_config(), seed=3)
+e = engine(model, exact=False, draft=2)
+launched = []
+batched = gdn_seqs.gdn_step_seqs_triton
+gdn_seqs.gdn_step_seqs_triton = lambda *a, **k: launched.append(1) or batched(*a, **k)
+prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
+
+
+def step(rows, on):
+    runs = []
+    for p in prompts:
+        r = Runner(model, e.opts.cache_options())
+        r.step(torch.tensor(p)), r.keep(len(p), rollback=False)
+        runs.append(r)
+    with gdn_seqs.enabled_mode(on):
+        logits, _ = BatchSteps(runs).run([0, 1, 2], torch.arange(3 * rows) + 20, rows)
+    for r in runs:
+        r.keep(1, rollback=True)
+    return logits, [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs]
+
+
+with e.runner.switches.apply():
+    for rows in (1, 3):
+        (l1, s1, c1), (l2, s2, c2) = step(rows, True), step(rows, False)
+        torch.testing.assert_close(l1, l2, atol=1e-4, rtol=1e-4)
+        for a, b in zip(s1, s2, strict=True):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
+        assert c1 == c2, (c1, c2)
+assert len(launched) == 2 * len(model.cfg.gdn_layers()), launched
+print("gdn seqs steps ok")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_a_batched_steps_gdn_in_two_launches_equals_each_sequence_alone() -> None:
+    """Through Triton's interpreter (a subprocess: Triton reads TRITON_INTERPRET when the kernels are defined), a
+    batched step of three sequences (one row each, then three each) with every GDN layer's snapshots and recurrence
+    in two launches for all of them (gdn_seqs) gives the logits, committed states and snapshot counters that the same
+    step with each sequence's GDN launched alone gives; the two launches ran for every GDN layer of both steps."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
+    r = subprocess.run([sys.executable, "-c", _GDN_SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0 and "gdn seqs steps ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]

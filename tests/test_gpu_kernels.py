@@ -83,6 +83,13 @@ def test_gdn_conv(target: str, request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_gdn_seqs(target: str, request: pytest.FixtureRequest) -> None:
+    """A batched step's GDN for several sequences in two launches: each sequence's output, states and conv windows as
+    its step alone makes them, found through the tables of its buffers' addresses."""
+    check("gdn_seqs", target, request)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_pooled(target: str, request: pytest.FixtureRequest) -> None:
     """Pooled indexer keys for the update list; rows outside it untouched."""
     check("pooled", target, request)

@@ -35,10 +35,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from qspec.config import ModelConfig, preset
 from qspec.kernels.argmax import argmax_rows_torch
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch
+from qspec.kernels.gdn_seqs import gdn_step_seqs_torch, gdn_step_seqs_triton
 from qspec.kernels.hc_mix import combine_torch, mix_torch
 from qspec.kernels.kv_write import write_q8_0_torch
 from qspec.kernels.masked_attention import masked_attention_torch
@@ -78,6 +80,7 @@ from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.kernels.triton_top_blocks import top_blocks_mask_triton
 from qspec.model.ops import Weight, rope_tables
 from qspec.state.kv_cache import quantize_q8_0
+from qspec.state.recurrent import RecurrentCache, RecurrentTables
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PLANES_QTYPES, QuantWeight
 from qspec.weights.traffic import held_bytes
@@ -856,6 +859,77 @@ def check_gdn_conv_recurrence(R: Runner, T: int, Hk: int, Hv: int, d: int, taps:
     R.add(row)
 
 
+def _seqs_caches(B: int, n_slots: int, cfg: ModelConfig, dev: str) -> list[RecurrentCache]:
+    """B recurrent caches of random states, their live planes in either half (so each sequence's base differs),
+    each begun on a step."""
+    recs = []
+    for b in range(B):
+        rc = RecurrentCache(cfg, n_slots, dev)
+        for st in rc.gdn.values():
+            st.conv.normal_()
+            st.ssm.normal_(std=0.1)
+        if b % 2:  # live in the upper half: the step writes the lower one
+            rc.begin_step()
+        rc.commit(b % n_slots)
+        rc.begin_step()
+        recs.append(rc)
+    return recs
+
+
+def check_gdn_seqs(R: Runner, B: int, T: int, Hk: int, Hv: int, dk: int, dv: int, timed: bool = False) -> None:
+    """A batched step's GDN (gdn_seqs: every sequence's snapshots, then every sequence's conv and recurrence, a launch
+    each) against each sequence's step alone (gdn_step_seqs_torch); timed against the launches of the sequences one
+    by one (the model's per-sequence path: snapshots, then conv and recurrence in one launch, for one-row steps)."""
+    dev = R.device
+    cfg = preset("tiny", layers=1, gdn_k_heads=Hk, gdn_v_heads=Hv, gdn_head_dim=dk, gdn_v_head_dim=dv)
+    C, taps = cfg.gdn_conv_dim, cfg.gdn_conv_kernel
+    n_slots = max(T, 6)
+    ref, tri = _seqs_caches(B, n_slots, cfg, dev), _seqs_caches(B, n_slots, cfg, dev)
+    for a, b in zip(ref, tri, strict=True):
+        for x, y in zip(a._buffers(), b._buffers(), strict=True):
+            y.copy_(x)
+    qkv, logits = torch.randn(B * T, C, device=dev).bfloat16(), (4 * torch.randn(B * T, 2 * Hv, device=dev)).bfloat16()
+    conv_w = torch.randn(C, taps, device=dev) * 0.5
+    gates = (-(1 + 15 * torch.rand(Hv, device=dev)), 4 * torch.rand(Hv, device=dev))
+    dims = (Hk, Hv, dk, dv)
+    args = (qkv, logits[:, Hv:], logits[:, :Hv])
+    o_ref = gdn_step_seqs_torch(*args, ref, [rc.gdn[0] for rc in ref], conv_w, dims, gates)
+    tables = RecurrentTables(tri)
+    o = gdn_step_seqs_triton(*args, tables, 0, conv_w, dims, gates)
+    conv_same = all(torch.equal(a.gdn[0].conv, b.gdn[0].conv) for a, b in zip(ref, tri, strict=True))
+    es = max(rel_err(b.gdn[0].ssm, a.gdn[0].ssm) for a, b in zip(ref, tri, strict=True))
+    eo = rel_err(o, o_ref)
+    row = Row(f"gdn seqs B={B} T={T} Hk={Hk} Hv={Hv} dk={dk} dv={dv}" + (" (torch: the sequences' launches)"
+                                                                           if timed else ""),
+              eo < 1e-5 and es < 1e-5 and conv_same,
+              f"rel err o {eo:.2e} states {es:.2e}; conv planes {'bit-identical' if conv_same else 'DIFFER'}")
+
+    def one_by_one() -> None:
+        for b, rc in enumerate(tri):
+            rows = slice(b * T, (b + 1) * T)
+            X = conv_snapshot_triton(rc.gdn[0].conv, qkv[rows], rc.gdn[0].conv, rc.base, T, live=rc.live)
+            gdn_conv_recurrent_triton(X, conv_w, Hk, Hv, dk, dv, args[1][rows], args[2][rows], rc.gdn[0].ssm,
+                                      rc.live, rc.base, gates)
+
+    if timed and R.timing:
+        row.torch_us = R.bench(one_by_one)
+        row.triton_us = R.bench(lambda: gdn_step_seqs_triton(*args, tables, 0, conv_w, dims, gates))
+    R.add(row)
+
+
+def gdn_seqs_checks(R: Runner, small: bool) -> None:
+    """A batched step's GDN over several sequences: 8 one-row sequences and 4 verifies of 4 rows at the real geometry,
+    then ragged head sizes."""
+    if small:
+        check_gdn_seqs(R, 3, 1, 2, 4, 16, 16)
+        check_gdn_seqs(R, 2, 3, 1, 2, 16, 24)
+        return
+    check_gdn_seqs(R, 8, 1, 16, 48, 128, 128, timed=True)
+    check_gdn_seqs(R, 4, 4, 16, 48, 128, 128, timed=True)
+    check_gdn_seqs(R, 2, 1, 16, 48, 128, 128, timed=True)
+    check_gdn_seqs(R, 3, 2, 3, 6, 96, 80)
+
+
 def gdn_conv_checks(R: Runner, small: bool) -> None:
     """GDN's step conv: a verify (6 rows) and a decode row at the real geometry, then ragged head dims."""
     if small:
@@ -1137,7 +1211,7 @@ CHECKS: dict[str, Callable[[Runner, bool], None]] = {
     "sparse_attention": sparse_attention_checks, "kv_write": kv_write_checks,
     "masked_attention": masked_attention_checks, "q4": q4_checks, "moe": moe_checks, "gemv": gemv_checks,
     "hc_mix": hc_mix_checks, "route": route_checks, "dequant": dequant_checks, "top_blocks": top_blocks_checks,
-    "argmax": argmax_checks, "row_independence": check_row_independence,
+    "argmax": argmax_checks, "row_independence": check_row_independence, "gdn_seqs": gdn_seqs_checks,
 }
 
 

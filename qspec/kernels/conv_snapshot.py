@@ -116,19 +116,13 @@ def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base
     kernel = (use_triton(S) and S.dtype == planes.dtype == torch.float32 and T.dtype in ROW_DTYPES
               and s + n <= ROW_WORDS)
     X = torch.empty(C, s + n, dtype=S.dtype, device=S.device)
-    if live is None:
-        state_span = S
-    else:  # the half holding the live plane
-        half = planes.shape[0] // 2
-        state_span = planes[half:] if host_base < half else planes[:half]
-    dests = [host_base + j for j in range(n_write)]
-    accepted = plan_snapshots(state_span, T, X, planes, dests, stats) if fused else None
+    accepted = plan_step(S, T, X, planes, host_base, n_write, stats, live) if fused else None
     if fused and kernel and (accepted is not None or n_write == 1):
         from qspec.kernels.triton_conv_snapshot import conv_snapshot
 
         k = len(accepted) if accepted is not None else 1
         conv_snapshot(S, T, planes, base, k, out=X, live=live)  # Algorithm 5: one load per row
-        _count(stats, accepted is not None, 1, (s + n) * C)
+        count_fused_step(stats, accepted, s + n, C)
         rest = range(k, n_write)
     elif fused and accepted is not None:  # the reference of the fused path (CPU)
         torch.cat([_state(S, live), T.t().to(S.dtype)], dim=1, out=X)
@@ -148,6 +142,24 @@ def write_snapshots(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, base
             stats.dispatches += 1
             stats.source_reads += s * C
     return X
+
+
+def plan_step(S: torch.Tensor, T: torch.Tensor, X: torch.Tensor, planes: torch.Tensor, host_base: int, n_write: int,
+              stats: SnapshotStats | None, live: torch.Tensor | None = None) -> list[int] | None:
+    """`plan_snapshots` for a step's windows, planes host_base + j for j < n_write, as `write_snapshots` takes them
+    (S, live: its state; with `live`, the state is a plane of the half of `planes` that host_base is not in)."""
+    if live is None:
+        state_span = S
+    else:  # the half holding the live plane
+        half = planes.shape[0] // 2
+        state_span = planes[half:] if host_base < half else planes[:half]
+    return plan_snapshots(state_span, T, X, planes, [host_base + j for j in range(n_write)], stats)
+
+
+def count_fused_step(stats: SnapshotStats | None, accepted: list[int] | None, row_words: int, channels: int) -> None:
+    """Count a step whose windows one fused launch wrote (a fused group where `plan_step` accepted one, else a
+    one-row step's single window) as `write_snapshots` counts it."""
+    _count(stats, accepted is not None, 1, row_words * channels)
 
 
 def _state(S: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:

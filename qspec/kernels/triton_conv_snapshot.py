@@ -29,8 +29,16 @@ if HAS_TRITON:
                               s_plane, s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
                               SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
                               DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, T_WORDS: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False, SEQS: tl.constexpr = False):
         pdl_start(PDL)
+        if SEQS:  # sequence program_id(1): s_ptr, live_ptr, dest_ptr are tables of its planes' and scalars' addresses
+            seq = tl.program_id(1)
+            s_ptr = tl.load(s_ptr + seq).to(tl.pointer_type(tl.int32))
+            planes_ptr = s_ptr
+            live_ptr = tl.load(live_ptr + seq).to(tl.pointer_type(tl.int64))
+            dest_ptr = tl.load(dest_ptr + seq).to(tl.pointer_type(tl.int64))
+            t_ptr += seq * NT * t_tok
+            x_ptr += seq * C * (SW + NT)
         if LIVE:  # S is plane `live` of a [P, C, s] tensor, chosen on the device (no gather launch)
             s_ptr += tl.load(live_ptr) * s_plane
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -125,6 +133,32 @@ def conv_snapshot_triton(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor,
         T_WORDS=T.dtype == torch.float32,
         BLOCK=BLOCK_C, num_warps=4, **pdl_launch(Si))
     return X
+
+
+def conv_snapshot_seqs_triton(planes: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                              T: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`conv_snapshot(S=P_b, T_b, P_b, base_b, n, live=live_b)` for B sequences in one launch: sequence b's state is
+    plane live_b of its planes P_b, its rows T[b n : (b + 1) n], its windows go to planes base_b + j (j < n) and its
+    X to out[b]. planes: sequence 0's P (every P_b has its shape and strides); tables: int64 [B] device tensors of
+    the addresses of every P_b, live_b and base_b (state/recurrent.RecurrentTables). The caller guarantees each
+    sequence's Algorithm 4 conditions (`plan_step`). -> out [B, C, s + n] f32."""
+    B, C, width = out.shape
+    s = planes.shape[2]
+    n = width - s
+    if (planes.dim() != 3 or planes.dtype != torch.float32 or planes.shape[1] != C or T.dim() != 2
+            or T.shape != (B * n, C) or T.dtype not in ROW_DTYPES or out.dtype != torch.float32
+            or not out.is_contiguous() or n < 1 or width > ROW_WORDS
+            or any(t.shape != (B,) or t.dtype != torch.int64 for t in tables)):
+        raise ValueError(f"snapshots of {B} sequences: planes {tuple(planes.shape)} {planes.dtype}, rows "
+                         f"{tuple(T.shape)} {T.dtype}, out {tuple(out.shape)} {out.dtype}, tables {B} int64 each")
+    addresses, live, base = tables
+    _conv_snapshot_kernel[(triton.cdiv(C, BLOCK_C), B)](
+        addresses, live, T.view(torch.int32) if T.dtype == torch.float32 else T, out.view(torch.int32), addresses,
+        base, C, n, planes.stride(0), planes.stride(1), planes.stride(2), T.stride(0), T.stride(1),
+        planes.stride(0), planes.stride(1), planes.stride(2),
+        SW=s, NT=n, W=max(next_pow2(width), 2), DEST_IS_BASE=True, LIVE=True, T_WORDS=T.dtype == torch.float32,
+        BLOCK=BLOCK_C, num_warps=4, SEQS=True, **pdl_launch(out))
+    return out
 
 
 def conv_snapshot(S: torch.Tensor, T: torch.Tensor, planes: torch.Tensor, dest: torch.Tensor,

@@ -40,14 +40,26 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every row count
     def _gdn_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, ssm_ptr, live_ptr, base_ptr, o_ptr, T, HQ,
                     q_t, q_h, k_t, k_h, v_t, v_h, g_t, g_h, b_t, b_h, o_t, o_h, s_p, s_h, s_k,
-                    x_ptr, cw_ptr, x_c, scale, eps,
+                    x_ptr, cw_ptr, x_c, scale, eps, x_seq,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
                     FINAL: tl.constexpr = False, CONV: tl.constexpr = False, KT: tl.constexpr = 1,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, SEQS: tl.constexpr = False):
         # CONV: q, k and v come from the conv window X [2 HQ DK + Hv DV, KT - 1 + T] and the taps cw [C, KT]
         # (triton_gdn_conv's math: conv, silu, the q/k L2 norms, q's scale), computed here (q_ptr .. v_ptr unread);
-        # the two norms' sums are one reduction (compiled for sm_90: 13 barriers in the kernel, where two took 16)
+        # the two norms' sums are one reduction (compiled for sm_90: 13 barriers in the kernel, where two took 16).
+        # SEQS (with CONV): sequence program_id(2), whose T rows follow the previous sequence's in g, b and o, whose
+        # window is x_seq words further on, and whose state, live and base come from tables of their addresses
         pdl_start(PDL)
+        if SEQS:
+            seq = tl.program_id(2)
+            ssm_ptr = tl.load(ssm_ptr + seq).to(tl.pointer_type(tl.float32))
+            live_ptr = tl.load(live_ptr + seq).to(tl.pointer_type(tl.int64))
+            base_ptr = tl.load(base_ptr + seq).to(tl.pointer_type(tl.int64))
+            row0 = seq * T
+            g_ptr += row0 * g_t
+            b_ptr += row0 * b_t
+            o_ptr += row0 * o_t
+            x_ptr += seq.to(tl.int64) * x_seq
         h = tl.program_id(1)
         hq = h % HQ  # tiled head order: value head h reads key head h % HQ (HQ == Hv when pre-expanded)
         ik = tl.arange(0, BK)
@@ -194,9 +206,49 @@ def _launch(rows: tuple, window: tuple, T: int, Hq: int, Hv: int, dk: int, dv: i
     _gdn_kernel[(triton.cdiv(dv, bv), Hv)](
         q, k, v, g, beta, a, dt_bias, ssm, live, base, o, T, Hq, *strides,
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-        ssm.stride(0), ssm.stride(1), ssm.stride(2), *window,
+        ssm.stride(0), ssm.stride(1), ssm.stride(2), *window, 0,
         DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=gates is not None, FINAL=final_only, CONV=conv_taps > 0,
         KT=max(conv_taps, 1), num_warps=num_warps, **pdl_launch(ssm))
+    return o
+
+
+def gdn_conv_recurrent_seqs_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: int, Hv: int, dk: int, dv: int,
+                                   g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor,
+                                   tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                                   gates: tuple[torch.Tensor, torch.Tensor], block_v: int = DEFAULT_BV,
+                                   num_warps: int = 4) -> torch.Tensor:
+    """`gdn_conv_recurrent_triton` for B sequences of T rows each in one launch: sequence b's window X[b]
+    ([B, C, KT - 1 + T], contiguous), its rows g, beta[b T : (b + 1) T], its state S_b (plane live_b read, row t's
+    state to plane base_b + t). ssm: sequence 0's S (every S_b has its shape and strides); tables: int64 [B] device
+    tensors of the addresses of every S_b, live_b and base_b (state/recurrent.RecurrentTables).
+    -> o [B T, Hv, dv] f32."""
+    from qspec.kernels.triton_gdn_conv import L2_EPS
+
+    B, C, width = X.shape
+    taps = conv_w.shape[1]
+    T = width - taps + 1
+    if (X.dtype != torch.float32 or not X.is_contiguous() or C != 2 * Hk * dk + Hv * dv or T < 1
+            or conv_w.shape[0] != C or conv_w.dtype != torch.float32 or not conv_w.is_contiguous()
+            or any(t.shape != (B,) or t.dtype != torch.int64 for t in tables)):
+        raise ValueError(f"gdn conv + recurrence of {B} sequences: X {tuple(X.shape)} {X.dtype}, taps "
+                         f"{tuple(conv_w.shape)} {conv_w.dtype}, tables of {B} int64 addresses each")
+    _check_state(B * T, Hk, dk, Hv, dv, g, beta, ssm, final_only=True)
+    if T > MAX_ROWS or T > ssm.shape[0] // 2:
+        raise ValueError(f"{T} rows a sequence: at most {MAX_ROWS} and half of its {ssm.shape[0]} planes")
+    a, dt_bias = gates
+    if any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous() for t in gates):
+        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
+    if ssm.stride(3) != 1:
+        raise ValueError("ssm needs a contiguous last dim")
+    o = torch.empty(B * T, Hv, dv, dtype=torch.float32, device=X.device)
+    bv = min(block_v, next_pow2(dv))
+    addresses, live, base = tables
+    _gdn_kernel[(triton.cdiv(dv, bv), Hv, B)](
+        X, X, X, g, beta, a, dt_bias, addresses, live, base, o, T, Hk, 0, 0, 0, 0, 0, 0,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
+        ssm.stride(0), ssm.stride(1), ssm.stride(2), X, conv_w, X.stride(1), dk ** -0.5, L2_EPS, X.stride(0),
+        DK=dk, DV=dv, BK=next_pow2(dk), BV=bv, GATES=True, CONV=True, KT=taps, SEQS=True, num_warps=num_warps,
+        **pdl_launch(X))
     return o
 
 

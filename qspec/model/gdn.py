@@ -5,10 +5,12 @@ Value heads are in llama.cpp's tiled order: value head n reads key head n % k_he
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from qspec.config import ModelConfig
-from qspec.kernels import fla_configs, gated_norm
+from qspec.kernels import fla_configs, gated_norm, gdn_seqs
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.gdn_recurrent import gdn_chunked_torch, gdn_gates, gdn_recurrent_torch
@@ -16,7 +18,10 @@ from qspec.kernels.triton_common import use_triton
 from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_conv_recurrent_triton, gdn_recurrent_planes
 from qspec.model.fuse import fused
 from qspec.model.ops import Weight, linear, stack_rows
-from qspec.state.recurrent import GDNState, RecurrentCache
+from qspec.state.recurrent import GDNState, RecurrentCache, RecurrentTables
+
+if TYPE_CHECKING:
+    from qspec.model.model import ModelCache
 
 
 def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -103,6 +108,24 @@ class GatedDeltaNet(torch.nn.Module):
             o, states = gdn_recurrent_torch(q, k, v, g, beta, S0, keep_states=True)
             st.ssm.index_copy_(0, rc.step_planes(T), states)
         return o
+
+
+    def recur_seqs(self, proj: tuple[torch.Tensor, ...], caches: list[ModelCache], tables: RecurrentTables | None,
+                   layer: int) -> torch.Tensor | None:
+        """Every sequence's rows (T each, in order; their projections) through the conv and the recurrence in two
+        launches (kernels/gdn_seqs.py) -> o [rows, Hv, dv]; None where the batched kernels do not take the step (the
+        caller then runs `recur` per sequence)."""
+        c = self.cfg
+        qkv, _, b_logit, a_logit = proj
+        recs = [mc.rec for mc in caches]
+        states = [rc.gdn[layer] for rc in recs]
+        dims = (c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim, c.gdn_v_head_dim)
+        if tables is None or not gdn_seqs.seqs_take(qkv, self.conv_w, recs, states,
+                                                    [mc.opts.fused_snapshots for mc in caches], dims):
+            return None
+        gdn_seqs.count_snapshots(qkv, recs, states, [mc.snap_stats for mc in caches])
+        return gdn_seqs.gdn_step_seqs_triton(qkv, a_logit, b_logit, tables, layer, self.conv_w, dims,
+                                             (self.a, self.dt_bias))
 
 
 @fused

@@ -30,7 +30,7 @@ from qspec.model.qsa import PooledUpdate, QSAAttention
 from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import Descriptors, IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
-from qspec.state.recurrent import RecurrentCache
+from qspec.state.recurrent import RecurrentCache, RecurrentTables
 from qspec.weights.gguf_io import HostRowTable
 from qspec.weights.pinned import PinError, PinnedRowTable
 from qspec.weights.qweight import PLANES_BLOCK32, QuantWeight
@@ -62,6 +62,12 @@ def _per_segment_rows(segments: list[Segment], fn: Callable[[int, slice], torch.
     if len(segments) == 1:
         return fn(0, segments[0].rows)
     return torch.cat([fn(k, s.rows) for k, s in enumerate(segments)])
+
+
+def _equal_rows(segments: list[Segment]) -> bool:
+    """Whether the segments hold the step's rows in order, the same count each."""
+    T = segments[0].rows.stop - segments[0].rows.start
+    return all(s.rows == slice(k * T, (k + 1) * T) for k, s in enumerate(segments))
 
 
 def _rows_of(parts: tuple[torch.Tensor, ...], rows: slice) -> tuple[torch.Tensor, ...]:
@@ -331,17 +337,19 @@ class Model(torch.nn.Module):
             seg = Segment(slice(0, tokens.shape[0]), cache, upd or {}, kv_len)
             return self._forward(tokens, pos, [seg], logit_rows)
 
-    def forward_batch(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_batch(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
+                      tables: RecurrentTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of several sequences in one step: `segments` say which rows are whose (each with its own caches, as
         `forward` takes them). Row-wise work (mixers, experts, the head) runs once over every row, so each weight is
-        read once for the batch; the sequence mixers (GDN, QSA, the n-gram conv) run per segment on its caches.
-        -> (logits [T, V], X [T, S*D])."""
+        read once for the batch; the sequence mixers (GDN, QSA, the n-gram conv) run per segment on its caches, but
+        with `tables` (the segments' recurrent caches' addresses, in order) GDN steps every segment in two launches
+        a layer where its kernels take the step (GatedDeltaNet.recur_seqs). -> (logits [T, V], X [T, S*D])."""
         with fuse.step_rows(tokens.shape[0]):
-            return self._forward(tokens, pos, segments, None)
+            return self._forward(tokens, pos, segments, None, tables)
 
     def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
-                 logit_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 logit_rows: torch.Tensor | None, tables: RecurrentTables | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         cos, sin = self.rope(pos)
         upd_rope = [{r: self.rope(u.start) for r, u in s.upd.items()} for s in segments]
@@ -355,7 +363,7 @@ class Model(torch.nn.Module):
                     X, pending = hc_combine(X, *pending), None
                 X = self._ple(segments, X, tokens)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
-            y = self._mixer(i, segments, upd_rope, h, pos, cos, sin)
+            y = self._mixer(i, segments, upd_rope, h, pos, cos, sin, tables)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
             pending = (self.moe[i](h), inj)
         if logit_rows is None:
@@ -380,12 +388,18 @@ class Model(torch.nn.Module):
         return _per_segment_rows(segments, mix)
 
     def _mixer(self, i: int, segments: list[Segment], upd_rope: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
-               h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+               h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               tables: RecurrentTables | None = None) -> torch.Tensor:
         """Layer i's sequence mixer (GDN or QSA) over the step's rows h: the projections in and out over every row
-        at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's)."""
+        at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's); GDN's
+        recurrence for every segment at once where `tables` are given and its kernels take the step."""
         layer = self.layers[i]
         if isinstance(layer, GatedDeltaNet):
             proj = layer.project(h)
+            if len(segments) > 1 and _equal_rows(segments):
+                o = layer.recur_seqs(proj, [s.cache for s in segments], tables, i)
+                if o is not None:
+                    return layer.output(o, proj)
 
             def recur(k: int, rows: slice) -> torch.Tensor:
                 c = segments[k].cache

@@ -1,0 +1,100 @@
+"""GDN's step for several sequences of a batch at once: every sequence's conv snapshots in one launch, then every
+sequence's conv and gated delta rule in one more, per layer.
+
+A batched step (Model.forward_batch) computes its rows' projections once for every sequence, but each sequence's
+recurrence runs on its own cache: run one by one, a layer launches the snapshot kernel and the recurrence (and, for
+several rows, the step conv) for every sequence, so a batch of B sequences makes 2B-3B launches a GDN layer where one
+sequence makes 2. Here each launch takes a sequence axis and finds each sequence's planes and `live` / `base` scalars
+through tables of their addresses (state/recurrent.RecurrentTables), so a layer makes 2 launches whatever B.
+
+`gdn_step_seqs_torch` is the reference: each sequence's step as the model runs it alone (the snapshot reference, the
+step conv, the recurrence over its planes). The Triton path computes every row's conv inside the recurrence's
+launch, as a one-row step does alone (triton_gdn.gdn_conv_recurrent_triton), also for the rows of a verify.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from qspec.kernels.conv_snapshot import MAX_SNAPSHOTS, ROW_DTYPES, ROW_WORDS, SnapshotStats, count_fused_step, plan_step
+from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
+from qspec.kernels.triton_common import module_flag, use_triton
+from qspec.state.recurrent import GDNState, RecurrentCache, RecurrentTables
+
+# A module flag (EngineOptions.gdn_seqs through runner.KernelSwitches); off: each sequence's step alone (A/B runs).
+_ON = True
+
+
+def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, batched steps run every sequence's GDN step in two launches a layer (on) or one by one."""
+    return module_flag(__name__, "_ON", on)
+
+
+def seqs_take(qkv: torch.Tensor, conv_w: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
+              fused_snapshots: list[bool], dims: tuple[int, int, int, int]) -> bool:
+    """Whether `gdn_step_seqs_triton` runs a batched step of these sequences' rows (qkv: T rows each, in order): the
+    Triton kernels (CUDA or the interpreter), the conv kernel switched on (not row-exact mode), fused snapshots for
+    every sequence, a step short enough to keep every row's state (T <= slots, every window in the one launch) and
+    each sequence's windows accepted by Algorithm 4 as alone (`plan_step`)."""
+    B = len(recs)
+    T, rem = divmod(qkv.shape[0], B)
+    s = states[0].conv.shape[2]
+    Hk, Hv, dk, dv = dims
+    C = 2 * Hk * dk + Hv * dv
+    if (not _ON or B < 2 or rem or T < 1 or not use_triton(qkv) or not all(fused_snapshots)
+            or qkv.dtype not in ROW_DTYPES or s + T > ROW_WORDS or T > MAX_SNAPSHOTS or T > recs[0].n_slots):
+        return False
+    X = torch.empty(C, s + T, dtype=torch.float32, device=qkv.device)  # a fresh buffer, as write_snapshots' X
+    if not kernel_takes(X, conv_w, T, Hk, Hv, dk, dv):
+        return False
+    for b, (rc, st) in enumerate(zip(recs, states, strict=True)):
+        accepted = plan_step(st.conv, qkv[b * T:(b + 1) * T], X, st.conv, rc.host_base, T, None, rc.live)
+        if (accepted is None and T > 1) or (accepted is not None and len(accepted) < T):
+            return False
+    return True
+
+
+def count_snapshots(qkv: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
+                    stats: list[SnapshotStats | None]) -> None:
+    """Each sequence's snapshot counters as its step alone counts them (write_snapshots' fused launch)."""
+    T = qkv.shape[0] // len(recs)
+    C, s = states[0].conv.shape[1:]
+    X = torch.empty(C, s + T, dtype=torch.float32, device=qkv.device)
+    for b, (rc, st, sc) in enumerate(zip(recs, states, stats, strict=True)):
+        accepted = plan_step(st.conv, qkv[b * T:(b + 1) * T], X, st.conv, rc.host_base, T, sc, rc.live)
+        count_fused_step(sc, accepted, s + T, C)
+
+
+def gdn_step_seqs_torch(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch.Tensor, recs: list[RecurrentCache],
+                        states: list[GDNState], conv_w: torch.Tensor, dims: tuple[int, int, int, int],
+                        gates: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Reference: each sequence's step alone (T = rows / sequences each) -> o [rows, Hv, dv] f32; every sequence's
+    windows and states written to its planes."""
+    from qspec.kernels.triton_conv_snapshot import conv_snapshot_torch
+    from qspec.kernels.triton_gdn import gdn_recurrent_planes_torch
+
+    T = qkv.shape[0] // len(recs)
+    out = []
+    for b, (rc, st) in enumerate(zip(recs, states, strict=True)):
+        rows = slice(b * T, (b + 1) * T)
+        X = conv_snapshot_torch(st.conv, qkv[rows], st.conv, rc.base, T, live=rc.live)
+        q, k, v = gdn_conv_qkv_torch(X, conv_w, T, *dims)
+        out.append(gdn_recurrent_planes_torch(q, k, v, a_logit[rows], b_logit[rows], st.ssm, rc.live, rc.base, gates))
+    return torch.cat(out)
+
+
+def gdn_step_seqs_triton(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch.Tensor, tables: RecurrentTables,
+                         layer: int, conv_w: torch.Tensor, dims: tuple[int, int, int, int],
+                         gates: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The two launches, for the sequences of `tables` in order (`seqs_take` said yes) -> o [rows, Hv, dv] f32."""
+    from qspec.kernels.triton_conv_snapshot import conv_snapshot_seqs_triton
+    from qspec.kernels.triton_gdn import gdn_conv_recurrent_seqs_triton
+
+    first = tables.caches[0].gdn[layer]
+    B = len(tables.caches)
+    C, s = first.conv.shape[1:]
+    X = torch.empty(B, C, s + qkv.shape[0] // B, dtype=torch.float32, device=qkv.device)
+    conv_snapshot_seqs_triton(first.conv, tables.conv(layer), qkv, X)
+    return gdn_conv_recurrent_seqs_triton(X, conv_w, *dims, a_logit, b_logit, first.ssm, tables.ssm(layer), gates)
