@@ -85,6 +85,9 @@ def main() -> None:
                     "(qspec/bench/accept.py; the random model's own drafts are almost never accepted)")
     ap.add_argument("--profile", action="store_true",
                     help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
+    ap.add_argument("--off", default=None, metavar="OPTION",
+                    help="also every batch arm with this boolean EngineOptions field off, named '... OPTION=0' (a "
+                    "same-process A/B of one switch, e.g. gdn_seqs)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -94,13 +97,16 @@ def main() -> None:
                                 quant=a.quant)
     variants = {"": 0} | ({f" mtp{a.draft}": a.draft} if a.draft else {})
     hooks = EngineHooks(accept_hook=AcceptProfile.parse(a.accept_profile).hook())
-    engines = {v: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
-                                              prefix_cache=False, draft_head=a.draft_head), hooks if d else None)
-               for v, d in variants.items()}
+    off = {"": {}} | ({f" {a.off}=0": {a.off: False}} if a.off else {})
+    engines = {v + o: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
+                                                  prefix_cache=False, draft_head=a.draft_head, **kw),
+                             hooks if d else None)
+               for v, d in variants.items() for o, kw in off.items()}
     modes = {v: (v, "on") if v else (v, "off") for v in variants}  # a batch's arms' name -> (variant, its mode)
     if a.draft:
         del modes[f" mtp{a.draft}"]
         modes |= {f" mtp{a.draft}" + ("" if m == "on" else f" {m}"): (f" mtp{a.draft}", m) for m in a.modes.split(",")}
+    modes = {k + o: (v + o, m) for k, (v, m) in modes.items() for o in off}
     batchers = {k: Batcher(engines[v], max(batches), draft=m) for k, (v, m) in modes.items()}
     arms = [f"engine{v}" for v in variants] + [f"batch {b}{k}" for k in modes for b in batches]
     results: dict[str, list[float]] = {arm: [] for arm in arms}
@@ -108,7 +114,8 @@ def main() -> None:
     try:
         for r in range(a.reps + 1):  # the first: warm-up (compilation, graph captures), not reported
             for arm in arms if r % 2 else arms[::-1]:
-                seed, k = 1000 * r + len(results[arm]), arm[arm.index(" mtp"):] if " mtp" in arm else ""
+                # the arm's variant: what follows "engine" or "batch N"
+                seed, k = 1000 * r + len(results[arm]), arm[len(" ".join(arm.split()[:1 if arm[0] == "e" else 2])):]
                 if arm.startswith("engine"):
                     tps, tpr = engine_arm(engines[k], prompts_of(1, a.prompt, cfg.vocab_size, seed)[0], a.tokens), 1.0
                 else:
