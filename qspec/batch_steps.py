@@ -12,7 +12,8 @@ import torch
 from qspec.engine import DraftLMHead
 from qspec.model.model import Segment
 from qspec.runner import GRAPH_MAX_ROWS, Runner, upload
-from qspec.state.recurrent import RecurrentTables
+from qspec.state.kv_cache import KVCache
+from qspec.state.tables import SequenceTables
 
 
 class BatchSteps:
@@ -25,9 +26,9 @@ class BatchSteps:
         self.steps, self.rows = 0, 0  # steps run and their rows: rows / steps is the mean batch
         # by (sequences, depth: 0 for a plain step): the last steps' or rounds' times to their tokens (benchmarks)
         self.seconds: dict[tuple[int, int], deque[float]] = {}
-        # by set of slots: their recurrent caches' addresses (GDN's launches for all of them), made once outside any
-        # graph capture and kept as long as the graphs that read them (the first runner's)
-        self._tables: dict[tuple[int, ...], RecurrentTables] = {}
+        # by set of slots: their caches' addresses (GDN's and attention's launches for all of them), made once outside
+        # any graph capture and kept as long as the graphs that read them (the first runner's)
+        self._tables: dict[tuple[int, ...], SequenceTables] = {}
 
     def timed(self, key: tuple[int, int], seconds: float) -> None:
         self.seconds.setdefault(key, deque(maxlen=4096)).append(seconds)
@@ -82,19 +83,23 @@ class BatchSteps:
         segs = [Segment(seg.rows, seg.cache, seg.upd, kv_len) for seg, _ in booked]
         pos = torch.cat([p for _, p in booked])
         logits, X = lead.forward_segments(("batch", (tuple(slots), rows)), segs, tokens.to(lead.device), pos,
-                                          self._recurrent_tables(slots))
+                                          self._sequence_tables(slots))
         for k, s in enumerate(slots):
             self.runners[s].end_rows(tokens[k * rows:(k + 1) * rows])
         self.steps, self.rows = self.steps + 1, self.rows + len(tokens)
         return logits, X
 
-    def _recurrent_tables(self, slots: list[int]) -> RecurrentTables | None:
-        """The slots' recurrent tables (None for one slot, or a model without GDN layers)."""
+    def _sequence_tables(self, slots: list[int]) -> SequenceTables | None:
+        """The address tables of the slots' caches (None for one slot)."""
         key = tuple(slots)
-        if len(key) < 2 or not self.runners[0].cache.rec.gdn:
+        if len(key) < 2:
             return None
         if key not in self._tables:
-            self._tables[key] = RecurrentTables([self.runners[s].cache.rec for s in key])
+            caches = [self.runners[s].cache for s in key]
+            kvs: dict[object, list[KVCache]] = {i: [c.kv[i] for c in caches] for i in caches[0].kv}
+            if all(c.mtp_kv is not None for c in caches):
+                kvs["mtp"] = [c.mtp_kv for c in caches]
+            self._tables[key] = SequenceTables([c.rec for c in caches], kvs)
         return self._tables[key]
 
     def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,

@@ -37,7 +37,7 @@ from qspec.model.model import CacheOptions, Model, ModelCache, SavedPrefix, Segm
 from qspec.model.mtp import DraftHead
 from qspec.model.qsa import PooledUpdate
 from qspec.options import EngineOptions
-from qspec.state.recurrent import RecurrentTables
+from qspec.state.tables import SequenceTables
 
 # Steps up to this many rows (decode, verify, draft) are captured as CUDA graphs.
 GRAPH_MAX_ROWS = 16
@@ -311,7 +311,7 @@ class Runner:
         return logits, X
 
     def forward_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, pos: torch.Tensor,
-                         tables: RecurrentTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         tables: SequenceTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Model.forward_batch over `segs` (one KV bucket for all; `tables`: their recurrent caches' addresses, which
         `kind` must tell apart), through a CUDA graph of this runner's when graphs are on: the pooled-key updates'
         tensors are its inputs beside the tokens and positions, and its key is `kind` (a name and what tells its

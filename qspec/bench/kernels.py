@@ -80,7 +80,8 @@ from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.kernels.triton_top_blocks import top_blocks_mask_triton
 from qspec.model.ops import Weight, rope_tables
 from qspec.state.kv_cache import quantize_q8_0
-from qspec.state.recurrent import RecurrentCache, RecurrentTables
+from qspec.state.recurrent import RecurrentCache
+from qspec.state.tables import SequenceTables
 from qspec.weights.quantize import quantize
 from qspec.weights.qweight import PLANES_QTYPES, QuantWeight
 from qspec.weights.traffic import held_bytes
@@ -894,7 +895,7 @@ def check_gdn_seqs(R: Runner, B: int, T: int, Hk: int, Hv: int, dk: int, dv: int
     dims = (Hk, Hv, dk, dv)
     args = (qkv, logits[:, Hv:], logits[:, :Hv])
     o_ref = gdn_step_seqs_torch(*args, ref, [rc.gdn[0] for rc in ref], conv_w, dims, gates)
-    tables = RecurrentTables(tri)
+    tables = SequenceTables(tri, {})
     o = gdn_step_seqs_triton(*args, tables, 0, conv_w, dims, gates)
     conv_same = all(torch.equal(a.gdn[0].conv, b.gdn[0].conv) for a, b in zip(ref, tri, strict=True))
     es = max(rel_err(b.gdn[0].ssm, a.gdn[0].ssm) for a, b in zip(ref, tri, strict=True))

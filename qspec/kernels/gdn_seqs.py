@@ -5,7 +5,7 @@ A batched step (Model.forward_batch) computes its rows' projections once for eve
 recurrence runs on its own cache: run one by one, a layer launches the snapshot kernel and the recurrence (and, for
 several rows, the step conv) for every sequence, so a batch of B sequences makes 2B-3B launches a GDN layer where one
 sequence makes 2. Here each launch takes a sequence axis and finds each sequence's planes and `live` / `base` scalars
-through tables of their addresses (state/recurrent.RecurrentTables), so a layer makes 2 launches whatever B.
+through tables of their addresses (state/tables.SequenceTables), so a layer makes 2 launches whatever B.
 
 `gdn_step_seqs_torch` is the reference: each sequence's step as the model runs it alone (the snapshot reference, the
 step conv, the recurrence over its planes). The Triton path computes every row's conv inside the recurrence's
@@ -21,7 +21,8 @@ import torch
 from qspec.kernels.conv_snapshot import MAX_SNAPSHOTS, ROW_DTYPES, ROW_WORDS, SnapshotStats, count_fused_step, plan_step
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch, kernel_takes
 from qspec.kernels.triton_common import module_flag, use_triton
-from qspec.state.recurrent import GDNState, RecurrentCache, RecurrentTables
+from qspec.state.recurrent import GDNState, RecurrentCache
+from qspec.state.tables import SequenceTables
 
 # A module flag (EngineOptions.gdn_seqs through runner.KernelSwitches); off: each sequence's step alone (A/B runs).
 _ON = True
@@ -85,15 +86,15 @@ def gdn_step_seqs_torch(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch
     return torch.cat(out)
 
 
-def gdn_step_seqs_triton(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch.Tensor, tables: RecurrentTables,
+def gdn_step_seqs_triton(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch.Tensor, tables: SequenceTables,
                          layer: int, conv_w: torch.Tensor, dims: tuple[int, int, int, int],
                          gates: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """The two launches, for the sequences of `tables` in order (`seqs_take` said yes) -> o [rows, Hv, dv] f32."""
     from qspec.kernels.triton_conv_snapshot import conv_snapshot_seqs_triton
     from qspec.kernels.triton_gdn import gdn_conv_recurrent_seqs_triton
 
-    first = tables.caches[0].gdn[layer]
-    B = len(tables.caches)
+    first = tables.recurrent[0].gdn[layer]
+    B = len(tables.recurrent)
     C, s = first.conv.shape[1:]
     X = torch.empty(B, C, s + qkv.shape[0] // B, dtype=torch.float32, device=qkv.device)
     conv_snapshot_seqs_triton(first.conv, tables.conv(layer), qkv, X)

@@ -140,7 +140,7 @@ def conv_snapshot_seqs_triton(planes: torch.Tensor, tables: tuple[torch.Tensor, 
     """`conv_snapshot(S=P_b, T_b, P_b, base_b, n, live=live_b)` for B sequences in one launch: sequence b's state is
     plane live_b of its planes P_b, its rows T[b n : (b + 1) n], its windows go to planes base_b + j (j < n) and its
     X to out[b]. planes: sequence 0's P (every P_b has its shape and strides); tables: int64 [B] device tensors of
-    the addresses of every P_b, live_b and base_b (state/recurrent.RecurrentTables). The caller guarantees each
+    the addresses of every P_b, live_b and base_b (state/tables.SequenceTables). The caller guarantees each
     sequence's Algorithm 4 conditions (`plan_step`). -> out [B, C, s + n] f32."""
     B, C, width = out.shape
     s = planes.shape[2]

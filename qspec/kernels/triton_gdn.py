@@ -220,7 +220,7 @@ def gdn_conv_recurrent_seqs_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: in
     """`gdn_conv_recurrent_triton` for B sequences of T rows each in one launch: sequence b's window X[b]
     ([B, C, KT - 1 + T], contiguous), its rows g, beta[b T : (b + 1) T], its state S_b (plane live_b read, row t's
     state to plane base_b + t). ssm: sequence 0's S (every S_b has its shape and strides); tables: int64 [B] device
-    tensors of the addresses of every S_b, live_b and base_b (state/recurrent.RecurrentTables).
+    tensors of the addresses of every S_b, live_b and base_b (state/tables.SequenceTables).
     -> o [B T, Hv, dv] f32."""
     from qspec.kernels.triton_gdn_conv import L2_EPS
 

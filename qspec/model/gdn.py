@@ -18,7 +18,8 @@ from qspec.kernels.triton_common import use_triton
 from qspec.kernels.triton_gdn import FINAL_MAX_ROWS, gdn_conv_recurrent_triton, gdn_recurrent_planes
 from qspec.model.fuse import fused
 from qspec.model.ops import Weight, linear, stack_rows
-from qspec.state.recurrent import GDNState, RecurrentCache, RecurrentTables
+from qspec.state.recurrent import GDNState, RecurrentCache
+from qspec.state.tables import SequenceTables
 
 if TYPE_CHECKING:
     from qspec.model.model import ModelCache
@@ -110,7 +111,7 @@ class GatedDeltaNet(torch.nn.Module):
         return o
 
 
-    def recur_seqs(self, proj: tuple[torch.Tensor, ...], caches: list[ModelCache], tables: RecurrentTables | None,
+    def recur_seqs(self, proj: tuple[torch.Tensor, ...], caches: list[ModelCache], tables: SequenceTables | None,
                    layer: int) -> torch.Tensor | None:
         """Every sequence's rows (T each, in order; their projections) through the conv and the recurrence in two
         launches (kernels/gdn_seqs.py) -> o [rows, Hv, dv]; None where the batched kernels do not take the step (the

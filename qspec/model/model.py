@@ -30,7 +30,8 @@ from qspec.model.qsa import PooledUpdate, QSAAttention
 from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import Descriptors, IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
-from qspec.state.recurrent import RecurrentCache, RecurrentTables
+from qspec.state.recurrent import RecurrentCache
+from qspec.state.tables import SequenceTables
 from qspec.weights.gguf_io import HostRowTable
 from qspec.weights.pinned import PinError, PinnedRowTable
 from qspec.weights.qweight import PLANES_BLOCK32, QuantWeight
@@ -338,7 +339,7 @@ class Model(torch.nn.Module):
             return self._forward(tokens, pos, [seg], logit_rows)
 
     def forward_batch(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
-                      tables: RecurrentTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      tables: SequenceTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of several sequences in one step: `segments` say which rows are whose (each with its own caches, as
         `forward` takes them). Row-wise work (mixers, experts, the head) runs once over every row, so each weight is
         read once for the batch; the sequence mixers (GDN, QSA, the n-gram conv) run per segment on its caches, but
@@ -348,7 +349,7 @@ class Model(torch.nn.Module):
             return self._forward(tokens, pos, segments, None, tables)
 
     def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
-                 logit_rows: torch.Tensor | None, tables: RecurrentTables | None = None
+                 logit_rows: torch.Tensor | None, tables: SequenceTables | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         cos, sin = self.rope(pos)
@@ -389,7 +390,7 @@ class Model(torch.nn.Module):
 
     def _mixer(self, i: int, segments: list[Segment], upd_rope: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
                h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               tables: RecurrentTables | None = None) -> torch.Tensor:
+               tables: SequenceTables | None = None) -> torch.Tensor:
         """Layer i's sequence mixer (GDN or QSA) over the step's rows h: the projections in and out over every row
         at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's); GDN's
         recurrence for every segment at once where `tables` are given and its kernels take the step."""

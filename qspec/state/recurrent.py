@@ -130,35 +130,3 @@ class RecurrentCache:
             out["ple.hist"] = self.ple.hist[self.live].clone()
         return out
 
-
-class RecurrentTables:
-    """The device addresses of several sequences' GDN buffers, for kernels that step every sequence of a batch in one
-    launch per layer (kernels/gdn_seqs.py): per GDN layer, int64 [B] tables of each sequence's conv planes and SSM
-    planes, and of its `live` and `base` scalars.
-
-    Invariant: a RecurrentCache's buffers are allocated once and only written in place (steps, `commit`, `reset`,
-    `restore`), so the addresses stay valid as long as the caches live; the tables hold the caches to keep them alive,
-    and a CUDA graph that captured a launch reading them stays valid with them."""
-
-    def __init__(self, caches: list[RecurrentCache]) -> None:
-        first = caches[0]
-        for rc in caches[1:]:
-            if rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() or any(
-                    (a.shape, a.stride(), a.device) != (b.shape, b.stride(), b.device)
-                    for i, st in rc.gdn.items() for a, b in ((st.conv, first.gdn[i].conv), (st.ssm, first.gdn[i].ssm))):
-                raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
-        self.caches = tuple(caches)
-        layers = sorted(first.gdn)
-        rows = [[rc.gdn[i].conv.data_ptr() for rc in caches] for i in layers]
-        rows += [[rc.gdn[i].ssm.data_ptr() for rc in caches] for i in layers]
-        rows += [[rc.live.data_ptr() for rc in caches], [rc.base.data_ptr() for rc in caches]]
-        self._addresses = torch.tensor(rows, dtype=torch.int64).to(first.live.device)
-        self._row = {i: k for k, i in enumerate(layers)}
-
-    def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(conv planes, live, base) address tables of GDN layer `layer`."""
-        return self._addresses[self._row[layer]], self._addresses[-2], self._addresses[-1]
-
-    def ssm(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(SSM planes, live, base) address tables of GDN layer `layer`."""
-        return self._addresses[len(self._row) + self._row[layer]], self._addresses[-2], self._addresses[-1]

@@ -1,0 +1,74 @@
+"""The device addresses of several sequences' caches, for kernels that step every sequence of a batch in one launch.
+
+A batched step (Model.forward_batch) computes its rows' projections once for all its sequences, but each sequence
+keeps its own caches. A kernel with a sequence axis finds sequence b's buffers through int64 tables of their
+addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `base` scalars (kernels/gdn_seqs.py);
+per attention cache (a QSA layer's, the draft head's), each sequence's K and V values and, for q8_0, their scales
+(kernels/attention_seqs.py).
+
+Invariant: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
+`restore`, prefix loads), so the addresses stay valid as long as the caches live. The tables hold the caches, which
+keeps them alive; a CUDA graph that captured a launch reading the tables stays valid with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qspec.state.kv_cache import KVCache
+from qspec.state.recurrent import RecurrentCache
+
+
+def _same_layout(tensors: list[torch.Tensor]) -> bool:
+    first = tensors[0]
+    return all((t.shape, t.stride(), t.dtype, t.device) == (first.shape, first.stride(), first.dtype, first.device)
+               for t in tensors[1:])
+
+
+class SequenceTables:
+    """Address tables of B sequences' recurrent caches `recs` and attention caches `kvs` (key -> each sequence's
+    cache of that layer), in the sequences' order; every table is an int64 [B] device tensor."""
+
+    def __init__(self, recs: list[RecurrentCache], kvs: dict[object, list[KVCache]]) -> None:
+        first = recs[0]
+        if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() for rc in recs) or not all(
+                _same_layout([getattr(rc.gdn[i], part) for rc in recs]) for i in first.gdn for part in ("conv", "ssm")):
+            raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
+        for key, caches in kvs.items():
+            if len(caches) != len(recs) or not all(_same_layout([c.buffers()[j] for c in caches])
+                                                   for j in range(len(caches[0].buffers()))):
+                raise ValueError(f"the sequences' attention caches of layer {key} differ in type or shape")
+        self.caches = (tuple(recs), {k: tuple(v) for k, v in kvs.items()})
+        layers = sorted(first.gdn)
+        rows = [[rc.gdn[i].conv.data_ptr() for rc in recs] for i in layers]
+        rows += [[rc.gdn[i].ssm.data_ptr() for rc in recs] for i in layers]
+        rows += [[rc.live.data_ptr() for rc in recs], [rc.base.data_ptr() for rc in recs]]
+        self._kv_row: dict[object, int] = {}
+        for key, caches in kvs.items():
+            self._kv_row[key] = len(rows)
+            rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
+        self._addresses = torch.tensor(rows, dtype=torch.int64).to(first.live.device)
+        self._layers = {i: k for k, i in enumerate(layers)}
+        self.kv_caches = {k: v[0] for k, v in kvs.items()}  # the first sequence's: the layout every one shares
+
+    @property
+    def recurrent(self) -> tuple[RecurrentCache, ...]:
+        return self.caches[0]
+
+    def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv planes, live, base) address tables of GDN layer `layer`."""
+        return self._addresses[self._layers[layer]], self._addresses[2 * len(self._layers)], \
+            self._addresses[2 * len(self._layers) + 1]
+
+    def ssm(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(SSM planes, live, base) address tables of GDN layer `layer`."""
+        return self._addresses[len(self._layers) + self._layers[layer]], self._addresses[2 * len(self._layers)], \
+            self._addresses[2 * len(self._layers) + 1]
+
+    def kv(self, key: object) -> tuple[torch.Tensor, ...] | None:
+        """The address tables of attention cache `key`'s buffers (KVCache.buffers' order: k, v and for q8_0 their
+        scales), or None where the tables hold no such cache."""
+        row = self._kv_row.get(key)
+        if row is None:
+            return None
+        return tuple(self._addresses[row + j] for j in range(len(self.kv_caches[key].buffers())))
