@@ -112,5 +112,6 @@ class BatchSteps:
         kv_len = max(self.runners[s].kv_len(p0 + rows) for s, p0 in zip(slots, starts, strict=True))
         pos = upload([p0 + j for p0 in starts for j in range(rows)], lead.device)
         kind = ("bdraft", (tuple(slots), rows, pick is not None, lm_head is not None, write_only))
-        return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick, write_only)
+        return lead.draft_segments(kind, segs, tokens, H, pos, lm_head, kv_len, pick, write_only,
+                                   self._sequence_tables(slots))
 

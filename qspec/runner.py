@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from qspec.kernels import (
+    attention_seqs,
     gated_norm,
     gdn_conv,
     gdn_seqs,
@@ -76,6 +77,7 @@ class KernelSwitches:
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON
     gdn_seqs: bool = True  # gdn_seqs._ON: a batched step's GDN layers in two launches for all sequences
+    attention_seqs: bool = True  # attention_seqs._ON: a batched step's attention layers in one pass for all
     pdl: bool = False  # triton_common._PDL: programmatic dependent launch
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS
@@ -96,7 +98,7 @@ class KernelSwitches:
                    fused=opts.compile and (device.type == "cuda" or opts.compile_backend != "inductor"),
                    compile_prefill=opts.compile_prefill,
                    compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
-                   gdn_seqs=opts.gdn_seqs,
+                   gdn_seqs=opts.gdn_seqs, attention_seqs=opts.attention_seqs,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
                    mixer_step_rows=opts.mixer_step_rows, int8_dot=opts.int8_dot, fuse_blocks=opts.fuse_blocks,
@@ -111,7 +113,7 @@ class KernelSwitches:
         used elsewhere, say) waits for it instead of saving and restoring the modes in between."""
         with MODEL_LOCK, ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
-                gdn_seqs.enabled_mode(self.gdn_seqs), \
+                gdn_seqs.enabled_mode(self.gdn_seqs), attention_seqs.enabled_mode(self.attention_seqs), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \
                 hc_mix.step_rows_mode(self.mixer_step_rows), qmatmul.int8_dot_mode(self.int8_dot), \
                 fuse.blocks_mode(self.fuse_blocks), moe.shared_stream_mode(self.shared_stream), \
@@ -336,17 +338,19 @@ class Runner:
 
     def draft_segments(self, kind: tuple[str, object], segs: list[Segment], tokens: torch.Tensor, H: torch.Tensor,
                        pos: torch.Tensor, lm_head: torch.Tensor | Q4Weight | DraftHead | None, kv_len: int,
-                       pick: torch.Tensor | None = None, write_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Model.mtp_forward_batch over `segs` (each sequence on its own head cache), or with `write_only` its K/V
-        cells alone (Model.mtp_write_kv_batch), through a CUDA graph of this runner's keyed (kind, the KV bucket)
-        when graphs are on; eagerly for more than GRAPH_MAX_ROWS rows."""
+                       pick: torch.Tensor | None = None, write_only: bool = False,
+                       tables: SequenceTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Model.mtp_forward_batch over `segs` (each sequence on its own head cache; `tables`: their caches'
+        addresses, which `kind` must tell apart), or with `write_only` its K/V cells alone (Model.mtp_write_kv_batch),
+        through a CUDA graph of this runner's keyed (kind, the KV bucket) when graphs are on; eagerly for more than
+        GRAPH_MAX_ROWS rows."""
         inputs = [tokens.to(self.device), H, pos] + ([] if pick is None else [pick])
 
         def fwd(tok: torch.Tensor, h: torch.Tensor, p: torch.Tensor, *r: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
             if write_only:
-                return self.model.mtp_write_kv_batch(tok, h, p, segs, kv_len)
-            return self.model.mtp_forward_batch(tok, h, p, segs, lm_head, kv_len, r[0] if r else None)
+                return self.model.mtp_write_kv_batch(tok, h, p, segs, kv_len, tables)
+            return self.model.mtp_forward_batch(tok, h, p, segs, lm_head, kv_len, r[0] if r else None, tables)
 
         if int(tokens.shape[0]) > GRAPH_MAX_ROWS:
             return fwd(*inputs)

@@ -93,57 +93,77 @@ def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> N
             torch.testing.assert_close(g, w, atol=0, rtol=0)
 
 
-_GDN_SEQS_STEPS = """
+_SEQS_STEPS = """
 import torch
 from conftest import build_model, tiny_config
 from test_batch import engine, prompt_of
 
 from qspec.batch_steps import BatchSteps
-from qspec.kernels import gdn_seqs
+from qspec.kernels import attention_seqs, gdn_seqs
 from qspec.runner import Runner
 
 model = build_model(tiny_config(), seed=3)
-e = engine(model, exact=False, draft=2)
-launched = []
-batched = gdn_seqs.gdn_step_seqs_triton
-gdn_seqs.gdn_step_seqs_triton = lambda *a, **k: launched.append(1) or batched(*a, **k)
+e = engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True)
+launched = {"gdn": 0, "attention": 0}
+
+
+def counted(mod, name, what):
+    real = getattr(mod, name)
+
+    def call(*a, **k):
+        launched[what] += 1
+        return real(*a, **k)
+    setattr(mod, name, call)
+
+
+counted(gdn_seqs, "gdn_step_seqs_triton", "gdn")
+counted(attention_seqs, "attention_seqs_triton", "attention")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
-def step(rows, on):
+def steps(rows, on):
     runs = []
     for p in prompts:
         r = Runner(model, e.opts.cache_options())
         r.step(torch.tensor(p)), r.keep(len(p), rollback=False)
         runs.append(r)
-    with gdn_seqs.enabled_mode(on):
-        logits, _ = BatchSteps(runs).run([0, 1, 2], torch.arange(3 * rows) + 20, rows)
-    for r in runs:
-        r.keep(1, rollback=True)
-    return logits, [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs]
+    batch = BatchSteps(runs)
+    with gdn_seqs.enabled_mode(on), attention_seqs.enabled_mode(on):
+        logits, X = batch.run([0, 1, 2], torch.arange(3 * rows) + 20, rows)
+        for r in runs:
+            r.keep(1, rollback=True)
+        starts = [len(p) + 1 for p in prompts]
+        draft = batch.draft([0, 1, 2], starts, torch.arange(3 * rows) + 40, X, None, rows=rows)
+    return ([logits, *draft], [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs],
+            [b for r in runs for b in r.cache.mtp_kv.buffers()])
 
 
 with e.runner.switches.apply():
     for rows in (1, 3):
-        (l1, s1, c1), (l2, s2, c2) = step(rows, True), step(rows, False)
-        torch.testing.assert_close(l1, l2, atol=1e-4, rtol=1e-4)
+        (o1, s1, c1, m1), (o2, s2, c2, m2) = steps(rows, True), steps(rows, False)
+        for a, b in zip(o1, o2, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         for a, b in zip(s1, s2, strict=True):
             for k in a:
                 torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
         assert c1 == c2, (c1, c2)
-assert len(launched) == 2 * len(model.cfg.gdn_layers()), launched
-print("gdn seqs steps ok")
+        assert all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
+cfg = model.cfg
+assert launched == {"gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1)}, launched
+print("seqs steps ok")
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_a_batched_steps_gdn_in_two_launches_equals_each_sequence_alone() -> None:
+def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequence_alone() -> None:
     """Through Triton's interpreter (a subprocess: Triton reads TRITON_INTERPRET when the kernels are defined), a
-    batched step of three sequences (one row each, then three each) with every GDN layer's snapshots and recurrence
-    in two launches for all of them (gdn_seqs) gives the logits, committed states and snapshot counters that the same
-    step with each sequence's GDN launched alone gives; the two launches ran for every GDN layer of both steps."""
+    batched target step of three sequences (one row each, then three each) and a draft-head step after it, with every
+    GDN layer's snapshots and recurrence and every attention layer's (QSA's, the head's) q8_0 writes and attention in
+    launches for all the sequences (gdn_seqs, attention_seqs), give the logits, residuals, committed states, head
+    caches and snapshot counters that the same steps with each sequence's own launches give; the batched launches ran
+    for every GDN and attention layer of every step."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
-    r = subprocess.run([sys.executable, "-c", _GDN_SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", _SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
                        text=True, timeout=900)
-    assert r.returncode == 0 and "gdn seqs steps ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.returncode == 0 and "seqs steps ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]

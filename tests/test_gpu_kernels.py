@@ -90,6 +90,13 @@ def test_gdn_seqs(target: str, request: pytest.FixtureRequest) -> None:
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_attention_seqs(target: str, request: pytest.FixtureRequest) -> None:
+    """A batched step's attention for several sequences: the caches written as each sequence's write alone writes
+    them, each sequence's rows the bits of its masked attention alone, found through its buffers' address tables."""
+    check("attention_seqs", target, request)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_pooled(target: str, request: pytest.FixtureRequest) -> None:
     """Pooled indexer keys for the update list; rows outside it untouched."""
     check("pooled", target, request)

@@ -176,6 +176,7 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
     """Outside any engine the modules hold KernelSwitches' defaults, and the option defaults resolve to them on the
     CPU, except what the CPU lacks."""
     from qspec.kernels import (
+        attention_seqs,
         gated_norm,
         gdn_conv,
         gdn_seqs,
@@ -191,19 +192,21 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
     d = KernelSwitches()
     assert (ops._ROW_EXACT, fuse._ON, fuse._BACKEND, gdn_conv._ON, triton_common._PDL, moe._GROUPED_MM,
             hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS, moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT,
-            gated_norm._ON, moe._SHARED_PAIR, triton_qmatmul.PAIRS, triton_qdot.K_LANES, gdn_seqs._ON) == (
+            gated_norm._ON, moe._SHARED_PAIR, triton_qmatmul.PAIRS, triton_qdot.K_LANES, gdn_seqs._ON,
+            attention_seqs._ON) == (
         d.row_exact, d.fused, d.compile_backend, d.gdn_conv_kernel, d.pdl, d.grouped_mm, d.mixer_step_rows, d.int8_dot,
         d.fuse_blocks, d.shared_stream, d.sums_in_product, d.norm_quant, d.shared_pair, d.tc_pairs, d.k_lanes,
-        d.gdn_seqs)
+        d.gdn_seqs, d.attention_seqs)
     assert d.k_lanes == EngineOptions().k_lanes
     assert gemv._ON == (d.gemv and triton_common.triton_enabled())
     assert d.mixer_step_rows == EngineOptions().mixer_step_rows and MAX_MIXER_ROWS == hc_mix.MAX_ROWS
     assert KernelSwitches.resolve(EngineOptions(), torch.device("cpu")) == d
     on = KernelSwitches(row_exact=True, gemv=False, gdn_conv_kernel=False, mixer_step_rows=2, int8_dot=False,
                         fuse_blocks=False, shared_stream=False, sums_in_product=False, norm_quant=False,
-                        shared_pair=False, tc_pairs=False, k_lanes=4, gdn_seqs=False)
+                        shared_pair=False, tc_pairs=False, k_lanes=4, gdn_seqs=False,
+                        attention_seqs=False)
     with on.apply():
-        assert triton_qdot.K_LANES == 4 and not gdn_seqs._ON
+        assert triton_qdot.K_LANES == 4 and not gdn_seqs._ON and not attention_seqs._ON
         assert (ops._ROW_EXACT, gemv._ON, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS,
                 moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR,
                 triton_qmatmul.PAIRS) == (True, False, False, 2, False, False, False, False, False, False, False)

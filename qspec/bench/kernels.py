@@ -37,13 +37,14 @@ from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig, preset
 from qspec.kernels.argmax import argmax_rows_torch
+from qspec.kernels.attention_seqs import attend_seqs_torch, attention_seqs_triton, write_seqs
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch
 from qspec.kernels.gdn_seqs import gdn_step_seqs_torch, gdn_step_seqs_triton
 from qspec.kernels.hc_mix import combine_torch, mix_torch
 from qspec.kernels.kv_write import write_q8_0_torch
-from qspec.kernels.masked_attention import masked_attention_torch
+from qspec.kernels.masked_attention import masked_attention, masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
 from qspec.kernels.pooled import materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch, q4_q8_matvec_torch
@@ -79,7 +80,7 @@ from qspec.kernels.triton_route import route_top_k_triton
 from qspec.kernels.triton_sparse_attention import sparse_attention_triton
 from qspec.kernels.triton_top_blocks import top_blocks_mask_triton
 from qspec.model.ops import Weight, rope_tables
-from qspec.state.kv_cache import quantize_q8_0
+from qspec.state.kv_cache import KVCache, quantize_q8_0
 from qspec.state.recurrent import RecurrentCache
 from qspec.state.tables import SequenceTables
 from qspec.weights.quantize import quantize
@@ -1025,6 +1026,73 @@ def kv_write_checks(R: Runner, small: bool) -> None:
     check_kv_write(R, 5, 3, 96, 100, torch.float32)
 
 
+def check_attention_seqs(R: Runner, B: int, T: int, H: int, Hkv: int, d: int, cap: int, n: int, kv: str,
+                         dt: torch.dtype = torch.bfloat16, keep: float = 1.0, timed: bool = False) -> None:
+    """A batched step's attention layer (attention_seqs: every sequence's K/V write in one launch, every sequence's
+    masked attention over its own cache in one pass) against each sequence's write and attention alone
+    (attend_seqs_torch, f32) and each sequence's rows alone through the kernels (the same bits); the caches must be
+    bit-identical. Timed against the sequences' launches one by one."""
+    dev = R.device
+    ref, tri = ([KVCache(cap, Hkv, d, cache_type=kv, dtype=dt, device=dev, fused_attention=True, write_kernel=True)
+                 for _ in range(B)] for _ in range(2))
+    for a, b in zip(ref, tri, strict=True):
+        for x, y in zip(a.buffers(), b.buffers(), strict=True):
+            x.copy_((torch.randn(x.shape, device=dev) * (20 if x.dtype == torch.int8 else 0.01)).to(x.dtype))
+            y.copy_(x)
+    q, k, v = (torch.randn(B * T, h, d, device=dev).to(dt) for h in (H, Hkv, Hkv))
+    ends = [n - 1 - 7 * b for b in range(B)]  # each sequence's last row at its own position in the bucket
+    pos = torch.tensor([e - T + 1 + j for e in ends for j in range(T)], device=dev)
+    cells = torch.arange(n, device=dev)[None, :]
+    mask = (cells <= pos[:, None]) & ((torch.rand(B * T, n, device=dev) < keep) | (cells == pos[:, None]))
+    o_ref = attend_seqs_torch(q, k, v, pos, ref, n, mask)
+    tables = SequenceTables([], {0: tri}).kv(0)
+    assert tables is not None
+
+    def together() -> torch.Tensor:
+        write_seqs(tri, tables, pos, k, v)
+        return attention_seqs_triton(q, tri, tables, n, mask)
+    o = together()
+    same = all(torch.equal(x, y) for a, b in zip(ref, tri, strict=True) for x, y in zip(a.buffers(), b.buffers(),
+                                                                                           strict=True))
+
+    def one_by_one() -> torch.Tensor:
+        out = []
+        for b, c in enumerate(tri):
+            rows = slice(b * T, (b + 1) * T)
+            c.write(pos[rows], k[rows], v[rows])
+            ks, vs = c.scales()
+            out.append(masked_attention(q[rows], c.k[:n], c.v[:n], None if ks is None else ks[:n],
+                                        None if vs is None else vs[:n], mask[rows]))
+        return torch.cat(out)
+    alone = torch.equal(o, one_by_one())
+    err = rel_err(o, o_ref)
+    row = Row(f"attention seqs B={B} T={T} H={H}/{Hkv} d={d} n={n} {kv} keep={keep}"
+              + (" (torch: the sequences' launches)" if timed else ""),
+              err < TOL[dt] and same and alone,
+              f"rel err {err:.2e} (f32 reference); caches {'bit-identical' if same else 'DIFFER'}; each sequence's "
+              f"rows {'the bits of its kernel alone' if alone else 'UNLIKE ITS KERNEL ALONE'}")
+
+    if timed and R.timing:
+        row.torch_us = R.bench(one_by_one)
+        row.triton_us = R.bench(together)
+    R.add(row)
+
+
+def attention_seqs_checks(R: Runner, small: bool) -> None:
+    """A batched step's attention: 8 one-row sequences and 4 verifies of 4 rows over a 4,608-cell q8_0 bucket (the
+    draft head's causal mask, QSA's block mask), then other cache types and ragged shapes."""
+    if small:
+        check_attention_seqs(R, 3, 1, 4, 2, 32, 128, 96, "q8_0")
+        check_attention_seqs(R, 2, 3, 4, 2, 64, 96, 64, "q8_0", keep=0.5)
+        check_attention_seqs(R, 2, 2, 2, 1, 32, 64, 64, "f32", dt=torch.float32, keep=0.5)
+        return
+    for B, T in ((8, 1), (4, 4)):
+        check_attention_seqs(R, B, T, 24, 2, 256, 8192, 4608, "q8_0", timed=True)
+        check_attention_seqs(R, B, T, 24, 2, 256, 8192, 4608, "q8_0", keep=0.45, timed=True)
+    check_attention_seqs(R, 3, 2, 24, 2, 256, 2048, 1536, "bf16", keep=0.45)
+    check_attention_seqs(R, 3, 3, 12, 2, 128, 1024, 1000, "f32", dt=torch.float32, keep=0.5)
+
+
 def masked_attention_checks(R: Runner, small: bool) -> None:
     """Masked attention: the MTP head's causal read of a 4,608-cell q8_0 bucket (1 row, 6 rows) and QSA's block mask
     (~half the cells), then small and ragged shapes and every cache type."""
@@ -1213,6 +1281,7 @@ CHECKS: dict[str, Callable[[Runner, bool], None]] = {
     "masked_attention": masked_attention_checks, "q4": q4_checks, "moe": moe_checks, "gemv": gemv_checks,
     "hc_mix": hc_mix_checks, "route": route_checks, "dequant": dequant_checks, "top_blocks": top_blocks_checks,
     "argmax": argmax_checks, "row_independence": check_row_independence, "gdn_seqs": gdn_seqs_checks,
+    "attention_seqs": attention_seqs_checks,
 }
 
 

@@ -29,10 +29,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_q8_0_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, pos_ptr, k_ptr, v_ptr, k_t, k_h, v_t, v_h, c_c, c_h,
-                           s_c, s_h, NB: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr = False):
+                           s_c, s_h, rows, NB: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr = False,
+                           SEQS: tl.constexpr = False):
         pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
+        if SEQS:  # sequence program_id(2), `rows` rows each; kq_ptr .. vs_ptr are tables of its caches' addresses
+            seq = tl.program_id(2)
+            kq_ptr = tl.load(kq_ptr + seq).to(tl.pointer_type(tl.int8))
+            vq_ptr = tl.load(vq_ptr + seq).to(tl.pointer_type(tl.int8))
+            ks_ptr = tl.load(ks_ptr + seq).to(tl.pointer_type(tl.float16))
+            vs_ptr = tl.load(vs_ptr + seq).to(tl.pointer_type(tl.float16))
+            t += seq * rows
         b = tl.arange(0, NBP)
         i = tl.arange(0, 32)
         bm = b < NB
@@ -53,5 +61,24 @@ def write_q8_0_triton(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: 
     """Arguments as kv_write.write_q8_0 (checked there; the cache tensors contiguous, k and v rows contiguous)."""
     T, Hkv, d = k.shape
     _write_q8_0_kernel[(T, Hkv)](kq, vq, ks, vs, pos, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                                 kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), NB=d // 32,
+                                 kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), 0, NB=d // 32,
                                  NBP=max(2, next_pow2(d // 32)), num_warps=2, enable_fp_fusion=False, **pdl_launch(kq))
+
+
+def write_q8_0_seqs_triton(cache: tuple[torch.Tensor, ...], tables: tuple[torch.Tensor, ...], pos: torch.Tensor,
+                           k: torch.Tensor, v: torch.Tensor) -> None:
+    """`write_q8_0_triton` for B sequences in one launch: rows b T .. (b + 1) T - 1 of k, v and pos (T = rows / B)
+    to sequence b's cache. cache: sequence 0's (kq, vq, ks, vs), whose layout every one shares (contiguous); tables:
+    int64 [B] device tensors of every sequence's kq, vq, ks and vs addresses (state/tables.SequenceTables)."""
+    B = tables[0].shape[0]
+    rows, rem = divmod(k.shape[0], B)
+    kq, vq, ks, vs = cache
+    if rem or rows < 1 or len(tables) != 4 or any(t.shape != (B,) or t.dtype != torch.int64 for t in tables) or \
+            not all(t.is_contiguous() for t in cache) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"q8_0 KV write of {B} sequences: {k.shape[0]} rows, 4 tables of {B} addresses, "
+                         "contiguous caches and rows")
+    Hkv, d = k.shape[1:]
+    _write_q8_0_kernel[(rows, Hkv, B)](*tables, pos, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                       kq.stride(0), kq.stride(1), ks.stride(0), ks.stride(1), rows, NB=d // 32,
+                                       NBP=max(2, next_pow2(d // 32)), num_warps=2, enable_fp_fusion=False,
+                                       SEQS=True, **pdl_launch(k))

@@ -117,16 +117,31 @@ if HAS_TRITON:
         tl.store(m_ptr + t * ml_t + heads * ml_h + s, m_i, mask=used)
         tl.store(l_ptr + t * ml_t + heads * ml_h + s, l_i, mask=used)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["splits"])  # the chunk count follows the KV bucket (with SEQS)
     def _masked_attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, acc_ptr, m_ptr, l_ptr, T, N, CHUNK, scale,
-                            q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h,
+                            q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h, splits,
                             G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BN: tl.constexpr, STAGES: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
-                            UPCAST: tl.constexpr, SKIP: tl.constexpr = False, PDL: tl.constexpr = False):
+                            UPCAST: tl.constexpr, SKIP: tl.constexpr = False, PDL: tl.constexpr = False,
+                            SEQS: tl.constexpr = False, KDT: tl.constexpr = tl.int8):
         pdl_start(PDL)
         t0 = tl.program_id(0) * RP
         h = tl.program_id(1)
         s = tl.program_id(2)
+        if SEQS:  # program_id(2) = sequence * splits + chunk; T rows a sequence, its cache through address tables
+            seq = s // splits
+            s = s % splits
+            k_ptr = tl.load(k_ptr + seq).to(tl.pointer_type(KDT))
+            v_ptr = tl.load(v_ptr + seq).to(tl.pointer_type(KDT))
+            if Q8:
+                ks_ptr = tl.load(ks_ptr + seq).to(tl.pointer_type(tl.float16))
+                vs_ptr = tl.load(vs_ptr + seq).to(tl.pointer_type(tl.float16))
+            row0 = (seq * T).to(tl.int64)
+            q_ptr += row0 * q_t
+            mask_ptr += row0 * mk_t
+            acc_ptr += row0 * a_t
+            m_ptr += row0 * ml_t
+            l_ptr += row0 * ml_t
         q, m_i, l_i, acc = start_heads(q_ptr, t0, T, h, q_t, q_h, G, GP, RP, D, DP)
         tr = t0 + tl.arange(0, RP)  # the program's rows: one mask row each, shared by the row's heads
         for j0 in tl.range(s * CHUNK, s * CHUNK + CHUNK, BN, num_stages=STAGES):
@@ -224,9 +239,45 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     _masked_attn_kernel[(-(-T // rp), Hkv, splits)](
         q, k, v, ks, vs, mask.view(torch.uint8), acc, m, lsum, T, n, chunk, d ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), ks.stride(0) if q8 else 0, ks.stride(1) if q8 else 0,
-        mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), 1,
         G=G, GP=max(16, next_pow2(G)), RP=rp, D=d, DP=DP, BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype),
         UPCAST=INTERPRET, SKIP=T >= SKIP_MIN_ROWS if skip is None else skip, num_warps=warps, **pdl_launch(q))
+    return combine_chunks(acc, m, lsum, splits, q.dtype)
+
+
+def masked_attention_seqs_triton(q: torch.Tensor, cache: tuple[torch.Tensor, ...], tables: tuple[torch.Tensor, ...],
+                                 n: int, mask: torch.Tensor) -> torch.Tensor:
+    """`masked_attention_triton` for B sequences in one pair of launches, each sequence's rows the same bits:
+    rows b T .. (b + 1) T - 1 of q [B T, H, d] and mask [B T, n] attend over the first n cells of sequence b's
+    cache. cache: sequence 0's KVCache.buffers() (k,
+    v and for q8_0 their scales; every sequence's share its layout); tables: int64 [B] device tensors of every
+    sequence's addresses of those buffers (state/tables.SequenceTables)."""
+    rows_all, H, d = q.shape
+    B = tables[0].shape[0]
+    T, rem = divmod(rows_all, B)
+    k, v = cache[:2]
+    q8 = len(cache) == 4
+    if (rem or T < 1 or len(tables) != len(cache) or any(t.shape != (B,) or t.dtype != torch.int64 for t in tables)
+            or mask.shape != (rows_all, n) or mask.dtype != torch.bool or not 0 < n <= k.shape[0]
+            or k.stride() != v.stride() or k.stride(-1) != 1 or (q8 and cache[2].stride() != cache[3].stride())):
+        raise ValueError(f"masked attention of {B} sequences: q {tuple(q.shape)}, mask {tuple(mask.shape)} "
+                         f"{mask.dtype} over {n} of {k.shape[0]} cells, {len(cache)} cache buffers and tables")
+    rp, block_n, warps, stages, target = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
+    Hkv = k.shape[1]
+    # each sequence's cells in the chunks its rows would have alone: the same sums in the same order, so each
+    # sequence's output has the bits of its own masked_attention_triton (B times the programs fill the GPU better)
+    chunk, splits = plan_chunks(T, Hkv, n, block_n, target, rp)
+    acc, m, lsum = new_partials(rows_all, H, max_chunks(T, Hkv, target, rp), d, q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    ks, vs = (tables[2], tables[3]) if q8 else (tables[0], tables[1])  # unread without q8_0
+    _masked_attn_kernel[(-(-T // rp), Hkv, B * splits)](
+        q, tables[0], tables[1], ks, vs, mask.view(torch.uint8), acc, m, lsum, T, n, chunk, d ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache[2].stride(0) if q8 else 0,
+        cache[2].stride(1) if q8 else 0, mask.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0),
+        m.stride(1), splits, G=H // Hkv, GP=max(16, next_pow2(H // Hkv)), RP=rp, D=d, DP=max(16, next_pow2(d)),
+        BN=block_n, STAGES=stages, Q8=q8, DT=tl_dtype(q.dtype), UPCAST=INTERPRET, SKIP=False, num_warps=warps,
+        SEQS=True, KDT=tl.int8 if q8 else tl_dtype(k.dtype), **pdl_launch(q))
     return combine_chunks(acc, m, lsum, splits, q.dtype)
 
 

@@ -31,7 +31,7 @@ from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import Descriptors, IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
-from qspec.state.tables import SequenceTables
+from qspec.state.tables import SequenceTables, even_rows
 from qspec.weights.gguf_io import HostRowTable
 from qspec.weights.pinned import PinError, PinnedRowTable
 from qspec.weights.qweight import PLANES_BLOCK32, QuantWeight
@@ -63,12 +63,6 @@ def _per_segment_rows(segments: list[Segment], fn: Callable[[int, slice], torch.
     if len(segments) == 1:
         return fn(0, segments[0].rows)
     return torch.cat([fn(k, s.rows) for k, s in enumerate(segments)])
-
-
-def _equal_rows(segments: list[Segment]) -> bool:
-    """Whether the segments hold the step's rows in order, the same count each."""
-    T = segments[0].rows.stop - segments[0].rows.start
-    return all(s.rows == slice(k * T, (k + 1) * T) for k, s in enumerate(segments))
 
 
 def _rows_of(parts: tuple[torch.Tensor, ...], rows: slice) -> tuple[torch.Tensor, ...]:
@@ -397,7 +391,7 @@ class Model(torch.nn.Module):
         layer = self.layers[i]
         if isinstance(layer, GatedDeltaNet):
             proj = layer.project(h)
-            if len(segments) > 1 and _equal_rows(segments):
+            if len(segments) > 1 and even_rows([s.rows for s in segments]):
                 o = layer.recur_seqs(proj, [s.cache for s in segments], tables, i)
                 if o is not None:
                     return layer.output(o, proj)
@@ -408,6 +402,13 @@ class Model(torch.nn.Module):
             return layer.output(_per_segment_rows(segments, recur), proj)
         r = self.cfg.ratio(i)
         proj = layer.project(h, cos, sin)
+        if len(segments) > 1 and even_rows([s.rows for s in segments]) and len({s.kv_len for s in segments}) == 1:
+            chosen = [(s.cache.idx.get(i), s.upd.get(r), upd_rope[k].get(r)) for k, s in enumerate(segments)]
+            sparse = any(s.cache.opts.sparse_attention for s in segments)
+            o = layer.attend_seqs(proj, pos, cos, sin, [s.cache.kv[i] for s in segments], chosen, tables, i,
+                                  kv_len=segments[0].kv_len, sparse=sparse)
+            if o is not None:
+                return layer.output(o, proj)
 
         def attend(k: int, rows: slice) -> torch.Tensor:
             seg = segments[k]
@@ -430,13 +431,15 @@ class Model(torch.nn.Module):
 
     def mtp_forward_batch(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
                           lm_head: Weight | Q4Weight | DraftHead | None = None, kv_len: int | None = None,
-                          row: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          row: torch.Tensor | None = None, tables: SequenceTables | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """mtp_forward over several sequences' rows, each on its own head cache (`segments`; their pooled-key
-        updates unused): the head's weights are read once for all. row: one index a sequence into the step's rows."""
+        updates unused): the head's weights are read once for all (and with `tables`, the head's caches' addresses,
+        its attention runs for all at once). row: one index a sequence into the step's rows."""
         with fuse.step_rows(tokens.shape[0]):
             emb, cos, sin = self._mtp_inputs(tokens, pos, [s.cache for s in segments])
             kvs = [(s.rows, s.cache.mtp_kv) for s in segments]
-            out, X = self.mtp(emb, H, pos, cos, sin, kvs, kv_len, row)
+            out, X = self.mtp(emb, H, pos, cos, sin, kvs, kv_len, row, tables)
             if isinstance(lm_head, DraftHead):
                 return spread_logits(_head(out, lm_head.weight), lm_head.ids, lm_head.vocab), X
         return _head(out, self.lm_head if lm_head is None else lm_head), X
@@ -449,11 +452,14 @@ class Model(torch.nn.Module):
         return self.mtp_write_kv_batch(tokens, H, pos, [Segment(slice(0, tokens.shape[0]), cache, {})], kv_len)
 
     def mtp_write_kv_batch(self, tokens: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, segments: list[Segment],
-                           kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """mtp_write_kv over several sequences' rows, each on its own head cache (`segments`)."""
+                           kv_len: int | None = None, tables: SequenceTables | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mtp_write_kv over several sequences' rows, each on its own head cache (`segments`; `tables`: as
+        mtp_forward_batch's)."""
         with fuse.step_rows(tokens.shape[0]):
             emb, cos, sin = self._mtp_inputs(tokens, pos, [s.cache for s in segments])
-            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, [(s.rows, s.cache.mtp_kv) for s in segments], kv_len)
+            X, y, _ = self.mtp.attend(emb, H, pos, cos, sin, [(s.rows, s.cache.mtp_kv) for s in segments], kv_len,
+                                      tables)
         return y, X
 
     def _mtp_inputs(self, tokens: torch.Tensor, pos: torch.Tensor, caches: list[ModelCache]

@@ -20,6 +20,7 @@ from qspec.model.moe import MoE
 from qspec.model.ops import Weight, linear, rms_norm
 from qspec.model.qsa import QSAAttention
 from qspec.state.kv_cache import KVCache
+from qspec.state.tables import SequenceTables, even_rows
 from qspec.weights.dequant import quantize_q4_0
 from qspec.weights.qweight import QuantWeight
 
@@ -96,28 +97,35 @@ class MTPHead(torch.nn.Module):
         self.moe = MoE(w, b, cfg.n_experts_used)
 
     def attend(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kvs: list[tuple[slice, KVCache]], kv_len: int | None = None
+               kvs: list[tuple[slice, KVCache]], kv_len: int | None = None, tables: SequenceTables | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The block up to its attention, which writes every row's K/V cells -> (X [T, S*D], the attention output
         y [T, D], the injection logits): all a row needs for the rows after it to attend to it. `kvs`: each
-        sequence's rows and its head's cache (several in a batched step: the row-wise work runs once over all)."""
+        sequence's rows and its head's cache (several in a batched step: the row-wise work runs once over all, and
+        with `tables` holding the head's caches ("mtp") the attention too, where its kernels take the step)."""
         c, a = self.cfg, self.attn
         X = mtp_in(emb, H, self.enorm, self.hnorm, self.eh, c.hc_count, c.hidden, c.rms_eps, self.hnorm_per_stream)
         h, inj = self.mix_attn(X)
         proj = a.project(h, cos, sin)
-        o = [a.attend_rows(tuple(p[r] for p in proj) if len(kvs) > 1 else proj, pos[r], cos[r], sin[r], kv, None,
-                           None, None, key_lo=1, kv_len=kv_len) for r, kv in kvs]
-        return X, a.output(o[0] if len(o) == 1 else torch.cat(o), proj), inj
+        o = None
+        if len(kvs) > 1 and even_rows([r for r, _ in kvs]):
+            o = a.attend_seqs(proj, pos, cos, sin, [kv for _, kv in kvs], [(None, None, None)] * len(kvs), tables,
+                              "mtp", key_lo=1, kv_len=kv_len)
+        if o is None:
+            parts = [a.attend_rows(tuple(p[r] for p in proj) if len(kvs) > 1 else proj, pos[r], cos[r], sin[r], kv,
+                                   None, None, None, key_lo=1, kv_len=kv_len) for r, kv in kvs]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return X, a.output(o, proj), inj
 
     def forward(self, emb: torch.Tensor, H: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kvs: list[tuple[slice, KVCache]], kv_len: int | None = None, row: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kvs: list[tuple[slice, KVCache]], kv_len: int | None = None, row: torch.Tensor | None = None,
+                tables: SequenceTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """emb [T, D] token embeddings, H [T, S*D] residual of the previous position -> (h [T, D], X [T, S*D]).
 
         row (device indices [B], one per sequence in `kvs`): every row writes its K/V cells, but only those rows go
         on through the MoE and the mixers after the attention -> (h [B, D], X [B, S*D]). The draft extend needs one
         row's output a sequence, and the other rows' MoE would read ~47 more experts (for 6 rows) for nothing."""
-        X, y, inj = self.attend(emb, H, pos, cos, sin, kvs, kv_len)
+        X, y, inj = self.attend(emb, H, pos, cos, sin, kvs, kv_len, tables)
         if row is not None:
             X, y = X.index_select(0, row), y.index_select(0, row)
             inj = None if inj is None else inj.index_select(0, row)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels import attention_seqs
 from qspec.kernels.masked_attention import masked_attention
 from qspec.kernels.pooled import materialize_pooled_fast
 from qspec.kernels.sparse_attention import sparse_attention
@@ -23,6 +24,7 @@ from qspec.model.hyper import stream_mean
 from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid, stack_rows
 from qspec.state.indexer_cache import IndexerCache
 from qspec.state.kv_cache import KVCache
+from qspec.state.tables import SequenceTables
 
 
 class PooledUpdate:
@@ -107,6 +109,31 @@ class QSAAttention(torch.nn.Module):
                                     None if vs is None else vs[:n], mask)
         K, V = kv.read(n)
         return attend(q, K, V, mask)
+
+    def attend_seqs(self, proj: tuple[torch.Tensor, ...], pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    kvs: list[KVCache], selections: list[tuple[IndexerCache | None, PooledUpdate | None,
+                                                               tuple[torch.Tensor, torch.Tensor] | None]],
+                    tables: SequenceTables | None, key: object, key_lo: int = 0, kv_len: int | None = None,
+                    sparse: bool = False) -> torch.Tensor | None:
+        """`attend_rows` for every sequence of a batched step at once (T rows each, in order; `selections`: each
+        one's indexer cache and pooled-key update with its rope tables): the K/V writes in one launch, each
+        sequence's cell mask as alone (its indexer's choice, or causal for all rows at once), the attention over
+        every sequence's cache in one pass (kernels/attention_seqs.py) -> o [rows, H, d]; None where those kernels do
+        not take the step (`tables` lack the caches of layer `key`, the sparse path, no Triton)."""
+        q, _, k, v, rest = proj
+        kv_tables = None if tables is None else tables.kv(key)
+        if kv_tables is None or not attention_seqs.seqs_take(q, kvs, kv_tables, sparse):
+            return None
+        attention_seqs.write_seqs(kvs, kv_tables, pos, k, v)
+        n = kvs[0].capacity if kv_len is None else kv_len
+        if self.ratio and all(idx is not None for idx, _, _ in selections):
+            T = q.shape[0] // len(kvs)
+            rows = [slice(b * T, (b + 1) * T) for b in range(len(kvs))]
+            mask = torch.cat([self.select(rest[r], pos[r], cos[r], sin[r], idx, upd, upd_rope, n, key_lo)
+                              for r, (idx, upd, upd_rope) in zip(rows, selections, strict=True)])
+        else:
+            mask = causal_mask(pos, n, key_lo)
+        return attention_seqs.attention_seqs_triton(q, kvs, kv_tables, n, mask)
 
     def select(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                idx: IndexerCache, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int,

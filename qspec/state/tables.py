@@ -19,6 +19,13 @@ from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 
 
+def even_rows(rows: list[slice]) -> bool:
+    """Whether the sequences' row slices hold a step's rows in order, the same count each: the layout of the rows that
+    the kernels with a sequence axis take."""
+    T = rows[0].stop - rows[0].start
+    return T > 0 and all(r == slice(k * T, (k + 1) * T) for k, r in enumerate(rows))
+
+
 def _same_layout(tensors: list[torch.Tensor]) -> bool:
     first = tensors[0]
     return all((t.shape, t.stride(), t.dtype, t.device) == (first.shape, first.stride(), first.dtype, first.device)
@@ -30,26 +37,36 @@ class SequenceTables:
     cache of that layer), in the sequences' order; every table is an int64 [B] device tensor."""
 
     def __init__(self, recs: list[RecurrentCache], kvs: dict[object, list[KVCache]]) -> None:
-        first = recs[0]
-        if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() for rc in recs) or not all(
-                _same_layout([getattr(rc.gdn[i], part) for rc in recs]) for i in first.gdn for part in ("conv", "ssm")):
-            raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
-        for key, caches in kvs.items():
-            if len(caches) != len(recs) or not all(_same_layout([c.buffers()[j] for c in caches])
-                                                   for j in range(len(caches[0].buffers()))):
-                raise ValueError(f"the sequences' attention caches of layer {key} differ in type or shape")
+        """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence."""
+        self._check(recs, kvs)
         self.caches = (tuple(recs), {k: tuple(v) for k, v in kvs.items()})
-        layers = sorted(first.gdn)
+        layers = sorted(recs[0].gdn) if recs else []
         rows = [[rc.gdn[i].conv.data_ptr() for rc in recs] for i in layers]
         rows += [[rc.gdn[i].ssm.data_ptr() for rc in recs] for i in layers]
-        rows += [[rc.live.data_ptr() for rc in recs], [rc.base.data_ptr() for rc in recs]]
+        rows += [[rc.live.data_ptr() for rc in recs], [rc.base.data_ptr() for rc in recs]] if recs else []
         self._kv_row: dict[object, int] = {}
         for key, caches in kvs.items():
             self._kv_row[key] = len(rows)
             rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
-        self._addresses = torch.tensor(rows, dtype=torch.int64).to(first.live.device)
+        device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device
+        self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
         self._layers = {i: k for k, i in enumerate(layers)}
         self.kv_caches = {k: v[0] for k, v in kvs.items()}  # the first sequence's: the layout every one shares
+
+    @staticmethod
+    def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]]) -> None:
+        if recs:
+            first = recs[0]
+            if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() for rc in recs) or not all(
+                    _same_layout([getattr(rc.gdn[i], part) for rc in recs]) for i in first.gdn
+                    for part in ("conv", "ssm")):
+                raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
+        if not recs and not kvs:
+            raise ValueError("no caches to make tables of")
+        for key, caches in kvs.items():
+            if (recs and len(caches) != len(recs)) or not all(_same_layout([c.buffers()[j] for c in caches])
+                                                              for j in range(len(caches[0].buffers()))):
+                raise ValueError(f"the sequences' attention caches of layer {key} differ in type, shape or count")
 
     @property
     def recurrent(self) -> tuple[RecurrentCache, ...]:

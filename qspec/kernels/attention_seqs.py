@@ -1,0 +1,76 @@
+"""Attention for several sequences of a batch at once: every sequence's K/V rows written to its cache in one launch,
+and every sequence's rows attending over its own cache in one masked-attention pass (two launches), per layer.
+
+A batched step computes its rows' projections once for every sequence (Model.forward_batch), but each sequence keeps
+its own KV cache: run one by one, an attention layer (a QSA layer, the draft head's) launches the q8_0 write and the
+masked attention's two kernels for every sequence. Here the q8_0 write and the first attention kernel take a sequence
+axis and find each sequence's cache through tables of its buffers' addresses (state/tables.SequenceTables); the
+combine kernel already runs over every row. The rows' masks are made before (QSA's indexer choice per sequence, or a
+causal mask over all rows at once, which depends on the rows' positions only).
+
+`attend_seqs_torch` is the reference: each sequence's write and masked attention alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from qspec.kernels.masked_attention import masked_attention_torch
+from qspec.kernels.triton_common import module_flag, use_triton
+from qspec.state.kv_cache import KVCache
+
+# A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off: each sequence alone (A/B runs).
+_ON = True
+
+
+def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, batched steps run every sequence's attention of a layer in one pass (on) or one by one."""
+    return module_flag(__name__, "_ON", on)
+
+
+def seqs_take(q: torch.Tensor, kvs: list[KVCache], tables: tuple[torch.Tensor, ...] | None, sparse: bool) -> bool:
+    """Whether a batched step's attention runs here: switched on, the Triton kernels (CUDA or the interpreter), two
+    sequences or more with their address tables, each cache read in one pass (fused attention, not the sparse path)."""
+    return (_ON and tables is not None and len(kvs) > 1 and use_triton(q) and not sparse
+            and all(kv.fused_attention for kv in kvs))
+
+
+def write_seqs(kvs: list[KVCache], tables: tuple[torch.Tensor, ...], pos: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+    """Every sequence's rows (T = rows / sequences each, in order) written to its cache: q8_0 caches with the write
+    kernel in one launch, others each by its own `write`."""
+    first = kvs[0]
+    if first.cache_type == "q8_0" and first.write_kernel and k.stride(-1) == 1 and v.stride(-1) == 1:
+        from qspec.kernels.triton_kv_write import write_q8_0_seqs_triton
+
+        write_q8_0_seqs_triton(tuple(first.buffers()), tables, pos, k, v)
+        return
+    T = k.shape[0] // len(kvs)
+    for b, kv in enumerate(kvs):
+        rows = slice(b * T, (b + 1) * T)
+        kv.write(pos[rows], k[rows], v[rows])
+
+
+def attention_seqs_triton(q: torch.Tensor, kvs: list[KVCache], tables: tuple[torch.Tensor, ...], n: int,
+                          mask: torch.Tensor) -> torch.Tensor:
+    """Every sequence's rows of q [rows, H, d] attending over the first n cells of its cache, where mask [rows, n]
+    allows -> o [rows, H, d]."""
+    from qspec.kernels.triton_masked_attention import masked_attention_seqs_triton
+
+    return masked_attention_seqs_triton(q, tuple(kvs[0].buffers()), tables, n, mask)
+
+
+def attend_seqs_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kvs: list[KVCache],
+                      n: int, mask: torch.Tensor) -> torch.Tensor:
+    """Reference: each sequence's rows written to its cache, then attending over its first n cells alone."""
+    T = q.shape[0] // len(kvs)
+    out = []
+    for b, kv in enumerate(kvs):
+        rows = slice(b * T, (b + 1) * T)
+        kv.write(pos[rows], k[rows], v[rows])
+        ks, vs = kv.scales()
+        out.append(masked_attention_torch(q[rows], kv.k[:n], kv.v[:n], None if ks is None else ks[:n],
+                                          None if vs is None else vs[:n], mask[rows]))
+    return torch.cat(out)
