@@ -99,7 +99,8 @@ class BatchSteps:
             kvs: dict[object, list[KVCache]] = {i: [c.kv[i] for c in caches] for i in caches[0].kv}
             if all(c.mtp_kv is not None for c in caches):
                 kvs["mtp"] = [c.mtp_kv for c in caches]
-            self._tables[key] = SequenceTables([c.rec for c in caches], kvs)
+            pooled = {i: [c.idx[i].pooled for c in caches] for i in caches[0].idx}
+            self._tables[key] = SequenceTables([c.rec for c in caches], kvs, pooled)
         return self._tables[key]
 
     def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,

@@ -17,6 +17,8 @@ from qspec.engine import prefill_chunks
 from qspec.kernels.triton_common import HAS_TRITON
 from qspec.model.model import Model
 from qspec.runner import Runner
+from qspec.state.indexer_cache import IndexerCache
+from qspec.state.tables import SequenceTables
 
 
 def test_batched_draft_head_steps_equal_each_sequence_alone(tiny_model: Model) -> None:
@@ -167,3 +169,37 @@ def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequenc
     r = subprocess.run([sys.executable, "-c", _SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0 and "seqs steps ok" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def test_the_indexer_choice_of_a_batched_step_is_each_sequences_own(tiny_model: Model) -> None:
+    """QSA's block choice for every sequence of a batched step at once (select_seqs: the sequences' pooled keys
+    gathered, one batched product, one top-k call) keeps the blocks each sequence's own `select` keeps, and writes
+    the same raw keys, at positions where the budget leaves blocks out."""
+    c = tiny_model.cfg
+    i = c.qsa_layers()[0]
+    layer = tiny_model.layers[i]
+    B, T, cap, r = 3, 2, 256, c.ratio(i)
+    g = torch.Generator().manual_seed(5)
+
+    def caches() -> list[IndexerCache]:
+        out = []
+        for _ in range(B):
+            ix = IndexerCache(cap, r, c.indexer_head_dim, dtype=tiny_model.dtype, device="cpu")
+            ix.raw.copy_(torch.randn(ix.raw.shape, generator=g))
+            ix.pooled.copy_(torch.randn(ix.pooled.shape, generator=g))
+            out.append(ix)
+        return out
+    mine = caches()
+    alone = [IndexerCache(cap, r, c.indexer_head_dim, dtype=tiny_model.dtype, device="cpu") for _ in range(B)]
+    for a, m in zip(alone, mine, strict=True):
+        a.raw.copy_(m.raw), a.pooled.copy_(m.pooled)
+    pos = torch.tensor([e - T + 1 + j for e in (200, 131, 255) for j in range(T)])
+    cos, sin = tiny_model.rope(pos)
+    rest = torch.randn(B * T, (c.indexer_heads + 1) * c.indexer_head_dim, generator=g).to(tiny_model.dtype)
+    tables = SequenceTables([], {}, {i: [ix.pooled for ix in mine]})
+    got = layer.select_seqs(rest, pos, cos, sin, [(ix, None, None) for ix in mine], tables, i, cap)
+    want = torch.cat([layer.select(rest[b * T:(b + 1) * T], pos[b * T:(b + 1) * T], cos[b * T:(b + 1) * T],
+                                   sin[b * T:(b + 1) * T], alone[b], None, None, cap) for b in range(B)])
+    assert torch.equal(got, want)
+    assert all(torch.equal(a.raw, m.raw) for a, m in zip(alone, mine, strict=True))
+    assert (want.sum(1) < pos + 1).all()  # every row leaves blocks out: the choice is made

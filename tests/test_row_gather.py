@@ -14,7 +14,7 @@ import torch
 from conftest import run_interp_tests, tiny_config
 from gguf import GGMLQuantizationType as Q
 
-from qspec.kernels.row_gather import RowPieces, gather_rows, gather_rows_torch
+from qspec.kernels.row_gather import RowPieces, gather_leading_rows, gather_rows, gather_rows_torch
 from qspec.kernels.triton_common import HAS_TRITON, INTERPRET
 from qspec.model import model as model_mod
 from qspec.model.model import CacheOptions, Model
@@ -132,6 +132,18 @@ def test_interp_kernel_equals_the_reference(qt: Q) -> None:
     got = gather_rows(t, rows)
     assert torch.equal(got, gather_rows_torch(t, rows))
     assert torch.equal(got[:42], raw[rows[:42]]) and not got[42:].any()
+
+
+@interp
+def test_interp_leading_rows_of_every_piece() -> None:
+    """The first n rows of every piece in one launch (a batch's sequences' pooled keys): the pieces' own rows, in
+    piece order, and n past a piece's rows is refused."""
+    pieces = [raw_table(Q.F32, 12, 96, seed=s) for s in range(3)]
+    t = RowPieces.of(pieces, 12, "cpu")
+    for n in (1, 7, 12):
+        assert torch.equal(gather_leading_rows(t, n), torch.cat([p[:n] for p in pieces]))
+    with pytest.raises(ValueError, match="first 13 rows"):
+        gather_leading_rows(t, 13)
 
 
 @interp

@@ -77,3 +77,16 @@ def gather_rows(table: RowPieces, rows: torch.Tensor) -> torch.Tensor:
 
         return gather_rows_triton(table, rows.reshape(-1))
     return gather_rows_torch(table, rows)
+
+
+def gather_leading_rows(table: RowPieces, n: int) -> torch.Tensor:
+    """The first n rows of every piece, piece by piece -> uint8 [pieces * n, row_bytes] on table.bases' device: one
+    Triton launch there (CUDA, the interpreter), the pieces' own rows otherwise. A batch's sequences each keep a
+    table of their own (a piece each: state/tables.SequenceTables), and a step reads the first n of each."""
+    if not 0 < n <= min(p.shape[0] for p in table.pieces):
+        raise ValueError(f"row gather: the first {n} rows of pieces of {[p.shape[0] for p in table.pieces]}")
+    if use_triton(table.bases):
+        from qspec.kernels.triton_row_gather import gather_rows_triton
+
+        return gather_rows_triton(table, None, leading=n)
+    return torch.cat([p[:n] for p in table.pieces]).to(table.bases.device)

@@ -26,11 +26,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_rows_kernel(bases_ptr, rows_ptr, out_ptr, n_rows, rows_per_piece, R: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr = False, LEADING: tl.constexpr = 0):
         pdl_start(PDL)
         i = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        row = tl.load(rows_ptr + i).to(tl.int64)
+        if LEADING:  # output row i: row i % LEADING of piece i // LEADING (rows_ptr unread)
+            row = (i // LEADING).to(tl.int64) * rows_per_piece + i % LEADING
+        else:
+            row = tl.load(rows_ptr + i).to(tl.int64)
         ok = (row >= 0) & (row < n_rows)
         row = tl.where(ok, row, 0)  # an out-of-range row reads nothing (masked below) and writes zeros
         piece = row // rows_per_piece
@@ -39,12 +42,14 @@ if HAS_TRITON:
         tl.store(out_ptr + i.to(tl.int64) * R + c, x, mask=c < R)
 
 
-def gather_rows_triton(table: RowPieces, rows: torch.Tensor) -> torch.Tensor:
-    """rows [N] on table.bases' device -> uint8 [N, row_bytes] there (checked in row_gather.gather_rows)."""
+def gather_rows_triton(table: RowPieces, rows: torch.Tensor | None, leading: int = 0) -> torch.Tensor:
+    """rows [N] on table.bases' device -> uint8 [N, row_bytes] there (checked in row_gather.gather_rows); with
+    `leading` (rows None), the first `leading` rows of every piece, piece by piece."""
     R = table.row_bytes
-    out = torch.empty(rows.shape[0], R, dtype=torch.uint8, device=rows.device)
+    N = len(table.pieces) * leading if leading else rows.shape[0]
+    out = torch.empty(N, R, dtype=torch.uint8, device=table.bases.device)
     block = min(MAX_BLOCK, next_pow2(R))
-    _gather_rows_kernel[(rows.shape[0], triton.cdiv(R, block))](
-        table.bases, rows, out, table.n_rows, table.rows_per_piece, R=R, BLOCK=block, num_warps=1 if block <= 256
-        else 4, **pdl_launch(out))
+    _gather_rows_kernel[(N, triton.cdiv(R, block))](
+        table.bases, table.bases if rows is None else rows, out, table.n_rows, table.rows_per_piece, R=R,
+        BLOCK=block, num_warps=1 if block <= 256 else 4, LEADING=leading, **pdl_launch(out))
     return out

@@ -21,7 +21,7 @@ from qspec.kernels.sparse_attention import sparse_attention
 from qspec.kernels.top_blocks import top_blocks_mask
 from qspec.model.fuse import fused
 from qspec.model.hyper import stream_mean
-from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, sigmoid, stack_rows
+from qspec.model.ops import apply_rope, bmm_rows, linear, rms_norm, row_exact, sigmoid, stack_rows
 from qspec.state.indexer_cache import IndexerCache
 from qspec.state.kv_cache import KVCache
 from qspec.state.tables import SequenceTables
@@ -32,6 +32,10 @@ class PooledUpdate:
 
     def __init__(self, cells: torch.Tensor, start: torch.Tensor, dest: torch.Tensor) -> None:
         self.cells, self.start, self.dest = cells, start, dest
+
+
+# A sequence's indexer cache, pooled-key update and its rope tables, as a batched step's QSA layer takes them
+Selection = tuple[IndexerCache | None, PooledUpdate | None, tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def materialize_pooled(idx: IndexerCache, upd: PooledUpdate, k_norm: torch.Tensor, eps: float,
@@ -111,13 +115,11 @@ class QSAAttention(torch.nn.Module):
         return attend(q, K, V, mask)
 
     def attend_seqs(self, proj: tuple[torch.Tensor, ...], pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    kvs: list[KVCache], selections: list[tuple[IndexerCache | None, PooledUpdate | None,
-                                                               tuple[torch.Tensor, torch.Tensor] | None]],
-                    tables: SequenceTables | None, key: object, key_lo: int = 0, kv_len: int | None = None,
-                    sparse: bool = False) -> torch.Tensor | None:
+                    kvs: list[KVCache], selections: list[Selection], tables: SequenceTables | None, key: object,
+                    key_lo: int = 0, kv_len: int | None = None, sparse: bool = False) -> torch.Tensor | None:
         """`attend_rows` for every sequence of a batched step at once (T rows each, in order; `selections`: each
-        one's indexer cache and pooled-key update with its rope tables): the K/V writes in one launch, each
-        sequence's cell mask as alone (its indexer's choice, or causal for all rows at once), the attention over
+        one's indexer cache and pooled-key update with its rope tables): the K/V writes in one launch, the cell
+        masks (the indexer's choice for all rows in one call, `select_seqs`; or causal), the attention over
         every sequence's cache in one pass (kernels/attention_seqs.py) -> o [rows, H, d]; None where those kernels do
         not take the step (`tables` lack the caches of layer `key`, the sparse path, no Triton)."""
         q, _, k, v, rest = proj
@@ -127,13 +129,44 @@ class QSAAttention(torch.nn.Module):
         attention_seqs.write_seqs(kvs, kv_tables, pos, k, v)
         n = kvs[0].capacity if kv_len is None else kv_len
         if self.ratio and all(idx is not None for idx, _, _ in selections):
-            T = q.shape[0] // len(kvs)
-            rows = [slice(b * T, (b + 1) * T) for b in range(len(kvs))]
-            mask = torch.cat([self.select(rest[r], pos[r], cos[r], sin[r], idx, upd, upd_rope, n, key_lo)
-                              for r, (idx, upd, upd_rope) in zip(rows, selections, strict=True)])
+            if not row_exact() and key in tables.pooled:
+                mask = self.select_seqs(rest, pos, cos, sin, selections, tables, key, n, key_lo)
+            else:
+                T = q.shape[0] // len(kvs)
+                rows = [slice(b * T, (b + 1) * T) for b in range(len(kvs))]
+                mask = torch.cat([self.select(rest[r], pos[r], cos[r], sin[r], idx, upd, upd_rope, n, key_lo)
+                                  for r, (idx, upd, upd_rope) in zip(rows, selections, strict=True)])
         else:
             mask = causal_mask(pos, n, key_lo)
         return attention_seqs.attention_seqs_triton(q, kvs, kv_tables, n, mask)
+
+    def write_keys(self, proj: torch.Tensor, pos: torch.Tensor, idx: IndexerCache, upd: PooledUpdate | None,
+                   upd_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The rows' raw indexer keys (proj: their indexer projections) to their cells, and the pooled keys of the
+        step's update list (seed Algorithm 2)."""
+        c = self.cfg
+        qd = c.indexer_heads * c.indexer_head_dim
+        idx.raw.index_copy_(0, pos, proj[:, qd:qd + c.indexer_head_dim].to(idx.raw.dtype))
+        if upd is not None and upd_rope is not None:
+            materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
+
+    def select_seqs(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    selections: list[Selection], tables: SequenceTables, key: object, n: int, key_lo: int = 0
+                    ) -> torch.Tensor:
+        """`select` for every sequence of a batched step (T rows each, in order): each one's keys written to its
+        indexer cache, then every row's block scores against its sequence's pooled keys (gathered in one launch) and
+        the choice in one compiled call -> bool [rows, n]. The scores are one batched product, not each sequence's
+        own: equal up to rounding, so a near tie may choose another block than alone (row-exact mode selects per
+        sequence)."""
+        c, r = self.cfg, self.ratio
+        T = proj.shape[0] // len(selections)
+        for b, (idx, upd, upd_rope) in enumerate(selections):
+            rows = slice(b * T, (b + 1) * T)
+            self.write_keys(proj[rows], pos[rows], idx, upd, upd_rope)
+        nbmax = min(selections[0][0].n_blocks, n // r)
+        qd = c.indexer_heads * c.indexer_head_dim
+        return block_mask(proj[:, :qd], pos, cos, sin, self.iq_norm, tables.pooled_rows(key, nbmax), r,
+                          c.indexer_heads, min(c.indexer_budget // r, nbmax), c.rms_eps, n, key_lo)
 
     def select(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                idx: IndexerCache, upd: PooledUpdate | None, upd_rope: tuple[torch.Tensor, torch.Tensor] | None, n: int,
@@ -144,9 +177,7 @@ class QSAAttention(torch.nn.Module):
         proj [T, heads*di + di]: the indexer's query and raw key projections of the rows."""
         c, r = self.cfg, self.ratio
         qd = c.indexer_heads * c.indexer_head_dim
-        idx.raw.index_copy_(0, pos, proj[:, qd:qd + c.indexer_head_dim].to(idx.raw.dtype))
-        if upd is not None and upd_rope is not None:
-            materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
+        self.write_keys(proj, pos, idx, upd, upd_rope)
         nbmax = min(idx.n_blocks, n // r)
         args = (proj[:, :qd], pos, cos, sin, self.iq_norm, idx.pooled[:nbmax], r, c.indexer_heads,
                 min(c.indexer_budget // r, nbmax), c.rms_eps)
@@ -181,10 +212,16 @@ def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
                   Kb: torch.Tensor, r: int, heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scores [T, nb], -inf where not visible; visible [T, nb]; complete blocks visible to each row [T]).
 
-    qi [T, heads*di]: the rows' indexer query projections; Kb [nb, di]: the blocks' pooled keys."""
-    T, nb, di = qi.shape[0], Kb.shape[0], Kb.shape[1]
+    qi [T, heads*di]: the rows' indexer query projections; Kb [nb, di]: the blocks' pooled keys (or [B, nb, di]:
+    each of B sequences' keys, for its T / B rows)."""
+    T, nb, di = qi.shape[0], Kb.shape[-2], Kb.shape[-1]
     qi = apply_rope(rms_norm(qi.unflatten(-1, (heads, di)), iq_norm, eps), cos, sin)
-    s = torch.relu(linear(qi.float().reshape(T * heads, di), Kb).view(T, heads, nb))
+    if Kb.dim() == 3:  # a batched step: each sequence's pooled keys [B, nb, di], its T / B rows in order
+        B = Kb.shape[0]
+        prod = torch.bmm(qi.float().reshape(B, T // B * heads, di), Kb.transpose(1, 2))
+    else:
+        prod = linear(qi.float().reshape(T * heads, di), Kb)
+    s = torch.relu(prod.reshape(T, heads, nb))
     s = stream_mean(s) * (heads / di ** 0.5)  # sum over heads / sqrt(d), in a fixed order
     nb_vis = (pos + 1) // r
     vis = torch.arange(nb, device=qi.device)[None, :] < nb_vis[:, None]

@@ -4,7 +4,7 @@ A batched step (Model.forward_batch) computes its rows' projections once for all
 keeps its own caches. A kernel with a sequence axis finds sequence b's buffers through int64 tables of their
 addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `base` scalars (kernels/gdn_seqs.py);
 per attention cache (a QSA layer's, the draft head's), each sequence's K and V values and, for q8_0, their scales
-(kernels/attention_seqs.py).
+(kernels/attention_seqs.py); per QSA layer, each sequence's pooled indexer keys (gathered for the block choice).
 
 Invariant: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
 `restore`, prefix loads), so the addresses stay valid as long as the caches live. The tables hold the caches, which
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from qspec.kernels.row_gather import RowPieces, gather_leading_rows
 from qspec.state.kv_cache import KVCache
 from qspec.state.recurrent import RecurrentCache
 
@@ -36,9 +37,14 @@ class SequenceTables:
     """Address tables of B sequences' recurrent caches `recs` and attention caches `kvs` (key -> each sequence's
     cache of that layer), in the sequences' order; every table is an int64 [B] device tensor."""
 
-    def __init__(self, recs: list[RecurrentCache], kvs: dict[object, list[KVCache]]) -> None:
-        """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence."""
-        self._check(recs, kvs)
+    def __init__(self, recs: list[RecurrentCache], kvs: dict[object, list[KVCache]],
+                 pooled: dict[object, list[torch.Tensor]] | None = None) -> None:
+        """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence.
+        pooled: a QSA layer's pooled indexer keys of each sequence (IndexerCache.pooled, contiguous f32), read as one
+        gather of every sequence's first blocks (`pooled_rows`)."""
+        self._check(recs, kvs, pooled or {})
+        self.pooled = {key: RowPieces.of([t.view(torch.uint8) for t in ts], ts[0].shape[0], ts[0].device)
+                       for key, ts in (pooled or {}).items()}
         self.caches = (tuple(recs), {k: tuple(v) for k, v in kvs.items()})
         layers = sorted(recs[0].gdn) if recs else []
         rows = [[rc.gdn[i].conv.data_ptr() for rc in recs] for i in layers]
@@ -48,21 +54,26 @@ class SequenceTables:
         for key, caches in kvs.items():
             self._kv_row[key] = len(rows)
             rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
-        device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device
+        device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device if kvs else \
+            next(iter(self.pooled.values())).bases.device
         self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
         self._layers = {i: k for k, i in enumerate(layers)}
         self.kv_caches = {k: v[0] for k, v in kvs.items()}  # the first sequence's: the layout every one shares
 
     @staticmethod
-    def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]]) -> None:
+    def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]], pooled: dict[object, list[torch.Tensor]]
+               ) -> None:
         if recs:
             first = recs[0]
             if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() for rc in recs) or not all(
                     _same_layout([getattr(rc.gdn[i], part) for rc in recs]) for i in first.gdn
                     for part in ("conv", "ssm")):
                 raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
-        if not recs and not kvs:
+        if not recs and not kvs and not pooled:
             raise ValueError("no caches to make tables of")
+        for key, ts in pooled.items():
+            if not _same_layout(ts) or not ts[0].is_contiguous() or ts[0].dtype != torch.float32:
+                raise ValueError(f"the sequences' pooled keys of layer {key} differ in shape or are not contiguous f32")
         for key, caches in kvs.items():
             if (recs and len(caches) != len(recs)) or not all(_same_layout([c.buffers()[j] for c in caches])
                                                               for j in range(len(caches[0].buffers()))):
@@ -89,3 +100,8 @@ class SequenceTables:
         if row is None:
             return None
         return tuple(self._addresses[row + j] for j in range(len(self.kv_caches[key].buffers())))
+
+    def pooled_rows(self, key: object, n: int) -> torch.Tensor:
+        """The first n pooled keys of QSA layer `key` of every sequence -> f32 [B, n, d] (one gather launch)."""
+        table = self.pooled[key]
+        return gather_leading_rows(table, n).view(torch.float32).view(len(table.pieces), n, -1)
