@@ -5,8 +5,9 @@ A batched step computes its rows' projections once for every sequence (Model.for
 its own KV cache: run one by one, an attention layer (a QSA layer, the draft head's) launches the q8_0 write and the
 masked attention's two kernels for every sequence. Here the q8_0 write and the first attention kernel take a sequence
 axis and find each sequence's cache through tables of its buffers' addresses (state/tables.SequenceTables); the
-combine kernel already runs over every row. The rows' masks are made before (QSA's indexer choice per sequence, or a
-causal mask over all rows at once, which depends on the rows' positions only).
+combine kernel already runs over every row. The rows' masks are made before: QSA's indexer choice for every sequence
+in one call (model/qsa.QSAAttention.select_seqs), or a causal mask over all rows at once (it depends on the rows'
+positions only).
 
 `attend_seqs_torch` is the reference: each sequence's write and masked attention alone.
 """

@@ -110,7 +110,6 @@ class GatedDeltaNet(torch.nn.Module):
             st.ssm.index_copy_(0, rc.step_planes(T), states)
         return o
 
-
     def recur_seqs(self, proj: tuple[torch.Tensor, ...], caches: list[ModelCache], tables: SequenceTables | None,
                    layer: int) -> torch.Tensor | None:
         """Every sequence's rows (T each, in order; their projections) through the conv and the recurrence in two

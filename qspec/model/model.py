@@ -337,8 +337,9 @@ class Model(torch.nn.Module):
         """Rows of several sequences in one step: `segments` say which rows are whose (each with its own caches, as
         `forward` takes them). Row-wise work (mixers, experts, the head) runs once over every row, so each weight is
         read once for the batch; the sequence mixers (GDN, QSA, the n-gram conv) run per segment on its caches, but
-        with `tables` (the segments' recurrent caches' addresses, in order) GDN steps every segment in two launches
-        a layer where its kernels take the step (GatedDeltaNet.recur_seqs). -> (logits [T, V], X [T, S*D])."""
+        with `tables` (the addresses of the segments' caches, in order) GDN and QSA step every segment in a few
+        launches a layer where their kernels take the step (GatedDeltaNet.recur_seqs, QSAAttention.attend_seqs).
+        -> (logits [T, V], X [T, S*D])."""
         with fuse.step_rows(tokens.shape[0]):
             return self._forward(tokens, pos, segments, None, tables)
 
@@ -386,8 +387,8 @@ class Model(torch.nn.Module):
                h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                tables: SequenceTables | None = None) -> torch.Tensor:
         """Layer i's sequence mixer (GDN or QSA) over the step's rows h: the projections in and out over every row
-        at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's); GDN's
-        recurrence for every segment at once where `tables` are given and its kernels take the step."""
+        at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's), or for
+        every segment at once where `tables` are given and the kernels with a sequence axis take the step."""
         layer = self.layers[i]
         if isinstance(layer, GatedDeltaNet):
             proj = layer.project(h)
