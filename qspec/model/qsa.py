@@ -217,8 +217,7 @@ def _block_scores(qi: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: t
     T, nb, di = qi.shape[0], Kb.shape[-2], Kb.shape[-1]
     qi = apply_rope(rms_norm(qi.unflatten(-1, (heads, di)), iq_norm, eps), cos, sin)
     if Kb.dim() == 3:  # a batched step: each sequence's pooled keys [B, nb, di], its T / B rows in order
-        B = Kb.shape[0]
-        prod = torch.bmm(qi.float().reshape(B, T // B * heads, di), Kb.transpose(1, 2))
+        prod = torch.bmm(qi.float().reshape(Kb.shape[0], -1, di), Kb.transpose(1, 2))
     else:
         prod = linear(qi.float().reshape(T * heads, di), Kb)
     s = torch.relu(prod.reshape(T, heads, nb))
