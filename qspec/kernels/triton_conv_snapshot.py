@@ -29,7 +29,7 @@ if HAS_TRITON:
                               s_plane, s_row, s_col, t_tok, t_ch, p_plane, p_row, p_col,
                               SW: tl.constexpr, NT: tl.constexpr, W: tl.constexpr,
                               DEST_IS_BASE: tl.constexpr, LIVE: tl.constexpr, T_WORDS: tl.constexpr,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False, SEQS: tl.constexpr = False):
+                              BLOCK: tl.constexpr, SEQS: tl.constexpr = False, PDL: tl.constexpr = False):
         pdl_start(PDL)
         if SEQS:  # sequence program_id(1): s_ptr, live_ptr, dest_ptr are tables of its planes' and scalars' addresses
             seq = tl.program_id(1)

@@ -43,7 +43,7 @@ if HAS_TRITON:
                     x_ptr, cw_ptr, x_c, scale, eps, x_seq,
                     DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
                     FINAL: tl.constexpr = False, CONV: tl.constexpr = False, KT: tl.constexpr = 1,
-                    PDL: tl.constexpr = False, SEQS: tl.constexpr = False):
+                    SEQS: tl.constexpr = False, PDL: tl.constexpr = False):
         # CONV: q, k and v come from the conv window X [2 HQ DK + Hv DV, KT - 1 + T] and the taps cw [C, KT]
         # (triton_gdn_conv's math: conv, silu, the q/k L2 norms, q's scale), computed here (q_ptr .. v_ptr unread);
         # the two norms' sums are one reduction (compiled for sm_90: 13 barriers in the kernel, where two took 16).

@@ -29,8 +29,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_q8_0_kernel(kq_ptr, vq_ptr, ks_ptr, vs_ptr, pos_ptr, k_ptr, v_ptr, k_t, k_h, v_t, v_h, c_c, c_h,
-                           s_c, s_h, rows, NB: tl.constexpr, NBP: tl.constexpr, PDL: tl.constexpr = False,
-                           SEQS: tl.constexpr = False):
+                           s_c, s_h, rows, NB: tl.constexpr, NBP: tl.constexpr, SEQS: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
         pdl_start(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)

@@ -122,8 +122,8 @@ if HAS_TRITON:
                             q_t, q_h, k_c, k_h, s_c, s_h, mk_t, a_t, a_h, a_s, ml_t, ml_h, splits,
                             G: tl.constexpr, GP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BN: tl.constexpr, STAGES: tl.constexpr, Q8: tl.constexpr, DT: tl.constexpr,
-                            UPCAST: tl.constexpr, SKIP: tl.constexpr = False, PDL: tl.constexpr = False,
-                            SEQS: tl.constexpr = False, KDT: tl.constexpr = tl.int8):
+                            UPCAST: tl.constexpr, SKIP: tl.constexpr = False, SEQS: tl.constexpr = False,
+                            KDT: tl.constexpr = tl.int8, PDL: tl.constexpr = False):
         pdl_start(PDL)
         t0 = tl.program_id(0) * RP
         h = tl.program_id(1)

@@ -26,7 +26,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_rows_kernel(bases_ptr, rows_ptr, out_ptr, n_rows, rows_per_piece, R: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr = False, LEADING: tl.constexpr = 0):
+                            BLOCK: tl.constexpr, LEADING: tl.constexpr = 0, PDL: tl.constexpr = False):
         pdl_start(PDL)
         i = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
