@@ -98,8 +98,9 @@ def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> N
 _SEQS_STEPS = """
 import torch
 from conftest import build_model, tiny_config
-from test_batch import engine, prompt_of
+from test_batch import engine, prompt_of, together
 
+from qspec.batch import Batcher
 from qspec.batch_steps import BatchSteps
 from qspec.kernels import attention_seqs, gdn_seqs
 from qspec.runner import Runner
@@ -152,6 +153,19 @@ with e.runner.switches.apply():
         assert all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
 cfg = model.cfg
 assert launched == {"gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1)}, launched
+
+# whole requests through the batcher (MTP2 rounds and plain steps as its measured rates choose, the draft heads'
+# cells written over plain steps): the same tokens with the launches for all sequences and without them
+calls = [dict(prompt=prompt_of(6 + 5 * i, i), max_tokens=6) for i in range(3)]
+tokens = []
+for on in (True, False):
+    b = Batcher(engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True, gdn_seqs=on,
+                       attention_seqs=on), 3, draft="auto")
+    try:
+        tokens.append([g.tokens for g in together(b, calls)])
+    finally:
+        b.close()
+assert tokens[0] == tokens[1] and launched["gdn"] > 2 * len(cfg.gdn_layers()), (tokens, launched)
 print("seqs steps ok")
 """
 
@@ -163,7 +177,8 @@ def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequenc
     GDN layer's snapshots and recurrence and every attention layer's (QSA's, the head's) q8_0 writes and attention in
     launches for all the sequences (gdn_seqs, attention_seqs), give the logits, residuals, committed states, head
     caches and snapshot counters that the same steps with each sequence's own launches give; the batched launches ran
-    for every GDN and attention layer of every step."""
+    for every GDN and attention layer of every step. Then whole requests through the batcher give the same tokens
+    with and without those launches."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
     r = subprocess.run([sys.executable, "-c", _SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
