@@ -85,9 +85,9 @@ def main() -> None:
                     "(qspec/bench/accept.py; the random model's own drafts are almost never accepted)")
     ap.add_argument("--profile", action="store_true",
                     help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
-    ap.add_argument("--off", default=None, metavar="OPTIONS",
-                    help="also every batch arm with these boolean EngineOptions fields off (comma-separated), named "
-                    "'... OPTIONS=0' (a same-process A/B, e.g. gdn_seqs,attention_seqs)")
+    ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
+                    help="also every batch arm with these boolean EngineOptions fields set so, named "
+                    "'... NAME=0|1,...' (a same-process A/B, e.g. gdn_seqs=0 or attention_seqs=1)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -97,7 +97,8 @@ def main() -> None:
                                 quant=a.quant)
     variants = {"": 0} | ({f" mtp{a.draft}": a.draft} if a.draft else {})
     hooks = EngineHooks(accept_hook=AcceptProfile.parse(a.accept_profile).hook())
-    off = {"": {}} | ({f" {a.off}=0": dict.fromkeys(a.off.split(","), False)} if a.off else {})
+    off = {"": {}} | ({f" {a.switches}": {k: v == "1" for k, v in (p.split("=") for p in a.switches.split(","))}}
+                      if a.switches else {})
     engines = {v + o: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
                                                   prefix_cache=False, draft_head=a.draft_head, **kw),
                              hooks if d else None)

@@ -22,8 +22,9 @@ from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.state.kv_cache import KVCache
 
-# A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off: each sequence alone (A/B runs).
-_ON = True
+# A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off, the default: each sequence alone.
+# On the H200 the pass for all sequences was slower than their own launches at a 4,608-cell bucket (BENCHMARKS.md §9)
+_ON = False
 
 
 def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
