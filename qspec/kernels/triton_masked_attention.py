@@ -249,9 +249,9 @@ def masked_attention_seqs_triton(q: torch.Tensor, cache: tuple[torch.Tensor, ...
                                  n: int, mask: torch.Tensor) -> torch.Tensor:
     """`masked_attention_triton` for B sequences in one pair of launches, each sequence's rows the same bits:
     rows b T .. (b + 1) T - 1 of q [B T, H, d] and mask [B T, n] attend over the first n cells of sequence b's
-    cache. cache: sequence 0's KVCache.buffers() (k,
-    v and for q8_0 their scales; every sequence's share its layout); tables: int64 [B] device tensors of every
-    sequence's addresses of those buffers (state/tables.SequenceTables)."""
+    cache. cache: sequence 0's KVCache.buffers() (k, v and for q8_0 their scales; every sequence's share its
+    layout); tables: int64 [B] device tensors of every sequence's addresses of those buffers
+    (state/tables.SequenceTables)."""
     rows_all, H, d = q.shape
     B = tables[0].shape[0]
     T, rem = divmod(rows_all, B)
@@ -265,7 +265,8 @@ def masked_attention_seqs_triton(q: torch.Tensor, cache: tuple[torch.Tensor, ...
     rp, block_n, warps, stages, target = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
     Hkv = k.shape[1]
     # each sequence's cells in the chunks its rows would have alone: the same sums in the same order, so each
-    # sequence's output has the bits of its own masked_attention_triton (B times the programs fill the GPU better)
+    # sequence's output has the bits of its own masked_attention_triton. B times the programs and partials: on the
+    # H200 this measured slower than the sequences' own launches (BENCHMARKS.md §9)
     chunk, splits = plan_chunks(T, Hkv, n, block_n, target, rp)
     acc, m, lsum = new_partials(rows_all, H, max_chunks(T, Hkv, target, rp), d, q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
