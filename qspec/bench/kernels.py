@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig, preset
 from qspec.kernels.argmax import argmax_rows_torch
-from qspec.kernels.attention_seqs import attend_seqs_torch, attention_seqs_triton, write_seqs
+from qspec.kernels.attention_seqs import attend_each, attention_seqs_triton, write_seqs
 from qspec.kernels.conv_snapshot import write_snapshots
 from qspec.kernels.dequant import dequant_q8_0_torch
 from qspec.kernels.gdn_conv import gdn_conv_qkv_torch
@@ -1030,7 +1030,7 @@ def check_attention_seqs(R: Runner, B: int, T: int, H: int, Hkv: int, d: int, ca
                          dt: torch.dtype = torch.bfloat16, keep: float = 1.0, timed: bool = False) -> None:
     """A batched step's attention layer (attention_seqs: every sequence's K/V write in one launch, every sequence's
     masked attention over its own cache in one pass) against each sequence's write and attention alone
-    (attend_seqs_torch, f32) and each sequence's rows alone through the kernels (the same bits); the caches must be
+    (attend_each, f32) and each sequence's rows alone through the kernels (the same bits); the caches must be
     bit-identical. Timed against the sequences' launches one by one."""
     dev = R.device
     ref, tri = ([KVCache(cap, Hkv, d, cache_type=kv, dtype=dt, device=dev, fused_attention=True, write_kernel=True)
@@ -1044,7 +1044,7 @@ def check_attention_seqs(R: Runner, B: int, T: int, H: int, Hkv: int, d: int, ca
     pos = torch.tensor([e - T + 1 + j for e in ends for j in range(T)], device=dev)
     cells = torch.arange(n, device=dev)[None, :]
     mask = (cells <= pos[:, None]) & ((torch.rand(B * T, n, device=dev) < keep) | (cells == pos[:, None]))
-    o_ref = attend_seqs_torch(q, k, v, pos, ref, n, mask)
+    o_ref = attend_each(q, k, v, pos, ref, n, mask)
     tables = SequenceTables([], {0: tri}).kv(0)
     assert tables is not None
 
@@ -1056,14 +1056,7 @@ def check_attention_seqs(R: Runner, B: int, T: int, H: int, Hkv: int, d: int, ca
                                                                                            strict=True))
 
     def one_by_one() -> torch.Tensor:
-        out = []
-        for b, c in enumerate(tri):
-            rows = slice(b * T, (b + 1) * T)
-            c.write(pos[rows], k[rows], v[rows])
-            ks, vs = c.scales()
-            out.append(masked_attention(q[rows], c.k[:n], c.v[:n], None if ks is None else ks[:n],
-                                        None if vs is None else vs[:n], mask[rows]))
-        return torch.cat(out)
+        return attend_each(q, k, v, pos, tri, n, mask, masked_attention)
     alone = torch.equal(o, one_by_one())
     err = rel_err(o, o_ref)
     row = Row(f"attention seqs B={B} T={T} H={H}/{Hkv} d={d} n={n} {kv} keep={keep}"

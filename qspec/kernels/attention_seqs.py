@@ -9,12 +9,13 @@ combine kernel already runs over every row. The rows' masks are made before: QSA
 in one call (model/qsa.QSAAttention.select_seqs), or a causal mask over all rows at once (it depends on the rows'
 positions only).
 
-`attend_seqs_torch` is the reference: each sequence's write and masked attention alone.
+`attend_each` is the reference: each sequence's write and masked attention alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -64,15 +65,16 @@ def attention_seqs_triton(q: torch.Tensor, kvs: list[KVCache], tables: tuple[tor
     return masked_attention_seqs_triton(q, tuple(kvs[0].buffers()), tables, n, mask)
 
 
-def attend_seqs_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kvs: list[KVCache],
-                      n: int, mask: torch.Tensor) -> torch.Tensor:
-    """Reference: each sequence's rows written to its cache, then attending over its first n cells alone."""
+def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kvs: list[KVCache], n: int,
+                mask: torch.Tensor, attention: Callable[..., torch.Tensor] = masked_attention_torch) -> torch.Tensor:
+    """Each sequence's rows written to its cache, then attending over its first n cells alone with `attention` (the
+    reference: masked_attention_torch; masked_attention: the sequences' own launches, as the model runs them)."""
     T = q.shape[0] // len(kvs)
     out = []
     for b, kv in enumerate(kvs):
         rows = slice(b * T, (b + 1) * T)
         kv.write(pos[rows], k[rows], v[rows])
         ks, vs = kv.scales()
-        out.append(masked_attention_torch(q[rows], kv.k[:n], kv.v[:n], None if ks is None else ks[:n],
-                                          None if vs is None else vs[:n], mask[rows]))
+        out.append(attention(q[rows], kv.k[:n], kv.v[:n], None if ks is None else ks[:n],
+                             None if vs is None else vs[:n], mask[rows]))
     return torch.cat(out)

@@ -126,6 +126,11 @@ def _check_state(T: int, Hq: int, dk: int, Hv: int, dv: int, g: torch.Tensor, be
         raise ValueError(f"{T} rows do not fit {ssm.shape[0]} planes")
 
 
+def _check_gates(gates: tuple[torch.Tensor, torch.Tensor], Hv: int) -> None:
+    if any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous() for t in gates):
+        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
+
+
 def gdn_recurrent_planes_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, ssm: torch.Tensor, live: torch.Tensor,
                                base: torch.Tensor, gates: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -190,9 +195,8 @@ def _launch(rows: tuple, window: tuple, T: int, Hq: int, Hv: int, dk: int, dv: i
     """_gdn_kernel's launch; rows: q, k, v and their row and head strides; window: the conv window, its taps, the
     window's row stride, q's scale and the norms' eps (read where conv_taps > 0: q, k, v computed from it)."""
     a, dt_bias = gates if gates is not None else (g, g)  # unread without gates
-    if gates is not None and any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous()
-                                 for t in gates):
-        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
+    if gates is not None:
+        _check_gates(gates, Hv)
     most = _most_rows(final_only)
     if T > most:
         raise ValueError(f"{T} rows: the per-row kernel is for at most {most} (use the chunked form)")
@@ -236,8 +240,7 @@ def gdn_conv_recurrent_seqs_triton(X: torch.Tensor, conv_w: torch.Tensor, Hk: in
     if T > MAX_ROWS or T > ssm.shape[0] // 2:
         raise ValueError(f"{T} rows a sequence: at most {MAX_ROWS} and half of its {ssm.shape[0]} planes")
     a, dt_bias = gates
-    if any(t.shape != (Hv,) or t.dtype != torch.float32 or not t.is_contiguous() for t in gates):
-        raise ValueError(f"gates: a and dt_bias must be contiguous f32 [Hv={Hv}]")
+    _check_gates(gates, Hv)
     if ssm.stride(3) != 1:
         raise ValueError("ssm needs a contiguous last dim")
     o = torch.empty(B * T, Hv, dv, dtype=torch.float32, device=X.device)

@@ -45,7 +45,8 @@ class SequenceTables:
         self._check(recs, kvs, pooled or {})
         self.pooled = {key: RowPieces.of([t.view(torch.uint8) for t in ts], ts[0].shape[0], ts[0].device)
                        for key, ts in (pooled or {}).items()}
-        self.caches = (tuple(recs), {k: tuple(v) for k, v in kvs.items()})
+        self.recurrent = tuple(recs)
+        self.attention = {k: tuple(v) for k, v in kvs.items()}  # held: the addresses stay valid while the tables live
         layers = sorted(recs[0].gdn) if recs else []
         rows = [[rc.gdn[i].conv.data_ptr() for rc in recs] for i in layers]
         rows += [[rc.gdn[i].ssm.data_ptr() for rc in recs] for i in layers]
@@ -58,7 +59,6 @@ class SequenceTables:
             next(iter(self.pooled.values())).bases.device
         self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
         self._layers = {i: k for k, i in enumerate(layers)}
-        self.kv_caches = {k: v[0] for k, v in kvs.items()}  # the first sequence's: the layout every one shares
 
     @staticmethod
     def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]], pooled: dict[object, list[torch.Tensor]]
@@ -79,10 +79,6 @@ class SequenceTables:
                                                               for j in range(len(caches[0].buffers()))):
                 raise ValueError(f"the sequences' attention caches of layer {key} differ in type, shape or count")
 
-    @property
-    def recurrent(self) -> tuple[RecurrentCache, ...]:
-        return self.caches[0]
-
     def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv planes, live, base) address tables of GDN layer `layer`."""
         return self._addresses[self._layers[layer]], self._addresses[2 * len(self._layers)], \
@@ -99,7 +95,7 @@ class SequenceTables:
         row = self._kv_row.get(key)
         if row is None:
             return None
-        return tuple(self._addresses[row + j] for j in range(len(self.kv_caches[key].buffers())))
+        return tuple(self._addresses[row + j] for j in range(len(self.attention[key][0].buffers())))
 
     def pooled_rows(self, key: object, n: int) -> torch.Tensor:
         """The first n pooled keys of QSA layer `key` of every sequence -> f32 [B, n, d] (one gather launch)."""
