@@ -47,6 +47,12 @@ class RowPieces:
         return int(self.pieces[0].shape[1])
 
     @property
+    def aligned(self) -> bool:
+        """Whether every piece starts on a 16-byte address and rows are a multiple of 16 bytes (then every row is
+        16-byte aligned, and the gather kernel reads it 16 bytes a load)."""
+        return self.row_bytes % 16 == 0 and all(p.data_ptr() % 16 == 0 for p in self.pieces)
+
+    @property
     def n_rows(self) -> int:
         return (len(self.pieces) - 1) * self.rows_per_piece + int(self.pieces[-1].shape[0])
 

@@ -185,6 +185,17 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def table_pointer(table_ptr, seq, DT: tl.constexpr, ALIGNED: tl.constexpr = True):
+        """Sequence seq's buffer address in an address table (state/tables.SequenceTables), as a pointer to DT.
+        ALIGNED: declared 16-byte aligned (the tables check it for every cache buffer). An address loaded from memory
+        is otherwise assumed unaligned, and every load through it is compiled one element at a time: an int8 K row
+        as 256 byte loads, not 16-byte vectors (the PTX of the attention kernel compiled for sm_90)."""
+        p = tl.load(table_ptr + seq).to(tl.pointer_type(DT))
+        if ALIGNED:
+            p = tl.multiple_of(p, 16)
+        return p
+
+    @triton.jit
     def dot_acc(a, b, acc, UPCAST: tl.constexpr):
         """acc + a @ b for 16-bit tiles on tensor cores. UPCAST (set under the CPU interpreter, which multiplies
         bf16 tiles wrongly): the same product from exact f32 copies."""

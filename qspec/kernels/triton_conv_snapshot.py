@@ -22,7 +22,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start
+    from qspec.kernels.triton_common import pdl_start, table_pointer
 
     @triton.jit(do_not_specialize=["k"])  # one compiled kernel per (s, n), whatever k
     def _conv_snapshot_kernel(s_ptr, live_ptr, t_ptr, x_ptr, planes_ptr, dest_ptr, C, k,
@@ -33,10 +33,10 @@ if HAS_TRITON:
         pdl_start(PDL)
         if SEQS:  # sequence program_id(1): s_ptr, live_ptr, dest_ptr are tables of its planes' and scalars' addresses
             seq = tl.program_id(1)
-            s_ptr = tl.load(s_ptr + seq).to(tl.pointer_type(tl.int32))
+            s_ptr = table_pointer(s_ptr, seq, tl.int32)
             planes_ptr = s_ptr
-            live_ptr = tl.load(live_ptr + seq).to(tl.pointer_type(tl.int64))
-            dest_ptr = tl.load(dest_ptr + seq).to(tl.pointer_type(tl.int64))
+            live_ptr = table_pointer(live_ptr, seq, tl.int64, False)
+            dest_ptr = table_pointer(dest_ptr, seq, tl.int64, False)
             t_ptr += seq * NT * t_tok
             x_ptr += seq * C * (SW + NT)
         if LIVE:  # S is plane `live` of a [P, C, s] tensor, chosen on the device (no gather launch)

@@ -30,7 +30,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start
+    from qspec.kernels.triton_common import pdl_start, table_pointer
     from qspec.kernels.triton_gdn_conv import conv_silu
 
     @triton.jit
@@ -52,9 +52,9 @@ if HAS_TRITON:
         pdl_start(PDL)
         if SEQS:
             seq = tl.program_id(2)
-            ssm_ptr = tl.load(ssm_ptr + seq).to(tl.pointer_type(tl.float32))
-            live_ptr = tl.load(live_ptr + seq).to(tl.pointer_type(tl.int64))
-            base_ptr = tl.load(base_ptr + seq).to(tl.pointer_type(tl.int64))
+            ssm_ptr = table_pointer(ssm_ptr, seq, tl.float32)
+            live_ptr = table_pointer(live_ptr, seq, tl.int64, False)
+            base_ptr = table_pointer(base_ptr, seq, tl.int64, False)
             row0 = seq * T
             g_ptr += row0 * g_t
             b_ptr += row0 * b_t

@@ -14,7 +14,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start
+    from qspec.kernels.triton_common import pdl_start, table_pointer
 
     @triton.jit
     def _quantize_row(x):
@@ -36,10 +36,10 @@ if HAS_TRITON:
         h = tl.program_id(1)
         if SEQS:  # sequence program_id(2), `rows` rows each; kq_ptr .. vs_ptr are tables of its caches' addresses
             seq = tl.program_id(2)
-            kq_ptr = tl.load(kq_ptr + seq).to(tl.pointer_type(tl.int8))
-            vq_ptr = tl.load(vq_ptr + seq).to(tl.pointer_type(tl.int8))
-            ks_ptr = tl.load(ks_ptr + seq).to(tl.pointer_type(tl.float16))
-            vs_ptr = tl.load(vs_ptr + seq).to(tl.pointer_type(tl.float16))
+            kq_ptr = table_pointer(kq_ptr, seq, tl.int8)
+            vq_ptr = table_pointer(vq_ptr, seq, tl.int8)
+            ks_ptr = table_pointer(ks_ptr, seq, tl.float16)
+            vs_ptr = table_pointer(vs_ptr, seq, tl.float16)
             t += seq * rows
         b = tl.arange(0, NBP)
         i = tl.arange(0, 32)

@@ -41,7 +41,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import dot_acc, pdl_start
+    from qspec.kernels.triton_common import dot_acc, pdl_start, table_pointer
 
     @triton.jit
     def _scaled_q8(x, s_ptr, cell, load_ok, h, s_c, s_h, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
@@ -131,11 +131,11 @@ if HAS_TRITON:
         if SEQS:  # program_id(2) = sequence * splits + chunk; T rows a sequence, its cache through address tables
             seq = s // splits
             s = s % splits
-            k_ptr = tl.load(k_ptr + seq).to(tl.pointer_type(KDT))
-            v_ptr = tl.load(v_ptr + seq).to(tl.pointer_type(KDT))
+            k_ptr = table_pointer(k_ptr, seq, KDT)
+            v_ptr = table_pointer(v_ptr, seq, KDT)
             if Q8:
-                ks_ptr = tl.load(ks_ptr + seq).to(tl.pointer_type(tl.float16))
-                vs_ptr = tl.load(vs_ptr + seq).to(tl.pointer_type(tl.float16))
+                ks_ptr = table_pointer(ks_ptr, seq, tl.float16)
+                vs_ptr = table_pointer(vs_ptr, seq, tl.float16)
             row0 = (seq * T).to(tl.int64)
             q_ptr += row0 * q_t
             mask_ptr += row0 * mk_t

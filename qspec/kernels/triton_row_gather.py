@@ -8,7 +8,8 @@ one code path for every table is simpler. The cast works the same under the CPU 
 addresses, so CI runs this very kernel.
 
 Rows are read as bytes: a row is not a multiple of 4 bytes in general (170 for a Q8_0 row of 160) and its start is
-not aligned, and the traffic of a step (16 rows of 170 bytes per token) is latency-bound, not width-bound.
+not aligned, and the traffic of a step (16 rows of 170 bytes per token) is latency-bound, not width-bound. A table of
+16-byte rows in 16-byte aligned pieces (a batch's pooled indexer keys, RowPieces.aligned) is read 16 bytes a load.
 """
 
 import torch
@@ -22,11 +23,12 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start
+    from qspec.kernels.triton_common import pdl_start, table_pointer
 
     @triton.jit
     def _gather_rows_kernel(bases_ptr, rows_ptr, out_ptr, n_rows, rows_per_piece, R: tl.constexpr,
-                            BLOCK: tl.constexpr, LEADING: tl.constexpr = 0, PDL: tl.constexpr = False):
+                            BLOCK: tl.constexpr, LEADING: tl.constexpr = 0, ALIGNED: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
         pdl_start(PDL)
         i = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -37,7 +39,7 @@ if HAS_TRITON:
         ok = (row >= 0) & (row < n_rows)
         row = tl.where(ok, row, 0)  # an out-of-range row reads nothing (masked below) and writes zeros
         piece = row // rows_per_piece
-        base = tl.load(bases_ptr + piece).to(tl.pointer_type(tl.uint8))
+        base = table_pointer(bases_ptr, piece, tl.uint8, ALIGNED)  # aligned: 16-byte loads
         x = tl.load(base + (row - piece * rows_per_piece) * R + c, mask=c < tl.where(ok, R, 0), other=0)
         tl.store(out_ptr + i.to(tl.int64) * R + c, x, mask=c < R)
 
@@ -51,5 +53,5 @@ def gather_rows_triton(table: RowPieces, rows: torch.Tensor | None, leading: int
     block = min(MAX_BLOCK, next_pow2(R))
     _gather_rows_kernel[(N, triton.cdiv(R, block))](
         table.bases, table.bases if rows is None else rows, out, table.n_rows, table.rows_per_piece, R=R,
-        BLOCK=block, num_warps=1 if block <= 256 else 4, LEADING=leading, **pdl_launch(out))
+        BLOCK=block, num_warps=1 if block <= 256 else 4, LEADING=leading, ALIGNED=table.aligned, **pdl_launch(out))
     return out

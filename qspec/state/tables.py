@@ -6,9 +6,12 @@ addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `
 per attention cache (a QSA layer's, the draft head's), each sequence's K and V values and, for q8_0, their scales
 (kernels/attention_seqs.py); per QSA layer, each sequence's pooled indexer keys (gathered for the block choice).
 
-Invariant: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
-`restore`, prefix loads), so the addresses stay valid as long as the caches live. The tables hold the caches, which
-keeps them alive; a CUDA graph that captured a launch reading the tables stays valid with them.
+Invariants: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
+`restore`, prefix loads), so the addresses stay valid as long as the caches live; every GDN plane and attention
+buffer starts on a 16-byte address (checked here; allocations are), which the kernels declare
+(triton_common.table_pointer), so that they load through these addresses as widely as through tensor arguments.
+The tables hold the caches, which keeps them alive; a CUDA graph that captured a launch reading the tables stays
+valid with them.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ class SequenceTables:
             if (recs and len(caches) != len(recs)) or not all(_same_layout([c.buffers()[j] for c in caches])
                                                               for j in range(len(caches[0].buffers()))):
                 raise ValueError(f"the sequences' attention caches of layer {key} differ in type, shape or count")
+        planes = [getattr(st, part) for rc in recs for st in rc.gdn.values() for part in ("conv", "ssm")]
+        if any(t.data_ptr() % 16 for t in planes + [x for cs in kvs.values() for c in cs for x in c.buffers()]):
+            raise ValueError("a cache buffer is not 16-byte aligned: the kernels read each one as aligned")
 
     def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv planes, live, base) address tables of GDN layer `layer`."""
