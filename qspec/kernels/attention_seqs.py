@@ -21,6 +21,7 @@ import torch
 
 from qspec.kernels.masked_attention import masked_attention_torch
 from qspec.kernels.triton_common import module_flag, use_triton
+from qspec.model.ops import row_exact
 from qspec.state.kv_cache import KVCache
 
 # A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off, the default: each sequence alone.
@@ -59,10 +60,11 @@ def write_seqs(kvs: list[KVCache], tables: tuple[torch.Tensor, ...], pos: torch.
 def attention_seqs_triton(q: torch.Tensor, kvs: list[KVCache], tables: tuple[torch.Tensor, ...], n: int,
                           mask: torch.Tensor) -> torch.Tensor:
     """Every sequence's rows of q [rows, H, d] attending over the first n cells of its cache, where mask [rows, n]
-    allows -> o [rows, H, d]."""
+    allows -> o [rows, H, d]. In row-exact mode each sequence's rows are summed as they would be alone (its bits);
+    otherwise the cells are split into chunks for all the rows together (fewer programs and partial results)."""
     from qspec.kernels.triton_masked_attention import masked_attention_seqs_triton
 
-    return masked_attention_seqs_triton(q, tuple(kvs[0].buffers()), tables, n, mask)
+    return masked_attention_seqs_triton(q, tuple(kvs[0].buffers()), tables, n, mask, alone=row_exact())
 
 
 def attend_each(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kvs: list[KVCache], n: int,

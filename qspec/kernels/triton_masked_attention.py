@@ -246,12 +246,16 @@ def masked_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 
 def masked_attention_seqs_triton(q: torch.Tensor, cache: tuple[torch.Tensor, ...], tables: tuple[torch.Tensor, ...],
-                                 n: int, mask: torch.Tensor) -> torch.Tensor:
-    """`masked_attention_triton` for B sequences in one pair of launches, each sequence's rows the same bits:
-    rows b T .. (b + 1) T - 1 of q [B T, H, d] and mask [B T, n] attend over the first n cells of sequence b's
-    cache. cache: sequence 0's KVCache.buffers() (k, v and for q8_0 their scales; every sequence's share its
-    layout); tables: int64 [B] device tensors of every sequence's addresses of those buffers
-    (state/tables.SequenceTables)."""
+                                 n: int, mask: torch.Tensor, alone: bool = True) -> torch.Tensor:
+    """`masked_attention_triton` for B sequences in one pair of launches: rows b T .. (b + 1) T - 1 of q [B T, H, d]
+    and mask [B T, n] attend over the first n cells of sequence b's cache. cache: sequence 0's KVCache.buffers() (k,
+    v and for q8_0 their scales; every sequence's share its layout); tables: int64 [B] device tensors of every
+    sequence's addresses of those buffers (state/tables.SequenceTables).
+
+    alone: each sequence's cells in the chunks its rows would have alone, so each sequence's output has the bits of
+    its own masked_attention_triton (the same sums in the same order; row-exact mode), at B times the programs and
+    partial results of one sequence. Otherwise the chunks are planned for all the rows together, as for one call of
+    B T rows: about TARGET_PROGRAMS programs whatever B."""
     rows_all, H, d = q.shape
     B = tables[0].shape[0]
     T, rem = divmod(rows_all, B)
@@ -264,11 +268,9 @@ def masked_attention_seqs_triton(q: torch.Tensor, cache: tuple[torch.Tensor, ...
                          f"{mask.dtype} over {n} of {k.shape[0]} cells, {len(cache)} cache buffers and tables")
     rp, block_n, warps, stages, target = ONE_ROW_CONFIG if T == 1 else FEW_ROWS_CONFIG
     Hkv = k.shape[1]
-    # each sequence's cells in the chunks its rows would have alone: the same sums in the same order, so each
-    # sequence's output has the bits of its own masked_attention_triton. B times the programs and partials: on the
-    # H200 this measured slower than the sequences' own launches (BENCHMARKS.md §9)
-    chunk, splits = plan_chunks(T, Hkv, n, block_n, target, rp)
-    acc, m, lsum = new_partials(rows_all, H, max_chunks(T, Hkv, target, rp), d, q.device)
+    plan_rows = T if alone else rows_all
+    chunk, splits = plan_chunks(plan_rows, Hkv, n, block_n, target, rp)
+    acc, m, lsum = new_partials(rows_all, H, max_chunks(plan_rows, Hkv, target, rp), d, q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     ks, vs = (tables[2], tables[3]) if q8 else (tables[0], tables[1])  # unread without q8_0
