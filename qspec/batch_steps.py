@@ -100,7 +100,8 @@ class BatchSteps:
             if all(c.mtp_kv is not None for c in caches):
                 kvs["mtp"] = [c.mtp_kv for c in caches]
             pooled = {i: [c.idx[i].pooled for c in caches] for i in caches[0].idx}
-            self._tables[key] = SequenceTables([c.rec for c in caches], kvs, pooled)
+            raw = {i: [c.idx[i].raw for c in caches] for i in caches[0].idx}
+            self._tables[key] = SequenceTables([c.rec for c in caches], kvs, pooled, raw)
         return self._tables[key]
 
     def _draft_step(self, slots: list[int], starts: list[int], tokens: torch.Tensor, H: torch.Tensor,

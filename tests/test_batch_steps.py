@@ -102,12 +102,12 @@ from test_batch import engine, prompt_of, together
 
 from qspec.batch import Batcher
 from qspec.batch_steps import BatchSteps
-from qspec.kernels import attention_seqs, gdn_seqs
+from qspec.kernels import attention_seqs, gdn_seqs, triton_kv_write
 from qspec.runner import Runner
 
 model = build_model(tiny_config(), seed=3)
 e = engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True)
-launched = {"gdn": 0, "attention": 0}
+launched = {"gdn": 0, "attention": 0, "raw keys": 0}
 
 
 def counted(mod, name, what):
@@ -121,6 +121,7 @@ def counted(mod, name, what):
 
 counted(gdn_seqs, "gdn_step_seqs_triton", "gdn")
 counted(attention_seqs, "attention_seqs_triton", "attention")
+counted(triton_kv_write, "write_rows_seqs_triton", "raw keys")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
@@ -137,7 +138,8 @@ def steps(rows, on):
             r.keep(1, rollback=True)
         starts = [len(p) + 1 for p in prompts]
         draft = batch.draft([0, 1, 2], starts, torch.arange(3 * rows) + 40, X, None, rows=rows)
-    return ([logits, *draft], [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs],
+    return ([logits, *draft, *(ix.raw for r in runs for ix in r.cache.idx.values())],
+            [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs],
             [b for r in runs for b in r.cache.mtp_kv.buffers()])
 
 
@@ -152,7 +154,9 @@ with e.runner.switches.apply():
         assert c1 == c2, (c1, c2)
         assert all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
 cfg = model.cfg
-assert launched == {"gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1)}, launched
+indexed = [i for i in cfg.qsa_layers() if cfg.ratio(i)]
+assert indexed and launched == {"gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1),
+                                "raw keys": 2 * len(indexed)}, launched
 
 # whole requests through the batcher (MTP2 rounds and plain steps as its measured rates choose, the draft heads'
 # cells written over plain steps): the same tokens with the launches for all sequences and without them
@@ -174,11 +178,11 @@ print("seqs steps ok")
 def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequence_alone() -> None:
     """Through Triton's interpreter (a subprocess: Triton reads TRITON_INTERPRET when the kernels are defined), a
     batched target step of three sequences (one row each, then three each) and a draft-head step after it, with every
-    GDN layer's snapshots and recurrence and every attention layer's (QSA's, the head's) q8_0 writes and attention in
-    launches for all the sequences (gdn_seqs, attention_seqs), give the logits, residuals, committed states, head
-    caches and snapshot counters that the same steps with each sequence's own launches give; the batched launches ran
-    for every GDN and attention layer of every step. Then whole requests through the batcher give the same tokens
-    with and without those launches."""
+    GDN layer's snapshots and recurrence and every attention layer's (QSA's, the head's) q8_0 writes, raw indexer
+    keys and attention in launches for all the sequences (gdn_seqs, attention_seqs), give the logits, residuals,
+    committed states, head caches, raw indexer keys and snapshot counters that the same steps with each sequence's
+    own launches give; the batched launches ran for every GDN and attention layer of every step. Then whole requests
+    through the batcher give the same tokens with and without those launches."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
     r = subprocess.run([sys.executable, "-c", _SEQS_STEPS], cwd=root / "tests", env=env, capture_output=True,
@@ -211,7 +215,7 @@ def test_the_indexer_choice_of_a_batched_step_is_each_sequences_own(tiny_model: 
     pos = torch.tensor([e - T + 1 + j for e in (200, 131, 255) for j in range(T)])
     cos, sin = tiny_model.rope(pos)
     rest = torch.randn(B * T, (c.indexer_heads + 1) * c.indexer_head_dim, generator=g).to(tiny_model.dtype)
-    tables = SequenceTables([], {}, {i: [ix.pooled for ix in mine]})
+    tables = SequenceTables([], {}, {i: [ix.pooled for ix in mine]}, {i: [ix.raw for ix in mine]})
     got = layer.select_seqs(rest, pos, cos, sin, [(ix, None, None) for ix in mine], tables, i, cap)
     want = torch.cat([layer.select(rest[b * T:(b + 1) * T], pos[b * T:(b + 1) * T], cos[b * T:(b + 1) * T],
                                    sin[b * T:(b + 1) * T], alone[b], None, None, cap) for b in range(B)])

@@ -70,7 +70,7 @@ from qspec.kernels.triton_gdn import (
 from qspec.kernels.triton_gdn_conv import gdn_conv_qkv_triton
 from qspec.kernels.triton_gemv import gemm_few_triton, gemv_triton
 from qspec.kernels.triton_hc_mix import hc_mix_step_triton
-from qspec.kernels.triton_kv_write import write_q8_0_triton
+from qspec.kernels.triton_kv_write import write_q8_0_triton, write_rows_seqs_triton
 from qspec.kernels.triton_masked_attention import SKIP_MIN_ROWS, masked_attention_seqs_triton, masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
@@ -810,6 +810,32 @@ def check_kv_write(R: Runner, T: int, Hkv: int, d: int, cells: int, dt: torch.dt
     R.add(row)
 
 
+def check_write_rows_seqs(R: Runner, B: int, T: int, d: int, cells: int, src_dt: torch.dtype, dt: torch.dtype,
+                          timed: bool = False) -> None:
+    """Every sequence's rows written to its own buffer in one launch (a batched step's raw indexer keys) must leave
+    each buffer bit-identical to its own index_copy_ of the rows cast to its dtype; timed against those copies."""
+    dev = R.device
+    src = torch.randn(B * T, d + 8, device=dev).to(src_dt)[:, 8:]  # a column slice, as the projections' keys are
+    pos = torch.cat([torch.randperm(cells, device=dev)[:T] for _ in range(B)])
+    bufs = [torch.randn(cells, d, device=dev).to(dt) for _ in range(B)]
+    want = [b.clone() for b in bufs]
+    table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
+
+    def each() -> None:
+        for b, w in enumerate(want):
+            w.index_copy_(0, pos[b * T:(b + 1) * T], src[b * T:(b + 1) * T].to(dt))
+    each()
+    write_rows_seqs_triton(bufs[0], table, pos, src)
+    ok = all(torch.equal(a, b) for a, b in zip(bufs, want, strict=True))
+    row = Row(f"row write seqs B={B} T={T} d={d} {str(src_dt).removeprefix('torch.')} -> "
+              f"{str(dt).removeprefix('torch.')}" + (" (torch: each sequence's index_copy_)" if timed else ""),
+              ok, "bit-identical" if ok else "buffers DIFFER")
+    if timed and R.timing:
+        row.torch_us = R.bench(each)
+        row.triton_us = R.bench(lambda: write_rows_seqs_triton(bufs[0], table, pos, src))
+    R.add(row)
+
+
 def check_gdn_conv(R: Runner, T: int, Hk: int, Hv: int, d: int, taps: int = 4, timed: bool = False) -> None:
     """GDN's step conv + silu + q/k L2 norms against the reference (f32 throughout), on a window like the snapshot
     kernel's output [C, taps - 1 + T]."""
@@ -1020,10 +1046,15 @@ def kv_write_checks(R: Runner, small: bool) -> None:
         check_kv_write(R, 1, 2, 64, 40, torch.bfloat16)
         check_kv_write(R, 6, 2, 96, 50, torch.float32)
         check_kv_write(R, 3, 3, 32, 9, torch.float16)
+        check_write_rows_seqs(R, 3, 2, 48, 20, torch.float32, torch.bfloat16)
+        check_write_rows_seqs(R, 2, 1, 32, 9, torch.bfloat16, torch.bfloat16)
         return
     for T in (1, 6, 512):
         check_kv_write(R, T, 2, 256, 8192, torch.bfloat16, timed=True)
     check_kv_write(R, 5, 3, 96, 100, torch.float32)
+    for T in (1, 4):  # a QSA layer's raw indexer keys (128 wide) of 8 sequences
+        check_write_rows_seqs(R, 8, T, 128, 8192, torch.bfloat16, torch.bfloat16, timed=True)
+    check_write_rows_seqs(R, 3, 3, 100, 64, torch.float32, torch.float16)
 
 
 def check_attention_seqs(R: Runner, B: int, T: int, H: int, Hkv: int, d: int, cap: int, n: int, kv: str,

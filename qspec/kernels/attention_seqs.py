@@ -57,6 +57,22 @@ def write_seqs(kvs: list[KVCache], tables: tuple[torch.Tensor, ...], pos: torch.
         kv.write(pos[rows], k[rows], v[rows])
 
 
+def write_rows_seqs(bufs: list[torch.Tensor], table: torch.Tensor | None, pos: torch.Tensor, src: torch.Tensor
+                    ) -> None:
+    """Rows b T .. (b + 1) T - 1 of src (T = rows / sequences) to cells pos[those rows] of bufs[b] (a QSA layer's
+    raw indexer keys): one launch through the buffers' address table where Triton runs (CUDA, the interpreter),
+    each buffer's index_copy_ otherwise."""
+    if table is not None and use_triton(src) and src.stride(-1) == 1:
+        from qspec.kernels.triton_kv_write import write_rows_seqs_triton
+
+        write_rows_seqs_triton(bufs[0], table, pos, src)
+        return
+    T = src.shape[0] // len(bufs)
+    for b, buf in enumerate(bufs):
+        rows = slice(b * T, (b + 1) * T)
+        buf.index_copy_(0, pos[rows], src[rows].to(buf.dtype))
+
+
 def attention_seqs_triton(q: torch.Tensor, kvs: list[KVCache], tables: tuple[torch.Tensor, ...], n: int,
                           mask: torch.Tensor) -> torch.Tensor:
     """Every sequence's rows of q [rows, H, d] attending over the first n cells of its cache, where mask [rows, n]

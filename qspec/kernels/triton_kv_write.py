@@ -1,5 +1,6 @@
-"""q8_0 KV write in Triton: one program per (row, kv head) quantizes that head's K and V rows and stores values and
-scales at the row's cell.
+"""Cache writes in Triton. The q8_0 KV write: one program per (row, kv head) quantizes that head's K and V rows and
+stores values and scales at the row's cell. The row write of several sequences (a batched step's raw indexer keys):
+one program per row copies it to its cell of its sequence's buffer.
 
 Bit-identical to kv_write.quantize_q8_0_torch: the scale is amax / 127 and its inverse 1 / scale, both IEEE
 divisions; the product is rounded half to even by adding and subtracting 1.5 * 2^23 (|x * inv| <= 127 + a rounding,
@@ -8,13 +9,13 @@ far below 2^22), launched without fp fusion so that the multiply and the add rou
 
 import torch
 
-from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch
+from qspec.kernels.triton_common import HAS_TRITON, next_pow2, pdl_launch, tl_dtype
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, table_pointer
+    from qspec.kernels.triton_common import pdl_start, round_to, table_pointer
 
     @triton.jit
     def _quantize_row(x):
@@ -54,6 +55,37 @@ if HAS_TRITON:
         q, d = _quantize_row(x)
         tl.store(vq_ptr + cell * c_c + h * c_h + off, q, mask=bm[:, None])
         tl.store(vs_ptr + cell * s_c + h * s_h + b, d, mask=bm)
+
+
+    @triton.jit
+    def _write_rows_seqs_kernel(dst_ptr, pos_ptr, src_ptr, src_t, dst_t, rows, D: tl.constexpr, DP: tl.constexpr,
+                                DT: tl.constexpr, PDL: tl.constexpr = False):
+        # program (row t, sequence b): row b rows + t of src to its cell of sequence b's buffer, rounded to DT as
+        # torch's cast rounds (round_to: the interpreter's own cast truncates)
+        pdl_start(PDL)
+        seq = tl.program_id(1)
+        t = (seq * rows + tl.program_id(0)).to(tl.int64)
+        dst = table_pointer(dst_ptr, seq, DT)
+        cell = tl.load(pos_ptr + t).to(tl.int64)
+        i = tl.arange(0, DP)
+        x = tl.load(src_ptr + t * src_t + i, mask=i < D, other=0.0).to(tl.float32)
+        tl.store(dst + cell * dst_t + i, round_to(x, DT).to(DT), mask=i < D)
+
+
+def write_rows_seqs_triton(like: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, src: torch.Tensor) -> None:
+    """Rows b T .. (b + 1) T - 1 of src [B T, D] (T = rows / B) to cells pos[those rows] of sequence b's buffer
+    [cells, D], in one launch. like: sequence 0's buffer (every one shares its dtype and layout, contiguous); table:
+    int64 [B] device tensor of every sequence's buffer address (state/tables.SequenceTables)."""
+    B = table.shape[0]
+    rows, rem = divmod(src.shape[0], B)
+    if (rem or rows < 1 or table.shape != (B,) or table.dtype != torch.int64 or not like.is_contiguous()
+            or like.dim() != 2 or src.dim() != 2 or src.shape[1] != like.shape[1] or src.stride(1) != 1
+            or pos.shape != (src.shape[0],)):
+        raise ValueError(f"row write of {B} sequences: src {tuple(src.shape)}, pos {tuple(pos.shape)}, buffers "
+                         f"{tuple(like.shape)}, a table of {B} addresses")
+    D = like.shape[1]
+    _write_rows_seqs_kernel[(rows, B)](table, pos, src, src.stride(0), like.stride(0), rows, D=D, DP=next_pow2(D),
+                                       DT=tl_dtype(like.dtype), num_warps=1, **pdl_launch(src))
 
 
 def write_q8_0_triton(kq: torch.Tensor, vq: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, pos: torch.Tensor,

@@ -144,25 +144,32 @@ class QSAAttention(torch.nn.Module):
                    upd_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """The rows' raw indexer keys (proj: their indexer projections) to their cells, and the pooled keys of the
         step's update list (seed Algorithm 2)."""
+        idx.raw.index_copy_(0, pos, self._raw_keys(proj).to(idx.raw.dtype))
+        self._pool(idx, upd, upd_rope)
+
+    def _raw_keys(self, proj: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         qd = c.indexer_heads * c.indexer_head_dim
-        idx.raw.index_copy_(0, pos, proj[:, qd:qd + c.indexer_head_dim].to(idx.raw.dtype))
+        return proj[:, qd:qd + c.indexer_head_dim]
+
+    def _pool(self, idx: IndexerCache, upd: PooledUpdate | None,
+              upd_rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         if upd is not None and upd_rope is not None:
-            materialize_pooled(idx, upd, self.ik_norm, c.rms_eps, *upd_rope)
+            materialize_pooled(idx, upd, self.ik_norm, self.cfg.rms_eps, *upd_rope)
 
     def select_seqs(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     selections: list[Selection], tables: SequenceTables, key: object, n: int, key_lo: int = 0
                     ) -> torch.Tensor:
-        """`select` for every sequence of a batched step (T rows each, in order): each one's keys written to its
-        indexer cache, then every row's block scores against its sequence's pooled keys (gathered in one launch) and
-        the choice in one compiled call -> bool [rows, n]. The scores are one batched product, not each sequence's
-        own: equal up to rounding, so a near tie may choose another block than alone (row-exact mode selects per
-        sequence)."""
+        """`select` for every sequence of a batched step (T rows each, in order): every sequence's raw keys written to
+        its indexer cache (one launch) and each one's pooled keys updated, then every row's block scores against its
+        sequence's pooled keys (gathered in one launch) and the choice in one compiled call -> bool [rows, n]. The
+        scores are one batched product, not each sequence's own: equal up to rounding, so a near tie may choose
+        another block than alone (row-exact mode selects per sequence)."""
         c, r = self.cfg, self.ratio
-        T = proj.shape[0] // len(selections)
-        for b, (idx, upd, upd_rope) in enumerate(selections):
-            rows = slice(b * T, (b + 1) * T)
-            self.write_keys(proj[rows], pos[rows], idx, upd, upd_rope)
+        attention_seqs.write_rows_seqs([idx.raw for idx, _, _ in selections], tables.raw_keys(key), pos,
+                                       self._raw_keys(proj))
+        for idx, upd, upd_rope in selections:
+            self._pool(idx, upd, upd_rope)
         nbmax = min(selections[0][0].n_blocks, n // r)
         qd = c.indexer_heads * c.indexer_head_dim
         return block_mask(proj[:, :qd], pos, cos, sin, self.iq_norm, tables.pooled_rows(key, nbmax), r,

@@ -4,7 +4,8 @@ A batched step (Model.forward_batch) computes its rows' projections once for all
 keeps its own caches. A kernel with a sequence axis finds sequence b's buffers through int64 tables of their
 addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `base` scalars (kernels/gdn_seqs.py);
 per attention cache (a QSA layer's, the draft head's), each sequence's K and V values and, for q8_0, their scales
-(kernels/attention_seqs.py); per QSA layer, each sequence's pooled indexer keys (gathered for the block choice).
+(kernels/attention_seqs.py); per QSA layer, each sequence's pooled indexer keys (gathered for the block choice) and
+raw indexer keys (written in one launch).
 
 Invariants: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
 `restore`, prefix loads), so the addresses stay valid as long as the caches live; every GDN plane and attention
@@ -41,11 +42,14 @@ class SequenceTables:
     cache of that layer), in the sequences' order; every table is an int64 [B] device tensor."""
 
     def __init__(self, recs: list[RecurrentCache], kvs: dict[object, list[KVCache]],
-                 pooled: dict[object, list[torch.Tensor]] | None = None) -> None:
+                 pooled: dict[object, list[torch.Tensor]] | None = None,
+                 raw: dict[object, list[torch.Tensor]] | None = None) -> None:
         """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence.
         pooled: a QSA layer's pooled indexer keys of each sequence (IndexerCache.pooled, contiguous f32), read as one
-        gather of every sequence's first blocks (`pooled_rows`)."""
-        self._check(recs, kvs, pooled or {})
+        gather of every sequence's first blocks (`pooled_rows`). raw: its raw indexer keys (IndexerCache.raw),
+        written for every sequence in one launch (`raw_keys`)."""
+        raw = raw or {}
+        self._check(recs, kvs, pooled or {}, raw)
         self.pooled = {key: RowPieces.of([t.view(torch.uint8) for t in ts], ts[0].shape[0], ts[0].device)
                        for key, ts in (pooled or {}).items()}
         self.recurrent = tuple(recs)
@@ -58,14 +62,16 @@ class SequenceTables:
         for key, caches in kvs.items():
             self._kv_row[key] = len(rows)
             rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
+        self._raw_row = {key: len(rows) + k for k, key in enumerate(raw)}
+        rows += [[t.data_ptr() for t in ts] for ts in raw.values()]
         device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device if kvs else \
             next(iter(self.pooled.values())).bases.device
         self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
         self._layers = {i: k for k, i in enumerate(layers)}
 
     @staticmethod
-    def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]], pooled: dict[object, list[torch.Tensor]]
-               ) -> None:
+    def _check(recs: list[RecurrentCache], kvs: dict[object, list[KVCache]], pooled: dict[object, list[torch.Tensor]],
+               raw: dict[object, list[torch.Tensor]]) -> None:
         if recs:
             first = recs[0]
             if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys() for rc in recs) or not all(
@@ -81,8 +87,13 @@ class SequenceTables:
             if (recs and len(caches) != len(recs)) or not all(_same_layout([c.buffers()[j] for c in caches])
                                                               for j in range(len(caches[0].buffers()))):
                 raise ValueError(f"the sequences' attention caches of layer {key} differ in type, shape or count")
+        for key, ts in raw.items():
+            if not _same_layout(ts) or not ts[0].is_contiguous() or (recs and len(ts) != len(recs)):
+                raise ValueError(f"the sequences' raw indexer keys of layer {key} differ in shape or are not "
+                                 "contiguous")
         planes = [getattr(st, part) for rc in recs for st in rc.gdn.values() for part in ("conv", "ssm")]
-        if any(t.data_ptr() % 16 for t in planes + [x for cs in kvs.values() for c in cs for x in c.buffers()]):
+        planes += [x for cs in kvs.values() for c in cs for x in c.buffers()] + [t for ts in raw.values() for t in ts]
+        if any(t.data_ptr() % 16 for t in planes):
             raise ValueError("a cache buffer is not 16-byte aligned: the kernels read each one as aligned")
 
     def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,6 +113,11 @@ class SequenceTables:
         if row is None:
             return None
         return tuple(self._addresses[row + j] for j in range(len(self.attention[key][0].buffers())))
+
+    def raw_keys(self, key: object) -> torch.Tensor | None:
+        """The address table of QSA layer `key`'s raw indexer keys, or None where the tables hold none."""
+        row = self._raw_row.get(key)
+        return None if row is None else self._addresses[row]
 
     def pooled_rows(self, key: object, n: int) -> torch.Tensor:
         """The first n pooled keys of QSA layer `key` of every sequence -> f32 [B, n, d] (one gather launch)."""
