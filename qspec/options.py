@@ -172,10 +172,10 @@ class KernelOptions:
     gdn_seqs: bool = option(True, "a batched step runs every sequence's GDN conv snapshots and recurrence in two "
                             "launches a layer (off: two or three launches per sequence)", applies="CUDA, batches",
                             arm="gseqs")
-    attention_seqs: bool = option(False, "a batched step writes every sequence's K/V rows in one launch, makes every "
-                                  "sequence's QSA block choice in one call and attends over every sequence's cache in "
-                                  "one pass, per attention layer (QSA and the draft head; off, the default: each "
-                                  "sequence's own launches, faster on the H200 so far: BENCHMARKS.md §9)",
+    attention_seqs: bool = option(False, "a batched step writes every sequence's K/V rows and raw indexer keys in "
+                                  "one launch each, makes every sequence's QSA block choice in one call and attends "
+                                  "over every sequence's cache in one pass, per attention layer (QSA and the draft "
+                                  "head; off, the default: each sequence's own launches, BENCHMARKS.md §9)",
                                   applies="CUDA, batches, fused attention", arm="aseqs")
     int8_dot: bool = option(True, "one-row products with GGUF block weights (and the few-token experts) with the "
                             "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "

@@ -5,7 +5,8 @@ A batched step computes its rows' projections once for every sequence (Model.for
 its own KV cache: run one by one, an attention layer (a QSA layer, the draft head's) launches the q8_0 write and the
 masked attention's two kernels for every sequence. Here the q8_0 write and the first attention kernel take a sequence
 axis and find each sequence's cache through tables of its buffers' addresses (state/tables.SequenceTables); the
-combine kernel already runs over every row. The rows' masks are made before: QSA's indexer choice for every sequence
+combine kernel already runs over every row. QSA's raw indexer keys are written for every sequence in one launch too
+(`write_rows_seqs`). The rows' masks are made before: QSA's indexer choice for every sequence
 in one call (model/qsa.QSAAttention.select_seqs), or a causal mask over all rows at once (it depends on the rows'
 positions only).
 
@@ -25,7 +26,8 @@ from qspec.model.ops import row_exact
 from qspec.state.kv_cache import KVCache
 
 # A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off, the default: each sequence alone.
-# On the H200 the pass for all sequences was slower than their own launches at a 4,608-cell bucket (BENCHMARKS.md §9)
+# On the H200 the pass for all sequences measured slower than their own launches at a 4,608-cell bucket, with loads
+# through the address tables one element wide and each sequence's own chunk plan (BENCHMARKS.md §9)
 _ON = False
 
 
