@@ -102,12 +102,12 @@ from test_batch import engine, prompt_of, together
 
 from qspec.batch import Batcher
 from qspec.batch_steps import BatchSteps
-from qspec.kernels import attention_seqs, gdn_seqs, triton_kv_write
+from qspec.kernels import attention_seqs, gdn_seqs, triton_conv_snapshot, triton_kv_write
 from qspec.runner import Runner
 
 model = build_model(tiny_config(), seed=3)
 e = engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True)
-launched = {"gdn": 0, "attention": 0, "raw keys": 0}
+launched = {"gdn": 0, "attention": 0, "raw keys": 0, "snapshots": 0}
 
 
 def counted(mod, name, what):
@@ -122,6 +122,7 @@ def counted(mod, name, what):
 counted(gdn_seqs, "gdn_step_seqs_triton", "gdn")
 counted(attention_seqs, "attention_seqs_triton", "attention")
 counted(triton_kv_write, "write_rows_seqs_triton", "raw keys")
+counted(triton_conv_snapshot, "conv_snapshot_seqs_triton", "snapshots")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
@@ -155,8 +156,9 @@ with e.runner.switches.apply():
         assert all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
 cfg = model.cfg
 indexed = [i for i in cfg.qsa_layers() if cfg.ratio(i)]
-assert indexed and launched == {"gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1),
-                                "raw keys": 2 * len(indexed)}, launched
+assert indexed and cfg.has_ple and launched == {
+    "gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1), "raw keys": 2 * len(indexed),
+    "snapshots": 2 * (len(cfg.gdn_layers()) + 1)}, launched  # every GDN layer's and the n-gram layer's
 
 # whole requests through the batcher (MTP2 rounds and plain steps as its measured rates choose, the draft heads'
 # cells written over plain steps): the same tokens with the launches for all sequences and without them

@@ -7,6 +7,9 @@ several rows, the step conv) for every sequence, so a batch of B sequences makes
 sequence makes 2. Here each launch takes a sequence axis and finds each sequence's planes and `live` / `base` scalars
 through tables of their addresses (state/tables.SequenceTables), so a layer makes 2 launches whatever B.
 
+The n-gram layer's conv snapshots take the same launch for all sequences (model/ple.PLE.mix_seqs), under the same
+switch and the same conditions (`snapshots_take`).
+
 `gdn_step_seqs_torch` is the reference: each sequence's step as the model runs it alone (the snapshot reference, the
 step conv, the recurrence over its planes). The Triton path computes every row's conv inside the recurrence's
 launch, as a one-row step does alone (triton_gdn.gdn_conv_recurrent_triton), also for the rows of a verify.
@@ -36,35 +39,44 @@ def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
 def seqs_take(qkv: torch.Tensor, conv_w: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
               fused_snapshots: list[bool], dims: tuple[int, int, int, int]) -> bool:
     """Whether `gdn_step_seqs_triton` runs a batched step of these sequences' rows (qkv: T rows each, in order): the
-    Triton kernels (CUDA or the interpreter), the conv kernel switched on (not row-exact mode), fused snapshots for
-    every sequence, a step short enough to keep every row's state (T <= slots, every window in the one launch) and
-    each sequence's windows accepted by Algorithm 4 as alone (`plan_step`)."""
-    B = len(recs)
-    T, rem = divmod(qkv.shape[0], B)
-    s = states[0].conv.shape[2]
+    snapshot launch for all sequences takes it (`snapshots_take`) and so does the conv kernel (not row-exact mode)."""
     Hk, Hv, dk, dv = dims
-    C = 2 * Hk * dk + Hv * dv
-    if (not _ON or B < 2 or rem or T < 1 or not use_triton(qkv) or not all(fused_snapshots)
-            or qkv.dtype not in ROW_DTYPES or s + T > ROW_WORDS or T > MAX_SNAPSHOTS or T > recs[0].n_slots):
+    if not snapshots_take(qkv, recs, [st.conv for st in states], fused_snapshots):
         return False
-    X = torch.empty(C, s + T, dtype=torch.float32, device=qkv.device)  # a fresh buffer, as write_snapshots' X
-    if not kernel_takes(X, conv_w, T, Hk, Hv, dk, dv):
+    T = qkv.shape[0] // len(recs)
+    X = torch.empty(2 * Hk * dk + Hv * dv, states[0].conv.shape[2] + T, dtype=torch.float32, device=qkv.device)
+    return kernel_takes(X, conv_w, T, Hk, Hv, dk, dv)
+
+
+def snapshots_take(rows: torch.Tensor, recs: list[RecurrentCache], planes: list[torch.Tensor],
+                   fused_snapshots: list[bool]) -> bool:
+    """Whether one conv-snapshot launch for all the sequences (triton_conv_snapshot.conv_snapshot_seqs_triton) takes
+    a batched step of their rows (T each, in order) on their conv planes (a GDN layer's, the n-gram layer's; one
+    tensor a sequence): switched on, the Triton kernels (CUDA or the interpreter), fused snapshots for every sequence,
+    a step short enough to keep every row's state (T <= slots, every window in the one launch) and each sequence's
+    windows accepted by Algorithm 4 as alone (`plan_step`)."""
+    B = len(recs)
+    T, rem = divmod(rows.shape[0], B)
+    C, s = planes[0].shape[1:]
+    if (not _ON or B < 2 or rem or T < 1 or not use_triton(rows) or not all(fused_snapshots)
+            or rows.dtype not in ROW_DTYPES or s + T > ROW_WORDS or T > MAX_SNAPSHOTS or T > recs[0].n_slots):
         return False
-    for b, (rc, st) in enumerate(zip(recs, states, strict=True)):
-        accepted = plan_step(st.conv, qkv[b * T:(b + 1) * T], X, st.conv, rc.host_base, T, None, rc.live)
+    X = torch.empty(C, s + T, dtype=torch.float32, device=rows.device)  # a fresh buffer, as write_snapshots' X
+    for b, (rc, P) in enumerate(zip(recs, planes, strict=True)):
+        accepted = plan_step(P, rows[b * T:(b + 1) * T], X, P, rc.host_base, T, None, rc.live)
         if (accepted is None and T > 1) or (accepted is not None and len(accepted) < T):
             return False
     return True
 
 
-def count_snapshots(qkv: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
+def count_snapshots(rows: torch.Tensor, recs: list[RecurrentCache], planes: list[torch.Tensor],
                     stats: list[SnapshotStats | None]) -> None:
     """Each sequence's snapshot counters as its step alone counts them (write_snapshots' fused launch)."""
-    T = qkv.shape[0] // len(recs)
-    C, s = states[0].conv.shape[1:]
-    X = torch.empty(C, s + T, dtype=torch.float32, device=qkv.device)
-    for b, (rc, st, sc) in enumerate(zip(recs, states, stats, strict=True)):
-        accepted = plan_step(st.conv, qkv[b * T:(b + 1) * T], X, st.conv, rc.host_base, T, sc, rc.live)
+    T = rows.shape[0] // len(recs)
+    C, s = planes[0].shape[1:]
+    X = torch.empty(C, s + T, dtype=torch.float32, device=rows.device)
+    for b, (rc, P, sc) in enumerate(zip(recs, planes, stats, strict=True)):
+        accepted = plan_step(P, rows[b * T:(b + 1) * T], X, P, rc.host_base, T, sc, rc.live)
         count_fused_step(sc, accepted, s + T, C)
 
 

@@ -123,7 +123,7 @@ class GatedDeltaNet(torch.nn.Module):
         if tables is None or not gdn_seqs.seqs_take(qkv, self.conv_w, recs, states,
                                                     [mc.opts.fused_snapshots for mc in caches], dims):
             return None
-        gdn_seqs.count_snapshots(qkv, recs, states, [mc.snap_stats for mc in caches])
+        gdn_seqs.count_snapshots(qkv, recs, [st.conv for st in states], [mc.snap_stats for mc in caches])
         return gdn_seqs.gdn_step_seqs_triton(qkv, a_logit, b_logit, tables, layer, self.conv_w, dims,
                                              (self.a, self.dt_bias))
 

@@ -357,7 +357,7 @@ class Model(torch.nn.Module):
             if i == c.ple_layer and self.ple is not None:
                 if pending is not None:
                     X, pending = hc_combine(X, *pending), None
-                X = self._ple(segments, X, tokens)
+                X = self._ple(segments, X, tokens, tables)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
             y = self._mixer(i, segments, upd_rope, h, pos, cos, sin, tables)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
@@ -369,14 +369,20 @@ class Model(torch.nn.Module):
             out, _ = self.mixer(X[logit_rows])
         return linear(out, self.lm_head), X
 
-    def _ple(self, segments: list[Segment], X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """X + the n-gram embedding: its table rows and the conv per segment on its recurrent cache, the gather and
-        gate over every row at once."""
+    def _ple(self, segments: list[Segment], X: torch.Tensor, tokens: torch.Tensor,
+             tables: SequenceTables | None = None) -> torch.Tensor:
+        """X + the n-gram embedding: its table rows per segment from its history, the gather and gate over every row
+        at once, the conv per segment on its recurrent cache, or for every segment at once where `tables` are given
+        and the snapshot launch for all sequences takes the step (PLE.mix_seqs)."""
         ple = self.ple
         assert ple is not None
         rows = _per_segment_rows(segments, lambda k, r: ple.table_rows(tokens[r], segments[k].cache.rec.ple,
                                                                        segments[k].cache.rec))
         G, N = ple.gate(X, rows)
+        if len(segments) > 1 and even_rows([s.rows for s in segments]):
+            out = ple.mix_seqs(X, G, N, [s.cache for s in segments], tables)
+            if out is not None:
+                return out
 
         def mix(k: int, r: slice) -> torch.Tensor:
             c = segments[k].cache

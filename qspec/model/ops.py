@@ -290,8 +290,9 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_taps(X: torch.Tensor, w: torch.Tensor, n: int, dilation: int = 1) -> torch.Tensor:
-    """Depthwise causal conv outputs [C, n]: out[:, t] = sum_k w[:, k] * X[:, t + k*dilation], added tap by tap."""
-    acc = X[:, 0:n] * w[:, 0:1]
+    """Depthwise causal conv outputs [..., C, n] of windows X [..., C, s + n]: out[..., t] = sum_k w[:, k] *
+    X[..., t + k*dilation], added tap by tap."""
+    acc = X[..., 0:n] * w[:, 0:1]
     for k in range(1, w.shape[1]):
-        acc = acc + X[:, k * dilation:k * dilation + n] * w[:, k:k + 1]
+        acc = acc + X[..., k * dilation:k * dilation + n] * w[:, k:k + 1]
     return acc

@@ -8,15 +8,20 @@ elsewhere memory-mapped and gathered through the host).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from qspec.config import ModelConfig
+from qspec.kernels import gdn_seqs
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
 from qspec.model.fuse import fused
 from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu, stack_rows
 from qspec.state.recurrent import PLEState, RecurrentCache
+from qspec.state.tables import SequenceTables
+
+if TYPE_CHECKING:
+    from qspec.model.model import ModelCache
 
 
 class RowTable(Protocol):
@@ -102,6 +107,25 @@ class PLE(torch.nn.Module):
                              live=rc.live)
         return ple_out(X, G, Xc, self.conv_w, self.cfg.ngram_size)
 
+    def mix_seqs(self, X: torch.Tensor, G: torch.Tensor, N: torch.Tensor, caches: list[ModelCache],
+                 tables: SequenceTables | None) -> torch.Tensor | None:
+        """`mix` for every sequence of a batched step (T rows each, in order): every sequence's conv snapshots in one
+        launch through the tables, the conv over all the windows at once; None where that launch does not take the
+        step (gdn_seqs.snapshots_take; the caller then mixes each sequence alone)."""
+        recs = [mc.rec for mc in caches]
+        planes = [rc.ple.conv for rc in recs if rc.ple is not None]
+        ple_tables = None if tables is None else tables.ple_conv()
+        if ple_tables is None or len(planes) != len(recs) or not gdn_seqs.snapshots_take(
+                N, recs, planes, [mc.opts.fused_snapshots for mc in caches]):
+            return None
+        from qspec.kernels.triton_conv_snapshot import conv_snapshot_seqs_triton
+
+        gdn_seqs.count_snapshots(N, recs, planes, [mc.snap_stats for mc in caches])
+        C, s = planes[0].shape[1:]
+        Xc = torch.empty(len(recs), C, s + N.shape[0] // len(recs), dtype=torch.float32, device=N.device)
+        conv_snapshot_seqs_triton(planes[0], ple_tables, N, Xc)
+        return ple_out(X, G, Xc, self.conv_w, self.cfg.ngram_size)
+
 
 @fused
 def ple_gate(E: torch.Tensor, X: torch.Tensor, w_kv: torch.Tensor, norm_key: torch.Tensor, norm_query: torch.Tensor,
@@ -122,6 +146,8 @@ def ple_gate(E: torch.Tensor, X: torch.Tensor, w_kv: torch.Tensor, norm_key: tor
 
 @fused
 def ple_out(X: torch.Tensor, G: torch.Tensor, Xc: torch.Tensor, conv_w: torch.Tensor, dilation: int) -> torch.Tensor:
-    """X + G + silu(dilated causal conv over Xc = [history || rows] [C, s+T])."""
-    conv = silu(causal_taps(Xc, conv_w, X.shape[0], dilation=dilation)).t()
+    """X + G + silu(dilated causal conv over Xc = [history || rows] [C, s+T]); or over B sequences' windows
+    Xc [B, C, s+T], their rows of X and G in order (T each)."""
+    n = X.shape[0] // (Xc.shape[0] if Xc.dim() == 3 else 1)
+    conv = silu(causal_taps(Xc, conv_w, n, dilation=dilation)).transpose(-1, -2).reshape(X.shape[0], -1)
     return X + G + conv.to(X.dtype)
