@@ -6,9 +6,9 @@ its own KV cache: run one by one, an attention layer (a QSA layer, the draft hea
 masked attention's two kernels for every sequence. Here the q8_0 write and the first attention kernel take a sequence
 axis and find each sequence's cache through tables of its buffers' addresses (state/tables.SequenceTables); the
 combine kernel already runs over every row. QSA's raw indexer keys are written for every sequence in one launch too
-(`write_rows_seqs`). The rows' masks are made before: QSA's indexer choice for every sequence
-in one call (model/qsa.QSAAttention.select_seqs), or a causal mask over all rows at once (it depends on the rows'
-positions only).
+(`write_rows_seqs`). The rows' masks are made before: QSA's indexer choice for every sequence in one call
+(model/qsa.QSAAttention.select_seqs), or a causal mask over all rows at once (it depends on the rows' positions
+only).
 
 `attend_each` is the reference: each sequence's write and masked attention alone.
 """
