@@ -122,6 +122,7 @@ def main() -> None:
                 else:
                     n = int(arm.split()[1])
                     tps, tpr = batch_arm(batchers[k], prompts_of(n, a.prompt, cfg.vocab_size, seed), a.tokens)
+                print(f"{'run' if r else 'warm-up'} {r}, {arm}: {tps:.2f} tok/s", flush=True)  # kept if cut short
                 if r:
                     results[arm].append(tps)
                     per_round[arm].append(tpr)
