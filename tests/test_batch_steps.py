@@ -102,12 +102,12 @@ from test_batch import engine, prompt_of, together
 
 from qspec.batch import Batcher
 from qspec.batch_steps import BatchSteps
-from qspec.kernels import attention_seqs, gdn_seqs, triton_conv_snapshot, triton_kv_write
+from qspec.kernels import attention_seqs, gdn_seqs, triton_conv_snapshot, triton_kv_write, triton_ngram
 from qspec.runner import Runner
 
 model = build_model(tiny_config(), seed=3)
 e = engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True)
-launched = {"gdn": 0, "attention": 0, "raw keys": 0, "snapshots": 0}
+launched = {"gdn": 0, "attention": 0, "raw keys": 0, "snapshots": 0, "n-gram": 0}
 
 
 def counted(mod, name, what):
@@ -123,6 +123,7 @@ counted(gdn_seqs, "gdn_step_seqs_triton", "gdn")
 counted(attention_seqs, "attention_seqs_triton", "attention")
 counted(triton_kv_write, "write_rows_seqs_triton", "raw keys")
 counted(triton_conv_snapshot, "conv_snapshot_seqs_triton", "snapshots")
+counted(triton_ngram, "ngram_contexts_seqs_triton", "n-gram")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
@@ -158,7 +159,7 @@ cfg = model.cfg
 indexed = [i for i in cfg.qsa_layers() if cfg.ratio(i)]
 assert indexed and cfg.has_ple and launched == {
     "gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1), "raw keys": 2 * len(indexed),
-    "snapshots": 2 * (len(cfg.gdn_layers()) + 1)}, launched  # every GDN layer's and the n-gram layer's
+    "snapshots": 2 * (len(cfg.gdn_layers()) + 1), "n-gram": 2}, launched  # every GDN layer's and the n-gram layer's
 
 # whole requests through the batcher (MTP2 rounds and plain steps as its measured rates choose, the draft heads'
 # cells written over plain steps): the same tokens with the launches for all sequences and without them
@@ -180,10 +181,11 @@ print("seqs steps ok")
 def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequence_alone() -> None:
     """Through Triton's interpreter (a subprocess: Triton reads TRITON_INTERPRET when the kernels are defined), a
     batched target step of three sequences (one row each, then three each) and a draft-head step after it, with every
-    GDN layer's snapshots and recurrence and every attention layer's (QSA's, the head's) q8_0 writes, raw indexer
-    keys and attention in launches for all the sequences (gdn_seqs, attention_seqs), give the logits, residuals,
-    committed states, head caches, raw indexer keys and snapshot counters that the same steps with each sequence's
-    own launches give; the batched launches ran for every GDN and attention layer of every step. Then whole requests
+    GDN layer's snapshots and recurrence, the n-gram layer's contexts and conv snapshots, and every attention
+    layer's (QSA's, the head's) q8_0 writes, raw indexer keys and attention in launches for all the sequences
+    (gdn_seqs, attention_seqs), give the logits, residuals, committed states, head caches, raw indexer keys and
+    snapshot counters that the same steps with each sequence's own launches give; the batched launches ran for every
+    GDN, n-gram and attention layer of every step. Then whole requests
     through the batcher give the same tokens with and without those launches."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))

@@ -896,10 +896,10 @@ def _seqs_caches(B: int, n_slots: int, cfg: ModelConfig, dev: str) -> list[Recur
         for st in rc.gdn.values():
             st.conv.normal_()
             st.ssm.normal_(std=0.1)
-        if b % 2:  # live in the upper half: the step writes the lower one
+        for _ in range(1 + b % 2):  # a step, committed: live in the upper half, then (odd b) in the lower
             rc.begin_step()
-        rc.commit(b % n_slots)
-        rc.begin_step()
+            rc.commit(b % n_slots)
+        rc.begin_step()  # the step to check writes the half without the live plane
         recs.append(rc)
     return recs
 
@@ -914,7 +914,7 @@ def check_gdn_seqs(R: Runner, B: int, T: int, Hk: int, Hv: int, dk: int, dv: int
     n_slots = max(T, 6)
     ref, tri = _seqs_caches(B, n_slots, cfg, dev), _seqs_caches(B, n_slots, cfg, dev)
     for a, b in zip(ref, tri, strict=True):
-        for x, y in zip(a._buffers(), b._buffers(), strict=True):
+        for x, y in zip(a.buffers(), b.buffers(), strict=True):
             y.copy_(x)
     qkv, logits = torch.randn(B * T, C, device=dev).bfloat16(), (4 * torch.randn(B * T, 2 * Hv, device=dev)).bfloat16()
     conv_w = torch.randn(C, taps, device=dev) * 0.5

@@ -36,6 +36,11 @@ def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
     return module_flag(__name__, "_ON", on)
 
 
+def enabled() -> bool:
+    """Whether batched steps run every sequence's recurrent mixers in launches for all of them (the switch)."""
+    return _ON
+
+
 def seqs_take(qkv: torch.Tensor, conv_w: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
               fused_snapshots: list[bool], dims: tuple[int, int, int, int]) -> bool:
     """Whether `gdn_step_seqs_triton` runs a batched step of these sequences' rows (qkv: T rows each, in order): the

@@ -372,14 +372,17 @@ class Model(torch.nn.Module):
     def _ple(self, segments: list[Segment], X: torch.Tensor, tokens: torch.Tensor,
              tables: SequenceTables | None = None) -> torch.Tensor:
         """X + the n-gram embedding: its table rows per segment from its history, the gather and gate over every row
-        at once, the conv per segment on its recurrent cache, or for every segment at once where `tables` are given
-        and the snapshot launch for all sequences takes the step (PLE.mix_seqs)."""
+        at once, the conv per segment on its recurrent cache; the rows and the conv for every segment at once where
+        `tables` are given and the launches for all sequences take the step (PLE.table_rows_seqs, PLE.mix_seqs)."""
         ple = self.ple
         assert ple is not None
-        rows = _per_segment_rows(segments, lambda k, r: ple.table_rows(tokens[r], segments[k].cache.rec.ple,
-                                                                       segments[k].cache.rec))
+        batched = len(segments) > 1 and even_rows([s.rows for s in segments])
+        rows = ple.table_rows_seqs(tokens, [s.cache for s in segments], tables) if batched else None
+        if rows is None:
+            rows = _per_segment_rows(segments, lambda k, r: ple.table_rows(tokens[r], segments[k].cache.rec.ple,
+                                                                           segments[k].cache.rec))
         G, N = ple.gate(X, rows)
-        if len(segments) > 1 and even_rows([s.rows for s in segments]):
+        if batched:
             out = ple.mix_seqs(X, G, N, [s.cache for s in segments], tables)
             if out is not None:
                 return out

@@ -15,6 +15,7 @@ import torch
 from qspec.config import ModelConfig
 from qspec.kernels import gdn_seqs
 from qspec.kernels.conv_snapshot import SnapshotStats, write_snapshots
+from qspec.kernels.triton_common import use_triton
 from qspec.model.fuse import fused
 from qspec.model.ops import causal_taps, linear, rms_norm, sigmoid, silu, stack_rows
 from qspec.state.recurrent import PLEState, RecurrentCache
@@ -90,6 +91,21 @@ class PLE(torch.nn.Module):
             st.hist.index_copy_(0, rc.step_planes(T), ctx[:, :2].flip(-1))
         return ngram_rows(ctx, c, self.mult, self.vocab, self.off)
 
+    def table_rows_seqs(self, tokens: torch.Tensor, caches: list[ModelCache], tables: SequenceTables | None
+                        ) -> torch.Tensor | None:
+        """`table_rows` for every sequence of a batched step (T rows each, in order): every row's context and every
+        sequence's history in one launch (kernels/triton_ngram.py), the table rows of all the contexts at once; None
+        where that launch does not take the step (switched off with gdn_seqs, no Triton, more rows than slots)."""
+        hist = None if tables is None else tables.ple("hist")
+        B = len(caches)
+        T = tokens.shape[0] // B
+        if hist is None or not gdn_seqs.enabled() or B < 2 or not use_triton(tokens) or T > caches[0].rec.n_slots:
+            return None
+        from qspec.kernels.triton_ngram import ngram_contexts_seqs_triton
+
+        ctx = ngram_contexts_seqs_triton(tokens.long(), hist, self.cfg.eos_token_id)
+        return ngram_rows(ctx, self.cfg, self.mult, self.vocab, self.off)
+
     def gate(self, X: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row by row (a batched step: every sequence's rows at once): the table rows gathered, the gated value G and
         the conv input N (ple_gate)."""
@@ -114,7 +130,7 @@ class PLE(torch.nn.Module):
         step (gdn_seqs.snapshots_take; the caller then mixes each sequence alone)."""
         recs = [mc.rec for mc in caches]
         planes = [rc.ple.conv for rc in recs if rc.ple is not None]
-        ple_tables = None if tables is None else tables.ple_conv()
+        ple_tables = None if tables is None else tables.ple("conv")
         if ple_tables is None or len(planes) != len(recs) or not gdn_seqs.snapshots_take(
                 N, recs, planes, [mc.opts.fused_snapshots for mc in caches]):
             return None

@@ -98,18 +98,20 @@ class RecurrentCache:
         self.base.fill_(self.n_slots)
         self.host_base = 0
 
-    def _buffers(self) -> list[torch.Tensor]:
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer, each indexed by plane along its first axis: each GDN layer's conv and SSM, then the n-gram
+        layer's conv and token history if there is one."""
         bufs = [t for st in self.gdn.values() for t in (st.conv, st.ssm)]
         return bufs + ([self.ple.conv, self.ple.hist] if self.ple is not None else [])
 
     def save(self) -> list[torch.Tensor]:
         """A copy of the committed state (one plane of every buffer)."""
-        return [b.index_select(0, self.live.view(1)) for b in self._buffers()]
+        return [b.index_select(0, self.live.view(1)) for b in self.buffers()]
 
     def restore(self, saved: list[torch.Tensor]) -> None:
         """Make a `save`d state the committed one: plane 0 holds it and is live, as after `reset` (the other planes
         are written before they are read)."""
-        for b, s in zip(self._buffers(), saved, strict=True):
+        for b, s in zip(self.buffers(), saved, strict=True):
             b[:1].copy_(s)
         self.live.zero_()
         self.base.fill_(self.n_slots)
@@ -117,7 +119,7 @@ class RecurrentCache:
 
     def plane_bytes(self) -> int:
         """Bytes of one plane of every buffer: what `save` copies."""
-        return sum(b[0].numel() * b.element_size() for b in self._buffers())
+        return sum(b[0].numel() * b.element_size() for b in self.buffers())
 
     def live_view(self) -> dict[str, torch.Tensor]:
         """The committed state, gathered (for tests and debugging)."""

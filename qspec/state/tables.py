@@ -3,12 +3,12 @@
 A batched step (Model.forward_batch) computes its rows' projections once for all its sequences, but each sequence
 keeps its own caches. A kernel with a sequence axis finds sequence b's buffers through int64 tables of their
 addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `base` scalars (kernels/gdn_seqs.py),
-and the n-gram layer's conv planes; per attention cache (a QSA layer's, the draft head's), each sequence's K and V
-values and, for q8_0, their scales (kernels/attention_seqs.py); per QSA layer, each sequence's pooled indexer keys
-(gathered for the block choice) and raw indexer keys (written in one launch).
+and the n-gram layer's conv and token history planes; per attention cache (a QSA layer's, the draft head's), each
+sequence's K and V values and, for q8_0, their scales (kernels/attention_seqs.py); per QSA layer, each sequence's
+pooled indexer keys (gathered for the block choice) and raw indexer keys (written in one launch).
 
 Invariants: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
-`restore`, prefix loads), so the addresses stay valid as long as the caches live; every GDN plane and attention
+`restore`, prefix loads), so the addresses stay valid as long as the caches live; every recurrent plane and attention
 buffer starts on a 16-byte address (checked here; allocations are), which the kernels declare
 (triton_common.table_pointer), so that they load through these addresses as widely as through tensor arguments.
 The tables hold the caches, which keeps them alive; a CUDA graph that captured a launch reading the tables stays
@@ -29,11 +29,6 @@ def even_rows(rows: list[slice]) -> bool:
     the kernels with a sequence axis take."""
     T = rows[0].stop - rows[0].start
     return T > 0 and all(r == slice(k * T, (k + 1) * T) for k, r in enumerate(rows))
-
-
-def _planes(rc: RecurrentCache) -> list[torch.Tensor]:
-    """A recurrent cache's planes: every GDN layer's conv and SSM, then the n-gram layer's conv if it has one."""
-    return [t for st in rc.gdn.values() for t in (st.conv, st.ssm)] + ([rc.ple.conv] if rc.ple is not None else [])
 
 
 def _same_layout(tensors: list[torch.Tensor]) -> bool:
@@ -64,7 +59,8 @@ class SequenceTables:
         rows += [[rc.gdn[i].ssm.data_ptr() for rc in recs] for i in layers]
         rows += [[rc.live.data_ptr() for rc in recs], [rc.base.data_ptr() for rc in recs]] if recs else []
         self._ple_row = len(rows) if recs and recs[0].ple is not None else None
-        rows += [[_planes(rc)[-1].data_ptr() for rc in recs]] if self._ple_row is not None else []
+        rows += [[t.data_ptr() for t in ts] for ts in zip(*(rc.buffers()[-2:] for rc in recs), strict=True)] \
+            if self._ple_row is not None else []
         self._kv_row: dict[object, int] = {}
         for key, caches in kvs.items():
             self._kv_row[key] = len(rows)
@@ -83,7 +79,7 @@ class SequenceTables:
             first = recs[0]
             if any(rc.n_slots != first.n_slots or rc.gdn.keys() != first.gdn.keys()
                    or (rc.ple is None) != (first.ple is None) for rc in recs) or not all(
-                    _same_layout(list(ts)) for ts in zip(*(_planes(rc) for rc in recs), strict=True)):
+                    _same_layout(list(ts)) for ts in zip(*(rc.buffers() for rc in recs), strict=True)):
                 raise ValueError("the sequences' recurrent caches differ in slots, layers or buffer shapes")
         if not recs and not kvs and not pooled:
             raise ValueError("no caches to make tables of")
@@ -98,7 +94,7 @@ class SequenceTables:
             if not _same_layout(ts) or not ts[0].is_contiguous() or (recs and len(ts) != len(recs)):
                 raise ValueError(f"the sequences' raw indexer keys of layer {key} differ in shape or are not "
                                  "contiguous")
-        planes = [t for rc in recs for t in _planes(rc)]
+        planes = [t for rc in recs for t in rc.buffers()]
         planes += [x for cs in kvs.values() for c in cs for x in c.buffers()] + [t for ts in raw.values() for t in ts]
         if any(t.data_ptr() % 16 for t in planes):
             raise ValueError("a cache buffer is not 16-byte aligned: the kernels read each one as aligned")
@@ -113,12 +109,14 @@ class SequenceTables:
         return self._addresses[len(self._layers) + self._layers[layer]], self._addresses[2 * len(self._layers)], \
             self._addresses[2 * len(self._layers) + 1]
 
-    def ple_conv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(conv planes, live, base) address tables of the n-gram layer, or None without one."""
+    def ple(self, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(planes, live, base) address tables of the n-gram layer's "conv" or token "hist" planes, or None without
+        that layer."""
         if self._ple_row is None:
             return None
         live = 2 * len(self._layers)
-        return self._addresses[self._ple_row], self._addresses[live], self._addresses[live + 1]
+        return self._addresses[self._ple_row + ("conv", "hist").index(part)], self._addresses[live], \
+            self._addresses[live + 1]
 
     def kv(self, key: object) -> tuple[torch.Tensor, ...] | None:
         """The address tables of attention cache `key`'s buffers (KVCache.buffers' order: k, v and for q8_0 their
