@@ -170,8 +170,8 @@ class KernelOptions:
     gdn_conv_kernel: bool = option(True, "GDN steps' causal conv, silu and q/k norms in one Triton launch per layer "
                                    "(off: compiled)", applies="CUDA", arm="gconv")
     gdn_seqs: bool = option(True, "a batched step runs every sequence's GDN conv snapshots and recurrence in two "
-                            "launches a layer, and the n-gram layer's conv snapshots in one (off: each sequence's "
-                            "own launches)", applies="CUDA, batches", arm="gseqs")
+                            "launches a layer, and the n-gram layer's contexts and conv snapshots in one each (off: "
+                            "each sequence's own launches)", applies="CUDA, batches", arm="gseqs")
     attention_seqs: bool = option(False, "a batched step writes every sequence's K/V rows and raw indexer keys in "
                                   "one launch each, makes every sequence's QSA block choice in one call and attends "
                                   "over every sequence's cache in one pass, per attention layer (QSA and the draft "

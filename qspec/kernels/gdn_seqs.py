@@ -7,8 +7,8 @@ several rows, the step conv) for every sequence, so a batch of B sequences makes
 sequence makes 2. Here each launch takes a sequence axis and finds each sequence's planes and `live` / `base` scalars
 through tables of their addresses (state/tables.SequenceTables), so a layer makes 2 launches whatever B.
 
-The n-gram layer's conv snapshots take the same launch for all sequences (model/ple.PLE.mix_seqs), under the same
-switch and the same conditions (`snapshots_take`).
+The n-gram layer's conv snapshots take the same launch for all sequences (model/ple.PLE.mix_seqs, under the same
+conditions: `snapshots_take`), and its contexts one more (PLE.table_rows_seqs), under the same switch.
 
 `gdn_step_seqs_torch` is the reference: each sequence's step as the model runs it alone (the snapshot reference, the
 step conv, the recurrence over its planes). The Triton path computes every row's conv inside the recurrence's
