@@ -127,10 +127,10 @@ counted(triton_ngram, "ngram_contexts_seqs_triton", "n-gram")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
-def steps(rows, on):
+def steps(rows, on, eng=e):
     runs = []
     for p in prompts:
-        r = Runner(model, e.opts.cache_options())
+        r = Runner(model, eng.opts.cache_options())
         r.step(torch.tensor(p)), r.keep(len(p), rollback=False)
         runs.append(r)
     batch = BatchSteps(runs)
@@ -161,6 +161,16 @@ assert indexed and cfg.has_ple and launched == {
     "gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1), "raw keys": 2 * len(indexed),
     "snapshots": 2 * (len(cfg.gdn_layers()) + 1), "n-gram": 2}, launched  # every GDN layer's and the n-gram layer's
 
+# exact mode: GDN steps each sequence alone (its conv kernel is off there); the n-gram layer's launches and the
+# attention's (each sequence's chunks as alone) for all sequences give each sequence its own bits
+exact = engine(model, exact=True, draft=2, kv_type="q8_0", fused_attention=True)
+with exact.runner.switches.apply():
+    before = dict(launched)
+    (o1, s1, c1, m1), (o2, s2, c2, m2) = steps(3, True, exact), steps(3, False, exact)
+    assert all(torch.equal(a, b) for a, b in zip(o1, o2, strict=True))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(s1, s2, strict=True) for k in a) and c1 == c2
+    assert launched["n-gram"] > before["n-gram"] and launched["attention"] > before["attention"], launched
+
 # whole requests through the batcher (MTP2 rounds and plain steps as its measured rates choose, the draft heads'
 # cells written over plain steps): the same tokens with the launches for all sequences and without them
 calls = [dict(prompt=prompt_of(6 + 5 * i, i), max_tokens=6) for i in range(3)]
@@ -184,8 +194,8 @@ def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequenc
     GDN layer's snapshots and recurrence, the n-gram layer's contexts and conv snapshots, and every attention
     layer's (QSA's, the head's) q8_0 writes, raw indexer keys and attention in launches for all the sequences
     (gdn_seqs, attention_seqs), give the logits, residuals, committed states, head caches, raw indexer keys and
-    snapshot counters that the same steps with each sequence's own launches give; the batched launches ran for every
-    GDN, n-gram and attention layer of every step. Then whole requests
+    snapshot counters that the same steps with each sequence's own launches give (in exact mode, the same bits); the
+    batched launches ran for every GDN, n-gram and attention layer of every step. Then whole requests
     through the batcher give the same tokens with and without those launches."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]))
