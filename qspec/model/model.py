@@ -377,13 +377,14 @@ class Model(torch.nn.Module):
         ple = self.ple
         assert ple is not None
         batched = len(segments) > 1 and even_rows([s.rows for s in segments])
-        rows = ple.table_rows_seqs(tokens, [s.cache for s in segments], tables) if batched else None
+        caches = [s.cache for s in segments]
+        rows = ple.table_rows_seqs(tokens, caches, tables) if batched else None
         if rows is None:
             rows = _per_segment_rows(segments, lambda k, r: ple.table_rows(tokens[r], segments[k].cache.rec.ple,
                                                                            segments[k].cache.rec))
         G, N = ple.gate(X, rows)
         if batched:
-            out = ple.mix_seqs(X, G, N, [s.cache for s in segments], tables)
+            out = ple.mix_seqs(X, G, N, caches, tables)
             if out is not None:
                 return out
 

@@ -101,22 +101,23 @@ class SequenceTables:
 
     def conv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv planes, live, base) address tables of GDN layer `layer`."""
-        return self._addresses[self._layers[layer]], self._addresses[2 * len(self._layers)], \
-            self._addresses[2 * len(self._layers) + 1]
+        return self._with_scalars(self._layers[layer])
 
     def ssm(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(SSM planes, live, base) address tables of GDN layer `layer`."""
-        return self._addresses[len(self._layers) + self._layers[layer]], self._addresses[2 * len(self._layers)], \
-            self._addresses[2 * len(self._layers) + 1]
+        return self._with_scalars(len(self._layers) + self._layers[layer])
 
     def ple(self, part: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(planes, live, base) address tables of the n-gram layer's "conv" or token "hist" planes, or None without
         that layer."""
         if self._ple_row is None:
             return None
+        return self._with_scalars(self._ple_row + ("conv", "hist").index(part))
+
+    def _with_scalars(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Planes' table `row` with the `live` and `base` tables (the rows after every GDN layer's two)."""
         live = 2 * len(self._layers)
-        return self._addresses[self._ple_row + ("conv", "hist").index(part)], self._addresses[live], \
-            self._addresses[live + 1]
+        return self._addresses[row], self._addresses[live], self._addresses[live + 1]
 
     def kv(self, key: object) -> tuple[torch.Tensor, ...] | None:
         """The address tables of attention cache `key`'s buffers (KVCache.buffers' order: k, v and for q8_0 their
