@@ -8,7 +8,8 @@ sequence makes 2. Here each launch takes a sequence axis and finds each sequence
 through tables of their addresses (state/tables.SequenceTables), so a layer makes 2 launches whatever B.
 
 The n-gram layer's conv snapshots take the same launch for all sequences (model/ple.PLE.mix_seqs, under the same
-conditions: `snapshots_take`), and its contexts one more (PLE.table_rows_seqs), under the same switch.
+conditions: `snapshots_take`, which plans each sequence's snapshots once), and its contexts one more
+(PLE.table_rows_seqs), under the same switch.
 
 `gdn_step_seqs_torch` is the reference: each sequence's step as the model runs it alone (the snapshot reference, the
 step conv, the recurrence over its planes). The Triton path computes every row's conv inside the recurrence's
@@ -18,6 +19,7 @@ launch, as a one-row step does alone (triton_gdn.gdn_conv_recurrent_triton), als
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -41,48 +43,63 @@ def enabled() -> bool:
     return _ON
 
 
+@dataclass
+class SnapshotPlan:
+    """Each sequence's snapshot plan for a batched step (`plan_step` run once a sequence): its accepted planes and
+    the counters its planning touched, kept aside until the launch for all sequences is taken (`count` then adds
+    them to each sequence's stats as its step alone would have)."""
+
+    accepted: list[list[int] | None]
+    seen: list[SnapshotStats]
+    row_words: int
+    channels: int
+
+    def count(self, stats: list[SnapshotStats | None]) -> None:
+        """Each sequence's snapshot counters as its step alone counts them (write_snapshots' fused launch)."""
+        for sc, accepted, seen in zip(stats, self.accepted, self.seen, strict=True):
+            if sc is not None:
+                sc.fallbacks.update(seen.fallbacks)
+                count_fused_step(sc, accepted, self.row_words, self.channels)
+
+
 def seqs_take(qkv: torch.Tensor, conv_w: torch.Tensor, recs: list[RecurrentCache], states: list[GDNState],
-              fused_snapshots: list[bool], dims: tuple[int, int, int, int]) -> bool:
-    """Whether `gdn_step_seqs_triton` runs a batched step of these sequences' rows (qkv: T rows each, in order): the
-    snapshot launch for all sequences takes it (`snapshots_take`) and so does the conv kernel (not row-exact mode)."""
+              fused_snapshots: list[bool], dims: tuple[int, int, int, int]) -> SnapshotPlan | None:
+    """The snapshot plan when `gdn_step_seqs_triton` runs a batched step of these sequences' rows (qkv: T rows each,
+    in order): the snapshot launch for all sequences takes it (`snapshots_take`) and so does the conv kernel (not
+    row-exact mode); else None."""
     Hk, Hv, dk, dv = dims
-    if not snapshots_take(qkv, recs, [st.conv for st in states], fused_snapshots):
-        return False
+    plan = snapshots_take(qkv, recs, [st.conv for st in states], fused_snapshots)
+    if plan is None:
+        return None
     T = qkv.shape[0] // len(recs)
     X = torch.empty(2 * Hk * dk + Hv * dv, states[0].conv.shape[2] + T, dtype=torch.float32, device=qkv.device)
-    return kernel_takes(X, conv_w, T, Hk, Hv, dk, dv)
+    return plan if kernel_takes(X, conv_w, T, Hk, Hv, dk, dv) else None
 
 
 def snapshots_take(rows: torch.Tensor, recs: list[RecurrentCache], planes: list[torch.Tensor],
-                   fused_snapshots: list[bool]) -> bool:
-    """Whether one conv-snapshot launch for all the sequences (triton_conv_snapshot.conv_snapshot_seqs_triton) takes
-    a batched step of their rows (T each, in order) on their conv planes (a GDN layer's, the n-gram layer's; one
-    tensor a sequence): switched on, the Triton kernels (CUDA or the interpreter), fused snapshots for every sequence,
-    a step short enough to keep every row's state (T <= slots, every window in the one launch) and each sequence's
-    windows accepted by Algorithm 4 as alone (`plan_step`)."""
+                   fused_snapshots: list[bool]) -> SnapshotPlan | None:
+    """The snapshot plan when one conv-snapshot launch for all the sequences
+    (triton_conv_snapshot.conv_snapshot_seqs_triton) takes a batched step of their rows (T each, in order) on their
+    conv planes (a GDN layer's, the n-gram layer's; one tensor a sequence), else None: switched on, the Triton kernels
+    (CUDA or the interpreter), fused snapshots for every sequence, a step short enough to keep every row's state
+    (T <= slots, every window in the one launch) and each sequence's windows accepted by Algorithm 4 as alone
+    (`plan_step`)."""
     B = len(recs)
     T, rem = divmod(rows.shape[0], B)
     C, s = planes[0].shape[1:]
     if (not _ON or B < 2 or rem or T < 1 or not use_triton(rows) or not all(fused_snapshots)
             or rows.dtype not in ROW_DTYPES or s + T > ROW_WORDS or T > MAX_SNAPSHOTS or T > recs[0].n_slots):
-        return False
+        return None
     X = torch.empty(C, s + T, dtype=torch.float32, device=rows.device)  # a fresh buffer, as write_snapshots' X
+    plan = SnapshotPlan([], [], s + T, C)
     for b, (rc, P) in enumerate(zip(recs, planes, strict=True)):
-        accepted = plan_step(P, rows[b * T:(b + 1) * T], X, P, rc.host_base, T, None, rc.live)
+        seen = SnapshotStats()
+        accepted = plan_step(P, rows[b * T:(b + 1) * T], X, P, rc.host_base, T, seen, rc.live)
         if (accepted is None and T > 1) or (accepted is not None and len(accepted) < T):
-            return False
-    return True
-
-
-def count_snapshots(rows: torch.Tensor, recs: list[RecurrentCache], planes: list[torch.Tensor],
-                    stats: list[SnapshotStats | None]) -> None:
-    """Each sequence's snapshot counters as its step alone counts them (write_snapshots' fused launch)."""
-    T = rows.shape[0] // len(recs)
-    C, s = planes[0].shape[1:]
-    X = torch.empty(C, s + T, dtype=torch.float32, device=rows.device)
-    for b, (rc, P, sc) in enumerate(zip(recs, planes, stats, strict=True)):
-        accepted = plan_step(P, rows[b * T:(b + 1) * T], X, P, rc.host_base, T, sc, rc.live)
-        count_fused_step(sc, accepted, s + T, C)
+            return None
+        plan.accepted.append(accepted)
+        plan.seen.append(seen)
+    return plan
 
 
 def gdn_step_seqs_torch(qkv: torch.Tensor, a_logit: torch.Tensor, b_logit: torch.Tensor, recs: list[RecurrentCache],

@@ -120,10 +120,11 @@ class GatedDeltaNet(torch.nn.Module):
         recs = [mc.rec for mc in caches]
         states = [rc.gdn[layer] for rc in recs]
         dims = (c.gdn_k_heads, c.gdn_v_heads, c.gdn_head_dim, c.gdn_v_head_dim)
-        if tables is None or not gdn_seqs.seqs_take(qkv, self.conv_w, recs, states,
-                                                    [mc.opts.fused_snapshots for mc in caches], dims):
+        plan = None if tables is None else gdn_seqs.seqs_take(qkv, self.conv_w, recs, states,
+                                                              [mc.opts.fused_snapshots for mc in caches], dims)
+        if plan is None:
             return None
-        gdn_seqs.count_snapshots(qkv, recs, [st.conv for st in states], [mc.snap_stats for mc in caches])
+        plan.count([mc.snap_stats for mc in caches])
         return gdn_seqs.gdn_step_seqs_triton(qkv, a_logit, b_logit, tables, layer, self.conv_w, dims,
                                              (self.a, self.dt_bias))
 

@@ -131,12 +131,13 @@ class PLE(torch.nn.Module):
         recs = [mc.rec for mc in caches]
         planes = [rc.ple.conv for rc in recs if rc.ple is not None]
         ple_tables = None if tables is None else tables.ple("conv")
-        if ple_tables is None or len(planes) != len(recs) or not gdn_seqs.snapshots_take(
-                N, recs, planes, [mc.opts.fused_snapshots for mc in caches]):
+        plan = None if ple_tables is None or len(planes) != len(recs) else gdn_seqs.snapshots_take(
+            N, recs, planes, [mc.opts.fused_snapshots for mc in caches])
+        if plan is None:
             return None
         from qspec.kernels.triton_conv_snapshot import conv_snapshot_seqs_triton
 
-        gdn_seqs.count_snapshots(N, recs, planes, [mc.snap_stats for mc in caches])
+        plan.count([mc.snap_stats for mc in caches])
         C, s = planes[0].shape[1:]
         Xc = torch.empty(len(recs), C, s + N.shape[0] // len(recs), dtype=torch.float32, device=N.device)
         conv_snapshot_seqs_triton(planes[0], ple_tables, N, Xc)
