@@ -16,6 +16,7 @@ from qspec.batch_steps import BatchSteps
 from qspec.engine import prefill_chunks
 from qspec.kernels.triton_common import HAS_TRITON
 from qspec.model.model import Model
+from qspec.model.qsa import PooledUpdate, StepUpdates
 from qspec.runner import Runner
 from qspec.state.indexer_cache import IndexerCache
 from qspec.state.tables import SequenceTables
@@ -102,12 +103,12 @@ from test_batch import engine, prompt_of, together
 
 from qspec.batch import Batcher
 from qspec.batch_steps import BatchSteps
-from qspec.kernels import attention_seqs, gdn_seqs, triton_conv_snapshot, triton_kv_write, triton_ngram
+from qspec.kernels import attention_seqs, gdn_seqs, triton_conv_snapshot, triton_kv_write, triton_ngram, triton_pooled
 from qspec.runner import Runner
 
 model = build_model(tiny_config(), seed=3)
 e = engine(model, exact=False, draft=2, kv_type="q8_0", fused_attention=True)
-launched = {"gdn": 0, "attention": 0, "raw keys": 0, "snapshots": 0, "n-gram": 0}
+launched = {"gdn": 0, "attention": 0, "raw keys": 0, "snapshots": 0, "n-gram": 0, "pooled keys": 0}
 
 
 def counted(mod, name, what):
@@ -124,6 +125,7 @@ counted(attention_seqs, "attention_seqs_triton", "attention")
 counted(triton_kv_write, "write_rows_seqs_triton", "raw keys")
 counted(triton_conv_snapshot, "conv_snapshot_seqs_triton", "snapshots")
 counted(triton_ngram, "ngram_contexts_seqs_triton", "n-gram")
+counted(triton_pooled, "pooled_seqs_triton", "pooled keys")
 prompts = [prompt_of(n, s) for n, s in ((9, 1), (14, 2), (5, 3))]
 
 
@@ -140,7 +142,7 @@ def steps(rows, on, eng=e):
             r.keep(1, rollback=True)
         starts = [len(p) + 1 for p in prompts]
         draft = batch.draft([0, 1, 2], starts, torch.arange(3 * rows) + 40, X, None, rows=rows)
-    return ([logits, *draft, *(ix.raw for r in runs for ix in r.cache.idx.values())],
+    return ([logits, *draft, *(t for r in runs for ix in r.cache.idx.values() for t in (ix.raw, ix.pooled))],
             [r.committed_state() for r in runs], [r.cache.snap_stats.as_dict() for r in runs],
             [b for r in runs for b in r.cache.mtp_kv.buffers()])
 
@@ -157,9 +159,10 @@ with e.runner.switches.apply():
         assert all(torch.equal(a, b) for a, b in zip(m1, m2, strict=True))
 cfg = model.cfg
 indexed = [i for i in cfg.qsa_layers() if cfg.ratio(i)]
+# every GDN layer's and the n-gram layer's snapshots; every indexed QSA layer's raw and pooled keys
 assert indexed and cfg.has_ple and launched == {
     "gdn": 2 * len(cfg.gdn_layers()), "attention": 2 * (len(cfg.qsa_layers()) + 1), "raw keys": 2 * len(indexed),
-    "snapshots": 2 * (len(cfg.gdn_layers()) + 1), "n-gram": 2}, launched  # every GDN layer's and the n-gram layer's
+    "snapshots": 2 * (len(cfg.gdn_layers()) + 1), "n-gram": 2, "pooled keys": 2 * len(indexed)}, launched
 
 # exact mode: GDN steps each sequence alone (its conv kernel is off there); the n-gram layer's launches and the
 # attention's (each sequence's chunks as alone) for all sequences give each sequence its own bits
@@ -205,9 +208,10 @@ def test_a_batched_steps_mixers_in_launches_for_all_sequences_equal_each_sequenc
 
 
 def test_the_indexer_choice_of_a_batched_step_is_each_sequences_own(tiny_model: Model) -> None:
-    """QSA's block choice for every sequence of a batched step at once (select_seqs: the sequences' pooled keys
-    gathered, one batched product, one top-k call) keeps the blocks each sequence's own `select` keeps, and writes
-    the same raw keys, at positions where the budget leaves blocks out."""
+    """QSA's block choice for every sequence of a batched step at once (select_seqs: the sequences' pooled-key
+    update lists joined, their pooled keys gathered, one batched product, one top-k call) keeps the blocks each
+    sequence's own `select` keeps, and writes the same raw and pooled keys, at positions where the budget leaves
+    blocks out."""
     c = tiny_model.cfg
     i = c.qsa_layers()[0]
     layer = tiny_model.layers[i]
@@ -230,9 +234,17 @@ def test_the_indexer_choice_of_a_batched_step_is_each_sequences_own(tiny_model: 
     cos, sin = tiny_model.rope(pos)
     rest = torch.randn(B * T, (c.indexer_heads + 1) * c.indexer_head_dim, generator=g).to(tiny_model.dtype)
     tables = SequenceTables([], {}, {i: [ix.pooled for ix in mine]}, {i: [ix.raw for ix in mine]})
-    got = layer.select_seqs(rest, pos, cos, sin, [(ix, None, None) for ix in mine], tables, i, cap)
+    blocks = [torch.randperm(30, generator=g)[:3] for _ in range(B)]  # 3 complete blocks a sequence, to re-pool
+    upds = [{r: PooledUpdate(b[:, None] * r + torch.arange(r), b * r, b)} for b in blocks]
+    steps = StepUpdates(upds, tiny_model.rope)
+    assert r in steps.joined
+    before = mine[0].pooled.clone()
+    got = layer.select_seqs(rest, pos, cos, sin, [steps.selection(b, r, ix) for b, ix in enumerate(mine)], tables, i,
+                            cap, joined=steps.joined[r])
     want = torch.cat([layer.select(rest[b * T:(b + 1) * T], pos[b * T:(b + 1) * T], cos[b * T:(b + 1) * T],
-                                   sin[b * T:(b + 1) * T], alone[b], None, None, cap) for b in range(B)])
+                                   sin[b * T:(b + 1) * T], alone[b], upds[b][r], tiny_model.rope(upds[b][r].start),
+                                   cap) for b in range(B)])
     assert torch.equal(got, want)
-    assert all(torch.equal(a.raw, m.raw) for a, m in zip(alone, mine, strict=True))
+    assert all(torch.equal(a.raw, m.raw) and torch.equal(a.pooled, m.pooled) for a, m in zip(alone, mine, strict=True))
+    assert not torch.equal(mine[0].pooled, before)  # the updates were made
     assert (want.sum(1) < pos + 1).all()  # every row leaves blocks out: the choice is made

@@ -124,6 +124,23 @@ def test_gdn_recurrence_through_tables_loads_as_widely(monkeypatch: pytest.Monke
 
 
 @compiled
+def test_pooled_keys_through_tables_load_as_widely(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qspec.kernels.triton_pooled import pooled_seqs_triton, pooled_triton
+
+    B, C, r, d, rope, cap = 4, 8, 4, 128, 64, 8192
+    raws = [torch.zeros(cap, d, dtype=torch.bfloat16) for _ in range(B)]
+    pooleds = [torch.zeros(cap // r + 1, d) for _ in range(B)]
+    cells, dest = torch.zeros(B * C, r, dtype=torch.int64), torch.zeros(B * C, dtype=torch.int64)
+    cos = sin = torch.zeros(B * C, rope, dtype=torch.bfloat16)
+    tables = tuple(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64) for ts in (raws, pooleds))
+    one = _widths(_launched(monkeypatch, lambda: pooled_triton(raws[0], cells[:C], dest[:C], torch.ones(d), 1e-6,
+                                                               cos[:C], sin[:C], pooleds[0])))
+    seqs = _widths(_launched(monkeypatch, lambda: pooled_seqs_triton(raws[0], cells, dest, torch.ones(d), 1e-6, cos,
+                                                                     sin, pooleds[0], tables)))
+    assert seqs == one, (seqs, one)
+
+
+@compiled
 def test_gather_reads_aligned_rows_in_words(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of a multiple of 16 bytes in aligned pieces (a batch's pooled indexer keys) are read without byte loads;
     the n-gram table's rows of 170 bytes are read as bytes."""

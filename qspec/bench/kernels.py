@@ -46,7 +46,7 @@ from qspec.kernels.hc_mix import combine_torch, mix_torch
 from qspec.kernels.kv_write import write_q8_0_torch
 from qspec.kernels.masked_attention import masked_attention, masked_attention_torch
 from qspec.kernels.moe_few import moe_few_torch, sum_slots
-from qspec.kernels.pooled import materialize_pooled_torch
+from qspec.kernels.pooled import materialize_pooled_seqs_torch, materialize_pooled_torch
 from qspec.kernels.q4 import Q4Weight, q4_matvec_torch, q4_q8_matvec_torch
 from qspec.kernels.route import route_top_k_shared_torch, route_top_k_torch
 from qspec.kernels.sparse_attention import sparse_attention_torch
@@ -74,7 +74,7 @@ from qspec.kernels.triton_kv_write import write_q8_0_triton, write_rows_seqs_tri
 from qspec.kernels.triton_masked_attention import SKIP_MIN_ROWS, masked_attention_seqs_triton, masked_attention_triton
 from qspec.kernels.triton_moe import config_for as moe_config_for
 from qspec.kernels.triton_moe import moe_slots_grouped_triton, moe_slots_triton
-from qspec.kernels.triton_pooled import pooled_triton
+from qspec.kernels.triton_pooled import pooled_seqs_triton, pooled_triton
 from qspec.kernels.triton_q4 import q4_q8_matvec_triton
 from qspec.kernels.triton_route import route_top_k_triton
 from qspec.kernels.triton_sparse_attention import sparse_attention_triton
@@ -317,6 +317,42 @@ def check_pooled(R: Runner, dt: torch.dtype, cap: int, d: int, r: int, C: int, r
         row.torch_us = R.bench(lambda: materialize_pooled_torch(raw, cells, dest, gamma, eps, cos, sin, p_ref))
         row.triton_us = R.bench(lambda: pooled_triton(raw, cells, dest, gamma, eps, cos, sin, p_tri))
         row.nbytes = C * r * d * raw.element_size() + C * d * 4 + 2 * C * rope * cos.element_size()
+    R.add(row)
+
+
+def check_pooled_seqs(R: Runner, dt: torch.dtype, B: int, cap: int, d: int, r: int, C: int, rope: int,
+                      timed: bool = False) -> None:
+    """A batched step's pooled-key updates in one launch (each row finding its sequence's raw and pooled keys through
+    their address tables): every sequence's pooled keys bit-identical to its own launch alone and within the dtype's
+    tolerance of the reference; timed against each sequence's launch."""
+    dev = R.device
+    nb = cap // r
+    raws = [torch.randn(cap, d, device=dev).to(dt) for _ in range(B)]
+    blocks = torch.cat([torch.randperm(nb, device=dev)[:C] for _ in range(B)])
+    cells = blocks[:, None] * r + torch.arange(r, device=dev)
+    dest = torch.cat([torch.randperm(nb + 1, device=dev)[:C] for _ in range(B)])
+    gamma = 1.0 + 0.1 * torch.randn(d, device=dev)
+    cos, sin = rope_tables(blocks * r, rope, 1e7, dt)
+    got, alone, ref = ([torch.full((nb + 1, d), float("nan"), device=dev) for _ in range(B)] for _ in range(3))
+    tables = tuple(torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev) for ts in (raws, got))
+
+    def each() -> None:
+        for b in range(B):
+            u = slice(b * C, (b + 1) * C)
+            pooled_triton(raws[b], cells[u], dest[u], gamma, 1e-6, cos[u], sin[u], alone[b])
+    each()
+    materialize_pooled_seqs_torch(raws, cells, dest, gamma, 1e-6, cos, sin, ref)
+    pooled_seqs_triton(raws[0], cells, dest, gamma, 1e-6, cos, sin, got[0], tables)
+    same = all(same_bits(a, b) for a, b in zip(got, alone, strict=True))
+    e = max(rel_err(a.nan_to_num(), b.nan_to_num()) for a, b in zip(got, ref, strict=True))  # rows never written: 0
+    row = Row(f"pooled seqs B={B} {str(dt).removeprefix('torch.')} C={C} r={r} d={d}"
+              + (" (torch: each sequence's launch)" if timed else ""), same and e < TOL[dt],
+              f"{'bit-identical to each launch alone' if same else 'DIFFERS from each launch alone'}, "
+              f"rel err {e:.2e} against the reference")
+    if timed and R.timing:
+        row.torch_us = R.bench(each)
+        row.triton_us = R.bench(lambda: pooled_seqs_triton(raws[0], cells, dest, gamma, 1e-6, cos, sin, got[0],
+                                                           tables))
     R.add(row)
 
 
@@ -1017,11 +1053,18 @@ def gdn_checks(R: Runner, small: bool) -> None:
 
 
 def pooled_checks(R: Runner, small: bool) -> None:
-    """Pooled keys: the real geometry (C=8, r=4, d=128, cap=8192, rope 64) in bf16, then the other cache types."""
+    """Pooled keys: the real geometry (C=8, r=4, d=128, cap=8192, rope 64) in bf16, then the other cache types; then a
+    batched step's updates in one launch for all its sequences."""
     check_pooled(R, torch.bfloat16, 512 if small else 8192, 128, 4, 8, 64, timed=True)
     check_pooled(R, torch.float16, 512, 128, 4, 16, 64)
     check_pooled(R, torch.float32, 512, 128, 4, 8, 64)
     check_pooled(R, torch.bfloat16, 384, 96, 3, 5, 32)  # non-power-of-2 head, odd ratio
+    if small:
+        check_pooled_seqs(R, torch.bfloat16, 3, 256, 64, 4, 2, 32)
+        check_pooled_seqs(R, torch.float32, 2, 96, 96, 3, 5, 32)
+        return
+    check_pooled_seqs(R, torch.bfloat16, 8, 8192, 128, 4, 8, 64, timed=True)  # a QSA layer of a batch of 8
+    check_pooled_seqs(R, torch.float16, 3, 384, 96, 3, 5, 32)
 
 
 def sparse_attention_checks(R: Runner, small: bool) -> None:

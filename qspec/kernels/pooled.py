@@ -54,3 +54,31 @@ def materialize_pooled_fast(raw: torch.Tensor, cells: torch.Tensor, dest: torch.
         pooled_triton(raw, cells, dest, gamma, eps, cos, sin, pooled)
         return
     materialize_pooled_torch(raw, cells, dest, gamma, eps, cos, sin, pooled)
+
+
+def materialize_pooled_seqs_torch(raws: list[torch.Tensor], cells: torch.Tensor, dest: torch.Tensor,
+                                  gamma: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                                  pooleds: list[torch.Tensor]) -> None:
+    """Reference for a batched step's update lists joined (C rows each, in order: rows b C .. (b + 1) C - 1 are
+    sequence b's): each sequence's rows through `materialize_pooled_torch` on its own raw and pooled keys."""
+    C, rem = divmod(cells.shape[0], len(raws))
+    if rem or len(pooleds) != len(raws):
+        raise ValueError(f"{cells.shape[0]} update rows for {len(raws)} sequences' raw and {len(pooleds)} pooled keys")
+    for b, (raw, pooled) in enumerate(zip(raws, pooleds, strict=True)):
+        rows = slice(b * C, (b + 1) * C)
+        materialize_pooled_torch(raw, cells[rows], dest[rows], gamma, eps, cos[rows], sin[rows], pooled)
+
+
+def materialize_pooled_seqs(raws: list[torch.Tensor], cells: torch.Tensor, dest: torch.Tensor, gamma: torch.Tensor,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor, pooleds: list[torch.Tensor],
+                            tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Dispatch: every sequence's update list in one Triton launch, each row finding its sequence's raw and pooled
+    keys through `tables` (their address tables, state/tables.SequenceTables); the reference without Triton. Equal to
+    each sequence's `materialize_pooled_fast` (the same program for each row)."""
+    if use_triton(raws[0]):
+        from qspec.kernels.triton_pooled import pooled_seqs_triton
+
+        _check(raws[0], cells, dest, gamma, cos, sin, pooleds[0])
+        pooled_seqs_triton(raws[0], cells, dest, gamma, eps, cos, sin, pooleds[0], tables)
+        return
+    materialize_pooled_seqs_torch(raws, cells, dest, gamma, eps, cos, sin, pooleds)

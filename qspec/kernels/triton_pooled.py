@@ -1,4 +1,5 @@
-"""Pooled indexer keys in Triton (seed Algorithm 2's batched body): one program per update row.
+"""Pooled indexer keys in Triton (seed Algorithm 2's batched body): one program per update row; for a batched step,
+one launch for every sequence's update list, each row finding its sequence's caches through address tables.
 
 Row u: gather raw[cells[u, :]] (r rows), mean in f32, round to the raw dtype (the cache-type round
 trip), RMSNorm * gamma in f32 rounded to the raw dtype (ops.rms_norm), NeoX RoPE on the first
@@ -15,15 +16,19 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from qspec.kernels.triton_common import pdl_start, round_to
+    from qspec.kernels.triton_common import pdl_start, round_to, table_pointer
 
     @triton.jit
     def _pooled_kernel(raw_ptr, cells_ptr, dest_ptr, gamma_ptr, cos_ptr, sin_ptr, pooled_ptr, eps,
-                       raw_row, cells_row, cells_col, dest_s, cs_row, pooled_row,
+                       raw_row, cells_row, cells_col, dest_s, cs_row, pooled_row, rows,
                        D: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                       BP: tl.constexpr, RAW_DT: tl.constexpr, ROPE_DT: tl.constexpr, PDL: tl.constexpr = False):
+                       BP: tl.constexpr, RAW_DT: tl.constexpr, ROPE_DT: tl.constexpr, SEQS: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
         pdl_start(PDL)
         u = tl.program_id(0)
+        if SEQS:  # row u is sequence u // rows's; raw_ptr and pooled_ptr are tables of its caches' addresses
+            raw_ptr = table_pointer(raw_ptr, u // rows, RAW_DT)
+            pooled_ptr = table_pointer(pooled_ptr, u // rows, tl.float32)
         ih = tl.arange(0, BH)
         ip = tl.arange(0, BP)
         mh = ih < HALF
@@ -62,6 +67,24 @@ if HAS_TRITON:
 def pooled_triton(raw: torch.Tensor, cells: torch.Tensor, dest: torch.Tensor, gamma: torch.Tensor, eps: float,
                   cos: torch.Tensor, sin: torch.Tensor, pooled: torch.Tensor) -> None:
     """Launch the kernel (shapes already checked by the caller)."""
+    _launch(raw, cells, dest, gamma, eps, cos, sin, pooled, None)
+
+
+def pooled_seqs_triton(raw: torch.Tensor, cells: torch.Tensor, dest: torch.Tensor, gamma: torch.Tensor, eps: float,
+                       cos: torch.Tensor, sin: torch.Tensor, pooled: torch.Tensor,
+                       tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Every sequence's update list in one launch: rows b C .. (b + 1) C - 1 of cells, dest, cos and sin (C = rows /
+    B) are sequence b's, read from and written to its caches, whose addresses `tables` (raw keys, pooled keys: int64
+    [B] each, state/tables.SequenceTables) hold. raw, pooled: sequence 0's caches (every one shares their dtype and
+    layout; shapes already checked by the caller)."""
+    if cells.shape[0] % tables[0].shape[0] or tables[0].shape != tables[1].shape:
+        raise ValueError(f"{cells.shape[0]} update rows for {tables[0].shape[0]} sequences")
+    _launch(raw, cells, dest, gamma, eps, cos, sin, pooled, tables)
+
+
+def _launch(raw: torch.Tensor, cells: torch.Tensor, dest: torch.Tensor, gamma: torch.Tensor, eps: float,
+            cos: torch.Tensor, sin: torch.Tensor, pooled: torch.Tensor,
+            tables: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     C, r = cells.shape
     d = raw.shape[1]
     rope = cos.shape[1]
@@ -71,8 +94,10 @@ def pooled_triton(raw: torch.Tensor, cells: torch.Tensor, dest: torch.Tensor, ga
             raise ValueError(f"{name} needs a contiguous last dim")
     if cos.stride() != sin.stride():
         raise ValueError("cos and sin need the same layout")
-    _pooled_kernel[(C,)](raw, cells, dest, gamma, cos, sin, pooled, float(eps),
+    raw_at, pooled_at = (raw, pooled) if tables is None else tables
+    _pooled_kernel[(C,)](raw_at, cells, dest, gamma, cos, sin, pooled_at, float(eps),
                          raw.stride(0), cells.stride(0), cells.stride(1), dest.stride(0), cos.stride(0),
-                         pooled.stride(0),
+                         pooled.stride(0), C if tables is None else C // tables[0].shape[0],
                          D=d, R=r, HALF=rope // 2, BH=max(next_pow2(rope // 2), 2), BP=max(next_pow2(d - rope), 2),
-                         RAW_DT=tl_dtype(raw.dtype), ROPE_DT=tl_dtype(rope_dt), num_warps=1, **pdl_launch(raw))
+                         RAW_DT=tl_dtype(raw.dtype), ROPE_DT=tl_dtype(rope_dt), SEQS=tables is not None,
+                         num_warps=1, **pdl_launch(raw))

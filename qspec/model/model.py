@@ -26,7 +26,7 @@ from qspec.model.moe import MoE
 from qspec.model.mtp import DraftHead, MTPHead, spread_logits
 from qspec.model.ops import Weight, embed_rows, linear, rope_tables
 from qspec.model.ple import PLE, DeviceRowTable, RowTable
-from qspec.model.qsa import PooledUpdate, QSAAttention
+from qspec.model.qsa import PooledUpdate, QSAAttention, StepUpdates
 from qspec.state.cells import CellTable
 from qspec.state.indexer_cache import Descriptors, IndexerCache, PooledLayout
 from qspec.state.kv_cache import KVCache
@@ -348,7 +348,7 @@ class Model(torch.nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         cos, sin = self.rope(pos)
-        upd_rope = [{r: self.rope(u.start) for r, u in s.upd.items()} for s in segments]
+        updates = StepUpdates([s.upd for s in segments], self.rope)
         X = embed_rows(self.embed, tokens, self.dtype).repeat(1, c.hc_count)
         # Each block's output (y, injection weights) waits in `pending` and is added into X by the next mixer's
         # fused function (combine_mix), which saves a kernel per block.
@@ -359,7 +359,7 @@ class Model(torch.nn.Module):
                     X, pending = hc_combine(X, *pending), None
                 X = self._ple(segments, X, tokens, tables)
             X, h, inj = self.mix_attn[i].combine_mix(X, pending)
-            y = self._mixer(i, segments, upd_rope, h, pos, cos, sin, tables)
+            y = self._mixer(i, segments, updates, h, pos, cos, sin, tables)
             X, h, inj = self.mix_ffn[i].combine_mix(X, (y, inj))
             pending = (self.moe[i](h), inj)
         if logit_rows is None:
@@ -393,9 +393,8 @@ class Model(torch.nn.Module):
             return ple.mix(X[r], G[r], N[r], c.rec.ple, c.rec, c.opts.fused_snapshots, c.snap_stats)
         return _per_segment_rows(segments, mix)
 
-    def _mixer(self, i: int, segments: list[Segment], upd_rope: list[dict[int, tuple[torch.Tensor, torch.Tensor]]],
-               h: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               tables: SequenceTables | None = None) -> torch.Tensor:
+    def _mixer(self, i: int, segments: list[Segment], updates: StepUpdates, h: torch.Tensor, pos: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, tables: SequenceTables | None = None) -> torch.Tensor:
         """Layer i's sequence mixer (GDN or QSA) over the step's rows h: the projections in and out over every row
         at once, the recurrence or the attention per segment on its caches (pos, cos, sin: every row's), or for
         every segment at once where `tables` are given and the kernels with a sequence axis take the step."""
@@ -414,18 +413,18 @@ class Model(torch.nn.Module):
         r = self.cfg.ratio(i)
         proj = layer.project(h, cos, sin)
         if len(segments) > 1 and even_rows([s.rows for s in segments]) and len({s.kv_len for s in segments}) == 1:
-            chosen = [(s.cache.idx.get(i), s.upd.get(r), upd_rope[k].get(r)) for k, s in enumerate(segments)]
+            chosen = [updates.selection(k, r, s.cache.idx.get(i)) for k, s in enumerate(segments)]
             sparse = any(s.cache.opts.sparse_attention for s in segments)
             o = layer.attend_seqs(proj, pos, cos, sin, [s.cache.kv[i] for s in segments], chosen, tables, i,
-                                  kv_len=segments[0].kv_len, sparse=sparse)
+                                  kv_len=segments[0].kv_len, sparse=sparse, joined=updates.joined.get(r))
             if o is not None:
                 return layer.output(o, proj)
 
         def attend(k: int, rows: slice) -> torch.Tensor:
             seg = segments[k]
             c = seg.cache
-            return layer.attend_rows(_rows_of(proj, rows), pos[rows], cos[rows], sin[rows], c.kv[i], c.idx.get(i),
-                                     seg.upd.get(r), upd_rope[k].get(r), kv_len=seg.kv_len,
+            return layer.attend_rows(_rows_of(proj, rows), pos[rows], cos[rows], sin[rows], c.kv[i],
+                                     *updates.selection(k, r, c.idx.get(i)), kv_len=seg.kv_len,
                                      sparse=c.opts.sparse_attention)
         return layer.output(_per_segment_rows(segments, attend), proj)
 

@@ -11,12 +11,14 @@ the sparse paths, prefill and decode, all take their blocks from that one mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from qspec.config import ModelConfig
 from qspec.kernels import attention_seqs
 from qspec.kernels.masked_attention import masked_attention
-from qspec.kernels.pooled import materialize_pooled_fast
+from qspec.kernels.pooled import materialize_pooled_fast, materialize_pooled_seqs
 from qspec.kernels.sparse_attention import sparse_attention
 from qspec.kernels.top_blocks import top_blocks_mask
 from qspec.model.fuse import fused
@@ -34,8 +36,42 @@ class PooledUpdate:
         self.cells, self.start, self.dest = cells, start, dest
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
 # A sequence's indexer cache, pooled-key update and its rope tables, as a batched step's QSA layer takes them
-Selection = tuple[IndexerCache | None, PooledUpdate | None, tuple[torch.Tensor, torch.Tensor] | None]
+Selection = tuple[IndexerCache | None, PooledUpdate | None, Rope | None]
+
+
+class StepUpdates:
+    """A step's pooled-key update lists (each segment's, by ratio) with their rope tables at the blocks' starts.
+
+    In a batched step whose sequences' lists of a ratio share one shape (the padded lists of the steady state), the
+    lists are also `joined` (sequence b's rows after b - 1's): one rope gather a ratio, each sequence's tables a
+    slice of it, and one pooled-key launch a QSA layer for every sequence (QSAAttention.select_seqs)."""
+
+    def __init__(self, upds: list[dict[int, PooledUpdate]], rope: Callable[[torch.Tensor], Rope]) -> None:
+        self.upds = upds
+        self.ropes: list[dict[int, Rope]] = [{} for _ in upds]
+        self.joined: dict[int, tuple[PooledUpdate, Rope]] = {}
+        for r in upds[0] if len(upds) > 1 else ():
+            parts = [u.get(r) for u in upds]
+            if all(u is not None and u.cells.shape == parts[0].cells.shape for u in parts):
+                self._join(r, parts, rope)  # type: ignore[arg-type]
+        for k, u in enumerate(upds):
+            for r, x in u.items():
+                if r not in self.ropes[k]:
+                    self.ropes[k][r] = rope(x.start)
+
+    def _join(self, r: int, parts: list[PooledUpdate], rope: Callable[[torch.Tensor], Rope]) -> None:
+        joined = PooledUpdate(*(torch.cat([getattr(u, f) for u in parts]) for f in ("cells", "start", "dest")))
+        cos, sin = rope(joined.start)
+        self.joined[r] = (joined, (cos, sin))
+        C = parts[0].dest.shape[0]
+        for k in range(len(parts)):
+            self.ropes[k][r] = (cos[k * C:(k + 1) * C], sin[k * C:(k + 1) * C])
+
+    def selection(self, k: int, r: int, idx: IndexerCache | None) -> Selection:
+        """Segment k's indexer cache `idx` with its update list of ratio r and that list's rope tables."""
+        return idx, self.upds[k].get(r), self.ropes[k].get(r)
 
 
 def materialize_pooled(idx: IndexerCache, upd: PooledUpdate, k_norm: torch.Tensor, eps: float,
@@ -116,9 +152,11 @@ class QSAAttention(torch.nn.Module):
 
     def attend_seqs(self, proj: tuple[torch.Tensor, ...], pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     kvs: list[KVCache], selections: list[Selection], tables: SequenceTables | None, key: object,
-                    key_lo: int = 0, kv_len: int | None = None, sparse: bool = False) -> torch.Tensor | None:
+                    key_lo: int = 0, kv_len: int | None = None, sparse: bool = False,
+                    joined: tuple[PooledUpdate, Rope] | None = None) -> torch.Tensor | None:
         """`attend_rows` for every sequence of a batched step at once (T rows each, in order; `selections`: each
-        one's indexer cache and pooled-key update with its rope tables): the K/V writes in one launch, the cell
+        one's indexer cache and pooled-key update with its rope tables; `joined`: those updates joined, where they
+        share a shape, StepUpdates): the K/V writes in one launch, the cell
         masks (the indexer's choice for all rows in one call, `select_seqs`; or causal), the attention over
         every sequence's cache in one pass (kernels/attention_seqs.py) -> o [rows, H, d]; None where those kernels do
         not take the step (`tables` lack the caches of layer `key`, the sparse path, no Triton)."""
@@ -130,7 +168,7 @@ class QSAAttention(torch.nn.Module):
         n = kvs[0].capacity if kv_len is None else kv_len
         if self.ratio and all(idx is not None for idx, _, _ in selections):
             if not row_exact() and key in tables.pooled:
-                mask = self.select_seqs(rest, pos, cos, sin, selections, tables, key, n, key_lo)
+                mask = self.select_seqs(rest, pos, cos, sin, selections, tables, key, n, key_lo, joined)
             else:
                 T = q.shape[0] // len(kvs)
                 rows = [slice(b * T, (b + 1) * T) for b in range(len(kvs))]
@@ -158,18 +196,24 @@ class QSAAttention(torch.nn.Module):
             materialize_pooled(idx, upd, self.ik_norm, self.cfg.rms_eps, *upd_rope)
 
     def select_seqs(self, proj: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    selections: list[Selection], tables: SequenceTables, key: object, n: int, key_lo: int = 0
-                    ) -> torch.Tensor:
+                    selections: list[Selection], tables: SequenceTables, key: object, n: int, key_lo: int = 0,
+                    joined: tuple[PooledUpdate, Rope] | None = None) -> torch.Tensor:
         """`select` for every sequence of a batched step (T rows each, in order): every sequence's raw keys written to
-        its indexer cache (one launch) and each one's pooled keys updated, then every row's block scores against its
-        sequence's pooled keys (gathered in one launch) and the choice in one compiled call -> bool [rows, n]. The
-        scores are one batched product, not each sequence's own: equal up to rounding, so a near tie may choose
-        another block than alone (row-exact mode selects per sequence)."""
+        its indexer cache (one launch) and its pooled keys updated (one launch where the update lists are `joined`),
+        then every row's block scores against its sequence's pooled keys (gathered in one launch) and the choice in
+        one compiled call -> bool [rows, n]. The scores are one batched product, not each sequence's own: equal up
+        to rounding, so a near tie may choose another block than alone (row-exact mode selects per sequence)."""
         c, r = self.cfg, self.ratio
-        attention_seqs.write_rows_seqs([idx.raw for idx, _, _ in selections], tables.raw_keys(key), pos,
-                                       self._raw_keys(proj))
-        for idx, upd, upd_rope in selections:
-            self._pool(idx, upd, upd_rope)
+        raws = [idx.raw for idx, _, _ in selections]
+        attention_seqs.write_rows_seqs(raws, tables.raw_keys(key), pos, self._raw_keys(proj))
+        raw_at, pooled_at = tables.raw_keys(key), tables.pooled_keys(key)
+        if joined is not None and raw_at is not None and pooled_at is not None:
+            upd, (ucos, usin) = joined
+            materialize_pooled_seqs(raws, upd.cells, upd.dest, self.ik_norm, c.rms_eps, ucos, usin,
+                                    [idx.pooled for idx, _, _ in selections], (raw_at, pooled_at))
+        else:
+            for idx, upd, upd_rope in selections:
+                self._pool(idx, upd, upd_rope)
         nbmax = min(selections[0][0].n_blocks, n // r)
         qd = c.indexer_heads * c.indexer_head_dim
         return block_mask(proj[:, :qd], pos, cos, sin, self.iq_norm, tables.pooled_rows(key, nbmax), r,

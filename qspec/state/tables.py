@@ -5,7 +5,8 @@ keeps its own caches. A kernel with a sequence axis finds sequence b's buffers t
 addresses: per GDN layer, each sequence's conv and SSM planes and its `live` / `base` scalars (kernels/gdn_seqs.py),
 and the n-gram layer's conv and token history planes; per attention cache (a QSA layer's, the draft head's), each
 sequence's K and V values and, for q8_0, their scales (kernels/attention_seqs.py); per QSA layer, each sequence's
-pooled indexer keys (gathered for the block choice) and raw indexer keys (written in one launch).
+pooled indexer keys (updated in one launch, gathered for the block choice) and raw indexer keys (written in one
+launch).
 
 Invariants: the caches' buffers are allocated once and only ever written in place (steps, `commit`, `reset`,
 `restore`, prefix loads), so the addresses stay valid as long as the caches live; every recurrent plane and attention
@@ -45,8 +46,9 @@ class SequenceTables:
                  pooled: dict[object, list[torch.Tensor]] | None = None,
                  raw: dict[object, list[torch.Tensor]] | None = None) -> None:
         """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence.
-        pooled: a QSA layer's pooled indexer keys of each sequence (IndexerCache.pooled, contiguous f32), read as one
-        gather of every sequence's first blocks (`pooled_rows`). raw: its raw indexer keys (IndexerCache.raw),
+        pooled: a QSA layer's pooled indexer keys of each sequence (IndexerCache.pooled, contiguous f32), updated for
+        every sequence in one launch (`pooled_keys`) and read as one gather of every sequence's first blocks
+        (`pooled_rows`). raw: its raw indexer keys (IndexerCache.raw),
         written for every sequence in one launch (`raw_keys`)."""
         raw = raw or {}
         self._check(recs, kvs, pooled or {}, raw)
@@ -67,6 +69,8 @@ class SequenceTables:
             rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
         self._raw_row = {key: len(rows) + k for k, key in enumerate(raw)}
         rows += [[t.data_ptr() for t in ts] for ts in raw.values()]
+        self._pooled_row = {key: len(rows) + k for k, key in enumerate(pooled or {})}
+        rows += [[t.data_ptr() for t in ts] for ts in (pooled or {}).values()]
         device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device if kvs else \
             next(iter(self.pooled.values())).bases.device
         self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
@@ -95,7 +99,8 @@ class SequenceTables:
                 raise ValueError(f"the sequences' raw indexer keys of layer {key} differ in shape or are not "
                                  "contiguous")
         planes = [t for rc in recs for t in rc.buffers()]
-        planes += [x for cs in kvs.values() for c in cs for x in c.buffers()] + [t for ts in raw.values() for t in ts]
+        planes += [x for cs in kvs.values() for c in cs for x in c.buffers()]
+        planes += [t for ts in (*raw.values(), *pooled.values()) for t in ts]
         if any(t.data_ptr() % 16 for t in planes):
             raise ValueError("a cache buffer is not 16-byte aligned: the kernels read each one as aligned")
 
@@ -130,6 +135,12 @@ class SequenceTables:
     def raw_keys(self, key: object) -> torch.Tensor | None:
         """The address table of QSA layer `key`'s raw indexer keys, or None where the tables hold none."""
         row = self._raw_row.get(key)
+        return None if row is None else self._addresses[row]
+
+    def pooled_keys(self, key: object) -> torch.Tensor | None:
+        """The address table of QSA layer `key`'s pooled indexer keys (written by the pooled-key update for all
+        sequences), or None where the tables hold none."""
+        row = self._pooled_row.get(key)
         return None if row is None else self._addresses[row]
 
     def pooled_rows(self, key: object, n: int) -> torch.Tensor:
