@@ -205,8 +205,8 @@ class QSAAttention(torch.nn.Module):
         to rounding, so a near tie may choose another block than alone (row-exact mode selects per sequence)."""
         c, r = self.cfg, self.ratio
         raws = [idx.raw for idx, _, _ in selections]
-        attention_seqs.write_rows_seqs(raws, tables.raw_keys(key), pos, self._raw_keys(proj))
         raw_at, pooled_at = tables.raw_keys(key), tables.pooled_keys(key)
+        attention_seqs.write_rows_seqs(raws, raw_at, pos, self._raw_keys(proj))
         if joined is not None and raw_at is not None and pooled_at is not None:
             upd, (ucos, usin) = joined
             materialize_pooled_seqs(raws, upd.cells, upd.dest, self.ik_norm, c.rms_eps, ucos, usin,
