@@ -173,7 +173,8 @@ class KernelOptions:
                             "launches a layer, and the n-gram layer's contexts and conv snapshots in one each (off: "
                             "each sequence's own launches)", applies="CUDA, batches", arm="gseqs")
     attention_seqs: bool = option(False, "a batched step writes every sequence's K/V rows and raw indexer keys in "
-                                  "one launch each, makes every sequence's QSA block choice in one call and attends "
+                                  "one launch each, updates every sequence's pooled keys in one more, makes every "
+                                  "sequence's QSA block choice in one call and attends "
                                   "over every sequence's cache in one pass, per attention layer (QSA and the draft "
                                   "head; off, the default: each sequence's own launches, BENCHMARKS.md §9)",
                                   applies="CUDA, batches, fused attention", arm="aseqs")
