@@ -48,12 +48,12 @@ class SequenceTables:
         """recs may be empty (tables of attention caches alone); otherwise every list has one cache a sequence.
         pooled: a QSA layer's pooled indexer keys of each sequence (IndexerCache.pooled, contiguous f32), updated for
         every sequence in one launch (`pooled_keys`) and read as one gather of every sequence's first blocks
-        (`pooled_rows`). raw: its raw indexer keys (IndexerCache.raw),
-        written for every sequence in one launch (`raw_keys`)."""
-        raw = raw or {}
-        self._check(recs, kvs, pooled or {}, raw)
+        (`pooled_rows`). raw: its raw indexer keys (IndexerCache.raw), written for every sequence in one launch
+        (`raw_keys`)."""
+        pooled, raw = pooled or {}, raw or {}
+        self._check(recs, kvs, pooled, raw)
         self.pooled = {key: RowPieces.of([t.view(torch.uint8) for t in ts], ts[0].shape[0], ts[0].device)
-                       for key, ts in (pooled or {}).items()}
+                       for key, ts in pooled.items()}
         self.recurrent = tuple(recs)
         self.attention = {k: tuple(v) for k, v in kvs.items()}  # held: the addresses stay valid while the tables live
         layers = sorted(recs[0].gdn) if recs else []
@@ -69,8 +69,8 @@ class SequenceTables:
             rows += [[c.buffers()[j].data_ptr() for c in caches] for j in range(len(caches[0].buffers()))]
         self._raw_row = {key: len(rows) + k for k, key in enumerate(raw)}
         rows += [[t.data_ptr() for t in ts] for ts in raw.values()]
-        self._pooled_row = {key: len(rows) + k for k, key in enumerate(pooled or {})}
-        rows += [[t.data_ptr() for t in ts] for ts in (pooled or {}).values()]
+        self._pooled_row = {key: len(rows) + k for k, key in enumerate(pooled)}
+        rows += [[t.data_ptr() for t in ts] for ts in pooled.values()]
         device = recs[0].live.device if recs else next(iter(kvs.values()))[0].k.device if kvs else \
             next(iter(self.pooled.values())).bases.device
         self._addresses = torch.tensor(rows, dtype=torch.int64).to(device)
@@ -134,13 +134,15 @@ class SequenceTables:
 
     def raw_keys(self, key: object) -> torch.Tensor | None:
         """The address table of QSA layer `key`'s raw indexer keys, or None where the tables hold none."""
-        row = self._raw_row.get(key)
-        return None if row is None else self._addresses[row]
+        return self._table_of(self._raw_row, key)
 
     def pooled_keys(self, key: object) -> torch.Tensor | None:
         """The address table of QSA layer `key`'s pooled indexer keys (written by the pooled-key update for all
         sequences), or None where the tables hold none."""
-        row = self._pooled_row.get(key)
+        return self._table_of(self._pooled_row, key)
+
+    def _table_of(self, rows: dict[object, int], key: object) -> torch.Tensor | None:
+        row = rows.get(key)
         return None if row is None else self._addresses[row]
 
     def pooled_rows(self, key: object, n: int) -> torch.Tensor:
