@@ -75,6 +75,7 @@ from qspec.spec.grammar import (
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
+from qspec.weights.quant_mix import MIX_ALIASES, MIXES
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -756,7 +757,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
         ids = load_tokenizer(path).encode(a.text, add_special=True)
         if not ids:
             raise UsageError("--text: the text encodes to no tokens")
-    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False)
+    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False,
+                       quantize=a.quantize)
     V = model.cfg.vocab_size
     if min(ids) < 0 or max(ids) >= V:
         raise UsageError(f"token ids must be in [0, {V}), got {min(ids)}..{max(ids)}")
@@ -825,16 +827,26 @@ def cmd_draft_vocab(a: argparse.Namespace) -> int:
 
 
 # ---- parser ----------------------------------------------------------------------------------------------------------
+_MODEL_HELP = "GGUF file, HF checkpoint dir, or `demo` (default: the small trained model shipped with qspec)"
+
+
+def _add_weight_args(g: argparse.ArgumentParser | argparse._ArgumentGroup, device: str | None = None) -> None:
+    """Where and how a command places the model's weights: --device (default `device`, else cuda when available),
+    --dtype, --quantize."""
+    g.add_argument("--device", choices=("cpu", "cuda"), default=device,
+                   help=f"default: {device or 'cuda when available'}")
+    g.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
+    g.add_argument("--quantize", choices=(*MIX_ALIASES, *MIXES),
+                   help="quantize an HF checkpoint's matrices at load in llama.cpp's type mix of that name (a GGUF "
+                        "keeps its file's types)")
+
+
 def _add_engine_args(r: argparse.ArgumentParser) -> None:
     """The model and engine options `run` and `serve` share: the model's own flags here, the engine's from their
     declarations (qspec/options.py)."""
     m = r.add_argument_group("model")
-    m.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (default: the small trained model shipped "
-                                    "with qspec)")
-    m.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    m.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
-    m.add_argument("--quantize", choices=("q4_k", "q8_0", "q4_0"),
-                   help="quantize an HF checkpoint's matrices at load (a GGUF keeps its file's types)")
+    m.add_argument("--model", help=_MODEL_HELP)
+    _add_weight_args(m)
     m.add_argument("--draft-model", metavar="GGUF",
                    help="a draft-only GGUF holding the MTP block (llama.cpp's -md layout; it borrows the target's "
                         "token_embd/output)")
@@ -945,7 +957,7 @@ def _add_model_tools(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--format", choices=("gguf", "hf", "both"), default="gguf")
     m.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     m.add_argument("--qtype", choices=tuple(QTYPES), help="quantize GGUF matrices")
-    m.add_argument("--quant", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0"),
+    m.add_argument("--quant", choices=tuple(MIXES),
                    help="quantize GGUF matrices in llama.cpp's per-tensor type mix of this file type")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--split-max-size", type=_byte_size, metavar="SIZE",
@@ -960,19 +972,16 @@ def _add_model_tools(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--text", help="text, tokenized with the model's tokenizer")
     lg.add_argument("--out", required=True, metavar="FILE.npy")
     lg.add_argument("--exact", action="store_true", help="row-exact products")
-    lg.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    lg.add_argument("--dtype", choices=tuple(DTYPES))
+    _add_weight_args(lg, device="cpu")
     lg.set_defaults(func=cmd_logits)
 
     pp = sub.add_parser("perplexity", help="perplexity over a text file, as llama-perplexity measures it (chunks of "
                                            "--ctx tokens, the second half of each scored)")
-    pp.add_argument("--model", help="GGUF file, HF checkpoint dir, or `demo` (default: the trained demo model)")
+    pp.add_argument("--model", help=_MODEL_HELP)
     pp.add_argument("--file", required=True, help="UTF-8 text")
     pp.add_argument("--ctx", type=int, default=512, help="tokens per chunk (default %(default)s, llama.cpp's)")
     pp.add_argument("--chunks", type=int, metavar="N", help="score the first N chunks only")
-    pp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    pp.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
-    pp.add_argument("--quantize", choices=("q4_k", "q8_0", "q4_0"), help="quantize an HF checkpoint's matrices at load")
+    _add_weight_args(pp)
     pp.add_argument("--json", metavar="FILE", help="write the result (and the estimate after each chunk) as JSON")
     pp.set_defaults(func=cmd_perplexity)
 

@@ -37,7 +37,7 @@ from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_d
 from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
-from qspec.weights.quant_mix import MIXES, keep_packed, mix_plan
+from qspec.weights.quant_mix import MIX_ALIASES, MIXES, keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import write_random_model
 
@@ -120,9 +120,9 @@ def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
     "q4_k" is an alias of q4_k_m) as `QuantWeight`s on the weights' device, one tensor at a time; matrices the mix
     holds in F16 (rows too short for whole blocks) rounded through it, as a file of that mix holds them; the rest
     as is."""
-    mix = {"q4_k": "q4_k_m", "q5_k": "q5_k_m"}.get(mix, mix)
+    mix = MIX_ALIASES.get(mix, mix)
     if mix not in MIXES:
-        raise WeightsError(f"--quantize: unknown type {mix!r} (known: q4_k, {', '.join(MIXES)})")
+        raise WeightsError(f"--quantize: unknown type {mix!r} (known: {', '.join([*MIX_ALIASES, *MIXES])})")
     plan = mix_plan(mix, cfg)
     out = type(weights)() if isinstance(weights, dict) else {}
     done: dict[int, QuantWeight] = {}  # a tied head is the embedding's tensor: quantized once

@@ -335,6 +335,26 @@ def test_make_model_quantized_and_tokenizerless(capsys: pytest.CaptureFixture[st
     assert rc == 0 and np.load(tmp_path / "v.npy").shape == (2, 256)
 
 
+def test_quantize_at_load_takes_every_mix(models: dict[str, Path], capsys: pytest.CaptureFixture[str],
+                                          tmp_path: Path) -> None:
+    """`--quantize` takes each of make-model's `--quant` mixes (and the K-quant aliases): an HF checkpoint quantized
+    at load gives the logits of the GGUF written in that mix (held as blocks against expanded: float tolerance);
+    on a GGUF it is one clear error."""
+    ids = ["--ids", "1,2,3,300,7,509"]
+    for mix in ("q6_k", "q4_k"):
+        gguf = tmp_path / f"{mix}.gguf"
+        assert run(capsys, "make-model", str(gguf), "--vocab-size", "512", "--seed", "3",
+                   "--quant", {"q4_k": "q4_k_m"}.get(mix, mix))[0] == 0
+        got = {}
+        for name, argv in (("file", [str(gguf)]), ("load", [str(models["hf"]), "--quantize", mix])):
+            rc, _, err = run(capsys, "logits", *argv, *ids, "--out", str(tmp_path / f"{name}.npy"))
+            assert rc == 0, err
+            got[name] = np.load(tmp_path / f"{name}.npy")
+        assert np.allclose(got["file"], got["load"], atol=2e-3, rtol=0), np.abs(got["file"] - got["load"]).max()
+    rc, _, err = run(capsys, "logits", str(models["gguf"]), "--quantize", "q8_0", *ids, "--out", str(tmp_path / "x"))
+    assert rc == 2 and "--quantize applies to HF checkpoints" in err.strip().splitlines()[-1]
+
+
 def test_flash_next_geometry_loads_back(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # Real widths (hidden 2560, 24 heads, 48 GDN value heads, hc 4x320, indexer 4x128) in the fewest layers
     # that include a QSA layer; the full-vocabulary check is in the README's manual notes.
