@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain gpu-batch-aseqs-mtp3}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -197,16 +197,18 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     h200-q4km48-batch) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 48 --quant q4_k_m \
         --batches 1,2,4,8 --prompt 512 --tokens 128 --reps 1 --draft 3 --modes on,auto --out "$out/$step.md" ;;
     # a batch's GDN launches for all its sequences (the default) against each sequence's own, then its attention's
-    #   (off by default), in the same process: 4 and 8 requests, plain and MTP3 (8 Q4_K_M layers; any GPU)
+    #   (also the default), in the same process: 4 and 8 requests, plain and MTP3 (8 Q4_K_M layers; any GPU)
     gpu-batch-seqs) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m --batches 4,8 \
         --prompt 512 --tokens 128 --reps 2 --draft 3 --switches gdn_seqs=0 --out "$out/$step.md" ;;
     gpu-batch-aseqs) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m --batches 4,8 \
-        --prompt 512 --tokens 128 --reps 2 --draft 3 --switches attention_seqs=1 --out "$out/$step.md" ;;
-    #   the same A/Bs of plain batches of 8 alone: with MTP3, one of 8 requests (1 run) ran past 560 s on an H100 (ad9f7f2)
+        --prompt 512 --tokens 128 --reps 2 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
+    #   the same A/Bs of 8 requests alone, plain (2 runs of 128 tokens) and MTP3 (1 run of 64: 172 s on a warm H100)
     gpu-batch-seqs-plain) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
         --batches 8 --prompt 512 --tokens 128 --reps 2 --switches gdn_seqs=0 --out "$out/$step.md" ;;
     gpu-batch-aseqs-plain) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
-        --batches 8 --prompt 512 --tokens 128 --reps 2 --switches attention_seqs=1 --out "$out/$step.md" ;;
+        --batches 8 --prompt 512 --tokens 128 --reps 2 --switches attention_seqs=0 --out "$out/$step.md" ;;
+    gpu-batch-aseqs-mtp3) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
+        --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
     # the server under load (scripts/serve_gpu.py): an 8-layer Q4_K_M GGUF written on the device, `qspec serve` plain and
     # MTP3 (replayed acceptance) with --max-batch 8, `qspec bench serve` with 1, 4 and 8 clients at once (any GPU)
     gpu-serve-q4km8) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/serve_gpu.py --layers 8 --quant q4_k_m \

@@ -172,11 +172,11 @@ class KernelOptions:
     gdn_seqs: bool = option(True, "a batched step runs every sequence's GDN conv snapshots and recurrence in two "
                             "launches a layer, and the n-gram layer's contexts and conv snapshots in one each (off: "
                             "each sequence's own launches)", applies="CUDA, batches", arm="gseqs")
-    attention_seqs: bool = option(False, "a batched step writes every sequence's K/V rows and raw indexer keys in "
+    attention_seqs: bool = option(True, "a batched step writes every sequence's K/V rows and raw indexer keys in "
                                   "one launch each, updates every sequence's pooled keys in one more, makes every "
                                   "sequence's QSA block choice in one call and attends "
                                   "over every sequence's cache in one pass, per attention layer (QSA and the draft "
-                                  "head; off, the default: each sequence's own launches, BENCHMARKS.md §9)",
+                                  "head; off: each sequence's own launches; BENCHMARKS.md §9)",
                                   applies="CUDA, batches, fused attention", arm="aseqs")
     int8_dot: bool = option(True, "one-row products with GGUF block weights (and the few-token experts) with the "
                             "row rounded to int8 per 32 and dp4a on the blocks, as llama.cpp's mat-vec (off: the "

@@ -77,7 +77,7 @@ class KernelSwitches:
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON
     gdn_seqs: bool = True  # gdn_seqs._ON: a batched step's GDN layers in two launches for all sequences
-    attention_seqs: bool = False  # attention_seqs._ON: a batched step's attention layers in one pass for all
+    attention_seqs: bool = True  # attention_seqs._ON: a batched step's attention layers in one pass for all
     pdl: bool = False  # triton_common._PDL: programmatic dependent launch
     grouped_mm: bool = False  # moe._GROUPED_MM: prefill experts as grouped GEMMs
     mixer_step_rows: int = 6  # hc_mix._STEP_ROWS

@@ -87,7 +87,7 @@ def main() -> None:
                     help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
     ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
                     help="also every batch arm with these boolean EngineOptions fields set so, named "
-                    "'... NAME=0|1,...' (a same-process A/B, e.g. gdn_seqs=0 or attention_seqs=1)")
+                    "'... NAME=0|1,...' (a same-process A/B, e.g. gdn_seqs=0 or attention_seqs=0)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_grad_enabled(False)

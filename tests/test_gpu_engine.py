@@ -360,16 +360,16 @@ def test_graphs_dropped_at_the_limit_change_no_output(setup: Setup, monkeypatch:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize(("draft", "mode", "seqs"), [(0, "on", False), (5, "on", False), (3, "auto", False),
-                                                    (3, "on", True)])
+@pytest.mark.parametrize(("draft", "mode", "seqs"), [(0, "on", True), (5, "on", True), (3, "auto", True),
+                                                    (3, "on", False)])
 def test_batched_requests_through_graphs(setup: Setup, draft: int, mode: str, seqs: bool) -> None:
     """Three requests decoded together (qspec/batch.py) through the batch's CUDA graphs, plainly or in speculative
     rounds (the draft chains, verify steps and extends of three slots through their graphs; 18 verify rows, run as
     two steps of at most GRAPH_MAX_ROWS), or at the depth the measured rates choose (auto: each depth is measured at
-    each batch size first, so rounds of every depth and plain steps that write the draft heads' cells all run), and
-    with every attention layer's writes, block choice and attention in launches for all sequences (seqs,
-    --attention-seqs): each gets its plain decoding alone, up to a near tie (bf16; the batch's products have more
-    rows)."""
+    each batch size first, so rounds of every depth and plain steps that write the draft heads' cells all run), with
+    every attention layer's writes, block choice and attention in launches for all sequences (seqs, the default) or
+    in each sequence's own (--no-attention-seqs): each gets its plain decoding alone, up to a near tie (bf16; the
+    batch's products have more rows)."""
     from qspec.batch import Batcher
 
     prompts = [setup.prompt, IDS[25:40].tolist(), IDS[40:60].tolist()]

@@ -204,16 +204,16 @@ def test_kernel_switch_defaults_are_the_modules() -> None:
     on = KernelSwitches(row_exact=True, gemv=False, gdn_conv_kernel=False, mixer_step_rows=2, int8_dot=False,
                         fuse_blocks=False, shared_stream=False, sums_in_product=False, norm_quant=False,
                         shared_pair=False, tc_pairs=False, k_lanes=4, gdn_seqs=False,
-                        attention_seqs=True)
+                        attention_seqs=False)
     with on.apply():
-        assert triton_qdot.K_LANES == 4 and not gdn_seqs._ON and attention_seqs._ON
+        assert triton_qdot.K_LANES == 4 and not gdn_seqs._ON and not attention_seqs._ON
         assert (ops._ROW_EXACT, gemv._ON, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS,
                 moe._SHARED_STREAM, triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR,
                 triton_qmatmul.PAIRS) == (True, False, False, 2, False, False, False, False, False, False, False)
     assert (ops._ROW_EXACT, gdn_conv._ON, hc_mix._STEP_ROWS, qmatmul.INT8_DOT, fuse._BLOCKS, moe._SHARED_STREAM,
             triton_common.SUM_IN_PRODUCT, gated_norm._ON, moe._SHARED_PAIR, triton_qmatmul.PAIRS,
             triton_qdot.K_LANES, gdn_seqs._ON, attention_seqs._ON) == (False, True, 6, True, True, True, True, True,
-                                                                        True, True, 0, True, False)
+                                                                        True, True, 0, True, True)
 
 
 def test_plain_decoding_needs_no_draft_cells(tiny_model: Model) -> None:

@@ -25,10 +25,9 @@ from qspec.kernels.triton_common import module_flag, use_triton
 from qspec.model.ops import row_exact
 from qspec.state.kv_cache import KVCache
 
-# A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off, the default: each sequence alone.
-# On the H200 the pass for all sequences measured slower than their own launches at a 4,608-cell bucket, with loads
-# through the address tables one element wide and each sequence's own chunk plan (BENCHMARKS.md §9)
-_ON = False
+# A module flag (EngineOptions.attention_seqs through runner.KernelSwitches); off: each sequence alone. On by default
+# since batches of 8 decoded faster with it, plainly and in MTP3 rounds (an H100, BENCHMARKS.md §9)
+_ON = True
 
 
 def enabled_mode(on: bool) -> contextlib.AbstractContextManager[None]:
