@@ -19,6 +19,7 @@ from qspec.kernels.q4 import Q4Weight
 from qspec.loader import default_model_path, demo_model_path, load_tokenizer, q4_draft_head
 from qspec.spec.draft_vocab import read_ids
 from qspec.tokenizer import Tokenizer
+from qspec.weights.quant_mix import MIX_ALIASES
 
 PROMPT = "fn main() {"
 # Small cache: attention cost follows the capacity, and these prompts are short.
@@ -344,7 +345,7 @@ def test_quantize_at_load_takes_every_mix(models: dict[str, Path], capsys: pytes
     for mix in ("q6_k", "q4_k"):
         gguf = tmp_path / f"{mix}.gguf"
         assert run(capsys, "make-model", str(gguf), "--vocab-size", "512", "--seed", "3",
-                   "--quant", {"q4_k": "q4_k_m"}.get(mix, mix))[0] == 0
+                   "--quant", MIX_ALIASES.get(mix, mix))[0] == 0
         got = {}
         for name, argv in (("file", [str(gguf)]), ("load", [str(models["hf"]), "--quantize", mix])):
             rc, _, err = run(capsys, "logits", *argv, *ids, "--out", str(tmp_path / f"{name}.npy"))
