@@ -75,7 +75,7 @@ from qspec.spec.grammar import (
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
-from qspec.weights.quant_mix import MIX_ALIASES, MIXES
+from qspec.weights.quant_mix import MIXES, QUANTIZE_NAMES
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -748,6 +748,12 @@ def _parse_ids(s: str) -> list[int]:
     return ids
 
 
+def _load_trunk(a: argparse.Namespace, path: Path, dev: torch.device) -> Model:
+    """The model without its MTP block, its weights placed as the command's --dtype and --quantize say."""
+    return load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False,
+                      quantize=a.quantize)
+
+
 def cmd_logits(a: argparse.Namespace) -> int:
     dev = _device(a.device)
     path = Path(a.model)
@@ -757,8 +763,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
         ids = load_tokenizer(path).encode(a.text, add_special=True)
         if not ids:
             raise UsageError("--text: the text encodes to no tokens")
-    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False,
-                       quantize=a.quantize)
+    model = _load_trunk(a, path, dev)
     V = model.cfg.vocab_size
     if min(ids) < 0 or max(ids) >= V:
         raise UsageError(f"token ids must be in [0, {V}), got {min(ids)}..{max(ids)}")
@@ -783,8 +788,7 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
         raise UsageError(f"--file {a.file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     tok = load_tokenizer(path)
     ids = tok.encode(text, add_special=False)
-    model = load_model(path, device=dev, dtype=DTYPES[a.dtype] if a.dtype else None, with_mtp=False,
-                       quantize=a.quantize)
+    model = _load_trunk(a, path, dev)
     _say(f"qspec: {path.name}: {model.weights_summary}")
     _say(f"qspec: {len(ids):,} tokens, {len(ids) // a.ctx:,} chunks of {a.ctx} (the second half of each scored)")
     try:
@@ -836,7 +840,7 @@ def _add_weight_args(g: argparse.ArgumentParser | argparse._ArgumentGroup, devic
     g.add_argument("--device", choices=("cpu", "cuda"), default=device,
                    help=f"default: {device or 'cuda when available'}")
     g.add_argument("--dtype", choices=tuple(DTYPES), help="weights dtype (default: f32 on cpu, bf16 on cuda)")
-    g.add_argument("--quantize", choices=(*MIX_ALIASES, *MIXES),
+    g.add_argument("--quantize", choices=QUANTIZE_NAMES,
                    help="quantize an HF checkpoint's matrices at load in llama.cpp's type mix of that name (a GGUF "
                         "keeps its file's types)")
 

@@ -37,7 +37,7 @@ from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_d
 from qspec.weights.gguf_open import GGUF_MAGIC
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
-from qspec.weights.quant_mix import MIX_ALIASES, MIXES, keep_packed, mix_plan
+from qspec.weights.quant_mix import MIX_ALIASES, MIXES, QUANTIZE_NAMES, keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
 from qspec.weights.random_model import write_random_model
 
@@ -122,7 +122,7 @@ def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:
     as is."""
     mix = MIX_ALIASES.get(mix, mix)
     if mix not in MIXES:
-        raise WeightsError(f"--quantize: unknown type {mix!r} (known: {', '.join([*MIX_ALIASES, *MIXES])})")
+        raise WeightsError(f"--quantize: unknown type {mix!r} (known: {', '.join(QUANTIZE_NAMES)})")
     plan = mix_plan(mix, cfg)
     out = type(weights)() if isinstance(weights, dict) else {}
     done: dict[int, QuantWeight] = {}  # a tied head is the embedding's tensor: quantized once

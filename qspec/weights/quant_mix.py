@@ -31,6 +31,7 @@ Q = GGMLQuantizationType
 MIXES: dict[str, Q] = {"q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 # `--quantize` (an HF checkpoint quantized at load) also takes a K-quant mix by its matrices' type
 MIX_ALIASES = {"q4_k": "q4_k_m", "q5_k": "q5_k_m"}
+QUANTIZE_NAMES = (*MIX_ALIASES, *MIXES)  # what --quantize accepts
 _MORE_BITS_MIXES = frozenset({"q4_k_m", "q5_k_m"})
 # the file type llama-quantize records for each mix (general.file_type)
 _FILE_TYPES = {"q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M,
