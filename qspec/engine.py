@@ -18,7 +18,7 @@ left, a prompt end's checkpoint, or a sequence moved to host memory; the rest of
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -407,15 +407,23 @@ class Engine:
         are kept (the prompt `scored`)."""
         return min(self.prefill_chunk, SCORED_PREFILL_ROWS) if scored else self.prefill_chunk
 
+    def compile_ahead(self, rows: Sequence[int]) -> Future | None:
+        """With block weights on CUDA (and `precompile` on): the block products of steps of these row counts queued
+        for compilation in threads (qspec/precompile.py) -> the future that ends when they have compiled; None where
+        nothing compiles ahead (each kernel then compiles at its first launch)."""
+        if not self.opts.precompile or self.model.device.type != "cuda" or not triton_enabled() \
+                or not self.model.has_blocks:
+            return None
+        return precompile.start(self.model, list(rows))
+
     def _precompile(self, prompt_rows: int) -> None:
-        """On this engine's first request, with block weights on CUDA: the block products of the prompt's first step
-        (`prompt_rows`) and of the decode and verify steps queued for compilation beside the prefill
-        (qspec/precompile.py); the first decode step waits for `_ahead`."""
-        if self._precompiled or not self.opts.precompile or self.model.device.type != "cuda" \
-                or not triton_enabled() or not self.model.has_blocks:
+        """On this engine's first request: the block products of the prompt's first step (`prompt_rows`) and of the
+        decode and verify steps compiled ahead, beside the prefill (compile_ahead); the first decode step waits for
+        `_ahead`."""
+        if self._precompiled:
             return
-        self._precompiled = True
-        self._ahead = precompile.start(self.model, [prompt_rows, 1, self.opts.draft + 1])
+        self._ahead = self.compile_ahead([prompt_rows, 1, self.opts.draft + 1])
+        self._precompiled = self._ahead is not None
 
     def _prefill(self, prompt: list[int], start: int, scores: Logprobs | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

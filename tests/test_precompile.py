@@ -127,6 +127,7 @@ def test_engine_precompiles_only_block_models_on_cuda(tmp_path: Path) -> None:
     eng = Engine(model, EngineOptions(draft=0, capacity=64))
     eng._precompile(8)
     assert eng._ahead is None and not eng._precompiled
+    assert eng.compile_ahead([1, 2, 4]) is None  # a server's batch sizes, likewise
 
 
 @pytest.mark.cuda
