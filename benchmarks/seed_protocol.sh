@@ -210,9 +210,11 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     gpu-batch-aseqs-mtp3) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
         --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
     # the server under load (scripts/serve_gpu.py): an 8-layer Q4_K_M GGUF written on the device, `qspec serve` plain and
-    # MTP3 (replayed acceptance) with --max-batch 8, `qspec bench serve` with 1, 4 and 8 clients at once (any GPU)
+    # MTP3 (replayed acceptance) with --max-batch 8, `qspec bench serve` with 1, 4 and 8 clients at once (any GPU). A
+    # server's warm-up on a fresh machine took minutes (BENCHMARKS.md §9): SERVE_SERVERS="plain=--draft 0" runs one
     gpu-serve-q4km8) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/serve_gpu.py --layers 8 --quant q4_k_m \
-        --file "${SERVE_FILE:-/var/tmp/qspec-serve.gguf}" --concurrency 1,4,8 --out "$out/$step" ;;
+        --file "${SERVE_FILE:-/var/tmp/qspec-serve.gguf}" --concurrency 1,4,8 \
+        ${SERVE_SERVERS:+--servers "$SERVE_SERVERS"} --out "$out/$step" ;;
     # fla's chunked prefill kernels on this GPU: autotune them at the flash-next geometry and write their configs into
     # qspec/assets/fla_configs/<GPU>/ (copied to OUTDIR/fla_configs, to be committed), then time a fresh process's
     # first call with and without them (qspec/kernels/fla_configs.py; any GPU, the step's name says which it is for)
