@@ -678,7 +678,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                     ahead.result()
                 for b in range(1, slots + 1):
                     batcher.generate_all([ids] * b, n)
-        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe()})")
+        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")
     name = server.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
          "/v1/chat/completions, /v1/responses, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, "
