@@ -141,7 +141,7 @@ class Batcher:
         rows: set[int] = set()
         for per_sequence in {1, self.depth + 1}:
             most = self.steps.sequences_per_step(self.slots, per_sequence)  # more run as several steps
-            rows |= {b * per_sequence for b in range(1, min(self.slots, most) + 1)}
+            rows |= {b * per_sequence for b in range(1, most + 1)}
         return sorted(rows)
 
     def describe(self) -> str:

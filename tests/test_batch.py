@@ -537,8 +537,8 @@ def test_step_rows_name_every_row_count_a_batch_step_runs(tiny_model: Model, dra
     for name in ("_step", "_draft_step"):
         real = getattr(b.steps, name)
 
-        def recorded(slots: list[int], *args: object, _real: Callable = real) -> object:
-            tokens = args[1] if _real.__name__ == "_draft_step" else args[0]
+        def recorded(slots: list[int], *args: object, _real: Callable = real, _name: str = name) -> object:
+            tokens = args[1] if _name == "_draft_step" else args[0]  # after the draft steps' starts
             seen.append(len(tokens))  # type: ignore[arg-type]
             return _real(slots, *args)
         setattr(b.steps, name, recorded)
