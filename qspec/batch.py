@@ -134,16 +134,6 @@ class Batcher:
     def slots(self) -> int:
         return len(self.runners)
 
-    def step_rows(self) -> list[int]:
-        """The row counts of this batch's steps at every number of sequences: a row a sequence in plain and draft
-        steps, depth + 1 a sequence in a round's verify step, as many sequences as a step takes (what a server
-        compiles ahead of its first requests)."""
-        rows: set[int] = set()
-        for per_sequence in {1, self.depth + 1}:
-            most = self.steps.sequences_per_step(self.slots, per_sequence)  # more run as several steps
-            rows |= {b * per_sequence for b in range(1, most + 1)}
-        return sorted(rows)
-
     def describe(self) -> str:
         """A line on the batch: its slots and what their caches hold in memory."""
         dev, host = held_bytes(self.model, [r.cache for r in self.runners])

@@ -672,10 +672,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         with CompileClock() as clock:
             engine.generate(ids, n)
             if batcher is not None:  # and every batch size's steps
-                # their block products compiled side by side first, not one after another at their first launches
-                ahead = engine.compile_ahead(batcher.step_rows())
-                if ahead is not None:
-                    ahead.result()
                 for b in range(1, slots + 1):
                     batcher.generate_all([ids] * b, n)
         _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")

@@ -526,26 +526,3 @@ def test_a_long_prompt_prefills_a_chunk_a_step_while_others_decode(tiny_model: M
     assert got["first"].tokens == want[0] and got["second"].tokens == want[1]
     between = log[log.index("queued"):log.index("b")]
     assert between.count("a") >= 7, log  # a token of the first request after each of the chunks but the last
-
-
-@pytest.mark.parametrize("draft", [0, 3])
-def test_step_rows_name_every_row_count_a_batch_step_runs(tiny_model: Model, draft: int) -> None:
-    """What a server compiles ahead (Batcher.step_rows, qspec serve's warm-up) covers the target's and the draft
-    head's batched steps, at every number of sequences."""
-    b = Batcher(engine(tiny_model, draft=draft), 3, draft="on")
-    seen: list[int] = []
-    for name in ("_step", "_draft_step"):
-        real = getattr(b.steps, name)
-
-        def recorded(slots: list[int], *args: object, _real: Callable = real, _name: str = name) -> object:
-            tokens = args[1] if _name == "_draft_step" else args[0]  # after the draft steps' starts
-            seen.append(len(tokens))  # type: ignore[arg-type]
-            return _real(slots, *args)
-        setattr(b.steps, name, recorded)
-    try:
-        got = together(b, [dict(prompt=prompt_of(5 + 3 * i, i), max_tokens=3 + 2 * i) for i in range(4)])
-    finally:
-        b.close()
-    assert all(isinstance(g, Generation) for g in got), got
-    assert set(seen) <= set(b.step_rows()) and max(seen) > 1 + draft, (seen, b.step_rows())
-    assert b.step_rows() == ([1, 2, 3] if not draft else [1, 2, 3, 4, 8, 12])
