@@ -907,3 +907,23 @@ def test_kernels_keep_fma_contraction_unless_the_user_says(given: str | None, ke
     code = "import os, qspec.kernels.triton_common; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == kept
+
+
+@pytest.mark.parametrize("given", [None, "/tmp/qspec-users-triton-cache"])
+def test_kernels_pin_tritons_cache_directory_before_torch_compile_moves_it(given: str | None) -> None:
+    """Importing the kernels sets TRITON_CACHE_DIR to where Triton keeps its kernels (unless the user set it), so
+    torch.compile's first kernel, which points it at its own directory when it is unset, leaves it where it was."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    if given is not None:
+        env["TRITON_CACHE_DIR"] = given
+    code = ("from triton import knobs; before = str(knobs.cache.dir); import qspec.kernels.triton_common; "
+            "from torch._inductor.runtime.cache_dir_utils import triton_cache_dir; "
+            "print(before, triton_cache_dir(0), knobs.cache.dir)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    before, inductors, after = out.split()
+    assert inductors == after == before == (given or before)

@@ -27,6 +27,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
+def _pin_cache_dir() -> None:
+    """TRITON_CACHE_DIR set to where Triton keeps its kernels now, unless the user set it. torch.compile's first
+    kernel sets it to a directory of its own where it is unset, and Triton reads it at every compilation: a process
+    wrote the kernels it compiled before that point and after it to two directories, and a later process, whose point
+    fell elsewhere, missed them there and compiled them again (BENCHMARKS.md §9)."""
+    if HAS_TRITON and "TRITON_CACHE_DIR" not in os.environ:
+        knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
+        if knobs is not None:
+            os.environ["TRITON_CACHE_DIR"] = str(knobs.cache.dir)
+
+
+_pin_cache_dir()
+
+
 _REFERENCES_ONLY = False
 # dp4a's PTX: $0 <- $3 + the dot product of $1's and $2's four signed bytes (tests/test_ptx_text.py checks the text
 # against the interpreter's byte-by-byte sum)
