@@ -88,16 +88,17 @@ def main() -> None:
     if a.log is not None:
         child(a)
         return
-    recs = {}
+    recs, codes = {}, []
     for name in ("first", "second"):
         log = a.out.with_name(f"{a.out.name}-{name}.jsonl")
         log.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        subprocess.run([sys.executable, __file__, "--layers", str(a.layers), "--quant", a.quant, "--rows", a.rows,
-                        "--out", str(a.out), "--log", str(log)], env=env, check=True)
+        rc = subprocess.run([sys.executable, __file__, "--layers", str(a.layers), "--quant", a.quant, "--rows",
+                             a.rows, "--out", str(a.out), "--log", str(log)], env=env).returncode
+        codes.append(f"{name} process exited with {rc}")
         recs[name] = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     lines = [f"# Triton's disk cache across two processes ({a.layers} layers, {a.quant}, rows {a.rows})", "",
-             *compare(recs["first"], recs["second"])]
+             *compare(recs["first"], recs["second"]), "", "; ".join(codes)]
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
