@@ -648,6 +648,22 @@ def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
 
 
 # ---- qspec serve -----------------------------------------------------------------------------------------------------
+def _warm_up(engine: Engine, batcher: Batcher | None, ids: list[int], n: int) -> None:
+    """The server's warm-up: the first steps compile (CUDA) and capture graphs, paid before the first client waits
+    for them: one request alone, then every batch size's steps; a line as each part ends (on a fresh GPU machine
+    this takes minutes: BENCHMARKS.md §9)."""
+    t0 = t = time.perf_counter()
+    with CompileClock() as clock:
+        engine.generate(ids, n)
+        _say(f"qspec: warm-up: a request alone {time.perf_counter() - t:.1f} s")
+        if batcher is not None:
+            for b in range(1, batcher.slots + 1):
+                t = time.perf_counter()
+                batcher.generate_all([ids] * b, n)
+                _say(f"qspec: warm-up: a batch of {b} {time.perf_counter() - t:.1f} s")
+    _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     opts = _engine_options(a)
     server = _checked(lambda: from_args(ServerOptions, a, api_key=a.api_key or os.environ.get("QSPEC_API_KEY")))
@@ -667,14 +683,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
     if server.warmup and n >= 1:
-        # the first steps compile (CUDA) and capture graphs: pay that before the first client waits for it
-        t0 = time.perf_counter()
-        with CompileClock() as clock:
-            engine.generate(ids, n)
-            if batcher is not None:  # and every batch size's steps
-                for b in range(1, slots + 1):
-                    batcher.generate_all([ids] * b, n)
-        _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")
+        _warm_up(engine, batcher, ids, n)
     name = server.served_name or path.stem
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
          "/v1/chat/completions, /v1/responses, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, "

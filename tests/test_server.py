@@ -231,9 +231,10 @@ def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str], tmp
     assert "--draft" in capsys.readouterr().err
 
 
-def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`qspec serve` binds first, loads the model and hands the server an app that answers (serve replaced by a
-    catcher)."""
+def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`qspec serve` binds first, loads the model, warms up (a line for the request alone and for each batch size)
+    and hands the server an app that answers (serve replaced by a catcher)."""
     import qspec.server.app as server_app
 
     assert main(["make-model", str(tmp_path / "m.gguf"), "--vocab-size", "512", "--seed", "5"]) == 0
@@ -252,6 +253,10 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
                      "--max-batch", batch]) == 0
         assert seen["port"] == port and seen["host"] == "127.0.0.1"
         assert (seen["app"].state.server.batcher is None) == (batch == "1")
+        warm = [line for line in capsys.readouterr().err.splitlines() if "warm" in line]
+        parts = ["a request alone"] + (["a batch of 1", "a batch of 2"] if batch == "2" else [])
+        assert [line.rsplit(" ", 2)[0] for line in warm[:-1]] == [f"qspec: warm-up: {p}" for p in parts], warm
+        assert warm[-1].startswith("qspec: warmed up in"), warm
         with TestClient(seen["app"]) as client:
             assert client.get("/v1/models").json()["data"][0]["id"] == "m"
             r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
