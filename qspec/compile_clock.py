@@ -48,7 +48,8 @@ def _dynamo_seconds() -> float | None:
     return float(sum(compilation_time_metrics.get(_DYNAMO_TOTAL, [])))
 
 
-def _triton_runtime_knobs() -> Any | None:
+def triton_runtime_knobs() -> Any | None:
+    """Triton's runtime knobs (its compile hooks live there); None without Triton or before its knobs (3.4)."""
     try:
         from triton import knobs
     except ImportError:  # no Triton, or one older than its knobs (3.4)
@@ -71,7 +72,7 @@ class CompileClock:
 
     def __enter__(self) -> CompileClock:
         self._dynamo0 = _dynamo_seconds()
-        self._knobs = _triton_runtime_knobs()
+        self._knobs = triton_runtime_knobs()
         if self._knobs is not None:
             pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
             self._mine = (self._chain(pre, self._before), self._chain(post, self._after))

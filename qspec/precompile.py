@@ -16,7 +16,9 @@ the interpreter lock, so the variants compile side by side, and beside the prefi
 when it gets there first). The engine waits for them before its first decode step; a product the guess missed
 compiles at its launch, as before.
 
-`compile_only` is per thread: kernels other threads launch meanwhile (the prefill's) are not affected.
+`compile_only` is per thread: kernels other threads launch meanwhile (the prefill's) are not affected. Queued
+launches that select one variant compile it once: Triton's jit_cache_hook skips a pool thread's compilation of a
+variant that another pool thread took already (`_skip_taken`).
 
 Once every variant has compiled, a marker file in Triton's cache directory records it (`_marker`: its name hashes the
 products' layout, the rows, the device, Triton's version and the kernels' sources). A later process finds its kernels
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 
+from qspec.compile_clock import triton_runtime_knobs
 from qspec.kernels import hc_mix
 from qspec.kernels.qmatmul import int8_experts, qmoe_few
 from qspec.kernels.route import route_top_k_quantized
@@ -46,9 +49,11 @@ from qspec.model.moe import FEW_TOKENS, MoE
 from qspec.model.ops import StackedWeight, linear
 from qspec.weights.qweight import QuantWeight
 
-_local = threading.local()  # .queued: this thread's queued compilations while compile_only is active
+_local = threading.local()  # .queued: this thread's queued compilations while compile_only is active; .pooled: a
+# pool thread compiling one of them
 _lock = threading.Lock()
 _state: dict[str, Any] = {"pool": None, "patched": False}
+_taken: set[tuple[str, str, str, str]] = set()  # (module, kernel, device, variant key) a pool thread compiles or did
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -57,6 +62,47 @@ def _pool() -> ThreadPoolExecutor:
             _state["pool"] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
                                                 thread_name_prefix="qspec-compile")
         return _state["pool"]
+
+
+def _compile_queued(launch: Callable[..., Any], jit: Any, args: tuple, kwargs: dict) -> Any:
+    """A queued launch (warmup=True: it compiles, launches nothing) on a pool thread, marked as one for
+    `_skip_taken`."""
+    _local.pooled = True
+    try:
+        return launch(jit, *args, **kwargs)
+    finally:
+        _local.pooled = False
+
+
+def _skip_taken(kw: dict[str, Any]) -> bool:
+    """Whether Triton's jit_cache_hook, called with `kw` before a compilation, should skip it: a pool thread's
+    compilation of a variant another pool thread took already. Several queued launches often select one variant (row
+    counts that Triton specialises alike, layouts that share a kernel): a first request's pool compiled a third of
+    its variants twice or more, side by side, before (benchmarks/results/h100-compile-cache-0381f6b.md). Never for
+    other threads: a step's launch needs its kernel."""
+    if not getattr(_local, "pooled", False):
+        return False
+    fn, compile_kw = kw.get("fn"), kw.get("compile") or {}
+    variant = (str(getattr(fn, "module", "")), str(getattr(fn, "name", "")), str(compile_kw.get("device")),
+               str(kw.get("key")))
+    with _lock:
+        if variant in _taken:
+            return True
+        _taken.add(variant)
+    return False
+
+
+def _hook_skipping_taken(other: Callable[..., bool | None] | None) -> Callable[..., bool | None]:
+    """A jit_cache_hook that skips `_skip_taken`'s compilations and otherwise answers as `other` (the hook that was
+    installed before it, if any: CompileClock's, another tool's)."""
+    def hook(**kw: Any) -> bool | None:
+        try:
+            if _skip_taken(kw):
+                return True
+        except Exception:  # noqa: BLE001 (an optimisation: a hook that raised would fail the compilation)
+            pass
+        return other(**kw) if other is not None else None
+    return hook
 
 
 def _route_launches() -> bool:
@@ -77,13 +123,16 @@ def _route_launches() -> bool:
                 if queued is None or kwargs.get("warmup"):
                     return launch(self, *args, **kwargs)
                 kwargs["warmup"] = True  # compile the variant these arguments select; launch nothing
-                queued.append(_pool().submit(launch, self, *args, **kwargs))
+                queued.append(_pool().submit(_compile_queued, launch, self, args, kwargs))
                 return None
 
             def run_tuned(self: Any, *args: Any, **kwargs: Any) -> Any:
                 return None if getattr(_local, "queued", None) is not None else tune(self, *args, **kwargs)
 
             JITFunction.run, Autotuner.run = run, run_tuned
+            runtime = triton_runtime_knobs()
+            if runtime is not None:  # Triton 3.4 and later
+                runtime.jit_cache_hook = _hook_skipping_taken(runtime.jit_cache_hook)
             _state["patched"] = True
     return True
 

@@ -96,6 +96,10 @@ JITFunction.run = record  # stands for Triton's launch (no GPU here)
 def k(x_ptr, N: tl.constexpr):
     pass
 
+from triton import knobs
+asked = []
+knobs.runtime.jit_cache_hook = lambda **kw: asked.append(kw["key"]) or "theirs"  # another tool's hook
+
 k[(1,)](None, N=4)
 with precompile.compile_only() as queued:
     assert k[(1,)](None, N=8) is None
@@ -103,6 +107,8 @@ assert [f.result() for f in queued] == [None] and len(queued) == 1
 k[(1,)](None, N=4)
 assert seen[0] == (False, "MainThread") and seen[2] == (False, "MainThread"), seen
 assert seen[1][0] is True and seen[1][1].startswith("qspec-compile"), seen
+# the skipping hook went in front of the one that was there: outside a pool thread it answers as that one did
+assert knobs.runtime.jit_cache_hook(key="v", fn=None, compile={}) == "theirs" and asked == ["v"]
 print("routing ok")
 """
 
@@ -171,3 +177,48 @@ def test_a_marker_in_tritons_cache_skips_the_thread_once_compiled(tmp_path: Path
 
     monkeypatch.setattr(precompile, "step_products", refuse)
     assert precompile.start(m, [8, 1]).result(timeout=5) is None
+
+
+class _Kernel:  # what Triton's jit_cache_hook gets as `fn` (JitFunctionInfo): a module and a name
+    module, name = "m", "k"
+
+
+def _hook_args(key: str, device: int = 0) -> dict:
+    return {"key": key, "fn": _Kernel(), "compile": {"key": key, "device": device}, "is_manual_warmup": True}
+
+
+def test_pool_threads_compile_each_variant_once() -> None:
+    """The jit_cache_hook skips a pool thread's compilation of a variant (kernel, device, key) that a pool thread took
+    already, answers as the hook before it otherwise (not called for a skip), and never skips another thread's: a
+    step's launch needs its kernel."""
+    asked: list[str] = []
+    hook = precompile._hook_skipping_taken(lambda **kw: asked.append(kw["key"]) or None)
+    precompile._taken.clear()
+    assert hook(**_hook_args("a")) is None and hook(**_hook_args("a")) is None  # this thread is no pool thread
+    precompile._local.pooled = True
+    try:
+        assert hook(**_hook_args("a")) is None  # a pool thread's first: compiled
+        assert hook(**_hook_args("a")) is True  # and again: skipped
+        assert hook(**_hook_args("b")) is None and hook(**_hook_args("a", device=1)) is None
+    finally:
+        precompile._local.pooled = False
+        precompile._taken.clear()
+    assert asked == ["a", "a", "a", "b", "a"]  # the skip alone did not reach the other hook
+    assert precompile._hook_skipping_taken(None)(**_hook_args("c")) is None
+
+
+def test_a_queued_launch_runs_marked_as_a_pool_threads() -> None:
+    """_compile_queued marks its thread while the launch runs (what _skip_taken reads), and unmarks it after, also
+    when the launch raised."""
+    def launch(jit: object, *args: object, **kwargs: object) -> tuple:
+        return jit, args, kwargs, precompile._local.pooled
+
+    assert precompile._compile_queued(launch, "k", (1, 2), {"warmup": True}) == ("k", (1, 2), {"warmup": True}, True)
+    assert not precompile._local.pooled
+
+    def failing(jit: object, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("compilation failed")
+
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        precompile._compile_queued(failing, "k", (), {})
+    assert not precompile._local.pooled
