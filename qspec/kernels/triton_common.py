@@ -31,7 +31,8 @@ def _pin_cache_dir() -> None:
     """TRITON_CACHE_DIR set to where Triton keeps its kernels now, unless the user set it. torch.compile's first
     kernel sets it to a directory of its own where it is unset, and Triton reads it at every compilation: a process
     wrote the kernels it compiled before that point and after it to two directories, and a later process, whose point
-    fell elsewhere, missed them there and compiled them again (BENCHMARKS.md §9)."""
+    fell elsewhere, looked for them in the other one (a second process recompiled kernels of cache keys the first had
+    compiled: BENCHMARKS.md §9)."""
     if HAS_TRITON and "TRITON_CACHE_DIR" not in os.environ:
         knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
         if knobs is not None:
