@@ -52,11 +52,11 @@ class BatchSteps:
 
     def _in_steps(self, n: int, rows: int, step: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """step(i, j) over sequences i..j-1, for all n in one step or in several (`sequences_per_step`) -> their
-        (logits, residuals) in order. The graphs of several steps share the first runner's memory pool, where a graph's
+        """step(i, j) over sequences i..j-1, for all n in one step or in several (`_per_step`) -> their (logits,
+        residuals) in order. The graphs of several steps share the first runner's memory pool, where a graph's
         outputs may lie in memory that another graph uses for its intermediates (Runner._run): each step's outputs
         are copied before the next step replays."""
-        per = self.sequences_per_step(n, rows)
+        per = self._per_step(n, rows)
         if per >= n:
             return step(0, n)
         logits, X = [], []
@@ -66,7 +66,7 @@ class BatchSteps:
             X.append(out[1].clone())
         return torch.cat(logits), torch.cat(X)
 
-    def sequences_per_step(self, n: int, rows: int) -> int:
+    def _per_step(self, n: int, rows: int) -> int:
         """Sequences a step takes: all of them, but with graphs only as many as fit GRAPH_MAX_ROWS rows (a round's
         verify rows of many sequences), the few-token kernels that a graph can capture taking that many at most
         (the larger products synchronise with the host); a step of more rows is then several steps."""

@@ -55,8 +55,8 @@ def test_batched_draft_head_steps_equal_each_sequence_alone(tiny_model: Model) -
 
 
 def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> None:
-    """A batched step of more rows than a graph takes runs as several steps (BatchSteps.sequences_per_step). Their
-    graphs share one memory pool, where a step's outputs may lie in memory that the next step's graph overwrites
+    """A batched step of more rows than a graph takes runs as several steps (BatchSteps._per_step). Their graphs
+    share one memory pool, where a step's outputs may lie in memory that the next step's graph overwrites
     (Runner._run); here every step's outputs are put in one buffer that the next step overwrites. The split verify
     step and draft-head step still give each sequence, bit for bit, what one step of all the rows gives it."""
     e = engine(tiny_model, draft=2)
@@ -86,7 +86,7 @@ def test_a_step_split_in_several_keeps_each_ones_outputs(tiny_model: Model) -> N
         lead = split.runners[0]
         lead.forward_segments = one_buffer(lead.forward_segments)  # type: ignore[method-assign]
         lead.draft_segments = one_buffer(lead.draft_segments)  # type: ignore[method-assign]
-        split.sequences_per_step = lambda n, rows: 1  # type: ignore[method-assign]
+        split._per_step = lambda n, rows: 1  # type: ignore[method-assign]
         H = torch.cat(hs)
         for steps in (whole, split):
             steps.out = (steps.draft([0, 1, 2], starts, tokens[:3], H, None),  # type: ignore[attr-defined]
