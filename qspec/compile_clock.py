@@ -109,7 +109,10 @@ class CompileClock:
         return hook
 
     def _before(self, *, key: Any, fn: Any, **_: Any) -> None:
-        self._started[(fn.name, str(key))] = time.perf_counter()
+        # a hook installed inside the block may keep calling ours after it (precompile's chains to the one it
+        # found): only the block's compilations are recorded, so a closed clock holds nothing
+        if self._open:
+            self._started[(fn.name, str(key))] = time.perf_counter()
 
     def _after(self, *, key: Any, fn: Any, **_: Any) -> None:
         t0 = self._started.pop((fn.name, str(key)), None)

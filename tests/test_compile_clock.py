@@ -46,6 +46,22 @@ def test_triton_compilations_are_timed_per_kernel_and_the_hooks_restored() -> No
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
 
 
+def test_a_closed_clock_records_nothing_though_a_later_hook_still_calls_its_own() -> None:
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        with CompileClock() as clock:
+            inner = knobs.runtime.jit_cache_hook  # another tool chains to the clock's hook inside the block
+            knobs.runtime.jit_cache_hook = lambda **kw: inner(**kw)
+            _compile_as_triton_does("_qdot_mv_kernel", "a", 0.0)
+        fn = SimpleNamespace(name="_qdot_mv_kernel")
+        for key in "bcd":  # after the block, through that tool's hook (the post hook is the clock's no more)
+            knobs.runtime.jit_cache_hook(key=key, repr=fn.name, fn=fn, compile={}, is_manual_warmup=False,
+                                         already_compiled=False)
+        assert clock.times().triton_kernels == 1 and not clock._started
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
 def test_torch_compile_seconds_inside_the_block_only() -> None:
     f = torch.compile(lambda x: x.sin() * 2 + 1, backend="aot_eager")
     f(torch.randn(3))  # compiled before the clock starts: not counted
