@@ -652,15 +652,17 @@ def _warm_up(engine: Engine, batcher: Batcher | None, ids: list[int], n: int) ->
     """The server's warm-up: the first steps compile (CUDA) and capture graphs, paid before the first client waits
     for them: one request alone, then every batch size's steps; a line as each part ends (on a fresh GPU machine
     this takes minutes: BENCHMARKS.md §9)."""
-    t0 = t = time.perf_counter()
+    t0 = time.perf_counter()
     with CompileClock() as clock:
-        engine.generate(ids, n)
-        _say(f"qspec: warm-up: a request alone {time.perf_counter() - t:.1f} s")
+        parts: list[tuple[str, Callable[[], object]]] = [("a request alone", lambda: engine.generate(ids, n))]
         if batcher is not None:
-            for b in range(1, batcher.slots + 1):
-                t = time.perf_counter()
-                batcher.generate_all([ids] * b, n)
-                _say(f"qspec: warm-up: a batch of {b} {time.perf_counter() - t:.1f} s")
+            parts += [(f"a batch of {b}", lambda b=b: batcher.generate_all([ids] * b, n))
+                      for b in range(1, batcher.slots + 1)]
+        for name, run in parts:  # each part's line says what it compiled: where a fresh machine's minutes go
+            t, before = time.perf_counter(), clock.times().snapshot()
+            run()
+            _say(f"qspec: warm-up: {name} {time.perf_counter() - t:.1f} s "
+                 f"({clock.times().since(before).describe(slowest=2)})")
     _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")
 
 

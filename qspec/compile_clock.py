@@ -35,6 +35,15 @@ class CompileTimes:
             line += " (slowest: " + ", ".join(f"{n} {t:.1f} s" for n, t in self.by_kernel.most_common(slowest)) + ")"
         return line
 
+    def since(self, earlier: CompileTimes) -> CompileTimes:
+        """What compiled after `earlier` (a `snapshot()` of these times)."""
+        torch_s = None if self.torch_s is None else self.torch_s - (earlier.torch_s or 0.0)
+        return CompileTimes(torch_s, self.triton_s - earlier.triton_s, self.triton_kernels - earlier.triton_kernels,
+                            self.by_kernel - earlier.by_kernel)
+
+    def snapshot(self) -> CompileTimes:
+        return CompileTimes(self.torch_s, self.triton_s, self.triton_kernels, Counter(self.by_kernel))
+
     def as_dict(self) -> dict[str, Any]:
         return {"torch_s": self.torch_s, "triton_s": self.triton_s, "triton_kernels": self.triton_kernels,
                 "triton_by_kernel": dict(self.by_kernel.most_common()), "described": self.describe(slowest=8)}

@@ -46,6 +46,24 @@ def test_triton_compilations_are_timed_per_kernel_and_the_hooks_restored() -> No
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
 
 
+def test_the_times_since_a_snapshot_are_what_compiled_after_it() -> None:
+    before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        with CompileClock() as clock:
+            _compile_as_triton_does("_qdot_mv_kernel", "a", 0.01)
+            first = clock.times().snapshot()
+            _compile_as_triton_does("_qdot_mv_kernel", "b", 0.01)
+            _compile_as_triton_does("_gdn_kernel", "a", 0.01)
+            part = clock.times().since(first)
+        assert first.triton_kernels == 1 and part.triton_kernels == 2  # the snapshot did not move with the clock
+        assert part.triton_s == pytest.approx(clock.times().triton_s - first.triton_s)
+        assert set(part.by_kernel) == {"_qdot_mv_kernel", "_gdn_kernel"} and part.torch_s is not None
+        whole = clock.times().by_kernel["_qdot_mv_kernel"]
+        assert part.by_kernel["_qdot_mv_kernel"] == pytest.approx(whole - first.by_kernel["_qdot_mv_kernel"])
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
 def test_a_closed_clock_records_nothing_though_a_later_hook_still_calls_its_own() -> None:
     before = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
     try:
