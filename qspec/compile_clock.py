@@ -19,6 +19,7 @@ _DYNAMO_TOTAL = "_compile.compile_inner"  # dynamo's record of one torch.compile
 @dataclass
 class CompileTimes:
     torch_s: float | None = None  # None: this torch keeps no record
+    torch_graphs: int = 0  # frames torch.compile compiled (a recompilation for a new shape counts again)
     triton_s: float = 0.0
     triton_kernels: int = 0
     by_kernel: Counter[str] = field(default_factory=Counter)  # Triton seconds per kernel name
@@ -29,7 +30,8 @@ class CompileTimes:
 
     def describe(self, slowest: int = 0) -> str:
         """One line; with `slowest`, that many Triton kernels named, the slowest to compile first."""
-        torch_part = "torch.compile not recorded" if self.torch_s is None else f"torch.compile {self.torch_s:.1f} s"
+        torch_part = ("torch.compile not recorded" if self.torch_s is None
+                      else f"torch.compile {self.torch_s:.1f} s for {self.torch_graphs} graphs")
         line = f"{torch_part}, Triton {self.triton_s:.1f} s for {self.triton_kernels} kernel variants"
         if slowest and self.by_kernel:
             line += " (slowest: " + ", ".join(f"{n} {t:.1f} s" for n, t in self.by_kernel.most_common(slowest)) + ")"
@@ -38,23 +40,27 @@ class CompileTimes:
     def since(self, earlier: CompileTimes) -> CompileTimes:
         """What compiled after `earlier` (a `snapshot()` of these times)."""
         torch_s = None if self.torch_s is None else self.torch_s - (earlier.torch_s or 0.0)
-        return CompileTimes(torch_s, self.triton_s - earlier.triton_s, self.triton_kernels - earlier.triton_kernels,
-                            self.by_kernel - earlier.by_kernel)
+        return CompileTimes(torch_s, self.torch_graphs - earlier.torch_graphs, self.triton_s - earlier.triton_s,
+                            self.triton_kernels - earlier.triton_kernels, self.by_kernel - earlier.by_kernel)
 
     def snapshot(self) -> CompileTimes:
-        return CompileTimes(self.torch_s, self.triton_s, self.triton_kernels, Counter(self.by_kernel))
+        return CompileTimes(self.torch_s, self.torch_graphs, self.triton_s, self.triton_kernels,
+                            Counter(self.by_kernel))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"torch_s": self.torch_s, "triton_s": self.triton_s, "triton_kernels": self.triton_kernels,
-                "triton_by_kernel": dict(self.by_kernel.most_common()), "described": self.describe(slowest=8)}
+        return {"torch_s": self.torch_s, "torch_graphs": self.torch_graphs, "triton_s": self.triton_s,
+                "triton_kernels": self.triton_kernels, "triton_by_kernel": dict(self.by_kernel.most_common()),
+                "described": self.describe(slowest=8)}
 
 
-def _dynamo_seconds() -> float | None:
+def _dynamo_record() -> tuple[float, int] | None:
+    """torch.compile's seconds and frame compilations so far in this process; None without dynamo's record."""
     try:  # a private record (torch 2.x): report its absence rather than fail
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
         return None
-    return float(sum(compilation_time_metrics.get(_DYNAMO_TOTAL, [])))
+    times = compilation_time_metrics.get(_DYNAMO_TOTAL, [])
+    return float(sum(times)), len(times)
 
 
 def triton_runtime_knobs() -> Any | None:
@@ -73,14 +79,14 @@ class CompileClock:
     def __init__(self) -> None:
         self._times = CompileTimes()
         self._started: dict[tuple[str, str], float] = {}
-        self._dynamo0: float | None = None
+        self._dynamo0: tuple[float, int] | None = None
         self._knobs: Any | None = None
         self._saved: tuple[Any, Any] = (None, None)
         self._mine: tuple[Any, Any] = (None, None)
         self._open = False  # inside the block
 
     def __enter__(self) -> CompileClock:
-        self._dynamo0 = _dynamo_seconds()
+        self._dynamo0 = _dynamo_record()
         self._knobs = triton_runtime_knobs()
         if self._knobs is not None:
             pre, post = self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
@@ -106,9 +112,9 @@ class CompileClock:
         return self._times
 
     def _count_torch(self) -> None:
-        now = _dynamo_seconds()
+        now = _dynamo_record()
         if now is not None and self._dynamo0 is not None:
-            self._times.torch_s = now - self._dynamo0
+            self._times.torch_s, self._times.torch_graphs = now[0] - self._dynamo0[0], now[1] - self._dynamo0[1]
 
     @staticmethod
     def _chain(other: Any, mine: Any) -> Any:

@@ -94,3 +94,11 @@ def test_torch_compile_seconds_inside_the_block_only() -> None:
         assert so_far is not None and so_far > 0
     t = clock.times()
     assert t.torch_s is not None and t.torch_s > 0 and t.triton_kernels == 0 and t.total_s == t.torch_s
+    assert t.torch_graphs == 1 and "for 1 graphs" in t.describe()
+    g2 = torch.compile(lambda x: x.tan(), backend="aot_eager", dynamic=False)
+    with CompileClock() as clock:
+        g2(torch.randn(2))
+        one = clock.times().snapshot()
+        g2(torch.randn(3))  # a new size: compiled again
+        g2(torch.randn(3))
+    assert one.torch_graphs == 1 and clock.times().since(one).torch_graphs == 1 and clock.times().torch_graphs == 2
