@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import torch
 from gguf import GGMLQuantizationType
@@ -76,6 +76,9 @@ from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
 from qspec.weights.quant_mix import MIXES, QUANTIZE_NAMES
+
+if TYPE_CHECKING:  # the server's modules need fastapi, imported by `qspec serve` only
+    from qspec.server.completions import CompletionServer
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QTYPES = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
@@ -648,10 +651,11 @@ def _warmup_ids(tok: Tokenizer, cfg: ModelConfig) -> list[int]:
 
 
 # ---- qspec serve -----------------------------------------------------------------------------------------------------
-def _warm_up(engine: Engine, batcher: Batcher | None, ids: list[int], n: int) -> None:
+def _warm_up(engine: Engine, batcher: Batcher | None, ids: list[int], n: int,
+             on_part: Callable[[str], None] = lambda part: None) -> None:
     """The server's warm-up: the first steps compile (CUDA) and capture graphs, paid before the first client waits
-    for them: one request alone, then every batch size's steps; a line as each part ends (on a fresh GPU machine
-    this takes minutes: BENCHMARKS.md §9)."""
+    for them: one request alone, then every batch size's steps; `on_part` told as each part starts, a line as each
+    ends (on a fresh GPU machine this takes minutes: BENCHMARKS.md §9)."""
     t0 = time.perf_counter()
     with CompileClock() as clock:
         parts: list[tuple[str, Callable[[], object]]] = [("a request alone", lambda: engine.generate(ids, n))]
@@ -659,11 +663,31 @@ def _warm_up(engine: Engine, batcher: Batcher | None, ids: list[int], n: int) ->
             parts += [(f"a batch of {b}", lambda b=b: batcher.generate_all([ids] * b, n))
                       for b in range(1, batcher.slots + 1)]
         for name, run in parts:  # each part's line says what it compiled: where a fresh machine's minutes go
+            on_part(name)
             t, before = time.perf_counter(), clock.times().snapshot()
             run()
             _say(f"qspec: warm-up: {name} {time.perf_counter() - t:.1f} s "
                  f"({clock.times().since(before).describe(slowest=2)})")
     _say(f"qspec: warmed up in {time.perf_counter() - t0:.1f} s ({clock.times().describe(slowest=4)})")
+
+
+def _warm_up_beside(srv: CompletionServer, batcher: Batcher | None, ids: list[int], n: int,
+                    failed: list[BaseException]) -> Callable[[Callable[[], None]], None]:
+    """The warm-up as the server runs it while it listens (`serve(beside=...)`): requests get a 503 naming the part
+    until it ends; where it fails, the error is kept in `failed` and the server stops (cmd_serve raises it)."""
+    def warm(stop: Callable[[], None]) -> None:
+        def on_part(part: str) -> None:
+            srv.warming = part
+
+        try:
+            _warm_up(srv.engine, batcher, ids, n, on_part)
+        except BaseException as e:  # noqa: BLE001 (raised again by cmd_serve once the server has stopped)
+            failed.append(e)
+            stop()
+            return
+        srv.warming = None
+        _say("qspec: ready")
+    return warm
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -684,16 +708,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if batcher is not None:
         _say(f"qspec: batch: {batcher.describe()}")
     n = min(8, opts.capacity - cells_needed(len(ids), 0, opts.draft))
-    if server.warmup and n >= 1:
-        _warm_up(engine, batcher, ids, n)
     name = server.served_name or path.stem
+    app = create_app(engine, tok, name, server, batcher=batcher)
+    srv: CompletionServer = app.state.server
+    told = "--tool-call-parser" if server.tool_call_parser else "the chat template"
+    _say(f"qspec: tool calls read as {srv.tool_call_parser} ({told})")
+    failed: list[BaseException] = []
+    warm = None
+    if server.warmup and n >= 1:
+        srv.warming = "starting"
+        warm = _warm_up_beside(srv, batcher, ids, n, failed)
     _say(f"qspec: serving {name!r} at http://{server.host}:{server.port} (POST /v1/completions, "
          "/v1/chat/completions, /v1/responses, /v1/messages, /tokenize, /detokenize; GET /v1/models, /health, "
-         "/metrics)")
-    app = create_app(engine, tok, name, server, batcher=batcher)
-    told = "--tool-call-parser" if server.tool_call_parser else "the chat template"
-    _say(f"qspec: tool calls read as {app.state.server.tool_call_parser} ({told})")
-    serve(app, server.host, server.port, sock=sock)
+         "/metrics)" + ("; warming up first: requests get a 503 until GET /health answers 200" if warm else ""))
+    serve(app, server.host, server.port, sock=sock, beside=warm)
+    if failed:
+        raise failed[0]
     return 0
 
 

@@ -54,20 +54,23 @@ def start_server(a: argparse.Namespace, extra: str, log: Path) -> subprocess.Pop
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, limit: float) -> float:
-    """Seconds until GET /health answers 200 (the server listens after its warm-up); RuntimeError if it exits."""
-    t0 = time.perf_counter()
+    """Seconds until GET /health answers 200 (the server answers 503 and the part it is at while it warms up);
+    RuntimeError if it exits or does not within `limit`, naming the part it was at."""
+    t0, part = time.perf_counter(), "not listening"
     while time.perf_counter() - t0 < limit:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it served")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
             conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
+            r = conn.getresponse()
+            if r.status == 200:
                 return time.perf_counter() - t0
-        except OSError:
+            part = json.loads(r.read() or b"{}").get("part", part)
+        except (OSError, ValueError):
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"the server did not answer /health within {limit:.0f} s")
+    raise RuntimeError(f"the server did not answer /health within {limit:.0f} s (its warm-up was at: {part})")
 
 
 def measure(a: argparse.Namespace, name: str, extra: str, out: Path) -> dict[str, Any]:

@@ -240,9 +240,15 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert main(["make-model", str(tmp_path / "m.gguf"), "--vocab-size", "512", "--seed", "5"]) == 0
     seen = {}
 
-    def catch(app, host, port, sock=None):  # noqa: ANN001, ANN202
-        seen.update(app=app, host=host, port=port)
+    def catch(app, host, port, sock=None, beside=None):  # noqa: ANN001, ANN202
+        seen.update(app=app, host=host, port=port, stopped=[], warming=None)
         sock.close()
+        if beside is not None:  # the server listens while it warms up: it says so, and refuses requests till then
+            with TestClient(app) as client:
+                health, r = client.get("/health"), client.post("/v1/completions", json={"prompt": PROMPT})
+                seen["warming"] = (health.status_code, health.json(), r.status_code, r.json()["error"]["code"],
+                                   client.get("/v1/models").status_code)
+            beside(lambda: seen["stopped"].append(True))
 
     monkeypatch.setattr(server_app, "serve", catch)
     with socket.socket() as probe:  # a port that is free now
@@ -253,17 +259,29 @@ def test_serve_cli_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
                      "--max-batch", batch]) == 0
         assert seen["port"] == port and seen["host"] == "127.0.0.1"
         assert (seen["app"].state.server.batcher is None) == (batch == "1")
-        warm = [line for line in capsys.readouterr().err.splitlines() if "warm" in line]
+        err = capsys.readouterr().err
+        warm = [line for line in err.splitlines() if line.startswith(("qspec: warm-up:", "qspec: warmed up"))]
+        assert "warming up first" in err and err.rstrip().endswith("qspec: ready"), err
         parts = ["a request alone"] + (["a batch of 1", "a batch of 2"] if batch == "2" else [])
         said = [re.fullmatch(r"qspec: warm-up: (.+) \d+\.\d s \((torch\.compile .+ kernel variants.*)\)", line)
                 for line in warm[:-1]]
         assert all(said) and [m.group(1) for m in said] == parts, warm  # each part with what it compiled
         assert warm[-1].startswith("qspec: warmed up in"), warm
+        assert seen["warming"] == (503, {"status": "warming up", "part": "starting"}, 503, "server_warming_up", 200)
+        assert not seen["stopped"] and seen["app"].state.server.warming is None
         with TestClient(seen["app"]) as client:
+            assert client.get("/health").json() == {"status": "ok"}
             assert client.get("/v1/models").json()["data"][0]["id"] == "m"
             r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--max-batch", "0"]) == 2
+    with monkeypatch.context() as m:  # a warm-up that fails stops the server, and the command says why
+        def no_memory(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        m.setattr(Engine, "generate", no_memory)
+        assert main(["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64"]) == 2
+        assert seen["stopped"] == [True] and "out of memory" in capsys.readouterr().err
     # the default, auto: as many slots as the free memory holds, up to AUTO_MAX_BATCH; with room for one, no batch
     base = ["serve", "--model", str(tmp_path / "m.gguf"), "--port", str(port), "--ctx", "64", "--no-warmup"]
     assert main(base) == 0 and seen["app"].state.server.batcher.slots == AUTO_MAX_BATCH

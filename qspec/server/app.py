@@ -73,6 +73,7 @@ from qspec.tokenizer import Tokenizer
 # about 1 MB of text), and bounding the body keeps one client from tying up a tokenizer thread for seconds.
 MAX_BODY_BYTES = 8 << 20
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
+WARMING_PATHS = ("/health", "/metrics", "/v1/models")  # answered while the warm-up runs; others get a 503
 T = TypeVar("T")
 
 
@@ -95,6 +96,18 @@ def _require_key(app: FastAPI, api_key: str) -> None:
             return await call_next(request)
         return _error(401, "a valid API key is needed: send the header `Authorization: Bearer <key>` (or "
                       "`x-api-key: <key>`)", code="invalid_api_key", kind="authentication_error")
+
+
+def _refuse_while_warming(app: FastAPI, srv: CompletionServer) -> None:
+    """A 503 for every request but WARMING_PATHS while the warm-up runs (the server listens from the start, so that
+    a client learns it is there and when it will serve, as llama.cpp's does while it loads)."""
+    @app.middleware("http")
+    async def refuse(request: Request, call_next: Callable) -> Any:  # noqa: ANN401
+        part = srv.warming
+        if part is None or request.url.path in WARMING_PATHS:
+            return await call_next(request)
+        return _error(503, f"the server is warming up ({part}): it compiles its steps before the first request; "
+                      "retry when GET /health answers 200", code="server_warming_up", kind="server_error")
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -131,6 +144,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", 
     srv = CompletionServer(engine, tokenizer, model_name, opts, batcher)
     app = FastAPI(title="qspec", description="MTP speculative decoding for Qwen3.8-Flash-Next")
     app.state.server = srv
+    _refuse_while_warming(app, srv)
     if opts.api_key:
         _require_key(app, opts.api_key)
     if opts.origins():  # outside the key check: a browser's preflight carries no key
@@ -139,7 +153,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str = "qspec", 
     _add_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:  # noqa: ANN401
+        part = srv.warming
+        if part is not None:
+            return JSONResponse(status_code=503, content={"status": "warming up", "part": part})
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -454,10 +471,18 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning", sock: socket.socket | None = None) -> None:
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning", sock: socket.socket | None = None,
+          beside: Callable[[Callable[[], None]], None] | None = None) -> None:
     """Serve `app` until interrupted. The socket is bound first (or given: `listen_socket` before loading the model
-    fails fast), so a bad --host or --port is one ServeError rather than uvicorn's log line and exit status 1."""
+    fails fast), so a bad --host or --port is one ServeError rather than uvicorn's log line and exit status 1.
+    `beside(stop)` runs in a thread while the server listens (the warm-up); calling `stop()` ends serving."""
     import uvicorn
 
     sock = sock if sock is not None else listen_socket(host, port)
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    if beside is not None:
+        def stop() -> None:
+            server.should_exit = True
+
+        threading.Thread(target=beside, args=(stop,), name="qspec-warm-up", daemon=True).start()
+    server.run(sockets=[sock])

@@ -173,6 +173,8 @@ class CompletionServer:
         self.metrics = ServerMetrics(model_name)
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (~1 s)
         self._grammars_lock = threading.Lock()
+        # what the warm-up is doing while the server already listens (its part, "a batch of 3"); None: serving
+        self.warming: str | None = None
 
     def grammar(self, req: Sampling) -> Grammar | None:
         """Blocking: the request's grammar at the start of its output, or None; a 400 naming the field when it does
