@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-compile-cache gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain gpu-batch-aseqs-mtp3}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-compile-cache gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain gpu-batch-aseqs-mtp3 gpu-batch-static-rows gpu-warmup-static-rows}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -209,13 +209,28 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
         --batches 8 --prompt 512 --tokens 128 --reps 2 --switches attention_seqs=0 --out "$out/$step.md" ;;
     gpu-batch-aseqs-mtp3) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
         --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
-    # the server under load (scripts/serve_gpu.py): an 8-layer Q4_K_M GGUF written on the device, `qspec serve` plain and
-    # MTP3 (replayed acceptance) with --max-batch 8, `qspec bench serve` with 1, 4 and 8 clients at once (any GPU). A
-    # server's warm-up on a fresh machine took minutes (BENCHMARKS.md §9): SERVE_SERVERS="plain=--draft 0" runs one
+    # batches' steps (more than one row) compiled at symbolic sizes (EngineOptions.static_rows=1) against the default
+    #   static sizes, same process: 4 and 8 requests, plain (8 Q4_K_M layers; any GPU)
+    gpu-batch-static-rows) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
+        --batches 4,8 --prompt 512 --tokens 128 --reps 2 --switches static_rows=1 --out "$out/$step.md" ;;
+    # a server's warm-up (scripts/serve_warmup.py: 8 Q4_K_M layers, a request alone, then batches of 1-4) with steps of
+    #   more than one row at symbolic sizes (--static-rows 1), then at static sizes (the default), each process with
+    #   empty compilation caches of its own, each cut at WARMUP_LIMIT seconds (default 280; any GPU)
+    gpu-warmup-static-rows) for rows in 1 16; do
+            d=$(mktemp -d)
+            echo "== --static-rows $rows" | tee -a "$out/$step.log"
+            TORCHINDUCTOR_CACHE_DIR="$d/inductor" TRITON_CACHE_DIR="$d/triton" QSPEC_CACHE_DIR="$d/qspec" \
+                PYTHONPATH=".:${PYTHONPATH:-}" timeout "${WARMUP_LIMIT:-280}" "$py" scripts/serve_warmup.py --layers 8 \
+                --quant q4_k_m --max-batch 4 --static-rows "$rows" 2>&1 | tee -a "$out/$step.log" || true
+        done ;;
     # whether a second process finds the Triton kernels a first one compiled (scripts/compile_cache.py: 8 Q4_K_M layers,
     # a first request, then the products of a server's batch sizes 1-8; any GPU)
     gpu-compile-cache) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/compile_cache.py --layers 8 --quant q4_k_m \
         --rows 1,2,3,4,5,6,7,8 --out "$out/$step" ;;
+    # the server under load (scripts/serve_gpu.py): an 8-layer Q4_K_M GGUF written on the device, `qspec serve` plain and
+    # MTP3 (replayed acceptance) with --max-batch 8, `qspec bench serve` with 1, 4 and 8 clients at once (any GPU). A
+    # server's warm-up on a fresh machine took minutes (BENCHMARKS.md §9): SERVE_SERVERS="plain=--draft 0" runs the plain
+    # server alone
     gpu-serve-q4km8) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/serve_gpu.py --layers 8 --quant q4_k_m \
         --file "${SERVE_FILE:-/var/tmp/qspec-serve.gguf}" --concurrency 1,4,8 \
         ${SERVE_SERVERS:+--servers "$SERVE_SERVERS"} --out "$out/$step" ;;

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from qspec.model.fuse import MAX_ROWS as MAX_FUSED_ROWS
+from qspec.model.fuse import STATIC_MAX_ROWS
 from qspec.model.model import CacheOptions
 from qspec.spec.depth import FIRST_STRETCH, STRETCH_GROWTH
 from qspec.spec.logit_rules import MAX_PENALTY
@@ -153,6 +154,12 @@ class KernelOptions:
                                  "few layers with random weights in the file's types (when the device has room for "
                                  "both); off by default: with warm caches it recompiled Triton's kernels "
                                  "(BENCHMARKS.md §5c)", applies="CUDA, --compile, GGUF")
+    static_rows: int = option(STATIC_MAX_ROWS, "steps of up to this many rows compile their small ops with static "
+                              "sizes, one graph per row count and quick to trace; larger steps one graph with "
+                              "symbolic sizes for every row count (a server's warm-up then traces one graph for all "
+                              "batch sizes instead of one per size, each slower to trace: BENCHMARKS.md §9)",
+                              check=in_range(0, MAX_FUSED_ROWS), applies="CUDA, --compile", arm="static",
+                              metavar="ROWS")
     precompile: bool = option(True, "on a model's first request, compile the decode and verify steps' block products "
                               "in threads while the prompt prefills (off: each kernel compiles at its first launch, "
                               "one after another)", applies="CUDA, block weights", arm="precomp")

@@ -74,6 +74,7 @@ class KernelSwitches:
     fused: bool = False  # fuse._ON: torch.compile the steps' small ops
     compile_prefill: bool = False  # fuse._ON inside Runner.prefill_scope too
     compile_backend: str = "inductor"  # fuse._BACKEND
+    static_rows: int = 16  # fuse.STATIC_MAX_ROWS
     gemv: bool = True  # gemv._ON (where Triton is enabled): one-row products and mixers on the Triton kernels
     gdn_conv_kernel: bool = True  # gdn_conv._ON
     gdn_seqs: bool = True  # gdn_seqs._ON: a batched step's GDN layers in two launches for all sequences
@@ -97,7 +98,8 @@ class KernelSwitches:
         return cls(row_exact=opts.exact,
                    fused=opts.compile and (device.type == "cuda" or opts.compile_backend != "inductor"),
                    compile_prefill=opts.compile_prefill,
-                   compile_backend=opts.compile_backend, gemv=opts.gemv, gdn_conv_kernel=opts.gdn_conv_kernel,
+                   compile_backend=opts.compile_backend, static_rows=opts.static_rows, gemv=opts.gemv,
+                   gdn_conv_kernel=opts.gdn_conv_kernel,
                    gdn_seqs=opts.gdn_seqs, attention_seqs=opts.attention_seqs,
                    pdl=opts.pdl and triton_common.pdl_supported(device),
                    grouped_mm=opts.grouped_mm and moe.grouped_mm_supported(device),
@@ -112,6 +114,7 @@ class KernelSwitches:
         for the process: a block holds MODEL_LOCK, so another thread's block (a batcher's thread and an engine
         used elsewhere, say) waits for it instead of saving and restoring the modes in between."""
         with MODEL_LOCK, ops.row_exact_mode(self.row_exact), fuse.fused_mode(self.fused, self.compile_backend), \
+                fuse.static_rows_mode(self.static_rows), \
                 gemv.enabled_mode(self.gemv), gdn_conv.conv_kernel_mode(self.gdn_conv_kernel), \
                 gdn_seqs.enabled_mode(self.gdn_seqs), attention_seqs.enabled_mode(self.attention_seqs), \
                 triton_common.pdl_mode(self.pdl), moe.grouped_mm_mode(self.grouped_mm), \

@@ -14,6 +14,7 @@ next step is queued before the host reads a token), "batch 1" the batch path wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import statistics
 import threading
@@ -28,6 +29,18 @@ from qspec.bench.device_model import bench_config, device_random_model
 from qspec.bench.report import print_report
 from qspec.bench.run import git_commit
 from qspec.engine import Engine, EngineHooks, EngineOptions, Generation
+
+
+def switch_values(spec: str) -> dict[str, bool | int]:
+    """`NAME=VALUE,...` as EngineOptions fields: 0|1 for a boolean field, an integer for an integer one."""
+    kinds = {f.name: f.type for f in dataclasses.fields(EngineOptions)}
+    out: dict[str, bool | int] = {}
+    for item in spec.split(","):
+        name, value = item.split("=")
+        if name not in kinds:
+            raise SystemExit(f"--switches: {name!r} is no EngineOptions field")
+        out[name] = value == "1" if kinds[name] in (bool, "bool") else int(value)
+    return out
 
 
 def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -85,9 +98,9 @@ def main() -> None:
                     "(qspec/bench/accept.py; the random model's own drafts are almost never accepted)")
     ap.add_argument("--profile", action="store_true",
                     help="then the largest batch's requests once more under torch.profiler: its busiest kernels")
-    ap.add_argument("--switches", default=None, metavar="NAME=0|1,...",
-                    help="also every batch arm with these boolean EngineOptions fields set so, named "
-                    "'... NAME=0|1,...' (a same-process A/B, e.g. gdn_seqs=0 or attention_seqs=0)")
+    ap.add_argument("--switches", default=None, metavar="NAME=VALUE,...",
+                    help="also every batch arm with these EngineOptions fields set so (a boolean as 0|1), named "
+                    "'... NAME=VALUE,...' (a same-process A/B, e.g. gdn_seqs=0 or static_rows=1)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -97,8 +110,7 @@ def main() -> None:
                                 quant=a.quant)
     variants = {"": 0} | ({f" mtp{a.draft}": a.draft} if a.draft else {})
     hooks = EngineHooks(accept_hook=AcceptProfile.parse(a.accept_profile).hook())
-    off = {"": {}} | ({f" {a.switches}": {k: v == "1" for k, v in (p.split("=") for p in a.switches.split(","))}}
-                      if a.switches else {})
+    off = {"": {}} | ({f" {a.switches}": switch_values(a.switches)} if a.switches else {})
     engines = {v + o: Engine(model, EngineOptions(draft=d, capacity=a.prompt + a.tokens + 64, kv_type="q8_0",
                                                   prefix_cache=False, draft_head=a.draft_head, **kw),
                              hooks if d else None)

@@ -2,9 +2,9 @@
 every batch size's steps) on a model of random weights drawn on the device in `--quant`'s types, each part's line
 naming its seconds, torch.compile's seconds and graphs, and the Triton variants it compiled. Skips writing a GGUF and
 the HTTP side, so a fresh GPU machine's warm-up fits one command's time. On the CPU (`--device cpu --preset tiny
---backend aot_eager`) it counts the graphs each part traces. `--static-max-rows 1` compiles every step of more than
-one row with symbolic sizes (qspec/model/fuse.py's STATIC_MAX_ROWS, 16 in qspec): one graph for all batch sizes
-instead of one per size, each traced several times slower (a probe of that trade, not an engine option).
+--backend aot_eager`) it counts the graphs each part traces. `--static-rows 1` (EngineOptions.static_rows) compiles
+every step of more than one row with symbolic sizes: one graph for all batch sizes instead of one per size, each
+traced several times slower.
 
     PYTHONPATH=. python scripts/serve_warmup.py --layers 8 --quant q4_k_m --max-batch 8
     PYTHONPATH=. python scripts/serve_warmup.py --device cpu --preset tiny --layers 4 --backend aot_eager
@@ -21,7 +21,6 @@ from qspec.batch import Batcher
 from qspec.bench.device_model import bench_config, device_random_model
 from qspec.cli import _warm_up
 from qspec.engine import Engine, EngineOptions
-from qspec.model import fuse
 
 
 def main() -> None:
@@ -33,14 +32,14 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--backend", default="inductor", help="torch.compile's backend (the CPU compiles with another)")
-    ap.add_argument("--static-max-rows", type=int, default=fuse.STATIC_MAX_ROWS)
+    ap.add_argument("--static-rows", type=int, default=EngineOptions.static_rows)
     a = ap.parse_args()
-    fuse.STATIC_MAX_ROWS = a.static_max_rows
     torch.set_grad_enabled(False)
     t = time.perf_counter()
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = device_random_model(bench_config(a.preset, layers=a.layers), device=a.device, dtype=dtype, quant=a.quant)
-    engine = Engine(model, EngineOptions(draft=0, capacity=a.ctx, kv_type="q8_0", compile_backend=a.backend))
+    engine = Engine(model, EngineOptions(draft=0, capacity=a.ctx, kv_type="q8_0", compile_backend=a.backend,
+                                         static_rows=a.static_rows))
     batcher = Batcher(engine, a.max_batch) if a.max_batch > 1 else None
     print(f"model drawn and engine made in {time.perf_counter() - t:.1f} s", flush=True)
     _warm_up(engine, batcher, list(range(1000, 1008)), 8)  # the server's prompt is "Hello": 8 tokens

@@ -228,6 +228,26 @@ def test_step_functions_compile_static_sizes_once_per_row_count(model) -> None: 
         f.compiled.clear()
 
 
+def test_static_rows_sends_larger_steps_to_symbolic_sizes() -> None:
+    """EngineOptions.static_rows, applied by the engine's switches: steps of up to that many rows compile a fused
+    function with static sizes, larger ones with symbolic sizes (one graph for every row count), same result."""
+    from qspec.model.moe import add_shared_output
+    from qspec.runner import KernelSwitches
+
+    switches = KernelSwitches.resolve(EngineOptions(static_rows=1, compile_backend="aot_eager"), torch.device("cpu"))
+    add_shared_output.compiled.clear()
+    g = torch.Generator().manual_seed(0)
+    with switches.apply():
+        assert fuse.STATIC_MAX_ROWS == 1 and fuse.enabled()
+        for rows in (1, 3, 5):
+            args = [torch.randn(rows, n, generator=g) for n in (8, 8, 1)]
+            with fuse.step_rows(rows):
+                assert torch.equal(add_shared_output(*args), add_shared_output.eager(*args))
+    assert fuse.STATIC_MAX_ROWS == 16  # restored after the block
+    assert sorted(key[3] for key in add_shared_output.compiled) == [False, True]  # rows 3 and 5: one symbolic key
+    add_shared_output.compiled.clear()
+
+
 def test_compile_workers_start_with_an_engine_that_will_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """start_compile_workers starts inductor's pool (once asked, and not with WARM_WORKERS off); an engine calls it only
     where its steps will compile with inductor on CUDA, so a CPU engine starts none."""

@@ -43,7 +43,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Steps with more rows than this (prefill chunks) run eagerly: their ops are few and large.
 MAX_ROWS = 64
-# Steps of up to this many rows compile functions with static sizes (the module docstring).
+# Steps of up to this many rows compile functions with static sizes (the module docstring; KernelSwitches.static_rows).
 STATIC_MAX_ROWS = 16
 
 _ON = False
@@ -84,6 +84,11 @@ def fused_mode(on: bool = True, backend: str = "inductor") -> Iterator[None]:
         yield
     finally:
         _ON, _BACKEND = old
+
+
+def static_rows_mode(rows: int) -> contextlib.AbstractContextManager[None]:
+    """Inside the block, steps of up to `rows` rows compile with static sizes and larger ones with symbolic sizes."""
+    return triton_common.module_flag(__name__, "STATIC_MAX_ROWS", rows)
 
 
 def blocks_mode(on: bool) -> contextlib.AbstractContextManager[None]:
