@@ -215,13 +215,13 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
         --batches 4,8 --prompt 512 --tokens 128 --reps 2 --switches static_rows=1 --out "$out/$step.md" ;;
     # a server's warm-up (scripts/serve_warmup.py: 8 Q4_K_M layers, a request alone, then batches of 1-4) with steps of
     #   more than one row at symbolic sizes (--static-rows 1), then at static sizes (the default), each process with
-    #   empty compilation caches of its own, each cut at WARMUP_LIMIT seconds (default 280; any GPU)
+    #   empty compilation caches of its own, each cut at WARMUP_LIMIT seconds (default 280; WARMUP_BATCH: the largest batch, default 4; any GPU)
     gpu-warmup-static-rows) for rows in 1 16; do
             d=$(mktemp -d)
             echo "== --static-rows $rows" | tee -a "$out/$step.log"
             TORCHINDUCTOR_CACHE_DIR="$d/inductor" TRITON_CACHE_DIR="$d/triton" QSPEC_CACHE_DIR="$d/qspec" \
                 PYTHONPATH=".:${PYTHONPATH:-}" timeout "${WARMUP_LIMIT:-280}" "$py" scripts/serve_warmup.py --layers 8 \
-                --quant q4_k_m --max-batch 4 --static-rows "$rows" 2>&1 | tee -a "$out/$step.log" || true
+                --quant q4_k_m --max-batch "${WARMUP_BATCH:-4}" --static-rows "$rows" 2>&1 | tee -a "$out/$step.log" || true
         done ;;
     # whether a second process finds the Triton kernels a first one compiled (scripts/compile_cache.py: 8 Q4_K_M layers,
     # a first request, then the products of a server's batch sizes 1-8; any GPU)
