@@ -215,7 +215,8 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
         --batches 4,8 --prompt 512 --tokens 128 --reps 2 --switches static_rows=1 --out "$out/$step.md" ;;
     # a server's warm-up (scripts/serve_warmup.py: 8 Q4_K_M layers, a request alone, then batches of 1-4) with steps of
     #   more than one row at symbolic sizes (--static-rows 1), then at static sizes (the default), each process with
-    #   empty compilation caches of its own, each cut at WARMUP_LIMIT seconds (default 280; WARMUP_BATCH: the largest batch, default 4; any GPU)
+    #   empty compilation caches of its own, each cut at WARMUP_LIMIT seconds (default 280), WARMUP_BATCH the largest
+    #   batch (default 4; any GPU)
     gpu-warmup-static-rows) for rows in 1 16; do
             d=$(mktemp -d)
             echo "== --static-rows $rows" | tee -a "$out/$step.log"
