@@ -10,7 +10,7 @@ set -euo pipefail
 step="${1:?usage: $0 STEP [OUTDIR]; steps: cpu-embedded-merge cpu-embedded-sweep cpu-embedded-merge-p85 \
 h200-embedded-merge h200-embedded-sweep h200-fn8-merge h200-fn8-sweep h200-fn8-sweep-a h200-fn8-sweep-b h200-fn8-ab h200-fn8-attn \
 h200-fn8-early h200-fn8-pdl h200-fn8-dvocab h200-fn8-prefill h200-fn8-mixers h200-fn8-depth h200-fn8-seed \
-h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-compile-cache gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain gpu-batch-aseqs-mtp3 gpu-batch-static-rows gpu-warmup-static-rows}"
+h200-fn8-auto h200-fn8-auto-p30 h200-fn8-depths h200-fn8-depths-a h200-fn8-depths-b h200-fn8-depths-stretch h200-q4km48-depths h200-q4km8 h200-q4km48 h200-q4km48-auto h200-q4km48-fblk h200-q4km48-a h200-q4km48-b h200-q4km48-int8 h200-q4km48-m h200-q4km48-seed h200-q4km48-mtp h200-q4km48-two h200-q4km48-shst h200-q4km48-ssum h200-q4km48-nq h200-q4km48-shpair h200-q4km48-sparse h200-fn8-stretch h200-fn8-stretch-profile h200-q4km48-profile h200-q4km24-load h200-q4km48-first h200-q8048 h200-q8048-mtp5 h200-q4km48-round-profile h200-q4km48-32k h200-q4km48-pairs h200-q4km48-klanes h200-q4km48-batch gpu-fla-configs gpu-serve-q4km8 gpu-compile-cache gpu-batch-seqs gpu-batch-aseqs gpu-batch-seqs-plain gpu-batch-aseqs-plain gpu-batch-aseqs-mtp3 gpu-batch-static-rows gpu-warmup-static-rows gpu-q4km48-host}"
 out="${2:-${OUT:-benchmarks/results/local}}"
 py="${PYTHON:-python}"
 read -r -a extra <<< "${BENCH_ARGS:-}"
@@ -209,6 +209,10 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
         --batches 8 --prompt 512 --tokens 128 --reps 2 --switches attention_seqs=0 --out "$out/$step.md" ;;
     gpu-batch-aseqs-mtp3) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
         --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
+    # the whole model on a GPU too small for it: 48 Q4_K_M layers, the routed experts of the first HOST_LAYERS layers
+    #   (default 12) in page-locked host memory, read over PCIe (--host-experts); plain, MTP3 and MTP5, 1 run of 128
+    gpu-q4km48-host) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 128 \
+        --host-experts "${HOST_LAYERS:-12}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     # batches' steps (more than one row) compiled at symbolic sizes (EngineOptions.static_rows=1) against the default
     #   static sizes, same process: 4 and 8 requests, plain (8 Q4_K_M layers; any GPU)
     gpu-batch-static-rows) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \

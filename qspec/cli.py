@@ -75,6 +75,7 @@ from qspec.spec.grammar import (
 from qspec.spec.logit_rules import LogitRules
 from qspec.tokenizer import QWEN_CHAT_TEMPLATE, Tokenizer
 from qspec.weights import WeightsError
+from qspec.weights.host_experts import HOST_EXPERTS_HELP
 from qspec.weights.quant_mix import MIXES, QUANTIZE_NAMES
 
 if TYPE_CHECKING:  # the server's modules need fastapi, imported by `qspec serve` only
@@ -423,7 +424,7 @@ def _load(a: argparse.Namespace, opts: EngineOptions, prompt: Callable[[Tokenize
     def load() -> Model:
         return load_model(path, device=dev, dtype=dtype, with_mtp=None if opts.draft else False,
                           hnorm_per_stream=a.hnorm_per_stream, draft_path=a.draft_model if opts.draft else None,
-                          quantize=a.quantize)
+                          quantize=a.quantize, host_experts=a.host_experts)
     if (dev.type == "cuda" and opts.compile and opts.compile_ahead and path.is_file()
             and not (opts.draft and a.draft_model)):
         # the stand-in drafts from the full head: a draft vocabulary's head compiles in the first request
@@ -892,6 +893,7 @@ def _add_engine_args(r: argparse.ArgumentParser) -> None:
     m = r.add_argument_group("model")
     m.add_argument("--model", help=_MODEL_HELP)
     _add_weight_args(m)
+    m.add_argument("--host-experts", type=int, default=0, metavar="N", help=HOST_EXPERTS_HELP)
     m.add_argument("--draft-model", metavar="GGUF",
                    help="a draft-only GGUF holding the MTP block (llama.cpp's -md layout; it borrows the target's "
                         "token_embd/output)")

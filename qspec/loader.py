@@ -23,7 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from qspec.cache import cache_dir
 from qspec.config import ModelConfig, preset
-from qspec.model.model import Model
+from qspec.kernels.triton_common import triton_enabled
+from qspec.model.model import Model, block_layout
 from qspec.tokenizer import Tokenizer
 from qspec.weights import (
     WeightsError,
@@ -35,6 +36,7 @@ from qspec.weights import (
 from qspec.weights.finite import check_finite
 from qspec.weights.gguf_io import HostRowTable, Weights, quantize_blocks, read_draft_gguf, weights_summary
 from qspec.weights.gguf_open import GGUF_MAGIC
+from qspec.weights.host_experts import HostExperts
 from qspec.weights.names import tensor_shapes
 from qspec.weights.pinned import PinnedRowTable
 from qspec.weights.quant_mix import MIX_ALIASES, MIXES, QUANTIZE_NAMES, keep_packed, mix_plan
@@ -70,7 +72,8 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
 def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                with_mtp: bool | None = None, hnorm_per_stream: bool = False,
                draft_path: str | os.PathLike[str] | None = None, dequantize_all: bool | None = None,
-               quantize: str | None = None, progress: bool | None = None, pin_table: bool = True) -> Model:
+               quantize: str | None = None, progress: bool | None = None, pin_table: bool = True,
+               host_experts: int = 0) -> Model:
     """A GGUF file or HF checkpoint dir as a `Model`; `with_mtp=None` loads the MTP head when the file has one.
 
     A GGUF's matrices of a packed block type (Q4_0, Q8_0, Q4_K, Q5_K, ...) stay blocks on the device;
@@ -82,6 +85,8 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     `token_embd`/`output`) supplying the MTP head. `"demo"` names the trained demo model, as `--model demo` does.
     `pin_table`: on CUDA, an n-gram table too large for the device goes to page-locked host memory that the device
     gathers from (graph-safe steps) instead of being gathered through the host (see `Model`).
+    `host_experts`: on CUDA, the routed experts of a GGUF's first N layers stay in page-locked host memory, read by
+    the GPU over PCIe (weights/host_experts.py: a model larger than the GPU).
     Raises WeightsError / ConfigError naming the fault."""
     path = model_source(path)
     draft_path = model_source(draft_path) if draft_path is not None else None
@@ -91,7 +96,9 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     dt = dtype or default_dtype(dev)
     if dequantize_all is None:
         dequantize_all = dev.type != "cuda"
-    kw: dict[str, Any] = {"device": dev, "dtype": dt, "dequantize_all": dequantize_all, "progress": progress}
+    host = host_experts_for(host_experts, dev, dequantize_all)
+    kw: dict[str, Any] = {"device": dev, "dtype": dt, "dequantize_all": dequantize_all, "progress": progress,
+                          "host": host}
     if quantize is not None and not Path(path).is_dir():
         raise WeightsError(f"{path}: --quantize applies to HF checkpoints; a GGUF file keeps its own types")
     if draft_path is not None:
@@ -107,12 +114,25 @@ def load_model(path: str | os.PathLike[str], *, device: torch.device | str = "cp
     if quantize is not None:
         weights = quantize_weights(weights, quantize, cfg)
     model = Model(cfg, weights, with_mtp=mtp, hnorm_per_stream=hnorm_per_stream, pin_table=pin_table)
-    model.weights_summary = weights_summary(weights) + model.head_note()
+    model.weights_summary = weights_summary(weights) + model.head_note() + (host.describe() if host else "")
     table = model.ple.table if model.ple is not None else None
     if isinstance(table, PinnedRowTable):  # the summary describes the file's table; say where the model put it
         model.weights_summary += (f"; n-gram table copied to page-locked host memory in {table.pin_seconds:.1f} s, "
                                   f"gathered by the GPU")
     return model
+
+
+def host_experts_for(layers: int, dev: torch.device, dequantize_all: bool = False) -> HostExperts | None:
+    """The placement of `layers` layers' routed experts in host memory (None for 0), where it can be made."""
+    if not layers:
+        return None
+    if dev.type != "cuda" or dequantize_all:
+        raise WeightsError(f"--host-experts {layers}: applies to GGUF block experts on CUDA (on the CPU every "
+                           "weight is in host memory already)")
+    if not triton_enabled():
+        raise WeightsError(f"--host-experts {layers}: the GPU reads host experts through qspec's Triton kernels, "
+                           "and Triton is not available here")
+    return HostExperts(layers, block_layout)
 
 
 def quantize_weights(weights: Weights, mix: str, cfg: ModelConfig) -> Weights:

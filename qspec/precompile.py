@@ -235,7 +235,7 @@ def step_products(model: Any, rows: Sequence[int], found: list[tuple[str, object
                   if m == 1 or (m <= hc_mix.MAX_ROWS and isinstance(x.up, torch.Tensor))]
         if m > FEW_TOKENS:  # a longer step groups its tokens by expert instead (MoE._routed)
             continue
-        calls += [lambda m=m, g=g, u=u, d=d, s=s: _experts_step(m, g, u, d, k, dt, s) for g, u, d, s in experts]
+        calls += [lambda m=m, g=g, u=u, d=d, s=s: _experts_step(m, g, u, d, k, dt, dev, s) for g, u, d, s in experts]
     return calls
 
 
@@ -258,11 +258,11 @@ def _step_experts(owner: object, experts: Sequence[QuantWeight]) -> tuple[QuantW
 
 
 def _experts_step(m: int, gate: QuantWeight, up: QuantWeight, down: QuantWeight, k: int, dt: torch.dtype,
-                  shared: bool = False) -> torch.Tensor:
-    """A few-token step's routing and routed experts on zeros, as MoE runs them: the routing launch quantizes the
-    rows too where the experts' int8 kernels read them; shared: gate/up/down hold the shared expert as their last
-    expert, and the routing adds its slot (route.route_top_k_shared_torch)."""
-    dev = gate.raw.device
+                  dev: torch.device, shared: bool = False) -> torch.Tensor:
+    """A few-token step's routing and routed experts on zeros on `dev` (the model's device: experts kept in host
+    memory are read from there), as MoE runs them: the routing launch quantizes the rows too where the experts' int8
+    kernels read them; shared: gate/up/down hold the shared expert as their last expert, and the routing adds its
+    slot (route.route_top_k_shared_torch)."""
     h = torch.zeros(m, gate.shape[-1], dtype=dt, device=dev)
     logits = torch.zeros(m, gate.shape[0], dtype=dt, device=dev)  # shared: E routed logits and the gate logit
     top_w, top_i, hquant = route_top_k_quantized(logits, k, h if int8_experts(h, gate, up, down) else None, shared)

@@ -40,6 +40,7 @@ from qspec.bench.run import (
 )
 from qspec.cache import keep_compiled_graphs
 from qspec.model.model import Model
+from qspec.weights.host_experts import HOST_EXPERTS_HELP
 from qspec.weights.quant_mix import MIXES
 
 # The H200's achievable weight-read bandwidth that the bandwidth limits divide by (BENCHMARKS.md, Method).
@@ -74,8 +75,10 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
                   layers: int | None = None, experts: int | None = None, vocab: int | None = None,
                   device: str | torch.device | None = None, dtype: str | torch.dtype | None = None, seed: int = 0,
                   ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
-                  quant: str | None = None, progress: bool = False) -> tuple[Model, Any | None, dict[str, Any]]:
-    """(model, tokenizer or None, description for the result file) from a Model, a path, or a preset."""
+                  quant: str | None = None, progress: bool = False, host_experts: int = 0
+                  ) -> tuple[Model, Any | None, dict[str, Any]]:
+    """(model, tokenizer or None, description for the result file) from a Model, a path, or a preset;
+    `host_experts`: the routed experts of the first N layers in page-locked host memory (weights/host_experts.py)."""
     t0 = time.perf_counter()
     if isinstance(model, Model):
         if preset is not None:
@@ -89,7 +92,8 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
         cfg = bench_config(preset, layers=layers, experts=experts, vocab_size=vocab, ngram_vocab_base=ngram_vocab_base)
-        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed, quant=quant, progress=progress)
+        m = device_random_model(cfg, device=dev, dtype=dt, seed=seed, quant=quant, progress=progress,
+                                host_experts=host_experts)
         kind = f"{quant.upper()} mix" if quant else "16-bit"
         info = {"name": f"{preset} preset, {cfg.n_layers} layers, {cfg.n_experts} experts, {kind}",
                 "source": "preset", "preset": preset, "quant": quant,
@@ -108,7 +112,7 @@ def prepare_model(model: str | os.PathLike[str] | Model | None = None, *, preset
         path = loader.model_path(model) if model is not None else loader.default_model_path()
         dev = resolve_device(device)
         dt = parse_dtype(dtype, dev)
-        m = loader.load_model(path, device=dev, dtype=dt)
+        m = loader.load_model(path, device=dev, dtype=dt, host_experts=host_experts)
         cfg = m.cfg
         tok = tokenizer if tokenizer is not None else loader.load_tokenizer(path)
         info = {"name": path.name if model is not None else f"embedded default model ({path.name})",
@@ -158,14 +162,15 @@ def _run(benchmark: str, prompt_tokens: list[int], gen_tokens: int, reps: int, *
          layers: int | None, experts: int | None, vocab: int | None, device: str | torch.device | None,
          dtype: str | torch.dtype | None, arms: str | Sequence[str], ctx: int, accept_profile: str | None,
          warmup: int, json_out: Any, markdown_out: Any, plot_out: Any, progress: bool, seed: int,
-         ngram_vocab_base: int, tokenizer: Any | None, quant: str | None = None) -> dict[str, Any]:
+         ngram_vocab_base: int, tokenizer: Any | None, quant: str | None = None, host_experts: int = 0
+         ) -> dict[str, Any]:
     proto = Protocol(benchmark=benchmark, prompt_tokens=prompt_tokens, gen_tokens=gen_tokens, reps=reps,
                      arms=parse_arms(arms), accept=AcceptProfile.parse(accept_profile), capacity=ctx, warmup=warmup)
     check_capacity(proto)  # before building a model that may take minutes
     _plot_possible(plot_out)  # warn now, not after the runs
     m, tok, info = prepare_model(model, preset=preset, layers=layers, experts=experts, vocab=vocab, device=device,
                                  dtype=dtype, seed=seed, ngram_vocab_base=ngram_vocab_base, tokenizer=tokenizer,
-                                 quant=quant, progress=progress)
+                                 quant=quant, progress=progress, host_experts=host_experts)
     # the JSON is rewritten after every run (complete: false) so a time-limit kill keeps the measured runs
     save = (lambda partial: write_json(partial | {"files": {"json": str(json_out)}}, json_out)) if json_out else None
     result = run_protocol(m, tok, proto, model_info=info, progress=progress, checkpoint=save)
@@ -181,13 +186,13 @@ def run_merge(model: str | os.PathLike[str] | Model | None = None, *, preset: st
               json_out: str | os.PathLike[str] | None = None, markdown_out: str | os.PathLike[str] | None = None,
               plot_out: str | os.PathLike[str] | None = None, progress: bool = True, seed: int = 0,
               ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
-              quant: str | None = None) -> dict[str, Any]:
+              quant: str | None = None, host_experts: int = 0) -> dict[str, Any]:
     """The seed's headline benchmark: one prompt length (4,096), 512 generated tokens, 3 runs per arm."""
     return _run("merge", [prompt_tokens], gen_tokens, reps, model=model, preset=preset, layers=layers,
                 experts=experts, vocab=vocab, device=device, dtype=dtype, arms=arms, ctx=ctx,
                 accept_profile=accept_profile, warmup=warmup, json_out=json_out, markdown_out=markdown_out,
                 plot_out=plot_out, progress=progress, seed=seed, ngram_vocab_base=ngram_vocab_base,
-                tokenizer=tokenizer, quant=quant)
+                tokenizer=tokenizer, quant=quant, host_experts=host_experts)
 
 
 def run_sweep(model: str | os.PathLike[str] | Model | None = None, *, preset: str | None = None,
@@ -199,13 +204,13 @@ def run_sweep(model: str | os.PathLike[str] | Model | None = None, *, preset: st
               json_out: str | os.PathLike[str] | None = None, markdown_out: str | os.PathLike[str] | None = None,
               plot_out: str | os.PathLike[str] | None = None, progress: bool = True, seed: int = 0,
               ngram_vocab_base: int = DEFAULT_NGRAM_VOCAB_BASE, tokenizer: Any | None = None,
-              quant: str | None = None) -> dict[str, Any]:
+              quant: str | None = None, host_experts: int = 0) -> dict[str, Any]:
     """The seed's context sweep: prompts of 512 to 6,144 tokens, 128 generated tokens, 5 runs per arm."""
     return _run("sweep", prompt_lengths(contexts), gen_tokens, reps, model=model, preset=preset, layers=layers,
                 experts=experts, vocab=vocab, device=device, dtype=dtype, arms=arms, ctx=ctx,
                 accept_profile=accept_profile, warmup=warmup, json_out=json_out, markdown_out=markdown_out,
                 plot_out=plot_out, progress=progress, seed=seed, ngram_vocab_base=ngram_vocab_base,
-                tokenizer=tokenizer, quant=quant)
+                tokenizer=tokenizer, quant=quant, host_experts=host_experts)
 
 
 # ---- argparse ------------------------------------------------------------------------------------------------------
@@ -225,6 +230,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the preset's matrices as blocks, in the per-tensor types of this llama.cpp file type "
                         "(default: 16-bit)")
     g.add_argument("--seed", type=int, default=0, help="random-weight seed of the preset")
+    g.add_argument("--host-experts", type=int, default=0, metavar="N", help=HOST_EXPERTS_HELP)
     g.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     g.add_argument("--dtype", choices=sorted(_DTYPES), metavar="{float32,bfloat16,float16}",
                    help="default: bfloat16 on cuda, float32 on cpu")
@@ -302,7 +308,7 @@ def _kwargs(a: argparse.Namespace) -> dict[str, Any]:
                 dtype=a.dtype, arms=a.arms, reps=a.reps, gen_tokens=a.gen_tokens, ctx=a.ctx,
                 accept_profile=a.accept_profile, warmup=a.warmup, json_out=a.json, markdown_out=a.markdown,
                 plot_out=a.plot, progress=not a.no_progress, seed=a.seed, ngram_vocab_base=a.ngram_vocab_base,
-                quant=a.quant)
+                quant=a.quant, host_experts=a.host_experts)
 
 
 def _report(result: dict[str, Any]) -> int:

@@ -24,9 +24,11 @@ import torch
 from gguf import GGMLQuantizationType
 
 from qspec.config import ModelConfig, preset
+from qspec.loader import host_experts_for
 from qspec.model.model import Model
 from qspec.model.ple import DeviceRowTable
 from qspec.weights.gguf_io import PLE_TABLE, quantize_blocks, weights_summary
+from qspec.weights.host_experts import HostExperts
 from qspec.weights.names import tensor_shapes
 from qspec.weights.quant_mix import keep_packed, mix_plan
 from qspec.weights.qweight import PACKED_QTYPES, QuantWeight
@@ -93,14 +95,15 @@ def device_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], *, device
 def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
                           seed: int = 0, quant: str | None = None, progress: bool = False,
                           plan: Mapping[str, GGMLQuantizationType] | None = None,
-                          with_mtp: bool | None = None) -> dict[str, Any]:
+                          with_mtp: bool | None = None, host: HostExperts | None = None) -> dict[str, Any]:
     """Every canonical tensor of `cfg` (the MTP block's per `with_mtp`, see tensor_shapes) on `device` in `dtype`;
     the n-gram table as a DeviceRowTable.
 
     `quant` (quant_mix.MIXES: q4_k_m, q5_k_m, q6_k, q8_0, q4_0): the matrices a GGUF of that llama.cpp file type
     holds as blocks become `QuantWeight`s of their types, quantized on the device as each tensor is drawn (one
     16-bit tensor at a time), as a loaded GGUF of that type would hold them. `plan` gives each tensor's type
-    instead (a file's own, for instance). `progress`: counts on stderr."""
+    instead (a file's own, for instance). `progress`: counts on stderr. `host`: the routed experts it wants go to
+    page-locked host memory as each one is drawn, as a GGUF's load places them (weights/host_experts.py)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device cuda: CUDA is not available on this machine (use --device cpu)")
@@ -119,6 +122,8 @@ def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype
             del t
         else:
             w[name] = t
+        if host is not None:
+            w[name] = host.place(name, w[name], "the drawn model")
         if progress and ((i + 1) % 64 == 0 or i + 1 == len(shapes)):
             print(f"qspec: generated {i + 1}/{len(shapes)} tensors in {time.perf_counter() - t0:.1f} s",
                   file=sys.stderr, flush=True)
@@ -126,10 +131,14 @@ def device_random_weights(cfg: ModelConfig, *, device: torch.device | str, dtype
 
 
 def device_random_model(cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype,
-                        seed: int = 0, quant: str | None = None, progress: bool = False) -> Model:
-    """A `Model` of random weights built on `device` (nothing of model size touches host memory); `quant`: see
-    `device_random_weights`."""
-    w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant, progress=progress)
+                        seed: int = 0, quant: str | None = None, progress: bool = False,
+                        host_experts: int = 0) -> Model:
+    """A `Model` of random weights built on `device` (nothing of model size touches host memory, but the routed
+    experts of the first `host_experts` layers, kept there); `quant`: see `device_random_weights`."""
+    host = host_experts_for(host_experts, torch.device(device))
+    if host is not None:
+        host.bind(cfg.n_layers)
+    w = device_random_weights(cfg, device=device, dtype=dtype, seed=seed, quant=quant, progress=progress, host=host)
     model = Model(cfg, w)
-    model.weights_summary = weights_summary(w) + model.head_note()
+    model.weights_summary = weights_summary(w) + model.head_note() + (host.describe() if host else "")
     return model

@@ -209,6 +209,12 @@ def _in_planes(name: str, t: object, embed: object) -> bool:
             and "_shexp." not in name)
 
 
+def block_layout(name: str, t: QuantWeight) -> QuantWeight:
+    """The layout block_layouts gives w[name] = t on its device (routed experts kept in host memory are laid out so
+    on the device before they leave it: weights/host_experts.py)."""
+    return t.to_planes() if _in_planes(name, t, None) else t
+
+
 def block_layouts(w: dict[str, Any]) -> None:
     """Replace in w every Q8_0, Q5_0 and Q4_0 matrix on CUDA, and every dense Q6_K one, by its rows in planes
     (QuantWeight.to_planes: the int8 kernels read whole 16-byte runs and exchange nothing between threads;

@@ -314,6 +314,15 @@ class MoE(torch.nn.Module):
             return moe_slots(h, top_i, top_w, self.gate, self.up, self.down)
         return self._grouped(h, top_w, top_i)
 
+    def _experts_on(self, dev: torch.device) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+        """The routed experts (gate, up, down) on `dev`: as held, or where they are kept in page-locked host memory
+        (weights/host_experts.py), copied to it for this step: a prefill-sized step reads every expert anyway, and
+        its kernels read the device's memory (the few-token kernels read the host's: `_routed`)."""
+        ws = (self.gate, self.up, self.down)
+        if dev.type != "cuda" or all(w.device == dev for w in ws):
+            return ws
+        return tuple(w.to(dev) for w in ws)  # type: ignore[return-value]
+
     def _per_token(self, h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair as its own M=1 product: a row never depends on its neighbours."""
         return moe_few_torch(h, top_i, top_w, self.gate, self.up, self.down)
@@ -329,16 +338,17 @@ class MoE(torch.nn.Module):
         order = torch.argsort(flat, stable=True)  # by expert, tokens ascending within one (as torch.where gives them)
         counts = torch.bincount(flat, minlength=self.gate.shape[0])
         x = h[order // k]
+        gate, up, down = self._experts_on(h.device)
         if _GROUPED_MM and x.dtype == torch.bfloat16 and not self.quantized:
-            y = grouped_experts(x, counts.cumsum(0).to(torch.int32), self.gate, self.up, self.down)
+            y = grouped_experts(x, counts.cumsum(0).to(torch.int32), gate, up, down)
         elif _GROUPED_MM and self.blocks_only and x.dtype == torch.bfloat16:
-            y = grouped_block_experts(x, counts.tolist(), self.gate, self.up, self.down)  # type: ignore[arg-type]
+            y = grouped_block_experts(x, counts.tolist(), gate, up, down)  # type: ignore[arg-type]
         else:
             ys, o = [], 0
             for e, n in enumerate(counts.tolist()):  # the one host sync
                 if n:
                     xe = x[o:o + n]
-                    ys.append(expert_ffn(xe, self.gate[e], self.up[e], self.down[e]))
+                    ys.append(expert_ffn(xe, gate[e], up[e], down[e]))
                     o += n
             y = torch.cat(ys)
         y = torch.empty_like(y).index_copy_(0, order, y).view(T, k, -1)  # back to (token, slot)

@@ -56,6 +56,8 @@ def check_finite(weights: Mapping[str, object], source: object) -> None:
     verdicts: list[tuple[str, str, torch.Tensor]] = []
     seen: set[tuple[int, int]] = set()
     for name, t in weights.items():
+        if isinstance(t, QuantWeight) and t.raw.is_pinned():
+            continue  # routed experts in host memory, checked on the device as they were placed (host_experts.py)
         if isinstance(t, QuantWeight):
             key, what = (t.raw.data_ptr(), t.raw.numel()), f"{Q(t.qtype).name} block scales"
             check = nonfinite_blocks

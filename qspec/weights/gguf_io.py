@@ -36,6 +36,12 @@ from qspec.config import (
 )
 from qspec.weights.dequant import SUPPORTED_QTYPES, WeightsError, dequantize, qtype_nbytes
 from qspec.weights.gguf_open import CheckedReader, open_gguf
+from qspec.weights.host_experts import (
+    HOST_TRANSIENT_LAYERS,
+    HostExperts,
+    expert_layer,
+    fewest_layers,
+)
 from qspec.weights.names import mtp_shapes, tensor_shapes, writable_shapes
 from qspec.weights.quant_mix import keep_packed
 from qspec.weights.quantize import quantize
@@ -311,14 +317,17 @@ def _resolve(path: Path, have: dict[str, Any], shapes: dict[str, tuple[int, ...]
 
 def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[int, ...]],
                    device: torch.device | str, dtype: torch.dtype, ignore_prefix: str | None,
-                   dequantize_all: bool = False, progress: bool | None = None) -> Weights:
+                   dequantize_all: bool = False, progress: bool | None = None,
+                   host: HostExperts | None = None) -> Weights:
     """Resolve every expected name to file tensors, check all of them, then load them in order.
 
     Matrices of a type in PACKED_QTYPES stay as their blocks (`QuantWeight`) unless `dequantize_all`;
-    `progress`: a tensor/byte count on stderr (None: when stderr is a terminal)."""
+    `progress`: a tensor/byte count on stderr (None: when stderr is a terminal); `host`: the routed experts it
+    wants go to page-locked host memory as each one loads (weights/host_experts.py)."""
     jobs = _resolve(path, {t.name: t for t in reader.tensors}, shapes, ignore_prefix)
     files = {j[1].name: j[1] for j in jobs.values() if j[0] != "alias" and j[1].name != PLE_TABLE}
-    check_weights_fit(path, device_bytes(jobs, dtype, dequantize_all), torch.device(device))
+    check_weights_fit(path, device_bytes(jobs, dtype, dequantize_all), torch.device(device),
+                      experts_by_layer=expert_bytes_by_layer(jobs), host_layers=host.layers if host else 0)
     bar = LoadProgress(len(files), sum(int(t.n_bytes) for t in files.values()), progress)
     out = LoadedWeights()
     fused_cache: dict[str, torch.Tensor | QuantWeight] = {}
@@ -338,6 +347,8 @@ def _plan_and_load(path: Path, reader: CheckedReader, shapes: dict[str, tuple[in
                 full = fused_cache[t.name] = _materialize(t, job[2], device, dtype, not dequantize_all)
                 bar.step(int(t.n_bytes))
             out[name] = _split_fused(full, kind)
+        if host is not None and kind != "alias":
+            out[name] = host.place(name, out[name], path)
     out.host_peak = bar.host_peak
     out.files = len(reader.parts) or 1
     return out
@@ -358,17 +369,45 @@ def device_bytes(jobs: dict[str, Any], dtype: torch.dtype, dequantize_all: bool)
     return total
 
 
-def check_weights_fit(path: Path, need: int, device: torch.device, free: int | None = None) -> None:
+def expert_bytes_by_layer(jobs: dict[str, Any]) -> list[int]:
+    """The file bytes of each trunk layer's routed experts that load as blocks, by layer (a fused gate_up tensor
+    counted once; the MTP block's left out)."""
+    by_layer: dict[int, int] = {}
+    seen: set[str] = set()
+    mtp = {int(n.split(".")[1]) for n in jobs if ".nextn." in n}  # the MTP block's experts stay on the device
+    for name, job in jobs.items():
+        layer = expert_layer(name)
+        if (layer is None or layer in mtp or job[0] == "alias" or job[1].name in seen
+                or job[1].tensor_type not in PACKED_QTYPES):
+            continue
+        seen.add(job[1].name)
+        by_layer[layer] = by_layer.get(layer, 0) + int(job[1].n_bytes)
+    return [by_layer.get(i, 0) for i in range(max(by_layer, default=-1) + 1)]
+
+
+def check_weights_fit(path: Path, need: int, device: torch.device, free: int | None = None, *,
+                      experts_by_layer: Sequence[int] = (), host_layers: int = 0) -> None:
     """WeightsError before anything loads when a GPU's free memory (`free`, default asked of the device) is less
     than the weights need: a file too large for the GPU is one error up front, not an out-of-memory error minutes
-    into the load."""
+    into the load. `host_layers` layers' routed experts (`experts_by_layer`, bytes) go to host memory instead; a
+    prefill step then holds one layer's on the device, and the load two of its tensors (HOST_TRANSIENT_LAYERS).
+    Where host experts would make the weights fit, the error names the fewest layers that do."""
     if free is None:
         if device.type != "cuda":
             return
         free = torch.cuda.mem_get_info(device)[0]
-    if need > free:
-        raise WeightsError(f"{path}: its weights take at least {_size(need)} of GPU memory and {_size(free)} is "
-                           f"free on {device}: a smaller quantization of the model, or a GPU with more memory")
+    transient = HOST_TRANSIENT_LAYERS * max(experts_by_layer, default=0)
+    on_device = need - sum(experts_by_layer[:host_layers]) + (transient if host_layers else 0)
+    if on_device <= free:
+        return
+    fewest = fewest_layers(experts_by_layer, need + transient - free)
+    hint = (f", or --host-experts {fewest} (the routed experts of the first {fewest} layers in host memory, read "
+            f"over PCIe: slower decoding)" if fewest and fewest > host_layers else "")
+    first = "the first layer's" if host_layers == 1 else f"the first {host_layers} layers'"
+    held = f" with {first} routed experts in host memory" if host_layers else ""
+    raise WeightsError(f"{path}: its weights take at least {_size(on_device)} of GPU memory{held} and "
+                       f"{_size(free)} is free on {device}: a smaller quantization of the model, or a GPU with more "
+                       f"memory{hint}")
 
 
 class LoadedWeights(dict):  # type: ignore[type-arg]
@@ -415,13 +454,13 @@ def weights_summary(w: Weights, host_peak: int | None = None) -> str:
 
 # ---- public readers ----------------------------------------------------------------------------------------------
 def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              with_mtp: bool | None = None, *, dequantize_all: bool = False, progress: bool | None = None
-              ) -> tuple[ModelConfig, Weights]:
+              with_mtp: bool | None = None, *, dequantize_all: bool = False, progress: bool | None = None,
+              host: HostExperts | None = None) -> tuple[ModelConfig, Weights]:
     """(config, canonical weights) from a `qwen4exp` GGUF file.
 
     Matrices of a type in PACKED_QTYPES load as `QuantWeight` (their blocks, on `device`); `dequantize_all`
-    expands every tensor to `dtype` instead (the reference for the quantized products). `progress`: see
-    `_plan_and_load`.
+    expands every tensor to `dtype` instead (the reference for the quantized products). `progress`, `host` (routed
+    experts kept in host memory): see `_plan_and_load`.
 
     `with_mtp=None` loads the MTP block when the file has one. The config always describes the file
     (n_mtp_layers included), even when the MTP tensors are skipped."""
@@ -432,7 +471,10 @@ def read_gguf(path: str | os.PathLike[str], device: torch.device | str = "cpu", 
         raise WeightsError(f"{p}: MTP requested but the file has no MTP block ({ARCH}.nextn_predict_layers is 0)")
     with_mtp = cfg.has_mtp if with_mtp is None else with_mtp
     skip = None if with_mtp or not cfg.has_mtp else f"blk.{cfg.mtp_layer}."
-    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress)
+    if host is not None:
+        host.bind(cfg.n_layers)
+    return cfg, _plan_and_load(p, reader, tensor_shapes(cfg, with_mtp), device, dtype, skip, dequantize_all, progress,
+                               host)
 
 
 def _file_config(p: Path, reader: CheckedReader) -> ModelConfig:
