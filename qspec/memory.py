@@ -155,6 +155,8 @@ def check_cache_fits(model: Model, opts: CacheOptions, available: tuple[int, int
     largest = max(0, min(fits)) // 4 * 4
     where, need, free = (("GPU", need_dev, available[0]) if need_dev > budget_dev else
                          ("host", need_host, available[1]))
+    more = ("; or keep more layers' routed experts in host memory (--host-experts)"
+            if where == "GPU" and any(getattr(m, "blocks_only", False) for m in getattr(model, "moe", ())) else "")
     raise CacheMemoryError(f"a context of {opts.capacity:,} tokens needs {_gb(need)} of {where} memory for its "
                            f"caches (KV, indexer keys, recurrent state) and {_gb(free)} is free: the largest context "
-                           f"that fits is {largest:,} tokens")
+                           f"that fits is {largest:,} tokens{more}")
