@@ -101,6 +101,20 @@ def test_a_nan_scale_is_named_as_it_is_placed() -> None:
         host.place("blk.0.ffn_gate_exps.weight", torch.zeros(2, 32, 64), "m.gguf")
 
 
+def test_too_little_host_memory_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a page-locked piece is asked for, the host's available memory is checked: too little is an OSError
+    (one line from the CLI) naming both sizes, not an allocator's failure."""
+    from qspec.weights import host_experts
+
+    monkeypatch.setattr(host_experts, "available_host_bytes", lambda: 2 << 30)
+    host = HostExperts(1, block_layout)
+    host.bind(2)
+    w = QuantWeight.from_blocks(quantize_q8_0(torch.randn(2, 32, 64) / 8).reshape(2, 32, 68), Q.Q8_0, (2, 32, 64))
+    with pytest.raises(host_experts.HostMemoryError, match=r"--host-experts 1: another 1\.1 GB of page-locked host "
+                                                           r"memory is needed beside 9 GB to spare; 2\.1 GB"):
+        host.place("blk.0.ffn_down_exps.weight", w, "m.gguf")
+
+
 def test_host_experts_need_cuda(q4km: Path) -> None:
     with pytest.raises(WeightsError, match="--host-experts 1: applies to GGUF block experts on CUDA"):
         load_model(q4km, host_experts=1)

@@ -25,7 +25,7 @@ import torch
 
 from qspec.weights.dequant import WeightsError
 from qspec.weights.finite import nonfinite_blocks
-from qspec.weights.pinned import HOST_MARGIN_BYTES, PinError, available_host_bytes
+from qspec.weights.pinned import HOST_MARGIN_BYTES, available_host_bytes
 from qspec.weights.qweight import QuantWeight
 
 PIECE_BYTES = 1 << 30
@@ -37,6 +37,10 @@ HOST_EXPERTS_HELP = ("keep the routed experts of the model's first N layers in p
 # Device memory kept free for host experts, in layers' worth of them: a prefill step's copy of one layer's experts,
 # and while loading, a tensor on its way to the host beside its copy in planes.
 HOST_TRANSIENT_LAYERS = 2
+
+
+class HostMemoryError(OSError):
+    """Too little page-locked host memory for the experts asked to stay there (an OSError: one line from the CLI)."""
 
 
 def host_expert_names(layers: int, n_layers: int) -> frozenset[str]:
@@ -109,13 +113,13 @@ class HostExperts:
         if not self.pieces or at + nbytes > self.pieces[-1].numel():
             size = max(PIECE_BYTES, nbytes)
             if self.pin and size + HOST_MARGIN_BYTES > (free := available_host_bytes()):
-                raise PinError(f"--host-experts {self.layers}: another {size / 1e9:.1f} GB of page-locked host "
+                raise HostMemoryError(f"--host-experts {self.layers}: another {size / 1e9:.1f} GB of page-locked host "
                                f"memory is needed beside {HOST_MARGIN_BYTES / 1e9:.0f} GB to spare; "
                                f"{free / 1e9:.1f} GB is available")
             try:
                 self.pieces.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
             except RuntimeError as e:  # cudaHostAlloc refused (locked-memory limits)
-                raise PinError(f"--host-experts {self.layers}: a page-locked allocation of {size / 1e9:.1f} GB "
+                raise HostMemoryError(f"--host-experts {self.layers}: a page-locked allocation of {size / 1e9:.1f} GB "
                                f"failed: {e}") from e
             at = 0
         self.used = at + nbytes
