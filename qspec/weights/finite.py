@@ -50,6 +50,12 @@ def nonfinite_blocks(w: QuantWeight) -> torch.Tensor:
     return bad
 
 
+def nonfinite_error(source: object, name: str, what: str) -> WeightsError:
+    """The error for tensor `name` of `source` holding NaN or infinite `what` (check_finite's, host_experts')."""
+    return WeightsError(f"{source}: tensor {name!r} holds NaN or infinite {what}: the file is corrupt or was "
+                        f"converted wrongly")
+
+
 def check_finite(weights: Mapping[str, object], source: object) -> None:
     """Raise WeightsError naming the first tensor of `weights` (in order) that holds a NaN or an infinity (a block
     tensor: in a scale); `source` names the file in the message. Tensors shared by several names are checked once."""
@@ -74,5 +80,4 @@ def check_finite(weights: Mapping[str, object], source: object) -> None:
     bad = torch.stack([v for _, _, v in verdicts]).cpu()  # the one read-back
     if bool(bad.any()):
         name, what, _ = verdicts[int(bad.nonzero()[0])]
-        raise WeightsError(f"{source}: tensor {name!r} holds NaN or infinite {what}: the file is corrupt or was "
-                           f"converted wrongly")
+        raise nonfinite_error(source, name, what)

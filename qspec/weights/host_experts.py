@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from qspec.weights.dequant import WeightsError
-from qspec.weights.finite import nonfinite_blocks
+from qspec.weights.finite import nonfinite_blocks, nonfinite_error
 from qspec.weights.pinned import HOST_MARGIN_BYTES, available_host_bytes
 from qspec.weights.qweight import QuantWeight
 
@@ -99,8 +99,7 @@ class HostExperts:
             raise WeightsError(f"{source}: --host-experts keeps GGUF block experts in host memory; {name!r} is "
                                f"{type(w).__name__}")
         if not w.planes and bool(nonfinite_blocks(w)):
-            raise WeightsError(f"{source}: tensor {name!r} holds NaN or infinite block scales: the file is corrupt "
-                               f"or was converted wrongly")
+            raise nonfinite_error(source, name, f"{w.qtype.name} block scales")
         w = self.layout(name, w)
         raw = self._alloc(w.raw.numel()).view(w.raw.shape)
         raw.copy_(w.raw)
