@@ -124,7 +124,8 @@ def test_host_experts_need_cuda(q4km: Path) -> None:
 def test_cuda_host_experts_decode_as_device_experts(q4km: Path) -> None:
     """On the GPU, in CUDA graphs, with the first layer's routed experts in page-locked memory read over PCIe (and
     copied in for the prefill): plain decoding's logits are bit-equal to the all-device model's (both with the
-    shared expert apart, which a host layer keeps: its experts cannot take it in), and MTP3 keeps plain's tokens."""
+    shared expert apart, which a host layer keeps: its experts cannot take it in), MTP3 keeps plain's tokens, and
+    in row-exact mode MTP3, plain decoding and the all-device model give the same tokens."""
     from test_gpu_engine import NEAR_TIE, same_or_tie
 
     model = load_model(q4km, device="cuda", host_experts=1)
@@ -143,3 +144,8 @@ def test_cuda_host_experts_decode_as_device_experts(q4km: Path) -> None:
     plain = Engine(model, EngineOptions(draft=0, capacity=128), EngineHooks(record_logits=True)).generate(prompt, 16)
     ok, why = same_or_tie(spec.tokens, plain, 3, NEAR_TIE)
     assert ok, why
+    # row-exact mode (each verify row computed as a decode row, the host's experts read one token at a time): MTP3's
+    # tokens are plain decoding's, and both are the all-device model's
+    exact = [Engine(m, EngineOptions(draft=d, capacity=128, exact=True)).generate(prompt, 16).tokens
+             for m, d in ((model, 3), (model, 0), (ref, 0))]
+    assert exact[0] == exact[1] == exact[2], exact
