@@ -81,12 +81,13 @@ def tiny_model() -> Model:
     return build_model(tiny_config())
 
 
-def run_interp_tests(test_file: str) -> None:
-    """The file's `interp` tests in a subprocess with TRITON_INTERPRET=1 (Triton reads it when the kernels are
-    decorated, so it cannot be switched on inside this process); fails with the subprocess's output."""
+def run_interp_tests(test_file: str, select: str = "interp") -> None:
+    """The file's `interp` tests (those `-k select` picks) in a subprocess with TRITON_INTERPRET=1 (Triton reads it
+    when the kernels are decorated, so it cannot be switched on inside this process); fails with the subprocess's
+    output."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interp",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", select,
                         str(test_file)], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
 

@@ -93,8 +93,9 @@ def test_quantize_x_reference() -> None:
 # ---- the Triton kernels through the interpreter (subprocess) ----------------------------------------------------
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
-def test_interpreted() -> None:
-    run_interp_tests(__file__)
+@pytest.mark.parametrize("select", ["interp and moe", "interp and not moe"], ids=["experts", "products"])
+def test_interpreted(select: str) -> None:
+    run_interp_tests(__file__, select)  # two subprocesses of about equal length, which pytest-xdist runs side by side
 
 
 @interp
