@@ -25,8 +25,8 @@ torch.set_grad_enabled(False)
 
 def _interpret_as_compiled() -> None:
     """Under TRITON_INTERPRET, integer arithmetic wraps as in the compiled kernels: the interpreter otherwise checks
-    every 32-bit add and multiply for overflow in int64 (Triton compiles that check only in debug builds), about a
-    third of an integer kernel's interpreted time at the tests' small shapes, where no offset comes near 2**31."""
+    every 32-bit add and multiply for overflow in int64 (Triton compiles that check only in debug builds): up to
+    ~30% of an integer kernel's interpreted time (cProfile), at the tests' small shapes, where no offset nears 2**31."""
     if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
         return
     import dataclasses

@@ -95,7 +95,7 @@ def test_quantize_x_reference() -> None:
 @pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; the subprocess itself runs the interp tests")
 @pytest.mark.parametrize("select", ["interp and moe", "interp and not moe"], ids=["experts", "products"])
 def test_interpreted(select: str) -> None:
-    run_interp_tests(__file__, select)  # two subprocesses of about equal length, which pytest-xdist runs side by side
+    run_interp_tests(__file__, select)  # two subprocesses (experts the longer) that pytest-xdist can run together
 
 
 @interp
