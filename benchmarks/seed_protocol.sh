@@ -210,8 +210,10 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     gpu-batch-aseqs-mtp3) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/batch_gpu.py --layers 8 --quant q4_k_m \
         --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
     # the whole model on a GPU too small for it: 48 Q4_K_M layers, the routed experts of the first HOST_LAYERS layers
-    #   (default 12) in page-locked host memory, read over PCIe (--host-experts); plain, MTP3 and MTP5, 1 run of 128
-    gpu-q4km48-host) bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 128 \
+    #   (default 12) in page-locked host memory, read over PCIe (--host-experts); plain, MTP3 and MTP5, 1 run of 128.
+    #   Expandable segments: on an H100 at bae8ffa the drawn model's build left 17.75 GiB reserved but unallocated
+    #   and ran out of memory (benchmarks/results/h100-pytest-cuda-host-experts-bae8ffa.txt)
+    gpu-q4km48-host) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 128 \
         --host-experts "${HOST_LAYERS:-12}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     # batches' steps (more than one row) compiled at symbolic sizes (EngineOptions.static_rows=1) against the default
     #   static sizes, same process: 4 and 8 requests, plain (8 Q4_K_M layers; any GPU)
