@@ -23,6 +23,11 @@ bench() {  # bench SUBCOMMAND ARGS... -> writes $out/$step.{json,md,png}
         --json "$out/$step.json" --markdown "$out/$step.md" --plot "$out/$step.png"
 }
 
+bench_nearly_full() {  # bench, for a device nearly full of weights: the allocator's expandable segments keep a
+    # transient from failing on fragmentation (unless PYTORCH_CUDA_ALLOC_CONF says otherwise)
+    PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench "$@"
+}
+
 fn8=(--preset flash-next --layers 8 --device cuda --dtype bfloat16 --accept-profile p=0.85)
 q48=(--preset flash-next --layers 48 --device cuda --dtype bfloat16 --accept-profile p=0.85)
 
@@ -186,11 +191,10 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
     #     fits the disk, so each process builds the model on the device (scripts/gguf_load.py --drawn)
     h200-q4km48-first) PYTHONPATH=".:${PYTHONPATH:-}" "$py" scripts/gguf_load.py --drawn --layers 48 --quant q4_k_m \
         --tokens 64 --out "$out/$step" ;;
-    # (the Q8_0 weights fill 127.66 GiB: the allocator's expandable segments keep a 3 GiB scratch from failing on
-    #  fragmentation)
-    h200-q8048) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
+    # (the Q8_0 weights fill 127.66 GiB: a 3 GiB scratch failed on fragmentation without expandable segments)
+    h200-q8048) bench_nearly_full merge "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours-mtp3:from=ours,draft=3" ;;
     #     MTP5 beside plain decoding in Q8_0 (the device's memory nearly full: 1 run each)
-    h200-q8048-mtp5) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge \
+    h200-q8048-mtp5) bench_nearly_full merge \
         "${q48[@]}" --quant q8_0 --reps 1 --arms "nospec,ours" ;;
     # continuous batching at the whole model's depth: 1-8 requests of 512-token prompts, plain steps and MTP3 rounds
     # (always, and by measured choice) against the engine's one request (scripts/batch_gpu.py)
@@ -211,9 +215,9 @@ nospec-chunk512:from=nospec,prefill_chunk=512" ;;
         --batches 8 --prompt 512 --tokens 64 --reps 1 --draft 3 --switches attention_seqs=0 --out "$out/$step.md" ;;
     # the whole model on a GPU too small for it: 48 Q4_K_M layers, the routed experts of the first HOST_LAYERS layers
     #   (default 12) in page-locked host memory, read over PCIe (--host-experts); plain, MTP3 and MTP5, 1 run of 128.
-    #   Expandable segments: on an H100 at bae8ffa the drawn model's build left 17.75 GiB reserved but unallocated
-    #   and ran out of memory (benchmarks/results/h100-pytest-cuda-host-experts-bae8ffa.txt)
-    gpu-q4km48-host) PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}" bench merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 128 \
+    #   Without expandable segments, on an H100 at bae8ffa, the drawn model's build left 17.75 GiB reserved but
+    #   unallocated and ran out of memory (benchmarks/results/h100-pytest-cuda-host-experts-bae8ffa.txt)
+    gpu-q4km48-host) bench_nearly_full merge "${q48[@]}" --quant q4_k_m --reps 1 --gen-tokens 128 \
         --host-experts "${HOST_LAYERS:-12}" --arms "nospec,ours-mtp3:from=ours,draft=3,ours" ;;
     # batches' steps (more than one row) compiled at symbolic sizes (EngineOptions.static_rows=1) against the default
     #   static sizes, same process: 4 and 8 requests, plain (8 Q4_K_M layers; any GPU)
